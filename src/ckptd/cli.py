@@ -1,0 +1,333 @@
+"""The command line. The only place that prints, installs log handlers, or picks exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptd import __version__, layouts
+from ckptd.config import Config, Root, find_config, format_size, load_config
+from ckptd.errors import EX_IOERR, EX_OK, EX_SOFTWARE, CkptdError, RootMissingError, UsageError
+from ckptd.evidence import Inspector, RunContext
+from ckptd.journal import Journal
+from ckptd.model import Checkpoint, State
+from ckptd.planner import Scanner, decide
+from ckptd.policy import Decision, Plan, summarise
+from ckptd.reaper import DRY_RUN_NOTE, LockHeld, Outcome, Reaper, RootLock
+
+log = logging.getLogger("ckptd")
+
+EPILOG = """\
+exit codes: 0 ok, 1 verify: not complete, 64 usage, 66 root missing,
+            70 internal error, 74 I/O error, 75 another ckptd holds the root, 78 config error
+config: -c CONFIG, else $CKPTD_CONFIG, else /etc/ckptd/config.toml if it exists,
+        else built-in defaults (keep the 2 newest complete checkpoints and the
+        trainer's best, quiet_period 60s)
+"""
+EX_TEMPFAIL = 75
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = _Parser(
+        prog="ckptd",
+        description="Checkpoint retention for ML training volumes, decided from evidence on disk.",
+        epilog=EPILOG,
+        formatter_class=fmt,
+    )
+    p.add_argument("--version", action="version", version=f"ckptd {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def common(sp: argparse.ArgumentParser, roots: bool = True) -> None:
+        if roots:
+            sp.add_argument("roots", nargs="*", metavar="ROOT", help="directories to manage (default: the config's roots)")
+        sp.add_argument("-c", "--config", metavar="CONFIG", help="TOML config file")
+        sp.add_argument("-v", "--verbose", action="store_true", help="log debug detail to stderr")
+
+    sp = sub.add_parser("plan", help="show what retention would keep and delete (read-only)", epilog=EPILOG,
+                        formatter_class=fmt)
+    common(sp)
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
+
+    sp = sub.add_parser("prune", help="apply retention once: delete what the plan says, crash-safely",
+                        epilog=EPILOG, formatter_class=fmt)
+    common(sp)
+    sp.add_argument("--dry-run", action="store_true", help="re-check and report, but delete nothing")
+
+    sp = sub.add_parser("verify", help="show the completeness evidence for one checkpoint", epilog=EPILOG,
+                        formatter_class=fmt)
+    sp.add_argument("path", metavar="PATH", help="a checkpoint directory or file")
+    common(sp, roots=False)
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
+
+    sp = sub.add_parser("demo", help="write a small example volume and a config for it", epilog=EPILOG,
+                        formatter_class=fmt)
+    sp.add_argument("dir", metavar="DIR", help="where to write it (created if missing)")
+    sp.add_argument("-v", "--verbose", action="store_true", help="log debug detail to stderr")
+
+    sp = sub.add_parser("check-config", help="validate the config and print it with defaults filled in",
+                        epilog=EPILOG, formatter_class=fmt)
+    common(sp, roots=False)
+    return p
+
+
+# --- config --------------------------------------------------------------
+
+
+def load(args: argparse.Namespace) -> Config:
+    path = find_config(args.config)
+    config = load_config(path) if path is not None else Config()
+    if getattr(args, "roots", None):
+        config = config.with_roots([Path(r) for r in args.roots])
+    return config
+
+
+def require_roots(config: Config) -> None:
+    if not config.roots:
+        raise UsageError("no roots: name one (ckptd plan /mnt/experiments) or configure [[roots]]")
+    for root in config.roots:
+        if not root.path.is_dir():
+            raise RootMissingError(f"root {root.path} does not exist or is not a directory")
+
+
+# --- commands ------------------------------------------------------------
+
+
+def scan_all(config: Config, now: float) -> tuple[dict[Path, Scanner], Plan]:
+    scanners = {root.path: Scanner(root) for root in config.roots}
+    roots = [(root, scanners[root.path].runs(now=now)) for root in config.roots]
+    return scanners, decide(roots)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    config = load(args)
+    require_roots(config)
+    _, plan = scan_all(config, time.time())
+    if args.json:
+        doc = {"checkpoints": [decision_json(d) for d in plan.decisions], "warnings": list(plan.warnings)}
+        print(json.dumps(doc, indent=2))
+        return EX_OK
+    print_table(plan.decisions)
+    for w in plan.warnings:
+        print(f"warning: {w}")
+    s = summarise(plan.decisions)
+    print(f"\n{s['keep']} keep, {s['delete']} delete ({format_size(s['bytes_to_free'])} to free)")
+    return EX_OK
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    config = load(args)
+    require_roots(config)
+    dry_run = args.dry_run or config.daemon.dry_run
+    note = f" {DRY_RUN_NOTE}" if dry_run else ""
+    journal = None if dry_run else Journal(config.daemon.state_dir)
+    status = EX_OK
+    totals = {o: 0 for o in Outcome}
+    freed = 0
+    for root in config.roots:
+        lock = RootLock(config.daemon.state_dir, root.path)
+        try:
+            if not dry_run:
+                lock.acquire()
+        except LockHeld as exc:
+            print(f"skipping {root.path}: {exc}", file=sys.stderr)
+            status = max(status, EX_TEMPFAIL)
+            continue
+        try:
+            scanner = Scanner(root)
+            reaper = Reaper(scanner, journal, dry_run=dry_run)
+            leftover, leftover_bytes = reaper.purge()  # an earlier run's interrupted purge
+            if leftover:
+                print(f"purged {leftover} leftover trash entries ({format_size(leftover_bytes)}) in {root.path}")
+            plan = decide([(root, scanner.runs(now=time.time()))])
+            for w in plan.warnings:
+                print(f"warning: {w}{note}")
+            for result in reaper.execute(plan.decisions):
+                d = result.decision
+                totals[result.outcome] += 1
+                print(f"delete {d.checkpoint.rel} ({format_size(d.checkpoint.size_bytes)}): "
+                      f"{'; '.join(d.reasons)} -> {result.outcome}: {result.detail}{note if result.outcome is not Outcome.DRY_RUN else ''}")
+                if result.outcome is Outcome.FAILED:
+                    status = max(status, EX_IOERR)
+            _, purged_bytes = reaper.purge()
+            freed += purged_bytes
+        finally:
+            lock.release()
+    if journal is not None:
+        journal.close()
+    done = totals[Outcome.DRY_RUN] if dry_run else totals[Outcome.TRASHED]
+    print(
+        f"prune: {done} {'would be deleted' if dry_run else 'deleted'}"
+        f"{'' if dry_run else f' ({format_size(freed)} freed)'}, "
+        f"{totals[Outcome.REFUSED]} refused on re-check, {totals[Outcome.FAILED]} failed{note}"
+    )
+    return status
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    config = load(args)
+    path = Path(os.path.abspath(args.path))
+    if not os.path.lexists(path):
+        raise RootMissingError(f"{args.path}: no such file or directory")
+    root = _root_for(config, path)
+    patterns = [layouts.compile_pattern(p) for p in root.patterns]
+    is_dir = path.is_dir() and not path.is_symlink()
+
+    def children() -> list[str]:
+        return os.listdir(path)
+
+    cand = layouts.recognise(path.name, is_dir, children, patterns)
+    if cand is None or path.is_symlink():
+        print(f"{args.path}: not a checkpoint ckptd recognises (symlinks are never followed)", file=sys.stderr)
+        return 1
+    run_dir = path.parent
+    run_rel = "." if run_dir == root.path else os.path.relpath(run_dir, root.path)
+    retention, world = root.retention_for(run_rel)
+    inspector = Inspector(quiet_period=root.quiet_period, mp_world_size=root.mp_world_size)
+    ckpt = inspector.inspect(
+        root.path, run_rel, RunContext(run_dir, frozenset(os.listdir(run_dir))), cand, now=time.time(),
+        world_size=world, pins=frozenset(retention.pins),
+    )
+    if args.json:
+        print(json.dumps(checkpoint_json(ckpt), indent=2))
+    else:
+        print(f"{path}: {ckpt.state} ({ckpt.layout} layout, step {ckpt.step}, {format_size(ckpt.size_bytes)})")
+        width = max(len(c.name) for c in ckpt.checks)
+        for c in ckpt.checks:
+            print(f"  {c.verdict:<8} {c.name:<{width}}  {c.detail}")
+    return EX_OK if ckpt.state is State.COMPLETE else 1
+
+
+def _root_for(config: Config, path: Path) -> Root:
+    """The configured root holding `path`, or defaults rooted at its parent."""
+    for root in config.roots:
+        if path.is_relative_to(root.path) and path != root.path:
+            return root
+    return Root(path=path.parent)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    path = find_config(args.config)
+    config = load_config(path) if path is not None else Config()
+    print(f"# {path if path else 'no config file: built-in defaults'}: OK", file=sys.stderr)
+    print(json.dumps(config.model_dump(mode="json"), indent=2))
+    return EX_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ckptd import demo
+
+    config = demo.build(Path(os.path.abspath(args.dir)), time.time())
+    print(f"wrote an example volume and {config}; now try:\n  ckptd plan -c {config}")
+    return EX_OK
+
+
+# --- output --------------------------------------------------------------
+
+
+def checkpoint_json(c: Checkpoint) -> dict[str, Any]:
+    return {
+        "run": c.run,
+        "path": str(c.path),
+        "step": c.step,
+        "layout": c.layout,
+        "state": str(c.state),
+        "size_bytes": c.size_bytes,
+        "pinned": c.pinned,
+        "checks": [{"name": k.name, "verdict": str(k.verdict), "detail": k.detail} for k in c.checks],
+    }
+
+
+def decision_json(d: Decision) -> dict[str, Any]:
+    c = d.checkpoint
+    metric = d.metric if not isinstance(d.metric, float) or d.metric == d.metric else "nan"
+    if isinstance(metric, float) and metric in (float("inf"), float("-inf")):
+        metric = str(metric)
+    return {
+        "run": c.run,
+        "path": str(c.path),
+        "step": c.step,
+        "layout": c.layout,
+        "state": str(c.state),
+        "size_bytes": c.size_bytes,
+        "metric": metric,
+        "action": str(d.action),
+        "protected": d.protected,
+        "reasons": list(d.reasons),
+    }
+
+
+def print_table(decisions: Sequence[Decision]) -> None:
+    header = ("RUN", "CHECKPOINT", "STEP", "STATE", "SIZE", "METRIC", "ACTION", "REASONS")
+    rows = [header]
+    for d in decisions:
+        c = d.checkpoint
+        metric = f"{d.metric:.4g}" if isinstance(d.metric, float) else (d.metric or "-")
+        rows.append((c.run, c.name, str(c.step), str(c.state), format_size(c.size_bytes), str(metric),
+                     str(d.action), "; ".join(d.reasons)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    for r in rows:
+        print("  ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=False)) + "  " + r[-1])
+
+
+# --- entry points --------------------------------------------------------
+
+COMMANDS = {
+    "plan": cmd_plan,
+    "prune": cmd_prune,
+    "verify": cmd_verify,
+    "check-config": cmd_check_config,
+    "demo": cmd_demo,
+}
+
+
+def setup_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("ckptd")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help, --version
+            return int(exc.code or 0)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return UsageError.exit_code
+        setup_logging(args.verbose)
+        return COMMANDS[args.command](args)
+    except CkptdError as exc:
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"ckptd: {line}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:
+        print(f"ckptd: I/O error: {exc}", file=sys.stderr)
+        return EX_IOERR
+    except KeyboardInterrupt:
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print("ckptd: internal error (a bug: please report it with the traceback above)", file=sys.stderr)
+        return EX_SOFTWARE
+
+
+def console_main() -> None:
+    sys.exit(main())

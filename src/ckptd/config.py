@@ -1,0 +1,384 @@
+"""The config: TOML in, validated pydantic models out.
+
+Every model forbids unknown keys, so a typo (`keep_lats = 3`) is an error
+rather than a silently ignored line. Errors come back as one line per
+problem, pointing into the document: `config.toml: roots[0].retention.keep_last:
+must be >= 0 (got -1)`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from ckptd.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/ckptd/config.toml")
+
+# --- units ---------------------------------------------------------------
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "pib": 1024**5,
+}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_duration(value: Any) -> float:
+    """`"90s"`, `"6h"`, `"1.5d"` or a number of seconds -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration like '90s' or '6h'")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        m = _NUMBER_UNIT.match(value)
+        if not m or m[2].lower() not in _DURATION_UNITS:
+            raise ValueError(f"expected a duration like '90s', '10m', '6h' or '7d' (got {value!r})")
+        seconds = float(m[1]) * _DURATION_UNITS[m[2].lower()]
+    else:
+        raise ValueError("expected a duration like '90s' or '6h'")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"must be a finite, non-negative duration (got {value!r})")
+    return seconds
+
+
+def parse_size(value: Any) -> int:
+    """`"500GiB"`, `"1.5TB"` or a number of bytes -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size like '500GiB'")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        m = _NUMBER_UNIT.match(value)
+        if not m or m[2].lower() not in _SIZE_UNITS:
+            raise ValueError(f"expected a size like '500GiB', '2TB' or a number of bytes (got {value!r})")
+        size = int(float(m[1]) * _SIZE_UNITS[m[2].lower()])
+    else:
+        raise ValueError("expected a size like '500GiB' or a number of bytes")
+    if size < 0:
+        raise ValueError(f"must be >= 0 (got {value!r})")
+    return size
+
+
+def format_duration(seconds: float) -> str:
+    for unit in ("w", "d", "h", "m", "s"):
+        n = _DURATION_UNITS[unit]
+        if seconds >= n and seconds % n == 0:
+            return f"{int(seconds // n)}{unit}"
+    return f"{seconds:g}s"
+
+
+def format_size(size: float) -> str:
+    """Bytes for humans: `1.5GiB`, `312B`."""
+    for unit in ("PiB", "TiB", "GiB", "MiB", "KiB"):
+        n = _SIZE_UNITS[unit.lower()]
+        if size >= n:
+            return f"{size / n:.1f}{unit}"
+    return f"{int(size)}B"
+
+
+def _format_size_exact(size: int) -> str:
+    for unit in ("PiB", "TiB", "GiB", "MiB", "KiB"):
+        n = _SIZE_UNITS[unit.lower()]
+        if size >= n and size % n == 0:
+            return f"{size // n}{unit}"
+    return str(size)
+
+
+class FreeSpace(BaseModel):
+    """A free-space floor: absolute bytes, or a percentage of the filesystem."""
+
+    model_config = ConfigDict(frozen=True)
+    bytes: int | None = None
+    percent: float | None = None
+
+    def required(self, total_bytes: int) -> int:
+        if self.percent is not None:
+            return math.ceil(total_bytes * self.percent / 100)
+        assert self.bytes is not None
+        return self.bytes
+
+    def __str__(self) -> str:
+        return f"{self.percent:g}%" if self.percent is not None else _format_size_exact(self.bytes or 0)
+
+
+def parse_free_space(value: Any) -> FreeSpace:
+    if isinstance(value, FreeSpace):
+        return value
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            percent = float(value.strip()[:-1])
+        except ValueError:
+            raise ValueError(f"expected a percentage like '10%' (got {value!r})") from None
+        if not 0 <= percent < 100:
+            raise ValueError(f"a percentage must be in [0, 100) (got {value!r})")
+        return FreeSpace(percent=percent)
+    return FreeSpace(bytes=parse_size(value))
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(format_duration)]
+Size = Annotated[int, BeforeValidator(parse_size), PlainSerializer(_format_size_exact)]
+FreeSpaceFloor = Annotated[FreeSpace, BeforeValidator(parse_free_space), PlainSerializer(str)]
+
+
+def default_state_dir() -> Path:
+    """systemd's `StateDirectory=` if set, else the XDG state directory."""
+    if os.environ.get("STATE_DIRECTORY"):
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+    xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(xdg) / "ckptd"
+
+
+# --- the models ----------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class Retention(_Strict):
+    """Which checkpoints of a run to keep. Rules combine as a union."""
+
+    keep_last: int = Field(2, ge=0, description="Keep the N newest complete checkpoints of each run.")
+    keep_best: int = Field(
+        1,
+        ge=0,
+        description="Keep the K best checkpoints by `metric`. Without `metric`, keep the one the "
+        "trainer recorded as best (`best_model_checkpoint` in trainer_state.json).",
+    )
+    metric: str | None = Field(
+        None,
+        description="Metric name in trainer_state.json's log_history, e.g. 'eval_loss' "
+        "('loss' also matches 'eval_loss', as the Trainer does).",
+    )
+    mode: Literal["min", "max"] = Field("min", description="Whether lower or higher `metric` is better.")
+    keep_missing_metric: bool = Field(
+        True, description="With keep_best and metric: keep checkpoints that have no value for the metric."
+    )
+    keep_every_steps: int = Field(0, ge=0, description="Keep checkpoints whose step is a multiple of N (0: off).")
+    keep_within: Duration | None = Field(
+        None, description="Keep checkpoints written within this long of the run's newest checkpoint."
+    )
+    max_size: Size | None = Field(
+        None, description="Per run: delete the oldest unprotected checkpoints until the run fits."
+    )
+    min_free: FreeSpaceFloor | None = Field(
+        None,
+        description="Per filesystem (bytes or '%'): delete the oldest unprotected checkpoints "
+        "until this much is free.",
+    )
+    pins: tuple[str, ...] = Field(
+        (), description="Globs on checkpoint paths relative to the root that are always kept."
+    )
+
+    def describe(self) -> str:
+        """The rules in force, for reasons: `keep_last=2 and keep_best=1 (eval_loss, min)`."""
+        parts = [f"keep_last={self.keep_last}"]
+        if self.keep_best:
+            best = f"keep_best={self.keep_best}"
+            best += f" ({self.metric}, {self.mode})" if self.metric else " (trainer's best)"
+            parts.append(best)
+        if self.keep_every_steps:
+            parts.append(f"keep_every_steps={self.keep_every_steps}")
+        if self.keep_within is not None:
+            parts.append(f"keep_within={format_duration(self.keep_within)}")
+        return " and ".join(parts)
+
+
+class RunRule(Retention):
+    """Overrides of retention keys for the runs whose path matches `match`."""
+
+    match: str = Field(description="Glob on the run's path relative to the root, e.g. 'team-a/*'.")
+    world_size: int | None = Field(
+        None, ge=1, description="DeepSpeed data-parallel world size for these runs (see roots.world_size)."
+    )
+
+    @model_validator(mode="after")
+    def _per_filesystem(self) -> RunRule:
+        if "min_free" in self.model_fields_set:
+            raise ValueError("min_free is per filesystem: set it in [roots.retention], not per run")
+        return self
+
+
+class Root(_Strict):
+    """A directory tree holding runs, each run a directory of checkpoints."""
+
+    path: Path = Field(description="Absolute path of the volume or directory to manage.")
+    quiet_period: Duration = Field(
+        60.0, description="A checkpoint must be unchanged this long before it can be complete."
+    )
+    observer: Literal["auto", "inotify", "polling"] = Field(
+        "auto", description="How `ckptd run` watches: inotify, polling (NFS, Lustre, FUSE), or auto."
+    )
+    poll_interval: Duration = Field(10.0, description="How often `ckptd run` polls in-flight checkpoints.")
+    reconcile_interval: Duration = Field(
+        300.0, description="How often `ckptd run` re-examines everything, whatever the events said."
+    )
+    stall_after: Duration = Field(
+        6 * 3600.0, description="An incomplete checkpoint untouched this long is reported as stalled."
+    )
+    max_depth: int = Field(4, ge=0, le=32, description="How deep under the root to look for runs.")
+    patterns: tuple[str, ...] = Field(
+        (), description="Extra checkpoint name patterns with a {step} field, e.g. 'ckpt_{step}'."
+    )
+    world_size: int | None = Field(
+        None,
+        ge=1,
+        description="DeepSpeed data-parallel world size, used only when torch is not installed "
+        "to read it from the checkpoint.",
+    )
+    mp_world_size: int = Field(1, ge=1, description="DeepSpeed model-parallel world size, with world_size.")
+    retention: Retention = Field(default_factory=Retention, description="The retention policy.")
+    runs: tuple[RunRule, ...] = Field((), description="Per-run overrides, first match wins.")
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        if not v.is_absolute():
+            raise ValueError(f"must be an absolute path (got {str(v)!r})")
+        return Path(os.path.normpath(v))
+
+    @field_validator("patterns")
+    @classmethod
+    def _one_step_field(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in v:
+            if pattern.count("{step}") != 1 or "/" in pattern:
+                raise ValueError(f"a pattern is one name with exactly one {{step}} field (got {pattern!r})")
+        return v
+
+    def retention_for(self, run: str) -> tuple[Retention, int | None]:
+        """The retention policy and world size for a run (its path relative to the root)."""
+        from fnmatch import fnmatchcase
+
+        for rule in self.runs:
+            if fnmatchcase(run, rule.match):
+                overrides = {k: getattr(rule, k) for k in rule.model_fields_set if k in Retention.model_fields}
+                world = rule.world_size if rule.world_size is not None else self.world_size
+                return self.retention.model_copy(update=overrides), world
+        return self.retention, self.world_size
+
+
+class Daemon(_Strict):
+    state_dir: Path = Field(
+        default_factory=default_state_dir, description="Where the journal, locks and state file live."
+    )
+    dry_run: bool = Field(False, description="Decide and log, but delete nothing.")
+    log_format: Literal["text", "json"] = Field("text", description="Log lines for people or for machines.")
+
+
+class Config(_Strict):
+    daemon: Daemon = Field(default_factory=Daemon)
+    roots: tuple[Root, ...] = Field((), description="The directory trees to manage.")
+
+    @model_validator(mode="after")
+    def _disjoint_roots(self) -> Config:
+        # Nested roots would see the same runs twice, with two policies.
+        for j, b in enumerate(self.roots):
+            for i, a in enumerate(self.roots[:j]):
+                if a.path.is_relative_to(b.path) or b.path.is_relative_to(a.path):
+                    raise ValueError(f"roots[{j}].path {str(b.path)!r} overlaps roots[{i}].path {str(a.path)!r}")
+        return self
+
+    def with_roots(self, paths: list[Path]) -> Config:
+        """This config restricted to the given roots (from the command line).
+
+        A path that names a configured root keeps that root's settings; any
+        other gets the built-in defaults.
+        """
+        by_path = {r.path: r for r in self.roots}
+        roots = []
+        for p in paths:
+            p = Path(os.path.normpath(os.path.abspath(p)))
+            roots.append(by_path.get(p) or Root(path=p))
+        return self.model_copy(update={"roots": tuple(roots)})
+
+
+# --- loading -------------------------------------------------------------
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after", "function-before", "function-plain") or part.startswith(
+            ("function-", "constrained-")
+        ):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def _message(err: Mapping[str, Any]) -> str:
+    kind = err["type"]
+    msg = err["msg"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    ctx = err.get("ctx") or {}
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
+        bound = next(iter(ctx.values()), "?")
+        return f"must be {op} {bound} (got {err.get('input')!r})"
+    if kind in ("int_type", "int_parsing", "int_from_float", "bool_type", "bool_parsing", "string_type",
+                "float_type", "float_parsing", "literal_error", "dict_type", "list_type", "tuple_type",
+                "model_type"):
+        return f"{msg[0].lower()}{msg[1:]} (got {err.get('input')!r})"
+    return msg
+
+
+def format_validation_error(source: str, exc: ValidationError) -> list[str]:
+    return [f"{source}: {_loc(e['loc'])}: {_message(e)}" for e in exc.errors()]
+
+
+def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(source, exc)) from None
+
+
+def load_config(path: Path) -> Config:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: no such file"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: invalid TOML: {exc}"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}: cannot read: {exc}"]) from None
+    return parse_config(data, str(path))
+
+
+def find_config(explicit: str | None) -> Path | None:
+    """`-c`, then `$CKPTD_CONFIG`, then /etc/ckptd/config.toml if it exists."""
+    if explicit:
+        return Path(explicit)
+    if os.environ.get("CKPTD_CONFIG"):
+        return Path(os.environ["CKPTD_CONFIG"])
+    if DEFAULT_CONFIG_PATH.exists():
+        return DEFAULT_CONFIG_PATH
+    return None

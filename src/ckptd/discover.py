@@ -1,0 +1,95 @@
+"""Finding runs and their checkpoints under a root. Reads only.
+
+A run is any directory that directly holds checkpoints, at any depth up to
+`max_depth`, so `<root>/<run>/checkpoint-N` and `<root>/<team>/<run>/checkpoint-N`
+both work. Checkpoints are not descended into, symlinks are never followed,
+and hidden directories (the trash among them) are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptd import layouts
+from ckptd.layouts import Candidate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+    rel: str  # relative to the root; "." for the root itself
+    names: frozenset[str]  # everything in the run directory
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def path(self) -> Path:
+        return self.root if self.rel == "." else self.root / self.rel
+
+
+def _list(path: str) -> list[os.DirEntry[str]] | None:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # vanished while we looked
+    except PermissionError as exc:
+        log.warning("cannot list %s: %s", path, exc.strerror)
+        return None
+
+
+def find_runs(root: Path, *, max_depth: int = 4, patterns: Collection[re.Pattern[str]] = ()) -> list[RunDir]:
+    """Every run under `root`, with the checkpoint candidates it holds, sorted by path."""
+    runs: list[RunDir] = []
+    stack: list[tuple[str, str, int, list[os.DirEntry[str]] | None]] = [(str(root), ".", 0, None)]
+    while stack:
+        path, rel, depth, entries = stack.pop()
+        if entries is None:
+            entries = _list(path)
+            if entries is None:
+                continue
+        candidates: list[Candidate] = []
+        for e in entries:
+            if e.name == layouts.TRASH_DIR or e.is_symlink():
+                continue  # never followed, never touched
+            try:
+                is_dir = e.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            children: list[os.DirEntry[str]] | None = None
+
+            def names(e: os.DirEntry[str] = e) -> list[str]:
+                nonlocal children
+                children = _list(e.path) or []
+                return [c.name for c in children]
+
+            cand = layouts.recognise(e.name, is_dir, names, patterns)
+            if cand is not None:
+                candidates.append(cand)
+            elif is_dir and depth < max_depth and not e.name.startswith("."):
+                sub_rel = e.name if rel == "." else f"{rel}/{e.name}"
+                stack.append((e.path, sub_rel, depth + 1, children))
+        if candidates:
+            runs.append(
+                RunDir(root, rel, frozenset(e.name for e in entries), tuple(sorted(candidates, key=_order)))
+            )
+    return sorted(runs, key=lambda r: r.rel)
+
+
+def _order(c: Candidate) -> tuple[int, str]:
+    return (c.step, c.name)
+
+
+def find_run(root: Path, rel: str, *, patterns: Collection[re.Pattern[str]] = ()) -> RunDir | None:
+    """One run directory re-listed (no descent): for re-checks just before deleting."""
+    path = root if rel == "." else root / rel
+    runs = find_runs(path, max_depth=0, patterns=patterns)
+    if not runs:
+        return None
+    return RunDir(root, rel, runs[0].names, runs[0].candidates)

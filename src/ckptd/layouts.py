@@ -1,0 +1,102 @@
+"""Recognising checkpoints by name and shape.
+
+Pure: each function gets names (an entry, its siblings, its children) and
+answers whether it is a checkpoint, of which layout, at which step. Anything
+not recognised here is never touched.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+HF = "hf"  # Hugging Face Trainer: checkpoint-<step>/
+DEEPSPEED = "deepspeed"  # bare DeepSpeed: global_step<step>/ beside `latest`
+MEGATRON = "megatron"  # Megatron-LM: iter_<step:07d>/ + latest_checkpointed_iteration.txt
+DCP = "dcp"  # torch.distributed.checkpoint: a directory of *.distcp + .metadata
+ORBAX = "orbax"  # Orbax: <step>/, in progress as <step>.orbax-checkpoint-tmp-*
+NEMO = "nemo"  # NeMo / Lightning: ...step=<step>... (.ckpt/.nemo file or directory)
+PATTERN = "pattern"  # a user pattern such as ckpt_{step}
+
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+NEMO_UNFINISHED_SUFFIX = "-unfinished"
+ORBAX_TMP = ".orbax-checkpoint-tmp"
+PIN_FILE = ".ckptd-keep"
+TRASH_DIR = ".ckptd-trash"
+
+_HF = re.compile(r"checkpoint-(\d+)")
+_DEEPSPEED = re.compile(r"global_step(\d+)")
+_MEGATRON = re.compile(r"iter_(\d{7,})")
+_ORBAX = re.compile(r"(\d+)")
+_ORBAX_TMP = re.compile(r"(\d+)\.orbax-checkpoint-tmp.*")
+_NEMO_STEP = re.compile(r"(?:^|[-_])step=(\d+)")
+_LAST_INT = re.compile(r"(\d+)(?!.*\d)")
+
+# Files Orbax writes into a finalized step directory.
+_ORBAX_MARKERS = frozenset({"_CHECKPOINT_METADATA", "commit_success.txt"})
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    step: int
+    layout: str
+    is_dir: bool
+    in_progress: bool = False  # the layout's own "not finished" name (Orbax tmp)
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """`ckpt_{step}` -> a regex matching the whole name, the step captured."""
+    before, after = pattern.split("{step}")
+    return re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+
+
+def recognise_by_name(
+    name: str, is_dir: bool, patterns: Collection[re.Pattern[str]] = ()
+) -> Candidate | None:
+    """Layouts that a name alone identifies."""
+    if is_dir:
+        for regex, layout in ((_HF, HF), (_DEEPSPEED, DEEPSPEED), (_MEGATRON, MEGATRON)):
+            if m := regex.fullmatch(name):
+                return Candidate(name, int(m[1]), layout, is_dir)
+        if m := _ORBAX_TMP.fullmatch(name):
+            return Candidate(name, int(m[1]), ORBAX, is_dir, in_progress=True)
+    for regex in patterns:
+        if m := regex.fullmatch(name):
+            return Candidate(name, int(m[1]), PATTERN, is_dir)
+    if not name.endswith(NEMO_UNFINISHED_SUFFIX) and (m := _NEMO_STEP.search(name)):
+        if is_dir or name.endswith((".ckpt", ".nemo")):
+            return Candidate(name, int(m[1]), NEMO, is_dir)
+    return None
+
+
+def recognise_by_contents(name: str, children: Collection[str]) -> Candidate | None:
+    """Layouts that need a look inside: DCP and finalized Orbax directories.
+
+    A numeric directory is an Orbax step only with Orbax's own files in it, so
+    a run or team directory that happens to be called `42` is never mistaken
+    for a checkpoint.
+    """
+    if (m := _ORBAX.fullmatch(name)) and _ORBAX_MARKERS & set(children):
+        return Candidate(name, int(m[1]), ORBAX, True)
+    if ".metadata" in children or any(c.endswith(".distcp") for c in children):
+        if m := _LAST_INT.search(name):
+            return Candidate(name, int(m[1]), DCP, True)
+    return None
+
+
+def nemo_unfinished_marker(name: str) -> str:
+    """NeMo's marker for `name`: the name without .ckpt/.nemo, plus `-unfinished`."""
+    return name.removesuffix(".nemo").removesuffix(".ckpt") + NEMO_UNFINISHED_SUFFIX
+
+
+def recognise(
+    name: str,
+    is_dir: bool,
+    children: Callable[[], Collection[str]],
+    patterns: Collection[re.Pattern[str]] = (),
+) -> Candidate | None:
+    return recognise_by_name(name, is_dir, patterns) or (
+        recognise_by_contents(name, children()) if is_dir else None
+    )

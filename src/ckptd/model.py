@@ -1,0 +1,162 @@
+"""The checkpoint model: what a checkpoint is, what we know of it, and how sure.
+
+Pure data. Nothing here reads the disk or the clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+
+class State(StrEnum):
+    COMPLETE = "complete"  # every check that applies passed
+    INCOMPLETE = "incomplete"  # quiet, but some evidence is missing or unreadable
+    WRITING = "writing"  # changed within the quiet period
+    STALLED = "stalled"  # incomplete and untouched for a long time (the daemon says so)
+
+
+class Verdict(StrEnum):
+    PASSED = "passed"
+    FAILED = "failed"
+    UNKNOWN = "unknown"  # could not tell: counts as not passed
+
+
+class Action(StrEnum):
+    KEEP = "keep"
+    DELETE = "delete"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One piece of completeness evidence, e.g. the DeepSpeed shard census."""
+
+    name: str
+    verdict: Verdict
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.verdict} ({self.detail})"
+
+
+def classify(checks: tuple[Check, ...]) -> State:
+    """A checkpoint is complete only when every check passed.
+
+    A failed quiet check wins: something is still writing, so whatever else
+    is missing may yet arrive.
+    """
+    if any(c.name == QUIET and c.verdict is not Verdict.PASSED for c in checks):
+        return State.WRITING
+    if all(c.verdict is Verdict.PASSED for c in checks):
+        return State.COMPLETE
+    return State.INCOMPLETE
+
+
+QUIET = "quiet"
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What retention needs from a Hugging Face `trainer_state.json`."""
+
+    global_step: int | None
+    best_model_checkpoint: str | None  # basename only: the stored path may be relative or stale
+    best_metric: float | None
+    # step -> {metric name -> value}, from log_history
+    history: Mapping[int, Mapping[str, object]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint as found on disk, with the evidence about its completeness."""
+
+    root: Path
+    run: str  # the run directory relative to the root; "." for the root itself
+    name: str  # the checkpoint's own directory or file name
+    step: int
+    layout: str
+    checks: tuple[Check, ...]
+    size_bytes: int = 0
+    newest_mtime: float = 0.0  # newest mtime of anything inside, the directory itself included
+    fingerprint: str = ""  # digest of every entry's (path, type, size, mtime): "unchanged" means this is equal
+    pinned: bool = False
+    trainer_state: TrainerState | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.run / self.name if self.run != "." else self.root / self.name
+
+    @property
+    def rel(self) -> str:
+        """The checkpoint's path relative to its root: `team/run42/checkpoint-1200`."""
+        return self.name if self.run == "." else f"{self.run}/{self.name}"
+
+    @property
+    def state(self) -> State:
+        return classify(self.checks)
+
+    def sort_key(self) -> tuple[int, float, str]:
+        return (self.step, self.newest_mtime, self.name)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A directory that directly holds checkpoints."""
+
+    root: Path
+    rel: str
+    checkpoints: tuple[Checkpoint, ...]  # oldest first (by step, then mtime)
+
+    @property
+    def path(self) -> Path:
+        return self.root if self.rel == "." else self.root / self.rel
+
+    def trainer_best(self) -> str | None:
+        """The checkpoint the trainer recorded as best, by basename.
+
+        Read from the newest checkpoint that has a trainer state: it has seen
+        every evaluation so far.
+        """
+        for ckpt in reversed(self.checkpoints):
+            if ckpt.trainer_state is not None:
+                return ckpt.trainer_state.best_model_checkpoint
+        return None
+
+    def metric(self, ckpt: Checkpoint, name: str) -> float | str | None:
+        """The value of metric `name` at `ckpt`'s step, from any checkpoint's log history.
+
+        Returns a float (possibly NaN or infinite), a string when the logged
+        value is not a number, or None when nothing was logged at that step.
+        'loss' also matches 'eval_loss', as the Trainer's `metric_for_best_model` does.
+        """
+        names = (name,) if name.startswith("eval_") else (name, f"eval_{name}")
+        for source in reversed(self.checkpoints):  # newer histories first
+            ts = source.trainer_state
+            if ts is None or ckpt.step not in ts.history:
+                continue
+            entry = ts.history[ckpt.step]
+            for n in names:
+                if n in entry:
+                    return _as_metric(entry[n])
+        return None
+
+
+def _as_metric(value: object) -> float | str:
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value) if value.strip().lower() in ("nan", "inf", "-inf", "infinity") else value
+        except ValueError:
+            return value
+    return repr(value)
+
+
+def is_rankable(value: float | str | None) -> bool:
+    """Only finite numbers can be compared as 'best'."""
+    return isinstance(value, float) and math.isfinite(value)

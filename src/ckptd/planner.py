@@ -1,0 +1,134 @@
+"""From config to plan: discover, inspect, decide. Reads only.
+
+The thin I/O shell around the pure policy: it finds runs, gathers evidence,
+asks the filesystem how much space is free, and hands all of that to
+`policy` as plain data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptd import policy
+from ckptd.config import Config, Root
+from ckptd.discover import RunDir, find_run, find_runs
+from ckptd.errors import RootMissingError
+from ckptd.evidence import Inspector, RunContext
+from ckptd.layouts import compile_pattern
+from ckptd.model import Checkpoint, Run
+from ckptd.policy import Decision, Plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DiskSpace:
+    free: int  # bytes available to unprivileged users
+    total: int
+
+
+def disk_space(path: Path) -> DiskSpace:
+    st = os.statvfs(path)
+    return DiskSpace(free=st.f_bavail * st.f_frsize, total=st.f_blocks * st.f_frsize)
+
+
+class Scanner:
+    """Inspects the runs of one root. Keeps its inspector's cache between scans."""
+
+    def __init__(self, root: Root):
+        self.root = root
+        self.patterns = [compile_pattern(p) for p in root.patterns]
+        self.inspector = Inspector(quiet_period=root.quiet_period, mp_world_size=root.mp_world_size)
+
+    def check_root(self) -> None:
+        if not self.root.path.is_dir():
+            raise RootMissingError(f"root {self.root.path} does not exist or is not a directory")
+
+    def runs(self, *, now: float) -> list[Run]:
+        self.check_root()
+        dirs = find_runs(self.root.path, max_depth=self.root.max_depth, patterns=self.patterns)
+        return [self.inspect_run(d, now=now) for d in dirs]
+
+    def inspect_run(self, run_dir: RunDir, *, now: float) -> Run:
+        retention, world = self.root.retention_for(run_dir.rel)
+        ctx = RunContext(run_dir.path, run_dir.names)
+        ckpts = []
+        for cand in run_dir.candidates:
+            try:
+                ckpts.append(
+                    self.inspector.inspect(
+                        self.root.path, run_dir.rel, ctx, cand, now=now, world_size=world,
+                        pins=frozenset(retention.pins),
+                    )
+                )
+            except FileNotFoundError:
+                continue  # deleted while we looked: not ours to decide about
+        return Run(self.root.path, run_dir.rel, tuple(sorted(ckpts, key=Checkpoint.sort_key)))
+
+    def reinspect(self, run_rel: str, name: str, *, now: float) -> Checkpoint | None:
+        """One checkpoint, looked at afresh: None if it is gone or no longer recognised."""
+        run_dir = find_run(self.root.path, run_rel, patterns=self.patterns)
+        if run_dir is None:
+            return None
+        cand = next((c for c in run_dir.candidates if c.name == name), None)
+        if cand is None:
+            return None
+        retention, world = self.root.retention_for(run_rel)
+        try:
+            return self.inspector.inspect(
+                self.root.path, run_rel, RunContext(run_dir.path, run_dir.names), cand, now=now,
+                world_size=world, pins=frozenset(retention.pins),
+            )
+        except FileNotFoundError:
+            return None
+
+
+def decide(
+    roots: list[tuple[Root, list[Run]]], space: Callable[[Path], DiskSpace] = disk_space,
+    device: Callable[[Path], int] = lambda p: os.stat(p).st_dev,
+) -> Plan:
+    """The retention plan for every run of every root, budgets included."""
+    decisions: list[Decision] = []
+    warnings: list[str] = []
+    for root, runs in roots:
+        for run in runs:
+            retention, _ = root.retention_for(run.rel)
+            ds = policy.decide_run(run, retention)
+            if retention.max_size is not None:
+                ds, w = policy.enforce_max_size(ds, retention.max_size)
+                warnings += w
+            decisions += ds
+
+    # min_free is per filesystem: roots on the same device share one budget.
+    by_device: dict[int, list[Root]] = defaultdict(list)
+    for root, _ in roots:
+        if root.retention.min_free is not None:
+            by_device[device(root.path)].append(root)
+    for dev_roots in by_device.values():
+        paths = {r.path for r in dev_roots}
+        disk = space(dev_roots[0].path)
+        floors = [r.retention.min_free for r in dev_roots if r.retention.min_free is not None]
+        floor = max(floors, key=lambda f: f.required(disk.total))
+        idx = [i for i, d in enumerate(decisions) if d.checkpoint.root in paths]
+        where = ", ".join(sorted(str(p) for p in paths))
+        updated, w = policy.enforce_min_free(
+            [decisions[i] for i in idx], free=disk.free, total=disk.total, floor=floor, where=where
+        )
+        for i, d in zip(idx, updated, strict=True):
+            decisions[i] = d
+        warnings += w
+    return Plan(tuple(decisions), tuple(warnings))
+
+
+def make_plan(config: Config, *, now: float, scanners: dict[Path, Scanner] | None = None) -> Plan:
+    scanners = scanners if scanners is not None else {}
+    roots = []
+    for root in config.roots:
+        scanner = scanners.setdefault(root.path, Scanner(root))
+        roots.append((root, scanner.runs(now=now)))
+    return decide(roots)
