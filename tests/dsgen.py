@@ -97,8 +97,22 @@ def _norm_losses(steps: Sequence[int], eval_losses) -> dict[int, float] | None:
     return out
 
 
-def _cli_args(out_dir, *, world_size, stage, bf16, offload, layout, steps, eval_losses,
-              slow_rank, slow_seconds, slow_step, train_steps_per_save, seed) -> list[str]:
+def _cli_args(
+    out_dir,
+    *,
+    world_size,
+    stage,
+    bf16,
+    offload,
+    layout,
+    steps,
+    eval_losses,
+    slow_rank,
+    slow_seconds,
+    slow_step,
+    train_steps_per_save,
+    seed,
+) -> list[str]:
     if not 1 <= world_size <= 8:
         raise ValueError("world_size must be 1..8 (2..4 intended)")
     if stage not in (1, 2, 3):
@@ -112,8 +126,19 @@ def _cli_args(out_dir, *, world_size, stage, bf16, offload, layout, steps, eval_
         raise ValueError("train_steps_per_save must be >= 1 (or None)")
     if slow_rank is not None and not 0 <= slow_rank < world_size:
         raise ValueError("slow_rank out of range")
-    args = [str(out_dir), "--world-size", str(world_size), "--stage", str(stage),
-            "--layout", layout, "--steps", *map(str, steps), "--seed", str(seed)]
+    args = [
+        str(out_dir),
+        "--world-size",
+        str(world_size),
+        "--stage",
+        str(stage),
+        "--layout",
+        layout,
+        "--steps",
+        *map(str, steps),
+        "--seed",
+        str(seed),
+    ]
     if train_steps_per_save is not None:
         args += ["--train-steps-per-save", str(train_steps_per_save)]
     if bf16:
@@ -147,8 +172,14 @@ class Run:
             child_env.update(env)
         self.proc = subprocess.Popen(
             [sys.executable, str(_HERE), *argv],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=child_env, start_new_session=True, text=True, errors="replace", bufsize=1,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            start_new_session=True,
+            text=True,
+            errors="replace",
+            bufsize=1,
         )
         self._reader = threading.Thread(target=self._read, name="dsgen-reader", daemon=True)
         self._reader.start()
@@ -160,7 +191,7 @@ class Run:
             with self._cond:
                 if line.startswith(EVENT_PREFIX):
                     try:
-                        ev = json.loads(line[len(EVENT_PREFIX):])
+                        ev = json.loads(line[len(EVENT_PREFIX) :])
                     except ValueError:
                         self._lines.append(line)
                         continue
@@ -169,6 +200,7 @@ class Run:
                     self._cond.notify_all()
                 else:
                     self._lines.append(line)
+        self.proc.stdout.close()
         with self._cond:
             self._eof = True
             self._cond.notify_all()
@@ -196,8 +228,13 @@ class Run:
         return ev
 
     def release(self) -> None:
-        """End the slow rank's hold now (SIGUSR1 to that rank's pid)."""
+        """End the slow rank's hold now (SIGUSR1 to that rank's pid).
+
+        Harmless if the hold already ended: the ranks ignore a stray SIGUSR1."""
         ev = self.wait_for("slow_rank_waiting", timeout=0)
+        with self._cond:
+            if any(e.get("event") == "slow_rank_done" for e in self.events) or self.proc.poll() is not None:
+                return
         try:
             os.kill(int(ev["pid"]), signal.SIGUSR1)
         except ProcessLookupError:
@@ -268,11 +305,24 @@ class Run:
         }
 
 
-def start(out_dir, *, world_size: int = 2, stage: int = 2, bf16: bool = False, offload: bool = False,
-          layout: str = "hf", steps: Iterable[int] = (10, 20, 30), eval_losses=None,
-          slow_rank: int | None = None, slow_seconds: float = 0.0, slow_step: int | None = None,
-          train_steps_per_save: int | None = None, seed: int = 1234, timeout: float = 300,
-          env: Mapping[str, str] | None = None) -> Run:
+def start(
+    out_dir,
+    *,
+    world_size: int = 2,
+    stage: int = 2,
+    bf16: bool = False,
+    offload: bool = False,
+    layout: str = "hf",
+    steps: Iterable[int] = (10, 20, 30),
+    eval_losses=None,
+    slow_rank: int | None = None,
+    slow_seconds: float = 0.0,
+    slow_step: int | None = None,
+    train_steps_per_save: int | None = None,
+    seed: int = 1234,
+    timeout: float = 300,
+    env: Mapping[str, str] | None = None,
+) -> Run:
     """Start a DeepSpeed run in the background and return a :class:`Run`.
 
     With ``slow_rank``, that rank's ZeRO optimizer shard for ``slow_step``
@@ -284,17 +334,39 @@ def start(out_dir, *, world_size: int = 2, stage: int = 2, bf16: bool = False, o
     """
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    argv = _cli_args(out, world_size=world_size, stage=stage, bf16=bf16, offload=offload, layout=layout,
-                     steps=list(steps), eval_losses=eval_losses, slow_rank=slow_rank,
-                     slow_seconds=slow_seconds, slow_step=slow_step,
-                     train_steps_per_save=train_steps_per_save, seed=seed)
+    argv = _cli_args(
+        out,
+        world_size=world_size,
+        stage=stage,
+        bf16=bf16,
+        offload=offload,
+        layout=layout,
+        steps=list(steps),
+        eval_losses=eval_losses,
+        slow_rank=slow_rank,
+        slow_seconds=slow_seconds,
+        slow_step=slow_step,
+        train_steps_per_save=train_steps_per_save,
+        seed=seed,
+    )
     return Run(out, argv, timeout, env)
 
 
-def generate(out_dir, *, world_size: int = 2, stage: int = 2, bf16: bool = False, offload: bool = False,
-             layout: str = "hf", steps: Iterable[int] = (10, 20, 30), eval_losses=None,
-             slow_rank: int | None = None, slow_seconds: float = 0.0, timeout: float = 300,
-             **kw) -> dict[str, Any]:
+def generate(
+    out_dir,
+    *,
+    world_size: int = 2,
+    stage: int = 2,
+    bf16: bool = False,
+    offload: bool = False,
+    layout: str = "hf",
+    steps: Iterable[int] = (10, 20, 30),
+    eval_losses=None,
+    slow_rank: int | None = None,
+    slow_seconds: float = 0.0,
+    timeout: float = 300,
+    **kw,
+) -> dict[str, Any]:
     """Run DeepSpeed to completion and return metadata.
 
     Layouts (N = each step):
@@ -310,9 +382,20 @@ def generate(out_dir, *, world_size: int = 2, stage: int = 2, bf16: bool = False
     model_states, eval_loss}}), shard_files, model_states_files (of the last
     step), eval_losses, wall_s, child_timings, events.
     """
-    with start(out_dir, world_size=world_size, stage=stage, bf16=bf16, offload=offload, layout=layout,
-               steps=steps, eval_losses=eval_losses, slow_rank=slow_rank, slow_seconds=slow_seconds,
-               timeout=timeout, **kw) as run:
+    with start(
+        out_dir,
+        world_size=world_size,
+        stage=stage,
+        bf16=bf16,
+        offload=offload,
+        layout=layout,
+        steps=steps,
+        eval_losses=eval_losses,
+        slow_rank=slow_rank,
+        slow_seconds=slow_seconds,
+        timeout=timeout,
+        **kw,
+    ) as run:
         return run.wait()
 
 
@@ -413,13 +496,24 @@ def _skip_shm_build() -> None:
 
 def _worker(rank: int, cfg: dict) -> None:
     t_start = time.monotonic()
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg["world_size"]),
-                       "LOCAL_SIZE": str(cfg["world_size"]), "LOCAL_WORLD_SIZE": str(cfg["world_size"]),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cfg["port"]),
-                       "CROSS_RANK": "0", "CROSS_SIZE": "1"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(cfg["world_size"]),
+            "LOCAL_SIZE": str(cfg["world_size"]),
+            "LOCAL_WORLD_SIZE": str(cfg["world_size"]),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(cfg["port"]),
+            "CROSS_RANK": "0",
+            "CROSS_SIZE": "1",
+        }
+    )
     import datetime
     import logging
 
+    # Run.release() sends SIGUSR1; never let a late one kill the rank (default action).
+    signal.signal(signal.SIGUSR1, lambda *_: None)
     logging.getLogger().setLevel(logging.ERROR)
     import torch
 
@@ -436,8 +530,13 @@ def _worker(rank: int, cfg: dict) -> None:
 
     store = None
     if cfg["slow_rank"] is not None:
-        store = tdist.TCPStore("127.0.0.1", cfg["store_port"], cfg["world_size"], is_master=(rank == 0),
-                               timeout=datetime.timedelta(seconds=cfg["timeout"]))
+        store = tdist.TCPStore(
+            "127.0.0.1",
+            cfg["store_port"],
+            cfg["world_size"],
+            is_master=(rank == 0),
+            timeout=datetime.timedelta(seconds=cfg["timeout"]),
+        )
 
     torch.manual_seed(cfg["seed"])
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
@@ -482,8 +581,14 @@ def _worker(rank: int, cfg: dict) -> None:
                 keys.append(f"latest/{step}")
             store.wait(keys, datetime.timedelta(seconds=cfg["timeout"]))
             marker = Path(cfg["out"]) / SLOW_MARKER
-            info = {"rank": rank, "pid": os.getpid(), "step": step, "tag": tag,
-                    "save_dir": save_path, "shard": shard}
+            info = {
+                "rank": rank,
+                "pid": os.getpid(),
+                "step": step,
+                "tag": tag,
+                "save_dir": save_path,
+                "shard": shard,
+            }
             old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
             tmp = marker.with_name(marker.name + ".tmp")
             tmp.write_text(json.dumps(info))
@@ -597,10 +702,19 @@ def _worker(rank: int, cfg: dict) -> None:
 
     tdist.barrier()
     if rank == 0:
-        _emit("done", config={k: cfg[k] for k in ("world_size", "stage", "bf16", "offload", "layout", "steps")},
-              save_dirs=save_dirs, eval_losses=eval_losses,
-              timings={"import_s": t_import - t_start, "init_s": t_init - t_import,
-                       "train_s": t_train, "save_s": t_save, "worker_s": time.monotonic() - t_start})
+        _emit(
+            "done",
+            config={k: cfg[k] for k in ("world_size", "stage", "bf16", "offload", "layout", "steps")},
+            save_dirs=save_dirs,
+            eval_losses=eval_losses,
+            timings={
+                "import_s": t_import - t_start,
+                "init_s": t_init - t_import,
+                "train_s": t_train,
+                "save_s": t_save,
+                "worker_s": time.monotonic() - t_start,
+            },
+        )
     tdist.destroy_process_group()
 
 
@@ -617,26 +731,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--slow-rank", type=int)
     p.add_argument("--slow-seconds", type=float, default=0.0)
     p.add_argument("--slow-step", type=int, help="step whose save is slowed (default: last)")
-    p.add_argument("--train-steps-per-save", type=int,
-                   help="optimizer steps before each save (default: up to the step number, "
-                   "so engine.global_steps == N in the checkpoint)")
+    p.add_argument(
+        "--train-steps-per-save",
+        type=int,
+        help="optimizer steps before each save (default: up to the step number, "
+        "so engine.global_steps == N in the checkpoint)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=float, default=300)
     a = p.parse_args(argv)
     for k, v in _CHILD_ENV.items():
         os.environ.setdefault(k, v)
-    _cli_args(a.out, world_size=a.world_size, stage=a.stage, bf16=a.bf16, offload=a.offload, layout=a.layout,
-              steps=a.steps, eval_losses=a.eval_losses, slow_rank=a.slow_rank, slow_seconds=a.slow_seconds,
-              slow_step=a.slow_step, train_steps_per_save=a.train_steps_per_save, seed=a.seed)  # validation
+    _cli_args(
+        a.out,
+        world_size=a.world_size,
+        stage=a.stage,
+        bf16=a.bf16,
+        offload=a.offload,
+        layout=a.layout,
+        steps=a.steps,
+        eval_losses=a.eval_losses,
+        slow_rank=a.slow_rank,
+        slow_seconds=a.slow_seconds,
+        slow_step=a.slow_step,
+        train_steps_per_save=a.train_steps_per_save,
+        seed=a.seed,
+    )  # validation
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg = {
-        "out": str(out), "world_size": a.world_size, "stage": a.stage, "bf16": a.bf16, "offload": a.offload,
-        "layout": a.layout, "steps": a.steps,
+        "out": str(out),
+        "world_size": a.world_size,
+        "stage": a.stage,
+        "bf16": a.bf16,
+        "offload": a.offload,
+        "layout": a.layout,
+        "steps": a.steps,
         "eval_losses": dict(zip(map(str, a.steps), a.eval_losses)) if a.eval_losses else None,
-        "slow_rank": a.slow_rank, "slow_seconds": a.slow_seconds,
+        "slow_rank": a.slow_rank,
+        "slow_seconds": a.slow_seconds,
         "slow_step": a.slow_step if a.slow_step is not None else a.steps[-1],
-        "train_steps_per_save": a.train_steps_per_save, "seed": a.seed, "timeout": a.timeout,
+        "train_steps_per_save": a.train_steps_per_save,
+        "seed": a.seed,
+        "timeout": a.timeout,
     }
     cfg["port"], cfg["store_port"] = _free_ports(2)
     import torch.multiprocessing as mp

@@ -37,7 +37,7 @@ EX_TEMPFAIL = 75
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,33 +53,49 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp: argparse.ArgumentParser, roots: bool = True) -> None:
         if roots:
-            sp.add_argument("roots", nargs="*", metavar="ROOT", help="directories to manage (default: the config's roots)")
+            sp.add_argument(
+                "roots", nargs="*", metavar="ROOT", help="directories to manage (default: the config's roots)"
+            )
         sp.add_argument("-c", "--config", metavar="CONFIG", help="TOML config file")
         sp.add_argument("-v", "--verbose", action="store_true", help="log debug detail to stderr")
 
-    sp = sub.add_parser("plan", help="show what retention would keep and delete (read-only)", epilog=EPILOG,
-                        formatter_class=fmt)
+    sp = sub.add_parser(
+        "plan",
+        help="show what retention would keep and delete (read-only)",
+        epilog=EPILOG,
+        formatter_class=fmt,
+    )
     common(sp)
     sp.add_argument("--json", action="store_true", help="print one JSON document")
 
-    sp = sub.add_parser("prune", help="apply retention once: delete what the plan says, crash-safely",
-                        epilog=EPILOG, formatter_class=fmt)
+    sp = sub.add_parser(
+        "prune",
+        help="apply retention once: delete what the plan says, crash-safely",
+        epilog=EPILOG,
+        formatter_class=fmt,
+    )
     common(sp)
     sp.add_argument("--dry-run", action="store_true", help="re-check and report, but delete nothing")
 
-    sp = sub.add_parser("verify", help="show the completeness evidence for one checkpoint", epilog=EPILOG,
-                        formatter_class=fmt)
+    sp = sub.add_parser(
+        "verify", help="show the completeness evidence for one checkpoint", epilog=EPILOG, formatter_class=fmt
+    )
     sp.add_argument("path", metavar="PATH", help="a checkpoint directory or file")
     common(sp, roots=False)
     sp.add_argument("--json", action="store_true", help="print one JSON document")
 
-    sp = sub.add_parser("demo", help="write a small example volume and a config for it", epilog=EPILOG,
-                        formatter_class=fmt)
+    sp = sub.add_parser(
+        "demo", help="write a small example volume and a config for it", epilog=EPILOG, formatter_class=fmt
+    )
     sp.add_argument("dir", metavar="DIR", help="where to write it (created if missing)")
     sp.add_argument("-v", "--verbose", action="store_true", help="log debug detail to stderr")
 
-    sp = sub.add_parser("check-config", help="validate the config and print it with defaults filled in",
-                        epilog=EPILOG, formatter_class=fmt)
+    sp = sub.add_parser(
+        "check-config",
+        help="validate the config and print it with defaults filled in",
+        epilog=EPILOG,
+        formatter_class=fmt,
+    )
     common(sp, roots=False)
     return p
 
@@ -151,15 +167,19 @@ def cmd_prune(args: argparse.Namespace) -> int:
             reaper = Reaper(scanner, journal, dry_run=dry_run)
             leftover, leftover_bytes = reaper.purge()  # an earlier run's interrupted purge
             if leftover:
-                print(f"purged {leftover} leftover trash entries ({format_size(leftover_bytes)}) in {root.path}")
+                print(
+                    f"purged {leftover} leftover trash entries ({format_size(leftover_bytes)}) in {root.path}"
+                )
             plan = decide([(root, scanner.runs(now=time.time()))])
             for w in plan.warnings:
                 print(f"warning: {w}{note}")
             for result in reaper.execute(plan.decisions):
                 d = result.decision
                 totals[result.outcome] += 1
-                print(f"delete {d.checkpoint.rel} ({format_size(d.checkpoint.size_bytes)}): "
-                      f"{'; '.join(d.reasons)} -> {result.outcome}: {result.detail}{note if result.outcome is not Outcome.DRY_RUN else ''}")
+                print(
+                    f"delete {d.checkpoint.rel} ({format_size(d.checkpoint.size_bytes)}): "
+                    f"{'; '.join(d.reasons)} -> {result.outcome}: {result.detail}{note}"
+                )
                 if result.outcome is Outcome.FAILED:
                     status = max(status, EX_IOERR)
             _, purged_bytes = reaper.purge()
@@ -191,20 +211,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     cand = layouts.recognise(path.name, is_dir, children, patterns)
     if cand is None or path.is_symlink():
-        print(f"{args.path}: not a checkpoint ckptd recognises (symlinks are never followed)", file=sys.stderr)
+        print(
+            f"{args.path}: not a checkpoint ckptd recognises (symlinks are never followed)", file=sys.stderr
+        )
         return 1
     run_dir = path.parent
     run_rel = "." if run_dir == root.path else os.path.relpath(run_dir, root.path)
     retention, world = root.retention_for(run_rel)
     inspector = Inspector(quiet_period=root.quiet_period, mp_world_size=root.mp_world_size)
     ckpt = inspector.inspect(
-        root.path, run_rel, RunContext(run_dir, frozenset(os.listdir(run_dir))), cand, now=time.time(),
-        world_size=world, pins=frozenset(retention.pins),
+        root.path,
+        run_rel,
+        RunContext(run_dir, frozenset(os.listdir(run_dir))),
+        cand,
+        now=time.time(),
+        world_size=world,
+        pins=frozenset(retention.pins),
     )
     if args.json:
         print(json.dumps(checkpoint_json(ckpt), indent=2))
     else:
-        print(f"{path}: {ckpt.state} ({ckpt.layout} layout, step {ckpt.step}, {format_size(ckpt.size_bytes)})")
+        print(
+            f"{path}: {ckpt.state} ({ckpt.layout} layout, step {ckpt.step}, {format_size(ckpt.size_bytes)})"
+        )
         width = max(len(c.name) for c in ckpt.checks)
         for c in ckpt.checks:
             print(f"  {c.verdict:<8} {c.name:<{width}}  {c.detail}")
@@ -276,8 +305,18 @@ def print_table(decisions: Sequence[Decision]) -> None:
     for d in decisions:
         c = d.checkpoint
         metric = f"{d.metric:.4g}" if isinstance(d.metric, float) else (d.metric or "-")
-        rows.append((c.run, c.name, str(c.step), str(c.state), format_size(c.size_bytes), str(metric),
-                     str(d.action), "; ".join(d.reasons)))
+        rows.append(
+            (
+                c.run,
+                c.name,
+                str(c.step),
+                str(c.state),
+                format_size(c.size_bytes),
+                str(metric),
+                str(d.action),
+                "; ".join(d.reasons),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     for r in rows:
         print("  ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=False)) + "  " + r[-1])

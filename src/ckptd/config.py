@@ -35,10 +35,23 @@ DEFAULT_CONFIG_PATH = Path("/etc/ckptd/config.toml")
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "pib": 1024**5,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "p": 1000**5,
+    "pb": 1000**5,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "pib": 1024**5,
 }
 _NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -158,9 +171,12 @@ class _Strict(BaseModel):
 class Retention(_Strict):
     """Which checkpoints of a run to keep. Rules combine as a union."""
 
-    keep_last: int = Field(2, ge=0, description="Keep the N newest complete checkpoints of each run.")
+    keep_last: int = Field(
+        strict=True, default=2, ge=0, description="Keep the N newest complete checkpoints of each run."
+    )
     keep_best: int = Field(
-        1,
+        strict=True,
+        default=1,
         ge=0,
         description="Keep the K best checkpoints by `metric`. Without `metric`, keep the one the "
         "trainer recorded as best (`best_model_checkpoint` in trainer_state.json).",
@@ -172,9 +188,13 @@ class Retention(_Strict):
     )
     mode: Literal["min", "max"] = Field("min", description="Whether lower or higher `metric` is better.")
     keep_missing_metric: bool = Field(
-        True, description="With keep_best and metric: keep checkpoints that have no value for the metric."
+        strict=True,
+        default=True,
+        description="With keep_best and metric: keep checkpoints that have no value for the metric.",
     )
-    keep_every_steps: int = Field(0, ge=0, description="Keep checkpoints whose step is a multiple of N (0: off).")
+    keep_every_steps: int = Field(
+        strict=True, default=0, ge=0, description="Keep checkpoints whose step is a multiple of N (0: off)."
+    )
     keep_within: Duration | None = Field(
         None, description="Keep checkpoints written within this long of the run's newest checkpoint."
     )
@@ -209,7 +229,10 @@ class RunRule(Retention):
 
     match: str = Field(description="Glob on the run's path relative to the root, e.g. 'team-a/*'.")
     world_size: int | None = Field(
-        None, ge=1, description="DeepSpeed data-parallel world size for these runs (see roots.world_size)."
+        strict=True,
+        default=None,
+        ge=1,
+        description="DeepSpeed data-parallel world size for these runs (see roots.world_size).",
     )
 
     @model_validator(mode="after")
@@ -236,17 +259,22 @@ class Root(_Strict):
     stall_after: Duration = Field(
         6 * 3600.0, description="An incomplete checkpoint untouched this long is reported as stalled."
     )
-    max_depth: int = Field(4, ge=0, le=32, description="How deep under the root to look for runs.")
+    max_depth: int = Field(
+        strict=True, default=4, ge=0, le=32, description="How deep under the root to look for runs."
+    )
     patterns: tuple[str, ...] = Field(
         (), description="Extra checkpoint name patterns with a {step} field, e.g. 'ckpt_{step}'."
     )
     world_size: int | None = Field(
-        None,
+        strict=True,
+        default=None,
         ge=1,
         description="DeepSpeed data-parallel world size, used only when torch is not installed "
         "to read it from the checkpoint.",
     )
-    mp_world_size: int = Field(1, ge=1, description="DeepSpeed model-parallel world size, with world_size.")
+    mp_world_size: int = Field(
+        strict=True, default=1, ge=1, description="DeepSpeed model-parallel world size, with world_size."
+    )
     retention: Retention = Field(default_factory=Retention, description="The retention policy.")
     runs: tuple[RunRule, ...] = Field((), description="Per-run overrides, first match wins.")
 
@@ -271,7 +299,9 @@ class Root(_Strict):
 
         for rule in self.runs:
             if fnmatchcase(run, rule.match):
-                overrides = {k: getattr(rule, k) for k in rule.model_fields_set if k in Retention.model_fields}
+                overrides = {
+                    k: getattr(rule, k) for k in rule.model_fields_set if k in Retention.model_fields
+                }
                 world = rule.world_size if rule.world_size is not None else self.world_size
                 return self.retention.model_copy(update=overrides), world
         return self.retention, self.world_size
@@ -281,7 +311,7 @@ class Daemon(_Strict):
     state_dir: Path = Field(
         default_factory=default_state_dir, description="Where the journal, locks and state file live."
     )
-    dry_run: bool = Field(False, description="Decide and log, but delete nothing.")
+    dry_run: bool = Field(strict=True, default=False, description="Decide and log, but delete nothing.")
     log_format: Literal["text", "json"] = Field("text", description="Log lines for people or for machines.")
 
 
@@ -289,14 +319,17 @@ class Config(_Strict):
     daemon: Daemon = Field(default_factory=Daemon)
     roots: tuple[Root, ...] = Field((), description="The directory trees to manage.")
 
-    @model_validator(mode="after")
-    def _disjoint_roots(self) -> Config:
+    @field_validator("roots")
+    @classmethod
+    def _disjoint_roots(cls, roots: tuple[Root, ...]) -> tuple[Root, ...]:
         # Nested roots would see the same runs twice, with two policies.
-        for j, b in enumerate(self.roots):
-            for i, a in enumerate(self.roots[:j]):
+        for j, b in enumerate(roots):
+            for i, a in enumerate(roots[:j]):
                 if a.path.is_relative_to(b.path) or b.path.is_relative_to(a.path):
-                    raise ValueError(f"roots[{j}].path {str(b.path)!r} overlaps roots[{i}].path {str(a.path)!r}")
-        return self
+                    raise ValueError(
+                        f"roots[{j}].path {str(b.path)!r} overlaps roots[{i}].path {str(a.path)!r}"
+                    )
+        return roots
 
     def with_roots(self, paths: list[Path]) -> Config:
         """This config restricted to the given roots (from the command line).
@@ -339,12 +372,26 @@ def _message(err: Mapping[str, Any]) -> str:
     msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
     ctx = err.get("ctx") or {}
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
+        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[
+            kind
+        ]
         bound = next(iter(ctx.values()), "?")
         return f"must be {op} {bound} (got {err.get('input')!r})"
-    if kind in ("int_type", "int_parsing", "int_from_float", "bool_type", "bool_parsing", "string_type",
-                "float_type", "float_parsing", "literal_error", "dict_type", "list_type", "tuple_type",
-                "model_type"):
+    if kind in (
+        "int_type",
+        "int_parsing",
+        "int_from_float",
+        "bool_type",
+        "bool_parsing",
+        "string_type",
+        "float_type",
+        "float_parsing",
+        "literal_error",
+        "dict_type",
+        "list_type",
+        "tuple_type",
+        "model_type",
+    ):
         return f"{msg[0].lower()}{msg[1:]} (got {err.get('input')!r})"
     return msg
 

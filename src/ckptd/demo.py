@@ -114,16 +114,24 @@ def build(base: Path, now: float) -> Path:
     """The demo volume under `base`, with a config beside it. Returns the config path."""
     root = base / "experiments"
     run = root / "roberta-mlm"
-    losses = {500: 0.91, 1000: 1.02, 1500: 0.97, 2000: 0.95, 2500: 0.99}
+    losses = {500: 0.91, 1000: 1.02, 1500: 0.97, 2000: 0.95, 2500: 0.93, 3000: 0.99}
     hour = 3600.0
-    for i, step in enumerate((500, 1000, 1500)):
-        hf_deepspeed_checkpoint(run, step, losses=losses, best=500, mtime=now - (5 - i) * hour)
+    # The best checkpoint is the oldest: the case in-process rotation got wrong.
+    for i, step in enumerate((500, 1000, 1500, 2000)):
+        hf_deepspeed_checkpoint(run, step, losses=losses, best=500, mtime=now - (6 - i) * hour)
     # rank 3 never wrote its optimizer shard
-    hf_deepspeed_checkpoint(run, 2000, losses=losses, best=500, mtime=now - 2 * hour,
-                            skip={"zero_pp_rank_3_mp_rank_00_optim_states.pt"})
+    hf_deepspeed_checkpoint(
+        run,
+        2500,
+        losses=losses,
+        best=500,
+        mtime=now - 2 * hour,
+        skip={"zero_pp_rank_3_mp_rank_00_optim_states.pt"},
+    )
     # still being written: a recent mtime, the slow rank's shard not there yet
-    hf_deepspeed_checkpoint(run, 2500, losses=losses, best=500, mtime=now - 5,
-                            skip={"zero_pp_rank_2_mp_rank_00_optim_states.pt"})
+    hf_deepspeed_checkpoint(
+        run, 3000, losses=losses, best=500, mtime=now - 5, skip={"zero_pp_rank_2_mp_rank_00_optim_states.pt"}
+    )
     mega = root / "team-a" / "gpt-small"
     for i, step in enumerate((1000, 2000, 3000, 4000)):
         it = mega / f"iter_{step:07d}" / "mp_rank_00"

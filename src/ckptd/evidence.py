@@ -173,7 +173,7 @@ class Inspector:
         checks.append(_integrity(path, entries))
 
         rel = cand.name if run_rel == "." else f"{run_rel}/{cand.name}"
-        pinned = (layouts.PIN_FILE in files if cand.is_dir else f"{cand.name}{layouts.PIN_FILE}" in run.names)
+        pinned = layouts.PIN_FILE in files if cand.is_dir else f"{cand.name}{layouts.PIN_FILE}" in run.names
         return Checkpoint(
             root=root,
             run=run_rel,
@@ -229,7 +229,9 @@ class Inspector:
         """The shard census of one `global_step*` directory (`gs`; "" for `ckpt` itself)."""
         name = f"deepspeed shards{f' ({gs})' if gs else ''}"
         prefix = f"{gs}/" if gs else ""
-        here = {rel[len(prefix):] for rel in files if rel.startswith(prefix) and "/" not in rel[len(prefix):]}
+        here = {
+            rel[len(prefix) :] for rel in files if rel.startswith(prefix) and "/" not in rel[len(prefix) :]
+        }
         stage3 = any(_ZERO3_MODEL.fullmatch(n) for n in here)
         sizes = self._world_sizes(ckpt, gs, files, stage3, world_size)
         if isinstance(sizes, str):
@@ -246,7 +248,9 @@ class Inspector:
                 expected.append(f"mp_rank_{m:02d}_model_states.pt")
             if zero:
                 opt = "bf16_" if bf16 else ""
-                expected += [f"{opt}zero_pp_rank_{r}_mp_rank_{m:02d}_optim_states.pt" for r in range(sizes.dp)]
+                expected += [
+                    f"{opt}zero_pp_rank_{r}_mp_rank_{m:02d}_optim_states.pt" for r in range(sizes.dp)
+                ]
         missing = [n for n in expected if n not in here]
         origin = f"dp_world_size={sizes.dp}, mp_world_size={sizes.mp} from {sizes.source}"
         if missing:
@@ -263,7 +267,9 @@ class Inspector:
 
 def _global_step_dirs(files: dict[str, Entry]) -> list[str]:
     return sorted(
-        rel for rel, e in files.items() if e.kind == "d" and "/" not in rel and re.fullmatch(r"global_step\d+", rel)
+        rel
+        for rel, e in files.items()
+        if e.kind == "d" and "/" not in rel and re.fullmatch(r"global_step\d+", rel)
     )
 
 
@@ -289,7 +295,11 @@ def parse_trainer_state(data: dict) -> TrainerState:
     history: dict[int, dict[str, object]] = {}
     log = data.get("log_history")
     for item in log if isinstance(log, list) else ():
-        if isinstance(item, dict) and isinstance(item.get("step"), int) and not isinstance(item["step"], bool):
+        if (
+            isinstance(item, dict)
+            and isinstance(item.get("step"), int)
+            and not isinstance(item["step"], bool)
+        ):
             history.setdefault(item["step"], {}).update(item)
     best = data.get("best_model_checkpoint")
     best_name = os.path.basename(os.path.normpath(best)) if isinstance(best, str) and best else None
@@ -315,7 +325,9 @@ def _rng_states(files: dict[str, Entry], world: int | None) -> Check:
     if world is not None:
         missing = [r for r in range(world) if r not in ranks]
         if missing:
-            return Check("rng states", FAILED, f"rng_state_{missing[0]}.pth missing ({len(ranks)}/{world} ranks)")
+            return Check(
+                "rng states", FAILED, f"rng_state_{missing[0]}.pth missing ({len(ranks)}/{world} ranks)"
+            )
         return Check("rng states", PASSED, f"{world}/{world} ranks")
     gaps = [r for r in range(max(ranks) + 1) if r not in ranks]
     if gaps:
@@ -393,7 +405,9 @@ def _integrity(path: Path, entries: list[Entry]) -> Check:
     if bad:
         shown = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
         return Check("file integrity", FAILED, shown)
-    return Check("file integrity", PASSED, f"{count} torch/safetensors files intact" if count else "no torch files")
+    return Check(
+        "file integrity", PASSED, f"{count} torch/safetensors files intact" if count else "no torch files"
+    )
 
 
 def _is_zip(path: Path) -> bool:

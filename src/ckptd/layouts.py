@@ -65,9 +65,9 @@ def recognise_by_name(
     for regex in patterns:
         if m := regex.fullmatch(name):
             return Candidate(name, int(m[1]), PATTERN, is_dir)
-    if not name.endswith(NEMO_UNFINISHED_SUFFIX) and (m := _NEMO_STEP.search(name)):
-        if is_dir or name.endswith((".ckpt", ".nemo")):
-            return Candidate(name, int(m[1]), NEMO, is_dir)
+    nemo_like = is_dir or name.endswith((".ckpt", ".nemo"))
+    if nemo_like and not name.endswith(NEMO_UNFINISHED_SUFFIX) and (m := _NEMO_STEP.search(name)):
+        return Candidate(name, int(m[1]), NEMO, is_dir)
     return None
 
 
@@ -80,9 +80,9 @@ def recognise_by_contents(name: str, children: Collection[str]) -> Candidate | N
     """
     if (m := _ORBAX.fullmatch(name)) and _ORBAX_MARKERS & set(children):
         return Candidate(name, int(m[1]), ORBAX, True)
-    if ".metadata" in children or any(c.endswith(".distcp") for c in children):
-        if m := _LAST_INT.search(name):
-            return Candidate(name, int(m[1]), DCP, True)
+    is_dcp = ".metadata" in children or any(c.endswith(".distcp") for c in children)
+    if is_dcp and (m := _LAST_INT.search(name)):
+        return Candidate(name, int(m[1]), DCP, True)
     return None
 
 

@@ -81,7 +81,9 @@ class Checkpoint:
     checks: tuple[Check, ...]
     size_bytes: int = 0
     newest_mtime: float = 0.0  # newest mtime of anything inside, the directory itself included
-    fingerprint: str = ""  # digest of every entry's (path, type, size, mtime): "unchanged" means this is equal
+    fingerprint: str = (
+        ""  # digest of every entry's (path, type, size, mtime): "unchanged" means this is equal
+    )
     pinned: bool = False
     trainer_state: TrainerState | None = None
 

@@ -62,7 +62,12 @@ class Scanner:
             try:
                 ckpts.append(
                     self.inspector.inspect(
-                        self.root.path, run_dir.rel, ctx, cand, now=now, world_size=world,
+                        self.root.path,
+                        run_dir.rel,
+                        ctx,
+                        cand,
+                        now=now,
+                        world_size=world,
                         pins=frozenset(retention.pins),
                     )
                 )
@@ -81,15 +86,21 @@ class Scanner:
         retention, world = self.root.retention_for(run_rel)
         try:
             return self.inspector.inspect(
-                self.root.path, run_rel, RunContext(run_dir.path, run_dir.names), cand, now=now,
-                world_size=world, pins=frozenset(retention.pins),
+                self.root.path,
+                run_rel,
+                RunContext(run_dir.path, run_dir.names),
+                cand,
+                now=now,
+                world_size=world,
+                pins=frozenset(retention.pins),
             )
         except FileNotFoundError:
             return None
 
 
 def decide(
-    roots: list[tuple[Root, list[Run]]], space: Callable[[Path], DiskSpace] = disk_space,
+    roots: list[tuple[Root, list[Run]]],
+    space: Callable[[Path], DiskSpace] = disk_space,
     device: Callable[[Path], int] = lambda p: os.stat(p).st_dev,
 ) -> Plan:
     """The retention plan for every run of every root, budgets included."""

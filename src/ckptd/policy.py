@@ -107,7 +107,8 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
         if reasons:
             decisions.append(Decision(c, Action.KEEP, tuple(reasons), id(c) in protected, metric))
         else:
-            note = f" ({r.metric}={_fmt(metric)} not comparable)" if r.metric and isinstance(metric, float) else ""
+            incomparable = isinstance(metric, float) and not is_rankable(metric)
+            note = f" ({r.metric}={_fmt(metric)} is not comparable)" if incomparable else ""
             decisions.append(Decision(c, Action.DELETE, (outside + note,), False, metric))
     return decisions
 

@@ -127,7 +127,9 @@ class Reaper:
         anchors: dict[str, Checkpoint] = {}
         for d in decisions:
             c = d.checkpoint
-            if c.state is State.COMPLETE and (c.run not in anchors or c.sort_key() > anchors[c.run].sort_key()):
+            if c.state is State.COMPLETE and (
+                c.run not in anchors or c.sort_key() > anchors[c.run].sort_key()
+            ):
                 anchors[c.run] = c
         return [
             self.trash_one(d, anchors.get(d.checkpoint.run))
@@ -141,15 +143,21 @@ class Reaper:
         """Re-check, then rename the checkpoint into the trash (or say what it would do)."""
         c = decision.checkpoint
         why_not = self.recheck(decision, anchor)
-        fields = dict(root=str(self.root), run=c.run, path=str(c.path), step=c.step, bytes=c.size_bytes,
-                      reasons=list(decision.reasons))
+        fields = dict(
+            root=str(self.root),
+            run=c.run,
+            path=str(c.path),
+            step=c.step,
+            bytes=c.size_bytes,
+            reasons=list(decision.reasons),
+        )
         if why_not is not None:
             log.warning("refusing to delete %s: %s", c.rel, why_not)
             self._record("refused", why=why_not, **fields)
             return Result(decision, Outcome.REFUSED, why_not)
         if self.dry_run:
             log.info("would delete %s: %s %s", c.rel, "; ".join(decision.reasons), DRY_RUN_NOTE)
-            return Result(decision, Outcome.DRY_RUN, f"would move to {TRASH_DIR}/ and purge {DRY_RUN_NOTE}")
+            return Result(decision, Outcome.DRY_RUN, f"would move to {TRASH_DIR}/ and purge")
         target = self.trash / _trash_name(c, self.clock())
         try:
             self._ensure_trash()

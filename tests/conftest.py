@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="also run the long (soak/sweep) variants")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="long variant: pass --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_thread_leaks():
+    """Fail a test that leaves threads running (after watchdog's own test fixture)."""
+    before = set(threading.enumerate())
+    yield
+    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    for t in leaked:
+        t.join(timeout=5)
+    leaked = [t for t in leaked if t.is_alive()]
+    assert not leaked, f"threads leaked: {leaked}"
+
+
+def run_ckptd(*args: str | os.PathLike[str], env: dict[str, str] | None = None, timeout: float = 120,
+              cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The real `ckptd` command line, as a subprocess."""
+    full_env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_CONFIG", "NOTIFY_SOCKET")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "ckptd", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
+@pytest.fixture
+def state_env(tmp_path: Path) -> dict[str, str]:
+    """Point the default state_dir at the test's own directory."""
+    return {"XDG_STATE_HOME": str(tmp_path / "xdg-state")}

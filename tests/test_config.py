@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from ckptd.config import (
+    Config,
+    ConfigError,
+    FreeSpace,
+    Root,
+    load_config,
+    parse_duration,
+    parse_size,
+)
+from ckptd.errors import EX_CONFIG
+from conftest import REPO, run_ckptd
+
+
+def test_config_example_loads_and_sets_every_key():
+    config = load_config(REPO / "config.example.toml")
+    root = config.roots[0]
+    assert root.path == Path("/mnt/experiments")
+    assert root.retention.metric == "eval_loss"
+    assert root.retention.max_size == 2 * 1024**4
+    assert root.retention.min_free == FreeSpace(percent=10.0)
+    assert root.retention.keep_within == 6 * 3600
+    assert root.reconcile_interval == 300
+    # every field of every model appears in the example (world_size only as a comment at root level)
+    text = (REPO / "config.example.toml").read_text()
+    for model in (Config, Root, type(root.retention), type(config.daemon), type(root.runs[0])):
+        for name in model.model_fields:
+            if name not in ("roots", "daemon", "retention", "runs"):
+                assert f"{name} =" in text, f"config.example.toml does not document {model.__name__}.{name}"
+
+
+def test_run_overrides_replace_only_what_they_set():
+    config = load_config(REPO / "config.example.toml")
+    root = config.roots[0]
+    retention, world = root.retention_for("sweeps/lr-3e-4")
+    assert (retention.keep_last, retention.keep_best, world) == (1, 0, 4)
+    assert retention.metric == "eval_loss" and retention.max_size == root.retention.max_size
+    retention, world = root.retention_for("main-run")
+    assert (retention.keep_last, world) == (2, None)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90s", 90), ("10m", 600), ("6h", 21600), ("1.5d", 129600), ("500ms", 0.5), (42, 42), ("2w", 1209600)],
+)
+def test_durations(text, seconds):
+    assert math.isclose(parse_duration(text), seconds)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("500GiB", 500 * 1024**3), ("2TB", 2 * 10**12), ("1.5KiB", 1536), (1234, 1234), ("10 MiB", 10 * 1024**2)],
+)
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+def test_free_space_percent_rounds_up():
+    assert FreeSpace(percent=10).required(1001) == 101
+
+
+BAD = [
+    ("[[roots]]\npath = 'relative'\n", "roots[0].path: must be an absolute path (got 'relative')"),
+    ("[[roots]]\npath = '/x'\n[roots.retention]\nkeep_last = -1\n", "roots[0].retention.keep_last: must be >= 0 (got -1)"),
+    ("[[roots]]\npath = '/x'\nkeep_lats = 3\n", "roots[0].keep_lats: unknown key"),
+    ("[daemon]\ndry_run = 'yes'\n", "daemon.dry_run: input should be a valid boolean (got 'yes')"),
+    ("[daemon]\nlog_format = 'xml'\n", "daemon.log_format: input should be 'text' or 'json' (got 'xml')"),
+    ("[[roots]]\npath = '/x'\nquiet_period = 'soon'\n",
+     "roots[0].quiet_period: expected a duration like '90s', '10m', '6h' or '7d' (got 'soon')"),
+    ("[[roots]]\npath = '/x'\n[roots.retention]\nmax_size = 'lots'\n",
+     "roots[0].retention.max_size: expected a size like '500GiB', '2TB' or a number of bytes (got 'lots')"),
+    ("[[roots]]\npath = '/x'\n[roots.retention]\nmin_free = '150%'\n",
+     "roots[0].retention.min_free: a percentage must be in [0, 100) (got '150%')"),
+    ("[[roots]]\npath = '/x'\n[roots.retention]\nmode = 'median'\n",
+     "roots[0].retention.mode: input should be 'min' or 'max' (got 'median')"),
+    ("[[roots]]\npath = '/x'\n[roots.retention]\nkeep_last = '3'\n",
+     "roots[0].retention.keep_last: input should be a valid integer (got '3')"),
+    ("[[roots]]\npath = '/x'\n[[roots.runs]]\nmatch = 'a/*'\nmin_free = '5%'\n",
+     "roots[0].runs[0]: min_free is per filesystem: set it in [roots.retention], not per run"),
+    ("[[roots]]\npath = '/x'\n[[roots.runs]]\nkeep_last = 1\n", "roots[0].runs[0].match: required key is missing"),
+    ("[[roots]]\npath = '/x'\npatterns = ['ckpt']\n",
+     "roots[0].patterns: a pattern is one name with exactly one {step} field (got 'ckpt')"),
+    ("[[roots]]\npath = '/x'\n[[roots]]\npath = '/x/y'\n",
+     "roots: roots[1].path '/x/y' overlaps roots[0].path '/x'"),
+    ("[[roots]]\n", "roots[0].path: required key is missing"),
+    ("roots = 3\n", "roots: input should be a valid tuple (got 3)"),
+    ("colour = 'blue'\n", "colour: unknown key"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD)
+def test_each_mistake_is_one_line_naming_the_key(tmp_path, text, message):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [f"{path}: {message}"]
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[daemon]\nlog_format = 'xml'\n[[roots]]\npath = 'rel'\nquiet_period = -5\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert len(info.value.problems) == 3
+
+
+def test_invalid_toml_names_the_file_and_line(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[daemon]\nlog_format = \n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    [line] = info.value.problems
+    assert line.startswith(f"{path}: invalid TOML: ") and "line 2" in line
+
+
+@pytest.mark.parametrize("command", ["plan", "prune", "check-config"])
+def test_bad_config_exits_78_without_traceback_and_deletes_nothing(tmp_path, command, state_env):
+    root = tmp_path / "vol"
+    (root / "run" / "checkpoint-1").mkdir(parents=True)
+    path = tmp_path / "c.toml"
+    path.write_text(f"[[roots]]\npath = '{root}'\n[roots.retention]\nkeep_last = -1\n")
+    proc = run_ckptd(command, "-c", path, env=state_env)
+    assert proc.returncode == EX_CONFIG
+    assert proc.stderr == f"ckptd: {path}: roots[0].retention.keep_last: must be >= 0 (got -1)\n"
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert (root / "run" / "checkpoint-1").is_dir()
+
+
+def test_config_from_environment(tmp_path, state_env):
+    path = tmp_path / "c.toml"
+    path.write_text("[daemon]\nlog_format = 'xml'\n")
+    proc = run_ckptd("check-config", env={**state_env, "CKPTD_CONFIG": str(path)})
+    assert proc.returncode == EX_CONFIG and "daemon.log_format" in proc.stderr
+
+
+def test_check_config_prints_the_effective_config(tmp_path, state_env):
+    path = tmp_path / "c.toml"
+    path.write_text(f"[[roots]]\npath = '{tmp_path}'\n[roots.retention]\nkeep_within = 5400\n")
+    proc = run_ckptd("check-config", "-c", path, env=state_env)
+    assert proc.returncode == 0, proc.stderr
+    assert '"keep_within": "90m"' in proc.stdout and '"quiet_period": "1m"' in proc.stdout
