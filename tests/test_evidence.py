@@ -1,0 +1,349 @@
+"""Recognition and completeness evidence, on a real filesystem.
+
+File ages are set with os.utime and `now` is passed in: no test waits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from ckptd import layouts
+from ckptd.config import Root
+from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
+from ckptd.discover import find_runs
+from ckptd.evidence import Inspector, RunContext, safetensors_problem
+from ckptd.model import State, Verdict
+from ckptd.planner import Scanner
+
+NOW = 1_800_000_000.0
+OLD = NOW - 3600
+
+
+def scan(root: Path, **root_kw) -> dict[str, object]:
+    """Every checkpoint under `root`, by its path relative to the root."""
+    runs = Scanner(Root(path=root, **root_kw)).runs(now=NOW)
+    return {c.rel: c for run in runs for c in run.checkpoints}
+
+
+def checks(ckpt) -> dict[str, tuple[Verdict, str]]:
+    return {c.name: (c.verdict, c.detail) for c in ckpt.checks}
+
+
+# --- recognition -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "is_dir", "expected"),
+    [
+        ("checkpoint-1200", True, (layouts.HF, 1200)),
+        ("checkpoint-1200", False, None),
+        ("global_step40", True, (layouts.DEEPSPEED, 40)),
+        ("iter_0005000", True, (layouts.MEGATRON, 5000)),
+        ("iter_5000", True, None),
+        ("42.orbax-checkpoint-tmp-1700000000", True, (layouts.ORBAX, 42)),
+        ("megatron_gpt--val_loss=1.23-step=1000-consumed_samples=8000.0.ckpt", False, (layouts.NEMO, 1000)),
+        ("megatron_gpt--val_loss=1.23-step=1000-consumed_samples=8000.0", True, (layouts.NEMO, 1000)),
+        ("epoch=3-step=900.ckpt", False, (layouts.NEMO, 900)),
+        ("megatron_gpt--step=1000-unfinished", False, None),
+        ("notes-step=5.txt", False, None),
+        ("ckpt_77", True, (layouts.PATTERN, 77)),
+        ("ckpt_77.tmp", True, None),
+        ("runs", True, None),
+        ("latest", False, None),
+    ],
+)
+def test_recognise_by_name(name, is_dir, expected):
+    cand = layouts.recognise_by_name(name, is_dir, [layouts.compile_pattern("ckpt_{step}")])
+    assert (None if cand is None else (cand.layout, cand.step)) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "children", "expected"),
+    [
+        ("42", ["_CHECKPOINT_METADATA", "default"], (layouts.ORBAX, 42)),
+        ("42", ["checkpoint-1"], None),  # a run named 42 is not an Orbax step
+        ("step_300", [".metadata", "__0_0.distcp"], (layouts.DCP, 300)),
+        ("step_300", ["__0_0.distcp"], (layouts.DCP, 300)),  # in flight: recognised, then incomplete
+        ("final", [".metadata"], None),  # no step to order by
+    ],
+)
+def test_recognise_by_contents(name, children, expected):
+    cand = layouts.recognise_by_contents(name, children)
+    assert (None if cand is None else (cand.layout, cand.step)) == expected
+
+
+def test_runs_are_found_at_any_depth_up_to_max_depth(tmp_path):
+    for rel in ("a/checkpoint-1", "team/b/checkpoint-2", "x/y/z/deep/checkpoint-3"):
+        (tmp_path / rel).mkdir(parents=True)
+    (tmp_path / "a" / "checkpoint-1" / "nested" / "checkpoint-9").mkdir(parents=True)  # inside a checkpoint
+    (tmp_path / ".hidden" / "checkpoint-4").mkdir(parents=True)
+    assert [r.rel for r in find_runs(tmp_path, max_depth=4)] == ["a", "team/b", "x/y/z/deep"]
+    assert [r.rel for r in find_runs(tmp_path, max_depth=2)] == ["a", "team/b"]
+
+
+def test_symlinks_are_never_followed_or_recognised(tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "checkpoint-5").mkdir(parents=True)
+    root = tmp_path / "root"
+    (root / "run" / "checkpoint-1").mkdir(parents=True)
+    (root / "run" / "checkpoint-2").symlink_to(outside / "checkpoint-5")
+    (root / "linked-run").symlink_to(outside)
+    runs = find_runs(root)
+    assert [(r.rel, [c.name for c in r.candidates]) for r in runs] == [("run", ["checkpoint-1"])]
+
+
+def test_trash_is_not_scanned(tmp_path):
+    (tmp_path / layouts.TRASH_DIR / "123-run%checkpoint-1").mkdir(parents=True)
+    (tmp_path / layouts.TRASH_DIR / "checkpoint-7").mkdir()
+    assert find_runs(tmp_path) == []
+
+
+# --- quiet ---------------------------------------------------------------
+
+
+def test_quiet_uses_the_newest_mtime_of_anything_inside(tmp_path):
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
+    inner = ckpt / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    os.utime(inner, (NOW - 5, NOW - 5))
+    c = scan(tmp_path, world_size=2)["run/checkpoint-10"]
+    assert c.state is State.WRITING
+    assert checks(c)["quiet"] == (Verdict.FAILED, "last change 5.0s ago, quiet_period=1m")
+    os.utime(inner, (OLD, OLD))
+    assert scan(tmp_path, world_size=2)["run/checkpoint-10"].state is State.COMPLETE
+
+
+def test_a_future_mtime_is_not_quiet(tmp_path):
+    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=NOW + 120)
+    c = scan(tmp_path, world_size=2)["run/checkpoint-10"]
+    assert c.state is State.WRITING and "in the future" in checks(c)["quiet"][1]
+
+
+def test_an_entry_removed_counts_as_a_change(tmp_path):
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
+    before = scan(tmp_path, world_size=2)["run/checkpoint-10"].fingerprint
+    (ckpt / "config.json").unlink()
+    os.utime(ckpt, (OLD, OLD))  # even with the directory's mtime put back
+    assert scan(tmp_path, world_size=2)["run/checkpoint-10"].fingerprint != before
+
+
+# --- Hugging Face + DeepSpeed (synthetic; real DeepSpeed runs are in test_deepspeed.py) ---
+
+
+def test_hf_deepspeed_complete(tmp_path):
+    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=4, mtime=OLD)
+    c = scan(tmp_path, world_size=4)["run/checkpoint-10"]
+    assert c.state is State.COMPLETE, c.checks
+    assert checks(c)["deepspeed shards (global_step10)"] == (
+        Verdict.PASSED,
+        "5/5 files present, ZeRO (dp_world_size=4, mp_world_size=1 from config world_size)",
+    )
+    assert checks(c)["rng states"] == (Verdict.PASSED, "4/4 ranks")
+
+
+def test_missing_shard_is_named(tmp_path):
+    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=8, mtime=OLD,
+                            skip={"zero_pp_rank_3_mp_rank_00_optim_states.pt"})
+    c = scan(tmp_path, world_size=8)["run/checkpoint-10"]
+    assert c.state is State.INCOMPLETE
+    assert checks(c)["deepspeed shards (global_step10)"] == (
+        Verdict.FAILED,
+        "zero_pp_rank_3_mp_rank_00_optim_states.pt missing (dp_world_size=8, mp_world_size=1 from config world_size)",
+    )
+
+
+def test_zero3_needs_every_ranks_model_states(tmp_path):
+    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, stage=3, mtime=OLD,
+                            skip={"zero_pp_rank_1_mp_rank_00_model_states.pt"})
+    c = scan(tmp_path, world_size=2)["run/checkpoint-10"]
+    verdict, detail = checks(c)["deepspeed shards (global_step10)"]
+    assert verdict is Verdict.FAILED and detail.startswith("zero_pp_rank_1_mp_rank_00_model_states.pt missing")
+
+
+def test_without_torch_metadata_or_world_size_the_census_is_unknown(tmp_path):
+    # The demo's model-states files are zips torch cannot read: no world size anywhere.
+    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
+    c = scan(tmp_path)["run/checkpoint-10"]
+    verdict, detail = checks(c)["deepspeed shards (global_step10)"]
+    assert verdict is Verdict.UNKNOWN and detail.startswith("cannot count shards")
+    assert c.state is State.INCOMPLETE
+
+
+def test_trainer_state_missing_or_broken(tmp_path):
+    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD, skip={"trainer_state.json"})
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 20, world=2, mtime=OLD)
+    (ckpt / "trainer_state.json").write_text('{"global_step": 20, "log_hist')
+    age(ckpt, OLD)
+    found = scan(tmp_path, world_size=2)
+    assert checks(found["run/checkpoint-10"])["trainer_state.json"][0] is Verdict.FAILED
+    assert checks(found["run/checkpoint-20"])["trainer_state.json"][1].startswith("unreadable: JSONDecodeError")
+    assert {found[k].state for k in found} == {State.INCOMPLETE}
+
+
+def test_rng_state_per_rank(tmp_path):
+    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=4, mtime=OLD, skip={"rng_state_2.pth"})
+    c = scan(tmp_path, world_size=4)["run/checkpoint-10"]
+    assert checks(c)["rng states"] == (Verdict.FAILED, "rng_state_2.pth missing (3/4 ranks)")
+
+
+def test_plain_trainer_checkpoint_without_deepspeed(tmp_path):
+    ckpt = tmp_path / "run" / "checkpoint-5"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 5, "log_history": []}))
+    write_zip(ckpt / "optimizer.pt", 10)
+    write_zip(ckpt / "rng_state.pth", 10)
+    _safetensors(ckpt / "model.safetensors", {"w": 16})
+    age(ckpt, OLD)
+    c = scan(tmp_path)["run/checkpoint-5"]
+    assert c.state is State.COMPLETE, c.checks
+    assert checks(c)["file integrity"] == (Verdict.PASSED, "3 torch/safetensors files intact")
+
+
+def test_truncated_torch_file_fails_integrity(tmp_path):
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD, shard_size=4096)
+    shard = ckpt / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    (ckpt / "global_step10" / "empty.pt").write_bytes(b"")
+    age(ckpt, OLD)
+    c = scan(tmp_path, world_size=2)["run/checkpoint-10"]
+    verdict, detail = checks(c)["file integrity"]
+    assert verdict is Verdict.FAILED
+    assert "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt is not a complete zip archive" in detail
+    assert "global_step10/empty.pt is empty" in detail
+
+
+def _safetensors(path: Path, tensors: dict[str, int], truncate: int = 0) -> None:
+    header, offset = {}, 0
+    for name, nbytes in tensors.items():
+        header[name] = {"dtype": "U8", "shape": [nbytes], "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header).encode()
+    data = struct.pack("<Q", len(blob)) + blob + b"\0" * offset
+    path.write_bytes(data[: len(data) - truncate])
+
+
+@pytest.mark.parametrize(
+    ("truncate", "problem"),
+    [(0, None), (1, "tensors need 48 data bytes, the file has 47 (truncated?)"), (60, "header length")],
+)
+def test_safetensors_header_must_fit_the_file(tmp_path, truncate, problem):
+    path = tmp_path / "model.safetensors"
+    _safetensors(path, {"a": 16, "b": 32}, truncate=truncate)
+    found = safetensors_problem(path, path.stat().st_size)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and found.startswith(problem)
+
+
+# --- the other layouts -----------------------------------------------------
+
+
+def test_bare_deepspeed(tmp_path):
+    run = tmp_path / "run"
+    for step, skip in ((10, ()), (20, ("zero_pp_rank_1_mp_rank_00_optim_states.pt",))):
+        gs = run / f"global_step{step}"
+        gs.mkdir(parents=True)
+        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+            if name not in skip:
+                write_zip(gs / name)
+        age(gs, OLD)
+    (run / "latest").write_text("global_step20")  # not evidence: written before the slow rank finished
+    found = scan(tmp_path, world_size=2)
+    assert found["run/global_step10"].state is State.COMPLETE
+    assert found["run/global_step20"].state is State.INCOMPLETE
+
+
+def test_megatron_tracker(tmp_path):
+    run = tmp_path / "run"
+    for step in (1000, 2000):
+        write_zip(run / f"iter_{step:07d}" / "mp_rank_00" / "model_optim_rng.pt")
+        age(run / f"iter_{step:07d}", OLD)
+    (run / "latest_checkpointed_iteration.txt").write_text("1000\n")
+    found = scan(tmp_path)
+    assert found["run/iter_0001000"].state is State.COMPLETE
+    assert checks(found["run/iter_0002000"])["megatron tracker"] == (
+        Verdict.FAILED, "tracker at iteration 1000 < 2000: still being saved")
+
+
+def test_dcp_needs_metadata(tmp_path):
+    run = tmp_path / "run"
+    for name, with_meta in (("step_100", True), ("step_200", False)):
+        d = run / name
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(b"x" * 10)
+        (d / "__1_0.distcp").write_bytes(b"x" * 10)
+        if with_meta:
+            (d / ".metadata").write_bytes(b"meta")
+        age(d, OLD)
+    found = scan(tmp_path)
+    assert found["run/step_100"].state is State.COMPLETE
+    assert found["run/step_200"].state is State.INCOMPLETE
+
+
+def test_dcp_inside_a_trainer_checkpoint(tmp_path):
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (ckpt / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"x")
+    (ckpt / "trainer_state.json").write_text("{}")
+    age(ckpt, OLD)
+    c = scan(tmp_path)["run/checkpoint-3"]
+    assert checks(c)["dcp .metadata (pytorch_model_fsdp_0)"][0] is Verdict.FAILED
+
+
+def test_orbax(tmp_path):
+    run = tmp_path / "run"
+    (run / "100" / "default").mkdir(parents=True)
+    (run / "100" / "_CHECKPOINT_METADATA").write_text("{}")
+    (run / "200.orbax-checkpoint-tmp-1700000000" / "default").mkdir(parents=True)
+    age(run, OLD)
+    found = scan(tmp_path)
+    assert found["run/100"].state is State.COMPLETE
+    assert found["run/200.orbax-checkpoint-tmp-1700000000"].state is State.INCOMPLETE
+
+
+def test_nemo_unfinished_marker(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    done = "megatron_gpt--val_loss=1.10-step=100-consumed_samples=800.0.ckpt"
+    busy = "megatron_gpt--val_loss=1.00-step=200-consumed_samples=1600.0.ckpt"
+    write_zip(run / done)
+    write_zip(run / busy)
+    (run / layouts.nemo_unfinished_marker(busy)).write_text("")
+    age(run, OLD)
+    found = scan(tmp_path)
+    assert found[f"run/{done}"].state is State.COMPLETE
+    assert checks(found[f"run/{busy}"])["nemo marker"][0] is Verdict.FAILED
+
+
+def test_user_pattern_is_complete_on_quiet_alone_and_says_so(tmp_path):
+    (tmp_path / "run" / "ckpt_5").mkdir(parents=True)
+    age(tmp_path / "run", OLD)
+    c = scan(tmp_path, patterns=("ckpt_{step}",))["run/ckpt_5"]
+    assert c.state is State.COMPLETE
+    assert checks(c)["evidence"] == (Verdict.PASSED, "no layout-specific markers: complete on quiet alone")
+
+
+def test_pins(tmp_path):
+    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 20, world=2, mtime=OLD)
+    (ckpt / layouts.PIN_FILE).write_text("")
+    found = scan(tmp_path, world_size=2)
+    assert not found["run/checkpoint-10"].pinned and found["run/checkpoint-20"].pinned
+
+
+def test_world_size_cache_is_keyed_by_file_identity(tmp_path):
+    """Re-inspecting an unchanged checkpoint does not read its metadata again."""
+    inspector = Inspector(quiet_period=60)
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
+    cand = layouts.recognise_by_name(ckpt.name, True)
+    ctx = RunContext(tmp_path / "run", frozenset(os.listdir(tmp_path / "run")))
+    inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
+    inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
+    assert len(inspector._world_cache) == 1
