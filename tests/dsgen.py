@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -36,19 +37,20 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 __all__ = [
+    "EVENT_PREFIX",
+    "SLOW_MARKER",
     "DsgenError",
     "Run",
     "generate",
-    "start",
-    "load_world_sizes",
     "load_optim_shard",
+    "load_world_sizes",
     "optim_safe_globals",
-    "SLOW_MARKER",
-    "EVENT_PREFIX",
+    "start",
 ]
 
 SLOW_MARKER = ".slow_rank_waiting"
@@ -90,7 +92,7 @@ def _norm_losses(steps: Sequence[int], eval_losses) -> dict[int, float] | None:
         vals = list(eval_losses)
         if len(vals) != len(steps):
             raise ValueError(f"eval_losses has {len(vals)} values for {len(steps)} steps")
-        out = {int(s): float(v) for s, v in zip(steps, vals)}
+        out = {int(s): float(v) for s, v in zip(steps, vals, strict=True)}
     missing = [s for s in steps if s not in out]
     if missing:
         raise ValueError(f"eval_losses lacks steps {missing}")
@@ -112,6 +114,7 @@ def _cli_args(
     slow_step,
     train_steps_per_save,
     seed,
+    timeout=300,
 ) -> list[str]:
     if not 1 <= world_size <= 8:
         raise ValueError("world_size must be 1..8 (2..4 intended)")
@@ -138,6 +141,8 @@ def _cli_args(
         *map(str, steps),
         "--seed",
         str(seed),
+        "--timeout",
+        repr(float(timeout)),
     ]
     if train_steps_per_save is not None:
         args += ["--train-steps-per-save", str(train_steps_per_save)]
@@ -235,18 +240,15 @@ class Run:
         with self._cond:
             if any(e.get("event") == "slow_rank_done" for e in self.events) or self.proc.poll() is not None:
                 return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(int(ev["pid"]), signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)  # our own session: CLI + ranks
-            except ProcessLookupError:
-                pass
         self.proc.wait()
+        self._reader.join(30)  # EOF once every rank is gone
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the run to finish; return metadata (see :func:`generate`)."""
@@ -265,7 +267,7 @@ class Run:
             raise DsgenError("dsgen exited 0 without a 'done' event", self.output)
         return self._result(done[-1], time.monotonic() - self._t0)
 
-    def __enter__(self) -> "Run":
+    def __enter__(self) -> Run:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -348,6 +350,7 @@ def start(
         slow_step=slow_step,
         train_steps_per_save=train_steps_per_save,
         seed=seed,
+        timeout=timeout,
     )
     return Run(out, argv, timeout, env)
 
@@ -630,7 +633,7 @@ def _worker(rank: int, cfg: dict) -> None:
                 return r
 
         def _open(file, mode="r", *a, **k):
-            f = builtins.open(file, mode, *a, **k)
+            f = builtins.open(file, mode, *a, **k)  # noqa: SIM115 (handed to the caller's `with`)
             if os.path.basename(str(file)) == "latest" and "w" in mode and state["step"] == slow_step:
                 return _Tracked(f, state["step"])
             return f
@@ -738,7 +741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "so engine.global_steps == N in the checkpoint)",
     )
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--timeout", type=float, default=300, help="bound for in-child store waits (s)")
     a = p.parse_args(argv)
     for k, v in _CHILD_ENV.items():
         os.environ.setdefault(k, v)
@@ -767,7 +770,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "offload": a.offload,
         "layout": a.layout,
         "steps": a.steps,
-        "eval_losses": dict(zip(map(str, a.steps), a.eval_losses)) if a.eval_losses else None,
+        "eval_losses": dict(zip(map(str, a.steps), a.eval_losses, strict=True)) if a.eval_losses else None,
         "slow_rank": a.slow_rank,
         "slow_seconds": a.slow_seconds,
         "slow_step": a.slow_step if a.slow_step is not None else a.steps[-1],

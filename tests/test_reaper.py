@@ -1,0 +1,172 @@
+"""The reaper: re-checks before acting, crash-safe trash, journal. Real filesystem."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ckptd.config import Retention, Root
+from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
+from ckptd.journal import Journal, read_journal
+from ckptd.layouts import PIN_FILE, TRASH_DIR
+from ckptd.planner import Scanner, decide
+from ckptd.policy import Action
+from ckptd.reaper import LockHeld, Outcome, Reaper, RootLock
+
+NOW = 1_800_000_000.0
+OLD = NOW - 3600
+
+
+@pytest.fixture
+def volume(tmp_path: Path):
+    """Four complete checkpoints; keep_last=1 plans to delete the three oldest."""
+    root = tmp_path / "vol"
+    for i, step in enumerate((10, 20, 30, 40)):
+        hf_deepspeed_checkpoint(root / "run", step, world=2, mtime=OLD + i)
+    return root
+
+
+def make(root: Path, tmp_path: Path, *, dry_run: bool = False):
+    scanner = Scanner(Root(path=root, world_size=2, retention=Retention(keep_last=1, keep_best=0)))
+    journal = Journal(tmp_path / "state")
+    reaper = Reaper(scanner, None if dry_run else journal, dry_run=dry_run, clock=lambda: NOW)
+    plan = decide([(scanner.root, scanner.runs(now=NOW))])
+    return reaper, plan, journal
+
+
+def names(root: Path) -> list[str]:
+    return sorted(os.listdir(root / "run"))
+
+
+def test_deletes_what_the_plan_says_via_the_trash(volume, tmp_path):
+    reaper, plan, journal = make(volume, tmp_path)
+    assert [d.checkpoint.step for d in plan.deletions] == [10, 20, 30]
+    results = reaper.execute(plan.decisions)
+    assert [r.outcome for r in results] == [Outcome.TRASHED] * 3
+    assert names(volume) == ["checkpoint-40"]
+    assert len(os.listdir(volume / TRASH_DIR)) == 3
+    count, freed = reaper.purge()
+    assert count == 3 and freed == sum(d.checkpoint.size_bytes for d in plan.deletions)
+    assert os.listdir(volume / TRASH_DIR) == []
+    journal.close()
+    events = [(r["event"], Path(r.get("path", r.get("trash", ""))).name) for r in read_journal(tmp_path / "state")]
+    assert [e for e, _ in events] == ["trashing", "trashed"] * 3 + ["purged"] * 3
+    assert events[0] == ("trashing", "checkpoint-10")
+    first = read_journal(tmp_path / "state")[0]
+    assert first["step"] == 10 and first["reasons"] == ["outside keep_last=1"] and first["bytes"] > 0
+
+
+def test_dry_run_reaches_the_reaper_and_moves_nothing(volume, tmp_path):
+    reaper, plan, _ = make(volume, tmp_path, dry_run=True)
+    results = reaper.execute(plan.decisions)
+    assert [r.outcome for r in results] == [Outcome.DRY_RUN] * 3
+    assert names(volume) == ["checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-40"]
+    assert not (volume / TRASH_DIR).exists()
+    assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize(
+    ("tamper", "why"),
+    [
+        # a resumed job re-saving the same step: size changes, mtime put back
+        (lambda ck: (ck / "config.json").write_text("{changed}") or age(ck, OLD), "changed since the plan was made"),
+        (lambda ck: (ck / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+         or age(ck, OLD), "no longer complete (incomplete)"),
+        (lambda ck: os.utime(ck / "config.json", (NOW - 1, NOW - 1)), "no longer complete (writing)"),
+        (lambda ck: (ck / PIN_FILE).write_text("") or age(ck, OLD), "pinned"),
+        (lambda ck: os.rename(ck, ck.with_name("moved")), "no longer exists"),
+    ],
+)
+def test_recheck_refuses_what_changed_after_the_plan(volume, tmp_path, tamper, why):
+    reaper, plan, _ = make(volume, tmp_path)
+    tamper(volume / "run" / "checkpoint-10")
+    results = {r.decision.checkpoint.step: r for r in reaper.execute(plan.decisions)}
+    assert (results[10].outcome, results[10].detail) == (Outcome.REFUSED, why)
+    assert results[20].outcome is Outcome.TRASHED  # the others are unaffected
+
+
+def test_recheck_refuses_when_the_runs_newest_complete_is_gone(volume, tmp_path):
+    reaper, plan, _ = make(volume, tmp_path)
+    os.rename(volume / "run" / "checkpoint-40", tmp_path / "elsewhere")
+    results = reaper.execute(plan.decisions)
+    assert {r.outcome for r in results} == {Outcome.REFUSED}
+    assert "newest complete checkpoint checkpoint-40 is gone" in results[0].detail
+    assert names(volume) == ["checkpoint-10", "checkpoint-20", "checkpoint-30"]
+
+
+def test_recheck_refuses_a_checkpoint_swapped_for_a_symlink(volume, tmp_path):
+    reaper, plan, _ = make(volume, tmp_path)
+    ck = volume / "run" / "checkpoint-10"
+    os.rename(ck, tmp_path / "real-10")
+    ck.symlink_to(tmp_path / "real-10")
+    results = {r.decision.checkpoint.step: r for r in reaper.execute(plan.decisions)}
+    assert (results[10].outcome, results[10].detail) == (Outcome.REFUSED, "is a symlink")
+    assert (tmp_path / "real-10" / "trainer_state.json").exists()
+
+
+def test_recheck_refuses_a_run_directory_swapped_for_a_symlink(volume, tmp_path):
+    """Time of check to time of use: the run directory becomes a link to outside the root."""
+    reaper, plan, _ = make(volume, tmp_path)
+    outside = tmp_path / "outside-run"
+    os.rename(volume / "run", outside)
+    (volume / "run").symlink_to(outside)
+    results = reaper.execute(plan.decisions)
+    assert {r.outcome for r in results} == {Outcome.REFUSED}
+    assert "reached through a symlink or outside" in results[0].detail
+    assert sorted(os.listdir(outside)) == ["checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-40"]
+
+
+def test_purge_does_not_follow_symlinks_inside_a_checkpoint(volume, tmp_path):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    write_zip(precious / "weights.pt")
+    ck = volume / "run" / "checkpoint-10"
+    (ck / "link-to-outside").symlink_to(precious)
+    (ck / "file-link").symlink_to(precious / "weights.pt")
+    age(ck, OLD)
+    reaper, plan, _ = make(volume, tmp_path)
+    assert plan.deletions[0].checkpoint.step == 10
+    reaper.execute(plan.decisions)
+    reaper.purge()
+    assert (precious / "weights.pt").is_file()
+    assert names(volume) == ["checkpoint-40"]
+
+
+def test_rename_failure_is_reported_and_leaves_the_checkpoint(volume, tmp_path):
+    (volume / TRASH_DIR).write_text("not a directory")  # stands in for EXDEV/EROFS: rename cannot happen
+    reaper, plan, journal = make(volume, tmp_path)
+    results = reaper.execute(plan.decisions)
+    assert {r.outcome for r in results} == {Outcome.FAILED}
+    assert "is not a directory" in results[0].detail
+    assert names(volume) == ["checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-40"]
+
+
+def test_the_newest_complete_is_never_a_deletion(volume, tmp_path):
+    reaper, plan, _ = make(volume, tmp_path)
+    newest = next(d for d in plan.decisions if d.checkpoint.step == 40)
+    forged = type(newest)(newest.checkpoint, Action.DELETE, ("forged",))
+    [result] = reaper.execute([forged])
+    assert (result.outcome, result.detail) == (Outcome.REFUSED, "it is its run's newest complete checkpoint")
+
+
+def test_a_decision_for_another_root_is_ignored(volume, tmp_path):
+    other = tmp_path / "other"
+    hf_deepspeed_checkpoint(other / "run", 1, world=2, mtime=OLD)
+    hf_deepspeed_checkpoint(other / "run", 2, world=2, mtime=OLD)
+    reaper, _, _ = make(volume, tmp_path)
+    _, other_plan, _ = make(other, tmp_path)
+    assert reaper.execute(other_plan.decisions) == []
+    assert sorted(os.listdir(other / "run")) == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_one_lock_holder_per_root(tmp_path):
+    a = RootLock(tmp_path / "state", tmp_path / "vol")
+    b = RootLock(tmp_path / "state", tmp_path / "vol")
+    a.acquire()
+    with pytest.raises(LockHeld):
+        b.acquire()
+    a.release()
+    b.acquire()
+    b.release()
