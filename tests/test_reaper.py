@@ -136,7 +136,7 @@ def test_purge_does_not_follow_symlinks_inside_a_checkpoint(volume, tmp_path):
 
 def test_rename_failure_is_reported_and_leaves_the_checkpoint(volume, tmp_path):
     (volume / TRASH_DIR).write_text("not a directory")  # stands in for EXDEV/EROFS: rename cannot happen
-    reaper, plan, journal = make(volume, tmp_path)
+    reaper, plan, _ = make(volume, tmp_path)
     results = reaper.execute(plan.decisions)
     assert {r.outcome for r in results} == {Outcome.FAILED}
     assert "is not a directory" in results[0].detail
