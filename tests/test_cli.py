@@ -8,13 +8,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_ckptd
 
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.errors import EX_NOINPUT, EX_USAGE
 from ckptd.journal import read_journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.reaper import DRY_RUN_NOTE, RootLock
+
+from conftest import run_ckptd
 
 LOSSES = {100: 0.31, 200: 0.52, 300: 0.47, 400: 0.44, 500: 0.40, 600: 0.45}
 

@@ -4,7 +4,6 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_ckptd
 
 from ckptd.config import (
     Config,
@@ -16,6 +15,8 @@ from ckptd.config import (
     parse_size,
 )
 from ckptd.errors import EX_CONFIG
+
+from conftest import REPO, run_ckptd
 
 
 def test_config_example_loads_and_sets_every_key():

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-import dsgen
 from ckptd.demo import age
+
+import dsgen
 from conftest import run_ckptd
 
 pytestmark = [
