@@ -28,7 +28,7 @@ import re
 import stat
 import struct
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +107,9 @@ def fingerprint(entries: list[Entry]) -> str:
     return h.hexdigest()
 
 
+QuietJudge = Callable[[str, str], Check]  # (path relative to the root, fingerprint) -> quiet check
+
+
 @dataclass(frozen=True)
 class RunContext:
     """What a checkpoint's checks need to know of the run directory around it."""
@@ -137,9 +140,13 @@ class Inspector:
         now: float,
         world_size: int | None = None,
         pins: frozenset[str] = frozenset(),
+        quiet: QuietJudge | None = None,
     ) -> Checkpoint:
-        """The evidence for one checkpoint. `now` is wall-clock time, compared with mtimes.
+        """The evidence for one checkpoint.
 
+        Quiescence is judged by `quiet` when given (the daemon's settler, on
+        monotonic time), else by comparing the newest mtime with `now`, the
+        wall clock (one-shot commands have nothing better).
         `world_size` stands in for DeepSpeed's dp_world_size when the
         checkpoint's own metadata cannot be read (no torch).
         """
@@ -148,8 +155,10 @@ class Inspector:
         files = {e.rel: e for e in entries}
         newest_ns = max(e.mtime_ns for e in entries)
         trainer_state: TrainerState | None = None
+        rel = cand.name if run_rel == "." else f"{run_rel}/{cand.name}"
+        digest = fingerprint(entries)
 
-        checks = [self._quiet(newest_ns, now)]
+        checks = [quiet(rel, digest) if quiet is not None else self._quiet(newest_ns, now)]
         if cand.layout == layouts.HF:
             ts_check, trainer_state = _trainer_state(path, files)
             checks.append(ts_check)
@@ -172,7 +181,6 @@ class Inspector:
         checks.extend(_nested_dcp(files, skip_top=cand.layout == layouts.DCP))
         checks.append(_integrity(path, entries))
 
-        rel = cand.name if run_rel == "." else f"{run_rel}/{cand.name}"
         pinned = layouts.PIN_FILE in files if cand.is_dir else f"{cand.name}{layouts.PIN_FILE}" in run.names
         return Checkpoint(
             root=root,
@@ -183,7 +191,7 @@ class Inspector:
             checks=tuple(checks),
             size_bytes=sum(e.size for e in entries if e.kind == "f"),
             newest_mtime=newest_ns / 1e9,
-            fingerprint=fingerprint(entries),
+            fingerprint=digest,
             pinned=pinned or _matches_pin(rel, pins),
             trainer_state=trainer_state,
         )

@@ -16,7 +16,8 @@ class State(StrEnum):
     COMPLETE = "complete"  # every check that applies passed
     INCOMPLETE = "incomplete"  # quiet, but some evidence is missing or unreadable
     WRITING = "writing"  # changed within the quiet period
-    STALLED = "stalled"  # incomplete and untouched for a long time (the daemon says so)
+    SETTLING = "settling"  # the daemon saw no change, but not yet for the whole quiet period
+    STALLED = "stalled"  # incomplete and untouched for `stall_after` (the daemon says so)
 
 
 class Verdict(StrEnum):
@@ -45,17 +46,24 @@ class Check:
 def classify(checks: tuple[Check, ...]) -> State:
     """A checkpoint is complete only when every check passed.
 
-    A failed quiet check wins: something is still writing, so whatever else
-    is missing may yet arrive.
+    An unpassed quiet check wins: something may still be writing, so whatever
+    else is missing may yet arrive. The daemon's quiet check says `unknown`
+    while a checkpoint is settling (no change seen, quiet period not over).
     """
-    if any(c.name == QUIET and c.verdict is not Verdict.PASSED for c in checks):
-        return State.WRITING
+    for c in checks:
+        if c.name == QUIET and c.verdict is Verdict.FAILED:
+            return State.WRITING
+        if c.name == QUIET and c.verdict is Verdict.UNKNOWN:
+            return State.SETTLING
     if all(c.verdict is Verdict.PASSED for c in checks):
         return State.COMPLETE
+    if any(c.name == STALL for c in checks):
+        return State.STALLED
     return State.INCOMPLETE
 
 
 QUIET = "quiet"
+STALL = "stall"  # added by the daemon to an incomplete checkpoint untouched for stall_after
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from ckptd import policy
 from ckptd.config import Config, Root
 from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError
-from ckptd.evidence import Inspector, RunContext
-from ckptd.layouts import compile_pattern
+from ckptd.evidence import Inspector, QuietJudge, RunContext
+from ckptd.layouts import Candidate, compile_pattern
 from ckptd.model import Checkpoint, Run
 from ckptd.policy import Decision, Plan
 
@@ -40,8 +40,9 @@ def disk_space(path: Path) -> DiskSpace:
 class Scanner:
     """Inspects the runs of one root. Keeps its inspector's cache between scans."""
 
-    def __init__(self, root: Root):
+    def __init__(self, root: Root, quiet: QuietJudge | None = None):
         self.root = root
+        self.quiet = quiet  # the daemon's settler; None: compare mtimes with the wall clock
         self.patterns = [compile_pattern(p) for p in root.patterns]
         self.inspector = Inspector(quiet_period=root.quiet_period, mp_world_size=root.mp_world_size)
 
@@ -55,47 +56,33 @@ class Scanner:
         return [self.inspect_run(d, now=now) for d in dirs]
 
     def inspect_run(self, run_dir: RunDir, *, now: float) -> Run:
-        retention, world = self.root.retention_for(run_dir.rel)
-        ctx = RunContext(run_dir.path, run_dir.names)
-        ckpts = []
-        for cand in run_dir.candidates:
-            try:
-                ckpts.append(
-                    self.inspector.inspect(
-                        self.root.path,
-                        run_dir.rel,
-                        ctx,
-                        cand,
-                        now=now,
-                        world_size=world,
-                        pins=frozenset(retention.pins),
-                    )
-                )
-            except FileNotFoundError:
-                continue  # deleted while we looked: not ours to decide about
+        ckpts = [c for cand in run_dir.candidates if (c := self.inspect(run_dir, cand, now=now)) is not None]
         return Run(self.root.path, run_dir.rel, tuple(sorted(ckpts, key=Checkpoint.sort_key)))
 
-    def reinspect(self, run_rel: str, name: str, *, now: float) -> Checkpoint | None:
-        """One checkpoint, looked at afresh: None if it is gone or no longer recognised."""
-        run_dir = find_run(self.root.path, run_rel, patterns=self.patterns)
-        if run_dir is None:
-            return None
-        cand = next((c for c in run_dir.candidates if c.name == name), None)
-        if cand is None:
-            return None
-        retention, world = self.root.retention_for(run_rel)
+    def inspect(self, run_dir: RunDir, cand: Candidate, *, now: float) -> Checkpoint | None:
+        """One checkpoint's evidence; None if it vanished while we looked (not ours to decide about)."""
+        retention, world = self.root.retention_for(run_dir.rel)
         try:
             return self.inspector.inspect(
                 self.root.path,
-                run_rel,
+                run_dir.rel,
                 RunContext(run_dir.path, run_dir.names),
                 cand,
                 now=now,
                 world_size=world,
                 pins=frozenset(retention.pins),
+                quiet=self.quiet,
             )
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
+
+    def reinspect(self, run_rel: str, name: str, *, now: float) -> Checkpoint | None:
+        """One checkpoint, looked at afresh: None if it is gone or no longer recognised."""
+        run_dir = find_run(self.root.path, run_rel, patterns=self.patterns)
+        cand = next((c for c in run_dir.candidates if c.name == name), None) if run_dir else None
+        if run_dir is None or cand is None:
+            return None
+        return self.inspect(run_dir, cand, now=now)
 
 
 def decide(
