@@ -44,13 +44,29 @@ def _list(path: str) -> list[os.DirEntry[str]] | None:
         return None
 
 
-def find_runs(root: Path, *, max_depth: int = 4, patterns: Collection[re.Pattern[str]] = ()) -> list[RunDir]:
-    """Every run under `root`, with the checkpoint candidates it holds, sorted by path."""
+def find_runs(
+    root: Path,
+    *,
+    max_depth: int = 4,
+    patterns: Collection[re.Pattern[str]] = (),
+    visited: dict[str, int] | None = None,
+) -> list[RunDir]:
+    """Every run under `root`, with the checkpoint candidates it holds, sorted by path.
+
+    `visited`, if given, receives every directory listed (relative to `root`)
+    with the mtime it had just before it was listed: a later stat showing a
+    different mtime means its entries changed (targeted polling).
+    """
     runs: list[RunDir] = []
     stack: list[tuple[str, str, int, list[os.DirEntry[str]] | None]] = [(str(root), ".", 0, None)]
     while stack:
         path, rel, depth, entries = stack.pop()
-        if entries is None:
+        if visited is not None:
+            try:
+                visited[rel] = os.stat(path, follow_symlinks=False).st_mtime_ns
+            except OSError:
+                continue
+        if entries is None or visited is not None:
             entries = _list(path)
             if entries is None:
                 continue
