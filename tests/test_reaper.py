@@ -170,3 +170,12 @@ def test_one_lock_holder_per_root(tmp_path):
     a.release()
     b.acquire()
     b.release()
+
+
+def test_purge_stops_between_entries_when_asked(volume, tmp_path):
+    reaper, plan, _ = make(volume, tmp_path)
+    reaper.execute(plan.decisions)
+    asked = []
+    count, _ = reaper.purge(stop=lambda: asked.append(1) or len(asked) > 1)
+    assert count == 1 and len(os.listdir(volume / TRASH_DIR)) == 2  # the rest waits for the next purge
+    assert reaper.purge()[0] == 2

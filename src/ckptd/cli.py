@@ -51,52 +51,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    def common(sp: argparse.ArgumentParser, roots: bool = True) -> None:
+    def command(name: str, help: str, *, roots: bool = True, config: bool = True) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help, epilog=EPILOG, formatter_class=fmt)
         if roots:
             sp.add_argument(
                 "roots", nargs="*", metavar="ROOT", help="directories to manage (default: the config's roots)"
             )
-        sp.add_argument("-c", "--config", metavar="CONFIG", help="TOML config file")
+        if config:
+            sp.add_argument("-c", "--config", metavar="CONFIG", help="TOML config file")
         sp.add_argument("-v", "--verbose", action="store_true", help="log debug detail to stderr")
+        return sp
 
-    sp = sub.add_parser(
-        "plan",
-        help="show what retention would keep and delete (read-only)",
-        epilog=EPILOG,
-        formatter_class=fmt,
+    sp = command("run", "the daemon: watch the roots and apply retention as checkpoints complete")
+    sp.add_argument(
+        "--foreground",
+        action="store_true",
+        help="debug mode: a human-readable line on stderr for every state change and decision",
     )
-    common(sp)
+    sp.add_argument("--dry-run", action="store_true", help="decide and log, but delete nothing")
+    sp.add_argument("--log-format", choices=("text", "json"), help="default: the config's daemon.log_format")
+
+    sp = command("status", "what the running daemon sees: runs, checkpoints, states", roots=False)
+    sp.add_argument("--json", action="store_true", help="print the daemons' state documents")
+
+    sp = command("plan", "show what retention would keep and delete (read-only)")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
 
-    sp = sub.add_parser(
-        "prune",
-        help="apply retention once: delete what the plan says, crash-safely",
-        epilog=EPILOG,
-        formatter_class=fmt,
-    )
-    common(sp)
+    sp = command("prune", "apply retention once: delete what the plan says, crash-safely")
     sp.add_argument("--dry-run", action="store_true", help="re-check and report, but delete nothing")
 
-    sp = sub.add_parser(
-        "verify", help="show the completeness evidence for one checkpoint", epilog=EPILOG, formatter_class=fmt
-    )
+    sp = command("verify", "show the completeness evidence for one checkpoint", roots=False)
     sp.add_argument("path", metavar="PATH", help="a checkpoint directory or file")
-    common(sp, roots=False)
     sp.add_argument("--json", action="store_true", help="print one JSON document")
 
-    sp = sub.add_parser(
-        "demo", help="write a small example volume and a config for it", epilog=EPILOG, formatter_class=fmt
-    )
-    sp.add_argument("dir", metavar="DIR", help="where to write it (created if missing)")
-    sp.add_argument("-v", "--verbose", action="store_true", help="log debug detail to stderr")
+    command("check-config", "validate the config and print it with defaults filled in", roots=False)
 
-    sp = sub.add_parser(
-        "check-config",
-        help="validate the config and print it with defaults filled in",
-        epilog=EPILOG,
-        formatter_class=fmt,
-    )
-    common(sp, roots=False)
+    sp = command("demo", "write a small example volume and a config for it", roots=False, config=False)
+    sp.add_argument("dir", metavar="DIR", help="where to write it (created if missing)")
     return p
 
 
@@ -195,6 +186,58 @@ def cmd_prune(args: argparse.Namespace) -> int:
         f"{totals[Outcome.REFUSED]} refused on re-check, {totals[Outcome.FAILED]} failed{note}"
     )
     return status
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from ckptd.daemon import Daemon
+
+    path = find_config(args.config)
+    config = load(args)
+    require_roots(config)
+    setup_logging(
+        args.verbose or args.foreground,
+        log_format=args.log_format or ("text" if args.foreground else config.daemon.log_format),
+        timestamps=True,
+    )
+    daemon = Daemon(config, config_path=path, cli_roots=[Path(r) for r in args.roots], dry_run=args.dry_run)
+    return asyncio.run(daemon.serve())
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ckptd.daemon import read_states
+
+    config = load(args)
+    docs = read_states(config.daemon.state_dir)
+    if args.json:
+        print(json.dumps(docs, indent=2))
+        return EX_OK if docs else 1
+    if not docs:
+        print(f"no ckptd daemon is running (state_dir {config.daemon.state_dir})", file=sys.stderr)
+        return 1
+    for doc in docs:
+        age = time.time() - doc["heartbeat"]
+        dry = " (dry run)" if doc.get("dry_run") else ""
+        print(f"ckptd {doc['version']} pid {doc['pid']}, last heartbeat {age:.0f}s ago{dry}")
+        counters = doc.get("counters", {})
+        print(
+            f"  {counters.get('deleted', 0)} deleted, {format_size(counters.get('bytes_reclaimed', 0))} "
+            f"reclaimed, {counters.get('rescans', 0)} rescans after missed events"
+        )
+        for root in doc["roots"]:
+            role = "deletes" if root["leader"] else "standby"
+            oldest = root.get("oldest_incomplete_age")
+            extra = f", oldest incomplete {oldest:.0f}s" if oldest is not None else ""
+            print(f"  {root['path']} ({root['observer']}, {role}{extra})")
+            for run in root["runs"]:
+                for c in run["checkpoints"]:
+                    reasons = "; ".join(c["reasons"])
+                    print(
+                        f"    {run['run']}/{c['name']}  {c['state']}  {format_size(c['size_bytes'])}  "
+                        f"{c['action'] or '-'}: {reasons}"
+                    )
+    return EX_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -325,6 +368,8 @@ def print_table(decisions: Sequence[Decision]) -> None:
 # --- entry points --------------------------------------------------------
 
 COMMANDS = {
+    "run": cmd_run,
+    "status": cmd_status,
     "plan": cmd_plan,
     "prune": cmd_prune,
     "verify": cmd_verify,
@@ -333,12 +378,46 @@ COMMANDS = {
 }
 
 
-def setup_logging(verbose: bool) -> None:
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for docker log drivers and log shippers."""
+
+    FIELDS = ("run", "checkpoint", "state", "action", "reasons", "outcome")
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        doc.update({k: getattr(record, k) for k in self.FIELDS if hasattr(record, k)})
+        if record.exc_info:
+            doc["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def _stderr_is_journal() -> bool:
+    """systemd sets JOURNAL_STREAM to stderr's device:inode when stderr goes to the journal."""
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError):
+        return False
+    return os.environ.get("JOURNAL_STREAM", "") == f"{st.st_dev}:{st.st_ino}"
+
+
+def setup_logging(verbose: bool, log_format: str = "text", timestamps: bool = False) -> None:
+    """Handlers for the `ckptd` loggers; only the command line installs them."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    elif timestamps and not _stderr_is_journal():  # the journal stamps lines itself
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     root = logging.getLogger("ckptd")
     root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    root.propagate = False
+    root.setLevel(logging.DEBUG if verbose else logging.INFO if timestamps else logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

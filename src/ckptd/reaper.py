@@ -19,12 +19,14 @@ The journal records the intent before the rename, and each outcome after.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -156,7 +158,6 @@ class Reaper:
             self._record("refused", why=why_not, **fields)
             return Result(decision, Outcome.REFUSED, why_not)
         if self.dry_run:
-            log.info("would delete %s: %s %s", c.rel, "; ".join(decision.reasons), DRY_RUN_NOTE)
             return Result(decision, Outcome.DRY_RUN, f"would move to {TRASH_DIR}/ and purge")
         target = self.trash / _trash_name(c, self.clock())
         try:
@@ -175,11 +176,14 @@ class Reaper:
             self._record("failed", why=why, **fields)
             return Result(decision, Outcome.FAILED, why)
         self._record("trashed", trash=str(target), **fields)
-        log.info("deleted %s from its run (now %s): %s", c.rel, target, "; ".join(decision.reasons))
         return Result(decision, Outcome.TRASHED, f"moved to {target.relative_to(self.root)}", target)
 
-    def purge(self) -> tuple[int, int]:
-        """Delete everything in the trash. Returns (entries purged, bytes freed)."""
+    def purge(self, stop: Callable[[], bool] = lambda: False) -> tuple[int, int]:
+        """Delete everything in the trash. Returns (entries purged, bytes freed).
+
+        `stop` is asked between entries: a daemon shutting down leaves the rest
+        for its next start.
+        """
         if self.dry_run:
             return 0, 0
         try:
@@ -191,6 +195,8 @@ class Reaper:
             return 0, 0
         count = freed = 0
         for entry in sorted(os.listdir(self.trash)):
+            if stop():
+                break
             path = self.trash / entry
             size = _size(path)
             try:
@@ -203,6 +209,7 @@ class Reaper:
                 continue
             count += 1
             freed += size
+            log.debug("purged %s (%d bytes)", path, size)
             self._record("purged", time=self.clock(), root=str(self.root), trash=str(path), bytes=size)
         return count, freed
 
@@ -275,3 +282,26 @@ class RootLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def lower_priority() -> None:
+    """Make the calling thread nice 19 and idle I/O class, so purging yields to training I/O.
+
+    Both are per-thread on Linux (setpriority and ioprio_set take a thread id).
+    Best effort: a sandbox may forbid either.
+    """
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except OSError as exc:
+        log.debug("cannot lower CPU priority: %s", exc)
+    number = {"x86_64": 251, "aarch64": 30}.get(os.uname().machine)
+    if number is None:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ioprio_who_process, ioprio_class_idle = 1, 3
+        if libc.syscall(number, ioprio_who_process, tid, ioprio_class_idle << 13) != 0:
+            log.debug("cannot set idle I/O priority: %s", os.strerror(ctypes.get_errno()))
+    except OSError as exc:
+        log.debug("cannot set idle I/O priority: %s", exc)

@@ -75,8 +75,12 @@ class Settler:
             track = self._tracks.get(key)
             idle = None if track is None else now - track.changed_at
         if idle is not None and idle >= self.stall_after:
-            return Check(STALL, Verdict.FAILED, f"untouched for {format_duration(round(idle))} "
-                         f"(stall_after={format_duration(self.stall_after)})")
+            return Check(
+                STALL,
+                Verdict.FAILED,
+                f"untouched for {format_duration(round(idle))} "
+                f"(stall_after={format_duration(self.stall_after)})",
+            )
         return None
 
     def deadline(self, key: str) -> float | None:

@@ -132,8 +132,9 @@ class RootTracker:
         changes = changes or Changes()
         self.scanner.check_root()
         visited: dict[str, int] = {}
-        found = find_runs(self.root.path, max_depth=self.root.max_depth, patterns=self.scanner.patterns,
-                          visited=visited)
+        found = find_runs(
+            self.root.path, max_depth=self.root.max_depth, patterns=self.scanner.patterns, visited=visited
+        )
         self.dirs = visited
         seen = {d.rel for d in found}
         for rel in [r for r in self.runs if r not in seen]:
@@ -193,8 +194,12 @@ class RootTracker:
                 continue  # an ancestor is re-listed anyway
             depth = 0 if rel == "." else rel.count("/") + 1
             visited: dict[str, int] = {}
-            found = find_runs(self._abs(rel), max_depth=self.root.max_depth - depth,
-                              patterns=self.scanner.patterns, visited=visited)
+            found = find_runs(
+                self._abs(rel),
+                max_depth=self.root.max_depth - depth,
+                patterns=self.scanner.patterns,
+                visited=visited,
+            )
             for d in [d for d in self.dirs if _under(d, rel)]:
                 del self.dirs[d]
             self.dirs.update({_join(rel, v): m for v, m in visited.items()})
@@ -202,8 +207,9 @@ class RootTracker:
             for run_rel in [r for r in self.runs if _under(r, rel) and r not in found_runs]:
                 self._drop_run(run_rel, changes)
             for run_rel, r in found_runs.items():
-                self._update_run(RunDir(self.root.path, run_rel, r.names, r.candidates), changes,
-                                 complete_too=False)
+                self._update_run(
+                    RunDir(self.root.path, run_rel, r.names, r.candidates), changes, complete_too=False
+                )
 
     def _update_run(self, run_dir: RunDir, changes: Changes, *, complete_too: bool) -> None:
         rs = self.runs.get(run_dir.rel)
@@ -227,8 +233,9 @@ class RootTracker:
         fresh = self.scanner.inspect(rs.dir, cand, now=0.0) if cand else None
         self._record(rs, fresh, rs.checkpoints[name], changes, name)
 
-    def _record(self, rs: RunState, fresh: Checkpoint | None, old: Checkpoint | None, changes: Changes,
-                name: str) -> None:
+    def _record(
+        self, rs: RunState, fresh: Checkpoint | None, old: Checkpoint | None, changes: Changes, name: str
+    ) -> None:
         if fresh is None:
             if old is not None:
                 self._vanish(rs, name, changes)
@@ -241,7 +248,8 @@ class RootTracker:
         before = old.state if old is not None else None
         if fresh.state is not before:
             changes.transitions += 1
-            log.debug("%s: %s -> %s (%s)", fresh.rel, before or "new", fresh.state, _why(fresh))
+            log.debug("%s: %s -> %s (%s)", fresh.rel, before or "new", fresh.state, _why(fresh),
+                      extra={"run": fresh.run, "checkpoint": fresh.name, "state": str(fresh.state)})
             if fresh.state is State.COMPLETE:
                 changes.completed.append(fresh)
 

@@ -1,0 +1,579 @@
+"""`ckptd run`: the asyncio daemon.
+
+Shape (after uvicorn): `startup() -> main_loop() -> shutdown()`.
+
+- The event loop only schedules. Every look at the disk, every decision and
+  every rename happens on one filesystem worker thread (`_fs`), so the
+  per-root trackers need no locks; purging the trash runs on a second thread
+  at idle priority.
+- watchdog's threads hand paths to the loop (`watch.py`); the loop queues them
+  as hints for the worker, which folds them in at its next step.
+- The loop sleeps on an `asyncio.Event` until the earliest deadline: a
+  checkpoint's quiet period ending, a debounced hint, the next targeted poll
+  (which runs in inotify mode too, since inotify drops events), the next
+  reconcile, or systemd's watchdog ping.
+- Signals only set flags: SIGTERM/SIGINT stop (a second SIGINT forces),
+  SIGHUP reloads (the new config is validated first; a bad one is logged and
+  the old one stays).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ckptd import __version__
+from ckptd.config import Config, format_size, load_config
+from ckptd.errors import ConfigError
+from ckptd.journal import Journal
+from ckptd.model import Action, State
+from ckptd.notify import notify, watchdog_interval
+from ckptd.planner import DiskSpace, decide, disk_space
+from ckptd.policy import Decision
+from ckptd.reaper import DRY_RUN_NOTE, LockHeld, Outcome, Reaper, RootLock, lower_priority
+from ckptd.tracker import Changes, RootTracker
+from ckptd.watch import Watcher, choose_observer
+
+log = logging.getLogger("ckptd.daemon")
+
+SHUTDOWN_TIMEOUT = 10.0
+STATE_MIN_INTERVAL = 1.0
+STATE_PREFIX = "daemon."
+
+
+class RootRuntime:
+    """One root as the daemon runs it: its tracker, its lock, its reaper."""
+
+    def __init__(self, tracker: RootTracker, lock: RootLock, reaper: Reaper, observer: str):
+        self.tracker = tracker
+        self.lock = lock
+        self.reaper = reaper
+        self.observer = observer
+        self.leader = False
+        self.next_poll = 0.0
+        self.next_reconcile = 0.0
+        self.overflowed = False
+        self.pending_purge_bytes = 0
+        self.said_standby = False
+
+    @property
+    def root(self):
+        return self.tracker.root
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: Path | None = None,
+        cli_roots: list[Path] | None = None,
+        dry_run: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.config_path = config_path
+        self.cli_roots = cli_roots or []
+        self.dry_run = dry_run or config.daemon.dry_run
+        self.clock = clock
+        self.roots: list[RootRuntime] = []
+        self.journal: Journal | None = None
+        self.counters = collections.Counter[str]()
+        self.started = time.time()
+        self._decisions: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._hints: collections.deque[str] = collections.deque()
+        self._state_path = config.daemon.state_dir / f"{STATE_PREFIX}{os.getpid()}.json"
+        self._watchdog_every = watchdog_interval()
+        self._next_watchdog = 0.0
+        self._reload = False
+        self._sigint_count = 0
+        self._purge_stop = False
+        self._purging: concurrent.futures.Future[Any] | None = None
+        self._state_written = -1e9
+        self._state_due: float | None = None
+
+    # --- entry point ---------------------------------------------------------
+
+    async def serve(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._fs = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptd-fs")
+        self._purger = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="ckptd-purge", initializer=lower_priority
+        )
+        self._install_signals()
+        self.watcher: Watcher | None = None
+        try:
+            await self.startup()
+            await self.main_loop()
+        finally:
+            await self.shutdown()
+        return 0
+
+    async def _on_fs(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self._loop.run_in_executor(self._fs, fn, *args)
+
+    # --- start-up ------------------------------------------------------------
+
+    async def startup(self) -> None:
+        note = f" {DRY_RUN_NOTE}" if self.dry_run else ""
+        log.info("ckptd %s starting (pid %d)%s", __version__, os.getpid(), note)
+        self.config.daemon.state_dir.mkdir(parents=True, exist_ok=True)
+        self.journal = None if self.dry_run else Journal(self.config.daemon.state_dir)
+        for root in self.config.roots:
+            self.roots.append(self._runtime(root))
+        if any(rt.observer == "inotify" for rt in self.roots):
+            self.watcher = Watcher(self._loop, self._on_path, self._on_overflow)
+            self.watcher.start()
+        await self._on_fs(self._first_scan)
+        self._report("READY=1")
+        log.info("ready: watching %d root(s)", len(self.roots))
+
+    def _runtime(self, root) -> RootRuntime:
+        tracker = RootTracker(root, self.clock)
+        reaper = Reaper(tracker.scanner, self.journal, dry_run=self.dry_run)
+        observer, why = choose_observer(root.path, root.observer)
+        log.info("%s: observer=%s (%s)", root.path, observer, why)
+        return RootRuntime(tracker, RootLock(self.config.daemon.state_dir, root.path), reaper, observer)
+
+    def _first_scan(self) -> None:
+        now = self.clock()
+        for rt in self.roots:
+            self._try_lead(rt)
+            rt.tracker.full_scan()
+            rt.next_poll = now + rt.root.poll_interval
+            rt.next_reconcile = now + rt.root.reconcile_interval
+        self._sync_watches()
+        self._write_state(force=True)
+
+    def _try_lead(self, rt: RootRuntime) -> None:
+        """Take the root's deleter lock if free; otherwise stay an observe-only standby."""
+        if rt.leader or self.dry_run:
+            return
+        try:
+            rt.lock.acquire()
+        except LockHeld as exc:
+            if not rt.said_standby:
+                log.warning("%s: standby, observing only: %s", rt.root.path, exc)
+                rt.said_standby = True
+            return
+        rt.leader = True
+        log.info("%s: this ckptd deletes here (holds %s)", rt.root.path, rt.lock.path)
+        self._purge(rt)  # what an earlier run left in the trash
+
+    # --- the main loop -----------------------------------------------------
+
+    async def main_loop(self) -> None:
+        while not self._stop.is_set():
+            timeout = self._next_timeout()
+            if timeout > 0:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except TimeoutError:
+                    pass
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            if self._reload:
+                self._reload = False
+                await self._do_reload()
+            await self._on_fs(self._tick)
+            self._ping_watchdog()
+
+    def _next_timeout(self) -> float:
+        now = self.clock()
+        times = [rt.next_poll for rt in self.roots] + [rt.next_reconcile for rt in self.roots]
+        times += [d for rt in self.roots if (d := rt.tracker.next_deadline()) is not None]
+        if self._watchdog_every:
+            times.append(self._next_watchdog)
+        if self._state_due is not None:
+            times.append(self._state_due)
+        if self._hints or any(rt.overflowed for rt in self.roots):
+            return 0.0
+        return max(0.0, min(times, default=now + 60) - now)
+
+    def _on_path(self, path: str) -> None:
+        """From watchdog (via call_soon_threadsafe): a hint for the worker."""
+        self._hints.append(path)
+        self._wake.set()
+
+    def _on_overflow(self) -> None:
+        self.counters["overflows"] += 1
+        for rt in self.roots:
+            if rt.observer == "inotify":
+                rt.overflowed = True
+        self._wake.set()
+
+    def _tick(self) -> None:
+        """One step of work, on the filesystem thread."""
+        now = self.clock()
+        hints = []
+        while self._hints:
+            hints.append(self._hints.popleft())
+        retention = False
+        for rt in self.roots:
+            tr = rt.tracker
+            for path in hints:
+                tr.hint(path, now)
+            changes = Changes()
+            try:
+                if now >= rt.next_reconcile:
+                    tr.full_scan(changes)
+                    rt.next_reconcile = now + rt.root.reconcile_interval
+                    rt.next_poll = now + rt.root.poll_interval
+                    retention = True
+                elif rt.overflowed:
+                    rt.overflowed = False
+                    self.counters["rescans"] += 1
+                    tr.rescan_in_flight()
+                elif now >= rt.next_poll:
+                    tr.poll(changes)
+                    rt.next_poll = now + rt.root.poll_interval
+                    self._try_lead(rt)
+                step = tr.step(now)
+            except OSError as exc:
+                log.error("%s: cannot look at the volume: %s; retrying at the next poll", rt.root.path, exc)
+                rt.next_poll = now + rt.root.poll_interval
+                continue
+            completed = changes.completed + step.completed
+            for c in completed:
+                self.counters["completed"] += 1
+                log.info(
+                    "%s: complete (%s, %s)",
+                    c.rel,
+                    c.layout,
+                    format_size(c.size_bytes),
+                    extra={"run": c.run, "checkpoint": c.name, "state": "complete"},
+                )
+            if completed or changes.vanished or step.vanished:
+                retention = True
+        if retention:
+            self._retention()
+        self._sync_watches()
+        self._write_state()
+
+    # --- retention ---------------------------------------------------------
+
+    def _retention(self) -> None:
+        """Decide across every root (min_free is per filesystem), then let each leader's reaper act."""
+        plan = decide([(rt.root, rt.tracker.current_runs()) for rt in self.roots], space=self._space)
+        for w in plan.warnings:
+            log.warning("%s", w)
+        self._log_decisions(plan.decisions)
+        for rt in self.roots:
+            if not rt.leader and not self.dry_run:
+                continue
+            mine = [d for d in plan.decisions if d.checkpoint.root == rt.root.path]
+            if not any(d.action is Action.DELETE for d in mine):
+                continue
+            trashed = False
+            for result in rt.reaper.execute(mine):
+                c = result.decision.checkpoint
+                extra = {
+                    "run": c.run,
+                    "checkpoint": c.name,
+                    "action": "delete",
+                    "reasons": list(result.decision.reasons),
+                    "outcome": str(result.outcome),
+                }
+                if result.outcome is Outcome.TRASHED:
+                    trashed = True
+                    self.counters["deleted"] += 1
+                    rt.pending_purge_bytes += c.size_bytes
+                    rt.tracker.forget(c.rel)
+                    log.info(
+                        "deleted %s (%s): %s",
+                        c.rel,
+                        format_size(c.size_bytes),
+                        "; ".join(result.decision.reasons),
+                        extra=extra,
+                    )
+                elif result.outcome is Outcome.DRY_RUN:
+                    log.debug(
+                        "would delete %s (%s): %s %s",
+                        c.rel,
+                        format_size(c.size_bytes),
+                        "; ".join(result.decision.reasons),
+                        DRY_RUN_NOTE,
+                        extra=extra,
+                    )
+                else:
+                    self.counters[str(result.outcome)] += 1
+            if trashed:
+                self._purge(rt)
+
+    def _log_decisions(self, decisions: tuple[Decision, ...]) -> None:
+        """Log each checkpoint's decision when it changes (not at every reconcile)."""
+        note = f" {DRY_RUN_NOTE}" if self.dry_run else ""
+        for d in decisions:
+            key = str(d.checkpoint.path)
+            value = (str(d.action), d.reasons)
+            if self._decisions.get(key) != value:
+                self._decisions[key] = value
+                level = logging.INFO if d.action is Action.DELETE else logging.DEBUG
+                log.log(
+                    level,
+                    "decide %s%s",
+                    d.line(),
+                    note if d.action is Action.DELETE else "",
+                    extra={
+                        "run": d.checkpoint.run,
+                        "checkpoint": d.checkpoint.name,
+                        "action": str(d.action),
+                        "reasons": list(d.reasons),
+                    },
+                )
+
+    def _space(self, path: Path) -> DiskSpace:
+        """Free space, counting what is in the trash as already freed."""
+        space = disk_space(path)
+        pending = sum(rt.pending_purge_bytes for rt in self.roots)
+        return DiskSpace(free=space.free + pending, total=space.total)
+
+    def _purge(self, rt: RootRuntime) -> None:
+        if self.dry_run:
+            return
+
+        def purge() -> None:
+            count, freed = rt.reaper.purge(stop=lambda: self._purge_stop)
+            rt.pending_purge_bytes = max(0, rt.pending_purge_bytes - freed)
+            self.counters["bytes_reclaimed"] += freed
+            if count:
+                log.info("%s: purged %d trash entries (%s)", rt.root.path, count, format_size(freed))
+
+        self._purging = self._purger.submit(purge)
+
+    # --- watches, state, systemd ---------------------------------------------
+
+    def _sync_watches(self) -> None:
+        if self.watcher is None:
+            return
+        wanted: set[tuple[str, bool]] = set()
+        for rt in self.roots:
+            if rt.observer == "inotify":
+                wanted |= rt.tracker.wanted_watches()
+        self.watcher.reconcile(wanted)
+
+    def _ping_watchdog(self) -> None:
+        if self._watchdog_every and self.clock() >= self._next_watchdog:
+            notify("WATCHDOG=1")
+            self._next_watchdog = self.clock() + self._watchdog_every
+
+    def _status_line(self) -> str:
+        states = collections.Counter(str(c.state) for rt in self.roots for c in rt.tracker.checkpoints())
+        runs = sum(len(rt.tracker.runs) for rt in self.roots)
+        parts = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "none"
+        return (
+            f"{runs} runs; checkpoints: {parts}; {self.counters['deleted']} deleted, "
+            f"{format_size(self.counters['bytes_reclaimed'])} reclaimed"
+        )
+
+    def _report(self, *fields: str) -> None:
+        notify(*fields, f"STATUS={self._status_line()}")
+
+    def state(self) -> dict[str, Any]:
+        now_mono = self.clock()
+        roots = []
+        for rt in self.roots:
+            runs = []
+            oldest = None
+            for run in rt.tracker.current_runs():
+                ckpts = []
+                for c in run.checkpoints:
+                    decided = self._decisions.get(str(c.path))
+                    ckpts.append(
+                        {
+                            "name": c.name,
+                            "step": c.step,
+                            "state": str(c.state),
+                            "size_bytes": c.size_bytes,
+                            "action": decided[0] if decided else None,
+                            "reasons": list(decided[1]) if decided else [],
+                        }
+                    )
+                    if c.state is not State.COMPLETE:
+                        since = rt.tracker.settler.changed_at(c.rel)
+                        if since is not None:
+                            oldest = max(oldest or 0.0, now_mono - since)
+                runs.append({"run": run.rel, "checkpoints": ckpts})
+            roots.append(
+                {
+                    "path": str(rt.root.path),
+                    "observer": rt.observer,
+                    "leader": rt.leader,
+                    "oldest_incomplete_age": oldest,
+                    "runs": runs,
+                }
+            )
+        return {
+            "pid": os.getpid(),
+            "version": __version__,
+            "heartbeat": time.time(),
+            "started": self.started,
+            "dry_run": self.dry_run,
+            "counters": dict(self.counters),
+            "roots": roots,
+        }
+
+    def _write_state(self, force: bool = False) -> None:
+        """Rewrite the state file atomically (readers see the old or the new), at most once a second."""
+        now = self.clock()
+        if not force and now - self._state_written < STATE_MIN_INTERVAL:
+            self._state_due = self._state_written + STATE_MIN_INTERVAL
+            return
+        self._state_written, self._state_due = now, None
+        tmp = self._state_path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(self.state(), indent=1))
+            os.replace(tmp, self._state_path)
+            log.debug("state written to %s", self._state_path)
+        except OSError as exc:
+            log.warning("cannot write the state file %s: %s", self._state_path, exc)
+
+    # --- signals, reload, shutdown -----------------------------------------------
+
+    def _install_signals(self) -> None:
+        loop = self._loop
+        loop.add_signal_handler(signal.SIGTERM, self._request_stop, "SIGTERM")
+        loop.add_signal_handler(signal.SIGINT, self._on_sigint)
+        loop.add_signal_handler(signal.SIGHUP, self._request_reload)
+
+    def _request_stop(self, why: str) -> None:
+        if self._stop.is_set():
+            log.info("%s: already stopping", why)
+            return
+        log.info("%s: stopping", why)
+        self._stop.set()
+        self._wake.set()
+
+    def _on_sigint(self) -> None:
+        self._sigint_count += 1
+        if self._sigint_count > 1:
+            log.warning("second SIGINT: exiting now")
+            _flush_logs()
+            os._exit(130)
+        self._request_stop("SIGINT (again to force)")
+
+    def _request_reload(self) -> None:
+        self._reload = True
+        self._wake.set()
+
+    async def _do_reload(self) -> None:
+        self._report("RELOADING=1")
+        try:
+            if self.config_path is None:
+                raise ConfigError(["no config file to reload (started without one)"])
+            new = await self._loop.run_in_executor(None, load_config, self.config_path)
+            if self.cli_roots:
+                new = new.with_roots(self.cli_roots)
+        except ConfigError as exc:
+            for line in exc.problems:
+                log.error("reload failed, keeping the old config: %s", line)
+            self._report("READY=1")
+            return
+        await self._on_fs(self._apply_config, new)
+        log.info("reloaded %s", self.config_path)
+        self._report("READY=1")
+
+    def _apply_config(self, new: Config) -> None:
+        """Swap in a new config on the fs thread: keep what is known of roots that stay."""
+        by_path = {rt.root.path: rt for rt in self.roots}
+        keep: list[RootRuntime] = []
+        for root in new.roots:
+            rt = by_path.pop(root.path, None)
+            if rt is None:
+                rt = self._runtime(root)
+                self._try_lead(rt)
+                rt.tracker.full_scan()
+            else:
+                rt.tracker.root = root
+                rt.tracker.scanner.root = root
+                rt.tracker.settler.quiet_period = root.quiet_period
+                rt.tracker.settler.stall_after = root.stall_after
+            rt.next_poll = min(rt.next_poll, self.clock() + root.poll_interval)
+            keep.append(rt)
+        for rt in by_path.values():
+            log.info("%s: no longer configured", rt.root.path)
+            rt.lock.release()
+        self.roots = keep
+        self.config = new
+        self._decisions.clear()
+        self._retention()
+        self._sync_watches()
+
+    async def shutdown(self) -> None:
+        notify("STOPPING=1")
+        self._purge_stop = True
+        loop = self._loop
+        loop.remove_signal_handler(signal.SIGHUP)  # SIGTERM/SIGINT stay ours until the loop closes
+        if self.watcher is not None:
+            await loop.run_in_executor(None, self.watcher.stop)
+        self._fs.shutdown(wait=False, cancel_futures=True)
+        self._purger.shutdown(wait=False, cancel_futures=True)
+        done = await loop.run_in_executor(None, _join_executors, [self._fs, self._purger], SHUTDOWN_TIMEOUT)
+        for rt in self.roots:
+            rt.lock.release()
+        if self.journal is not None:
+            self.journal.close()
+        try:
+            self._state_path.unlink()
+        except OSError:
+            pass
+        if not done:
+            log.warning(
+                "shutdown timed out after %.0fs with work in flight; the trash is finished at the next start",
+                SHUTDOWN_TIMEOUT,
+            )
+            _flush_logs()
+            os._exit(0)
+        log.info("stopped")
+
+
+def _join_executors(executors: list[concurrent.futures.ThreadPoolExecutor], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    for ex in executors:
+        for t in list(getattr(ex, "_threads", ())):
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                return False
+    return True
+
+
+def _flush_logs() -> None:
+    for h in logging.getLogger("ckptd").handlers:
+        h.flush()
+
+
+def read_states(state_dir: Path) -> list[dict[str, Any]]:
+    """The state files of running daemons (those whose pid is alive)."""
+    out = []
+    for path in sorted(state_dir.glob(f"{STATE_PREFIX}*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        pid = doc.get("pid")
+        if isinstance(pid, int) and _alive(pid):
+            out.append(doc)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
