@@ -287,8 +287,9 @@ class Run:
                 "save_dir": save_dir,
                 "tag": f"global_step{step}",
                 "tag_dir": tag_dir,
-                "files": sorted(p.name for p in tag_dir.iterdir()),
-                "save_dir_files": sorted(p.name for p in save_dir.iterdir()),
+                # a checkpoint may be gone already: retention (ckptd run) can delete it mid-job
+                "files": sorted(p.name for p in tag_dir.iterdir()) if tag_dir.is_dir() else [],
+                "save_dir_files": sorted(p.name for p in save_dir.iterdir()) if save_dir.is_dir() else [],
                 "optim_shards": [shards[step][r] for r in sorted(shards[step])],
                 "model_states": sorted(p.name for p in tag_dir.glob("*model_states.pt")),
                 "eval_loss": done["eval_losses"][str(step)],

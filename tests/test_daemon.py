@@ -19,6 +19,7 @@ import pytest
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.journal import read_journal
 from ckptd.layouts import TRASH_DIR
+
 from conftest import REPO, run_ckptd
 from daemonproc import DaemonProc, write_config
 

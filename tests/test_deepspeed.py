@@ -22,6 +22,7 @@ from ckptd.demo import age
 
 import dsgen
 from conftest import run_ckptd
+from daemonproc import DaemonProc
 
 pytestmark = [
     pytest.mark.deepspeed,
@@ -194,3 +195,35 @@ def test_a_malicious_pickle_is_never_executed(zero2_hf, tmp_path):
     assert status == 1
     assert census(doc)[0]["verdict"] == "unknown"
     assert "weights_only=True" in census(doc)[0]["detail"]
+
+
+def test_real_deepspeed_job_saving_under_the_daemon(tmp_path):
+    """A real 2-rank job saves four times under `ckptd run`; rank 1 is held back on step 30's
+    shard after rank 0 wrote `latest`. The daemon sees step 30 incomplete and touches nothing
+    in flight (DeepSpeed's own save would fail if its directory vanished); afterwards exactly
+    the best (oldest) and the newest remain, and both load with zero_to_fp32."""
+    root = tmp_path / "vol"
+    run = root / "run"
+    root.mkdir()
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(
+        f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n"
+        f"[[roots]]\npath = '{root}'\nquiet_period = '0.5s'\n"
+        "[roots.retention]\nkeep_last = 1\nkeep_best = 1\nmetric = 'eval_loss'\n"
+    )
+    with DaemonProc("-c", cfg) as daemon:
+        daemon.wait_message("ready")
+        with dsgen.start(run, world_size=2, stage=2, layout="hf", steps=tuple(LOSSES), eval_losses=LOSSES,
+                         slow_rank=1, slow_step=30, slow_seconds=120) as job:
+            job.wait_for("slow_rank_waiting", timeout=180)
+            daemon.wait_for(lambda line: line.get("checkpoint") == "checkpoint-30"
+                            and line.get("state") == "incomplete", timeout=60)
+            assert (run / "checkpoint-20").is_dir()  # the newest complete: kept while 30 is in flight
+            job.release()
+            job.wait(timeout=180)
+        daemon.wait_for(lambda line: line.get("message", "").startswith("deleted "), count=2, timeout=60)
+        daemon.wait_for(lambda line: line.get("checkpoint") == "checkpoint-40" and line.get("state") == "complete")
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-10", "checkpoint-40"]
+    for step in (10, 40):
+        _zero_to_fp32(run / f"checkpoint-{step}", f"global_step{step}")

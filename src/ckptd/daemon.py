@@ -79,12 +79,14 @@ class Daemon:
         cli_roots: list[Path] | None = None,
         dry_run: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        install_signals: bool = True,
     ):
         self.config = config
         self.config_path = config_path
         self.cli_roots = cli_roots or []
         self.dry_run = dry_run or config.daemon.dry_run
         self.clock = clock
+        self.install_signals = install_signals
         self.roots: list[RootRuntime] = []
         self.journal: Journal | None = None
         self.counters = collections.Counter[str]()
@@ -98,6 +100,9 @@ class Daemon:
         self._sigint_count = 0
         self._purge_stop = False
         self._purging: concurrent.futures.Future[Any] | None = None
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self.ready = asyncio.Event()  # set once the first scan is done and READY=1 sent
         self._state_written = -1e9
         self._state_due: float | None = None
 
@@ -106,13 +111,12 @@ class Daemon:
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
         self._loop = loop
-        self._wake = asyncio.Event()
-        self._stop = asyncio.Event()
         self._fs = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptd-fs")
         self._purger = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="ckptd-purge", initializer=lower_priority
         )
-        self._install_signals()
+        if self.install_signals:
+            self._install_signals()
         self.watcher: Watcher | None = None
         try:
             await self.startup()
@@ -138,6 +142,7 @@ class Daemon:
             self.watcher.start()
         await self._on_fs(self._first_scan)
         self._report("READY=1")
+        self.ready.set()
         log.info("ready: watching %d root(s)", len(self.roots))
 
     def _runtime(self, root) -> RootRuntime:
@@ -187,7 +192,7 @@ class Daemon:
                 break
             if self._reload:
                 self._reload = False
-                await self._do_reload()
+                await self.reload()
             await self._on_fs(self._tick)
             self._ping_watchdog()
 
@@ -445,11 +450,11 @@ class Daemon:
 
     def _install_signals(self) -> None:
         loop = self._loop
-        loop.add_signal_handler(signal.SIGTERM, self._request_stop, "SIGTERM")
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self._on_sigint)
-        loop.add_signal_handler(signal.SIGHUP, self._request_reload)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
 
-    def _request_stop(self, why: str) -> None:
+    def request_stop(self, why: str) -> None:
         if self._stop.is_set():
             log.info("%s: already stopping", why)
             return
@@ -463,13 +468,13 @@ class Daemon:
             log.warning("second SIGINT: exiting now")
             _flush_logs()
             os._exit(130)
-        self._request_stop("SIGINT (again to force)")
+        self.request_stop("SIGINT (again to force)")
 
-    def _request_reload(self) -> None:
+    def request_reload(self) -> None:
         self._reload = True
         self._wake.set()
 
-    async def _do_reload(self) -> None:
+    async def reload(self) -> None:
         self._report("RELOADING=1")
         try:
             if self.config_path is None:
@@ -516,7 +521,8 @@ class Daemon:
         notify("STOPPING=1")
         self._purge_stop = True
         loop = self._loop
-        loop.remove_signal_handler(signal.SIGHUP)  # SIGTERM/SIGINT stay ours until the loop closes
+        if self.install_signals:
+            loop.remove_signal_handler(signal.SIGHUP)  # SIGTERM/SIGINT stay ours until the loop closes
         if self.watcher is not None:
             await loop.run_in_executor(None, self.watcher.stop)
         self._fs.shutdown(wait=False, cancel_futures=True)
