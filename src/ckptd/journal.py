@@ -29,7 +29,9 @@ class Journal:
 
     def record(self, event: str, **fields: Any) -> None:
         """Append one record and fsync it. Raises OSError if it cannot: callers must not act then."""
-        line = json.dumps({"event": event, "pid": os.getpid(), **fields}, default=str, ensure_ascii=True) + "\n"
+        line = (
+            json.dumps({"event": event, "pid": os.getpid(), **fields}, default=str, ensure_ascii=True) + "\n"
+        )
         with self._lock:
             fd = self._open()
             os.write(fd, line.encode())
