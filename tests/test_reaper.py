@@ -114,7 +114,7 @@ def test_recheck_refuses_a_run_directory_swapped_for_a_symlink(volume, tmp_path)
     (volume / "run").symlink_to(outside)
     results = reaper.execute(plan.decisions)
     assert {r.outcome for r in results} == {Outcome.REFUSED}
-    assert "reached through a symlink or outside" in results[0].detail
+    assert results[0].detail.startswith("reached through a symlink")
     assert sorted(os.listdir(outside)) == ["checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-40"]
 
 
@@ -179,3 +179,26 @@ def test_purge_stops_between_entries_when_asked(volume, tmp_path):
     count, _ = reaper.purge(stop=lambda: asked.append(1) or len(asked) > 1)
     assert count == 1 and len(os.listdir(volume / TRASH_DIR)) == 2  # the rest waits for the next purge
     assert reaper.purge()[0] == 2
+
+
+def test_a_run_directory_swapped_during_the_recheck_is_refused(volume, tmp_path, monkeypatch):
+    """The swap lands after the run directory was opened and while the checkpoint is being
+    re-checked: the window a path-based delete would lose."""
+    reaper, plan, _ = make(volume, tmp_path)
+    outside = tmp_path / "outside-run"
+    real_recheck = reaper.recheck
+
+    def recheck_then_swap(decision, anchor):
+        why = real_recheck(decision, anchor)
+        if not (volume / "run").is_symlink():
+            os.rename(volume / "run", outside)
+            (volume / "run").symlink_to(outside)
+        return why
+
+    monkeypatch.setattr(reaper, "recheck", recheck_then_swap)
+    results = reaper.execute(plan.decisions)
+    assert results[0].outcome is Outcome.REFUSED
+    assert results[0].detail == "moved or replaced while it was being checked"
+    assert all(r.detail.startswith("reached through a symlink") for r in results[1:])
+    assert sorted(os.listdir(outside)) == ["checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-40"]
+    assert not (volume / TRASH_DIR).exists() or os.listdir(volume / TRASH_DIR) == []

@@ -20,6 +20,7 @@ The journal records the intent before the rename, and each outcome after.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import hashlib
 import logging
@@ -142,9 +143,13 @@ class Reaper:
     # --- acting ----------------------------------------------------------
 
     def trash_one(self, decision: Decision, anchor: Checkpoint | None) -> Result:
-        """Re-check, then rename the checkpoint into the trash (or say what it would do)."""
+        """Re-check, then rename the checkpoint into the trash (or say what it would do).
+
+        The rename goes through directory file descriptors opened from the root
+        with O_NOFOLLOW, one component at a time: a run directory swapped for a
+        symlink after the checks cannot redirect it outside the root.
+        """
         c = decision.checkpoint
-        why_not = self.recheck(decision, anchor)
         fields = dict(
             root=str(self.root),
             run=c.run,
@@ -153,73 +158,110 @@ class Reaper:
             bytes=c.size_bytes,
             reasons=list(decision.reasons),
         )
-        if why_not is not None:
-            log.warning("refusing to delete %s: %s", c.rel, why_not)
-            self._record("refused", why=why_not, **fields)
-            return Result(decision, Outcome.REFUSED, why_not)
-        if self.dry_run:
-            return Result(decision, Outcome.DRY_RUN, f"would move to {TRASH_DIR}/ and purge")
-        target = self.trash / _trash_name(c, self.clock())
+
+        def refuse(why: str) -> Result:
+            self._record("refused", why=why, **fields)
+            return Result(decision, Outcome.REFUSED, why)
+
         try:
-            self._ensure_trash()
-            assert self.journal is not None
-            self.journal.record("trashing", time=self.clock(), trash=str(target), **fields)
+            run_fd = open_dir_nofollow(self.root, c.run)
+        except FileNotFoundError:
+            return refuse("no longer exists")
         except OSError as exc:
-            why = f"cannot prepare {TRASH_DIR}/ or journal: {exc}"
-            log.error("leaving %s in place: %s", c.path, why)
-            return Result(decision, Outcome.FAILED, why)
+            return refuse(f"reached through a symlink or not a directory: {c.run} ({exc.strerror})")
         try:
-            os.rename(c.path, target)
-        except OSError as exc:  # EXDEV, EACCES, EROFS...: leave it, say why
-            why = f"cannot move to {TRASH_DIR}/: {exc}"
-            log.error("leaving %s in place: %s", c.path, why)
-            self._record("failed", why=why, **fields)
-            return Result(decision, Outcome.FAILED, why)
-        self._record("trashed", trash=str(target), **fields)
-        return Result(decision, Outcome.TRASHED, f"moved to {target.relative_to(self.root)}", target)
+            before = _identity(c.name, run_fd)
+            why_not = self.recheck(decision, anchor)
+            if why_not is not None:
+                return refuse(why_not)
+            moved = _identity(c.name, run_fd) != before or not _still_at(self.root, c.run, run_fd)
+            if before is None or moved:
+                return refuse("moved or replaced while it was being checked")
+            # What remains is a window of microseconds in which only the very checkpoint
+            # verified above (this inode, in this directory) can be moved: nothing else.
+            if self.dry_run:
+                return Result(decision, Outcome.DRY_RUN, f"would move to {TRASH_DIR}/ and purge")
+            target = _trash_name(c, self.clock())
+            try:
+                trash_fd = self._open_trash()
+            except OSError as exc:
+                why = f"cannot prepare {TRASH_DIR}/: {exc}"
+                self._record("failed", why=why, **fields)
+                return Result(decision, Outcome.FAILED, why)
+            try:
+                assert self.journal is not None
+                self.journal.record("trashing", time=self.clock(), trash=str(self.trash / target), **fields)
+                os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)
+            except OSError as exc:  # ENOSPC on the journal; EXDEV, EACCES, EROFS, EBUSY on the rename
+                why = f"cannot move to {TRASH_DIR}/: {exc}"
+                self._record("failed", why=why, **fields)
+                return Result(decision, Outcome.FAILED, why)
+            finally:
+                os.close(trash_fd)
+        finally:
+            os.close(run_fd)
+        self._record("trashed", trash=str(self.trash / target), **fields)
+        return Result(decision, Outcome.TRASHED, f"moved to {TRASH_DIR}/{target}", self.trash / target)
 
     def purge(self, stop: Callable[[], bool] = lambda: False) -> tuple[int, int]:
         """Delete everything in the trash. Returns (entries purged, bytes freed).
 
-        `stop` is asked between entries: a daemon shutting down leaves the rest
-        for its next start.
+        Works from a descriptor of the trash directory opened without following
+        symlinks, and never follows one inside it. `stop` is asked between
+        entries: a daemon shutting down leaves the rest for its next start.
         """
         if self.dry_run:
             return 0, 0
         try:
-            st = os.lstat(self.trash)
+            trash_fd = open_dir_nofollow(self.root, TRASH_DIR)
         except FileNotFoundError:
             return 0, 0
-        if not stat.S_ISDIR(st.st_mode):
-            log.error("%s is not a directory; not purging it", self.trash)
+        except OSError as exc:
+            log.error("not purging %s: %s", self.trash, exc)
             return 0, 0
         count = freed = 0
-        for entry in sorted(os.listdir(self.trash)):
-            if stop():
-                break
-            path = self.trash / entry
-            size = _size(path)
-            try:
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path)
-                else:
-                    os.unlink(path)
-            except OSError as exc:
-                log.error("cannot purge %s: %s", path, exc)
-                continue
-            count += 1
-            freed += size
-            log.debug("purged %s (%d bytes)", path, size)
-            self._record("purged", time=self.clock(), root=str(self.root), trash=str(path), bytes=size)
+        try:
+            for entry in sorted(os.listdir(trash_fd)):
+                if stop():
+                    break
+                size = _size(self.trash / entry)
+                try:
+                    st = os.stat(entry, dir_fd=trash_fd, follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        shutil.rmtree(entry, dir_fd=trash_fd)
+                    else:
+                        os.unlink(entry, dir_fd=trash_fd)
+                except OSError as exc:
+                    log.error("cannot purge %s: %s", self.trash / entry, exc)
+                    continue
+                count += 1
+                freed += size
+                log.debug("purged %s (%d bytes)", self.trash / entry, size)
+                self._record(
+                    "purged",
+                    time=self.clock(),
+                    root=str(self.root),
+                    trash=str(self.trash / entry),
+                    bytes=size,
+                )
+        finally:
+            os.close(trash_fd)
         return count, freed
 
-    def _ensure_trash(self) -> None:
+    def _open_trash(self) -> int:
+        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            os.mkdir(self.trash, 0o700)
-        except FileExistsError:
-            st = os.lstat(self.trash)
-            if not stat.S_ISDIR(st.st_mode):
-                raise OSError(f"{self.trash} exists and is not a directory") from None
+            try:
+                os.mkdir(TRASH_DIR, 0o700, dir_fd=root_fd)
+            except FileExistsError:
+                pass
+            return os.open(TRASH_DIR, _DIR_FLAGS, dir_fd=root_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                raise OSError(exc.errno, f"{self.trash} exists and is not a directory") from None
+            raise
+        finally:
+            os.close(root_fd)
 
     def _record(self, event: str, **fields: object) -> None:
         if self.journal is None or self.dry_run:
@@ -234,6 +276,48 @@ class Reaper:
 def _trash_name(c: Checkpoint, now: float) -> str:
     flat = c.rel.replace("/", "%")[-120:]
     return f"{int(now)}-{uuid.uuid4().hex[:8]}-{flat}"
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_dir_nofollow(root: Path, rel: str) -> int:
+    """A descriptor of `root/rel`, opened one component at a time, refusing symlinks below the root.
+
+    The root itself may be a symlink (it is configured); nothing under it may be.
+    Raises OSError (ELOOP, ENOTDIR, ENOENT) otherwise.
+    """
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in [] if rel == "." else rel.split("/"):
+            next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = next_fd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _identity(path: str, dir_fd: int | None = None) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _still_at(root: Path, rel: str, fd: int) -> bool:
+    """Whether the directory `fd` is still what `root/rel` names, reached without symlinks."""
+    try:
+        again = open_dir_nofollow(root, rel)
+    except OSError:
+        return False
+    try:
+        a, b = os.fstat(fd), os.fstat(again)
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    finally:
+        os.close(again)
 
 
 def _size(path: Path) -> int:
