@@ -64,6 +64,9 @@ class RootRuntime:
         self.overflowed = False
         self.pending_purge_bytes = 0
         self.said_standby = False
+        self.last_error: str | None = None
+        self.failures = 0
+        self.outcomes: dict[str, str] = {}  # checkpoint -> the last refusal or failure said about it
 
     @property
     def root(self):
@@ -248,9 +251,21 @@ class Daemon:
                     self._try_lead(rt)
                 step = tr.step(now)
             except OSError as exc:
-                log.error("%s: cannot look at the volume: %s; retrying at the next poll", rt.root.path, exc)
-                rt.next_poll = now + rt.root.poll_interval
+                # A flaky volume (ESTALE, EIO, EACCES...): say so once, back off, keep running.
+                # Nothing is decided from a scan that failed.
+                rt.failures += 1
+                delay = min(rt.root.reconcile_interval, rt.root.poll_interval * 2 ** min(rt.failures, 10))
+                if str(exc) != rt.last_error:
+                    rt.last_error = str(exc)
+                    log.error(
+                        "%s: cannot look at the volume: %s; retrying in %.0fs", rt.root.path, exc, delay
+                    )
+                rt.next_poll = now + delay
+                rt.next_reconcile = max(rt.next_reconcile, rt.next_poll)
                 continue
+            if rt.last_error is not None:
+                log.info("%s: the volume answers again", rt.root.path)
+                rt.last_error, rt.failures = None, 0
             completed = changes.completed + step.completed
             for c in completed:
                 self.counters["completed"] += 1
@@ -315,6 +330,10 @@ class Daemon:
                     )
                 else:
                     self.counters[str(result.outcome)] += 1
+                    if rt.outcomes.get(c.rel) != result.detail:  # once per reason, not every pass
+                        rt.outcomes[c.rel] = result.detail
+                        level = logging.ERROR if result.outcome is Outcome.FAILED else logging.WARNING
+                        log.log(level, "not deleting %s: %s", c.rel, result.detail, extra=extra)
             if trashed:
                 self._purge(rt)
 
