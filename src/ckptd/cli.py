@@ -421,6 +421,10 @@ def setup_logging(verbose: bool, log_format: str = "text", timestamps: bool = Fa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Paths are bytes on Linux: a name that is not UTF-8 is printed escaped, not a crash.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
     try:
         try:

@@ -21,6 +21,7 @@ Why each check exists:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -59,23 +60,41 @@ class Entry:
     mtime_ns: int
 
 
+MAX_WALK_DEPTH = 256
+
+
+class TooDeep(Exception):
+    """A tree deeper than we walk: it cannot be proven complete, so it is never deleted."""
+
+    def __init__(self, entries: list[Entry], why: str):
+        super().__init__(why)
+        self.entries = entries
+
+
 def walk(path: Path) -> list[Entry]:
     """Every entry under `path` (itself included), without following symlinks.
 
     Entries that vanish while we look are skipped: the quiet check will see
-    the directory's mtime move.
+    the directory's mtime move. A tree deeper than MAX_WALK_DEPTH (or with
+    paths too long to name) raises TooDeep with what was seen.
     """
     st = os.lstat(path)
     out = [Entry("", _kind(st.st_mode), st.st_size, st.st_mtime_ns)]
     if not stat.S_ISDIR(st.st_mode):
         return out
-    stack = [("", path)]
+    stack = [("", path, 0)]
     while stack:
-        rel, d = stack.pop()
+        rel, d, depth = stack.pop()
+        if depth >= MAX_WALK_DEPTH:
+            raise TooDeep(out, f"deeper than {MAX_WALK_DEPTH} levels at {rel[:80]}...")
         try:
             it = os.scandir(d)
         except (FileNotFoundError, NotADirectoryError):
             continue
+        except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:
+                raise TooDeep(out, f"paths too long to walk at {rel[:80]}...") from None
+            raise
         with it:
             for e in it:
                 try:
@@ -86,7 +105,7 @@ def walk(path: Path) -> list[Entry]:
                 kind = _kind(est.st_mode)
                 out.append(Entry(erel, kind, est.st_size, est.st_mtime_ns))
                 if kind == "d":
-                    stack.append((erel, Path(e.path)))
+                    stack.append((erel, Path(e.path), depth + 1))
     return out
 
 
@@ -151,7 +170,11 @@ class Inspector:
         checkpoint's own metadata cannot be read (no torch).
         """
         path = run.path / cand.name
-        entries = walk(path)
+        too_deep = None
+        try:
+            entries = walk(path)
+        except TooDeep as exc:
+            entries, too_deep = exc.entries, Check("walk", UNKNOWN, f"not fully inspected: {exc}")
         files = {e.rel: e for e in entries}
         newest_ns = max(e.mtime_ns for e in entries)
         trainer_state: TrainerState | None = None
@@ -180,6 +203,8 @@ class Inspector:
             checks.append(Check("evidence", PASSED, "no layout-specific markers: complete on quiet alone"))
         checks.extend(_nested_dcp(files, skip_top=cand.layout == layouts.DCP))
         checks.append(_integrity(path, entries))
+        if too_deep is not None:
+            checks.append(too_deep)
 
         pinned = layouts.PIN_FILE in files if cand.is_dir else f"{cand.name}{layouts.PIN_FILE}" in run.names
         return Checkpoint(

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from ckptd.evidence import walk
+from ckptd.evidence import TooDeep, walk
 from ckptd.journal import Journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.model import Action, Checkpoint, State
@@ -231,7 +231,7 @@ class Reaper:
                         shutil.rmtree(entry, dir_fd=trash_fd)
                     else:
                         os.unlink(entry, dir_fd=trash_fd)
-                except OSError as exc:
+                except (OSError, RecursionError) as exc:
                     log.error("cannot purge %s: %s", self.trash / entry, exc)
                     continue
                 count += 1
@@ -323,6 +323,8 @@ def _still_at(root: Path, rel: str, fd: int) -> bool:
 def _size(path: Path) -> int:
     try:
         return sum(e.size for e in walk(path) if e.kind == "f")
+    except TooDeep as exc:
+        return sum(e.size for e in exc.entries if e.kind == "f")
     except OSError:
         return 0
 
