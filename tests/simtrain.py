@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 import threading
 import time
@@ -51,7 +52,10 @@ def save(run: Path, step: int, a: argparse.Namespace, losses: dict[int, float], 
             violations.append(f"{ckpt.name} vanished while {who} was writing")
 
     # rank 0: model states, then `latest` and trainer_state.json early (before the other ranks finish)
-    write_shard(gs / "mp_rank_00_model_states.pt", 1, 1024, 0, lambda: check("rank 0"))
+    states = {"dp_world_size": a.world, "mp_world_size": 1, "ds_config": {"zero_optimization": {"stage": 2}}}
+    with zipfile.ZipFile(gs / "mp_rank_00_model_states.pt", "w") as z:
+        z.writestr("mp_rank_00_model_states/data.pkl", pickle.dumps(states, protocol=2))
+    check("rank 0")
     (ckpt / "latest").write_text(f"global_step{step}")
     best = min(losses, key=lambda s: (losses[s], s)) if losses else None
     history = [{"step": s, "eval_loss": v} for s, v in sorted(losses.items()) if s <= step]

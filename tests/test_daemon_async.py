@@ -7,6 +7,8 @@ controllable clock in test_tracker.py.
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import os
 import threading
 from pathlib import Path
@@ -103,3 +105,79 @@ async def test_reload_validates_first_and_keeps_the_old_config(tmp_path):
         daemon.request_stop("test")
         assert await asyncio.wait_for(task, 30) == 0
     assert not list(Path(tmp_path / "state").glob("daemon.*.json"))
+
+
+class LogWatch(logging.Handler):
+    """Collects the daemon's log records; `wait` blocks (async) until one matches."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        super().__init__(logging.DEBUG)
+        self.loop = loop
+        self.records: list[logging.LogRecord] = []
+        self.changed = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self.loop.call_soon_threadsafe(self.changed.set)
+
+    def messages(self, text: str) -> list[str]:
+        return [m for r in self.records if text in (m := r.getMessage())]
+
+    async def wait(self, text: str, timeout: float = 30) -> None:
+        async def until() -> None:
+            while not self.messages(text):
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(until(), timeout)
+
+
+async def test_a_flaky_volume_is_logged_once_backed_off_and_nothing_is_deleted(tmp_path, monkeypatch):
+    """ESTALE (a stale NFS handle) injected at the evidence walk, the daemon's one deep read."""
+    from ckptd import evidence
+
+    root = tmp_path / "vol"
+    for step in (1, 2):
+        hf_deepspeed_checkpoint(root / "job", step, world=2)
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
+                       root_extra="world_size = 2\nquiet_period = '0.3s'\npoll_interval = '0.05s'",
+                       retention="keep_last = 1\nkeep_best = 0")
+    loop = asyncio.get_running_loop()
+    logs = LogWatch(loop)
+    logger = logging.getLogger("ckptd")
+    logger.addHandler(logs)
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    real_walk = evidence.walk
+    failing = threading.Event()
+    failing.set()
+    calls = 0
+    enough = asyncio.Event()
+
+    def flaky_walk(path):
+        nonlocal calls
+        if failing.is_set():
+            calls += 1
+            if calls == 4:
+                loop.call_soon_threadsafe(enough.set)
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), str(path))
+        return real_walk(path)
+
+    daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
+    task = asyncio.create_task(daemon.serve())
+    try:
+        await asyncio.wait_for(daemon.ready.wait(), 30)
+        monkeypatch.setattr(evidence, "walk", flaky_walk)
+        await asyncio.wait_for(enough.wait(), 30)  # several failed looks, backing off
+        assert len(logs.messages("cannot look at the volume")) == 1
+        assert not task.done() and logs.messages("deleted ") == []
+        assert sorted(os.listdir(root / "job")) == ["checkpoint-1", "checkpoint-2"]
+        failing.clear()
+        await logs.wait("the volume answers again")
+        await logs.wait("deleted job/checkpoint-1")
+    finally:
+        daemon.request_stop("test")
+        await asyncio.wait_for(task, 30)
+        logger.removeHandler(logs)
+        logger.setLevel(old_level)
+    assert sorted(os.listdir(root / "job")) == ["checkpoint-2"]

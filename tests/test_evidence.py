@@ -140,7 +140,7 @@ def test_hf_deepspeed_complete(tmp_path):
     assert c.state is State.COMPLETE, c.checks
     assert checks(c)["deepspeed shards (global_step10)"] == (
         Verdict.PASSED,
-        "5/5 files present, ZeRO (dp_world_size=4, mp_world_size=1 from config world_size)",
+        "5/5 files present, ZeRO-2 (dp_world_size=4, mp_world_size=1 from mp_rank_00_model_states.pt)",
     )
     assert checks(c)["rng states"] == (Verdict.PASSED, "4/4 ranks")
 
@@ -152,7 +152,7 @@ def test_missing_shard_is_named(tmp_path):
     assert c.state is State.INCOMPLETE
     assert checks(c)["deepspeed shards (global_step10)"] == (
         Verdict.FAILED,
-        "zero_pp_rank_3_mp_rank_00_optim_states.pt missing (dp_world_size=8, mp_world_size=1 from config world_size)",
+        "zero_pp_rank_3_mp_rank_00_optim_states.pt missing (dp_world_size=8, mp_world_size=1 from mp_rank_00_model_states.pt)",
     )
 
 
@@ -164,9 +164,19 @@ def test_zero3_needs_every_ranks_model_states(tmp_path):
     assert verdict is Verdict.FAILED and detail.startswith("zero_pp_rank_1_mp_rank_00_model_states.pt missing")
 
 
-def test_without_torch_metadata_or_world_size_the_census_is_unknown(tmp_path):
-    # The demo's model-states files are zips torch cannot read: no world size anywhere.
-    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
+def test_world_size_from_config_when_the_metadata_cannot_be_read(tmp_path):
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=4, mtime=OLD)
+    write_zip(ckpt / "global_step10" / "mp_rank_00_model_states.pt")  # a zip without a pickle in it
+    age(ckpt, OLD)
+    c = scan(tmp_path, world_size=4)["run/checkpoint-10"]
+    assert checks(c)["deepspeed shards (global_step10)"] == (
+        Verdict.PASSED, "5/5 files present, ZeRO (dp_world_size=4, mp_world_size=1 from config world_size)")
+
+
+def test_without_readable_metadata_or_world_size_the_census_is_unknown(tmp_path):
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
+    write_zip(ckpt / "global_step10" / "mp_rank_00_model_states.pt")
+    age(ckpt, OLD)
     c = scan(tmp_path)["run/checkpoint-10"]
     verdict, detail = checks(c)["deepspeed shards (global_step10)"]
     assert verdict is Verdict.UNKNOWN and detail.startswith("cannot count shards")
@@ -347,3 +357,27 @@ def test_world_size_cache_is_keyed_by_file_identity(tmp_path):
     inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
     inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
     assert len(inspector._world_cache) == 1
+
+
+def test_world_sizes_are_read_without_torch_and_without_running_anything(tmp_path):
+    """A torch.save-shaped zip whose data.pkl names a function to call: it is never looked up."""
+    import pickle
+    import sys
+    import zipfile
+
+    from ckptd.dsmeta import read_plain_data
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    payload = {"dp_world_size": 8, "mp_world_size": 2, "ds_config": {"zero_optimization": {"stage": 3}},
+               "evil": Evil()}
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("mp_rank_00_model_states/data.pkl", pickle.dumps(payload, protocol=2))
+    torch_before = "torch" in sys.modules
+    data = read_plain_data(path)
+    assert (data["dp_world_size"], data["mp_world_size"], data["ds_config"]["zero_optimization"]["stage"]) == (8, 2, 3)
+    assert not (tmp_path / "pwned").exists()
+    assert ("torch" in sys.modules) == torch_before

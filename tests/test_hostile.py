@@ -25,6 +25,7 @@ from ckptd.layouts import TRASH_DIR
 from ckptd.model import State, Verdict
 from ckptd.planner import Scanner, decide
 from ckptd.reaper import Outcome, Reaper
+
 from conftest import run_ckptd
 
 NOW = 1_800_000_000.0
@@ -220,7 +221,7 @@ def test_a_huge_trainer_state_is_not_read(tmp_path):
 
 def test_metrics_that_are_nan_infinite_or_strings(tmp_path):
     losses = {10: "NaN", 20: "Infinity", 30: '"low"', 40: "0.5", 50: "0.9"}
-    for i, (step, raw) in enumerate(losses.items()):
+    for i, step in enumerate(losses):
         ckpt = hf_deepspeed_checkpoint(tmp_path / "run", step, world=2)
         history = ",".join(f'{{"step": {s}, "eval_loss": {v}}}' for s, v in losses.items() if s <= step)
         (ckpt / "trainer_state.json").write_text(f'{{"global_step": {step}, "log_history": [{history}]}}')

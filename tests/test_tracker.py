@@ -183,3 +183,17 @@ def test_watches_are_narrow(tmp_path, clock):
         (str(tmp_path / "team" / "run"), False),
         (str(tmp_path / "team" / "run" / "checkpoint-30"), True),  # only the one in flight, deeply
     }
+
+
+@pytest.mark.parametrize("mtime", [0.0, 4_000_000_000.0])  # 1970, and 2096
+def test_mtimes_far_in_the_past_or_future_do_not_complete_anything_early(tmp_path, clock, mtime):
+    """A wall-clock step (NTP) or a skewed NFS server moves mtimes relative to 'now'; the daemon
+    compares mtimes only with each other (in the fingerprint) and times quiet on the monotonic clock."""
+    from ckptd.demo import age
+
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
+    age(ckpt, mtime)
+    t = tracker(tmp_path, clock)
+    t.full_scan()
+    assert t.step(clock.advance(59.9)).completed == []
+    assert [c.rel for c in t.step(clock.advance(0.1)).completed] == ["run/checkpoint-10"]

@@ -255,10 +255,11 @@ class Daemon:
                 # Nothing is decided from a scan that failed.
                 rt.failures += 1
                 delay = min(rt.root.reconcile_interval, rt.root.poll_interval * 2 ** min(rt.failures, 10))
-                if str(exc) != rt.last_error:
-                    rt.last_error = str(exc)
+                kind = f"{exc.strerror or type(exc).__name__}"  # the same fault on another path is not news
+                if kind != rt.last_error:
+                    rt.last_error = kind
                     log.error(
-                        "%s: cannot look at the volume: %s; retrying in %.0fs", rt.root.path, exc, delay
+                        "%s: cannot look at the volume: %s; retrying in %.1fs", rt.root.path, exc, delay
                     )
                 rt.next_poll = now + delay
                 rt.next_reconcile = max(rt.next_reconcile, rt.next_poll)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,9 +21,6 @@ state_dir = "{state}"
 [[roots]]
 path = "{root}"
 quiet_period = "60s"
-# The demo's model-states files are stand-ins that torch cannot read, so the
-# shard census takes the world size from here.
-world_size = 4
 
 [roots.retention]
 keep_last = 2
@@ -43,6 +41,14 @@ def write_zip(path: Path, size: int = 0) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
         z.writestr("archive/data.pkl", b"\0" * size)
+
+
+def write_model_states(path: Path, dp: int, mp: int = 1, stage: int = 2) -> None:
+    """A stand-in for DeepSpeed's model-states file: the plain data ckptd reads, in torch.save's zip shape."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"dp_world_size": dp, "mp_world_size": mp, "ds_config": {"zero_optimization": {"stage": stage}}}
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(f"{path.stem}/data.pkl", pickle.dumps(data, protocol=2))
 
 
 def age(path: Path, mtime: float) -> None:
@@ -95,7 +101,11 @@ def hf_deepspeed_checkpoint(
     gs.mkdir(parents=True, exist_ok=True)
     skip = set(skip)
     for name in deepspeed_files(world, stage=stage):
-        if name not in skip:
+        if name in skip:
+            continue
+        if name.endswith("model_states.pt"):
+            write_model_states(gs / name, world, stage=stage)
+        else:
             write_zip(gs / name, shard_size)
     (ckpt / "latest").write_text(f"global_step{step}")
     for r in range(world):
