@@ -102,7 +102,6 @@ class Daemon:
         self._reload = False
         self._sigint_count = 0
         self._purge_stop = False
-        self._purging: concurrent.futures.Future[Any] | None = None
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()  # set once the first scan is done and READY=1 sent
@@ -377,7 +376,7 @@ class Daemon:
             if count:
                 log.info("%s: purged %d trash entries (%s)", rt.root.path, count, format_size(freed))
 
-        self._purging = self._purger.submit(purge)
+        self._purger.submit(purge)
 
     # --- watches, state, systemd ---------------------------------------------
 

@@ -48,14 +48,6 @@ def _torch():
         return torch
 
 
-def torch_available() -> bool:
-    try:
-        _torch()
-    except MetadataUnavailable:
-        return False
-    return True
-
-
 def load_safely(path: Path) -> dict:
     """`torch.load(path, weights_only=True, mmap=True)` on the CPU, and nothing looser."""
     torch = _torch()

@@ -124,16 +124,9 @@ class Run:
     def path(self) -> Path:
         return self.root if self.rel == "." else self.root / self.rel
 
-    def trainer_best(self) -> str | None:
-        """The checkpoint the trainer recorded as best, by basename.
-
-        Read from the newest checkpoint that has a trainer state: it has seen
-        every evaluation so far.
-        """
-        for ckpt in reversed(self.checkpoints):
-            if ckpt.trainer_state is not None:
-                return ckpt.trainer_state.best_model_checkpoint
-        return None
+    def trainer_state(self) -> TrainerState | None:
+        """The newest trainer state in the run: it has seen every evaluation so far."""
+        return next((c.trainer_state for c in reversed(self.checkpoints) if c.trainer_state), None)
 
     def metric(self, ckpt: Checkpoint, name: str) -> float | str | None:
         """The value of metric `name` at `ckpt`'s step, from any checkpoint's log history.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd import policy
-from ckptd.config import Config, Root
+from ckptd.config import Root
 from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError
 from ckptd.evidence import Inspector, QuietJudge, RunContext
@@ -121,12 +121,3 @@ def decide(
             decisions[i] = d
         warnings += w
     return Plan(tuple(decisions), tuple(warnings))
-
-
-def make_plan(config: Config, *, now: float, scanners: dict[Path, Scanner] | None = None) -> Plan:
-    scanners = scanners if scanners is not None else {}
-    roots = []
-    for root in config.roots:
-        scanner = scanners.setdefault(root.path, Scanner(root))
-        roots.append((root, scanner.runs(now=now)))
-    return decide(roots)

@@ -74,12 +74,11 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
                 if metrics[id(c)] is None or isinstance(metrics[id(c)], str):
                     kept(c, f"no usable {r.metric} logged (keep_missing_metric)")
     elif r.keep_best:
-        best = run.trainer_best()
+        ts = run.trainer_state()
         for c in complete:
-            if best is not None and c.name == best:
-                ts = next((x.trainer_state for x in reversed(ckpts) if x.trainer_state), None)
-                metrics[id(c)] = ts.best_metric if ts else None
-                value = f" (best_metric={_fmt(ts.best_metric)})" if ts and ts.best_metric is not None else ""
+            if ts is not None and c.name == ts.best_model_checkpoint:
+                metrics[id(c)] = ts.best_metric
+                value = f" (best_metric={_fmt(ts.best_metric)})" if ts.best_metric is not None else ""
                 kept(c, f"trainer's best_model_checkpoint{value}", protect=True)
 
     if r.keep_every_steps:

@@ -97,7 +97,3 @@ class Settler:
     def forget(self, key: str) -> None:
         with self._lock:
             self._tracks.pop(key, None)
-
-    def keys(self) -> list[str]:
-        with self._lock:
-            return list(self._tracks)
