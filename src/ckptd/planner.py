@@ -69,6 +69,7 @@ class Scanner:
                         now=now,
                         world_size=world,
                         pins=frozenset(retention.pins),
+                        slim_files=retention.slim_files,
                     )
                 )
             except FileNotFoundError:
@@ -93,6 +94,7 @@ class Scanner:
                 now=now,
                 world_size=world,
                 pins=frozenset(retention.pins),
+                slim_files=retention.slim_files,
             )
         except FileNotFoundError:
             return None
