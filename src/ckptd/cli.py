@@ -30,7 +30,9 @@ exit codes: 0 ok, 1 verify: not complete, 64 usage, 66 root missing,
             70 internal error, 74 I/O error, 75 another ckptd holds the root, 78 config error
 config: -c CONFIG, else $CKPTD_CONFIG, else /etc/ckptd/config.toml if it exists,
         else built-in defaults (keep the 2 newest complete checkpoints and the
-        trainer's best, quiet_period 60s)
+        trainer's best, quiet_period 60s, no slimming)
+slimming: keep_full_last = N keeps the optimizer state of the N newest complete
+        checkpoints only; other kept ones keep their weights (see README)
 """
 EX_TEMPFAIL = 75
 
