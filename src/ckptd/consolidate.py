@@ -71,7 +71,10 @@ def consolidate(
     ionice = shutil.which("ionice")
     if ionice:  # best effort, lowest level; -t: run anyway where ioprio_set is not allowed
         cmd = [ionice, "-t", "-c", "2", "-n", "7", *cmd]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TQDM_DISABLE": "1"}
+    # The child imports this very ckptd, wherever it was imported from.
+    here = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu", "TQDM_DISABLE": "1"}
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
