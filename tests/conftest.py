@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
+import dsgen
+
 REPO = Path(__file__).resolve().parent.parent
+
+# The best checkpoint is the oldest: the seed's case.
+LOSSES = {10: 0.20, 20: 0.90, 30: 0.80, 40: 0.70}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -55,3 +60,22 @@ def run_ckptd(*args: str | os.PathLike[str], env: dict[str, str] | None = None, 
 def state_env(tmp_path: Path) -> dict[str, str]:
     """Point the default state_dir at the test's own directory."""
     return {"XDG_STATE_HOME": str(tmp_path / "xdg-state")}
+
+
+# --- real DeepSpeed volumes, generated once per session (dsgen.py; DSGEN_NOTES.md) ----------
+
+
+@pytest.fixture(scope="session")
+def zero2_hf(tmp_path_factory) -> Path:
+    """2 ranks, ZeRO-2, fp32, Trainer layout, steps 10-40 with LOSSES."""
+    out = tmp_path_factory.mktemp("zero2-hf") / "run"
+    dsgen.generate(out, world_size=2, stage=2, layout="hf", steps=tuple(LOSSES), eval_losses=LOSSES)
+    return out
+
+
+@pytest.fixture(scope="session")
+def zero3_bf16_bare(tmp_path_factory) -> Path:
+    """2 ranks, ZeRO-3, bf16, bare DeepSpeed layout, steps 10 and 20."""
+    out = tmp_path_factory.mktemp("zero3-bare") / "run"
+    dsgen.generate(out, world_size=2, stage=3, bf16=True, layout="bare", steps=(10, 20))
+    return out

@@ -79,7 +79,7 @@ def test_plan_table_is_readable(volume):
     proc = run_ckptd("plan", "-c", config)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["RUN", "CHECKPOINT", "STEP", "STATE", "SIZE", "METRIC", "ACTION", "REASONS"]
+    assert lines[0].split() == ["RUN", "CHECKPOINT", "STEP", "STATE", "SIZE", "METRIC", "ACTION", "FREES", "REASONS"]
     assert any(line.split()[1:4] == ["checkpoint-600", "600", "writing"] for line in lines[1:7])
     assert lines[-1].startswith("4 keep, 2 delete")
 

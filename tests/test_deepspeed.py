@@ -21,7 +21,7 @@ import pytest
 from ckptd.demo import age
 
 import dsgen
-from conftest import run_ckptd
+from conftest import LOSSES, run_ckptd
 from daemonproc import DaemonProc
 
 pytestmark = [
@@ -32,22 +32,8 @@ pytestmark = [
     ),
 ]
 
-# The best checkpoint is the oldest: the seed's case.
-LOSSES = {10: 0.20, 20: 0.90, 30: 0.80, 40: 0.70}
-
-
-@pytest.fixture(scope="session")
-def zero2_hf(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("zero2-hf") / "run"
-    dsgen.generate(out, world_size=2, stage=2, layout="hf", steps=tuple(LOSSES), eval_losses=LOSSES)
-    return out
-
-
-@pytest.fixture(scope="session")
-def zero3_bf16_bare(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("zero3-bare") / "run"
-    dsgen.generate(out, world_size=2, stage=3, bf16=True, layout="bare", steps=(10, 20))
-    return out
+# The session-scoped volumes (zero2_hf, zero3_bf16_bare) live in conftest.py:
+# the slimming tests use them too.
 
 
 def copy_run(src: Path, tmp_path: Path) -> Path:

@@ -30,7 +30,9 @@ exit codes: 0 ok, 1 verify: not complete, 64 usage, 66 root missing,
             70 internal error, 74 I/O error, 75 another ckptd holds the root, 78 config error
 config: -c CONFIG, else $CKPTD_CONFIG, else /etc/ckptd/config.toml if it exists,
         else built-in defaults (keep the 2 newest complete checkpoints and the
-        trainer's best, quiet_period 60s)
+        trainer's best, quiet_period 60s, no slimming)
+slimming: keep_full_last = N keeps the optimizer state of the N newest complete
+        checkpoints only; other kept ones keep their weights (see README)
 """
 EX_TEMPFAIL = 75
 
@@ -74,11 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("status", "what the running daemon sees: runs, checkpoints, states", roots=False)
     sp.add_argument("--json", action="store_true", help="print the daemons' state documents")
 
-    sp = command("plan", "show what retention would keep and delete (read-only)")
+    sp = command("plan", "show what retention would keep, slim and delete (read-only)")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
 
-    sp = command("prune", "apply retention once: delete what the plan says, crash-safely")
-    sp.add_argument("--dry-run", action="store_true", help="re-check and report, but delete nothing")
+    sp = command("prune", "apply retention once: delete and slim what the plan says, crash-safely")
+    sp.add_argument("--dry-run", action="store_true", help="re-check and report, but change nothing")
 
     sp = command("verify", "show the completeness evidence for one checkpoint", roots=False)
     sp.add_argument("path", metavar="PATH", help="a checkpoint directory or file")
@@ -131,7 +133,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for w in plan.warnings:
         print(f"warning: {w}")
     s = summarise(plan.decisions)
-    print(f"\n{s['keep']} keep, {s['delete']} delete ({format_size(s['bytes_to_free'])} to free)")
+    print(
+        f"\n{s['keep']} keep, {s['delete']} delete, {s['slim']} slim "
+        f"({format_size(s['bytes_to_free'])} to free)"
+    )
     return EX_OK
 
 
@@ -143,7 +148,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     journal = None if dry_run else Journal(config.daemon.state_dir)
     status = EX_OK
     totals = {o: 0 for o in Outcome}
-    freed = 0
+    freed = slim_freed = 0
     for root in config.roots:
         lock = RootLock(config.daemon.state_dir, root.path)
         try:
@@ -168,22 +173,29 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 d = result.decision
                 totals[result.outcome] += 1
                 print(
-                    f"delete {d.checkpoint.rel} ({format_size(d.checkpoint.size_bytes)}): "
+                    f"{d.action} {d.checkpoint.rel} ({format_size(d.bytes_freed)}): "
                     f"{'; '.join(d.reasons)} -> {result.outcome}: {result.detail}{note}"
                 )
                 if result.outcome is Outcome.FAILED:
                     status = max(status, EX_IOERR)
+                if result.outcome is Outcome.SLIMMED:
+                    slim_freed += result.moved_bytes
             _, purged_bytes = reaper.purge()
             freed += purged_bytes
         finally:
             lock.release()
     if journal is not None:
         journal.close()
-    done = totals[Outcome.DRY_RUN] if dry_run else totals[Outcome.TRASHED]
+    if dry_run:
+        done = f"{totals[Outcome.DRY_RUN]} would be deleted or slimmed"
+    else:
+        # Slims' optimizer files went through the trash too: purged bytes include them.
+        done = (
+            f"{totals[Outcome.TRASHED]} deleted ({format_size(max(freed - slim_freed, 0))} freed), "
+            f"{totals[Outcome.SLIMMED]} slimmed ({format_size(slim_freed)} of optimizer state freed)"
+        )
     print(
-        f"prune: {done} {'would be deleted' if dry_run else 'deleted'}"
-        f"{'' if dry_run else f' ({format_size(freed)} freed)'}, "
-        f"{totals[Outcome.REFUSED]} refused on re-check, {totals[Outcome.FAILED]} failed{note}"
+        f"prune: {done}, {totals[Outcome.REFUSED]} refused on re-check, {totals[Outcome.FAILED]} failed{note}"
     )
     return status
 
@@ -270,12 +282,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         now=time.time(),
         world_size=world,
         pins=frozenset(retention.pins),
+        slim_files=retention.slim_files,
     )
     if args.json:
         print(json.dumps(checkpoint_json(ckpt), indent=2))
     else:
+        slimmed = ", slimmed: weights only" if ckpt.slimmed else ""
         print(
-            f"{path}: {ckpt.state} ({ckpt.layout} layout, step {ckpt.step}, {format_size(ckpt.size_bytes)})"
+            f"{path}: {ckpt.state}{slimmed} "
+            f"({ckpt.layout} layout, step {ckpt.step}, {format_size(ckpt.size_bytes)})"
         )
         width = max(len(c.name) for c in ckpt.checks)
         for c in ckpt.checks:
@@ -319,6 +334,7 @@ def checkpoint_json(c: Checkpoint) -> dict[str, Any]:
         "state": str(c.state),
         "size_bytes": c.size_bytes,
         "pinned": c.pinned,
+        "slimmed": c.slimmed,
         "checks": [{"name": k.name, "verdict": str(k.verdict), "detail": k.detail} for k in c.checks],
     }
 
@@ -337,13 +353,14 @@ def decision_json(d: Decision) -> dict[str, Any]:
         "size_bytes": c.size_bytes,
         "metric": metric,
         "action": str(d.action),
+        "bytes_freed": d.bytes_freed,
         "protected": d.protected,
         "reasons": list(d.reasons),
     }
 
 
 def print_table(decisions: Sequence[Decision]) -> None:
-    header = ("RUN", "CHECKPOINT", "STEP", "STATE", "SIZE", "METRIC", "ACTION", "REASONS")
+    header = ("RUN", "CHECKPOINT", "STEP", "STATE", "SIZE", "METRIC", "ACTION", "FREES", "REASONS")
     rows = [header]
     for d in decisions:
         c = d.checkpoint
@@ -357,6 +374,7 @@ def print_table(decisions: Sequence[Decision]) -> None:
                 format_size(c.size_bytes),
                 str(metric),
                 str(d.action),
+                format_size(d.bytes_freed) if d.bytes_freed else "-",
                 "; ".join(d.reasons),
             )
         )

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from ckptd.errors import ConfigError
+from ckptd.slim import DEFAULT_SLIM_FILES
 
 DEFAULT_CONFIG_PATH = Path("/etc/ckptd/config.toml")
 
@@ -209,6 +210,29 @@ class Retention(_Strict):
     pins: tuple[str, ...] = Field(
         (), description="Globs on checkpoint paths relative to the root that are always kept."
     )
+    keep_full_last: int | None = Field(
+        strict=True,
+        default=None,
+        ge=1,
+        description="Keep the optimizer state of only the N newest complete full checkpoints of each "
+        "run: older ones that a rule keeps are slimmed to their weights (consolidated first with "
+        "DeepSpeed's zero_to_fp32 when they have none). Unset: never slim.",
+    )
+    slim_files: tuple[str, ...] = Field(
+        DEFAULT_SLIM_FILES,
+        description="What slimming removes: globs on paths relative to the checkpoint directory (for a "
+        "bare DeepSpeed checkpoint, to the directory holding global_step<N>/); '*' stays within one "
+        "path segment. Weights, *model_states.pt and trainer_state.json are never removed.",
+    )
+
+    @field_validator("slim_files")
+    @classmethod
+    def _relative_globs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for glob in v:
+            parts = glob.split("/")
+            if not glob or glob.startswith("/") or any(p in ("", ".", "..") for p in parts):
+                raise ValueError(f"a slim_files glob is a relative path without '.' or '..' (got {glob!r})")
+        return v
 
     def describe(self) -> str:
         """The rules in force, for reasons: `keep_last=2 and keep_best=1 (eval_loss, min)`."""

@@ -295,45 +295,38 @@ class Daemon:
             if not rt.leader and not self.dry_run:
                 continue
             mine = [d for d in plan.decisions if d.checkpoint.root == rt.root.path]
-            if not any(d.action is Action.DELETE for d in mine):
+            if not any(d.action in (Action.DELETE, Action.SLIM) for d in mine):
                 continue
             trashed = False
             for result in rt.reaper.execute(mine):
                 c = result.decision.checkpoint
+                action = str(result.decision.action)
+                verb = "deleted" if action == "delete" else "slimmed"
                 extra = {
                     "run": c.run,
                     "checkpoint": c.name,
-                    "action": "delete",
+                    "action": action,
                     "reasons": list(result.decision.reasons),
                     "outcome": str(result.outcome),
                 }
-                if result.outcome is Outcome.TRASHED:
+                if result.outcome in (Outcome.TRASHED, Outcome.SLIMMED):
                     trashed = True
-                    self.counters["deleted"] += 1
-                    rt.pending_purge_bytes += c.size_bytes
-                    rt.tracker.forget(c.rel)
-                    log.info(
-                        "deleted %s (%s): %s",
-                        c.rel,
-                        format_size(c.size_bytes),
-                        "; ".join(result.decision.reasons),
-                        extra=extra,
-                    )
+                    self.counters[verb] += 1
+                    moved = c.size_bytes if result.outcome is Outcome.TRASHED else result.moved_bytes
+                    rt.pending_purge_bytes += moved
+                    if result.outcome is Outcome.TRASHED:
+                        rt.tracker.forget(c.rel)
+                    reasons = "; ".join(result.decision.reasons)
+                    log.info("%s %s (%s): %s", verb, c.rel, format_size(moved), reasons, extra=extra)
                 elif result.outcome is Outcome.DRY_RUN:
-                    log.debug(
-                        "would delete %s (%s): %s %s",
-                        c.rel,
-                        format_size(c.size_bytes),
-                        "; ".join(result.decision.reasons),
-                        DRY_RUN_NOTE,
-                        extra=extra,
-                    )
+                    log.debug("would %s %s: %s %s", action, c.rel, result.detail, DRY_RUN_NOTE, extra=extra)
                 else:
                     self.counters[str(result.outcome)] += 1
                     if rt.outcomes.get(c.rel) != result.detail:  # once per reason, not every pass
                         rt.outcomes[c.rel] = result.detail
                         level = logging.ERROR if result.outcome is Outcome.FAILED else logging.WARNING
-                        log.log(level, "not deleting %s: %s", c.rel, result.detail, extra=extra)
+                        what = "deleting" if action == "delete" else "slimming"
+                        log.log(level, "not %s %s: %s", what, c.rel, result.detail, extra=extra)
             if trashed:
                 self._purge(rt)
 

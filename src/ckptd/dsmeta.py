@@ -10,7 +10,10 @@ cost ~1.4 s and ~220 MiB more on every training node.
 
 A file that is not a zip (torch's legacy format, or not a torch file at
 all) goes to torch, lazily imported, with `weights_only=True` and nothing
-looser.
+looser. Optimizer shards (read only when slimming) pickle three DeepSpeed
+classes that torch's safe loader refuses (measured on 0.19.8: `LossScaler`,
+`ZeroStageEnum`, `fragment_address`); `optimizer_safe_globals` allow-lists
+exactly those, and nothing else, for `torch.serialization.safe_globals`.
 """
 
 from __future__ import annotations
@@ -126,3 +129,45 @@ def read_world_sizes(path: Path) -> WorldSizes:
         if isinstance(zero, dict) and isinstance(zero.get("stage"), int):
             stage = zero["stage"]
     return WorldSizes(dp=dp, mp=mp, stage=stage, source=path.name)
+
+
+def optimizer_safe_globals() -> list:
+    """The DeepSpeed classes an optimizer shard pickles, for `torch.serialization.safe_globals`.
+
+    Imports deepspeed: only the consolidation subprocess calls this.
+    """
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def expected_tensors(path: Path) -> dict[str, tuple[int, ...]]:
+    """The tensors zero_to_fp32 reconstructs from a checkpoint, by name, with their shapes.
+
+    From a model-states file: `param_shapes` (every parameter group),
+    `frozen_param_shapes`, the buffers in `module`, and the aliases in
+    `shared_params` (tied weights), each with its owner's shape.
+    """
+    sd = load_safely(path)
+    groups = sd.get("param_shapes")
+    if isinstance(groups, dict):
+        groups = [groups]
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise MetadataUnavailable(f"{path.name} has no usable param_shapes")
+    out: dict[str, tuple[int, ...]] = {}
+    for group in groups:
+        out.update((str(k), tuple(int(n) for n in v)) for k, v in group.items())
+    frozen = sd.get("frozen_param_shapes")
+    if isinstance(frozen, dict):
+        out.update((str(k), tuple(int(n) for n in v)) for k, v in frozen.items())
+    module = sd.get("module") if isinstance(sd.get("module"), dict) else {}
+    for name in sd.get("buffer_names") or ():
+        if name in module:
+            out[name] = tuple(module[name].shape)
+    shared = sd.get("shared_params")
+    for alias, owner in shared.items() if isinstance(shared, dict) else ():
+        if owner in out:
+            out[alias] = out[owner]
+    return out

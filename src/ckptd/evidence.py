@@ -17,6 +17,9 @@ Why each check exists:
   header's offsets must fit the file.
 - native markers: DCP's `.metadata` (the coordinator writes it after every
   rank), Orbax's tmp directory, NeMo's `-unfinished` marker, Megatron's tracker.
+- slimmed: a `.ckptd-slim.json` marker lists the optimizer shards ckptd removed
+  on purpose, so the census stops demanding them, and names the weights that
+  must still be there.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd import dsmeta, layouts
-from ckptd.config import format_duration
+from ckptd import dsmeta, layouts, slim
+from ckptd.config import format_duration, format_size
 from ckptd.layouts import Candidate
-from ckptd.model import QUIET, Check, Checkpoint, TrainerState, Verdict
+from ckptd.model import QUIET, Check, Checkpoint, Slimming, TrainerState, Verdict
 
 TRAINER_STATE = "trainer_state.json"
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024
@@ -160,6 +163,7 @@ class Inspector:
         world_size: int | None = None,
         pins: frozenset[str] = frozenset(),
         quiet: QuietJudge | None = None,
+        slim_files: tuple[str, ...] = slim.DEFAULT_SLIM_FILES,
     ) -> Checkpoint:
         """The evidence for one checkpoint.
 
@@ -180,17 +184,19 @@ class Inspector:
         trainer_state: TrainerState | None = None
         rel = cand.name if run_rel == "." else f"{run_rel}/{cand.name}"
         digest = fingerprint(entries)
+        marker = read_slim_marker(path, files) if cand.is_dir else None
+        removed = frozenset(p for p, _ in marker.removed) if isinstance(marker, slim.Marker) else frozenset()
 
         checks = [quiet(rel, digest) if quiet is not None else self._quiet(newest_ns, now)]
         if cand.layout == layouts.HF:
             ts_check, trainer_state = _trainer_state(path, files)
             checks.append(ts_check)
-            census = [self._deepspeed(path, d, files, world_size) for d in _global_step_dirs(files)]
+            census = [self._deepspeed(path, d, files, world_size, removed) for d in _global_step_dirs(files)]
             checks.extend(check for check, _ in census)
             worlds = [w.dp * w.mp for _, w in census if w is not None]
             checks.append(_rng_states(files, worlds[0] if worlds else None))
         elif cand.layout == layouts.DEEPSPEED:
-            checks.append(self._deepspeed(path, "", files, world_size)[0])
+            checks.append(self._deepspeed(path, "", files, world_size, removed)[0])
         elif cand.layout == layouts.MEGATRON:
             checks.append(_megatron_tracker(run, cand))
         elif cand.layout == layouts.DCP:
@@ -205,6 +211,12 @@ class Inspector:
         checks.append(_integrity(path, entries))
         if too_deep is not None:
             checks.append(too_deep)
+        if marker is None or isinstance(marker, slim.Marker):
+            slimming = slim.survey(cand.layout, cand.name, files, slim_files, marker)
+        else:
+            slimming = Slimming(slimmed=True)  # unreadable marker: not full, and nothing to do
+        if marker is not None:
+            checks.append(_slimmed(files, marker))
 
         pinned = layouts.PIN_FILE in files if cand.is_dir else f"{cand.name}{layouts.PIN_FILE}" in run.names
         return Checkpoint(
@@ -219,6 +231,7 @@ class Inspector:
             fingerprint=digest,
             pinned=pinned or _matches_pin(rel, pins),
             trainer_state=trainer_state,
+            slim=slimming,
         )
 
     # --- checks ----------------------------------------------------------
@@ -257,22 +270,36 @@ class Inspector:
         return why
 
     def _deepspeed(
-        self, ckpt: Path, gs: str, files: dict[str, Entry], world_size: int | None
+        self,
+        ckpt: Path,
+        gs: str,
+        files: dict[str, Entry],
+        world_size: int | None,
+        removed: frozenset[str] = frozenset(),
     ) -> tuple[Check, dsmeta.WorldSizes | None]:
-        """The shard census of one `global_step*` directory (`gs`; "" for `ckpt` itself)."""
+        """The shard census of one `global_step*` directory (`gs`; "" for `ckpt` itself).
+
+        Optimizer shards that a slim marker lists as `removed` are not demanded.
+        """
         name = f"deepspeed shards{f' ({gs})' if gs else ''}"
         prefix = f"{gs}/" if gs else ""
         here = {
             rel[len(prefix) :] for rel in files if rel.startswith(prefix) and "/" not in rel[len(prefix) :]
         }
+        slimmed = {
+            n
+            for rel in removed
+            if rel.startswith(prefix) and _OPTIM.fullmatch(n := rel[len(prefix) :]) and n not in here
+        }
+        here_or_slimmed = here | slimmed
         stage3 = any(_ZERO3_MODEL.fullmatch(n) for n in here)
         sizes = self._world_sizes(ckpt, gs, files, stage3, world_size)
         if isinstance(sizes, str):
             if not here - {""}:
                 return Check(name, FAILED, f"{gs or 'directory'} is empty"), None
             return Check(name, UNKNOWN, f"cannot count shards: {sizes}"), None
-        bf16 = any(n.startswith("bf16_zero_pp_rank_") for n in here)
-        zero = stage3 or (sizes.stage or 0) > 0 or any(_OPTIM.fullmatch(n) for n in here)
+        bf16 = any(n.startswith("bf16_zero_pp_rank_") for n in here_or_slimmed)
+        zero = stage3 or (sizes.stage or 0) > 0 or any(_OPTIM.fullmatch(n) for n in here_or_slimmed)
         expected: list[str] = []
         for m in range(sizes.mp):
             if stage3:
@@ -284,7 +311,7 @@ class Inspector:
                 expected += [
                     f"{opt}zero_pp_rank_{r}_mp_rank_{m:02d}_optim_states.pt" for r in range(sizes.dp)
                 ]
-        missing = [n for n in expected if n not in here]
+        missing = [n for n in expected if n not in here_or_slimmed]
         origin = f"dp_world_size={sizes.dp}, mp_world_size={sizes.mp} from {sizes.source}"
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -295,7 +322,49 @@ class Inspector:
             kind = f"ZeRO-{sizes.stage}"
         else:
             kind = "ZeRO" if zero else "no ZeRO"
-        return Check(name, PASSED, f"{len(expected)}/{len(expected)} files present, {kind} ({origin})"), sizes
+        present = len(expected) - len(slimmed & set(expected))
+        gone = (
+            f", {len(expected) - present} optimizer shards removed by slimming"
+            if present < len(expected)
+            else ""
+        )
+        return Check(name, PASSED, f"{present}/{len(expected)} files present{gone}, {kind} ({origin})"), sizes
+
+
+def read_slim_marker(path: Path, files: dict[str, Entry]) -> slim.Marker | str | None:
+    """The checkpoint's slim marker; a string says why it cannot be read; None: not slimmed."""
+    entry = files.get(slim.MARKER)
+    if entry is None:
+        return None
+    if entry.kind != "f" or entry.size > MAX_TRAINER_STATE_BYTES:
+        return "not a regular file of sensible size"
+    try:
+        with open(path / slim.MARKER, "rb") as f:
+            return slim.parse_marker(json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1)))
+    except (OSError, ValueError, RecursionError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _slimmed(files: dict[str, Entry], marker: slim.Marker | str) -> Check:
+    """A slimmed checkpoint must still hold the weights its marker names."""
+    if isinstance(marker, str):
+        return Check("slimmed", FAILED, f"{slim.MARKER} unreadable: {marker}")
+    weights = files.get(marker.weights)
+    if weights is None or weights.kind != "f":
+        return Check("slimmed", FAILED, f"{marker.weights} missing: the marker says the weights are there")
+    if marker.weights_bytes is not None and weights.size != marker.weights_bytes:
+        return Check(
+            "slimmed",
+            FAILED,
+            f"{marker.weights} is {weights.size} bytes, the marker says {marker.weights_bytes}",
+        )
+    left = [p for p, _ in marker.removed if p in files]
+    detail = marker.summary(format_size)
+    if left:  # a crash between the marker and the renames
+        detail += (
+            f"; interrupted: {len(left)} of {len(marker.removed)} files still present, prune finishes it"
+        )
+    return Check("slimmed", PASSED, detail)
 
 
 def _global_step_dirs(files: dict[str, Entry]) -> list[str]:

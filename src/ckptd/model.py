@@ -29,6 +29,7 @@ class Verdict(StrEnum):
 class Action(StrEnum):
     KEEP = "keep"
     DELETE = "delete"
+    SLIM = "slim"  # keep the weights, remove the optimizer state
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,26 @@ class TrainerState:
 
 
 @dataclass(frozen=True)
+class Slimming:
+    """What slimming would remove from a checkpoint, or has removed (see `slim.survey`).
+
+    Paths are relative to the checkpoint. A checkpoint can be slimmed only when its
+    weights survive: it holds them already (`weights`), or DeepSpeed's zero_to_fp32
+    can consolidate them from `source`.
+    """
+
+    slimmed: bool = False  # a .ckptd-slim.json marker is present: weights only, not resumable
+    removable: tuple[tuple[str, int], ...] = ()  # (path, bytes) matching slim_files, still present
+    weights: str | None = None  # the weights it holds, e.g. "model.safetensors"
+    source: str | None = None  # else the DeepSpeed tag directory to consolidate from: "global_step30"
+    blocker: str | None = None  # why it cannot be slimmed although it has optimizer state
+
+    @property
+    def removable_bytes(self) -> int:
+        return sum(size for _, size in self.removable)
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint as found on disk, with the evidence about its completeness."""
 
@@ -94,10 +115,16 @@ class Checkpoint:
     )
     pinned: bool = False
     trainer_state: TrainerState | None = None
+    slim: Slimming = Slimming()
 
     @property
     def path(self) -> Path:
         return self.root / self.run / self.name if self.run != "." else self.root / self.name
+
+    @property
+    def slimmed(self) -> bool:
+        """Its optimizer state was removed: it holds weights only and cannot resume training."""
+        return self.slim.slimmed
 
     @property
     def rel(self) -> str:

@@ -72,6 +72,7 @@ class Scanner:
                 world_size=world,
                 pins=frozenset(retention.pins),
                 quiet=self.quiet,
+                slim_files=retention.slim_files,
             )
         except (FileNotFoundError, NotADirectoryError):
             return None

@@ -2,11 +2,19 @@
 
 Rules combine as a union: a checkpoint is kept if any rule keeps it, and
 every rule that keeps it is named in its reasons. Whatever the config says:
-- the newest complete checkpoint of every run is kept;
+- the newest complete checkpoint of every run is kept, and so is the newest
+  complete *full* one (not slimmed: the newest a trainer can resume from);
 - incomplete and writing checkpoints are never deleted;
 - budgets (`max_size`, `min_free`) take the oldest *unprotected* checkpoints
   first, and stop with a warning rather than touch a protected one
-  (protected: newest complete, best, pinned, not complete).
+  (protected: newest complete, newest full, best, pinned, not complete).
+
+Slimming (`keep_full_last`) is a third action: a checkpoint some rule keeps but
+that is not among the N newest complete full checkpoints keeps its weights and
+loses its optimizer state. Slimmed checkpoints are complete but not full, so
+they never count toward the N, and the newest full one is never slimmed. A
+planned slim counts as freeing its optimizer bytes in the budgets, which
+delete whole checkpoints and never slim on their own.
 """
 
 from __future__ import annotations
@@ -26,6 +34,18 @@ class Decision:
     protected: bool = False  # budgets may not delete it
     metric: float | str | None = None
 
+    @property
+    def bytes_freed(self) -> int:
+        """What carrying it out frees: the checkpoint, its optimizer state, or nothing.
+
+        A slim's consolidated weights (4 bytes a parameter, when it had none) are not subtracted.
+        """
+        if self.action is Action.DELETE:
+            return self.checkpoint.size_bytes
+        if self.action is Action.SLIM:
+            return self.checkpoint.slim.removable_bytes
+        return 0
+
     def line(self) -> str:
         """`delete run42/checkpoint-1200: outside keep_last=2 and keep_best=1 (eval_loss, min)`."""
         return f"{self.action} {self.checkpoint.rel}: {'; '.join(self.reasons)}"
@@ -40,9 +60,13 @@ class Plan:
     def deletions(self) -> tuple[Decision, ...]:
         return tuple(d for d in self.decisions if d.action is Action.DELETE)
 
+    @property
+    def slims(self) -> tuple[Decision, ...]:
+        return tuple(d for d in self.decisions if d.action is Action.SLIM)
+
 
 def decide_run(run: Run, r: Retention) -> list[Decision]:
-    """Keep or delete each checkpoint of one run, oldest first, each with its reasons."""
+    """Keep, slim or delete each checkpoint of one run, oldest first, each with its reasons."""
     ckpts = sorted(run.checkpoints, key=Checkpoint.sort_key)
     complete = [c for c in ckpts if c.state is State.COMPLETE]
     keep: dict[int, list[str]] = {id(c): [] for c in ckpts}
@@ -56,6 +80,9 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
 
     if complete:
         kept(complete[-1], "newest complete", protect=True)
+    full = [c for c in complete if not c.slimmed]
+    if full and full[-1] is not complete[-1]:
+        kept(full[-1], "newest full (resumable)", protect=True)
     if r.keep_last > 1:
         for i, c in enumerate(reversed(complete[-r.keep_last : -1]), start=2):
             kept(c, f"keep_last={r.keep_last} (#{i} newest)")
@@ -98,12 +125,15 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
         if c.state is not State.COMPLETE:
             kept(c, f"{c.state}, never deleted: {_first_problem(c)}", protect=True)
 
+    slims = _slims(ckpts, full, keep, r)
     outside = f"outside {r.describe()}"
     decisions = []
     for c in ckpts:
         reasons = keep[id(c)]
         metric = metrics.get(id(c))
-        if reasons:
+        if id(c) in slims:
+            decisions.append(Decision(c, Action.SLIM, (slims[id(c)],), id(c) in protected, metric))
+        elif reasons:
             decisions.append(Decision(c, Action.KEEP, tuple(reasons), id(c) in protected, metric))
         else:
             incomparable = isinstance(metric, float) and not is_rankable(metric)
@@ -112,9 +142,41 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
     return decisions
 
 
+def _slims(
+    ckpts: list[Checkpoint], full: list[Checkpoint], keep: dict[int, list[str]], r: Retention
+) -> dict[int, str]:
+    """The kept checkpoints to slim, with their reason; notes in `keep` why others are not.
+
+    Pinned checkpoints are kept as they are. A slimmed checkpoint that still holds
+    optimizer files was interrupted while they were being removed: it is finished.
+    """
+    newest_full = {id(c) for c in full[-r.keep_full_last :]} if r.keep_full_last else set()
+    out: dict[int, str] = {}
+    for c in ckpts:
+        reasons = keep[id(c)]
+        if not reasons or c.state is not State.COMPLETE or c.pinned:
+            continue
+        if c.slimmed:
+            if c.slim.removable and c.slim.blocker is None:
+                out[id(c)] = f"slim: finish interrupted slimming (kept for: {'; '.join(reasons)})"
+            else:
+                reasons.append("slimmed")
+            continue
+        if r.keep_full_last is None or id(c) in newest_full or not c.slim.removable:
+            continue
+        if c.slim.blocker is not None:
+            reasons.append(f"not slimmed: {c.slim.blocker}")
+        else:
+            out[id(c)] = f"slim: outside keep_full_last={r.keep_full_last} (kept for: {'; '.join(reasons)})"
+    return out
+
+
 def enforce_max_size(decisions: list[Decision], max_size: int) -> tuple[list[Decision], list[str]]:
-    """Delete the run's oldest unprotected checkpoints until it fits in `max_size`."""
-    total = sum(d.checkpoint.size_bytes for d in decisions if d.action is Action.KEEP)
+    """Delete the run's oldest unprotected checkpoints until it fits in `max_size`.
+
+    A checkpoint planned for slimming counts with what slimming leaves of it.
+    """
+    total = sum(d.checkpoint.size_bytes - d.bytes_freed for d in decisions if d.action is not Action.DELETE)
     if total <= max_size:
         return decisions, []
     out = list(decisions)
@@ -124,7 +186,7 @@ def enforce_max_size(decisions: list[Decision], max_size: int) -> tuple[list[Dec
             break
         if _budget_may_take(d):
             out[i] = replace(d, action=Action.DELETE, reasons=(reason,))
-            total -= d.checkpoint.size_bytes
+            total -= d.checkpoint.size_bytes - d.bytes_freed
     warnings = []
     if total > max_size and decisions:
         run = decisions[0].checkpoint
@@ -141,10 +203,10 @@ def enforce_min_free(
     """Delete the oldest unprotected checkpoints on one filesystem until `floor` is free.
 
     `decisions` are every decision on that filesystem, across runs and roots;
-    space already freed by planned deletions counts.
+    space already freed by planned deletions and slims counts.
     """
     required = floor.required(total)
-    expected = free + sum(d.checkpoint.size_bytes for d in decisions if d.action is Action.DELETE)
+    expected = free + sum(d.bytes_freed for d in decisions)
     if expected >= required:
         return list(decisions), []
     out = list(decisions)
@@ -154,8 +216,8 @@ def enforce_min_free(
         if expected >= required:
             break
         if _budget_may_take(out[i]):
+            expected += out[i].checkpoint.size_bytes - out[i].bytes_freed
             out[i] = replace(out[i], action=Action.DELETE, reasons=(reason,))
-            expected += out[i].checkpoint.size_bytes
     warnings = []
     if expected < required:
         warnings.append(
@@ -166,7 +228,7 @@ def enforce_min_free(
 
 
 def _budget_may_take(d: Decision) -> bool:
-    return d.action is Action.KEEP and not d.protected and d.checkpoint.state is State.COMPLETE
+    return d.action in (Action.KEEP, Action.SLIM) and not d.protected and d.checkpoint.state is State.COMPLETE
 
 
 def _first_problem(c: Checkpoint) -> str:
@@ -183,9 +245,8 @@ def _fmt(value: float | str | None) -> str:
 
 
 def summarise(decisions: Iterable[Decision]) -> dict[str, int]:
-    out = {"keep": 0, "delete": 0, "bytes_to_free": 0}
+    out = {"keep": 0, "delete": 0, "slim": 0, "bytes_to_free": 0}
     for d in decisions:
         out[str(d.action)] += 1
-        if d.action is Action.DELETE:
-            out["bytes_to_free"] += d.checkpoint.size_bytes
+        out["bytes_to_free"] += d.bytes_freed
     return out

@@ -15,6 +15,12 @@ quiet, not pinned, and the run's newest complete checkpoint (which the plan
 kept) still there and complete. Any doubt and it is left alone.
 
 The journal records the intent before the rename, and each outcome after.
+
+Slimming (`slim_one`) removes only a checkpoint's optimizer files, the same
+way: re-checked first, renamed into the trash, purged later. When the
+checkpoint has no weights of its own they are consolidated first, and nothing
+is removed unless that output verified; see `slim_one` for what a crash at
+each step leaves.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -35,7 +42,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from ckptd.evidence import TooDeep, walk
+from ckptd import slim
+from ckptd.config import format_size
+from ckptd.consolidate import ConsolidationFailed, consolidate
+from ckptd.evidence import Entry, TooDeep, fingerprint, read_slim_marker, walk
 from ckptd.journal import Journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.model import Action, Checkpoint, State
@@ -54,7 +64,8 @@ class Outcome(StrEnum):
     TRASHED = "trashed"  # renamed into the trash; gone from its run
     REFUSED = "refused"  # a re-check failed; left where it is
     FAILED = "failed"  # the rename failed; left where it is
-    DRY_RUN = "dry-run"  # would have been trashed
+    DRY_RUN = "dry-run"  # would have been trashed (or slimmed)
+    SLIMMED = "slimmed"  # its optimizer files renamed into the trash; its weights verified in place
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,7 @@ class Result:
     outcome: Outcome
     detail: str
     trash_path: Path | None = None
+    moved_bytes: int = 0  # what went into the trash
 
     def line(self) -> str:
         return f"{self.outcome} {self.decision.checkpoint.rel}: {self.detail}"
@@ -116,29 +128,43 @@ class Reaper:
             return f"no longer complete ({fresh.state})"
         if fresh.fingerprint != planned.fingerprint:
             return "changed since the plan was made"
-        # The plan kept the run's newest complete checkpoint; if that is gone, this
-        # one may now be the newest, which is never deleted.
+        return self._anchor_problem(planned, anchor, now, slimming=decision.action is Action.SLIM)
+
+    def _anchor_problem(
+        self, planned: Checkpoint, anchor: Checkpoint | None, now: float, *, slimming: bool
+    ) -> str | None:
+        # The plan kept the run's newest complete (for a slim: full) checkpoint; if that
+        # is gone, this one may now be the newest, which is never deleted or slimmed.
+        newest = "newest complete full" if slimming else "newest complete"
         if anchor is None or anchor.rel == planned.rel:
-            return "it is its run's newest complete checkpoint"
+            return f"it is its run's {newest} checkpoint"
         fresh_anchor = self.scanner.reinspect(anchor.run, anchor.name, now=now)
         if fresh_anchor is None or fresh_anchor.state is not State.COMPLETE:
-            return f"the run's newest complete checkpoint {anchor.name} is gone or no longer complete"
+            return f"the run's {newest} checkpoint {anchor.name} is gone or no longer complete"
         return None
 
     def execute(self, decisions: Sequence[Decision]) -> list[Result]:
-        """Trash every deletion in `decisions` (one root's plan), each re-checked first."""
+        """Carry out one root's plan: trash each deletion, then slim each slim, each re-checked first.
+
+        The anchor of a deletion is its run's newest complete checkpoint; of a
+        slim, the newest complete full one (not slimmed), which the plan kept full.
+        """
         anchors: dict[str, Checkpoint] = {}
+        full: dict[str, Checkpoint] = {}
         for d in decisions:
             c = d.checkpoint
-            if c.state is State.COMPLETE and (
-                c.run not in anchors or c.sort_key() > anchors[c.run].sort_key()
-            ):
+            if c.state is not State.COMPLETE:
+                continue
+            if c.run not in anchors or c.sort_key() > anchors[c.run].sort_key():
                 anchors[c.run] = c
-        return [
-            self.trash_one(d, anchors.get(d.checkpoint.run))
-            for d in decisions
-            if d.action is Action.DELETE and d.checkpoint.root == self.root
+            if not c.slimmed and (c.run not in full or c.sort_key() > full[c.run].sort_key()):
+                full[c.run] = c
+        ours = [d for d in decisions if d.checkpoint.root == self.root]
+        results = [
+            self.trash_one(d, anchors.get(d.checkpoint.run)) for d in ours if d.action is Action.DELETE
         ]
+        results += [self.slim_one(d, full.get(d.checkpoint.run)) for d in ours if d.action is Action.SLIM]
+        return results
 
     # --- acting ----------------------------------------------------------
 
@@ -202,6 +228,187 @@ class Reaper:
             os.close(run_fd)
         self._record("trashed", trash=str(self.trash / target), **fields)
         return Result(decision, Outcome.TRASHED, f"moved to {TRASH_DIR}/{target}", self.trash / target)
+
+    def slim_one(self, decision: Decision, anchor: Checkpoint | None) -> Result:
+        """Re-check, consolidate the weights if it has none, then move its optimizer files into the trash.
+
+        `anchor` is the run's newest complete full checkpoint. In order, and what a
+        crash at each step leaves:
+        1. zero_to_fp32 into `model.safetensors.ckptd-tmp`, verified (`consolidate`):
+           nothing is removed; a leftover temp file is overwritten by the next try.
+        2. nothing else changed the checkpoint meanwhile (its entries, fingerprinted
+           without the temp file), then rename the temp file to `model.safetensors`:
+           a full checkpoint that also holds its weights; the next run slims it
+           without consolidating.
+        3. journal the intent, write `.ckptd-slim.json` saying "removing" and listing
+           the files: from now on the census does not demand them and the
+           checkpoint counts as slimmed; the next run finishes an interrupted one.
+        4. rename each file into `<root>/.ckptd-trash/<unique>/`.
+        5. rewrite the marker as "done", journal. `purge()` frees the space.
+        """
+        c = decision.checkpoint
+        s = c.slim
+        fields = dict(
+            action="slim",
+            root=str(self.root),
+            run=c.run,
+            path=str(c.path),
+            step=c.step,
+            bytes=s.removable_bytes,
+            reasons=list(decision.reasons),
+        )
+
+        def refuse(why: str) -> Result:
+            log.warning("refusing to slim %s: %s", c.rel, why)
+            self._record("refused", why=why, **fields)
+            return Result(decision, Outcome.REFUSED, why)
+
+        def fail(why: str) -> Result:
+            log.error("not slimming %s: %s", c.rel, why)
+            self._record("failed", why=why, **fields)
+            return Result(decision, Outcome.FAILED, why)
+
+        why_not = self.recheck(decision, anchor)
+        if why_not is None and s.blocker is not None:
+            why_not = f"cannot slim: {s.blocker}"
+        if why_not is None and not s.removable:
+            why_not = "no optimizer state to remove"
+        if why_not is not None:
+            return refuse(why_not)
+        moving = f"move {len(s.removable)} optimizer files ({format_size(s.removable_bytes)}) to {TRASH_DIR}/"
+        if self.dry_run:
+            first = f"consolidate {s.source} into {slim.CONSOLIDATED}, then " if s.weights is None else ""
+            log.info("would slim %s: %s %s", c.rel, "; ".join(decision.reasons), DRY_RUN_NOTE)
+            return Result(decision, Outcome.DRY_RUN, f"would {first}{moving}")
+
+        before = walk(c.path)
+        if fingerprint(before) != c.fingerprint:
+            return refuse("changed since the plan was made")
+        previous = read_slim_marker(c.path, {e.rel: e for e in before})
+        if isinstance(previous, str):
+            return refuse(f"{slim.MARKER} unreadable: {previous}")
+        done = ""
+        if previous is not None:
+            weights = previous.document["weights"]
+        elif s.weights is not None:
+            weights = {"path": s.weights, "bytes": _entry_size(before, s.weights), "consolidated": False}
+        else:
+            try:
+                weights = self._consolidate(c, before, anchor)
+            except _Stop as stop:
+                return refuse(stop.why) if stop.outcome is Outcome.REFUSED else fail(stop.why)
+            made = (
+                f"{format_size(weights['bytes'])}, sha256 {weights['sha256'][:12]}, {weights['seconds']:.1f}s"
+            )
+            done = f"consolidated {s.source} into {slim.CONSOLIDATED} ({made}); "
+
+        already = list(previous.removed) if previous is not None else []
+        planned = already + [f for f in s.removable if f[0] not in {p for p, _ in already}]
+        target = self.trash / f"{_trash_name(c, self.clock())}%slim"
+        try:
+            self._ensure_trash()
+            assert self.journal is not None
+            self.journal.record(
+                "slimming",
+                time=self.clock(),
+                trash=str(target),
+                files=[p for p, _ in s.removable],
+                weights=weights,
+                **fields,
+            )
+            self._write_marker(c, "removing", planned, weights, decision)
+        except OSError as exc:
+            return fail(f"cannot prepare {TRASH_DIR}/, journal or {slim.MARKER}: {exc}")
+        moved: list[tuple[str, int]] = []
+        for rel, size in s.removable:
+            try:
+                (target / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.rename(c.path / rel, target / rel)
+            except FileNotFoundError:
+                continue  # gone already, as the marker says: nothing to move
+            except OSError as exc:  # the marker says "removing": the next run tries again
+                return fail(f"moved {len(moved)} of {len(s.removable)} files, then: {exc}")
+            moved.append((rel, size))
+        freed = sum(size for _, size in moved)
+        try:
+            self._write_marker(c, "done", planned, weights, decision)
+        except OSError as exc:  # "removing" stays: harmless, the next run rewrites it
+            log.error("cannot finish %s in %s: %s", slim.MARKER, c.path, exc)
+        self._record("slimmed", trash=str(target), freed=freed, weights=weights, **fields)
+        log.info("slimmed %s (%s to the trash): %s", c.rel, format_size(freed), "; ".join(decision.reasons))
+        where = target.relative_to(self.root)
+        detail = f"{done}moved {len(moved)} optimizer files ({format_size(freed)}) to {where}"
+        return Result(decision, Outcome.SLIMMED, detail, target, freed)
+
+    def _consolidate(self, c: Checkpoint, before: list[Entry], anchor: Checkpoint | None) -> dict:
+        """Steps 1 and 2 of `slim_one`: the weights in place as model.safetensors, described for
+        the marker. Raises `_Stop` with why not; nothing of the checkpoint is removed then."""
+        assert c.slim.source is not None
+        run_dir = c.path.parent
+        save_dir, tag, states = slim.consolidation_paths(
+            c.layout, c.name, c.slim.source, {e.rel for e in before}
+        )
+        tmp, final = c.path / slim.CONSOLIDATING, c.path / slim.CONSOLIDATED
+        try:
+            out = consolidate(run_dir / save_dir, tag, run_dir / states, tmp)
+        except ConsolidationFailed as exc:
+            self._discard(tmp)
+            raise _Stop(Outcome.FAILED, f"consolidation failed, nothing removed: {exc}") from None
+        # Consolidation took a while: nobody but us may have touched the checkpoint since.
+        if _unchanged_but(before, slim.CONSOLIDATING) != _unchanged_but(walk(c.path), slim.CONSOLIDATING):
+            self._discard(tmp)
+            raise _Stop(Outcome.REFUSED, "changed while its weights were being consolidated")
+        why = self._anchor_problem(c, anchor, self.clock(), slimming=True)
+        if why is None and os.path.lexists(final):
+            why = f"{slim.CONSOLIDATED} appeared while consolidating"
+        if why is not None:
+            self._discard(tmp)
+            raise _Stop(Outcome.REFUSED, why)
+        try:
+            os.rename(tmp, final)
+            _fsync_dir(c.path)
+        except OSError as exc:
+            self._discard(tmp)
+            raise _Stop(Outcome.FAILED, f"cannot rename {tmp.name}: {exc}") from None
+        return {
+            "path": slim.CONSOLIDATED,
+            "bytes": out.bytes,
+            "consolidated": True,
+            "source": c.slim.source,
+            "sha256": out.sha256,
+            "tensors": out.tensors,
+            "seconds": round(out.seconds, 3),
+            "tool": out.tool,
+        }
+
+    def _write_marker(
+        self, c: Checkpoint, state: str, removed: list[tuple[str, int]], weights: dict, decision: Decision
+    ) -> None:
+        """Atomically: a temp file, fsynced, renamed over the marker, the directory fsynced."""
+        doc = slim.marker_document(
+            state=state, time=self.clock(), removed=removed, weights=weights, reasons=decision.reasons
+        )
+        tmp = c.path / f"{slim.MARKER}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, (json.dumps(doc, indent=2) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, c.path / slim.MARKER)
+        _fsync_dir(c.path)
+
+    def _discard(self, tmp: Path) -> None:
+        """Remove our own unverified or unused consolidation output."""
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.error("cannot remove %s: %s", tmp, exc)
+
+    def _ensure_trash(self) -> None:
+        os.close(self._open_trash())
 
     def purge(self, stop: Callable[[], bool] = lambda: False) -> tuple[int, int]:
         """Delete everything in the trash. Returns (entries purged, bytes freed).
@@ -318,6 +525,32 @@ def _still_at(root: Path, rel: str, fd: int) -> bool:
         return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
     finally:
         os.close(again)
+class _Stop(Exception):
+    """Slimming stops before removing anything: refused (a re-check) or failed."""
+
+    def __init__(self, outcome: Outcome, why: str):
+        super().__init__(why)
+        self.outcome = outcome
+        self.why = why
+
+
+def _entry_size(entries: list[Entry], rel: str) -> int | None:
+    return next((e.size for e in entries if e.rel == rel), None)
+
+
+def _unchanged_but(entries: list[Entry], ours: str) -> str:
+    """A fingerprint of a checkpoint's entries leaving out our own file `ours` and the
+    checkpoint directory's own size and mtime, which adding that file changes."""
+    kept = [e for e in entries if e.rel != ours]
+    return fingerprint([Entry("", e.kind, 0, 0) if e.rel == "" else e for e in kept])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _size(path: Path) -> int:

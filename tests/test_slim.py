@@ -1,0 +1,313 @@
+"""Slimming without torch: Trainer checkpoints that hold their weights, the marker, the census,
+the reaper's re-checks, and the CLI end to end. Real filesystem; ages set with os.utime."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptd import slim
+from ckptd.config import ConfigError, Retention, Root, format_size, parse_config
+from ckptd.demo import age, hf_deepspeed_checkpoint, trainer_state, write_zip
+from ckptd.journal import Journal, read_journal
+from ckptd.layouts import PIN_FILE, TRASH_DIR
+from ckptd.model import State, Verdict
+from ckptd.planner import Scanner, decide
+from ckptd.policy import Action
+from ckptd.reaper import Outcome, Reaper
+
+from conftest import run_ckptd
+
+NOW = 1_800_000_000.0
+OLD = NOW - 3600
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[int, ...]] | None = None) -> None:
+    """A small, valid safetensors file (zeros), written without torch."""
+    header, offset = {}, 0
+    for name, shape in (tensors or {"w": (4, 4)}).items():
+        n = 4 * int(__import__("math").prod(shape))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
+
+
+def trainer_checkpoint(run: Path, step: int, *, mtime: float, weights: bool = True) -> Path:
+    """`checkpoint-<step>/` as the Trainer writes it without DeepSpeed."""
+    ck = run / f"checkpoint-{step}"
+    ck.mkdir(parents=True)
+    if weights:
+        write_safetensors(ck / "model.safetensors")
+    write_zip(ck / "optimizer.pt", 4000)
+    write_zip(ck / "scheduler.pt", 100)
+    write_zip(ck / "rng_state.pth", 16)
+    (ck / "trainer_state.json").write_text(json.dumps(trainer_state(step, {}, None)))
+    (ck / "config.json").write_text("{}")
+    age(ck, mtime)
+    return ck
+
+
+def config_file(tmp_path: Path, root: Path, **retention) -> Path:
+    path = tmp_path / "ckptd.toml"
+    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'", f"[[roots]]\npath = '{root}'\nquiet_period = '0s'",
+             "[roots.retention]", *(f"{k} = {json.dumps(v)}" for k, v in retention.items())]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def trainer_volume(tmp_path: Path) -> Path:
+    root = tmp_path / "vol"
+    for i, step in enumerate((100, 200, 300)):
+        trainer_checkpoint(root / "run", step, mtime=time.time() - 3600 + i)
+    return root
+
+
+# --- which files, and where the weights are --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "glob", "expected"),
+    [
+        ("global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt", "global_step*/*optim_states.pt", True),
+        ("global_step10/bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt", "global_step*/*optim_states.pt", True),
+        ("global_step10/sub/x_optim_states.pt", "global_step*/*optim_states.pt", False),  # '*' stays in a segment
+        ("optimizer.pt", "optimizer.pt", True),
+        ("sub/optimizer.pt", "optimizer.pt", False),
+    ],
+)
+def test_slim_file_globs_match_segment_by_segment(path, glob, expected):
+    assert slim.matches(path, glob) is expected
+
+
+def test_weights_and_model_states_are_never_removed_whatever_the_globs_say(tmp_path):
+    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
+    write_safetensors(tmp_path / "run" / "checkpoint-10" / "model.safetensors")
+    age(tmp_path / "run", OLD)
+    greedy = ("*", "*/*")
+    c = Scanner(Root(path=tmp_path, world_size=2, retention=Retention(slim_files=greedy))).runs(now=NOW)[0].checkpoints[0]
+    removable = {p for p, _ in c.slim.removable}
+    assert "model.safetensors" not in removable and "trainer_state.json" not in removable
+    assert "global_step10/mp_rank_00_model_states.pt" not in removable
+    assert "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt" in removable and "config.json" in removable
+
+
+def test_a_checkpoint_without_weights_or_a_deepspeed_tag_is_not_slimmed(tmp_path):
+    root = tmp_path / "vol"
+    trainer_checkpoint(root / "run", 100, mtime=OLD, weights=False)
+    trainer_checkpoint(root / "run", 200, mtime=OLD + 1)
+    retention = Retention(keep_last=2, keep_best=0, keep_full_last=1)
+    scanner = Scanner(Root(path=root, retention=retention))
+    plan = decide([(scanner.root, scanner.runs(now=NOW))])
+    first = plan.decisions[0]
+    assert first.action is Action.KEEP
+    assert first.reasons[-1] == "not slimmed: no weights file and no global_step directories to consolidate from"
+
+
+# --- the marker and the census -----------------------------------------------
+
+
+def slimmed_deepspeed_checkpoint(run: Path, *, weights: bool = True, listed=("0", "1"), removed=("0", "1")) -> Path:
+    ck = hf_deepspeed_checkpoint(run, 10, world=2)
+    files = [(f"global_step10/zero_pp_rank_{r}_mp_rank_00_optim_states.pt", 1234) for r in listed]
+    for r in removed:
+        (ck / f"global_step10/zero_pp_rank_{r}_mp_rank_00_optim_states.pt").unlink()
+    if weights:
+        write_safetensors(ck / "model.safetensors")
+    doc = slim.marker_document(state="done", time=OLD, removed=files, reasons=["test"], weights={
+        "path": "model.safetensors", "consolidated": True, "source": "global_step10", "sha256": "ab" * 32})
+    (ck / slim.MARKER).write_text(json.dumps(doc))
+    age(ck, OLD)
+    return ck
+
+
+def inspect_one(root: Path):
+    return Scanner(Root(path=root, world_size=2)).runs(now=NOW)[0].checkpoints[0]
+
+
+def test_census_does_not_demand_the_shards_the_marker_lists(tmp_path):
+    slimmed_deepspeed_checkpoint(tmp_path / "run")
+    c = inspect_one(tmp_path)
+    checks = {k.name: (k.verdict, k.detail) for k in c.checks}
+    assert c.state is State.COMPLETE and c.slimmed and not c.slim.removable
+    assert checks["deepspeed shards (global_step10)"] == (
+        Verdict.PASSED,
+        "1/3 files present, 2 optimizer shards removed by slimming, ZeRO (dp_world_size=2, mp_world_size=1 "
+        "from config world_size)",
+    )
+    assert checks["slimmed"] == (
+        Verdict.PASSED,
+        "optimizer state removed: 2 files, 2.4KiB; weights in model.safetensors "
+        "(consolidated from global_step10 by zero_to_fp32, sha256 abababababab)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("kw", "failed", "detail"),
+    [
+        (dict(weights=False), "slimmed", "model.safetensors missing: the marker says the weights are there"),
+        # a shard the marker does not list is still demanded
+        (dict(listed=("0",)), "deepspeed shards (global_step10)", "zero_pp_rank_1_mp_rank_00_optim_states.pt missing"),
+    ],
+)
+def test_a_slimmed_checkpoint_that_lost_more_is_incomplete(tmp_path, kw, failed, detail):
+    slimmed_deepspeed_checkpoint(tmp_path / "run", **kw)
+    c = inspect_one(tmp_path)
+    check = next(k for k in c.checks if k.name == failed)
+    assert c.state is State.INCOMPLETE and check.verdict is Verdict.FAILED and check.detail.startswith(detail)
+
+
+def test_an_unreadable_marker_makes_it_incomplete_and_not_full(tmp_path):
+    ck = slimmed_deepspeed_checkpoint(tmp_path / "run")
+    (ck / slim.MARKER).write_text("{torn")
+    age(ck, OLD)
+    c = inspect_one(tmp_path)
+    assert c.state is State.INCOMPLETE and c.slimmed
+    assert next(k for k in c.checks if k.name == "slimmed").detail.startswith(".ckptd-slim.json unreadable")
+
+
+# --- the reaper --------------------------------------------------------------
+
+
+def reaper_for(root: Path, tmp_path: Path, **retention):
+    retention = Retention(keep_best=0, **retention)
+    scanner = Scanner(Root(path=root, retention=retention))
+    journal = Journal(tmp_path / "state")
+    reaper = Reaper(scanner, journal, dry_run=False, clock=time.time)
+    return reaper, decide([(scanner.root, scanner.runs(now=time.time()))]), journal
+
+
+def add(ck: Path, name: str) -> None:
+    (ck / name).write_text("x")
+    age(ck, time.time() - 3600)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "why"),
+    [
+        (lambda ck: add(ck, PIN_FILE), "pinned"),
+        (lambda ck: add(ck, "notes.txt"), "changed since the plan was made"),
+        (lambda ck: os.rename(ck.parent / "checkpoint-300", ck.parent / "elsewhere"),
+         "the run's newest complete full checkpoint checkpoint-300 is gone or no longer complete"),
+    ],
+)
+def test_slimming_re_checks_first_and_refuses(trainer_volume, tmp_path, tamper, why):
+    reaper, plan, journal = reaper_for(trainer_volume, tmp_path, keep_last=3, keep_full_last=1)
+    assert [d.checkpoint.step for d in plan.slims] == [100, 200]
+    tamper(trainer_volume / "run" / "checkpoint-100")
+    results = reaper.execute([plan.slims[0]] + [d for d in plan.decisions if d.action is Action.KEEP])
+    assert [(r.outcome, r.detail) for r in results] == [(Outcome.REFUSED, why)]
+    assert (trainer_volume / "run" / "checkpoint-100" / "optimizer.pt").exists()
+    assert not (trainer_volume / "run" / "checkpoint-100" / slim.MARKER).exists()
+    journal.close()
+    assert [r["event"] for r in read_journal(tmp_path / "state")] == ["refused"]
+
+
+def test_an_interrupted_slimming_is_finished_by_the_next_run(trainer_volume, tmp_path):
+    """A crash after the marker was written and before the optimizer file was moved."""
+    ck = trainer_volume / "run" / "checkpoint-100"
+    size = (ck / "optimizer.pt").stat().st_size
+    doc = slim.marker_document(state="removing", time=OLD, removed=[("optimizer.pt", size)], reasons=["test"],
+                               weights={"path": "model.safetensors", "consolidated": False})
+    (ck / slim.MARKER).write_text(json.dumps(doc))
+    age(ck, time.time() - 3600)
+    code, out = verify(ck)
+    assert code == 0 and "interrupted: 1 of 1 files still present, prune finishes it" in out
+    reaper, plan, journal = reaper_for(trainer_volume, tmp_path, keep_last=3)  # slimming is off now
+    [d] = plan.slims
+    assert d.checkpoint.step == 100 and d.reasons[0].startswith("slim: finish interrupted slimming")
+    [result] = reaper.execute(plan.decisions)
+    assert result.outcome is Outcome.SLIMMED and result.moved_bytes == size
+    assert not (ck / "optimizer.pt").exists()
+    marker = json.loads((ck / slim.MARKER).read_text())
+    assert marker["state"] == "done" and marker["removed"] == [{"path": "optimizer.pt", "bytes": size}]
+    assert reaper.purge() == (1, size)
+    journal.close()
+
+
+def verify(path: Path, *args: str) -> tuple[int, str]:
+    proc = run_ckptd("verify", path, *args)
+    return proc.returncode, proc.stdout
+
+
+# --- end to end ---------------------------------------------------------------
+
+
+def test_prune_slims_trainer_checkpoints_to_their_weights(trainer_volume, tmp_path):
+    cfg = config_file(tmp_path, trainer_volume, keep_last=3, keep_best=0, keep_full_last=1)
+    run = trainer_volume / "run"
+    optim = (run / "checkpoint-100" / "optimizer.pt").stat().st_size
+    one, two = format_size(optim), format_size(2 * optim)
+    weights = (run / "checkpoint-100" / "model.safetensors").read_bytes()
+
+    plan = json.loads(run_ckptd("plan", "-c", cfg, "--json").stdout)
+    rows = [(Path(c["path"]).name, c["action"], c["bytes_freed"]) for c in plan["checkpoints"]]
+    assert rows == [("checkpoint-100", "slim", optim), ("checkpoint-200", "slim", optim), ("checkpoint-300", "keep", 0)]
+    table = run_ckptd("plan", "-c", cfg).stdout.splitlines()
+    assert table[1].split()[6:9] == ["slim", one, "slim:"] and table[-1] == f"1 keep, 0 delete, 2 slim ({two} to free)"
+
+    dry = run_ckptd("prune", "-c", cfg, "--dry-run")
+    assert dry.returncode == 0 and f"would move 1 optimizer files ({one})" in dry.stdout
+    assert "(dry run; not actually removing anything)" in dry.stdout.splitlines()[-1]
+    assert (run / "checkpoint-100" / "optimizer.pt").exists()
+
+    proc = run_ckptd("prune", "-c", cfg)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        f"prune: 0 deleted (0B freed), 2 slimmed ({two} of optimizer state freed), 0 refused on re-check, 0 failed"
+    )
+    for step in (100, 200):
+        ck = run / f"checkpoint-{step}"
+        assert sorted(os.listdir(ck)) == [slim.MARKER, "config.json", "model.safetensors", "rng_state.pth",
+                                          "scheduler.pt", "trainer_state.json"]
+        assert (ck / "model.safetensors").read_bytes() == weights  # not consolidated: it had its weights
+        marker = json.loads((ck / slim.MARKER).read_text())
+        assert marker["state"] == "done" and marker["bytes_freed"] == optim
+        assert marker["weights"] == {"path": "model.safetensors", "bytes": len(weights), "consolidated": False}
+    assert (run / "checkpoint-300" / "optimizer.pt").exists()
+    assert os.listdir(trainer_volume / TRASH_DIR) == []
+    events = [r["event"] for r in read_journal(tmp_path / "state")]
+    assert events == ["slimming", "slimmed"] * 2 + ["purged"] * 2
+
+    code, out = verify(run / "checkpoint-100", "-c", str(cfg))
+    assert code == 0 and ": complete, slimmed: weights only (hf layout, step 100," in out.splitlines()[0]
+    again = run_ckptd("prune", "-c", cfg)
+    assert again.stdout.splitlines()[-1].startswith("prune: 0 deleted (0B freed), 0 slimmed")
+    plan = json.loads(run_ckptd("plan", "-c", cfg, "--json").stdout)
+    assert [c["reasons"] for c in plan["checkpoints"][:2]] == [["keep_last=3 (#3 newest)", "slimmed"],
+                                                                ["keep_last=3 (#2 newest)", "slimmed"]]
+
+
+# --- config ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("retention", "message"),
+    [
+        ({"keep_full_last": 0}, "roots[0].retention.keep_full_last: must be >= 1 (got 0)"),
+        ({"keep_full_last": "1"}, "roots[0].retention.keep_full_last: input should be a valid integer (got '1')"),
+        ({"slim_files": ["../optimizer.pt"]},
+         "roots[0].retention.slim_files: a slim_files glob is a relative path without '.' or '..' "
+         "(got '../optimizer.pt')"),
+    ],
+)
+def test_slim_config_mistakes(retention, message):
+    with pytest.raises(ConfigError) as info:
+        parse_config({"roots": [{"path": "/x", "retention": retention}]}, "c.toml")
+    assert info.value.problems == [f"c.toml: {message}"]
+
+
+def test_keep_full_last_per_run():
+    config = parse_config({"roots": [{"path": "/x", "retention": {"keep_full_last": 3},
+                                      "runs": [{"match": "sweeps/*", "keep_full_last": 1}]}]})
+    root = config.roots[0]
+    assert root.retention_for("main")[0].keep_full_last == 3
+    assert root.retention_for("sweeps/a")[0].keep_full_last == 1
+    assert Retention().keep_full_last is None and Retention().slim_files == slim.DEFAULT_SLIM_FILES

@@ -1,0 +1,302 @@
+"""Slimming real DeepSpeed checkpoints, written on the CPU by real multi-process DeepSpeed runs.
+
+Volumes are generated once per session (conftest.py and below) and copied per
+test. The test process never imports torch: tensor comparisons run in a
+subprocess. The consolidation is paused and killed through the consolidator's
+test hook (a FIFO it announces its pid on), never timed with sleeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptd import slim
+from ckptd.consolidate import PAUSE_FIFO_ENV
+from ckptd.demo import age
+from ckptd.journal import read_journal
+
+import dsgen
+from conftest import run_ckptd
+
+pytestmark = [
+    pytest.mark.deepspeed,
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("torch") is None,
+        reason="needs ckptd[deepspeed] (torch==2.13.0, deepspeed, safetensors)",
+    ),
+]
+
+
+@pytest.fixture(scope="session")
+def zero2_bf16_bare_3ranks(tmp_path_factory) -> Path:
+    """With conftest's zero2_hf (fp32) and zero3_bf16_bare: ZeRO-2 fp32 and bf16, ZeRO-3, 2 and 3 ranks."""
+    out = tmp_path_factory.mktemp("zero2-bf16-bare-3") / "run"
+    dsgen.generate(out, world_size=3, stage=2, bf16=True, layout="bare", steps=(10, 20))
+    return out
+
+
+def copy_run(src: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "vol"
+    shutil.copytree(src, root / "run")
+    age(root, time.time() - 3600)
+    return root
+
+
+def config(tmp_path: Path, root: Path, **retention) -> Path:
+    path = tmp_path / "ckptd.toml"
+    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'", f"[[roots]]\npath = '{root}'\nquiet_period = '0s'",
+             "[roots.retention]", *(f"{k} = {json.dumps(v)}" for k, v in retention.items())]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def optimizer_shards(tag_dir: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in tag_dir.glob("*optim_states.pt")}
+
+
+def manifest(root: Path) -> dict[str, tuple[int, str]]:
+    """Every file under `root` with its size and sha256: what 'nothing lost' means."""
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = Path(dirpath, n)
+            out[str(p.relative_to(root))] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+REFERENCE = """
+import json, sys, torch
+from safetensors.torch import load_file
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+save_dir, tag, consolidated = sys.argv[1:4]
+ref = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
+got = load_file(consolidated)
+print(json.dumps({"ref": sorted(ref), "got": sorted(got), "dtypes": sorted({str(t.dtype) for t in got.values()}),
+                  "unequal": [k for k in ref if k in got and not torch.equal(ref[k], got[k])]}))
+"""
+
+
+def compare_with_zero_to_fp32(save_dir: Path, tag: str, consolidated: Path) -> dict:
+    """What zero_to_fp32 reconstructs from the original shards, against the slimmed checkpoint's weights."""
+    proc = subprocess.run([sys.executable, "-c", REFERENCE, str(save_dir), tag, str(consolidated)],
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "TQDM_DISABLE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# (volume, checkpoint name pattern, retention, what the plan does to steps 10..)
+CASES = {
+    "zero2-fp32-hf": ("zero2_hf", "checkpoint-{}", dict(keep_last=1, keep_best=1, metric="eval_loss"),
+                      {10: "slim", 20: "delete", 30: "delete", 40: "keep"}),
+    "zero2-bf16-bare-3-ranks": ("zero2_bf16_bare_3ranks", "global_step{}", dict(keep_last=2, keep_best=0),
+                                {10: "slim", 20: "keep"}),
+    "zero3-bf16-bare": ("zero3_bf16_bare", "global_step{}", dict(keep_last=2, keep_best=0),
+                        {10: "slim", 20: "keep"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prune_with_keep_full_last_leaves_verified_weights_only(case, request, tmp_path):
+    volume, pattern, retention, expected = CASES[case]
+    source = request.getfixturevalue(volume)
+    root = copy_run(source, tmp_path)
+    cfg = config(tmp_path, root, keep_full_last=1, **retention)
+    ck = root / "run" / pattern.format(10)
+    tag_dir = ck / "global_step10" if pattern.startswith("checkpoint") else ck
+    shards = optimizer_shards(tag_dir)
+    assert len(shards) == (3 if "3-ranks" in case else 2)
+    freed = sum(shards.values())
+
+    plan = json.loads(run_ckptd("plan", "-c", cfg, "--json").stdout)
+    rows = {int(c["step"]): (c["action"], c["bytes_freed"]) for c in plan["checkpoints"]}
+    assert {s: a for s, (a, _) in rows.items()} == expected
+    assert rows[10] == ("slim", freed)
+
+    proc = run_ckptd("prune", "-c", cfg, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert " 1 slimmed (" in proc.stdout.splitlines()[-1] and " 0 failed" in proc.stdout.splitlines()[-1]
+    assert "-> slimmed: consolidated global_step10 into model.safetensors" in proc.stdout
+
+    # the optimizer shards are gone, everything else is there, and the trash is purged
+    assert optimizer_shards(tag_dir) == {}
+    src_ck = source / pattern.format(10)
+    assert sorted(os.listdir(ck)) == sorted([*(set(os.listdir(src_ck)) - set(shards)), "model.safetensors",
+                                             slim.MARKER])
+    assert os.listdir(root / ".ckptd-trash") == []
+    newest = root / "run" / pattern.format(max(expected))
+    assert len(optimizer_shards(newest / f"global_step{max(expected)}" if "hf" in case else newest)) == len(shards)
+
+    # the marker says what was done, and the bytes add up
+    marker = json.loads((ck / slim.MARKER).read_text())
+    prefix = "global_step10/" if "hf" in case else ""
+    assert marker["state"] == "done" and marker["bytes_freed"] == freed
+    assert sorted(marker["removed"], key=lambda r: r["path"]) == [
+        {"path": prefix + n, "bytes": b} for n, b in sorted(shards.items())]
+    weights = (ck / "model.safetensors").read_bytes()
+    assert marker["weights"]["sha256"] == hashlib.sha256(weights).hexdigest()
+    assert marker["weights"]["bytes"] == len(weights) and marker["weights"]["consolidated"] is True
+    slimmed = [r for r in read_journal(tmp_path / "state") if r["event"] == "slimmed"]
+    assert [r["freed"] for r in slimmed] == [freed]
+
+    # the weights equal what zero_to_fp32 reconstructs from the original shards, tensor by tensor
+    save_dir, tag = (src_ck, "global_step10") if "hf" in case else (source, "global_step10")
+    result = compare_with_zero_to_fp32(save_dir, tag, ck / "model.safetensors")
+    assert result["ref"] == result["got"] and len(result["ref"]) == 4
+    assert result["unequal"] == [] and result["dtypes"] == ["torch.float32"]
+
+
+def test_a_trainer_checkpoint_with_its_own_weights_is_slimmed_without_consolidating(zero2_hf, tmp_path):
+    root = copy_run(zero2_hf, tmp_path)
+    ck = root / "run" / "checkpoint-10"
+    weights = _tiny_safetensors()
+    (ck / "model.safetensors").write_bytes(weights)
+    age(root, time.time() - 3600)
+    cfg = config(tmp_path, root, keep_last=1, keep_best=1, metric="eval_loss", keep_full_last=1)
+    proc = run_ckptd("prune", "-c", cfg, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "consolidated" not in proc.stdout and "1 slimmed" in proc.stdout
+    assert optimizer_shards(ck / "global_step10") == {}
+    assert (ck / "model.safetensors").read_bytes() == weights
+    marker = json.loads((ck / slim.MARKER).read_text())
+    assert marker["weights"] == {"path": "model.safetensors", "bytes": len(weights), "consolidated": False}
+
+
+def _tiny_safetensors() -> bytes:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + b"\0" * 8
+
+
+def test_a_checkpoint_missing_a_shard_is_never_slimmed(zero2_hf, tmp_path):
+    root = copy_run(zero2_hf, tmp_path)
+    ck = root / "run" / "checkpoint-10"  # the best: kept, and would be slimmed
+    (ck / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    age(root, time.time() - 3600)
+    cfg = config(tmp_path, root, keep_last=1, keep_best=1, metric="eval_loss", keep_full_last=1)
+    plan = json.loads(run_ckptd("plan", "-c", cfg, "--json").stdout)
+    row = next(c for c in plan["checkpoints"] if c["step"] == 10)
+    assert (row["state"], row["action"], row["bytes_freed"]) == ("incomplete", "keep", 0)
+    before = manifest(ck)
+    proc = run_ckptd("prune", "-c", cfg, timeout=300)
+    assert proc.returncode == 0 and " 0 slimmed" in proc.stdout.splitlines()[-1], proc.stdout
+    assert manifest(ck) == before
+
+
+def test_a_malicious_optimizer_shard_is_never_executed_by_the_consolidation(zero2_bf16_bare_3ranks, tmp_path):
+    """zero_to_fp32 itself would load it with weights_only=False."""
+    root = copy_run(zero2_bf16_bare_3ranks, tmp_path)
+    canary = tmp_path / "pwned"
+    shard = root / "run" / "global_step10" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    code = (
+        "import os, sys, torch\n"
+        "class Evil:\n"
+        "    def __reduce__(self):\n"
+        "        return (os.system, ('touch ' + sys.argv[2],))\n"
+        "torch.save({'optimizer_state_dict': Evil(), 'ds_version': '0.19.8'}, sys.argv[1])\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(shard), str(canary)], check=True, timeout=120)
+    age(root, time.time() - 3600)
+    before = manifest(root / "run")
+    cfg = config(tmp_path, root, keep_last=2, keep_best=0, keep_full_last=1)
+    proc = run_ckptd("prune", "-c", cfg, timeout=300)
+    assert not canary.exists()
+    assert proc.returncode == 74, proc.stdout + proc.stderr
+    assert "-> failed: consolidation failed, nothing removed: UnpicklingError: Weights only load failed" in proc.stdout
+    assert manifest(root / "run") == before
+
+
+def _wait_for_pause(fifo_fd: int, proc: subprocess.Popen, timeout: float = 180) -> int:
+    """The consolidator's pid, once it has written its output and paused; fails if prune ends first."""
+    ready, _, _ = select.select([fifo_fd, proc.stdout], [], [], timeout)
+    assert fifo_fd in ready, f"the consolidator never paused: {proc.stdout.read() if ready else 'timed out'}"
+    return int(os.read(fifo_fd, 64).decode().strip())
+
+
+def _start_prune(cfg: Path, fifo: Path) -> tuple[subprocess.Popen, int]:
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # before prune: the consolidator needs a listener
+    env = {**os.environ, PAUSE_FIFO_ENV: str(fifo)}
+    env.pop("CKPTD_CONFIG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "prune", "-c", str(cfg)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, reader
+
+
+@contextlib.contextmanager
+def _cleanup(proc: subprocess.Popen, reader: int):
+    """Close our end of the FIFO; if the test failed midway, kill what it started."""
+    try:
+        yield
+    finally:
+        os.close(reader)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_consolidation_killed_midway_loses_nothing_and_the_next_run_completes(zero3_bf16_bare, tmp_path):
+    root = copy_run(zero3_bf16_bare, tmp_path)
+    cfg = config(tmp_path, root, keep_last=2, keep_best=0, keep_full_last=1)
+    ck = root / "run" / "global_step10"
+    tmp = ck / slim.CONSOLIDATING
+    before = manifest(root)
+    fifo = tmp_path / "pause.fifo"
+    os.mkfifo(fifo)
+
+    # 1. the consolidator is killed once its output is written, before it is verified: prune says
+    #    so, removes the unverified output, and removes nothing else.
+    proc, reader = _start_prune(cfg, fifo)
+    with proc, _cleanup(proc, reader):
+        pid = _wait_for_pause(reader, proc)
+        assert tmp.exists() and not (ck / "model.safetensors").exists()
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 74, out
+    assert "-> failed: consolidation failed, nothing removed: killed by signal 9" in out
+    assert manifest(root) == before
+
+    # 2. prune itself is killed (its whole process group) at the same point: only the temp file is left,
+    #    and the checkpoint is still full and complete.
+    proc, reader = _start_prune(cfg, fifo)
+    with proc, _cleanup(proc, reader):
+        _wait_for_pause(reader, proc)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=120)
+    after = manifest(root)
+    assert {k: v for k, v in after.items() if not k.endswith(slim.CONSOLIDATING)} == before
+    assert tmp.exists()
+    plan = json.loads(run_ckptd("plan", "-c", cfg, "--json").stdout)
+    row = next(c for c in plan["checkpoints"] if c["step"] == 10)
+    assert (row["state"], row["action"]) == ("complete", "slim")
+
+    # 3. the next run completes it, writing over the leftover
+    proc = run_ckptd("prune", "-c", cfg, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert " 1 slimmed (" in proc.stdout.splitlines()[-1]
+    assert not tmp.exists() and (ck / "model.safetensors").exists() and optimizer_shards(ck) == {}
+    assert json.loads((ck / slim.MARKER).read_text())["state"] == "done"
+
+    # verify reports it as slimmed, and the plan keeps it as such
+    proc = run_ckptd("verify", ck, "-c", cfg, "--json")
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 0 and doc["state"] == "complete" and doc["slimmed"] is True
+    checks = {c["name"]: c["detail"] for c in doc["checks"]}
+    assert checks["deepspeed shards"].startswith("2/4 files present, 2 optimizer shards removed by slimming, ZeRO-3")
+    assert checks["slimmed"].startswith("optimizer state removed: 2 files, 16.9KiB; weights in model.safetensors "
+                                        "(consolidated from global_step10 by zero_to_fp32, sha256 ")
+    plan = json.loads(run_ckptd("plan", "-c", cfg, "--json").stdout)
+    row = next(c for c in plan["checkpoints"] if c["step"] == 10)
+    assert (row["state"], row["action"], row["reasons"][-1]) == ("complete", "keep", "slimmed")
