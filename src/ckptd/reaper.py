@@ -525,6 +525,8 @@ def _still_at(root: Path, rel: str, fd: int) -> bool:
         return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
     finally:
         os.close(again)
+
+
 class _Stop(Exception):
     """Slimming stops before removing anything: refused (a re-check) or failed."""
 

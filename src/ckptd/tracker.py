@@ -248,8 +248,14 @@ class RootTracker:
         before = old.state if old is not None else None
         if fresh.state is not before:
             changes.transitions += 1
-            log.debug("%s: %s -> %s (%s)", fresh.rel, before or "new", fresh.state, _why(fresh),
-                      extra={"run": fresh.run, "checkpoint": fresh.name, "state": str(fresh.state)})
+            log.debug(
+                "%s: %s -> %s (%s)",
+                fresh.rel,
+                before or "new",
+                fresh.state,
+                _why(fresh),
+                extra={"run": fresh.run, "checkpoint": fresh.name, "state": str(fresh.state)},
+            )
             if fresh.state is State.COMPLETE:
                 changes.completed.append(fresh)
 
