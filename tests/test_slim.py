@@ -139,8 +139,8 @@ def test_census_does_not_demand_the_shards_the_marker_lists(tmp_path):
     assert c.state is State.COMPLETE and c.slimmed and not c.slim.removable
     assert checks["deepspeed shards (global_step10)"] == (
         Verdict.PASSED,
-        "1/3 files present, 2 optimizer shards removed by slimming, ZeRO (dp_world_size=2, mp_world_size=1 "
-        "from config world_size)",
+        "1/3 files present, 2 optimizer shards removed by slimming, ZeRO-2 (dp_world_size=2, mp_world_size=1 "
+        "from mp_rank_00_model_states.pt)",
     )
     assert checks["slimmed"] == (
         Verdict.PASSED,
