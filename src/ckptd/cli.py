@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import __version__, layouts
-from ckptd.config import Config, Root, find_config, format_size, load_config
+from ckptd.config import Config, Root, find_config, format_size
+from ckptd.envconfig import effective_config, settings_in
 from ckptd.errors import EX_IOERR, EX_OK, EX_SOFTWARE, CkptdError, RootMissingError, UsageError
 from ckptd.evidence import Inspector, RunContext
 from ckptd.journal import Journal
@@ -30,7 +31,8 @@ exit codes: 0 ok, 1 verify: not complete, 64 usage, 66 root missing,
             70 internal error, 74 I/O error, 75 another ckptd holds the root, 78 config error
 config: -c CONFIG, else $CKPTD_CONFIG, else /etc/ckptd/config.toml if it exists,
         else built-in defaults (keep the 2 newest complete checkpoints and the
-        trainer's best, quiet_period 60s)
+        trainer's best, quiet_period 60s); CKPTD_* variables override it
+        (CKPTD_ROOTS, CKPTD_KEEP_LAST, ...: see the README)
 """
 EX_TEMPFAIL = 75
 
@@ -95,11 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load(args: argparse.Namespace) -> Config:
-    path = find_config(args.config)
-    config = load_config(path) if path is not None else Config()
-    if getattr(args, "roots", None):
-        config = config.with_roots([Path(r) for r in args.roots])
-    return config
+    """The file (or defaults), then ROOT arguments, then CKPTD_* variables (envconfig.py)."""
+    roots = [Path(r) for r in getattr(args, "roots", None) or []]
+    return effective_config(find_config(args.config), os.environ, roots)
 
 
 def require_roots(config: Config) -> None:
@@ -293,8 +293,10 @@ def _root_for(config: Config, path: Path) -> Root:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     path = find_config(args.config)
-    config = load_config(path) if path is not None else Config()
-    print(f"# {path if path else 'no config file: built-in defaults'}: OK", file=sys.stderr)
+    config = load(args)
+    env = settings_in(os.environ)
+    with_env = f" (with {', '.join(env)} from the environment)" if env else ""
+    print(f"# {path if path else 'no config file: built-in defaults'}{with_env}: OK", file=sys.stderr)
     print(json.dumps(config.model_dump(mode="json"), indent=2))
     return EX_OK
 

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import __version__
-from ckptd.config import Config, format_size, load_config
+from ckptd.config import Config, format_size
+from ckptd.envconfig import effective_config
 from ckptd.errors import ConfigError
 from ckptd.journal import Journal
 from ckptd.model import Action, State
@@ -479,9 +480,9 @@ class Daemon:
         try:
             if self.config_path is None:
                 raise ConfigError(["no config file to reload (started without one)"])
-            new = await self._loop.run_in_executor(None, load_config, self.config_path)
-            if self.cli_roots:
-                new = new.with_roots(self.cli_roots)
+            new = await self._loop.run_in_executor(
+                None, effective_config, self.config_path, dict(os.environ), self.cli_roots
+            )
         except ConfigError as exc:
             for line in exc.problems:
                 log.error("reload failed, keeping the old config: %s", line)
