@@ -27,7 +27,7 @@ from ckptd.reaper import DRY_RUN_NOTE, LockHeld, Outcome, Reaper, RootLock
 log = logging.getLogger("ckptd")
 
 EPILOG = """\
-exit codes: 0 ok, 1 verify: not complete, 64 usage, 66 root missing,
+exit codes: 0 ok, 1 verify: not complete / health: unhealthy, 64 usage, 66 root missing,
             70 internal error, 74 I/O error, 75 another ckptd holds the root, 78 config error
 config: -c CONFIG, else $CKPTD_CONFIG, else /etc/ckptd/config.toml if it exists,
         else built-in defaults (keep the 2 newest complete checkpoints and the
@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("verify", "show the completeness evidence for one checkpoint", roots=False)
     sp.add_argument("path", metavar="PATH", help="a checkpoint directory or file")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+
+    sp = command("health", "exit 0 if the daemon's heartbeat is recent, 1 if not, saying why", roots=False)
+    sp.add_argument(
+        "--max-age",
+        type=float,
+        metavar="SECONDS",
+        help="how old a heartbeat may be (default: 3 x the largest poll_interval, at least 30s)",
+    )
 
     command("check-config", "validate the config and print it with defaults filled in", roots=False)
 
@@ -291,6 +299,15 @@ def _root_for(config: Config, path: Path) -> Root:
     return Root(path=path.parent)
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    from ckptd.health import check
+
+    config = load(args)
+    ok, line = check(config, max_age=args.max_age, now=time.time())
+    print(line)
+    return EX_OK if ok else 1
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     path = find_config(args.config)
     config = load(args)
@@ -372,6 +389,7 @@ def print_table(decisions: Sequence[Decision]) -> None:
 COMMANDS = {
     "run": cmd_run,
     "status": cmd_status,
+    "health": cmd_health,
     "plan": cmd_plan,
     "prune": cmd_prune,
     "verify": cmd_verify,

@@ -418,6 +418,7 @@ class Daemon:
                     "path": str(rt.root.path),
                     "observer": rt.observer,
                     "leader": rt.leader,
+                    "poll_interval": rt.root.poll_interval,  # `ckptd health` allows 3 of these
                     "oldest_incomplete_age": oldest,
                     "runs": runs,
                 }
