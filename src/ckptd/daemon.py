@@ -36,6 +36,7 @@ from ckptd.config import Config, format_size
 from ckptd.envconfig import effective_config
 from ckptd.errors import ConfigError
 from ckptd.journal import Journal
+from ckptd.metrics import Metrics
 from ckptd.model import Action, State
 from ckptd.notify import notify, watchdog_interval
 from ckptd.planner import DiskSpace, decide, disk_space
@@ -106,6 +107,7 @@ class Daemon:
         self.ready = asyncio.Event()  # set once the first scan is done and READY=1 sent
         self._state_written = -1e9
         self._state_due: float | None = None
+        self.metrics: Metrics | None = None  # with [daemon] metrics_listen (metrics.py)
 
     # --- entry point ---------------------------------------------------------
 
@@ -134,6 +136,9 @@ class Daemon:
     async def startup(self) -> None:
         note = f" {DRY_RUN_NOTE}" if self.dry_run else ""
         log.info("ckptd %s starting (pid %d)%s", __version__, os.getpid(), note)
+        if self.config.daemon.metrics_listen:
+            self.metrics = Metrics(self.counters)
+            self.metrics.start(self.config.daemon.metrics_listen)
         self.config.daemon.state_dir.mkdir(parents=True, exist_ok=True)
         self.journal = None if self.dry_run else Journal(self.config.daemon.state_dir)
         for root in self.config.roots:
@@ -161,6 +166,7 @@ class Daemon:
             rt.next_poll = now + rt.root.poll_interval
             rt.next_reconcile = now + rt.root.reconcile_interval
         self._sync_watches()
+        self._sample_metrics()
         self._write_state(force=True)
 
     def _try_lead(self, rt: RootRuntime) -> None:
@@ -267,6 +273,7 @@ class Daemon:
         if retention:
             self._retention()
         self._sync_watches()
+        self._sample_metrics()
         self._write_state()
 
     # --- retention ---------------------------------------------------------
@@ -370,6 +377,10 @@ class Daemon:
             if rt.observer == "inotify":
                 wanted |= rt.tracker.wanted_watches()
         self.watcher.reconcile(wanted)
+
+    def _sample_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.sample(self.roots, self.clock())
 
     def _ping_watchdog(self) -> None:
         if self._watchdog_every and self.clock() >= self._next_watchdog:
@@ -510,6 +521,8 @@ class Daemon:
                 rt.tracker.settler.stall_after = root.stall_after
             rt.next_poll = min(rt.next_poll, self.clock() + root.poll_interval)
             keep.append(rt)
+        if new.daemon.metrics_listen != self.config.daemon.metrics_listen:
+            log.warning("daemon.metrics_listen changed: it takes effect at the next start, not at a reload")
         for rt in by_path.values():
             log.info("%s: no longer configured", rt.root.path)
             rt.lock.release()
@@ -527,6 +540,8 @@ class Daemon:
             loop.remove_signal_handler(signal.SIGHUP)  # SIGTERM/SIGINT stay ours until the loop closes
         if self.watcher is not None:
             await loop.run_in_executor(None, self.watcher.stop)
+        if self.metrics is not None:
+            await loop.run_in_executor(None, self.metrics.stop)
         self._fs.shutdown(wait=False, cancel_futures=True)
         self._purger.shutdown(wait=False, cancel_futures=True)
         done = await loop.run_in_executor(None, _join_executors, [self._fs, self._purger], SHUTDOWN_TIMEOUT)
