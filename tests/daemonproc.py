@@ -17,11 +17,14 @@ from typing import Any
 class DaemonProc:
     """`ckptd run --foreground --log-format json ...`, its stderr parsed line by line."""
 
-    def __init__(self, *args: str | os.PathLike[str], env: dict[str, str] | None = None):
+    def __init__(self, *args: str | os.PathLike[str], env: dict[str, str] | None = None,
+                 command: list[str] | None = None):
+        """`command` replaces `python -m ckptd run --foreground --log-format json` (it must log JSON)."""
         full_env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_CONFIG", "NOTIFY_SOCKET")}
         full_env.update(env or {})
+        command = command or [sys.executable, "-m", "ckptd", "run", "--foreground", "--log-format", "json"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptd", "run", "--foreground", "--log-format", "json", *map(str, args)],
+            [*command, *map(str, args)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

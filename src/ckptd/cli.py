@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import __version__, layouts
-from ckptd.config import Config, Root, find_config, format_size, load_config
+from ckptd.config import Config, Root, find_config, format_size
+from ckptd.envconfig import effective_config, settings_in
 from ckptd.errors import EX_IOERR, EX_OK, EX_SOFTWARE, CkptdError, RootMissingError, UsageError
 from ckptd.evidence import Inspector, RunContext
 from ckptd.journal import Journal
@@ -26,11 +27,12 @@ from ckptd.reaper import DRY_RUN_NOTE, LockHeld, Outcome, Reaper, RootLock
 log = logging.getLogger("ckptd")
 
 EPILOG = """\
-exit codes: 0 ok, 1 verify: not complete, 64 usage, 66 root missing,
+exit codes: 0 ok, 1 verify: not complete / health: unhealthy, 64 usage, 66 root missing,
             70 internal error, 74 I/O error, 75 another ckptd holds the root, 78 config error
 config: -c CONFIG, else $CKPTD_CONFIG, else /etc/ckptd/config.toml if it exists,
         else built-in defaults (keep the 2 newest complete checkpoints and the
-        trainer's best, quiet_period 60s, no slimming)
+        trainer's best, quiet_period 60s, no slimming); CKPTD_* variables override it
+        (CKPTD_ROOTS, CKPTD_KEEP_LAST, ...: see the README)
 slimming: keep_full_last = N keeps the optimizer state of the N newest complete
         checkpoints only; other kept ones keep their weights (see README)
 """
@@ -86,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("path", metavar="PATH", help="a checkpoint directory or file")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
 
+    sp = command("health", "exit 0 if the daemon's heartbeat is recent, 1 if not, saying why", roots=False)
+    sp.add_argument(
+        "--max-age",
+        type=float,
+        metavar="SECONDS",
+        help="how old a heartbeat may be (default: 3 x the largest poll_interval, at least 30s)",
+    )
+
     command("check-config", "validate the config and print it with defaults filled in", roots=False)
 
     sp = command("demo", "write a small example volume and a config for it", roots=False, config=False)
@@ -97,11 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load(args: argparse.Namespace) -> Config:
-    path = find_config(args.config)
-    config = load_config(path) if path is not None else Config()
-    if getattr(args, "roots", None):
-        config = config.with_roots([Path(r) for r in args.roots])
-    return config
+    """The file (or defaults), then ROOT arguments, then CKPTD_* variables (envconfig.py)."""
+    roots = [Path(r) for r in getattr(args, "roots", None) or []]
+    return effective_config(find_config(args.config), os.environ, roots)
 
 
 def require_roots(config: Config) -> None:
@@ -306,10 +314,21 @@ def _root_for(config: Config, path: Path) -> Root:
     return Root(path=path.parent)
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    from ckptd.health import check
+
+    config = load(args)
+    ok, line = check(config, max_age=args.max_age, now=time.time())
+    print(line)
+    return EX_OK if ok else 1
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     path = find_config(args.config)
-    config = load_config(path) if path is not None else Config()
-    print(f"# {path if path else 'no config file: built-in defaults'}: OK", file=sys.stderr)
+    config = load(args)
+    env = settings_in(os.environ)
+    with_env = f" (with {', '.join(env)} from the environment)" if env else ""
+    print(f"# {path if path else 'no config file: built-in defaults'}{with_env}: OK", file=sys.stderr)
     print(json.dumps(config.model_dump(mode="json"), indent=2))
     return EX_OK
 
@@ -388,6 +407,7 @@ def print_table(decisions: Sequence[Decision]) -> None:
 COMMANDS = {
     "run": cmd_run,
     "status": cmd_status,
+    "health": cmd_health,
     "plan": cmd_plan,
     "prune": cmd_prune,
     "verify": cmd_verify,

@@ -154,6 +154,19 @@ Size = Annotated[int, BeforeValidator(parse_size), PlainSerializer(_format_size_
 FreeSpaceFloor = Annotated[FreeSpace, BeforeValidator(parse_free_space), PlainSerializer(str)]
 
 
+def parse_listen(value: str) -> tuple[str, int]:
+    """`"127.0.0.1:9464"`, `"[::1]:9464"` -> (host, port). The host is required: where the
+    metrics are exposed is a choice to write down, not a default."""
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"put an IPv6 address in brackets, e.g. '[::1]:9464' (got {value!r})")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, e.g. '127.0.0.1:9464' (got {value!r})")
+    return host, int(port)
+
+
 def default_state_dir() -> Path:
     """systemd's `StateDirectory=` if set, else the XDG state directory."""
     if os.environ.get("STATE_DIRECTORY"):
@@ -337,6 +350,18 @@ class Daemon(_Strict):
     )
     dry_run: bool = Field(strict=True, default=False, description="Decide and log, but delete nothing.")
     log_format: Literal["text", "json"] = Field("text", description="Log lines for people or for machines.")
+    metrics_listen: str | None = Field(
+        None,
+        description="Serve Prometheus metrics at http://HOST:PORT/metrics, e.g. '127.0.0.1:9464'; "
+        "off when unset. Needs the `metrics` extra (prometheus_client).",
+    )
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _host_port(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_listen(v)
+        return v
 
 
 class Config(_Strict):
@@ -432,16 +457,20 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
 
 
 def load_config(path: Path) -> Config:
+    return parse_config(read_toml(path), str(path))
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The config file as a TOML document, not yet validated."""
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError([f"{path}: no such file"]) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{path}: invalid TOML: {exc}"]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([f"{path}: cannot read: {exc}"]) from None
-    return parse_config(data, str(path))
 
 
 def find_config(explicit: str | None) -> Path | None:

@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import __version__
-from ckptd.config import Config, format_size, load_config
+from ckptd.config import Config, format_size
+from ckptd.envconfig import effective_config
 from ckptd.errors import ConfigError
 from ckptd.journal import Journal
+from ckptd.metrics import Metrics
 from ckptd.model import Action, State
 from ckptd.notify import notify, watchdog_interval
 from ckptd.planner import DiskSpace, decide, disk_space
@@ -107,6 +109,7 @@ class Daemon:
         self.ready = asyncio.Event()  # set once the first scan is done and READY=1 sent
         self._state_written = -1e9
         self._state_due: float | None = None
+        self.metrics: Metrics | None = None  # with [daemon] metrics_listen (metrics.py)
 
     # --- entry point ---------------------------------------------------------
 
@@ -135,6 +138,9 @@ class Daemon:
     async def startup(self) -> None:
         note = f" {DRY_RUN_NOTE}" if self.dry_run else ""
         log.info("ckptd %s starting (pid %d)%s", __version__, os.getpid(), note)
+        if self.config.daemon.metrics_listen:
+            self.metrics = Metrics(self.counters)
+            self.metrics.start(self.config.daemon.metrics_listen)
         self.config.daemon.state_dir.mkdir(parents=True, exist_ok=True)
         self.journal = None if self.dry_run else Journal(self.config.daemon.state_dir)
         for root in self.config.roots:
@@ -162,6 +168,7 @@ class Daemon:
             rt.next_poll = now + rt.root.poll_interval
             rt.next_reconcile = now + rt.root.reconcile_interval
         self._sync_watches()
+        self._sample_metrics()
         self._write_state(force=True)
 
     def _try_lead(self, rt: RootRuntime) -> None:
@@ -281,6 +288,7 @@ class Daemon:
         if retention:
             self._retention()
         self._sync_watches()
+        self._sample_metrics()
         self._write_state()
 
     # --- retention ---------------------------------------------------------
@@ -382,6 +390,10 @@ class Daemon:
                 wanted |= rt.tracker.wanted_watches()
         self.watcher.reconcile(wanted)
 
+    def _sample_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.sample(self.roots, self.clock())
+
     def _ping_watchdog(self) -> None:
         if self._watchdog_every and self.clock() >= self._next_watchdog:
             notify("WATCHDOG=1")
@@ -429,6 +441,7 @@ class Daemon:
                     "path": str(rt.root.path),
                     "observer": rt.observer,
                     "leader": rt.leader,
+                    "poll_interval": rt.root.poll_interval,  # `ckptd health` allows 3 of these
                     "oldest_incomplete_age": oldest,
                     "runs": runs,
                 }
@@ -491,9 +504,9 @@ class Daemon:
         try:
             if self.config_path is None:
                 raise ConfigError(["no config file to reload (started without one)"])
-            new = await self._loop.run_in_executor(None, load_config, self.config_path)
-            if self.cli_roots:
-                new = new.with_roots(self.cli_roots)
+            new = await self._loop.run_in_executor(
+                None, effective_config, self.config_path, dict(os.environ), self.cli_roots
+            )
         except ConfigError as exc:
             for line in exc.problems:
                 log.error("reload failed, keeping the old config: %s", line)
@@ -520,6 +533,8 @@ class Daemon:
                 rt.tracker.settler.stall_after = root.stall_after
             rt.next_poll = min(rt.next_poll, self.clock() + root.poll_interval)
             keep.append(rt)
+        if new.daemon.metrics_listen != self.config.daemon.metrics_listen:
+            log.warning("daemon.metrics_listen changed: it takes effect at the next start, not at a reload")
         for rt in by_path.values():
             log.info("%s: no longer configured", rt.root.path)
             rt.lock.release()
@@ -537,6 +552,8 @@ class Daemon:
             loop.remove_signal_handler(signal.SIGHUP)  # SIGTERM/SIGINT stay ours until the loop closes
         if self.watcher is not None:
             await loop.run_in_executor(None, self.watcher.stop)
+        if self.metrics is not None:
+            await loop.run_in_executor(None, self.metrics.stop)
         self._fs.shutdown(wait=False, cancel_futures=True)
         self._purger.shutdown(wait=False, cancel_futures=True)
         done = await loop.run_in_executor(None, _join_executors, [self._fs, self._purger], SHUTDOWN_TIMEOUT)

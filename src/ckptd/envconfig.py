@@ -1,0 +1,142 @@
+"""The effective config: the file (or the defaults), then roots from the command line, then `CKPTD_*`.
+
+Containers are configured through the environment (`docker run -e`,
+compose's `environment:`, a pod's `env:`), so a handful of keys can be set
+with `CKPTD_*` variables. They override the file: a variable names one key,
+and wherever that key lives per root, it is set in every root. `[[roots.runs]]`
+overrides still win for the runs they match, as they do over the file's
+`[roots.retention]`. An empty variable counts as unset (compose writes `KEY=`
+for a blank).
+
+Everything goes through the same validation as the file, and a problem with a
+variable's value is reported against the variable: `CKPTD_KEEP_LAST: must be >= 0 (got -1)`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ckptd.config import Config, _loc, _message, read_toml
+from ckptd.errors import ConfigError
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected an integer (got {text!r})") from None
+
+
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false (got {text!r})")
+
+
+def _text(text: str) -> str:
+    return text.strip()
+
+
+# variable -> (where: "daemon" | "root" | "retention", key, parse). CKPTD_ROOTS and
+# CKPTD_CONFIG (which file: see config.find_config) are handled on their own.
+VARIABLES: dict[str, tuple[str, str, Callable[[str], Any]]] = {
+    "CKPTD_STATE_DIR": ("daemon", "state_dir", _text),
+    "CKPTD_DRY_RUN": ("daemon", "dry_run", _boolean),
+    "CKPTD_LOG_FORMAT": ("daemon", "log_format", _text),
+    "CKPTD_METRICS_LISTEN": ("daemon", "metrics_listen", _text),
+    "CKPTD_QUIET_PERIOD": ("root", "quiet_period", _text),
+    "CKPTD_OBSERVER": ("root", "observer", _text),
+    "CKPTD_WORLD_SIZE": ("root", "world_size", _integer),
+    "CKPTD_KEEP_LAST": ("retention", "keep_last", _integer),
+    "CKPTD_KEEP_BEST": ("retention", "keep_best", _integer),
+    "CKPTD_METRIC": ("retention", "metric", _text),
+    "CKPTD_MODE": ("retention", "mode", _text),
+    "CKPTD_MAX_SIZE": ("retention", "max_size", _text),
+    "CKPTD_MIN_FREE": ("retention", "min_free", _text),
+}
+ROOTS = "CKPTD_ROOTS"  # colon-separated absolute paths; replaces the file's list of roots
+KNOWN = frozenset({*VARIABLES, ROOTS, "CKPTD_CONFIG"})
+
+
+def settings_in(env: Mapping[str, str]) -> list[str]:
+    """The `CKPTD_*` variables that set something (non-empty), in a stable order."""
+    return sorted(k for k in env if k in KNOWN and k != "CKPTD_CONFIG" and env[k].strip())
+
+
+def effective_config(path: Path | None, env: Mapping[str, str], roots: Sequence[Path] = ()) -> Config:
+    """The config in force: `path` (or the defaults), `roots` from the command line (or
+    `$CKPTD_ROOTS`) replacing the file's roots, then the `CKPTD_*` settings on top."""
+    data = read_toml(path) if path is not None else {}
+    source = str(path) if path is not None else "<defaults>"
+    problems: list[str] = []
+    origins: list[tuple[re.Pattern[str], str]] = []  # error location -> the variable to blame
+
+    if roots:
+        data["roots"] = _pick_roots(data, [os.path.normpath(os.path.abspath(p)) for p in roots])
+    elif env.get(ROOTS, "").strip():
+        paths = [p for p in env[ROOTS].split(":") if p.strip()]
+        data["roots"] = _pick_roots(data, [os.path.normpath(p) if os.path.isabs(p) else p for p in paths])
+        origins.append((re.compile(r"^roots(\[\d+\]\.path)?$"), ROOTS))
+
+    for name, (where, key, parse) in VARIABLES.items():
+        text = env.get(name, "")
+        if not text.strip():
+            continue
+        try:
+            value = parse(text)
+        except ValueError as exc:
+            problems.append(f"{name}: {exc}")
+            continue
+        if where == "daemon":
+            _table(data, "daemon")[key] = value
+            origins.append((re.compile(rf"^daemon\.{key}$"), name))
+        else:
+            for root in _tables(data, "roots"):
+                table = root if where == "root" else _table(root, "retention")
+                table[key] = value
+            prefix = r"roots\[\d+\]\." + (r"retention\." if where == "retention" else "")
+            origins.append((re.compile(rf"^{prefix}{key}$"), name))
+    if problems:
+        raise ConfigError(problems)
+
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        for err in exc.errors():
+            where = _loc(err["loc"])
+            blame = next((name for pattern, name in origins if pattern.match(where)), None)
+            line = f"{blame}: {_message(err)}" if blame else f"{source}: {where}: {_message(err)}"
+            if line not in problems:  # one line per variable, not one per root
+                problems.append(line)
+        raise ConfigError(problems) from None
+
+
+def _pick_roots(data: Mapping[str, Any], paths: list[str]) -> list[Any]:
+    """Root tables for `paths`: a configured root keeps its settings, any other gets the defaults."""
+    configured = {}
+    for table in _tables(data, "roots"):
+        if isinstance(table.get("path"), str):
+            configured[os.path.normpath(table["path"])] = table
+    return [dict(configured.get(p, {"path": p})) for p in paths]
+
+
+def _table(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """data[key] as a table to write into (a non-table is left for validation to report)."""
+    value = data.setdefault(key, {})
+    return value if isinstance(value, dict) else {}
+
+
+def _tables(data: Mapping[str, Any], key: str) -> list[dict[str, Any]]:
+    value = data.get(key)
+    if not isinstance(value, list):
+        return []
+    return [t for t in value if isinstance(t, dict)]

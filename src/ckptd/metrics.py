@@ -1,0 +1,230 @@
+"""Prometheus metrics for `ckptd run` (`[daemon] metrics_listen`), served at `/metrics`.
+
+prometheus_client is an optional dependency (`pip install 'ckptd[metrics]'`),
+imported only when a daemon is asked to serve metrics.
+
+Where each value comes from, and on which thread:
+- counters (deletions, bytes reclaimed, slims) are the daemon's own
+  `counters`, read when Prometheus scrapes: the purge thread and the
+  filesystem thread keep them, and reading an int from a dict is safe;
+- per-root gauges (checkpoints by state, oldest incomplete age, rescans,
+  last reconcile) come from a snapshot the filesystem thread takes after every
+  step (`sample`); a scrape reads the latest snapshot, never the trackers;
+- free space is `statvfs` at scrape time, so it is as fresh as the scrape;
+- completion latency is observed in `sample`, once per checkpoint: from the
+  daemon's *first sighting* of a checkpoint to the step that found it complete. ckptd cannot know when
+  the first byte was written; with inotify it sees a new checkpoint within
+  milliseconds, when polling up to `poll_interval` later. Checkpoints already on
+  disk when a root is first scanned are not measured (their first write is
+  long past). The oldest incomplete age counts from when a checkpoint was
+  first seen, or last seen going back from complete to in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptd.config import parse_listen
+from ckptd.errors import ConfigError, IOFault
+from ckptd.model import State
+from ckptd.planner import disk_space
+
+if TYPE_CHECKING:
+    from ckptd.daemon import RootRuntime
+
+log = logging.getLogger(__name__)
+
+# Seconds from first sighting to complete: at least the quiet period (60 s by default).
+LATENCY_BUCKETS = (1, 5, 15, 30, 60, 90, 120, 180, 300, 600, 1200, 1800, 3600, 7200, 14400)
+
+# The daemon's counters, as Prometheus counters: (counter key, metric name, help).
+COUNTERS = (
+    ("deleted", "ckptd_deletions", "Checkpoints moved to the trash."),
+    ("bytes_reclaimed", "ckptd_reclaimed_bytes", "Bytes freed by purging the trash."),
+    ("slimmed", "ckptd_slims", "Checkpoints slimmed (optimizer state removed)."),
+)
+
+
+@dataclass(frozen=True)
+class RootSample:
+    """What one root looked like after a step (wall-clock times, seconds)."""
+
+    path: str
+    states: Mapping[str, int]
+    oldest_incomplete_age: float
+    rescans: int
+    last_reconcile: float | None
+    leader: bool
+
+
+class Metrics:
+    """The daemon's metrics registry and its HTTP server."""
+
+    def __init__(self, counters: Mapping[str, int]):
+        try:
+            import prometheus_client
+            import prometheus_client.core
+        except ImportError:
+            raise ConfigError(
+                [
+                    "daemon.metrics_listen is set, but prometheus_client is not installed: "
+                    "pip install 'ckptd[metrics]'"
+                ]
+            ) from None
+        self._prom = prometheus_client
+        self.counters = counters
+        self.registry = prometheus_client.CollectorRegistry()
+        self.latency = prometheus_client.Histogram(
+            "ckptd_checkpoint_completion_seconds",
+            "From the daemon's first sighting of a checkpoint to its being found complete.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        prometheus_client.ProcessCollector(registry=self.registry)
+        self.registry.register(_Collector(self))
+        self.samples: tuple[RootSample, ...] = ()
+        self._seen: dict[tuple[str, str], _Seen] = {}  # by (root, checkpoint rel)
+        self._roots_seen: set[str] = set()
+        self._server: Any = None
+        self._thread: Any = None
+
+    # --- serving ---------------------------------------------------------------
+
+    def start(self, listen: str) -> None:
+        host, port = parse_listen(listen)
+        try:
+            self._server, self._thread = self._prom.start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise IOFault(f"daemon.metrics_listen {listen}: cannot listen: {exc}") from None
+        self._thread.name = "ckptd-metrics"
+        log.info("metrics at http://%s/metrics", listen)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()  # shutdown() alone keeps the port
+            self._thread.join()
+            self._server = None
+
+    # --- fed by the daemon, on its filesystem thread ----------------------------
+
+    def sample(self, roots: Iterable[RootRuntime], now: float) -> None:
+        """Take a snapshot after a step; observe completion latencies. `now`: monotonic seconds."""
+        wall = time.time()
+        samples = []
+        present: set[tuple[str, str]] = set()
+        for rt in roots:
+            path = str(rt.root.path)
+            first_look = path not in self._roots_seen
+            self._roots_seen.add(path)
+            states = dict.fromkeys((str(s) for s in State), 0)
+            oldest = 0.0
+            for c in rt.tracker.checkpoints():
+                states[str(c.state)] += 1
+                key = (path, c.rel)
+                present.add(key)
+                seen = self._seen.get(key)
+                if seen is None:
+                    seen = self._seen[key] = _Seen(first=now, measure=not first_look, in_flight_since=now)
+                if c.state is State.COMPLETE:
+                    if not seen.completed:  # once: a later write and re-settling is not a new checkpoint
+                        seen.completed = True
+                        if seen.measure:
+                            self.latency.observe(now - seen.first)
+                    seen.in_flight_since = None
+                else:
+                    if seen.in_flight_since is None:
+                        seen.in_flight_since = now
+                    oldest = max(oldest, now - seen.in_flight_since)
+            last = rt.tracker.last_reconcile
+            samples.append(
+                RootSample(
+                    path=path,
+                    states=states,
+                    oldest_incomplete_age=oldest,
+                    rescans=rt.tracker.rescans,
+                    last_reconcile=None if last is None else wall - (now - last),
+                    leader=rt.leader,
+                )
+            )
+        for key in [k for k in self._seen if k not in present]:
+            del self._seen[key]  # gone, or its root is no longer configured
+        self.samples = tuple(samples)  # one assignment: a scrape sees this snapshot or the last
+
+
+@dataclass
+class _Seen:
+    """One checkpoint as the metrics know it (monotonic times)."""
+
+    first: float  # the daemon's first sighting
+    measure: bool  # seen appearing (not already there when its root was first scanned)
+    in_flight_since: float | None  # not complete since
+    completed: bool = False
+
+
+class _Collector:
+    """Builds the gauges and counters at scrape time, from the latest snapshot and the counters."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def collect(self) -> Sequence[Any]:
+        core = self.m._prom.core
+        samples = self.m.samples
+        out = []
+        for key, name, doc in COUNTERS:
+            out.append(core.CounterMetricFamily(name, doc, value=self.m.counters.get(key, 0)))
+
+        def per_root(cls: Any, name: str, doc: str) -> Any:
+            family = cls(name, doc, labels=["root"])
+            out.append(family)
+            return family
+
+        states = core.GaugeMetricFamily(
+            "ckptd_checkpoints", "Checkpoints the daemon knows, by state.", labels=["root", "state"]
+        )
+        out.append(states)
+        oldest = per_root(
+            core.GaugeMetricFamily,
+            "ckptd_oldest_incomplete_checkpoint_age_seconds",
+            "Since the daemon first saw the oldest checkpoint that is not complete (0: none).",
+        )
+        rescans = per_root(
+            core.CounterMetricFamily,
+            "ckptd_rescans",
+            "Targeted rescans after missed events (queue overflow).",
+        )
+        reconcile = per_root(
+            core.GaugeMetricFamily,
+            "ckptd_last_reconcile_timestamp_seconds",
+            "When the last full scan of the root finished (Unix time).",
+        )
+        leader = per_root(
+            core.GaugeMetricFamily, "ckptd_leader", "1 if this daemon deletes in the root, 0 if it stands by."
+        )
+        free = per_root(
+            core.GaugeMetricFamily, "ckptd_filesystem_free_bytes", "Free space on the root's filesystem."
+        )
+        size = per_root(
+            core.GaugeMetricFamily, "ckptd_filesystem_size_bytes", "Size of the root's filesystem."
+        )
+        for s in samples:
+            for state, n in sorted(s.states.items()):
+                states.add_metric([s.path, state], n)
+            oldest.add_metric([s.path], s.oldest_incomplete_age)
+            rescans.add_metric([s.path], s.rescans)
+            if s.last_reconcile is not None:
+                reconcile.add_metric([s.path], s.last_reconcile)
+            leader.add_metric([s.path], 1 if s.leader else 0)
+            try:
+                space = disk_space(Path(s.path))
+            except OSError:
+                continue
+            free.add_metric([s.path], space.free)
+            size.add_metric([s.path], space.total)
+        return out
