@@ -381,3 +381,29 @@ def test_world_sizes_are_read_without_torch_and_without_running_anything(tmp_pat
     assert (data["dp_world_size"], data["mp_world_size"], data["ds_config"]["zero_optimization"]["stage"]) == (8, 2, 3)
     assert not (tmp_path / "pwned").exists()
     assert ("torch" in sys.modules) == torch_before
+
+
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "multirun/lr=0.1,warmup_step=100/checkpoint-1000",  # a Hydra sweep directory is a run
+        "multirun/model--step=5/checkpoint-1000",  # a NeMo-looking name that holds checkpoints
+        "dcp-run7/checkpoint-1000",  # a run directory dcp.save also wrote .metadata into
+        "logs-step=3/checkpoint-1000",
+    ],
+)
+def test_a_directory_holding_checkpoints_is_a_run_not_a_checkpoint(tmp_path, rel):
+    ckpt = tmp_path / rel
+    ckpt.mkdir(parents=True)
+    (ckpt.parent / ".metadata").write_bytes(b"m")
+    (ckpt.parent / "weights").mkdir()
+    runs = find_runs(tmp_path, max_depth=4)
+    assert [(r.rel, [c.name for c in r.candidates]) for r in runs] == [(str(ckpt.parent.relative_to(tmp_path)),
+                                                                       ["checkpoint-1000"])]
+
+
+def test_a_nemo_named_directory_without_nemo_contents_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "run" / "epoch=1-step=100" / "tensorboard").mkdir(parents=True)
+    (tmp_path / "run" / "megatron--step=200-last" / "weights").mkdir(parents=True)
+    [run] = find_runs(tmp_path)
+    assert [c.name for c in run.candidates] == ["megatron--step=200-last"]

@@ -30,7 +30,11 @@ _DEEPSPEED = re.compile(r"global_step(\d+)")
 _MEGATRON = re.compile(r"iter_(\d{7,})")
 _ORBAX = re.compile(r"(\d+)")
 _ORBAX_TMP = re.compile(r"(\d+)\.orbax-checkpoint-tmp.*")
-_NEMO_STEP = re.compile(r"(?:^|[-_])step=(\d+)")
+# NeMo and Lightning name checkpoints `...--step=N-...` or `epoch=E-step=N`; not `warmup_step=N`
+# (a Hydra sweep directory such as `lr=0.1,warmup_step=100` is a run, not a checkpoint).
+_NEMO_STEP = re.compile(r"(?:^|-)step=(\d+)")
+# What a NeMo distributed-checkpoint directory holds (NeMo 1: torch_dist; NeMo 2: weights/ + context/).
+_NEMO_DIR_MARKERS = frozenset({"weights", "context", "metadata.json", "common.pt", ".metadata"})
 _LAST_INT = re.compile(r"(\d+)(?!.*\d)")
 
 # Files Orbax writes into a finalized step directory.
@@ -97,6 +101,25 @@ def recognise(
     children: Callable[[], Collection[str]],
     patterns: Collection[re.Pattern[str]] = (),
 ) -> Candidate | None:
-    return recognise_by_name(name, is_dir, patterns) or (
-        recognise_by_contents(name, children()) if is_dir else None
-    )
+    """Whether `name` (an entry of a candidate run directory) is a checkpoint.
+
+    A directory recognised by a loose rule (a NeMo-style name, a user pattern,
+    DCP or Orbax contents) is not a checkpoint if it holds checkpoints itself:
+    then it is a run, and deleting it "as a checkpoint" would delete the run.
+    """
+    cand = recognise_by_name(name, is_dir, patterns)
+    if not is_dir:
+        return cand
+    if cand is not None and (cand.layout in (HF, DEEPSPEED, MEGATRON) or cand.in_progress):
+        return cand
+    inside = children()
+    if cand is None:
+        cand = recognise_by_contents(name, inside)
+    if cand is None:
+        return None
+    nemo_dir_markers = _NEMO_DIR_MARKERS & set(inside) or any(c.endswith(".distcp") for c in inside)
+    if cand.layout == NEMO and not name.endswith((".ckpt", ".nemo")) and not nemo_dir_markers:
+        return None
+    if any(recognise_by_name(c, True, patterns) for c in inside):
+        return None
+    return cand
