@@ -34,7 +34,7 @@ from typing import Any
 from ckptd import __version__
 from ckptd.config import Config, format_size
 from ckptd.envconfig import effective_config
-from ckptd.errors import ConfigError
+from ckptd.errors import ConfigError, RootMissingError
 from ckptd.journal import Journal
 from ckptd.metrics import Metrics
 from ckptd.model import Action, State
@@ -148,7 +148,8 @@ class Daemon:
         if any(rt.observer == "inotify" for rt in self.roots):
             self.watcher = Watcher(self._loop, self._on_path, self._on_overflow)
             self.watcher.start()
-        await self._on_fs(self._first_scan)
+        if not await self._until_stopped(self._first_scan):
+            return
         self._report("READY=1")
         self.ready.set()
         log.info("ready: watching %d root(s)", len(self.roots))
@@ -202,8 +203,25 @@ class Daemon:
             if self._reload:
                 self._reload = False
                 await self.reload()
-            await self._on_fs(self._tick)
+            if not await self._until_stopped(self._tick):
+                break
             self._ping_watchdog()
+
+    async def _until_stopped(self, fn: Callable[[], Any]) -> bool:
+        """Run `fn` on the filesystem thread; return False if a stop request came first.
+
+        A stop does not wait for a long scan (a hung NFS mount, a huge reconcile):
+        `shutdown` gives the thread a bounded time and then exits regardless.
+        """
+        work = asyncio.ensure_future(self._on_fs(fn))
+        stop = asyncio.ensure_future(self._stop.wait())
+        done, _ = await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            stop.cancel()
+            work.result()  # an exception here is a bug: let it end the daemon (exit 70)
+            return True
+        work.add_done_callback(_log_late_failure)
+        return False
 
     def _next_timeout(self) -> float:
         now = self.clock()
@@ -250,18 +268,20 @@ class Daemon:
                 elif rt.overflowed:
                     rt.overflowed = False
                     self.counters["rescans"] += 1
-                    tr.rescan_in_flight()
+                    tr.rescan_in_flight(changes)
+                    rt.next_poll = now + rt.root.poll_interval
                 elif now >= rt.next_poll:
                     tr.poll(changes)
                     rt.next_poll = now + rt.root.poll_interval
                     self._try_lead(rt)
                 step = tr.step(now)
-            except OSError as exc:
-                # A flaky volume (ESTALE, EIO, EACCES...): say so once, back off, keep running.
-                # Nothing is decided from a scan that failed.
+            except (OSError, RootMissingError) as exc:
+                # A flaky or unmounted volume (ESTALE, EIO, EACCES, gone): say so once, back off,
+                # keep running. Nothing is decided from a scan that failed.
                 rt.failures += 1
                 delay = min(rt.root.reconcile_interval, rt.root.poll_interval * 2 ** min(rt.failures, 10))
-                kind = f"{exc.strerror or type(exc).__name__}"  # the same fault on another path is not news
+                # The same fault on another path is not news.
+                kind = getattr(exc, "strerror", None) or str(exc)
                 if kind != rt.last_error:
                     rt.last_error = kind
                     log.error(
@@ -286,7 +306,10 @@ class Daemon:
             if completed or changes.vanished or step.vanished:
                 retention = True
         if retention:
-            self._retention()
+            try:
+                self._retention()
+            except OSError as exc:  # statvfs, a re-check's walk: skip this pass, the next one retries
+                log.error("retention skipped this time: %s", exc)
         self._sync_watches()
         self._sample_metrics()
         self._write_state()
@@ -557,22 +580,29 @@ class Daemon:
         self._fs.shutdown(wait=False, cancel_futures=True)
         self._purger.shutdown(wait=False, cancel_futures=True)
         done = await loop.run_in_executor(None, _join_executors, [self._fs, self._purger], SHUTDOWN_TIMEOUT)
-        for rt in self.roots:
-            rt.lock.release()
-        if self.journal is not None:
-            self.journal.close()
         try:
             self._state_path.unlink()
         except OSError:
             pass
         if not done:
+            # Threads cannot be cancelled. Exit with them still running: the kernel drops the
+            # locks, the journal has what was fsynced, the next start finishes the trash.
             log.warning(
                 "shutdown timed out after %.0fs with work in flight; the trash is finished at the next start",
                 SHUTDOWN_TIMEOUT,
             )
             _flush_logs()
             os._exit(0)
+        for rt in self.roots:
+            rt.lock.release()
+        if self.journal is not None:
+            self.journal.close()
         log.info("stopped")
+
+
+def _log_late_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("work in flight at shutdown failed: %s", future.exception())
 
 
 def _join_executors(executors: list[concurrent.futures.ThreadPoolExecutor], timeout: float) -> bool:

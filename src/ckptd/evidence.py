@@ -39,12 +39,13 @@ from pathlib import Path
 from ckptd import dsmeta, layouts, slim
 from ckptd.config import format_duration, format_size
 from ckptd.layouts import Candidate
-from ckptd.model import QUIET, Check, Checkpoint, Slimming, TrainerState, Verdict
+from ckptd.model import QUIET, Check, Checkpoint, Slimming, TrainerState, Verdict, as_metric
 
 TRAINER_STATE = "trainer_state.json"
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024
 ZIP_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIX = ".safetensors"
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # safetensors itself refuses headers over 100 MB
 
 _OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _ZERO3_MODEL = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
@@ -410,7 +411,7 @@ def parse_trainer_state(data: dict) -> TrainerState:
     return TrainerState(
         global_step=step if isinstance(step, int) and not isinstance(step, bool) else None,
         best_model_checkpoint=best_name,
-        best_metric=float(best_metric)
+        best_metric=as_metric(best_metric)  # type: ignore[arg-type]
         if isinstance(best_metric, int | float) and not isinstance(best_metric, bool)
         else None,
         history=history,
@@ -528,8 +529,10 @@ def safetensors_problem(path: Path, size: int) -> str | None:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > size - 8:
                 return f"header length {n} runs past the end of the file ({size} bytes)"
+            if n > MAX_SAFETENSORS_HEADER:
+                return f"header length {n} is larger than this tool will parse"
             header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as exc:
+    except (OSError, ValueError, struct.error, RecursionError) as exc:
         return f"unreadable header: {exc}"
     if not isinstance(header, dict):
         return "header is not a JSON object"

@@ -170,15 +170,18 @@ class Run:
             entry = ts.history[ckpt.step]
             for n in names:
                 if n in entry:
-                    return _as_metric(entry[n])
+                    return as_metric(entry[n])
         return None
 
 
-def _as_metric(value: object) -> float | str:
+def as_metric(value: object) -> float | str:
     if isinstance(value, bool):
         return str(value)
     if isinstance(value, int | float):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # a 400-digit JSON integer
+            return math.inf if value > 0 else -math.inf
     if isinstance(value, str):
         try:
             return float(value) if value.strip().lower() in ("nan", "inf", "-inf", "infinity") else value

@@ -20,7 +20,7 @@ from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError
 from ckptd.evidence import Inspector, QuietJudge, RunContext
 from ckptd.layouts import Candidate, compile_pattern
-from ckptd.model import Checkpoint, Run
+from ckptd.model import Check, Checkpoint, Run, Verdict
 from ckptd.policy import Decision, Plan
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,12 @@ class Scanner:
             )
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError:
+            raise  # the volume itself is failing: the caller backs off
+        except Exception as exc:  # a bug, or a file we did not foresee: never a reason to delete
+            log.exception("cannot inspect %s/%s", run_dir.rel, cand.name)
+            why = Check("inspection", Verdict.UNKNOWN, f"could not be inspected: {type(exc).__name__}: {exc}")
+            return Checkpoint(self.root.path, run_dir.rel, cand.name, cand.step, cand.layout, (why,))
 
     def reinspect(self, run_rel: str, name: str, *, now: float) -> Checkpoint | None:
         """One checkpoint, looked at afresh: None if it is gone or no longer recognised."""

@@ -104,7 +104,16 @@ class Reaper:
     # --- re-checks -------------------------------------------------------
 
     def recheck(self, decision: Decision, anchor: Checkpoint | None) -> str | None:
-        """Why `decision` must not be carried out now, or None if it may."""
+        """Why `decision` must not be carried out now, or None if it may.
+
+        A re-check that cannot be completed (an I/O error) is itself a reason not to act.
+        """
+        try:
+            return self._recheck(decision, anchor)
+        except OSError as exc:
+            return f"cannot re-check it: {exc}"
+
+    def _recheck(self, decision: Decision, anchor: Checkpoint | None) -> str | None:
         planned = decision.checkpoint
         if planned.root != self.root:
             return f"belongs to root {planned.root}, not {self.root}"
@@ -281,7 +290,10 @@ class Reaper:
             log.info("would slim %s: %s %s", c.rel, "; ".join(decision.reasons), DRY_RUN_NOTE)
             return Result(decision, Outcome.DRY_RUN, f"would {first}{moving}")
 
-        before = walk(c.path)
+        try:
+            before = walk(c.path)
+        except (OSError, TooDeep) as exc:
+            return refuse(f"cannot re-check it: {exc}")
         if fingerprint(before) != c.fingerprint:
             return refuse("changed since the plan was made")
         previous = read_slim_marker(c.path, {e.rel: e for e in before})

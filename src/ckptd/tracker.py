@@ -175,11 +175,11 @@ class RootTracker:
             self._look(run_rel or ".", name, changes)
         return changes
 
-    def rescan_in_flight(self) -> Changes:
+    def rescan_in_flight(self, changes: Changes | None = None) -> Changes:
         """After missed events (queue overflow, no watch): a poll, not a re-walk of the volume."""
         self.rescans += 1
         log.warning("%s: events may have been missed; rescanning in-flight checkpoints", self.root.path)
-        return self.poll()
+        return self.poll(changes)
 
     # --- internals ----------------------------------------------------------
 
