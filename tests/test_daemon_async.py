@@ -181,3 +181,20 @@ async def test_a_flaky_volume_is_logged_once_backed_off_and_nothing_is_deleted(t
         logger.removeHandler(logs)
         logger.setLevel(old_level)
     assert sorted(os.listdir(root / "job")) == ["checkpoint-2"]
+
+
+async def test_watches_are_capped_and_in_flight_checkpoints_come_first(tmp_path, monkeypatch):
+    from ckptd import watch
+
+    monkeypatch.setattr(watch, "MAX_WATCHES", 3)
+    for name in ("a", "b", "c", "d"):
+        (tmp_path / name).mkdir()
+    wanted = {(str(tmp_path / n), False) for n in "abc"} | {(str(tmp_path / "d"), True)}
+    watcher = Watcher(asyncio.get_running_loop(), lambda p: None, lambda: None)
+    watcher.start()
+    try:
+        await asyncio.to_thread(watcher.reconcile, wanted)
+        assert watcher.count() == 3 and watcher.capped
+        assert (str(tmp_path / "d"), True) in watcher._watches
+    finally:
+        await asyncio.to_thread(watcher.stop)

@@ -88,8 +88,9 @@ def test_a_stale_file_handle_while_re_checking_refuses(tmp_path, monkeypatch):
         raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), str(path))
 
     monkeypatch.setattr(evidence, "walk", stale)
-    with pytest.raises(OSError):
-        reaper.execute(plan.decisions)
+    results = reaper.execute(plan.decisions)
+    assert {r.outcome for r in results} == {Outcome.REFUSED}
+    assert results[0].detail.startswith("cannot re-check it: [Errno 116] Stale file handle")
     assert sorted(os.listdir(root / "run")) == ["checkpoint-10", "checkpoint-20", "checkpoint-30"]
 
 

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,7 +65,8 @@ class RootRuntime:
         self.next_poll = 0.0
         self.next_reconcile = 0.0
         self.overflowed = False
-        self.pending_purge_bytes = 0
+        self.pending_purge_bytes = 0  # in the trash, not yet purged: counted as free (under `pending_lock`)
+        self.pending_lock = threading.Lock()
         self.said_standby = False
         self.last_error: str | None = None
         self.failures = 0
@@ -344,9 +346,12 @@ class Daemon:
                     trashed = True
                     self.counters[verb] += 1
                     moved = c.size_bytes if result.outcome is Outcome.TRASHED else result.moved_bytes
-                    rt.pending_purge_bytes += moved
+                    with rt.pending_lock:
+                        rt.pending_purge_bytes += moved
                     if result.outcome is Outcome.TRASHED:
                         rt.tracker.forget(c.rel)
+                    else:
+                        rt.tracker.look_again(c.rel)  # slimmed: not the checkpoint the plan saw
                     reasons = "; ".join(result.decision.reasons)
                     log.info("%s %s (%s): %s", verb, c.rel, format_size(moved), reasons, extra=extra)
                 elif result.outcome is Outcome.DRY_RUN:
@@ -360,6 +365,12 @@ class Daemon:
                         log.log(level, "not %s %s: %s", what, c.rel, result.detail, extra=extra)
             if trashed:
                 self._purge(rt)
+        # Forget what was said about checkpoints that are gone (a path re-created later is news again).
+        current = {str(d.checkpoint.path) for d in plan.decisions}
+        self._decisions = {k: v for k, v in self._decisions.items() if k in current}
+        for rt in self.roots:
+            rels = {c.rel for c in rt.tracker.checkpoints()}
+            rt.outcomes = {k: v for k, v in rt.outcomes.items() if k in rels}
 
     def _log_decisions(self, decisions: tuple[Decision, ...]) -> None:
         """Log each checkpoint's decision when it changes (not at every reconcile)."""
@@ -384,9 +395,18 @@ class Daemon:
                 )
 
     def _space(self, path: Path) -> DiskSpace:
-        """Free space, counting what is in the trash as already freed."""
+        """Free space on `path`'s filesystem, counting what its roots hold in the trash as freed.
+
+        While a purge runs, bytes it already freed are counted twice: free space is
+        overestimated for a moment, so min_free deletes less, never more.
+        """
         space = disk_space(path)
-        pending = sum(rt.pending_purge_bytes for rt in self.roots)
+        dev = os.stat(path).st_dev
+        pending = 0
+        for rt in self.roots:
+            if os.stat(rt.root.path).st_dev == dev:
+                with rt.pending_lock:
+                    pending += rt.pending_purge_bytes
         return DiskSpace(free=space.free + pending, total=space.total)
 
     def _purge(self, rt: RootRuntime) -> None:
@@ -395,7 +415,8 @@ class Daemon:
 
         def purge() -> None:
             count, freed = rt.reaper.purge(stop=lambda: self._purge_stop)
-            rt.pending_purge_bytes = max(0, rt.pending_purge_bytes - freed)
+            with rt.pending_lock:
+                rt.pending_purge_bytes = max(0, rt.pending_purge_bytes - freed)
             self.counters["bytes_reclaimed"] += freed
             if count:
                 log.info("%s: purged %d trash entries (%s)", rt.root.path, count, format_size(freed))

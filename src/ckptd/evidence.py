@@ -255,6 +255,8 @@ class Inspector:
         entry = files.get(rel)
         if entry is not None:
             key = (str(ckpt / rel), entry.size, entry.mtime_ns)
+            if len(self._world_cache) > 4096:  # files being rewritten leave stale keys behind
+                self._world_cache.clear()
             if key not in self._world_cache:
                 try:
                     self._world_cache[key] = dsmeta.read_world_sizes(ckpt / rel)

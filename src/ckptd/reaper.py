@@ -96,6 +96,7 @@ class Reaper:
         self.journal = journal
         self.dry_run = dry_run
         self.clock = clock
+        self._anchors_seen: dict[str, bool] = {}  # anchors re-checked in this pass
 
     @property
     def trash(self) -> Path:
@@ -147,9 +148,15 @@ class Reaper:
         newest = "newest complete full" if slimming else "newest complete"
         if anchor is None or anchor.rel == planned.rel:
             return f"it is its run's {newest} checkpoint"
-        fresh_anchor = self.scanner.reinspect(anchor.run, anchor.name, now=now)
-        if fresh_anchor is None or fresh_anchor.state is not State.COMPLETE:
-            return f"the run's {newest} checkpoint {anchor.name} is gone or no longer complete"
+        # Looked at once per pass (`execute`), not once per target: a backlog of N deletions
+        # would otherwise walk the anchor N times.
+        if anchor.rel not in self._anchors_seen:
+            fresh_anchor = self.scanner.reinspect(anchor.run, anchor.name, now=now)
+            ok = fresh_anchor is not None and fresh_anchor.state is State.COMPLETE
+            ok = ok and fresh_anchor.fingerprint == anchor.fingerprint  # type: ignore[union-attr]
+            self._anchors_seen[anchor.rel] = ok
+        if not self._anchors_seen[anchor.rel]:
+            return f"the run's {newest} checkpoint {anchor.name} is gone, changed or no longer complete"
         return None
 
     def execute(self, decisions: Sequence[Decision]) -> list[Result]:
@@ -169,6 +176,7 @@ class Reaper:
             if not c.slimmed and (c.run not in full or c.sort_key() > full[c.run].sort_key()):
                 full[c.run] = c
         ours = [d for d in decisions if d.checkpoint.root == self.root]
+        self._anchors_seen = {}
         results = [
             self.trash_one(d, anchors.get(d.checkpoint.run)) for d in ours if d.action is Action.DELETE
         ]

@@ -271,6 +271,11 @@ class RootTracker:
         for name in list(rs.checkpoints):
             self._vanish(rs, name, changes)
 
+    def look_again(self, rel: str) -> None:
+        """A checkpoint we changed ourselves (slimmed): take its new form in."""
+        run_rel, _, name = rel.rpartition("/")
+        self._look(run_rel or ".", name, Changes())
+
     def forget(self, rel: str) -> None:
         """A checkpoint the reaper moved to the trash."""
         run_rel, _, name = rel.rpartition("/")

@@ -42,6 +42,9 @@ from watchdog.observers.inotify import InotifyEmitter, InotifyObserver
 
 log = logging.getLogger(__name__)
 
+# watchdog runs one emitter thread per watch: beyond this many, the rest is left to polling.
+MAX_WATCHES = 512
+
 EVENTS: list[type[FileSystemEvent]] = [
     FileCreatedEvent, FileDeletedEvent, FileMovedEvent, FileClosedEvent,
     DirCreatedEvent, DirDeletedEvent, DirMovedEvent,
@@ -139,6 +142,7 @@ class Watcher:
         self._handler = _Bridge(loop, on_path)
         self._watches: dict[tuple[str, bool], ObservedWatch] = {}
         self.failed: set[str] = set()
+        self.capped = False
 
     def start(self) -> None:
         self._observer.start()
@@ -151,6 +155,21 @@ class Watcher:
         return len(self._watches)
 
     def reconcile(self, wanted: set[tuple[str, bool]]) -> None:
+        """Watch exactly `wanted`, up to MAX_WATCHES (each is a watchdog thread); the rest is polled."""
+        if len(wanted) > MAX_WATCHES:
+            if not self.capped:
+                log.warning(
+                    "%d directories to watch; watching %d and polling the rest", len(wanted), MAX_WATCHES
+                )
+                self.capped = True
+            keep = {k for k in wanted if k[1]}  # in-flight checkpoints first
+            keep |= set(
+                sorted(wanted - keep, key=lambda k: k[0].count("/"))[: max(0, MAX_WATCHES - len(keep))]
+            )
+            wanted = set(sorted(keep)[:MAX_WATCHES])
+        self._reconcile(wanted)
+
+    def _reconcile(self, wanted: set[tuple[str, bool]]) -> None:
         for key in set(self._watches) - wanted:
             try:
                 self._observer.unschedule(self._watches.pop(key))
@@ -165,6 +184,10 @@ class Watcher:
                 self.failed.discard(path)
             except FileNotFoundError:
                 continue  # gone already; the next poll notices
+            except RuntimeError as exc:  # no thread to be had: polling covers it
+                if path not in self.failed:
+                    self.failed.add(path)
+                    log.warning("cannot watch %s (%s); polling it instead", path, exc)
             except OSError as exc:
                 if path not in self.failed:
                     self.failed.add(path)
