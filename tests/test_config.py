@@ -147,3 +147,18 @@ def test_check_config_prints_the_effective_config(tmp_path, state_env):
     proc = run_ckptd("check-config", "-c", path, env=state_env)
     assert proc.returncode == 0, proc.stderr
     assert '"keep_within": "90m"' in proc.stdout and '"quiet_period": "1m"' in proc.stdout
+
+
+def test_run_pins_add_to_the_roots_pins():
+    root = Root.model_validate({"path": "/v", "retention": {"pins": ["a/*"]}, "runs": [{"match": "b", "pins": ["b/x"]}]})
+    assert root.retention_for("b")[0].pins == ("a/*", "b/x")
+
+
+def test_roots_overlapping_through_a_symlink_are_refused(tmp_path):
+    (tmp_path / "data" / "team").mkdir(parents=True)
+    (tmp_path / "mnt").symlink_to(tmp_path / "data")
+    path = tmp_path / "c.toml"
+    path.write_text(f"[[roots]]\npath = '{tmp_path / 'mnt'}'\n[[roots]]\npath = '{tmp_path / 'data' / 'team'}'\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "overlaps roots[0].path" in info.value.problems[0]

@@ -198,3 +198,38 @@ async def test_watches_are_capped_and_in_flight_checkpoints_come_first(tmp_path,
         assert (str(tmp_path / "d"), True) in watcher._watches
     finally:
         await asyncio.to_thread(watcher.stop)
+
+
+async def test_a_reload_can_switch_dry_run_on_and_drop_a_pattern(tmp_path):
+    root = tmp_path / "vol"
+    for step in (1, 2, 3):
+        hf_deepspeed_checkpoint(root / "job", step, world=2)
+    (root / "job" / "snap_7").mkdir()
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
+                       root_extra="quiet_period = '0.2s'\npatterns = ['snap_{step}']", retention="keep_last = 5")
+    loop = asyncio.get_running_loop()
+    logs = LogWatch(loop)
+    logger = logging.getLogger("ckptd")
+    logger.addHandler(logs)
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
+    task = asyncio.create_task(daemon.serve())
+    try:
+        await asyncio.wait_for(daemon.ready.wait(), 30)
+        assert "snap_7" in daemon.roots[0].tracker.runs["job"].checkpoints
+        await logs.wait("job/checkpoint-3: complete")
+        cfg.write_text(  # dry_run on, keep_last down to 1, the snap_{step} pattern gone
+            f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\ndry_run = true\n"
+            f"[[roots]]\npath = '{root}'\nquiet_period = '0.2s'\n[roots.retention]\nkeep_last = 1\n"
+        )
+        await daemon.reload()
+        assert daemon.dry_run and daemon.roots[0].reaper.dry_run
+        assert "snap_7" not in daemon.roots[0].tracker.runs["job"].checkpoints
+        await logs.wait("decide delete job/checkpoint-1")
+    finally:
+        daemon.request_stop("test")
+        await asyncio.wait_for(task, 30)
+        logger.removeHandler(logs)
+        logger.setLevel(old_level)
+    assert sorted(os.listdir(root / "job")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "snap_7"]

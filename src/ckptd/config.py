@@ -339,6 +339,8 @@ class Root(_Strict):
                 overrides = {
                     k: getattr(rule, k) for k in rule.model_fields_set if k in Retention.model_fields
                 }
+                if "pins" in overrides:  # pins add up: a run rule never unpins what the root pins
+                    overrides["pins"] = (*self.retention.pins, *overrides["pins"])
                 world = rule.world_size if rule.world_size is not None else self.world_size
                 return self.retention.model_copy(update=overrides), world
         return self.retention, self.world_size
@@ -372,9 +374,10 @@ class Config(_Strict):
     @classmethod
     def _disjoint_roots(cls, roots: tuple[Root, ...]) -> tuple[Root, ...]:
         # Nested roots would see the same runs twice, with two policies.
+        real = [Path(os.path.realpath(r.path)) for r in roots]  # /mnt/data -> /data and /data/team overlap
         for j, b in enumerate(roots):
             for i, a in enumerate(roots[:j]):
-                if a.path.is_relative_to(b.path) or b.path.is_relative_to(a.path):
+                if real[i].is_relative_to(real[j]) or real[j].is_relative_to(real[i]):
                     raise ValueError(
                         f"roots[{j}].path {str(b.path)!r} overlaps roots[{i}].path {str(a.path)!r}"
                     )

@@ -91,6 +91,7 @@ class Daemon:
         self.config = config
         self.config_path = config_path
         self.cli_roots = cli_roots or []
+        self.cli_dry_run = dry_run
         self.dry_run = dry_run or config.daemon.dry_run
         self.clock = clock
         self.install_signals = install_signals
@@ -562,6 +563,12 @@ class Daemon:
 
     def _apply_config(self, new: Config) -> None:
         """Swap in a new config on the fs thread: keep what is known of roots that stay."""
+        dry_run = self.cli_dry_run or new.daemon.dry_run
+        if dry_run != self.dry_run:
+            log.info("dry run %s", "on: deleting nothing from now on" if dry_run else "off: deleting again")
+            self.dry_run = dry_run
+            if not dry_run and self.journal is None:
+                self.journal = Journal(self.config.daemon.state_dir)
         by_path = {rt.root.path: rt for rt in self.roots}
         keep: list[RootRuntime] = []
         for root in new.roots:
@@ -571,14 +578,19 @@ class Daemon:
                 self._try_lead(rt)
                 rt.tracker.full_scan()
             else:
-                rt.tracker.root = root
-                rt.tracker.scanner.root = root
-                rt.tracker.settler.quiet_period = root.quiet_period
-                rt.tracker.settler.stall_after = root.stall_after
+                if root.observer != rt.root.observer:
+                    log.warning("%s: observer changed: it takes effect at the next start", root.path)
+                # Patterns, depth, world sizes may have changed: look again with the new eyes,
+                # keeping what the settler knows (a reload does not restart quiet periods).
+                rt.tracker.reconfigure(root)
+                rt.reaper = Reaper(rt.tracker.scanner, self.journal, dry_run=self.dry_run)
+                rt.tracker.full_scan()
             rt.next_poll = min(rt.next_poll, self.clock() + root.poll_interval)
             keep.append(rt)
         if new.daemon.metrics_listen != self.config.daemon.metrics_listen:
             log.warning("daemon.metrics_listen changed: it takes effect at the next start, not at a reload")
+        if new.daemon.state_dir != self.config.daemon.state_dir:
+            log.warning("daemon.state_dir changed: it takes effect at the next start, not at a reload")
         for rt in by_path.values():
             log.info("%s: no longer configured", rt.root.path)
             rt.lock.release()

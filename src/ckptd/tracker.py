@@ -60,6 +60,13 @@ class RootTracker:
         self.rescans = 0  # targeted rescans after missed events
         self.last_reconcile: float | None = None
 
+    def reconfigure(self, root: Root) -> None:
+        """A reloaded config for this root: new scanner (patterns, depth, world sizes), same settler."""
+        self.root = root
+        self.scanner = Scanner(root, quiet=self._quiet)
+        self.settler.quiet_period = root.quiet_period
+        self.settler.stall_after = root.stall_after
+
     def _quiet(self, rel: str, fingerprint: str):
         return self.settler.observe(rel, fingerprint, self.clock())
 
