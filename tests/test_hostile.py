@@ -247,3 +247,54 @@ def test_the_trash_itself_being_a_symlink_stops_purging(tmp_path):
     assert reaper.purge() == (0, 0)
     assert (outside / "precious").exists()
     assert sorted(os.listdir(root / "run")) == ["checkpoint-10", "checkpoint-20", "checkpoint-30"]
+
+
+def _model_states_with(tmp_path: Path, data: bytes) -> Path:
+    import zipfile
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", data)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        # LONG_BINPUT 2**31-1: CPython would grow its memo to 16 GiB for these 9 bytes
+        (b"\x80\x02}r\xff\xff\xff\x7f.", "memo index"),
+        (b"\x80\x02\x82\x01.", "extension codes"),  # EXT1: the copyreg extension registry
+        (b"\x80\x04\x8e" + (2**40).to_bytes(8, "little") + b".", "cannot read"),  # BINBYTES8 of a terabyte
+    ],
+)
+def test_pickles_that_would_exhaust_memory_are_refused(tmp_path, data, why):
+    import resource
+
+    from ckptd.dsmeta import MetadataUnavailable, read_plain_data
+
+    path = _model_states_with(tmp_path, data)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(MetadataUnavailable, match=why):
+        read_plain_data(path)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024  # KiB: no blow-up
+
+
+def test_an_absurd_world_size_is_not_believed(tmp_path):
+    import pickle
+
+    from ckptd.dsmeta import MetadataUnavailable, read_world_sizes
+
+    path = _model_states_with(tmp_path, pickle.dumps({"dp_world_size": 2**31 - 1, "mp_world_size": 1}))
+    with pytest.raises(MetadataUnavailable, match="no usable dp_world_size"):
+        read_world_sizes(path)
+
+
+def test_a_huge_rank_number_in_a_file_name_does_not_hang_the_census(tmp_path):
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
+    (ckpt / "rng_state_10000000000.pth").write_bytes(b"")
+    age(ckpt, OLD)
+    t0 = time.monotonic()
+    c = Scanner(Root(path=tmp_path)).runs(now=NOW)[0].checkpoints[0]
+    assert time.monotonic() - t0 < 30
+    check = next(k for k in c.checks if k.name == "rng states")
+    assert check.verdict is Verdict.PASSED  # ranks 0 and 1 of a 2-rank job are there; the stray is ignored

@@ -19,7 +19,9 @@ exactly those, and nothing else, for `torch.serialization.safe_globals`.
 from __future__ import annotations
 
 import functools
+import io
 import pickle
+import pickletools
 import threading
 import zipfile
 from dataclasses import dataclass
@@ -93,6 +95,26 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 MAX_PICKLE_BYTES = 64 * 1024 * 1024
+MAX_WORLD = 65536  # more ranks than any job has run; a larger number is a hostile or broken file
+
+
+def _check_pickle(data: bytes, name: str) -> None:
+    """Refuse pickles that would make the unpickler allocate far beyond their size.
+
+    CPython's unpickler grows its memo to the largest index a PUT names and
+    preallocates the length a BINBYTES8 declares: nine bytes can ask for
+    gigabytes. pickletools only reads what is there, so it is safe to walk.
+    """
+    puts = 0
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            if not isinstance(arg, int) or arg > puts + 1024:
+                raise MetadataUnavailable(f"{name}: memo index {arg} out of proportion")
+            puts += 1
+        elif op.name == "MEMOIZE":
+            puts += 1
+        elif op.name in ("EXT1", "EXT2", "EXT4"):
+            raise MetadataUnavailable(f"{name}: pickle extension codes are not accepted")
 
 
 def read_plain_data(path: Path) -> dict:
@@ -104,8 +126,9 @@ def read_plain_data(path: Path) -> dict:
                 raise MetadataUnavailable(f"{path.name} has no data.pkl")
             if z.getinfo(name).file_size > MAX_PICKLE_BYTES:
                 raise MetadataUnavailable(f"{path.name}: data.pkl larger than {MAX_PICKLE_BYTES} bytes")
-            with z.open(name) as f:
-                obj = _PlainUnpickler(f).load()
+            data = z.read(name)
+        _check_pickle(data, path.name)
+        obj = _PlainUnpickler(io.BytesIO(data)).load()
     except MetadataUnavailable:
         raise
     except Exception as exc:  # zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ...
@@ -120,7 +143,8 @@ def read_world_sizes(path: Path) -> WorldSizes:
     # Not a zip: torch's legacy (pre-1.6) format, or not a torch file at all; torch decides, weights_only.
     sd = read_plain_data(path) if zipfile.is_zipfile(path) else load_safely(path)
     dp, mp = sd.get("dp_world_size"), sd.get("mp_world_size")
-    if not isinstance(dp, int) or not isinstance(mp, int) or isinstance(dp, bool) or dp < 1 or mp < 1:
+    usable = isinstance(dp, int) and isinstance(mp, int) and not isinstance(dp, bool)
+    if not usable or not (1 <= dp <= MAX_WORLD and 1 <= mp <= MAX_WORLD):
         raise MetadataUnavailable(f"{path.name} has no usable dp_world_size/mp_world_size ({dp!r}, {mp!r})")
     stage = None
     ds_config = sd.get("ds_config")

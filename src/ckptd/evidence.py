@@ -427,17 +427,17 @@ def _rng_states(files: dict[str, Entry], world: int | None) -> Check:
         if "rng_state.pth" in files:
             return Check("rng states", PASSED, "rng_state.pth (one process)")
         return Check("rng states", PASSED, "none saved")
+    # Ranks 0..n-1 are all there exactly when n of them are and the highest is n-1: no
+    # walk up to a rank number taken from a (possibly hostile) file name.
+    present = set(ranks)
+    n = world if world is not None else max(ranks) + 1
+    if len([r for r in present if r < n]) < n:
+        first = next(r for r in range(n) if r not in present)  # at most len(present)+1 steps
+        counted = f" ({len(present)}/{world} ranks)" if world is not None else ""
+        return Check("rng states", FAILED, f"rng_state_{first}.pth missing{counted}")
     if world is not None:
-        missing = [r for r in range(world) if r not in ranks]
-        if missing:
-            return Check(
-                "rng states", FAILED, f"rng_state_{missing[0]}.pth missing ({len(ranks)}/{world} ranks)"
-            )
         return Check("rng states", PASSED, f"{world}/{world} ranks")
-    gaps = [r for r in range(max(ranks) + 1) if r not in ranks]
-    if gaps:
-        return Check("rng states", FAILED, f"rng_state_{gaps[0]}.pth missing")
-    return Check("rng states", PASSED, f"ranks 0..{max(ranks)} contiguous (world size not known)")
+    return Check("rng states", PASSED, f"ranks 0..{n - 1} contiguous (world size not known)")
 
 
 def _megatron_tracker(run: RunContext, cand: Candidate) -> Check:
