@@ -195,7 +195,7 @@ def add(ck: Path, name: str) -> None:
         (lambda ck: add(ck, PIN_FILE), "pinned"),
         (lambda ck: add(ck, "notes.txt"), "changed since the plan was made"),
         (lambda ck: os.rename(ck.parent / "checkpoint-300", ck.parent / "elsewhere"),
-         "the run's newest complete full checkpoint checkpoint-300 is gone or no longer complete"),
+         "the run's newest complete full checkpoint checkpoint-300 is gone, changed or no longer complete"),
     ],
 )
 def test_slimming_re_checks_first_and_refuses(trainer_volume, tmp_path, tamper, why):
@@ -311,3 +311,17 @@ def test_keep_full_last_per_run():
     assert root.retention_for("main")[0].keep_full_last == 3
     assert root.retention_for("sweeps/a")[0].keep_full_last == 1
     assert Retention().keep_full_last is None and Retention().slim_files == slim.DEFAULT_SLIM_FILES
+
+
+def test_a_symlink_planted_under_the_markers_temp_name_is_not_followed(trainer_volume, tmp_path):
+    """Found in review: the marker's temp file was opened by path, following a planted link."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    ck = trainer_volume / "run" / "checkpoint-100"
+    (ck / f"{slim.MARKER}.tmp").symlink_to(victim)
+    age(ck, time.time() - 3600)
+    cfg = config_file(tmp_path, trainer_volume, keep_last=3, keep_best=0, keep_full_last=1)
+    proc = run_ckptd("prune", "-c", cfg)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert victim.read_text() == "precious"
+    assert json.loads((ck / slim.MARKER).read_text())["state"] == "done"

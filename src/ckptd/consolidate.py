@@ -64,9 +64,19 @@ class Consolidated:
 
 
 def consolidate(
-    save_dir: Path, tag: str, model_states: Path, out: Path, *, timeout: float | None = None
+    save_dir: Path,
+    tag: str,
+    model_states: Path,
+    out: Path,
+    *,
+    timeout: float | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> Consolidated:
-    """Consolidate `save_dir/tag` into `out` in a low-priority subprocess, and check the result."""
+    """Consolidate `save_dir/tag` into `out` in a low-priority subprocess, and check the result.
+
+    `out` may be `/proc/self/fd/N` with N in `pass_fds`: a file the caller created
+    itself, so that no name in a writable directory can redirect the write.
+    """
     cmd = [sys.executable, "-m", "ckptd.consolidate", str(save_dir), tag, str(model_states), str(out)]
     ionice = shutil.which("ionice")
     if ionice:  # best effort, lowest level; -t: run anyway where ioprio_set is not allowed
@@ -77,7 +87,9 @@ def consolidate(
     env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu", "TQDM_DISABLE": "1"}
     start = time.monotonic()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=timeout, pass_fds=pass_fds
+        )
     except subprocess.TimeoutExpired:
         raise ConsolidationFailed(f"zero_to_fp32 took longer than {timeout:g}s") from None
     seconds = time.monotonic() - start

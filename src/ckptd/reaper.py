@@ -341,9 +341,20 @@ class Reaper:
             return fail(f"cannot prepare {TRASH_DIR}/, journal or {slim.MARKER}: {exc}")
         moved: list[tuple[str, int]] = []
         for rel, size in s.removable:
+            # Both ends through descriptors opened without following symlinks: a global_step*
+            # directory swapped for a link cannot bring files from elsewhere into the trash.
+            sub, _, name = rel.rpartition("/")
             try:
                 (target / rel).parent.mkdir(parents=True, exist_ok=True)
-                os.rename(c.path / rel, target / rel)
+                src_fd = open_dir_nofollow(self.root, f"{c.rel}/{sub}" if sub else c.rel)
+                try:
+                    dst_fd = open_dir_nofollow(self.root, str((target / rel).parent.relative_to(self.root)))
+                    try:
+                        os.rename(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+                    finally:
+                        os.close(dst_fd)
+                finally:
+                    os.close(src_fd)
             except FileNotFoundError:
                 continue  # gone already, as the marker says: nothing to move
             except OSError as exc:  # the marker says "removing": the next run tries again
@@ -368,28 +379,56 @@ class Reaper:
         save_dir, tag, states = slim.consolidation_paths(
             c.layout, c.name, c.slim.source, {e.rel for e in before}
         )
-        tmp, final = c.path / slim.CONSOLIDATING, c.path / slim.CONSOLIDATED
+        # The child writes into a directory we create ourselves (mkdir fails on anything
+        # planted under that name, and the mode is 0700), reached from a descriptor of the
+        # checkpoint opened without following symlinks; the result is moved into place from
+        # descriptors too, and must be the very file the child wrote.
         try:
-            out = consolidate(run_dir / save_dir, tag, run_dir / states, tmp)
-        except ConsolidationFailed as exc:
-            self._discard(tmp)
-            raise _Stop(Outcome.FAILED, f"consolidation failed, nothing removed: {exc}") from None
-        # Consolidation took a while: nobody but us may have touched the checkpoint since.
-        if _unchanged_but(before, slim.CONSOLIDATING) != _unchanged_but(walk(c.path), slim.CONSOLIDATING):
-            self._discard(tmp)
-            raise _Stop(Outcome.REFUSED, "changed while its weights were being consolidated")
-        why = self._anchor_problem(c, anchor, self.clock(), slimming=True)
-        if why is None and os.path.lexists(final):
-            why = f"{slim.CONSOLIDATED} appeared while consolidating"
-        if why is not None:
-            self._discard(tmp)
-            raise _Stop(Outcome.REFUSED, why)
-        try:
-            os.rename(tmp, final)
-            _fsync_dir(c.path)
+            ckpt_fd = open_dir_nofollow(self.root, c.rel)
         except OSError as exc:
-            self._discard(tmp)
-            raise _Stop(Outcome.FAILED, f"cannot rename {tmp.name}: {exc}") from None
+            raise _Stop(Outcome.REFUSED, f"reached through a symlink or not a directory: {exc}") from None
+        try:
+            _remove_at(slim.CONSOLIDATING, ckpt_fd)  # a leftover of an interrupted try
+            try:
+                os.mkdir(slim.CONSOLIDATING, 0o700, dir_fd=ckpt_fd)
+                work_fd = os.open(slim.CONSOLIDATING, _DIR_FLAGS, dir_fd=ckpt_fd)
+            except OSError as exc:
+                raise _Stop(Outcome.FAILED, f"cannot create {slim.CONSOLIDATING}/: {exc}") from None
+            try:
+                out_path = c.path / slim.CONSOLIDATING / _PARTIAL
+                try:
+                    out = consolidate(run_dir / save_dir, tag, run_dir / states, out_path)
+                except ConsolidationFailed as exc:
+                    raise _Stop(Outcome.FAILED, f"consolidation failed, nothing removed: {exc}") from None
+                wrote = _identity(_PARTIAL, work_fd)
+                # Consolidation took a while: nobody but us may have touched the checkpoint since.
+                if _unchanged_but(before, slim.CONSOLIDATING) != _unchanged_but(
+                    walk(c.path), slim.CONSOLIDATING
+                ):
+                    raise _Stop(Outcome.REFUSED, "changed while its weights were being consolidated")
+                why = self._anchor_problem(c, anchor, self.clock(), slimming=True)
+                if why is None and _identity(slim.CONSOLIDATED, ckpt_fd) is not None:
+                    why = f"{slim.CONSOLIDATED} appeared while consolidating"
+                if why is None and (wrote is None or not _is_regular(_PARTIAL, work_fd)):
+                    why = "the consolidated file is not where the consolidator left it"
+                if why is not None:
+                    raise _Stop(Outcome.REFUSED, why)
+                try:
+                    os.rename(_PARTIAL, slim.CONSOLIDATED, src_dir_fd=work_fd, dst_dir_fd=ckpt_fd)
+                    os.fsync(ckpt_fd)
+                except OSError as exc:
+                    raise _Stop(
+                        Outcome.FAILED, f"cannot move the consolidated file into place: {exc}"
+                    ) from None
+                if _identity(slim.CONSOLIDATED, ckpt_fd) != wrote:  # swapped between the check and the rename
+                    raise _Stop(
+                        Outcome.REFUSED, f"{slim.CONSOLIDATED} is not the file the consolidator wrote"
+                    )
+            finally:
+                os.close(work_fd)
+                _remove_at(slim.CONSOLIDATING, ckpt_fd)
+        finally:
+            os.close(ckpt_fd)
         return {
             "path": slim.CONSOLIDATED,
             "bytes": out.bytes,
@@ -408,24 +447,21 @@ class Reaper:
         doc = slim.marker_document(
             state=state, time=self.clock(), removed=removed, weights=weights, reasons=decision.reasons
         )
-        tmp = c.path / f"{slim.MARKER}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        tmp = f"{slim.MARKER}.tmp"
+        ckpt_fd = open_dir_nofollow(self.root, c.rel)  # no symlink on the way, none under the temp name
         try:
-            os.write(fd, (json.dumps(doc, indent=2) + "\n").encode())
-            os.fsync(fd)
+            _unlink_at(tmp, ckpt_fd)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o644, dir_fd=ckpt_fd)
+            try:
+                os.write(fd, (json.dumps(doc, indent=2) + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, slim.MARKER, src_dir_fd=ckpt_fd, dst_dir_fd=ckpt_fd)
+            os.fsync(ckpt_fd)
         finally:
-            os.close(fd)
-        os.rename(tmp, c.path / slim.MARKER)
-        _fsync_dir(c.path)
-
-    def _discard(self, tmp: Path) -> None:
-        """Remove our own unverified or unused consolidation output."""
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.error("cannot remove %s: %s", tmp, exc)
+            os.close(ckpt_fd)
 
     def _ensure_trash(self) -> None:
         os.close(self._open_trash())
@@ -534,6 +570,35 @@ def _identity(path: str, dir_fd: int | None = None) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino)
 
 
+_PARTIAL = "weights.partial"  # the consolidator's output inside slim.CONSOLIDATING/
+
+
+def _unlink_at(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)  # never follows: removes a symlink itself
+    except FileNotFoundError:
+        pass
+
+
+def _remove_at(name: str, dir_fd: int) -> None:
+    """Remove our own work directory (or whatever was planted under its name), never following links."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)
+
+
+def _is_regular(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
 def _still_at(root: Path, rel: str, fd: int) -> bool:
     """Whether the directory `fd` is still what `root/rel` names, reached without symlinks."""
     try:
@@ -561,18 +626,10 @@ def _entry_size(entries: list[Entry], rel: str) -> int | None:
 
 
 def _unchanged_but(entries: list[Entry], ours: str) -> str:
-    """A fingerprint of a checkpoint's entries leaving out our own file `ours` and the
-    checkpoint directory's own size and mtime, which adding that file changes."""
-    kept = [e for e in entries if e.rel != ours]
+    """A fingerprint of a checkpoint's entries leaving out our own work directory `ours` (and
+    what is in it) and the checkpoint directory's own size and mtime, which adding it changes."""
+    kept = [e for e in entries if e.rel != ours and not e.rel.startswith(f"{ours}/")]
     return fingerprint([Entry("", e.kind, 0, 0) if e.rel == "" else e for e in kept])
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _size(path: Path) -> int:
