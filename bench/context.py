@@ -20,6 +20,7 @@ class Context:
     torch_version: str | None  # None: torch not installed, rows that need it are skipped
     volumes: dict[str, Volume] = field(default_factory=dict)
     built: list[str] = field(default_factory=list)  # how each volume came out, for the report
+    facts: dict[str, float] = field(default_factory=dict)  # one benchmark's figures another reuses
 
     def log(self, msg: str) -> None:
         print(f"  {msg}", file=sys.stderr, flush=True)

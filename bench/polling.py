@@ -40,6 +40,7 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         argv = [sys.executable, "-m", "bench.probe", "watchdog", str(v.root), "--cycles", str(n)]
         doc = json.loads(check(run_child(argv, env=env(torch=False)), "probe watchdog").stdout)
         cpu = median(doc["cycle_cpu_s"])
+        ctx.facts[f"watchdog_cycle_cpu_s/{shape.name}"] = cpu
         stats = doc["stat_calls_per_cycle"]
         rows.append(
             Row(
@@ -55,6 +56,7 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
             f"({fmt_time(median(doc['cycle_wall_s']))} wall), {stats:,} stat calls for "
             f"{doc['entries']:,} entries; first snapshot {fmt_time(doc['first_cpu_s'])} CPU; the observer "
             f"holds {doc['rss_kib'] / 1024:.0f} MiB RSS with two snapshots; "
-            f"at ckptd's default poll_interval of 10 s that is {100 * cpu / 10:.2g} % of a core, idle."
+            f"polling every 10 s (ckptd's default poll_interval) it would use {100 * cpu / 10:.2g} % of a "
+            "core while nothing changes."
         )
     return rows, section

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from bench.context import Context
-from bench.measure import check, env, fmt_bytes, fmt_time, median, run_child, settle
+from bench.measure import check, env, fmt_bytes, fmt_ratio, fmt_time, median, run_child, settle
 from bench.report import Row, Section
 from bench.volume import write_config
 
@@ -104,7 +104,7 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
             f"{label}: loop blocked by each rotation, ckptd vs in-process `shutil.rmtree`",
             fmt_time(blocked_b),
             fmt_time(stall_a),
-            f"{stall_a / max(blocked_b, 1e-9):,.0f}× less",
+            fmt_ratio(blocked_b / stall_a),
         )
     ]
     if during and idle:

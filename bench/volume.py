@@ -141,12 +141,13 @@ def trainer_state(run: int, step: int) -> bytes:
     for s in range(STEP, step + 1, STEP):
         history.append({"step": s, "loss": eval_loss(run, s) + 0.1, "learning_rate": 1e-4, "epoch": s / 1e4})
         history.append({"step": s, "eval_loss": eval_loss(run, s), "epoch": s / 1e4})
-    best = min(range(STEP, step + 1, STEP), key=lambda s: (eval_loss(run, s), -s))
+    evals = range(STEP, step + 1, STEP)
+    best = min(evals, key=lambda s: (eval_loss(run, s), -s)) if evals else None
     return json.dumps(
         {
             "global_step": step,
-            "best_metric": eval_loss(run, best),
-            "best_model_checkpoint": f"/mnt/out/run-{run}/checkpoint-{best}",
+            "best_metric": eval_loss(run, best) if best else None,
+            "best_model_checkpoint": f"/mnt/out/run-{run}/checkpoint-{best}" if best else None,
             "log_history": history,
         }
     ).encode()
