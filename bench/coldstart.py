@@ -79,8 +79,8 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
                 "read: what would narrow it is an `os.pread` of the last bytes (the walk already has the "
                 "size) instead of `zipfile.is_zipfile`'s buffered seeks, plain `str` paths instead of "
                 "`pathlib` in `evidence.walk`/`_integrity`, and a (path, size, mtime) evidence cache in "
-                "`state_dir` so that a repeated `plan` re-reads only what changed. The daemon pays this "
-                "once, at start-up."
+                "`state_dir` so that a repeated `plan` re-reads only what changed. A daemon pays this at "
+                "start-up only."
             )
         rows.append(
             Row(

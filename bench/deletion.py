@@ -222,8 +222,7 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         )
         section.details.append(
             f"purge {label} ({p['files']:,} entries, {fmt_bytes(p['bytes'])}): ckptd {spread(p['purge'])}, "
-            f"`rm -rf` {spread(p['rm'])}; interleaved. Deleting synced files on this disk is noisy: "
-            "the same tree takes 0.3 s one time and 3 s the next."
+            f"`rm -rf` {spread(p['rm'])}; interleaved, alternating which goes first."
         )
     shutil.rmtree(ctx.workdir / "deletion", ignore_errors=True)
     shutil.rmtree(ctx.workdir / "purge", ignore_errors=True)
