@@ -128,8 +128,8 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
                 )
             )
             section.details.append(
-                f"{shape.name} with torch {ctx.torch_version}: `ckptd plan` {fmt_time(pt)} "
-                f"({fmt_time(pt - p)} more than without: importing torch, then one "
-                f"`torch.load(weights_only=True, mmap=True)` per checkpoint); {k} repetitions."
+                f"{shape.name} with torch {ctx.torch_version}: `ckptd plan` {fmt_time(pt)}, against "
+                f"{fmt_time(p)} without: it imports torch, then runs one "
+                f"`torch.load(weights_only=True, mmap=True)` per checkpoint; {k} repetition(s)."
             )
     return rows, section

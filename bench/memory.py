@@ -56,7 +56,10 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         section.details.append(
             f"{shape.name}, no torch: {doc['rss_imported_kib'] / 1024:.0f} MiB after imports, "
             f"{mib:.0f} MiB after the scan and plan ({sum(doc['states'].values()):,} checkpoints), "
-            f"peak {doc['hwm_kib'] / 1024:.0f} MiB."
+            f"peak {doc['hwm_kib'] / 1024:.0f} MiB. The checkpoints hold {doc['history_steps']:,} parsed "
+            "log-history steps between them: each keeps its own trainer_state.json's history, which "
+            "grows with the run, so memory grows with checkpoints × run length; retention reads the "
+            "newest history of each run first."
         )
         rows.append(pending(NAME, f"{shape.name}: `ckptd run` RSS after start-up, no torch", target=target))
     if ctx.torch_version:

@@ -54,6 +54,7 @@ def scan(config_path: Path, reps: int) -> dict:
     rss_first = 0
     states: Counter[str] = Counter()
     summary: dict[str, int] = {}
+    history = 0
     for i in range(reps):
         acc.clear()
         t = time.perf_counter()
@@ -66,6 +67,9 @@ def scan(config_path: Path, reps: int) -> dict:
             rss_first = proc_status_kib("VmRSS")
             states = Counter(str(d.checkpoint.state) for d in plan.decisions)
             summary = summarise(plan.decisions)
+            history = sum(
+                len(d.checkpoint.trainer_state.history) for d in plan.decisions if d.checkpoint.trainer_state
+            )
     torch = sys.modules.get("torch")
     return {
         "import_s": import_s,
@@ -78,6 +82,7 @@ def scan(config_path: Path, reps: int) -> dict:
         "torch_loaded": torch is not None,
         "states": dict(states),
         "summary": summary,
+        "history_steps": history,  # log_history steps held, summed over every checkpoint's trainer state
     }
 
 
