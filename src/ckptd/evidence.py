@@ -152,6 +152,7 @@ class Inspector:
         self.quiet_period = quiet_period
         self.mp_world_size = mp_world_size
         self._world_cache: dict[tuple[str, int, int], dsmeta.WorldSizes | str] = {}
+        self._file_cache: dict[tuple[str, int, int], str | None] = {}
 
     def inspect(
         self,
@@ -209,7 +210,7 @@ class Inspector:
         else:
             checks.append(Check("evidence", PASSED, "no layout-specific markers: complete on quiet alone"))
         checks.extend(_nested_dcp(files, skip_top=cand.layout == layouts.DCP))
-        checks.append(_integrity(path, entries))
+        checks.append(_integrity(path, entries, self._file_problem))
         if too_deep is not None:
             checks.append(too_deep)
         if marker is None or isinstance(marker, slim.Marker):
@@ -236,6 +237,15 @@ class Inspector:
         )
 
     # --- checks ----------------------------------------------------------
+
+    def _file_problem(self, path: Path, e: Entry) -> str | None:
+        """`file_problem`, remembered per (path, size, mtime): an unchanged file is read once."""
+        key = (str(path), e.size, e.mtime_ns)
+        if key not in self._file_cache:
+            if len(self._file_cache) > 200_000:  # files rewritten leave stale keys behind
+                self._file_cache.clear()
+            self._file_cache[key] = file_problem(path, e)
+        return self._file_cache[key]
 
     def _quiet(self, newest_ns: int, now: float) -> Check:
         age = now - newest_ns / 1e9
@@ -489,24 +499,21 @@ def _nemo_unfinished(run: RunContext, cand: Candidate) -> Check:
     return Check("nemo marker", PASSED, f"no {marker}")
 
 
-def _integrity(path: Path, entries: list[Entry]) -> Check:
+FileProblem = Callable[[Path, "Entry"], str | None]
+
+
+def _integrity(path: Path, entries: list[Entry], problem: FileProblem) -> Check:
     bad: list[str] = []
     count = 0
     for e in entries:
         if e.kind != "f":
             continue
         name = e.rel or path.name
-        if name.endswith(ZIP_SUFFIXES) or (not e.rel and name.endswith(".ckpt")):
+        if name.endswith((*ZIP_SUFFIXES, SAFETENSORS_SUFFIX)) or (not e.rel and name.endswith(".ckpt")):
             count += 1
-            if e.size == 0:
-                bad.append(f"{name} is empty")
-            elif not _is_zip(path / e.rel if e.rel else path):
-                bad.append(f"{name} is not a complete zip archive (truncated?)")
-        elif name.endswith(SAFETENSORS_SUFFIX):
-            count += 1
-            problem = safetensors_problem(path / e.rel if e.rel else path, e.size)
-            if problem:
-                bad.append(f"{name}: {problem}")
+            why = problem(path / e.rel if e.rel else path, e)
+            if why:
+                bad.append(f"{name}{why}")
     if bad:
         shown = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
         return Check("file integrity", FAILED, shown)
@@ -515,8 +522,35 @@ def _integrity(path: Path, entries: list[Entry]) -> Check:
     )
 
 
-def _is_zip(path: Path) -> bool:
+def file_problem(path: Path, e: Entry) -> str | None:
+    """Why one torch or safetensors file is not whole (as a suffix to its name), or None."""
+    if e.rel.endswith(SAFETENSORS_SUFFIX) or (not e.rel and path.name.endswith(SAFETENSORS_SUFFIX)):
+        problem = safetensors_problem(path, e.size)
+        return f": {problem}" if problem else None
+    if e.size == 0:
+        return " is empty"
+    if not _is_zip(path, e.size):
+        return " is not a complete zip archive (truncated?)"
+    return None
+
+
+_EOCD = b"PK\x05\x06"  # end of central directory: the last thing a zip writer writes
+
+
+def _is_zip(path: Path, size: int) -> bool:
+    """Whether the file ends in a zip's end-of-central-directory record.
+
+    torch.save writes no archive comment, so the record is the last 22 bytes: one
+    pread. Anything else (a comment, an odd writer) gets zipfile's full search.
+    """
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            tail = os.pread(fd, 22, max(0, size - 22))
+        finally:
+            os.close(fd)
+        if len(tail) == 22 and tail[:4] == _EOCD and tail[20:22] == b"\0\0":
+            return True
         return zipfile.is_zipfile(path)
     except OSError:
         return False

@@ -5,6 +5,7 @@ Pure data. Nothing here reads the disk or the clock.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -131,8 +132,8 @@ class Checkpoint:
         """The checkpoint's path relative to its root: `team/run42/checkpoint-1200`."""
         return self.name if self.run == "." else f"{self.run}/{self.name}"
 
-    @property
-    def state(self) -> State:
+    @functools.cached_property
+    def state(self) -> State:  # cached: planning reads it many times per checkpoint
         return classify(self.checks)
 
     def sort_key(self) -> tuple[int, float, str]:
