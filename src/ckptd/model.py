@@ -152,24 +152,27 @@ class Run:
     def path(self) -> Path:
         return self.root if self.rel == "." else self.root / self.rel
 
-    def trainer_state(self) -> TrainerState | None:
-        """The newest trainer state in the run: it has seen every evaluation so far."""
+    @functools.cached_property
+    def _newest_trainer_state(self) -> TrainerState | None:
         return next((c.trainer_state for c in reversed(self.checkpoints) if c.trainer_state), None)
 
+    def trainer_state(self) -> TrainerState | None:
+        """The newest trainer state in the run: it has seen every evaluation so far."""
+        return self._newest_trainer_state
+
     def metric(self, ckpt: Checkpoint, name: str) -> float | str | None:
-        """The value of metric `name` at `ckpt`'s step, from any checkpoint's log history.
+        """The value of metric `name` at `ckpt`'s step, from the run's newest log history, else its own.
 
         Returns a float (possibly NaN or infinite), a string when the logged
         value is not a number, or None when nothing was logged at that step.
         'loss' also matches 'eval_loss', as the Trainer's `metric_for_best_model` does.
+        Two histories at most, never every checkpoint's: with 10k checkpoints and
+        evaluations at other steps than saves, that search was quadratic.
         """
         names = (name,) if name.startswith("eval_") else (name, f"eval_{name}")
-        for source in reversed(self.checkpoints):  # newer histories first
-            ts = source.trainer_state
-            if ts is None or ckpt.step not in ts.history:
-                continue
-            entry = ts.history[ckpt.step]
-            for n in names:
+        for ts in (self.trainer_state(), ckpt.trainer_state):
+            entry = ts.history.get(ckpt.step) if ts is not None else None
+            for n in names if entry else ():
                 if n in entry:
                     return as_metric(entry[n])
         return None
