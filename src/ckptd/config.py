@@ -306,8 +306,8 @@ class Root(_Strict):
         strict=True,
         default=None,
         ge=1,
-        description="DeepSpeed data-parallel world size, used only when torch is not installed "
-        "to read it from the checkpoint.",
+        description="DeepSpeed data-parallel world size, used only when a checkpoint's "
+        "mp_rank_00_model_states.pt cannot be read.",
     )
     mp_world_size: int = Field(
         strict=True, default=1, ge=1, description="DeepSpeed model-parallel world size, with world_size."

@@ -173,7 +173,7 @@ class Inspector:
         monotonic time), else by comparing the newest mtime with `now`, the
         wall clock (one-shot commands have nothing better).
         `world_size` stands in for DeepSpeed's dp_world_size when the
-        checkpoint's own metadata cannot be read (no torch).
+        checkpoint's own metadata cannot be read.
         """
         path = run.path / cand.name
         too_deep = None
