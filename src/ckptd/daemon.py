@@ -103,7 +103,6 @@ class Daemon:
         self._hints: collections.deque[str] = collections.deque()
         self._state_path = config.daemon.state_dir / f"{STATE_PREFIX}{os.getpid()}.json"
         self._watchdog_every = watchdog_interval()
-        self._next_watchdog = 0.0
         self._reload = False
         self._sigint_count = 0
         self._purge_stop = False
@@ -126,10 +125,15 @@ class Daemon:
         if self.install_signals:
             self._install_signals()
         self.watcher: Watcher | None = None
+        pinger = (
+            asyncio.create_task(self._ping_watchdog(self._watchdog_every)) if self._watchdog_every else None
+        )
         try:
             await self.startup()
             await self.main_loop()
         finally:
+            if pinger is not None:
+                pinger.cancel()
             await self.shutdown()
         return 0
 
@@ -208,7 +212,6 @@ class Daemon:
                 await self.reload()
             if not await self._until_stopped(self._tick):
                 break
-            self._ping_watchdog()
 
     async def _until_stopped(self, fn: Callable[[], Any]) -> bool:
         """Run `fn` on the filesystem thread; return False if a stop request came first.
@@ -230,8 +233,6 @@ class Daemon:
         now = self.clock()
         times = [rt.next_poll for rt in self.roots] + [rt.next_reconcile for rt in self.roots]
         times += [d for rt in self.roots if (d := rt.tracker.next_deadline()) is not None]
-        if self._watchdog_every:
-            times.append(self._next_watchdog)
         if self._state_due is not None:
             times.append(self._state_due)
         if self._hints or any(rt.overflowed for rt in self.roots):
@@ -439,10 +440,15 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.sample(self.roots, self.clock())
 
-    def _ping_watchdog(self) -> None:
-        if self._watchdog_every and self.clock() >= self._next_watchdog:
+    async def _ping_watchdog(self, every: float) -> None:
+        """WATCHDOG=1 while the event loop runs, also during a long scan or consolidation on the
+        filesystem thread (that thread's liveness shows in the state file's heartbeat: `ckptd health`)."""
+        while not self._stop.is_set():
             notify("WATCHDOG=1")
-            self._next_watchdog = self.clock() + self._watchdog_every
+            try:
+                await asyncio.wait_for(self._stop.wait(), every)
+            except TimeoutError:
+                pass
 
     def _status_line(self) -> str:
         states = collections.Counter(str(c.state) for rt in self.roots for c in rt.tracker.checkpoints())
