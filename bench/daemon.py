@@ -194,23 +194,25 @@ def is_complete(line: Line, name: str | None = None) -> bool:
     )
 
 
+def until_complete(d: DaemonProc, checkpoints: int, *, timeout: float) -> dict[str, float]:
+    """Wait until `d` is READY and has declared `checkpoints` complete: when (s after its start), RSS."""
+    ready = d.wait_message("ready:", timeout=timeout)[0]
+    facts = {"ready_s": ready.received - d.started, "rss_ready_kib": d.status_kib("VmRSS")}
+    last = d.wait_for(is_complete, timeout=timeout, count=checkpoints)[-1]
+    facts["complete_s"] = last.received - d.started
+    facts["rss_complete_kib"] = d.status_kib("VmRSS")
+    facts["hwm_kib"] = d.status_kib("VmHWM")
+    facts["threads"] = len(os.listdir(f"/proc/{d.pid}/task"))
+    return facts
+
+
 def start_until_complete(
     config: Path, checkpoints: int, *, timeout: float
 ) -> tuple[DaemonProc, dict[str, float]]:
-    """Start a daemon and wait until it is READY and has declared `checkpoints` complete.
-
-    Returns the daemon and when each stage was reached (seconds after the start) with its RSS.
-    """
+    """Start a daemon and wait until it is READY and has declared `checkpoints` complete."""
     d = DaemonProc(config)
     try:
-        ready = d.wait_message("ready:", timeout=timeout)[0]
-        facts = {"ready_s": ready.received - d.started, "rss_ready_kib": d.status_kib("VmRSS")}
-        last = d.wait_for(is_complete, timeout=timeout, count=checkpoints)[-1]
-        facts["complete_s"] = last.received - d.started
-        facts["rss_complete_kib"] = d.status_kib("VmRSS")
-        facts["hwm_kib"] = d.status_kib("VmHWM")
-        facts["threads"] = len(os.listdir(f"/proc/{d.pid}/task"))
+        return d, until_complete(d, checkpoints, timeout=timeout)
     except BaseException:
         d.stop()
         raise
-    return d, facts

@@ -4,9 +4,11 @@
 volume with ckptd's default poll_interval (10 s) and reconcile_interval (5 min),
 a quiet_period of 1 s and a retention that keeps everything (the volume is
 shared with the other benchmarks). Once it is READY and has declared every
-checkpoint complete, and its CPU time has stopped moving, utime+stime is read
-from /proc/<pid>/stat before and after a 60 s window; CPU % = delta / window.
-Once with inotify, once with polling. The baseline for polling is watchdog's
+checkpoint complete, and its CPU time has stopped moving, its threads' CPU time
+is read from /proc before and after a 60 s window; CPU % = delta / window.
+One daemon with inotify and one with polling run side by side (each with its
+own state_dir, so each holds its own lock), so that the box's noise hits both
+alike. The baseline for polling is watchdog's
 `PollingObserver` at the same interval, from its cycle measured in benchmark 2.
 
 A 60 s window holds no reconcile. What a reconcile costs, and where a poll
@@ -21,7 +23,7 @@ import sys
 import time
 
 from bench.context import Context
-from bench.daemon import DaemonProc, start_until_complete, write_config
+from bench.daemon import DaemonProc, until_complete, write_config
 from bench.measure import check, env, fmt_ratio, fmt_time, median, run_child
 from bench.report import Row, Section
 from bench.volume import Shape
@@ -30,6 +32,7 @@ NAME = "4. idle cost"
 TARGET_PCT = 0.2  # with inotify
 POLL_INTERVAL_S = 10.0  # ckptd's default poll_interval
 RECONCILE_INTERVAL_S = 300.0  # ckptd's default reconcile_interval
+OBSERVERS = ("inotify", "polling")
 
 
 def _settle(d: DaemonProc, *, quiet_for: float = 1.0, timeout: float = 60) -> None:
@@ -45,46 +48,56 @@ def _settle(d: DaemonProc, *, quiet_for: float = 1.0, timeout: float = 60) -> No
 
 
 def measure(
-    ctx: Context,
-    shape: Shape,
-    observer: str,
-    *,
-    window: float,
-    poll: float | None,
-    still: float,
-    quiet: float,
+    ctx: Context, shape: Shape, *, window: float, poll: float | None, still: float, quiet: float
 ) -> dict:
+    """Both daemons, inotify and polling, side by side on the same volume over the same window."""
     v = ctx.volume(shape)
-    work = ctx.scratch(f"idle-{observer}")
-    config = write_config(
-        work / "ckptd.toml", v.root, work / "state", observer=observer, world=shape.world, quiet_period=quiet,
-        poll_interval=poll,
-    )  # fmt: skip
-    checkpoints = shape.runs * shape.checkpoints
-    d, facts = start_until_complete(config, checkpoints, timeout=300)
-    with d:
-        _settle(d, quiet_for=still)
-        cpu0, threads0, t0 = d.cpu_s(), d.threads(), time.monotonic()
+    daemons: dict[str, DaemonProc] = {}
+    out: dict[str, dict] = {}
+    try:
+        for observer in OBSERVERS:
+            work = ctx.scratch(f"idle-{observer}")
+            config = write_config(
+                work / "ckptd.toml", v.root, work / "state", observer=observer, world=shape.world,
+                quiet_period=quiet, poll_interval=poll,
+            )  # fmt: skip
+            daemons[observer] = DaemonProc(config)
+            out[observer] = {"config": config}
+        for observer, d in daemons.items():
+            out[observer].update(until_complete(d, shape.runs * shape.checkpoints, timeout=600))
+        for d in daemons.values():
+            _settle(d, quiet_for=still)
+        before = {o: (d.cpu_s(), d.threads()) for o, d in daemons.items()}
+        t0 = time.monotonic()
         time.sleep(window)
-        cpu1, threads1, t1 = d.cpu_s(), d.threads(), time.monotonic()
-        errors = d.errors()
-    if errors:
-        raise RuntimeError(f"ckptd run ({observer}) logged errors: {errors[:3]}")
-    # Per-thread schedstat has nanoseconds; utime+stime counts clock ticks (10 ms), dead threads included.
-    cpu = sum(c - threads0.get(tid, (0.0, 0))[0] for tid, (c, _) in threads1.items())
-    wakeups = sum(s - threads0.get(tid, (0.0, 0))[1] for tid, (_, s) in threads1.items())
-    busy = sum(1 for tid, (c, _) in threads1.items() if c - threads0.get(tid, (0.0, 0))[0] > 0)
-    return {
-        **facts,
-        "cpu_s": cpu,
-        "ticks_cpu_s": cpu1 - cpu0,
-        "window_s": t1 - t0,
-        "pct": 100 * cpu / (t1 - t0),
-        "wakeups": wakeups,
-        "threads_now": len(threads1),
-        "threads_busy": busy,
-        "config": config,
-    }
+        after = {o: (d.cpu_s(), d.threads()) for o, d in daemons.items()}
+        t1 = time.monotonic()
+        errors = {o: d.errors() for o, d in daemons.items()}
+    finally:
+        for d in daemons.values():
+            d.stop()
+    for observer in OBSERVERS:
+        if errors[observer]:
+            raise RuntimeError(f"ckptd run ({observer}) logged errors: {errors[observer][:3]}")
+        (cpu0, threads0), (cpu1, threads1) = before[observer], after[observer]
+        # Per-thread schedstat has nanoseconds; utime+stime counts clock ticks (10 ms), dead threads included.
+        cpu = sum(c - threads0.get(tid, (0.0, 0))[0] for tid, (c, _) in threads1.items())
+        pid = daemons[observer].pid
+        out[observer].update(
+            cpu_s=cpu,
+            ticks_cpu_s=cpu1 - cpu0,
+            window_s=t1 - t0,
+            pct=100 * cpu / (t1 - t0),
+            wakeups=sum(s - threads0.get(tid, (0.0, 0))[1] for tid, (_, s) in threads1.items()),
+            threads_now=len(threads1),
+            threads_busy=sum(1 for tid, (c, _) in threads1.items() if c > threads0.get(tid, (0.0, 0))[0]),
+            main_thread_s=threads1.get(pid, (0.0, 0))[0] - threads0.get(pid, (0.0, 0))[0],
+            busiest_other_s=max(
+                (c - threads0.get(tid, (0.0, 0))[0] for tid, (c, _) in threads1.items() if tid != pid),
+                default=0.0,
+            ),
+        )
+    return out
 
 
 def run(ctx: Context) -> tuple[list[Row], Section]:
@@ -97,26 +110,26 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
     cycle = ctx.facts.get(f"watchdog_cycle_cpu_s/{shape.name}")
     section = Section(
         NAME,
-        f"`ckptd run --log-format json` on {shape.name} with poll_interval {interval:g} s and "
+        "One `ckptd run --log-format json` with inotify and one with polling, side by side on "
+        f"{shape.name} (their own state_dirs), with poll_interval {interval:g} s and "
         f"reconcile_interval {RECONCILE_INTERVAL_S / 60:g} min, torch hidden, a retention that keeps "
-        f"everything; after READY, every checkpoint complete and its CPU time still for {still:g} s: "
-        "the CPU time of its threads from /proc/<pid>/task/*/schedstat (nanoseconds; utime+stime from "
+        f"everything; after READY, every checkpoint complete and their CPU time still for {still:g} s: "
+        "the CPU time of each one's threads from /proc/<pid>/task/*/schedstat (nanoseconds; utime+stime from "
         f"/proc/<pid>/stat, in 10 ms ticks, as a check) across a {window:g} s window. Where a tick goes: "
         "`python -m bench.probe tick` (the same daemon in a probe's process, its filesystem "
         "thread's CPU time).",
     )
     rows: list[Row] = []
-    results = {}
-    for observer in ("inotify", "polling"):
-        ctx.log(f"idle on {shape.name}, {observer}: start-up, then {window:g} s of nothing")
-        results[observer] = r = measure(
-            ctx, shape, observer, window=window, poll=poll, still=still, quiet=quiet
-        )
+    ctx.log(f"idle on {shape.name}: both daemons start, then {window:g} s of nothing")
+    results = measure(ctx, shape, window=window, poll=poll, still=still, quiet=quiet)
+    for observer, r in results.items():
         section.details.append(
             f"{observer}: {r['pct']:.2g} % ({fmt_time(r['cpu_s'])} CPU in {r['window_s']:.1f} s by the "
             f"threads' schedstat; {fmt_time(r['ticks_cpu_s'])} by utime+stime, in 10 ms ticks); "
             f"{r['wakeups']} voluntary context switches over {r['threads_now']} threads, "
-            f"{r['threads_busy']} of which ran; READY {r['ready_s']:.1f} s after the start, every "
+            f"{r['threads_busy']} of which ran (the main thread, the event loop, "
+            f"{fmt_time(r['main_thread_s'])}; the busiest other {fmt_time(r['busiest_other_s'])}); "
+            f"READY {r['ready_s']:.1f} s after the start, every "
             f"checkpoint complete at {r['complete_s']:.1f} s."
         )
     ctx.log(f"idle on {shape.name}: where a tick goes (probe tick)")

@@ -109,6 +109,7 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         )
         section.details.append(
             f"{shape.name}, torch {ctx.torch_version} installed: {mib:.0f} MiB after the scan "
-            f"({loaded}: the model-states files are real torch zips), peak {doc['hwm_kib'] / 1024:.0f} MiB."
+            f"({loaded}: the model-states files are real torch zips, which ckptd reads with its own "
+            f"restricted unpickler, torch only for legacy files), peak {doc['hwm_kib'] / 1024:.0f} MiB."
         )
     return rows, section
