@@ -194,12 +194,34 @@ def is_complete(line: Line, name: str | None = None) -> bool:
     )
 
 
-def until_complete(d: DaemonProc, checkpoints: int, *, timeout: float) -> dict[str, float]:
-    """Wait until `d` is READY and has declared `checkpoints` complete: when (s after its start), RSS."""
+def settle(d: DaemonProc, *, still_for: float = 1.0, timeout: float = 120) -> None:
+    """Wait until the daemon's CPU time has not moved for `still_for` (the work it had in hand is done)."""
+    deadline = time.monotonic() + timeout
+    last = d.cpu_s()
+    while time.monotonic() < deadline:
+        time.sleep(still_for)
+        now = d.cpu_s()
+        if now == last:
+            return
+        last = now
+
+
+def until_complete(
+    d: DaemonProc, checkpoints: int, *, timeout: float, still_for: float = 1.0
+) -> dict[str, float]:
+    """Wait until `d` is READY, has declared `checkpoints` complete and is still again.
+
+    Returns when each stage was reached (seconds after its start), its RSS at READY and
+    once still, its peak RSS and its thread count.
+    """
     ready = d.wait_message("ready:", timeout=timeout)[0]
     facts = {"ready_s": ready.received - d.started, "rss_ready_kib": d.status_kib("VmRSS")}
+    facts["threads_ready"] = len(os.listdir(f"/proc/{d.pid}/task"))
     last = d.wait_for(is_complete, timeout=timeout, count=checkpoints)[-1]
     facts["complete_s"] = last.received - d.started
+    # The tick that completed them goes on (retention, watches, the state file): wait it out.
+    settle(d, still_for=still_for, timeout=timeout)
+    facts["still_s"] = time.monotonic() - d.started
     facts["rss_complete_kib"] = d.status_kib("VmRSS")
     facts["hwm_kib"] = d.status_kib("VmHWM")
     facts["threads"] = len(os.listdir(f"/proc/{d.pid}/task"))
@@ -207,12 +229,12 @@ def until_complete(d: DaemonProc, checkpoints: int, *, timeout: float) -> dict[s
 
 
 def start_until_complete(
-    config: Path, checkpoints: int, *, timeout: float
+    config: Path, checkpoints: int, *, timeout: float, still_for: float = 1.0
 ) -> tuple[DaemonProc, dict[str, float]]:
-    """Start a daemon and wait until it is READY and has declared `checkpoints` complete."""
+    """Start a daemon and wait until it is READY, has declared `checkpoints` complete and is still."""
     d = DaemonProc(config)
     try:
-        return d, until_complete(d, checkpoints, timeout=timeout)
+        return d, until_complete(d, checkpoints, timeout=timeout, still_for=still_for)
     except BaseException:
         d.stop()
         raise

@@ -23,7 +23,7 @@ import sys
 import time
 
 from bench.context import Context
-from bench.daemon import DaemonProc, until_complete, write_config
+from bench.daemon import DaemonProc, settle, until_complete, write_config
 from bench.measure import check, env, fmt_ratio, fmt_time, median, run_child
 from bench.report import Row, Section
 from bench.volume import Shape
@@ -33,18 +33,6 @@ TARGET_PCT = 0.2  # with inotify
 POLL_INTERVAL_S = 10.0  # ckptd's default poll_interval
 RECONCILE_INTERVAL_S = 300.0  # ckptd's default reconcile_interval
 OBSERVERS = ("inotify", "polling")
-
-
-def _settle(d: DaemonProc, *, quiet_for: float = 1.0, timeout: float = 60) -> None:
-    """Wait until the daemon's CPU time has not moved for `quiet_for` (the last completions' work is done)."""
-    deadline = time.monotonic() + timeout
-    last = d.cpu_s()
-    while time.monotonic() < deadline:
-        time.sleep(quiet_for)
-        now = d.cpu_s()
-        if now == last:
-            return
-        last = now
 
 
 def measure(
@@ -64,9 +52,11 @@ def measure(
             daemons[observer] = DaemonProc(config)
             out[observer] = {"config": config}
         for observer, d in daemons.items():
-            out[observer].update(until_complete(d, shape.runs * shape.checkpoints, timeout=600))
+            out[observer].update(
+                until_complete(d, shape.runs * shape.checkpoints, timeout=600, still_for=still)
+            )
         for d in daemons.values():
-            _settle(d, quiet_for=still)
+            settle(d, still_for=still)  # the other one may have been busy meanwhile
         before = {o: (d.cpu_s(), d.threads()) for o, d in daemons.items()}
         t0 = time.monotonic()
         time.sleep(window)

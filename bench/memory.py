@@ -21,6 +21,7 @@ from bench.context import Context
 from bench.daemon import start_until_complete, write_config
 from bench.measure import check, env, run_child
 from bench.report import Row, Section
+from ckptd.watch import MAX_WATCHES
 
 NAME = "5. memory"
 TARGET_MIB = 80
@@ -66,7 +67,9 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
             world=shape.world,
             quiet_period=0.3 if ctx.quick else 1,
         )
-        d, facts = start_until_complete(config, shape.runs * shape.checkpoints, timeout=900)
+        d, facts = start_until_complete(
+            config, shape.runs * shape.checkpoints, timeout=900, still_for=0.3 if ctx.quick else 1.0
+        )
         d.stop()
         ready, complete = facts["rss_ready_kib"] / 1024, facts["rss_complete_kib"] / 1024
         daemon = max(ready, complete)
@@ -76,7 +79,7 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
             note = (
                 f"{daemon:.0f} MiB against {TARGET_MIB} MiB, {daemon - TARGET_MIB:.0f} MiB over; a process "
                 f"that only scans and plans holds {mib:.0f} MiB, so the rest is the daemon's own: "
-                f"{facts['threads']} threads when the last checkpoint completed (one per watchdog watch)."
+                f"{facts['threads_ready']} threads at READY (one per watchdog watch)."
             )
         rows.append(
             Row(
@@ -90,8 +93,11 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         )
         section.details.append(
             f"{shape.name}, `ckptd run`: {ready:.0f} MiB RSS at READY ({facts['ready_s']:.1f} s after the "
-            f"start), {complete:.0f} MiB once every checkpoint was complete ({facts['complete_s']:.1f} s), "
-            f"peak {facts['hwm_kib'] / 1024:.0f} MiB; {facts['threads']} threads at that point."
+            f"start; {facts['threads_ready']} threads: every checkpoint is in flight until its first quiet "
+            f"period has passed, and each gets a recursive watch, up to {MAX_WATCHES}, one watchdog thread "
+            f"each), {complete:.0f} MiB once every checkpoint was complete ({facts['complete_s']:.1f} s) and "
+            f"the daemon still ({facts['still_s']:.1f} s; {facts['threads']} threads), peak "
+            f"{facts['hwm_kib'] / 1024:.0f} MiB."
         )
     if ctx.torch_version:
         shape = next((s for s in reversed(ctx.sizes) if s.name != "L"), ctx.sizes[0])
