@@ -48,7 +48,7 @@ class _TimedOs:
 
     def rename(self, src: object, dst: object, **kwargs: object) -> None:
         t0 = time.perf_counter()
-        os.rename(src, dst, **kwargs)  # type: ignore[arg-type]
+        os.rename(src, dst, **kwargs)  # type: ignore[arg-type]  # the reaper renames via dir fds
         self.renamed_at = time.perf_counter()
         self.rename_s = self.renamed_at - t0
 

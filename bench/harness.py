@@ -1,8 +1,8 @@
 """`python -m bench`: build synthetic volumes, run every benchmark, print the table, write BENCHMARKS.md.
 
 Benchmarks run in the issue's order; each returns its rows and a note on how
-it measured. The ones that need the daemon (`ckptd run`, issue 7) print
-placeholders that say so, never numbers.
+it measured. The daemon's (latency, idle cost, its memory) start `ckptd run`
+as a child process (`bench/daemon.py`).
 """
 
 from __future__ import annotations

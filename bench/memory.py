@@ -6,8 +6,10 @@ own VmRSS and VmHWM from /proc/self/status (`python -m bench.probe scan`).
 Without torch (hidden), and with torch installed, where the volume's DeepSpeed
 `mp_rank_00_model_states.pt` files make ckptd import it to read world sizes.
 
-The daemon's RSS needs `ckptd run` (issue 7): start it on the same volume,
-wait for READY, read VmRSS from /proc/<pid>/status.
+The daemon's: `ckptd run` (inotify, torch hidden, a retention that keeps
+everything) on the same volume; VmRSS from /proc/<pid>/status when its READY
+line arrives (start-up scan done), again once every checkpoint is complete, and
+VmHWM (the peak) then.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import json
 import sys
 
 from bench.context import Context
+from bench.daemon import start_until_complete, write_config
 from bench.measure import check, env, run_child
-from bench.report import PENDING, Row, Section, pending
+from bench.report import Row, Section
+from ckptd.watch import MAX_WATCHES
 
 NAME = "5. memory"
 TARGET_MIB = 80
@@ -33,8 +37,10 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
     section = Section(
         NAME,
         "RSS (VmRSS) of a process that imported ckptd, scanned the whole volume and planned, read "
-        "from its own /proc/self/status; VmHWM is the peak. The target (≤ 80 MiB on M without torch) "
-        f"is for the daemon, whose figure {PENDING}; the scanning process stands in until then.",
+        "from its own /proc/self/status; VmHWM is the peak. The daemon's: `ckptd run --log-format json` "
+        "(observer inotify, quiet_period 1 s, torch hidden, a retention that keeps everything), VmRSS "
+        "from /proc/<pid>/status when its READY line arrives and once every checkpoint is complete. "
+        "Target: ≤ 80 MiB on M without torch, for the daemon.",
     )
     shapes = [s for s in ctx.sizes if s.name in ("M", "L")] or ctx.sizes[-1:]
     for shape in shapes:
@@ -42,17 +48,7 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         ctx.log(f"memory on {shape.name}: scan without torch")
         doc = _probe(ctx, str(v.config), torch=False)
         mib = doc["rss_first_kib"] / 1024
-        target = f"≤ {TARGET_MIB} MiB" if shape.name == "M" else "—"
-        met = mib <= TARGET_MIB if shape.name == "M" else None
-        rows.append(
-            Row(
-                NAME,
-                f"{shape.name}: RSS after scan + plan, no torch",
-                f"{mib:.0f} MiB",
-                target=target,
-                met=met,
-            )
-        )
+        rows.append(Row(NAME, f"{shape.name}: RSS after scan + plan, no torch", f"{mib:.0f} MiB"))
         section.details.append(
             f"{shape.name}, no torch: {doc['rss_imported_kib'] / 1024:.0f} MiB after imports, "
             f"{mib:.0f} MiB after the scan and plan ({sum(doc['states'].values()):,} checkpoints), "
@@ -61,7 +57,48 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
             "grows with the run, so memory grows with checkpoints × run length; retention reads the "
             "newest history of each run first."
         )
-        rows.append(pending(NAME, f"{shape.name}: `ckptd run` RSS after start-up, no torch", target=target))
+        ctx.log(f"memory on {shape.name}: ckptd run until every checkpoint is complete")
+        work = ctx.scratch("memory-daemon")
+        config = write_config(
+            work / "ckptd.toml",
+            v.root,
+            work / "state",
+            observer="inotify",
+            world=shape.world,
+            quiet_period=0.3 if ctx.quick else 1,
+        )
+        d, facts = start_until_complete(
+            config, shape.runs * shape.checkpoints, timeout=900, still_for=0.3 if ctx.quick else 1.0
+        )
+        d.stop()
+        ready, complete = facts["rss_ready_kib"] / 1024, facts["rss_complete_kib"] / 1024
+        daemon = max(ready, complete)
+        on_target = shape.name == "M"
+        note = ""
+        if on_target and daemon > TARGET_MIB:
+            note = (
+                f"{daemon:.0f} MiB against {TARGET_MIB} MiB, {daemon - TARGET_MIB:.0f} MiB over; a process "
+                f"that only scans and plans holds {mib:.0f} MiB, so the rest is the daemon's own: "
+                f"{facts['threads_ready']} threads at READY (one per watchdog watch)."
+            )
+        rows.append(
+            Row(
+                NAME,
+                f"{shape.name}: `ckptd run` RSS after start-up, no torch",
+                f"{ready:.0f} MiB at READY, {complete:.0f} MiB all complete",
+                target=f"≤ {TARGET_MIB} MiB" if on_target else "—",
+                met=daemon <= TARGET_MIB if on_target else None,
+                note=note,
+            )
+        )
+        section.details.append(
+            f"{shape.name}, `ckptd run`: {ready:.0f} MiB RSS at READY ({facts['ready_s']:.1f} s after the "
+            f"start; {facts['threads_ready']} threads: every checkpoint is in flight until its first quiet "
+            f"period has passed, and each gets a recursive watch, up to {MAX_WATCHES}, one watchdog thread "
+            f"each), {complete:.0f} MiB once every checkpoint was complete ({facts['complete_s']:.1f} s) and "
+            f"the daemon still ({facts['still_s']:.1f} s; {facts['threads']} threads), peak "
+            f"{facts['hwm_kib'] / 1024:.0f} MiB."
+        )
     if ctx.torch_version:
         shape = next((s for s in reversed(ctx.sizes) if s.name != "L"), ctx.sizes[0])
         v = ctx.volume(shape)
@@ -78,6 +115,7 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         )
         section.details.append(
             f"{shape.name}, torch {ctx.torch_version} installed: {mib:.0f} MiB after the scan "
-            f"({loaded}: the model-states files are real torch zips), peak {doc['hwm_kib'] / 1024:.0f} MiB."
+            f"({loaded}: the model-states files are real torch zips, which ckptd reads with its own "
+            f"restricted unpickler, torch only for legacy files), peak {doc['hwm_kib'] / 1024:.0f} MiB."
         )
     return rows, section

@@ -8,17 +8,34 @@ Each prints one JSON document on stdout.
   where the time went (walk, integrity check), and whether torch got loaded.
 - `watchdog ROOT --cycles N`: what one cycle of watchdog's `PollingObserver`
   costs: a fresh `DirectorySnapshot` of the whole tree and a `DirectorySnapshotDiff`
-  against the previous one, in CPU seconds and stat calls.
+  against the previous one, in CPU seconds, stat calls and directory listings.
+- `tick CONFIG --ticks N`: where an idle `ckptd run` spends a tick: the daemon
+  runs in this process (its loop on a thread); once every checkpoint is complete,
+  its filesystem thread is handed N poll ticks (`Daemon._tick` with a poll and a
+  state-file write due) and one reconcile tick, and the parts of a tick are timed
+  on their own: the poll, the state document, its JSON encoding. Thread CPU time.
+- `tracker CONFIG --cycles N --in-flight K`: what one cycle of ckptd's targeted
+  poller costs (`RootTracker.poll()`, what `ckptd run` does every poll_interval)
+  once every checkpoint is complete, then with K checkpoints in flight (written
+  into K runs of the volume for the measurement, removed afterwards); also one
+  reconcile (`full_scan`, every checkpoint looked at again).
+
+CPU is timed with plain `os` calls; one more cycle, with counting wrappers
+around them, counts the calls (the wrappers would inflate the CPU figure).
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
+import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from bench.measure import proc_status_kib
@@ -86,19 +103,221 @@ def scan(config_path: Path, reps: int) -> dict:
     }
 
 
+class _CountedEntry:
+    """An `os.DirEntry` whose `stat()` is counted: each is an lstat/stat system call."""
+
+    __slots__ = ("_counts", "_entry")
+
+    def __init__(self, entry: os.DirEntry[str], counts: Counter[str]):
+        self._entry = entry
+        self._counts = counts
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._entry, name)
+
+    def __fspath__(self) -> str:
+        return self._entry.path
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        self._counts["stat"] += 1
+        return self._entry.stat(follow_symlinks=follow_symlinks)
+
+
+class _CountedScandir:
+    def __init__(self, it: Iterator[os.DirEntry[str]], counts: Counter[str]):
+        self._it = it
+        self._counts = counts
+
+    def __enter__(self) -> _CountedScandir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[_CountedEntry]:
+        return (_CountedEntry(e, self._counts) for e in self._it)
+
+    def close(self) -> None:
+        self._it.close()  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def counting_io(counts: Counter[str]) -> Iterator[None]:
+    """Count stat calls (os.stat, os.lstat, DirEntry.stat), listings (os.scandir) and opens, in `counts`."""
+    real = {"stat": os.stat, "lstat": os.lstat, "scandir": os.scandir, "open": builtins.open}
+
+    def counted(kind: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def wrapper(*args: object, **kwargs: object) -> object:
+            counts[kind] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def scandir(path: object = ".") -> _CountedScandir:
+        counts["listing"] += 1
+        return _CountedScandir(real["scandir"](path), counts)  # type: ignore[arg-type]
+
+    os.stat = counted("stat", real["stat"])  # type: ignore[assignment]
+    os.lstat = counted("stat", real["lstat"])  # type: ignore[assignment]
+    os.scandir = scandir  # type: ignore[assignment]
+    builtins.open = counted("open", real["open"])  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        os.stat, os.lstat, os.scandir = real["stat"], real["lstat"], real["scandir"]  # type: ignore[assignment]
+        builtins.open = real["open"]  # type: ignore[assignment]
+
+
+def tracker_cycles(config_path: Path, cycles: int, in_flight: int) -> dict:
+    from bench.volume import STEP, write_checkpoint
+    from ckptd.config import load_config
+    from ckptd.model import State
+    from ckptd.tracker import RootTracker
+
+    root = load_config(config_path).roots[0]
+    clock = [1000.0]  # a fake monotonic clock: settling is moved on by hand, never by sleeping
+    tracker = RootTracker(root, lambda: clock[0])
+
+    def cpu(fn: Callable[[], object]) -> float:
+        c = time.process_time()
+        fn()
+        return time.process_time() - c
+
+    first_scan = cpu(tracker.full_scan)  # every checkpoint seen once: settling
+    clock[0] += root.quiet_period + 1
+    reconcile = cpu(tracker.full_scan)  # seen again, unchanged for quiet_period: complete
+    states = Counter(str(c.state) for c in tracker.checkpoints())
+    assert set(states) == {str(State.COMPLETE)}, states
+
+    def measure() -> tuple[list[float], dict[str, int], int]:
+        times = [cpu(tracker.poll) for _ in range(cycles)]
+        counts: Counter[str] = Counter()
+        with counting_io(counts):
+            changes = tracker.poll()
+        return times, dict(counts), changes.transitions
+
+    idle_cpu, idle_counts, idle_transitions = measure()
+    # Where an idle cycle goes when it stats so little: picking out the in-flight checkpoints.
+    in_flight_query = [cpu(tracker.in_flight) for _ in range(cycles)]
+    rss = proc_status_kib("VmRSS")
+
+    # K checkpoints in flight, each the next save of one run: written now, so not quiet yet.
+    written = []
+    try:
+        for i, (run_rel, rs) in enumerate(sorted(tracker.runs.items())[:in_flight]):
+            step = max(c.step for c in rs.checkpoints.values()) + STEP
+            world = root.world_size or 1
+            written.append(write_checkpoint(root.path / run_rel, step, world=world, run=i, mtime=time.time()))
+        files = sum(1 for p in written for _ in p.rglob("*"))
+        first_look = cpu(tracker.poll)  # their run directories moved: re-listed, the new ones inspected
+        flying = [c.rel for c in tracker.in_flight()]
+        busy_cpu, busy_counts, _ = measure()
+    finally:
+        for path in written:
+            shutil.rmtree(path, ignore_errors=True)
+    tracker.poll()
+    return {
+        "checkpoints": sum(states.values()),
+        "dirs_polled": len(tracker.dirs),
+        "first_scan_cpu_s": first_scan,
+        "reconcile_cpu_s": reconcile,
+        "cycle_cpu_s": idle_cpu,
+        "calls_per_cycle": idle_counts,
+        "transitions_while_idle": idle_transitions,
+        "in_flight_query_cpu_s": in_flight_query,
+        "rss_kib": rss,
+        "in_flight": flying,
+        "in_flight_files": files,
+        "first_look_cpu_s": first_look,
+        "in_flight_cycle_cpu_s": busy_cpu,
+        "in_flight_calls_per_cycle": busy_counts,
+    }
+
+
+def daemon_ticks(config_path: Path, ticks: int) -> dict:
+    import asyncio
+    import threading
+
+    from ckptd.config import load_config
+    from ckptd.daemon import Daemon
+    from ckptd.model import State
+
+    config = load_config(config_path)
+    daemon = Daemon(config, install_signals=False)
+    loop = asyncio.new_event_loop()
+    serving = threading.Thread(target=loop.run_until_complete, args=(daemon.serve(),), daemon=True)
+    serving.start()
+
+    def on_fs(fn: Callable[[], object]) -> object:
+        return daemon._fs.submit(fn).result()  # the daemon's own filesystem thread: no races
+
+    def incomplete() -> int:
+        return sum(c.state is not State.COMPLETE for rt in daemon.roots for c in rt.tracker.checkpoints())
+
+    deadline = time.monotonic() + 600
+    while not daemon.ready.is_set() or on_fs(incomplete):
+        if time.monotonic() > deadline or not serving.is_alive():
+            raise RuntimeError("the daemon did not get every checkpoint complete")
+        time.sleep(0.2)
+    rt = daemon.roots[0]
+
+    def thread_cpu(fn: Callable[[], object]) -> Callable[[], float]:
+        def timed() -> float:
+            c = time.thread_time()
+            fn()
+            return time.thread_time() - c
+
+        return timed
+
+    def poll_tick() -> None:
+        rt.next_poll = 0.0
+        daemon._state_written = -1e9  # the state file is due too, as at every poll
+        daemon._tick()
+
+    def reconcile_tick() -> None:
+        rt.next_reconcile = 0.0
+        daemon._state_written = -1e9
+        daemon._tick()
+
+    doc = daemon.state()
+    out = {
+        "checkpoints": len(rt.tracker.checkpoints()),
+        "tick_s": [on_fs(thread_cpu(poll_tick)) for _ in range(ticks)],
+        "poll_s": [on_fs(thread_cpu(rt.tracker.poll)) for _ in range(ticks)],
+        "in_flight_s": [on_fs(thread_cpu(rt.tracker.in_flight)) for _ in range(ticks)],
+        "state_doc_s": [on_fs(thread_cpu(daemon.state)) for _ in range(ticks)],
+        "dumps_indent_s": [on_fs(thread_cpu(lambda: json.dumps(doc, indent=1))) for _ in range(ticks)],
+        "dumps_compact_s": [on_fs(thread_cpu(lambda: json.dumps(doc))) for _ in range(ticks)],
+        "state_bytes": len(json.dumps(doc, indent=1)),
+        "reconcile_tick_s": on_fs(thread_cpu(reconcile_tick)),
+        "rss_kib": proc_status_kib("VmRSS"),
+    }
+    loop.call_soon_threadsafe(daemon.request_stop, "probe done")
+    serving.join(30)
+    return out
+
+
 def watchdog_cycles(root: Path, cycles: int) -> dict:
     from watchdog.utils.dirsnapshot import DirectorySnapshot, DirectorySnapshotDiff
 
     calls = 0
+    listings = 0
 
     def counting_stat(path: str) -> os.stat_result:
         nonlocal calls
         calls += 1
         return os.stat(path)
 
-    def one(prev: DirectorySnapshot | None, stat=os.stat) -> tuple[DirectorySnapshot, float, float]:
+    def counting_listdir(path: str) -> Iterator[os.DirEntry[str]]:
+        nonlocal listings
+        listings += 1
+        return os.scandir(path)
+
+    def one(
+        prev: DirectorySnapshot | None, stat=os.stat, listdir=os.scandir
+    ) -> tuple[DirectorySnapshot, float, float]:
         c, w = time.process_time(), time.perf_counter()
-        snap = DirectorySnapshot(str(root), recursive=True, stat=stat)
+        snap = DirectorySnapshot(str(root), recursive=True, stat=stat, listdir=listdir)
         if prev is not None:
             DirectorySnapshotDiff(prev, snap)
         return snap, time.process_time() - c, time.perf_counter() - w
@@ -110,13 +329,14 @@ def watchdog_cycles(root: Path, cycles: int) -> dict:
         cpu.append(c)
         wall.append(w)
     rss = proc_status_kib("VmRSS")
-    snap, _, _ = one(snap, stat=counting_stat)  # one more cycle, counting
+    snap, _, _ = one(snap, stat=counting_stat, listdir=counting_listdir)  # one more cycle, counting
     return {
         "first_cpu_s": first_cpu,
         "first_wall_s": first_wall,
         "cycle_cpu_s": cpu,
         "cycle_wall_s": wall,
         "stat_calls_per_cycle": calls,
+        "listings_per_cycle": listings,
         "entries": len(snap.paths),
         "rss_kib": rss,
     }
@@ -131,8 +351,22 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("watchdog")
     w.add_argument("root", type=Path)
     w.add_argument("--cycles", type=int, default=3)
+    t = sub.add_parser("tracker")
+    t.add_argument("config", type=Path)
+    t.add_argument("--cycles", type=int, default=20)
+    t.add_argument("--in-flight", type=int, default=4)
+    k = sub.add_parser("tick")
+    k.add_argument("config", type=Path)
+    k.add_argument("--ticks", type=int, default=5)
     args = p.parse_args(argv)
-    doc = scan(args.config, args.reps) if args.kind == "scan" else watchdog_cycles(args.root, args.cycles)
+    if args.kind == "tick":
+        doc = daemon_ticks(args.config, args.ticks)
+    elif args.kind == "scan":
+        doc = scan(args.config, args.reps)
+    elif args.kind == "watchdog":
+        doc = watchdog_cycles(args.root, args.cycles)
+    else:
+        doc = tracker_cycles(args.config, args.cycles, args.in_flight)
     print(json.dumps(doc))
     return 0
 

@@ -9,8 +9,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PENDING = "needs `ckptd run` (issue 7)"
-
 
 @dataclass(frozen=True)
 class Row:
@@ -31,11 +29,6 @@ class Row:
     @property
     def verdict(self) -> str:
         return "—" if self.met is None else ("yes" if self.met else "**no**")
-
-
-def pending(benchmark: str, case: str, *, target: str = "—", baseline: str = "—") -> Row:
-    """A row the daemon will fill: a placeholder, never a number."""
-    return Row(benchmark, case, PENDING, baseline=baseline, target=target)
 
 
 @dataclass

@@ -153,10 +153,15 @@ def trainer_state(run: int, step: int) -> bytes:
     ).encode()
 
 
-def _write(path: str, data: bytes, mtime: float) -> None:
+def _write(path: str, data: bytes, mtime: float | None) -> None:
     with open(path, "wb") as f:
         f.write(data)
-    os.utime(path, (mtime, mtime))
+    _age(path, mtime)
+
+
+def _age(path: str | Path, mtime: float | None) -> None:
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
 
 
 def write_checkpoint(
@@ -165,12 +170,16 @@ def write_checkpoint(
     *,
     world: int,
     run: int = 0,
-    mtime: float,
+    mtime: float | None,
     shard_size: int = 0,
     skip: frozenset[str] = frozenset(),
     states: bytes | None = None,
 ) -> Path:
-    """One Trainer + DeepSpeed checkpoint, every file and directory with mtime `mtime`."""
+    """One Trainer + DeepSpeed checkpoint, every file and directory with mtime `mtime`.
+
+    `mtime=None`: a live save, as a trainer writes one (each file written and closed, no `utime`
+    afterwards, which inotify would report only as an attribute change).
+    """
     ckpt = run_dir / f"checkpoint-{step}"
     gs = ckpt / f"global_step{step}"
     gs.mkdir(parents=True)
@@ -182,7 +191,7 @@ def write_checkpoint(
             continue
         if shard is None:
             write_shard(gs / name, shard_size)
-            os.utime(gs / name, (mtime, mtime))
+            _age(gs / name, mtime)
         else:
             _write(str(gs / name), shard, mtime)
     for r in range(world):
@@ -193,8 +202,8 @@ def write_checkpoint(
         elif name == "trainer_state.json":
             data = trainer_state(run, step)
         _write(str(ckpt / name), data, mtime)
-    os.utime(gs, (mtime, mtime))
-    os.utime(ckpt, (mtime, mtime))
+    _age(gs, mtime)
+    _age(ckpt, mtime)
     return ckpt
 
 
