@@ -11,7 +11,7 @@ from ckptd.config import Root
 from ckptd.demo import hf_deepspeed_checkpoint, write_zip
 from ckptd.model import State, Verdict
 from ckptd.settle import Settler
-from ckptd.tracker import RootTracker
+from ckptd.tracker import HINT_DEBOUNCE, RootTracker
 
 
 class Clock:
@@ -85,9 +85,12 @@ def test_a_checkpoint_completes_one_quiet_period_after_it_stops_changing(tmp_pat
     hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
     t = tracker(tmp_path, clock)
     t.full_scan()
+    start = clock.t
     assert states(t) == {"run/checkpoint-10": State.SETTLING}
-    assert t.next_deadline() == clock.t + 60
-    assert t.step(clock.advance(59)).completed == []
+    assert t.next_deadline() == start + HINT_DEBOUNCE  # a second look, once its watch exists
+    assert t.step(clock.advance(HINT_DEBOUNCE)).completed == []
+    assert t.next_deadline() == start + 60
+    assert t.step(clock.advance(59 - HINT_DEBOUNCE)).completed == []
     changes = t.step(clock.advance(1))
     assert [c.rel for c in changes.completed] == ["run/checkpoint-10"]
     assert states(t) == {"run/checkpoint-10": State.COMPLETE}

@@ -231,6 +231,11 @@ class RootTracker:
             old = rs.checkpoints.get(cand.name)
             if old is None or complete_too or old.state is not State.COMPLETE:
                 self._record(rs, self.scanner.inspect(run_dir, cand, now=0.0), old, changes, cand.name)
+            if old is None:
+                # Look again once its watch exists: writes between this first look and the watch
+                # send no event, and would otherwise wait for the next poll (BENCHMARKS.md, latency).
+                key = cand.name if run_dir.rel == "." else f"{run_dir.rel}/{cand.name}"
+                self.hints[key] = self.clock() + HINT_DEBOUNCE
 
     def _look(self, run_rel: str, name: str, changes: Changes) -> None:
         rs = self.runs.get(run_rel)
