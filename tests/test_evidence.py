@@ -407,3 +407,23 @@ def test_a_nemo_named_directory_without_nemo_contents_is_not_a_checkpoint(tmp_pa
     (tmp_path / "run" / "megatron--step=200-last" / "weights").mkdir(parents=True)
     [run] = find_runs(tmp_path)
     assert [c.name for c in run.candidates] == ["megatron--step=200-last"]
+
+
+def test_a_model_states_file_still_being_written_does_not_import_torch(tmp_path):
+    """A zip whose central directory is not written yet: found in the load test, where the
+    daemon's first look at a new checkpoint imported torch (233 MiB RSS) for it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    write_zip(path, 4096)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # the local header is there, the directory is not
+    code = (
+        "import sys; from pathlib import Path; from ckptd.dsmeta import MetadataUnavailable, read_world_sizes\n"
+        "try:\n    read_world_sizes(Path(sys.argv[1]))\nexcept MetadataUnavailable as exc:\n    print(exc)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines() == ["mp_rank_00_model_states.pt is an incomplete zip (still being written?)",
+                                       "False"], out.stdout + out.stderr
