@@ -427,3 +427,19 @@ def test_a_model_states_file_still_being_written_does_not_import_torch(tmp_path)
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
     assert out.stdout.splitlines() == ["mp_rank_00_model_states.pt is an incomplete zip (still being written?)",
                                        "False"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage that is not a torch file"])
+def test_an_empty_or_foreign_model_states_file_does_not_import_torch(tmp_path, content):
+    import subprocess
+    import sys
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    path.write_bytes(content)
+    code = (
+        "import sys; from pathlib import Path; from ckptd.dsmeta import MetadataUnavailable, read_world_sizes\n"
+        "try:\n    read_world_sizes(Path(sys.argv[1]))\nexcept MetadataUnavailable as exc:\n    print('refused')\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines() == ["refused", "False"], out.stdout + out.stderr

@@ -138,24 +138,27 @@ def read_plain_data(path: Path) -> dict:
     return obj
 
 
-def _starts_like_a_zip(path: Path) -> bool:
+def _head(path: Path) -> bytes:
     try:
         with open(path, "rb") as f:
-            return f.read(4) == b"PK\x03\x04"
+            return f.read(4)
     except OSError:
-        return False
+        return b""
 
 
 def read_world_sizes(path: Path) -> WorldSizes:
     """dp/mp world sizes and ZeRO stage from a model-states file."""
     if zipfile.is_zipfile(path):
         sd = read_plain_data(path)
-    elif _starts_like_a_zip(path):
-        # A zip still being written (its directory comes last): nothing to read yet, and no
-        # reason to import torch (~220 MiB) for it.
-        raise MetadataUnavailable(f"{path.name} is an incomplete zip (still being written?)")
-    else:  # torch's legacy (pre-1.6) format, or not a torch file at all: torch decides, weights_only
-        sd = load_safely(path)
+    else:
+        head = _head(path)
+        if head.startswith(b"PK\x03\x04") or not head:
+            # A zip still being written (its directory comes last), or a file just created:
+            # nothing to read yet, and no reason to import torch (~220 MiB) for it.
+            raise MetadataUnavailable(f"{path.name} is an incomplete zip (still being written?)")
+        if not head.startswith(b"\x80"):  # torch's legacy format is a pickle: it starts with PROTO
+            raise MetadataUnavailable(f"{path.name} is neither a zip nor a pickle")
+        sd = load_safely(path)  # the legacy (pre-1.6) format: torch decides, weights_only
     dp, mp = sd.get("dp_world_size"), sd.get("mp_world_size")
     usable = isinstance(dp, int) and isinstance(mp, int) and not isinstance(dp, bool)
     if not usable or not (1 <= dp <= MAX_WORLD and 1 <= mp <= MAX_WORLD):
