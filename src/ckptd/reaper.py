@@ -406,6 +406,9 @@ class Reaper:
                     walk(c.path), slim.CONSOLIDATING
                 ):
                     raise _Stop(Outcome.REFUSED, "changed while its weights were being consolidated")
+                # Look at the anchor again for real: the per-pass cache was filled before consolidating.
+                if anchor is not None:
+                    self._anchors_seen.pop(anchor.rel, None)
                 why = self._anchor_problem(c, anchor, self.clock(), slimming=True)
                 if why is None and _identity(slim.CONSOLIDATED, ckpt_fd) is not None:
                     why = f"{slim.CONSOLIDATED} appeared while consolidating"
