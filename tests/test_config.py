@@ -90,6 +90,13 @@ BAD = [
     ("[[roots]]\npath = '/x'\n[[roots]]\npath = '/x/y'\n",
      "roots: roots[1].path '/x/y' overlaps roots[0].path '/x'"),
     ("[[roots]]\n", "roots[0].path: required key is missing"),
+    ("[[roots]]\npath = '/x'\nmax_depth = '4'\n", "roots[0].max_depth: input should be a valid integer (got '4')"),
+    ("[[roots]]\npath = '/x'\nworld_size = '2'\n", "roots[0].world_size: input should be a valid integer (got '2')"),
+    ("[[roots]]\npath = '/x'\n[roots.retention]\nkeep_best = '1'\n",
+     "roots[0].retention.keep_best: input should be a valid integer (got '1')"),
+    ("[[roots]]\npath = '/x'\n[roots.retention]\nkeep_missing_metric = 'no'\n",
+     "roots[0].retention.keep_missing_metric: input should be a valid boolean (got 'no')"),
+    ("[[roots]]\npath = '/x/y'\n[[roots]]\npath = '/x'\n", "roots: roots[1].path '/x' overlaps roots[0].path '/x/y'"),
     ("roots = 3\n", "roots: input should be a valid tuple (got 3)"),
     ("colour = 'blue'\n", "colour: unknown key"),
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,13 @@ def test_min_free_already_met_changes_nothing():
     ds = decide_run(run, Retention(keep_last=2, keep_best=0))
     out, warnings = enforce_min_free(ds, free=900, total=1000, floor=FreeSpace(percent=10), where="/vol")
     assert out == ds and warnings == []
+
+
+def test_incomplete_and_writing_decisions_are_protected_from_budgets():
+    """Two protections that mask each other (mutation audit): the flag, and the budget's own check."""
+    run = run_of(ck(100, INCOMPLETE, size=50), ck(200, WRITING, size=50), ck(300))
+    decisions = decide_run(run, Retention(keep_last=1, keep_best=0))
+    assert [d.protected for d in decisions[:2]] == [True, True]
+    unflagged = [replace(d, protected=False) for d in decisions]  # the budget must still refuse them
+    out, _ = enforce_max_size(unflagged, max_size=1)
+    assert kept(out)[:2] == [100, 200]
