@@ -153,7 +153,12 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
                 note=note,
             )
         )
-        how = f"the {HINT_DEBOUNCE * 1e3:.0f} ms hint debounce, then a look" if interval is None else "a poll"
+        how = (
+            f"a look {HINT_DEBOUNCE * 1e3:.0f} ms after the last event, or the daemon's first look when that "
+            "came after the save"
+            if interval is None
+            else "a poll"
+        )
         section.details.append(
             f"{case}: overhead p50 {fmt_time(p50)}, p99 {fmt_time(p99)}, min {fmt_time(min(xs))} over {n} "
             f"saves, {sum(x > limit for x in xs)} over {fmt_time(limit)}; the last change seen "

@@ -25,6 +25,7 @@ from ckptd.watch import MAX_WATCHES
 
 NAME = "5. memory"
 TARGET_MIB = 80
+POLL_INTERVAL_S = 10.0  # ckptd's default poll_interval
 
 
 def _probe(ctx: Context, config: str, *, torch: bool) -> dict:
@@ -99,6 +100,15 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
             f"the daemon still ({facts['still_s']:.1f} s; {facts['threads']} threads), peak "
             f"{facts['hwm_kib'] / 1024:.0f} MiB."
         )
+        if complete > 1.2 * ready and facts["ready_s"] > POLL_INTERVAL_S:
+            section.details[-1] += (
+                f" The start-up scan outlasted poll_interval ({POLL_INTERVAL_S:g} s), so the "
+                "checkpoints were found quiet by a poll, and `RootTracker.poll` walks the list of "
+                "in-flight `Checkpoint`s while replacing each: every old one stays alive until the loop "
+                "ends, so the heap nearly doubles for that tick and the RSS it took is not given back. "
+                "Looping over their names instead would keep it flat (a change in `tracker.py`, left "
+                "to its owner)."
+            )
     if ctx.torch_version:
         shape = next((s for s in reversed(ctx.sizes) if s.name != "L"), ctx.sizes[0])
         v = ctx.volume(shape)

@@ -104,7 +104,11 @@ def _memory() -> str:
         return "?"
 
 
-def _git(repo: Path) -> str:
+def _git(repo: Path, report: Path | None = None) -> str:
+    """The commit measured, and whether tracked files differ from it (the report itself aside)."""
+    exclude = []
+    if report is not None and report.resolve().is_relative_to(repo.resolve()):
+        exclude = [f":(exclude){report.resolve().relative_to(repo.resolve())}"]
     try:
         rev = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
@@ -113,7 +117,7 @@ def _git(repo: Path) -> str:
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no", "--", ".", *exclude],
             capture_output=True,
             text=True,
         ).stdout.strip()
@@ -122,7 +126,9 @@ def _git(repo: Path) -> str:
     return rev + (" (uncommitted changes)" if dirty else "")
 
 
-def machine(bench_dir: Path, repo: Path, torch_version: str | None) -> list[tuple[str, str]]:
+def machine(
+    bench_dir: Path, repo: Path, torch_version: str | None, report: Path | None = None
+) -> list[tuple[str, str]]:
     import watchdog.version
 
     import ckptd
@@ -134,7 +140,7 @@ def machine(bench_dir: Path, repo: Path, torch_version: str | None) -> list[tupl
         ("kernel", platform.release()),
         ("bench directory", f"{bench_dir} on {fstype} ({mnt}, {opts})"),
         ("python", sys.version.split()[0]),
-        ("ckptd", f"{ckptd.__version__} at {_git(repo)}"),
+        ("ckptd", f"{ckptd.__version__} at {_git(repo, report)}"),
         ("watchdog", watchdog.version.VERSION_STRING),
         ("torch", torch_version or "not installed"),
         ("page cache", "warm: caches cannot be dropped without root on a shared box; every figure is warm"),
