@@ -193,14 +193,7 @@ class Reaper:
         symlink after the checks cannot redirect it outside the root.
         """
         c = decision.checkpoint
-        fields = dict(
-            root=str(self.root),
-            run=c.run,
-            path=str(c.path),
-            step=c.step,
-            bytes=c.size_bytes,
-            reasons=list(decision.reasons),
-        )
+        fields = self._fields(decision, c.size_bytes)
 
         def refuse(why: str) -> Result:
             self._record("refused", why=why, **fields)
@@ -265,15 +258,7 @@ class Reaper:
         """
         c = decision.checkpoint
         s = c.slim
-        fields = dict(
-            action="slim",
-            root=str(self.root),
-            run=c.run,
-            path=str(c.path),
-            step=c.step,
-            bytes=s.removable_bytes,
-            reasons=list(decision.reasons),
-        )
+        fields = self._fields(decision, s.removable_bytes, action="slim")
 
         def refuse(why: str) -> Result:
             log.warning("refusing to slim %s: %s", c.rel, why)
@@ -528,6 +513,19 @@ class Reaper:
             raise
         finally:
             os.close(root_fd)
+
+    def _fields(self, decision: Decision, nbytes: int, **extra: object) -> dict[str, object]:
+        """What every journal record about a decision carries."""
+        c = decision.checkpoint
+        return dict(
+            **extra,
+            root=str(self.root),
+            run=c.run,
+            path=str(c.path),
+            step=c.step,
+            bytes=nbytes,
+            reasons=list(decision.reasons),
+        )
 
     def _record(self, event: str, **fields: object) -> None:
         if self.journal is None or self.dry_run:
