@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,127 @@ def test_a_run_directory_swapped_during_the_recheck_is_refused(volume, tmp_path,
     assert all(r.detail.startswith("reached through a symlink") for r in results[1:])
     assert sorted(os.listdir(outside)) == ["checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-40"]
     assert not (volume / TRASH_DIR).exists() or os.listdir(volume / TRASH_DIR) == []
+
+
+def test_a_checkpoint_replaced_by_another_directory_during_the_recheck_is_refused(volume, tmp_path, monkeypatch):
+    """Same run directory, a different inode under the checkpoint's name: the rename would take
+    the newcomer, which nobody checked."""
+    reaper, plan, _ = make(volume, tmp_path)
+    real_recheck = reaper.recheck
+    ck = volume / "run" / "checkpoint-10"
+
+    def recheck_then_replace(decision, anchor):
+        why = real_recheck(decision, anchor)
+        if decision.checkpoint.step == 10:
+            os.rename(ck, tmp_path / "old-10")
+            ck.mkdir()
+            (ck / "precious").write_text("written after the check")
+        return why
+
+    monkeypatch.setattr(reaper, "recheck", recheck_then_replace)
+    results = {r.decision.checkpoint.step: r for r in reaper.execute(plan.decisions)}
+    assert (results[10].outcome, results[10].detail) == (Outcome.REFUSED, "moved or replaced while it was being checked")
+    assert (ck / "precious").read_text() == "written after the check"
+    assert results[20].outcome is Outcome.TRASHED
+
+
+def test_a_checkpoint_replaced_by_a_file_is_no_longer_recognised(volume, tmp_path):
+    reaper, plan, _ = make(volume, tmp_path)
+    ck = volume / "run" / "checkpoint-10"
+    shutil.rmtree(ck)
+    ck.write_text("not a checkpoint any more")
+    age(ck, OLD)
+    results = {r.decision.checkpoint.step: r for r in reaper.execute(plan.decisions)}
+    assert (results[10].outcome, results[10].detail) == (Outcome.REFUSED, "no longer recognised as a checkpoint")
+    assert ck.read_text() == "not a checkpoint any more"
+
+
+def test_an_anchor_that_changed_but_is_still_complete_stops_the_deletions(volume, tmp_path):
+    """The newest complete checkpoint was re-saved after the plan: the plan is stale."""
+    reaper, plan, _ = make(volume, tmp_path)
+    newest = volume / "run" / "checkpoint-40"
+    (newest / "config.json").write_text('{"re-saved": true}')
+    age(newest, OLD + 3)
+    assert make(volume, tmp_path)[1].deletions  # still complete: a fresh plan would delete the same
+    results = reaper.execute(plan.decisions)
+    assert {r.outcome for r in results} == {Outcome.REFUSED}
+    assert results[0].detail == "the run's newest complete checkpoint checkpoint-40 is gone, changed or no longer complete"
+    assert names(volume) == ["checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-40"]
+
+
+def test_an_anchor_no_longer_complete_with_its_files_unchanged_stops_the_deletions(tmp_path):
+    """Megatron: the tracker, outside the checkpoint, goes back (a restarted job); the newest
+    iteration is then in flight again though not one of its own files changed."""
+    root = tmp_path / "vol"
+    run = root / "run"
+    for i, step in enumerate((1000, 2000, 3000)):
+        write_zip(run / f"iter_{step:07d}" / "mp_rank_00" / "model_optim_rng.pt")
+        age(run / f"iter_{step:07d}", OLD + i)
+    (run / "latest_checkpointed_iteration.txt").write_text("3000\n")
+    scanner = Scanner(Root(path=root, retention=Retention(keep_last=1, keep_best=0)))
+    reaper = Reaper(scanner, Journal(tmp_path / "state"), dry_run=False, clock=lambda: NOW)
+    plan = decide([(scanner.root, scanner.runs(now=NOW))])
+    assert [d.checkpoint.step for d in plan.deletions] == [1000, 2000]
+    (run / "latest_checkpointed_iteration.txt").write_text("2000\n")
+    results = reaper.execute(plan.decisions)
+    assert [r.outcome for r in results] == [Outcome.REFUSED] * 2
+    assert "iter_0003000 is gone, changed or no longer complete" in results[0].detail
+    assert sorted(os.listdir(run))[:3] == ["iter_0001000", "iter_0002000", "iter_0003000"]
+
+
+def test_recheck_names_a_decision_for_another_root(volume, tmp_path):
+    other = tmp_path / "other"
+    hf_deepspeed_checkpoint(other / "run", 1, world=2, mtime=OLD)
+    hf_deepspeed_checkpoint(other / "run", 2, world=2, mtime=OLD + 1)
+    reaper, _, _ = make(volume, tmp_path)
+    _, other_plan, _ = make(other, tmp_path)
+    assert reaper.recheck(other_plan.deletions[0], None) == f"belongs to root {other}, not {volume}"
+
+
+def test_recheck_refuses_a_path_that_leaves_the_root(volume, tmp_path):
+    """The path check alone (trash_one's descriptors would refuse it too)."""
+    reaper, plan, _ = make(volume, tmp_path)
+    outside = tmp_path / "outside-run"
+    os.rename(volume / "run", outside)
+    (volume / "run").symlink_to(outside)
+    why = reaper.recheck(plan.deletions[0], None)
+    assert why == (f"reached through a symlink or outside {volume} "
+                   f"(resolves to {outside / 'checkpoint-10'})")
+
+
+def test_purge_keeps_working_on_the_trash_it_opened_when_the_trash_is_swapped(volume, tmp_path):
+    """The trash renamed away mid-purge and a symlink to outside put in its place: purging by
+    path would now delete outside the root."""
+    reaper, plan, _ = make(volume, tmp_path)
+    reaper.execute(plan.decisions)
+    entries = sorted(os.listdir(volume / TRASH_DIR))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for entry in entries:  # the same names, outside the root
+        (outside / entry).mkdir()
+        (outside / entry / "precious").write_text("keep me")
+    asked = []
+
+    def swap_after_the_first():
+        asked.append(1)
+        if len(asked) == 2:
+            os.rename(volume / TRASH_DIR, tmp_path / "moved-trash")
+            (volume / TRASH_DIR).symlink_to(outside)
+        return False
+
+    count, _ = reaper.purge(stop=swap_after_the_first)
+    assert count == 3
+    assert all((outside / e / "precious").read_text() == "keep me" for e in entries)
+    assert os.listdir(tmp_path / "moved-trash") == []
+
+
+def test_purge_removes_a_symlink_in_the_trash_not_what_it_points_to(volume, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep me")
+    (volume / TRASH_DIR).mkdir(mode=0o700)
+    (volume / TRASH_DIR / "planted").symlink_to(outside)
+    reaper, _, _ = make(volume, tmp_path)
+    assert reaper.purge()[0] == 1
+    assert os.listdir(volume / TRASH_DIR) == []
+    assert (outside / "precious").read_text() == "keep me"
