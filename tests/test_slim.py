@@ -8,6 +8,7 @@ import os
 import struct
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -325,3 +326,256 @@ def test_a_symlink_planted_under_the_markers_temp_name_is_not_followed(trainer_v
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert victim.read_text() == "precious"
     assert json.loads((ck / slim.MARKER).read_text())["state"] == "done"
+
+
+# --- the reaper, raced: what changes between its checks and its moves (mutation audit) -------
+
+
+def test_slimming_re_checks_the_fingerprint_itself_after_the_recheck(trainer_volume, tmp_path, monkeypatch):
+    """A file lands between the shared re-check and slimming's own walk."""
+    reaper, plan, _ = reaper_for(trainer_volume, tmp_path, keep_last=3, keep_full_last=1)
+    ck = trainer_volume / "run" / "checkpoint-100"
+    real_recheck = reaper.recheck
+    monkeypatch.setattr(reaper, "recheck", lambda d, a: real_recheck(d, a) or add(ck, "notes.txt"))
+    [result] = reaper.execute([plan.slims[0]] + [d for d in plan.decisions if d.action is Action.KEEP])
+    assert (result.outcome, result.detail) == (Outcome.REFUSED, "changed since the plan was made")
+    assert (ck / "optimizer.pt").exists() and not (ck / slim.MARKER).exists()
+
+
+def test_the_markers_temp_file_is_created_exclusively_and_never_through_a_link(trainer_volume, tmp_path,
+                                                                               monkeypatch):
+    """A symlink planted under the temp name after ckptd removed it (a lost race): the open
+    must fail rather than truncate what the link points to."""
+    import ckptd.reaper
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    real_unlink = ckptd.reaper._unlink_at
+
+    def unlink_then_plant(name, dir_fd):
+        real_unlink(name, dir_fd)
+        os.symlink(victim, name, dir_fd=dir_fd)
+
+    monkeypatch.setattr(ckptd.reaper, "_unlink_at", unlink_then_plant)
+    reaper, plan, _ = reaper_for(trainer_volume, tmp_path, keep_last=3, keep_full_last=1)
+    results = reaper.execute(plan.decisions)
+    assert [r.outcome for r in results] == [Outcome.FAILED] * 2
+    assert "File exists" in results[0].detail
+    assert victim.read_text() == "precious"
+    assert (trainer_volume / "run" / "checkpoint-100" / "optimizer.pt").exists()
+
+
+def swap_for_link(ck: Path, tmp_path: Path) -> Path:
+    """Move the checkpoint away and put a symlink to a look-alike outside the root in its place."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "optimizer.pt").write_text("not ckptd's to move")
+    os.rename(ck, tmp_path / "moved-away")
+    ck.symlink_to(outside)
+    return outside
+
+
+def test_a_checkpoint_swapped_for_a_link_after_the_marker_brings_nothing_into_the_trash(trainer_volume, tmp_path,
+                                                                                         monkeypatch):
+    reaper, plan, _ = reaper_for(trainer_volume, tmp_path, keep_last=3, keep_full_last=1)
+    ck = trainer_volume / "run" / "checkpoint-100"
+    real_write = reaper._write_marker
+    outside = []
+
+    def write_then_swap(c, state, *args):
+        real_write(c, state, *args)
+        if state == "removing" and c.path == ck:
+            outside.append(swap_for_link(ck, tmp_path))
+
+    monkeypatch.setattr(reaper, "_write_marker", write_then_swap)
+    result = reaper.execute(plan.decisions)[0]
+    assert result.outcome is Outcome.FAILED and result.detail.startswith("moved 0 of 1 files, then:")
+    assert (outside[0] / "optimizer.pt").read_text() == "not ckptd's to move"
+    assert (tmp_path / "moved-away" / "optimizer.pt").exists()
+
+
+def test_a_swap_inside_the_move_still_moves_the_checked_file(trainer_volume, tmp_path, monkeypatch):
+    """The swap lands after the source directory was opened: the rename works from that
+    descriptor, so it takes the checkpoint's own file, never the look-alike's."""
+    reaper, plan, _ = reaper_for(trainer_volume, tmp_path, keep_last=3, keep_full_last=1)
+    ck = trainer_volume / "run" / "checkpoint-100"
+    real_rename = os.rename
+    outside = []
+
+    def swap_then_rename(src, dst, **kw):
+        if not outside and str(src).endswith("optimizer.pt"):
+            outside.append(swap_for_link(ck, tmp_path))
+        return real_rename(src, dst, **kw)
+
+    monkeypatch.setattr(os, "rename", swap_then_rename)
+    results = reaper.execute(plan.decisions)
+    assert outside and (outside[0] / "optimizer.pt").read_text() == "not ckptd's to move"
+    assert results[0].outcome is Outcome.SLIMMED
+    assert not (tmp_path / "moved-away" / "optimizer.pt").exists()  # the checked file went to the trash
+
+
+def test_the_marker_says_removing_before_any_file_moves(tmp_path, monkeypatch):
+    """A move that fails midway (a crash would too) leaves a checkpoint that is still complete,
+    whose marker lists the files, and which the next run finishes."""
+    root = tmp_path / "vol"
+    for i, step in enumerate((10, 20)):
+        ck = hf_deepspeed_checkpoint(root / "run", step, world=2)
+        write_safetensors(ck / "model.safetensors")
+        age(ck, time.time() - 3600 + i)
+    reaper, plan, journal = reaper_for(root, tmp_path, keep_last=2, keep_full_last=1)
+    assert [d.checkpoint.step for d in plan.slims] == [10]
+    real_rename = os.rename
+    calls = []
+
+    def fail_the_second_shard(src, dst, **kw):
+        if str(src).endswith("optim_states.pt"):
+            calls.append(src)
+            if len(calls) == 2:
+                raise OSError(5, "Input/output error")
+        return real_rename(src, dst, **kw)
+
+    monkeypatch.setattr(os, "rename", fail_the_second_shard)
+    [result] = reaper.execute(plan.decisions)
+    assert result.outcome is Outcome.FAILED and result.detail.startswith("moved 1 of 2 files, then:")
+    ck = root / "run" / "checkpoint-10"
+    marker = json.loads((ck / slim.MARKER).read_text())
+    assert marker["state"] == "removing" and len(marker["removed"]) == 2
+    monkeypatch.setattr(os, "rename", real_rename)
+    age(ck, time.time() - 3000)
+    again, plan, _ = reaper_for(root, tmp_path, keep_last=2)
+    c = plan.slims[0].checkpoint
+    assert c.state is State.COMPLETE and plan.slims[0].reasons[0].startswith("slim: finish interrupted slimming")
+    [result] = again.execute(plan.decisions)
+    assert result.outcome is Outcome.SLIMMED
+    assert json.loads((ck / slim.MARKER).read_text())["state"] == "done"
+    assert not list((ck / "global_step10").glob("*optim_states.pt"))
+    journal.close()
+
+
+# --- consolidation's re-checks ----------------------------------------------------
+# The consolidator is replaced by one that writes a small valid safetensors file at once: what
+# is tested is what the reaper checks around it. Real zero_to_fp32 runs on real DeepSpeed
+# checkpoints in test_slim_deepspeed.py (minutes, not milliseconds).
+
+
+@pytest.fixture
+def unconsolidated(tmp_path: Path) -> Path:
+    """Trainer+DeepSpeed checkpoints 10, 20, 30 without weights files: slimming 10 and 20 means
+    consolidating them first; 30 is the run's newest full checkpoint, the anchor."""
+    root = tmp_path / "vol"
+    for i, step in enumerate((10, 20, 30)):
+        hf_deepspeed_checkpoint(root / "run", step, world=2, mtime=time.time() - 3600 + i)
+    return root
+
+
+def fake_consolidator(monkeypatch, during=lambda out: None):
+    import ckptd.reaper
+
+    def consolidate(save_dir, tag, model_states, out):
+        write_safetensors(out)
+        during(out)
+        return SimpleNamespace(path=out, bytes=out.stat().st_size, sha256="cd" * 32, tensors=1, seconds=0.01,
+                               tool="test")
+
+    monkeypatch.setattr(ckptd.reaper, "consolidate", consolidate)
+
+
+def slim_first(root: Path, tmp_path: Path):
+    reaper, plan, _ = reaper_for(root, tmp_path, keep_last=3, keep_full_last=1)
+    assert [d.checkpoint.step for d in plan.slims] == [10, 20]
+    return reaper, reaper.execute([plan.slims[0]] + [d for d in plan.decisions if d.action is Action.KEEP])
+
+
+def untouched(ck: Path) -> bool:
+    shards = [ck / f"global_step10/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    return all(s.exists() for s in shards) and not (ck / slim.MARKER).exists()
+
+
+def test_a_consolidated_checkpoint_is_slimmed(unconsolidated, tmp_path, monkeypatch):
+    """The baseline for the refusals below: nothing raced, so it goes through."""
+    fake_consolidator(monkeypatch)
+    _, [result] = slim_first(unconsolidated, tmp_path)
+    ck = unconsolidated / "run" / "checkpoint-10"
+    assert result.outcome is Outcome.SLIMMED and result.detail.startswith("consolidated global_step10 into")
+    assert (ck / "model.safetensors").is_file() and not (ck / slim.CONSOLIDATING).exists()
+    assert json.loads((ck / slim.MARKER).read_text())["weights"]["sha256"] == "cd" * 32
+
+
+def test_a_checkpoint_changed_while_consolidating_is_not_slimmed(unconsolidated, tmp_path, monkeypatch):
+    ck = unconsolidated / "run" / "checkpoint-10"
+    fake_consolidator(monkeypatch, lambda out: (ck / "notes.txt").write_text("a late write"))
+    _, [result] = slim_first(unconsolidated, tmp_path)
+    assert (result.outcome, result.detail) == (Outcome.REFUSED, "changed while its weights were being consolidated")
+    assert untouched(ck) and not (ck / "model.safetensors").exists() and not (ck / slim.CONSOLIDATING).exists()
+
+
+def test_the_anchor_is_looked_at_again_after_consolidating(unconsolidated, tmp_path, monkeypatch):
+    """The newest full checkpoint deleted meanwhile (by a trainer's own save_total_limit, say)."""
+    run = unconsolidated / "run"
+    fake_consolidator(monkeypatch, lambda out: os.rename(run / "checkpoint-30", tmp_path / "gone-30"))
+    _, [result] = slim_first(unconsolidated, tmp_path)
+    assert (result.outcome, result.detail) == (
+        Outcome.REFUSED,
+        "the run's newest complete full checkpoint checkpoint-30 is gone, changed or no longer complete")
+    assert untouched(run / "checkpoint-10") and not (run / "checkpoint-10" / "model.safetensors").exists()
+
+
+def test_weights_that_appear_while_consolidating_are_not_overwritten(unconsolidated, tmp_path, monkeypatch):
+    """They land after the last look at the checkpoint's entries, just before the rename."""
+    import ckptd.reaper
+
+    ck = unconsolidated / "run" / "checkpoint-10"
+    fake_consolidator(monkeypatch)
+    real_walk, walks = ckptd.reaper.walk, []
+
+    def walk_then_plant(path):
+        entries = real_walk(path)
+        walks.append(path)
+        if len(walks) == 2:  # the look after consolidating
+            (ck / "model.safetensors").write_text("the trainer's own")
+        return entries
+
+    monkeypatch.setattr(ckptd.reaper, "walk", walk_then_plant)
+    _, [result] = slim_first(unconsolidated, tmp_path)
+    assert (result.outcome, result.detail) == (Outcome.REFUSED, "model.safetensors appeared while consolidating")
+    assert (ck / "model.safetensors").read_text() == "the trainer's own" and untouched(ck)
+
+
+def test_a_consolidated_file_replaced_by_a_link_is_not_moved_into_place(unconsolidated, tmp_path, monkeypatch):
+    outside = tmp_path / "outside.safetensors"
+    write_safetensors(outside)
+
+    def replace_with_link(out):
+        out.unlink()
+        out.symlink_to(outside)
+
+    fake_consolidator(monkeypatch, replace_with_link)
+    _, [result] = slim_first(unconsolidated, tmp_path)
+    ck = unconsolidated / "run" / "checkpoint-10"
+    assert (result.outcome, result.detail) == (
+        Outcome.REFUSED, "the consolidated file is not where the consolidator left it")
+    assert untouched(ck) and not os.path.lexists(ck / "model.safetensors") and outside.is_file()
+
+
+def test_a_file_swapped_in_just_before_the_rename_does_not_become_the_weights(unconsolidated, tmp_path,
+                                                                            monkeypatch):
+    """Between the last check of the consolidator's output and the rename: what lands in place
+    is not what was verified, so it is taken back out and nothing is removed."""
+    fake_consolidator(monkeypatch)
+    real_rename = os.rename
+
+    def swap_then_rename(src, dst, **kw):
+        if src == "weights.partial":
+            os.unlink(src, dir_fd=kw["src_dir_fd"])
+            fd = os.open(src, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=kw["src_dir_fd"])
+            os.write(fd, b"unverified")
+            os.close(fd)
+        return real_rename(src, dst, **kw)
+
+    monkeypatch.setattr(os, "rename", swap_then_rename)
+    _, [result] = slim_first(unconsolidated, tmp_path)
+    ck = unconsolidated / "run" / "checkpoint-10"
+    assert (result.outcome, result.detail) == (
+        Outcome.REFUSED, "model.safetensors is not the file the consolidator wrote")
+    assert untouched(ck)
+    assert not (ck / "model.safetensors").exists()  # else the next run would slim trusting it

@@ -385,7 +385,7 @@ class Reaper:
                     out = consolidate(run_dir / save_dir, tag, run_dir / states, out_path)
                 except ConsolidationFailed as exc:
                     raise _Stop(Outcome.FAILED, f"consolidation failed, nothing removed: {exc}") from None
-                wrote = _identity(_PARTIAL, work_fd)
+                wrote = _file_identity(_PARTIAL, work_fd)
                 # Consolidation took a while: nobody but us may have touched the checkpoint since.
                 if _unchanged_but(before, slim.CONSOLIDATING) != _unchanged_but(
                     walk(c.path), slim.CONSOLIDATING
@@ -408,7 +408,13 @@ class Reaper:
                     raise _Stop(
                         Outcome.FAILED, f"cannot move the consolidated file into place: {exc}"
                     ) from None
-                if _identity(slim.CONSOLIDATED, ckpt_fd) != wrote:  # swapped between the check and the rename
+                if _file_identity(slim.CONSOLIDATED, ckpt_fd) != wrote:
+                    # Swapped between the check and the rename. Undo our own rename: left in
+                    # place, the next run would take it for verified weights.
+                    try:
+                        os.rename(slim.CONSOLIDATED, _PARTIAL, src_dir_fd=ckpt_fd, dst_dir_fd=work_fd)
+                    except OSError as exc:
+                        log.error("cannot take %s back out of %s: %s", slim.CONSOLIDATED, c.path, exc)
                     raise _Stop(
                         Outcome.REFUSED, f"{slim.CONSOLIDATED} is not the file the consolidator wrote"
                     )
@@ -569,6 +575,16 @@ def _identity(path: str, dir_fd: int | None = None) -> tuple[int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino)
+
+
+def _file_identity(path: str, dir_fd: int) -> tuple[int, int, int, int] | None:
+    """`_identity` with the size and mtime: a file unlinked and written again often gets the
+    same inode number back at once. (Not the ctime: a rename changes it.)"""
+    try:
+        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 _PARTIAL = "weights.partial"  # the consolidator's output inside slim.CONSOLIDATING/
