@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import layouts
+from ckptd import dsmeta, layouts
 from ckptd.config import Root
-from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
+from ckptd.demo import age, hf_deepspeed_checkpoint, write_model_states, write_zip
 from ckptd.discover import find_runs
 from ckptd.evidence import Inspector, RunContext, safetensors_problem
 from ckptd.model import State, Verdict
@@ -55,6 +55,7 @@ def checks(ckpt) -> dict[str, tuple[Verdict, str]]:
         ("ckpt_77.tmp", True, None),
         ("runs", True, None),
         ("latest", False, None),
+        ("lr=0.1,warmup_step=100", True, None),  # a Hydra sweep directory: warmup_step is not a step
     ],
 )
 def test_recognise_by_name(name, is_dir, expected):
@@ -93,6 +94,8 @@ def test_symlinks_are_never_followed_or_recognised(tmp_path):
     (root / "run" / "checkpoint-1").mkdir(parents=True)
     (root / "run" / "checkpoint-2").symlink_to(outside / "checkpoint-5")
     (root / "linked-run").symlink_to(outside)
+    write_zip(outside / "epoch=1-step=50.ckpt")  # a file checkpoint, as Lightning writes them
+    (root / "run" / "epoch=1-step=50.ckpt").symlink_to(outside / "epoch=1-step=50.ckpt")
     runs = find_runs(root)
     assert [(r.rel, [c.name for c in r.candidates]) for r in runs] == [("run", ["checkpoint-1"])]
 
@@ -251,6 +254,27 @@ def test_safetensors_header_must_fit_the_file(tmp_path, truncate, problem):
         assert found is not None and found.startswith(problem)
 
 
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"\x10\0\0", "model.safetensors: 3 bytes: too short for a header"),
+        (None, "model.safetensors: tensors need 48 data bytes, the file has 47 (truncated?)"),
+    ],
+)
+def test_a_truncated_weights_file_makes_the_checkpoint_incomplete(tmp_path, content, problem):
+    ckpt = tmp_path / "run" / "checkpoint-5"
+    ckpt.mkdir(parents=True)
+    if content is None:
+        _safetensors(ckpt / "model.safetensors", {"a": 16, "b": 32}, truncate=1)
+    else:
+        (ckpt / "model.safetensors").write_bytes(content)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 5, "log_history": []}))
+    age(ckpt, OLD)
+    c = scan(tmp_path)["run/checkpoint-5"]
+    assert c.state is State.INCOMPLETE
+    assert checks(c)["file integrity"] == (Verdict.FAILED, problem)
+
+
 # --- the other layouts -----------------------------------------------------
 
 
@@ -280,6 +304,16 @@ def test_megatron_tracker(tmp_path):
     assert found["run/iter_0001000"].state is State.COMPLETE
     assert checks(found["run/iter_0002000"])["megatron tracker"] == (
         Verdict.FAILED, "tracker at iteration 1000 < 2000: still being saved")
+
+
+def test_megatron_without_its_tracker_is_not_complete(tmp_path):
+    """The tracker is written after every rank saved; without it nothing proves the save finished."""
+    write_zip(tmp_path / "run" / "iter_0001000" / "mp_rank_00" / "model_optim_rng.pt")
+    age(tmp_path / "run", OLD)
+    c = scan(tmp_path)["run/iter_0001000"]
+    assert c.state is State.INCOMPLETE
+    assert checks(c)["megatron tracker"] == (
+        Verdict.FAILED, "latest_checkpointed_iteration.txt missing (written after every rank saved)")
 
 
 def test_dcp_needs_metadata(tmp_path):
@@ -348,15 +382,24 @@ def test_pins(tmp_path):
     assert not found["run/checkpoint-10"].pinned and found["run/checkpoint-20"].pinned
 
 
-def test_world_size_cache_is_keyed_by_file_identity(tmp_path):
+def test_world_size_cache_is_keyed_by_file_identity(tmp_path, monkeypatch):
     """Re-inspecting an unchanged checkpoint does not read its metadata again."""
     inspector = Inspector(quiet_period=60)
     ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
     cand = layouts.recognise_by_name(ckpt.name, True)
     ctx = RunContext(tmp_path / "run", frozenset(os.listdir(tmp_path / "run")))
+    reads = []
+    real_read = dsmeta.read_world_sizes
+    monkeypatch.setattr(dsmeta, "read_world_sizes", lambda path: reads.append(path) or real_read(path))
+    first = inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
     inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
-    inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
-    assert len(inspector._world_cache) == 1
+    assert len(reads) == 1 and first.state is State.COMPLETE
+    # rewritten by a resumed job with twice the ranks: read again, and two shards are now missing
+    write_model_states(ckpt / "global_step10" / "mp_rank_00_model_states.pt", 4)
+    age(ckpt, OLD + 100)
+    again = inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
+    assert len(reads) == 2
+    assert checks(again)["deepspeed shards (global_step10)"][0] is Verdict.FAILED
 
 
 def test_world_sizes_are_read_without_torch_and_without_running_anything(tmp_path):

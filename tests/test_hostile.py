@@ -19,7 +19,7 @@ import pytest
 from ckptd import evidence
 from ckptd.config import Retention, Root
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
-from ckptd.evidence import MAX_WALK_DEPTH
+from ckptd.evidence import MAX_WALK_DEPTH, TooDeep, walk
 from ckptd.journal import Journal, read_journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.model import State, Verdict
@@ -169,6 +169,32 @@ def test_a_very_deep_checkpoint_is_never_deleted(tmp_path):
     assert decide([(scanner.root, runs)]).deletions == ()
 
 
+def test_paths_too_long_to_reach_make_the_walk_unknown_not_a_crash(tmp_path):
+    """20 levels of 250-character names: not deep, but past PATH_MAX (4096), so the walk's
+    scandir gets ENAMETOOLONG. Built from directory descriptors, the only way to make one."""
+    root = tmp_path / "vol"
+    (root / "run" / "ckpt_2").mkdir(parents=True)
+    fd = os.open(root / "run", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in ["ckpt_1"] + ["n" * 250] * 20:
+            os.mkdir(name, dir_fd=fd)
+            next_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = next_fd
+    finally:
+        os.close(fd)
+    with pytest.raises(TooDeep, match="paths too long to walk"):
+        walk(root / "run" / "ckpt_1")
+    age(root / "run" / "ckpt_2", OLD)
+    os.utime(root / "run" / "ckpt_1", (OLD, OLD))
+    scanner = Scanner(Root(path=root, patterns=("ckpt_{step}",), retention=Retention(keep_last=0, keep_best=0)))
+    runs = scanner.runs(now=NOW)
+    c = next(c for c in runs[0].checkpoints if c.name == "ckpt_1")
+    assert c.state is State.INCOMPLETE
+    assert next(k for k in c.checks if k.name == "walk").verdict is Verdict.UNKNOWN
+    assert decide([(scanner.root, runs)]).deletions == ()
+
+
 def test_a_hundred_thousand_entries_in_one_run_directory(tmp_path):
     run = tmp_path / "vol" / "run"
     run.mkdir(parents=True)
@@ -277,6 +303,24 @@ def test_pickles_that_would_exhaust_memory_are_refused(tmp_path, data, why):
     with pytest.raises(MetadataUnavailable, match=why):
         read_plain_data(path)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024  # KiB: no blow-up
+
+
+def test_a_huge_pickle_is_not_read(tmp_path):
+    """65 MiB of data.pkl (compressed to almost nothing in the zip): refused by its declared size."""
+    import resource
+    import zipfile
+
+    from ckptd.dsmeta import MAX_PICKLE_BYTES, MetadataUnavailable, read_world_sizes
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    chunk = b"\0" * (1 << 20)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z, z.open("archive/data.pkl", "w", force_zip64=True) as f:
+        for _ in range(MAX_PICKLE_BYTES // len(chunk) + 1):
+            f.write(chunk)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(MetadataUnavailable, match=f"data.pkl larger than {MAX_PICKLE_BYTES} bytes"):
+        read_world_sizes(path)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 32 * 1024  # KiB: never read
 
 
 def test_an_absurd_world_size_is_not_believed(tmp_path):

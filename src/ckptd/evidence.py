@@ -105,6 +105,10 @@ def walk(path: Path) -> list[Entry]:
                     est = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                except OSError as exc:  # the entry's own path can pass PATH_MAX where its directory's did not
+                    if exc.errno == errno.ENAMETOOLONG:
+                        raise TooDeep(out, f"paths too long to walk at {rel[:80]}...") from None
+                    raise
                 erel = f"{rel}/{e.name}" if rel else e.name
                 kind = _kind(est.st_mode)
                 out.append(Entry(erel, kind, est.st_size, est.st_mtime_ns))
