@@ -92,20 +92,16 @@ def walk(path: Path) -> list[Entry]:
         if depth >= MAX_WALK_DEPTH:
             raise TooDeep(out, f"deeper than {MAX_WALK_DEPTH} levels at {rel[:80]}...")
         try:
-            it = os.scandir(d)
+            it = os.scandir(d)  # not ENAMETOOLONG: `d` was stat'ed by this very path
         except (FileNotFoundError, NotADirectoryError):
             continue
-        except OSError as exc:
-            if exc.errno == errno.ENAMETOOLONG:
-                raise TooDeep(out, f"paths too long to walk at {rel[:80]}...") from None
-            raise
         with it:
             for e in it:
                 try:
                     est = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                except OSError as exc:  # the entry's own path can pass PATH_MAX where its directory's did not
+                except OSError as exc:  # its path is longer than PATH_MAX: too long to name
                     if exc.errno == errno.ENAMETOOLONG:
                         raise TooDeep(out, f"paths too long to walk at {rel[:80]}...") from None
                     raise
