@@ -97,6 +97,11 @@ BAD = [
     ("[[roots]]\npath = '/x'\n[roots.retention]\nkeep_missing_metric = 'no'\n",
      "roots[0].retention.keep_missing_metric: input should be a valid boolean (got 'no')"),
     ("[[roots]]\npath = '/x/y'\n[[roots]]\npath = '/x'\n", "roots: roots[1].path '/x' overlaps roots[0].path '/x/y'"),
+    ("[[roots]]\npath = '/x'\nmp_world_size = 2.0\n", "roots[0].mp_world_size: input should be a valid integer (got 2.0)"),
+    ("[[roots]]\npath = '/x'\n[roots.retention]\nkeep_every_steps = '1000'\n",
+     "roots[0].retention.keep_every_steps: input should be a valid integer (got '1000')"),
+    ("[[roots]]\npath = '/x'\n[[roots.runs]]\nmatch = 'a/*'\nworld_size = '8'\n",
+     "roots[0].runs[0].world_size: input should be a valid integer (got '8')"),
     ("roots = 3\n", "roots: input should be a valid tuple (got 3)"),
     ("colour = 'blue'\n", "colour: unknown key"),
 ]
