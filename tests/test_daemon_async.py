@@ -18,6 +18,7 @@ import pytest
 from ckptd.config import load_config
 from ckptd.daemon import Daemon
 from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.errors import RootMissingError
 from ckptd.watch import Watcher, choose_observer, filesystem_type
 
 from daemonproc import write_config
@@ -233,3 +234,120 @@ async def test_a_reload_can_switch_dry_run_on_and_drop_a_pattern(tmp_path):
         logger.removeHandler(logs)
         logger.setLevel(old_level)
     assert sorted(os.listdir(root / "job")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "snap_7"]
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [OSError(errno.ESTALE, os.strerror(errno.ESTALE)), RootMissingError("/vol: the root is gone (unmounted?)")],
+    ids=["ESTALE", "root-missing"],
+)
+async def test_a_failing_look_backs_off_doubling_up_to_the_reconcile_interval(tmp_path, monkeypatch, fault):
+    """Driven tick by tick with a controllable clock: the delays, the single log line, the recovery.
+    The fault is injected where the tracker looks at the volume (poll and full scan)."""
+    root = tmp_path / "vol"
+    hf_deepspeed_checkpoint(root / "job", 1, world=2)
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
+                       root_extra="poll_interval = '1s'\nreconcile_interval = '60s'")
+    now = [1000.0]
+    daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
+    daemon.watcher = None
+    rt = daemon._runtime(daemon.config.roots[0])
+    daemon.roots.append(rt)
+    daemon._first_scan()
+    logs = LogWatch(asyncio.get_running_loop())
+    logger = logging.getLogger("ckptd")
+    logger.addHandler(logs)
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+
+    def fail(*args):
+        raise fault
+
+    monkeypatch.setattr(rt.tracker, "poll", fail)
+    monkeypatch.setattr(rt.tracker, "full_scan", fail)
+    delays = []
+    try:
+        for _ in range(8):
+            now[0] = rt.next_poll
+            daemon._tick()
+            delays.append(rt.next_poll - now[0])
+        monkeypatch.undo()
+        now[0] = rt.next_poll
+        daemon._tick()
+        delays.append(rt.next_poll - now[0])
+    finally:
+        logger.removeHandler(logs)
+        logger.setLevel(old_level)
+    assert delays == [2, 4, 8, 16, 32, 60, 60, 60, 1]
+    said = [r.getMessage() for r in logs.records if r.levelno >= logging.ERROR]
+    assert len(said) == 1 and "cannot look at the volume" in said[0] and "retrying in 2.0s" in said[0]
+    assert logs.messages("the volume answers again")
+
+
+async def test_a_stop_does_not_wait_for_a_look_at_the_volume_that_hangs(tmp_path, monkeypatch):
+    """A hung NFS mount: the look never returns. The stop goes ahead to shutdown (STOPPING=1) at once."""
+    import ckptd.daemon
+
+    root = tmp_path / "vol"
+    hf_deepspeed_checkpoint(root / "job", 1, world=2)
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state")
+    loop = asyncio.get_running_loop()
+    entered, stopping, release = asyncio.Event(), asyncio.Event(), threading.Event()
+    real_notify = ckptd.daemon.notify
+
+    def notify(*fields):
+        if "STOPPING=1" in fields:
+            stopping.set()
+        return real_notify(*fields)
+
+    monkeypatch.setattr(ckptd.daemon, "notify", notify)
+    daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
+    task = asyncio.create_task(daemon.serve())
+    try:
+        await asyncio.wait_for(daemon.ready.wait(), 30)
+
+        def hung_tick():
+            loop.call_soon_threadsafe(entered.set)
+            release.wait(60)
+
+        monkeypatch.setattr(daemon, "_tick", hung_tick)
+        daemon._wake.set()
+        await asyncio.wait_for(entered.wait(), 30)
+        daemon.request_stop("test")
+        await asyncio.wait_for(stopping.wait(), 5)  # not after the look: it would never come
+        assert not release.is_set()
+    finally:
+        release.set()  # within shutdown's bounded wait for the thread, so the test process lives on
+        await asyncio.wait_for(task, 30)
+
+
+async def test_a_standby_decides_but_never_deletes(tmp_path):
+    """Another ckptd holds the root's lock (here: the test): this one observes only."""
+    from ckptd.reaper import RootLock
+
+    root = tmp_path / "vol"
+    for step in (1, 2, 3):
+        hf_deepspeed_checkpoint(root / "job", step, world=2)
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
+                       root_extra="quiet_period = '0.2s'\npoll_interval = '0.05s'", retention="keep_last = 1")
+    holder = RootLock(tmp_path / "state", root)
+    holder.acquire()
+    loop = asyncio.get_running_loop()
+    logs = LogWatch(loop)
+    logger = logging.getLogger("ckptd")
+    logger.addHandler(logs)
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
+    task = asyncio.create_task(daemon.serve())
+    try:
+        await logs.wait("standby, observing only")
+        await logs.wait("decide delete job/checkpoint-2")
+    finally:
+        daemon.request_stop("test")
+        await asyncio.wait_for(task, 30)  # the decision's pass has finished on the fs thread
+        logger.removeHandler(logs)
+        logger.setLevel(old_level)
+        holder.release()
+    assert sorted(os.listdir(root / "job")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert logs.messages("deleted ") == [] and not (root / ".ckptd-trash").exists()
