@@ -14,7 +14,7 @@ import pytest
 
 from ckptd import dsmeta, layouts
 from ckptd.config import Root
-from ckptd.demo import age, hf_deepspeed_checkpoint, write_model_states, write_zip
+from ckptd.demo import age, deepspeed_files, hf_deepspeed_checkpoint, write_model_states, write_zip
 from ckptd.discover import find_runs
 from ckptd.evidence import Inspector, RunContext, safetensors_problem
 from ckptd.model import State, Verdict
@@ -292,6 +292,23 @@ def test_bare_deepspeed(tmp_path):
     found = scan(tmp_path, world_size=2)
     assert found["run/global_step10"].state is State.COMPLETE
     assert found["run/global_step20"].state is State.INCOMPLETE
+
+
+def test_bf16_optimizer_shards_are_counted_by_their_own_names(tmp_path):
+    """DeepSpeed's bf16 optimizer writes bf16_zero_pp_rank_* shards: each rank's must be there."""
+    run = tmp_path / "run"
+    for step, skip in ((10, ()), (20, ("bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",))):
+        gs = run / f"global_step{step}"
+        for name in deepspeed_files(2, bf16=True):
+            if name.endswith("model_states.pt"):
+                write_model_states(gs / name, 2)
+            elif name not in skip:
+                write_zip(gs / name)
+        age(gs, OLD)
+    found = scan(tmp_path)
+    assert found["run/global_step10"].state is State.COMPLETE
+    verdict, detail = checks(found["run/global_step20"])["deepspeed shards"]
+    assert verdict is Verdict.FAILED and "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt missing" in detail
 
 
 def test_megatron_tracker(tmp_path):
