@@ -15,10 +15,17 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
-from watchdog.events import FileSystemEventHandler
+from watchdog.events import (
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileModifiedEvent,
+    FileMovedEvent,
+    FileSystemEventHandler,
+)
 from watchdog.observers import Observer
 
 from ckptd.demo import age, write_zip
@@ -49,26 +56,35 @@ def fingerprints(run: Path) -> dict[str, str]:
 
 
 class JournalWatch(FileSystemEventHandler):
-    """Wakes the test whenever the journal changes (watchdog, real inotify)."""
+    """Wakes the test whenever something is written in the state directory (watchdog, real inotify).
+
+    Only writes: the test's own reads of the journal raise open and close-without-write
+    events, which would wake it forever (a busy loop that no silence timeout ends).
+    """
 
     def __init__(self, state_dir: Path):
         self.changed = threading.Event()
         self.observer = Observer()
         state_dir.mkdir(parents=True, exist_ok=True)
-        self.observer.schedule(self, str(state_dir))
+        self.observer.schedule(self, str(state_dir), event_filter=[FileModifiedEvent, FileClosedEvent,
+                                                                   FileCreatedEvent, FileMovedEvent])
         self.observer.start()
 
     def on_any_event(self, event):
         self.changed.set()
 
-    def wait_until(self, cond, proc, timeout: float = 60) -> None:
-        """Return once `cond()` holds or the process has ended; fail after `timeout` of silence."""
+    def wait_until(self, cond, proc, timeout: float = 60, deadline: float = 180) -> None:
+        """Return once `cond()` holds or the process has ended; fail after `timeout` of silence
+        or `deadline` in all (a daemon's own state-file writes are activity too)."""
+        end = time.monotonic() + deadline
         while not cond() and proc.poll() is None:
             self.changed.clear()
             if cond():
                 break
             if not self.changed.wait(timeout):
-                raise AssertionError(f"no journal activity for {timeout}s")
+                raise AssertionError(f"no activity in the state directory for {timeout}s")
+            if time.monotonic() > end:
+                raise AssertionError(f"not done after {deadline}s")
 
     def wait_records(self, state_dir: Path, k: int, proc, timeout: float = 60) -> None:
         self.wait_until(lambda: len(read_journal(state_dir)) >= k, proc, timeout)
@@ -83,19 +99,22 @@ def check_after_restart(run: Path, root: Path, state_dir: Path, before: dict[str
     assert fingerprints(run) == before  # kept checkpoints are whole and untouched
     assert os.listdir(root / TRASH_DIR) == []
     records = read_journal(state_dir)
+    purging = {r["trash"] for r in records if r["event"] == "purging"}
     purged = {r["trash"] for r in records if r["event"] == "purged"}
     for step in range(1, STEPS - 1):
         path = str(run / f"iter_{step:07d}")
         intents = [r for r in records if r["event"] == "trashing" and r["path"] == path]
         assert intents, f"{path} is gone without an intent in the journal"
-        assert any(r["trash"] in purged for r in intents), f"{path}'s trash entry was never purged"
+        assert any(r["trash"] in purging for r in intents), f"{path}'s trash entry was never purged"
+    # "purged" is missing only where the kill landed between a removal and its record: one entry.
+    assert len(purging - purged) <= 1, sorted(purging - purged)
 
 
 def all_purged(state_dir: Path, run: Path) -> bool:
-    """Every checkpoint but the kept ones has an intent whose trash entry was purged."""
+    """Every checkpoint but the kept ones has an intent whose trash entry was being purged or is."""
     records = read_journal(state_dir)
-    purged = {r["trash"] for r in records if r["event"] == "purged"}
-    trashed = {r["path"] for r in records if r["event"] == "trashing" and r["trash"] in purged}
+    purging = {r["trash"] for r in records if r["event"] == "purging"}
+    trashed = {r["path"] for r in records if r["event"] == "trashing" and r["trash"] in purging}
     return all(str(run / f"iter_{s:07d}") in trashed for s in range(1, STEPS - 1))
 
 

@@ -53,7 +53,7 @@ def test_deletes_what_the_plan_says_via_the_trash(volume, tmp_path):
     assert os.listdir(volume / TRASH_DIR) == []
     journal.close()
     events = [(r["event"], Path(r.get("path", r.get("trash", ""))).name) for r in read_journal(tmp_path / "state")]
-    assert [e for e, _ in events] == ["trashing", "trashed"] * 3 + ["purged"] * 3
+    assert [e for e, _ in events] == ["trashing", "trashed"] * 3 + ["purging", "purged"] * 3
     assert events[0] == ("trashing", "checkpoint-10")
     first = read_journal(tmp_path / "state")[0]
     assert first["step"] == 10 and first["reasons"] == ["outside keep_last=1"] and first["bytes"] > 0
@@ -327,3 +327,20 @@ def test_purge_removes_a_symlink_in_the_trash_not_what_it_points_to(volume, tmp_
     assert reaper.purge()[0] == 1
     assert os.listdir(volume / TRASH_DIR) == []
     assert (outside / "precious").read_text() == "keep me"
+
+
+def test_a_purge_is_journaled_before_the_removal(volume, tmp_path, monkeypatch):
+    """A kill between removing a trash entry and recording it must still leave the journal
+    saying the entry was being purged (found by the crash test: its journal could not agree)."""
+    reaper, plan, _ = make(volume, tmp_path)
+    reaper.execute(plan.decisions)
+    real_rmtree, seen = shutil.rmtree, []
+
+    def rmtree(entry, **kw):
+        last = read_journal(tmp_path / "state")[-1]
+        seen.append((last["event"], Path(last["trash"]).name == entry))
+        return real_rmtree(entry, **kw)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    assert reaper.purge()[0] == 3
+    assert seen == [("purging", True)] * 3

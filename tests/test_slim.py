@@ -275,7 +275,7 @@ def test_prune_slims_trainer_checkpoints_to_their_weights(trainer_volume, tmp_pa
     assert (run / "checkpoint-300" / "optimizer.pt").exists()
     assert os.listdir(trainer_volume / TRASH_DIR) == []
     events = [r["event"] for r in read_journal(tmp_path / "state")]
-    assert events == ["slimming", "slimmed"] * 2 + ["purged"] * 2
+    assert events == ["slimming", "slimmed"] * 2 + ["purging", "purged"] * 2
 
     code, out = verify(run / "checkpoint-100", "-c", str(cfg))
     assert code == 0 and ": complete, slimmed: weights only (hf layout, step 100," in out.splitlines()[0]

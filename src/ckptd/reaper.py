@@ -482,6 +482,12 @@ class Reaper:
                 if stop():
                     break
                 size = _size(self.trash / entry)
+                where = dict(root=str(self.root), trash=str(self.trash / entry), bytes=size)
+                # The intent first, as for every other step: killed between the removal and the
+                # "purged" record, the journal still says this entry was being purged. Unlike a
+                # rename, a purge goes ahead when the journal cannot be written (ENOSPC): its
+                # entry was journaled when it was trashed, and freeing space is the way out.
+                self._record("purging", **where)
                 try:
                     st = os.stat(entry, dir_fd=trash_fd, follow_symlinks=False)
                     if stat.S_ISDIR(st.st_mode):
@@ -494,13 +500,7 @@ class Reaper:
                 count += 1
                 freed += size
                 log.debug("purged %s (%d bytes)", self.trash / entry, size)
-                self._record(
-                    "purged",
-                    time=self.clock(),
-                    root=str(self.root),
-                    trash=str(self.trash / entry),
-                    bytes=size,
-                )
+                self._record("purged", **where)
         finally:
             os.close(trash_fd)
         return count, freed
