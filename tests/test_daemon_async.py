@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from ckptd.config import load_config
 from ckptd.daemon import Daemon
@@ -133,7 +134,20 @@ class LogWatch(logging.Handler):
         await asyncio.wait_for(until(), timeout)
 
 
-async def test_a_flaky_volume_is_logged_once_backed_off_and_nothing_is_deleted(tmp_path, monkeypatch):
+@pytest_asyncio.fixture
+async def logs():
+    """The daemon's log records, at DEBUG, for the test's event loop."""
+    watch = LogWatch(asyncio.get_running_loop())
+    logger = logging.getLogger("ckptd")
+    old_level = logger.level
+    logger.addHandler(watch)
+    logger.setLevel(logging.DEBUG)
+    yield watch
+    logger.removeHandler(watch)
+    logger.setLevel(old_level)
+
+
+async def test_a_flaky_volume_is_logged_once_backed_off_and_nothing_is_deleted(tmp_path, monkeypatch, logs):
     """ESTALE (a stale NFS handle) injected at the evidence walk, the daemon's one deep read."""
     from ckptd import evidence
 
@@ -144,11 +158,6 @@ async def test_a_flaky_volume_is_logged_once_backed_off_and_nothing_is_deleted(t
                        root_extra="world_size = 2\nquiet_period = '0.3s'\npoll_interval = '0.05s'",
                        retention="keep_last = 1\nkeep_best = 0")
     loop = asyncio.get_running_loop()
-    logs = LogWatch(loop)
-    logger = logging.getLogger("ckptd")
-    logger.addHandler(logs)
-    old_level = logger.level
-    logger.setLevel(logging.DEBUG)
     real_walk = evidence.walk
     failing = threading.Event()
     failing.set()
@@ -179,8 +188,6 @@ async def test_a_flaky_volume_is_logged_once_backed_off_and_nothing_is_deleted(t
     finally:
         daemon.request_stop("test")
         await asyncio.wait_for(task, 30)
-        logger.removeHandler(logs)
-        logger.setLevel(old_level)
     assert sorted(os.listdir(root / "job")) == ["checkpoint-2"]
 
 
@@ -201,19 +208,13 @@ async def test_watches_are_capped_and_in_flight_checkpoints_come_first(tmp_path,
         await asyncio.to_thread(watcher.stop)
 
 
-async def test_a_reload_can_switch_dry_run_on_and_drop_a_pattern(tmp_path):
+async def test_a_reload_can_switch_dry_run_on_and_drop_a_pattern(tmp_path, logs):
     root = tmp_path / "vol"
     for step in (1, 2, 3):
         hf_deepspeed_checkpoint(root / "job", step, world=2)
     (root / "job" / "snap_7").mkdir()
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
                        root_extra="quiet_period = '0.2s'\npatterns = ['snap_{step}']", retention="keep_last = 5")
-    loop = asyncio.get_running_loop()
-    logs = LogWatch(loop)
-    logger = logging.getLogger("ckptd")
-    logger.addHandler(logs)
-    old_level = logger.level
-    logger.setLevel(logging.DEBUG)
     daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
     task = asyncio.create_task(daemon.serve())
     try:
@@ -231,8 +232,6 @@ async def test_a_reload_can_switch_dry_run_on_and_drop_a_pattern(tmp_path):
     finally:
         daemon.request_stop("test")
         await asyncio.wait_for(task, 30)
-        logger.removeHandler(logs)
-        logger.setLevel(old_level)
     assert sorted(os.listdir(root / "job")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "snap_7"]
 
 
@@ -241,7 +240,7 @@ async def test_a_reload_can_switch_dry_run_on_and_drop_a_pattern(tmp_path):
     [OSError(errno.ESTALE, os.strerror(errno.ESTALE)), RootMissingError("/vol: the root is gone (unmounted?)")],
     ids=["ESTALE", "root-missing"],
 )
-async def test_a_failing_look_backs_off_doubling_up_to_the_reconcile_interval(tmp_path, monkeypatch, fault):
+async def test_a_failing_look_backs_off_doubling_up_to_the_reconcile_interval(tmp_path, monkeypatch, fault, logs):
     """Driven tick by tick with a controllable clock: the delays, the single log line, the recovery.
     The fault is injected where the tracker looks at the volume (poll and full scan)."""
     root = tmp_path / "vol"
@@ -254,11 +253,6 @@ async def test_a_failing_look_backs_off_doubling_up_to_the_reconcile_interval(tm
     rt = daemon._runtime(daemon.config.roots[0])
     daemon.roots.append(rt)
     daemon._first_scan()
-    logs = LogWatch(asyncio.get_running_loop())
-    logger = logging.getLogger("ckptd")
-    logger.addHandler(logs)
-    old_level = logger.level
-    logger.setLevel(logging.DEBUG)
 
     def fail(*args):
         raise fault
@@ -266,18 +260,14 @@ async def test_a_failing_look_backs_off_doubling_up_to_the_reconcile_interval(tm
     monkeypatch.setattr(rt.tracker, "poll", fail)
     monkeypatch.setattr(rt.tracker, "full_scan", fail)
     delays = []
-    try:
-        for _ in range(8):
-            now[0] = rt.next_poll
-            daemon._tick()
-            delays.append(rt.next_poll - now[0])
-        monkeypatch.undo()
+    for _ in range(8):
         now[0] = rt.next_poll
         daemon._tick()
         delays.append(rt.next_poll - now[0])
-    finally:
-        logger.removeHandler(logs)
-        logger.setLevel(old_level)
+    monkeypatch.undo()
+    now[0] = rt.next_poll
+    daemon._tick()
+    delays.append(rt.next_poll - now[0])
     assert delays == [2, 4, 8, 16, 32, 60, 60, 60, 1]
     said = [r.getMessage() for r in logs.records if r.levelno >= logging.ERROR]
     assert len(said) == 1 and "cannot look at the volume" in said[0] and "retrying in 2.0s" in said[0]
@@ -321,7 +311,7 @@ async def test_a_stop_does_not_wait_for_a_look_at_the_volume_that_hangs(tmp_path
         await asyncio.wait_for(task, 30)
 
 
-async def test_a_standby_decides_but_never_deletes(tmp_path):
+async def test_a_standby_decides_but_never_deletes(tmp_path, logs):
     """Another ckptd holds the root's lock (here: the test): this one observes only."""
     from ckptd.reaper import RootLock
 
@@ -332,12 +322,6 @@ async def test_a_standby_decides_but_never_deletes(tmp_path):
                        root_extra="quiet_period = '0.2s'\npoll_interval = '0.05s'", retention="keep_last = 1")
     holder = RootLock(tmp_path / "state", root)
     holder.acquire()
-    loop = asyncio.get_running_loop()
-    logs = LogWatch(loop)
-    logger = logging.getLogger("ckptd")
-    logger.addHandler(logs)
-    old_level = logger.level
-    logger.setLevel(logging.DEBUG)
     daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
     task = asyncio.create_task(daemon.serve())
     try:
@@ -346,8 +330,6 @@ async def test_a_standby_decides_but_never_deletes(tmp_path):
     finally:
         daemon.request_stop("test")
         await asyncio.wait_for(task, 30)  # the decision's pass has finished on the fs thread
-        logger.removeHandler(logs)
-        logger.setLevel(old_level)
         holder.release()
     assert sorted(os.listdir(root / "job")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     assert logs.messages("deleted ") == [] and not (root / ".ckptd-trash").exists()
