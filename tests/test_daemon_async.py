@@ -250,7 +250,7 @@ async def test_a_failing_look_backs_off_doubling_up_to_the_reconcile_interval(tm
     now = [1000.0]
     daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
     daemon.watcher = None
-    rt = daemon._runtime(daemon.config.roots[0])
+    rt = daemon._runtime(daemon.config.roots[0], daemon.config)
     daemon.roots.append(rt)
     daemon._first_scan()
 

@@ -471,7 +471,7 @@ def unconsolidated(tmp_path: Path) -> Path:
 def fake_consolidator(monkeypatch, during=lambda out: None):
     import ckptd.reaper
 
-    def consolidate(save_dir, tag, model_states, out):
+    def consolidate(save_dir, tag, model_states, out, *, timeout):
         write_safetensors(out)
         during(out)
         return SimpleNamespace(path=out, bytes=out.stat().st_size, sha256="cd" * 32, tensors=1, seconds=0.01,

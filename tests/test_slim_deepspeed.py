@@ -55,9 +55,10 @@ def copy_run(src: Path, tmp_path: Path) -> Path:
     return root
 
 
-def config(tmp_path: Path, root: Path, **retention) -> Path:
+def config(tmp_path: Path, root: Path, *, timeout: str = "2h", **retention) -> Path:
     path = tmp_path / "ckptd.toml"
-    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'", f"[[roots]]\npath = '{root}'\nquiet_period = '0s'",
+    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\nconsolidate_timeout = '{timeout}'",
+             f"[[roots]]\npath = '{root}'\nquiet_period = '0s'",
              "[roots.retention]", *(f"{k} = {json.dumps(v)}" for k, v in retention.items())]
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -300,3 +301,49 @@ def test_consolidation_killed_midway_loses_nothing_and_the_next_run_completes(ze
     plan = json.loads(run_ckptd("plan", "-c", cfg, "--json").stdout)
     row = next(c for c in plan["checkpoints"] if c["step"] == 10)
     assert (row["state"], row["action"], row["reasons"][-1]) == ("complete", "keep", "slimmed")
+
+
+def _gone(pid_fd: int, timeout: float) -> bool:
+    """Whether the process behind a pidfd has exited (the pidfd turns readable), waiting up to `timeout`."""
+    ready, _, _ = select.select([pid_fd], [], [], timeout)
+    return pid_fd in ready
+
+
+def test_a_consolidation_that_overruns_its_timeout_is_killed_and_nothing_is_removed(zero3_bf16_bare, tmp_path):
+    """The consolidator pauses (the test hook) once its output is written; 30 s is ample to get
+    there and it then holds for 60 s, so the timeout is what ends it."""
+    root = copy_run(zero3_bf16_bare, tmp_path)
+    cfg = config(tmp_path, root, timeout="30s", keep_last=2, keep_best=0, keep_full_last=1)
+    before = manifest(root)
+    fifo = tmp_path / "pause.fifo"
+    os.mkfifo(fifo)
+    proc, reader = _start_prune(cfg, fifo)
+    with proc, _cleanup(proc, reader):
+        pid_fd = os.pidfd_open(_wait_for_pause(reader, proc))
+        out, _ = proc.communicate(timeout=120)
+    try:
+        assert _gone(pid_fd, 0)
+    finally:
+        os.close(pid_fd)
+    assert proc.returncode == 74, out
+    assert "-> failed: consolidation failed, nothing removed: zero_to_fp32 took longer than 30s" in out
+    assert manifest(root) == before  # the work directory and its partial output are gone too
+
+
+def test_a_consolidator_dies_with_the_ckptd_that_started_it(zero3_bf16_bare, tmp_path):
+    """prune alone is killed (not its process group): the child must not write on by itself."""
+    root = copy_run(zero3_bf16_bare, tmp_path)
+    cfg = config(tmp_path, root, keep_last=2, keep_best=0, keep_full_last=1)
+    before = manifest(root)
+    fifo = tmp_path / "pause.fifo"
+    os.mkfifo(fifo)
+    proc, reader = _start_prune(cfg, fifo)
+    with proc, _cleanup(proc, reader):
+        pid_fd = os.pidfd_open(_wait_for_pause(reader, proc))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        try:
+            assert _gone(pid_fd, 30), "the consolidator outlived prune"
+        finally:
+            os.close(pid_fd)
+    assert {k: v for k, v in manifest(root).items() if slim.CONSOLIDATING not in k} == before

@@ -168,7 +168,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
             continue
         try:
             scanner = Scanner(root)
-            reaper = Reaper(scanner, journal, dry_run=dry_run)
+            reaper = Reaper(
+                scanner, journal, dry_run=dry_run, consolidate_timeout=config.daemon.consolidate_timeout
+            )
             leftover, leftover_bytes = reaper.purge()  # an earlier run's interrupted purge
             if leftover:
                 print(

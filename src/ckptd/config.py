@@ -352,6 +352,11 @@ class Daemon(_Strict):
     )
     dry_run: bool = Field(strict=True, default=False, description="Decide and log, but delete nothing.")
     log_format: Literal["text", "json"] = Field("text", description="Log lines for people or for machines.")
+    consolidate_timeout: Duration = Field(
+        2 * 3600.0,
+        description="Longest a zero_to_fp32 consolidation (before slimming) may run; it is killed "
+        "after, and nothing is removed.",
+    )
     metrics_listen: str | None = Field(
         None,
         description="Serve Prometheus metrics at http://HOST:PORT/metrics, e.g. '127.0.0.1:9464'; "

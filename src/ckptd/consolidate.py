@@ -42,7 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd import dsmeta
+from ckptd.config import format_duration
 from ckptd.evidence import safetensors_problem
+
+PARENT_ENV = "CKPTD_CONSOLIDATE_PARENT"  # the parent's pid: the child dies with it
 
 # Test hook: the child announces its pid on this FIFO once the temp file is written,
 # then waits (SIGUSR1 or 60 s) so that a test can kill it midway.
@@ -85,13 +88,15 @@ def consolidate(
     here = str(Path(__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "DS_ACCELERATOR": "cpu", "TQDM_DISABLE": "1"}
+    env[PARENT_ENV] = str(os.getpid())
     start = time.monotonic()
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, env=env, timeout=timeout, pass_fds=pass_fds
         )
     except subprocess.TimeoutExpired:
-        raise ConsolidationFailed(f"zero_to_fp32 took longer than {timeout:g}s") from None
+        assert timeout is not None  # subprocess.run has killed it (SIGKILL) and reaped it
+        raise ConsolidationFailed(f"zero_to_fp32 took longer than {format_duration(timeout)}") from None
     seconds = time.monotonic() - start
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()
@@ -229,6 +234,24 @@ def _same_bytes(torch, a, b) -> bool:
     )
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this process when the ckptd that started it exits, however it exits: a daemon
+    stopped mid-consolidation (or killed) leaves no zero_to_fp32 writing on its own.
+    Linux only (PR_SET_PDEATHSIG); elsewhere the consolidation runs on to its end."""
+    parent = os.environ.get(PARENT_ENV)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if parent and os.getppid() != int(parent):  # it exited before the line above
+        os._exit(1)
+
+
 def _pause_for_tests() -> None:
     fifo = os.environ.get(PAUSE_FIFO_ENV)
     if not fifo:
@@ -249,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("model_states", type=Path, help="its model-states file, for param_shapes")
     p.add_argument("out", type=Path, help="the safetensors file to write")
     args = p.parse_args(argv)
+    _die_with_parent()
     with contextlib.suppress(OSError):
         os.nice(19)
     try:

@@ -151,7 +151,7 @@ class Daemon:
         self.config.daemon.state_dir.mkdir(parents=True, exist_ok=True)
         self.journal = None if self.dry_run else Journal(self.config.daemon.state_dir)
         for root in self.config.roots:
-            self.roots.append(self._runtime(root))
+            self.roots.append(self._runtime(root, self.config))
         if any(rt.observer == "inotify" for rt in self.roots):
             self.watcher = Watcher(self._loop, self._on_path, self._on_overflow)
             self.watcher.start()
@@ -161,12 +161,20 @@ class Daemon:
         self.ready.set()
         log.info("ready: watching %d root(s)", len(self.roots))
 
-    def _runtime(self, root) -> RootRuntime:
+    def _runtime(self, root, config: Config) -> RootRuntime:
         tracker = RootTracker(root, self.clock)
-        reaper = Reaper(tracker.scanner, self.journal, dry_run=self.dry_run)
+        reaper = self._reaper(tracker, config)
         observer, why = choose_observer(root.path, root.observer)
         log.info("%s: observer=%s (%s)", root.path, observer, why)
         return RootRuntime(tracker, RootLock(self.config.daemon.state_dir, root.path), reaper, observer)
+
+    def _reaper(self, tracker: RootTracker, config: Config) -> Reaper:
+        return Reaper(
+            tracker.scanner,
+            self.journal,
+            dry_run=self.dry_run,
+            consolidate_timeout=config.daemon.consolidate_timeout,
+        )
 
     def _first_scan(self) -> None:
         now = self.clock()
@@ -582,7 +590,7 @@ class Daemon:
         for root in new.roots:
             rt = by_path.pop(root.path, None)
             if rt is None:
-                rt = self._runtime(root)
+                rt = self._runtime(root, new)
                 self._try_lead(rt)
                 rt.tracker.full_scan()
             else:
@@ -591,7 +599,7 @@ class Daemon:
                 # Patterns, depth, world sizes may have changed: look again with the new eyes,
                 # keeping what the settler knows (a reload does not restart quiet periods).
                 rt.tracker.reconfigure(root)
-                rt.reaper = Reaper(rt.tracker.scanner, self.journal, dry_run=self.dry_run)
+                rt.reaper = self._reaper(rt.tracker, new)
                 rt.tracker.full_scan()
             rt.next_poll = min(rt.next_poll, self.clock() + root.poll_interval)
             keep.append(rt)

@@ -88,6 +88,7 @@ class Reaper:
         *,
         dry_run: bool,
         clock: Callable[[], float] = time.time,
+        consolidate_timeout: float | None = None,
     ):
         if not dry_run and journal is None:
             raise ValueError("a reaper that deletes needs a journal")
@@ -96,6 +97,7 @@ class Reaper:
         self.journal = journal
         self.dry_run = dry_run
         self.clock = clock
+        self.consolidate_timeout = consolidate_timeout
         self._anchors_seen: dict[str, bool] = {}  # anchors re-checked in this pass
 
     @property
@@ -382,7 +384,9 @@ class Reaper:
             try:
                 out_path = c.path / slim.CONSOLIDATING / _PARTIAL
                 try:
-                    out = consolidate(run_dir / save_dir, tag, run_dir / states, out_path)
+                    out = consolidate(
+                        run_dir / save_dir, tag, run_dir / states, out_path, timeout=self.consolidate_timeout
+                    )
                 except ConsolidationFailed as exc:
                     raise _Stop(Outcome.FAILED, f"consolidation failed, nothing removed: {exc}") from None
                 wrote = _file_identity(_PARTIAL, work_fd)
