@@ -419,6 +419,27 @@ def test_world_size_cache_is_keyed_by_file_identity(tmp_path, monkeypatch):
     assert checks(again)["deepspeed shards (global_step10)"][0] is Verdict.FAILED
 
 
+def test_trainer_state_is_parsed_again_only_when_it_changed(tmp_path, monkeypatch):
+    from ckptd import evidence
+
+    inspector = Inspector(quiet_period=60)
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, losses={10: 0.5}, mtime=OLD)
+    cand = layouts.recognise_by_name(ckpt.name, True)
+    ctx = RunContext(tmp_path / "run", frozenset(os.listdir(tmp_path / "run")))
+    parses = []
+    real_parse = evidence.parse_trainer_state
+    monkeypatch.setattr(evidence, "parse_trainer_state", lambda data: parses.append(1) or real_parse(data))
+    first = inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
+    second = inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
+    assert len(parses) == 1 and second.trainer_state == first.trainer_state
+    assert first.trainer_state.history[10]["eval_loss"] == 0.5
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 10, "log_history": [
+        {"step": 10, "eval_loss": 0.25}]}))  # rewritten by a resumed job
+    age(ckpt, OLD + 100)
+    third = inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
+    assert len(parses) == 2 and third.trainer_state.history[10]["eval_loss"] == 0.25
+
+
 def test_world_sizes_are_read_without_torch_and_without_running_anything(tmp_path):
     """A torch.save-shaped zip whose data.pkl names a function to call: it is never looked up."""
     import pickle

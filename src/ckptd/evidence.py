@@ -153,6 +153,10 @@ class Inspector:
         self.mp_world_size = mp_world_size
         self._world_cache: dict[tuple[str, int, int], dsmeta.WorldSizes | str] = {}
         self._file_cache: dict[tuple[str, int, int], str | None] = {}
+        # The last parse of each trainer_state.json, with the (size, mtime) it was parsed at:
+        # an in-flight checkpoint is looked at every poll, and a long run's log history takes
+        # tens of milliseconds to parse.
+        self._ts_cache: dict[str, tuple[tuple[int, int], tuple[Check, TrainerState | None]]] = {}
 
     def inspect(
         self,
@@ -191,7 +195,7 @@ class Inspector:
 
         checks = [quiet(rel, digest) if quiet is not None else self._quiet(newest_ns, now)]
         if cand.layout == layouts.HF:
-            ts_check, trainer_state = _trainer_state(path, files)
+            ts_check, trainer_state = self._trainer_state(path, files)
             checks.append(ts_check)
             census = [self._deepspeed(path, d, files, world_size, removed) for d in _global_step_dirs(files)]
             checks.extend(check for check, _ in census)
@@ -246,6 +250,20 @@ class Inspector:
                 self._file_cache.clear()
             self._file_cache[key] = file_problem(path, e)
         return self._file_cache[key]
+
+    def _trainer_state(self, path: Path, files: dict[str, Entry]) -> tuple[Check, TrainerState | None]:
+        entry = files.get(TRAINER_STATE)
+        if entry is None:
+            return _trainer_state(path, files)
+        key, stamp = str(path / TRAINER_STATE), (entry.size, entry.mtime_ns)
+        cached = self._ts_cache.get(key)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        if len(self._ts_cache) > 4096:  # checkpoints deleted leave their keys behind
+            self._ts_cache.clear()
+        result = _trainer_state(path, files)
+        self._ts_cache[key] = (stamp, result)
+        return result
 
     def _quiet(self, newest_ns: int, now: float) -> Check:
         age = now - newest_ns / 1e9
