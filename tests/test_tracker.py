@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,26 @@ def test_watches_are_narrow(tmp_path, clock):
         (str(tmp_path / "team" / "run"), False),
         (str(tmp_path / "team" / "run" / "checkpoint-30"), True),  # only the one in flight, deeply
     }
+
+
+def test_at_start_only_checkpoints_written_lately_are_watched_deeply(tmp_path, clock):
+    """Every checkpoint settles once after a start; one whose files are all older than the
+    quiet period (most of a volume) is polled, not watched."""
+    from ckptd.demo import age
+
+    age(hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2), time.time() - 3600)
+    hf_deepspeed_checkpoint(tmp_path / "run", 20, world=2)  # being written as the daemon starts
+    t = tracker(tmp_path, clock)
+    t.full_scan()
+    assert {c.name: c.state for c in t.in_flight()} == {"checkpoint-10": State.SETTLING,
+                                                         "checkpoint-20": State.SETTLING}
+    assert t.wanted_watches() == {(str(tmp_path), False), (str(tmp_path / "run"), False),
+                                  (str(tmp_path / "run" / "checkpoint-20"), True)}
+    # a write into the old one is still seen: by the next poll, as a change of its fingerprint
+    (tmp_path / "run" / "checkpoint-10" / "late.txt").write_text("x")
+    t.poll()
+    assert {c.name: c.state for c in t.in_flight()}["checkpoint-10"] is State.WRITING
+    assert (str(tmp_path / "run" / "checkpoint-10"), True) in t.wanted_watches()
 
 
 @pytest.mark.parametrize("mtime", [0.0, 4_000_000_000.0])  # 1970, and 2096

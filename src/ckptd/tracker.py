@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -95,11 +96,22 @@ class RootTracker:
         return min(times) if times else None
 
     def wanted_watches(self) -> set[tuple[str, bool]]:
-        """(path, recursive): the directories on the way to runs, and in-flight checkpoints deeply."""
+        """(path, recursive): the directories on the way to runs, and in-flight checkpoints deeply.
+
+        Not a checkpoint the daemon has never seen change whose files are all older than the
+        quiet period by the wall clock: at start-up that is nearly every checkpoint on the
+        volume (each settles once), most finished long ago, and a deep watch costs a thread
+        and a watch per directory. The wall clock only chooses what to watch, it never
+        completes anything; polls and the look at the quiet period's end cover these.
+        """
         watches = {(str(self._abs(rel)), False) for rel in self.dirs}
+        wall = time.time()
         for c in self.in_flight():
-            if c.state is not State.STALLED and c.path.is_dir():
-                watches.add((str(c.path), True))
+            if c.state is State.STALLED or not c.path.is_dir():
+                continue
+            if c.state is State.SETTLING and wall - c.newest_mtime > self.root.quiet_period:
+                continue
+            watches.add((str(c.path), True))
         return watches
 
     # --- hints (from inotify, via the loop) --------------------------------

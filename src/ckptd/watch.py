@@ -6,7 +6,7 @@ return. The events are hints only; the daemon always looks at the disk.
 
 What is watched (see `RootTracker.wanted_watches`): the directories on the
 way to runs and the run directories, not recursively, and only the
-checkpoints still in flight, recursively. Only creations, deletions, moves and
+checkpoints still in flight (written lately), recursively. Only creations, deletions, moves and
 close-after-write are asked for: a rank writing 64 MiB in 4 KiB chunks would
 otherwise queue 16k modify events, and our own scans would generate
 open/access events.
