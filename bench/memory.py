@@ -95,19 +95,18 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         section.details.append(
             f"{shape.name}, `ckptd run`: {ready:.0f} MiB RSS at READY ({facts['ready_s']:.1f} s after the "
             f"start; {facts['threads_ready']} threads: every checkpoint is in flight until its first quiet "
-            f"period has passed, and each gets a recursive watch, up to {MAX_WATCHES}, one watchdog thread "
-            f"each), {complete:.0f} MiB once every checkpoint was complete ({facts['complete_s']:.1f} s) and "
+            f"period has passed, but only those written within the last quiet period get a recursive "
+            f"watch, up to {MAX_WATCHES}, one watchdog thread each), {complete:.0f} MiB once every "
+            f"checkpoint was complete ({facts['complete_s']:.1f} s) and "
             f"the daemon still ({facts['still_s']:.1f} s; {facts['threads']} threads), peak "
             f"{facts['hwm_kib'] / 1024:.0f} MiB."
         )
         if complete > 1.2 * ready and facts["ready_s"] > POLL_INTERVAL_S:
             section.details[-1] += (
                 f" The start-up scan outlasted poll_interval ({POLL_INTERVAL_S:g} s), so the "
-                "checkpoints were found quiet by a poll, and `RootTracker.poll` walks the list of "
-                "in-flight `Checkpoint`s while replacing each: every old one stays alive until the loop "
-                "ends, so the heap nearly doubles for that tick and the RSS it took is not given back. "
-                "Looping over their names instead would keep it flat (a change in `tracker.py`, left "
-                "to its owner)."
+                "checkpoints were found quiet by a poll, and the RSS grew by more than a fifth after READY: "
+                "`RootTracker.poll` loops over names so that each replaced `Checkpoint` can go at once; "
+                "look there first."
             )
     if ctx.torch_version:
         shape = next((s for s in reversed(ctx.sizes) if s.name != "L"), ctx.sizes[0])
