@@ -127,16 +127,16 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
     argv += ["--ticks", "3" if ctx.quick else "7"]
     tick = json.loads(check(run_child(argv, env=env(torch=False)), "probe tick").stdout)
     t = {k: median(v) for k, v in tick.items() if isinstance(v, list)}
-    write = t["state_doc_s"] + t["dumps_indent_s"]
+    write = t["state_doc_s"] + t["dumps_compact_s"]  # the daemon writes it compact (C encoder)
     reconcile = tick["reconcile_tick_s"]
     section.details.append(
         f"a poll tick on {shape.name} ({tick['checkpoints']:,} complete checkpoints) takes "
         f"{fmt_time(t['tick_s'])} CPU: the poll {fmt_time(t['poll_s'])} (of which `in_flight()` "
         f"{fmt_time(t['in_flight_s'])}, called again by `step` and `wanted_watches`), the state file's "
-        f"document {fmt_time(t['state_doc_s'])} and its encoding with `indent=1` "
-        f"{fmt_time(t['dumps_indent_s'])} ({tick['state_bytes'] / 1024:.0f} KiB; compact, by the C encoder: "
-        f"{fmt_time(t['dumps_compact_s'])}). A reconcile tick (every checkpoint "
-        f"looked at again, retention decided) takes {fmt_time(reconcile)} CPU: every "
+        f"document {fmt_time(t['state_doc_s'])} (rows reused for unchanged checkpoints) and its compact "
+        f"encoding {fmt_time(t['dumps_compact_s'])} ({tick['state_bytes'] / 1024:.0f} KiB; with `indent=1`, "
+        f"json's pure-Python encoder, it would be {fmt_time(t['dumps_indent_s'])}). A reconcile tick "
+        f"(every checkpoint looked at again, retention decided) takes {fmt_time(reconcile)} CPU: every "
         f"{RECONCILE_INTERVAL_S / 60:g} min that is {100 * reconcile / RECONCILE_INTERVAL_S:.2g} % of a core."
     )
 
@@ -152,13 +152,12 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
             f"{r['window_s']:.0f} s), but each poll tick costs {fmt_time(t['tick_s'])} of CPU "
             f"({100 * t['tick_s'] / interval:.2g} % at "
             f"{interval:g} s), of which rewriting the state file is {fmt_time(write)}: the whole document "
-            f"(every checkpoint with its decision, {tick['state_bytes'] / 1024:.0f} KiB) rebuilt "
-            f"({fmt_time(t['state_doc_s'])}) and encoded with `indent=1`, which runs json's pure-Python "
-            f"encoder ({fmt_time(t['dumps_indent_s'])}; compact, {fmt_time(t['dumps_compact_s'])}). "
+            f"(every checkpoint with its decision, {tick['state_bytes'] / 1024:.0f} KiB) put together "
+            f"({fmt_time(t['state_doc_s'])}) and encoded ({fmt_time(t['dumps_compact_s'])}). "
             "Rewriting it only when something changed (the heartbeat apart), and keeping the in-flight "
             f"checkpoints as a set instead of re-deriving {tick['checkpoints']:,} states three times a tick, "
             f"would leave about {fmt_time(rest)} a tick, {100 * rest / interval:.2g} % (changes in "
-            "`daemon.py` and `tracker.py`, left to their owner)."
+            "`daemon.py` and `tracker.py`)."
         )
     rows.append(
         Row(NAME, f"{shape.name}: CPU % over {window:g} s, inotify", f"{r['pct']:.2g} %",

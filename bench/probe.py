@@ -287,8 +287,9 @@ def daemon_ticks(config_path: Path, ticks: int) -> dict:
         "in_flight_s": [on_fs(thread_cpu(rt.tracker.in_flight)) for _ in range(ticks)],
         "state_doc_s": [on_fs(thread_cpu(daemon.state)) for _ in range(ticks)],
         "dumps_indent_s": [on_fs(thread_cpu(lambda: json.dumps(doc, indent=1))) for _ in range(ticks)],
-        "dumps_compact_s": [on_fs(thread_cpu(lambda: json.dumps(doc))) for _ in range(ticks)],
-        "state_bytes": len(json.dumps(doc, indent=1)),
+        "dumps_compact_s": [on_fs(thread_cpu(lambda: json.dumps(doc, separators=(",", ":"))))
+                            for _ in range(ticks)],
+        "state_bytes": len(json.dumps(doc, separators=(",", ":"))),  # as the daemon writes it
         "reconcile_tick_s": on_fs(thread_cpu(reconcile_tick)),
         "rss_kib": proc_status_kib("VmRSS"),
     }
