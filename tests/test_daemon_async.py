@@ -333,3 +333,33 @@ async def test_a_standby_decides_but_never_deletes(tmp_path, logs):
         holder.release()
     assert sorted(os.listdir(root / "job")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     assert logs.messages("deleted ") == [] and not (root / ".ckptd-trash").exists()
+
+
+async def test_the_state_file_shows_each_checkpoints_decision_and_reuses_unchanged_rows(tmp_path):
+    root = tmp_path / "vol"
+    for step in (1, 2, 3):
+        hf_deepspeed_checkpoint(root / "job", step, world=2)
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state", root_extra="quiet_period = '1s'",
+                       retention="keep_last = 1")
+    now = [1000.0]
+    daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
+    daemon.watcher = None
+    rt = daemon._runtime(daemon.config.roots[0], daemon.config)
+    daemon.roots.append(rt)
+    daemon._first_scan()
+    now[0] += 2
+    rt.tracker.step(now[0])
+    daemon._retention()
+
+    def rows():
+        return daemon.state()["roots"][0]["runs"][0]["checkpoints"]
+
+    first = rows()
+    assert [(r["name"], r["state"], r["action"]) for r in first] == [
+        ("checkpoint-1", "complete", "delete"), ("checkpoint-2", "complete", "delete"),
+        ("checkpoint-3", "complete", "keep")]
+    again = rows()
+    assert all(a is b for a, b in zip(first, again, strict=True))  # unchanged: the same rows
+    (root / "job" / "checkpoint-1" / "late.txt").write_text("x")
+    rt.tracker.full_scan()  # a reconcile: looks at complete checkpoints too
+    assert [r["state"] for r in rows()] == ["writing", "complete", "complete"]

@@ -103,8 +103,8 @@ class Daemon:
         self.journal: Journal | None = None
         self.counters = collections.Counter[str]()
         self.started = time.time()
-        self._decisions: dict[str, tuple[str, tuple[str, ...]]] = {}
-        self._state_rows: dict[str, _StateRow] = {}  # see `state`
+        self._decisions: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}  # by (root, rel)
+        self._state_rows: dict[tuple[str, str], _StateRow] = {}  # see `state`
         self._hints: collections.deque[str] = collections.deque()
         self._state_path = config.daemon.state_dir / f"{STATE_PREFIX}{os.getpid()}.json"
         self._watchdog_every = watchdog_interval()
@@ -381,7 +381,7 @@ class Daemon:
             if trashed:
                 self._purge(rt)
         # Forget what was said about checkpoints that are gone (a path re-created later is news again).
-        current = {str(d.checkpoint.path) for d in plan.decisions}
+        current = {(str(d.checkpoint.root), d.checkpoint.rel) for d in plan.decisions}
         self._decisions = {k: v for k, v in self._decisions.items() if k in current}
         for rt in self.roots:
             rels = {c.rel for c in rt.tracker.checkpoints()}
@@ -391,7 +391,7 @@ class Daemon:
         """Log each checkpoint's decision when it changes (not at every reconcile)."""
         note = f" {DRY_RUN_NOTE}" if self.dry_run else ""
         for d in decisions:
-            key = str(d.checkpoint.path)
+            key = (str(d.checkpoint.root), d.checkpoint.rel)
             value = (str(d.action), d.reasons)
             if self._decisions.get(key) != value:
                 self._decisions[key] = value
@@ -480,14 +480,15 @@ class Daemon:
         roots = []
         # Rebuilt every tick for the heartbeat: each checkpoint's row is reused while its
         # Checkpoint and decision are the same (most of an idle tick's CPU was this document).
-        rows: dict[str, _StateRow] = {}
+        rows: dict[tuple[str, str], _StateRow] = {}
         for rt in self.roots:
             runs = []
             oldest = None
+            root_key = str(rt.root.path)
             for run in rt.tracker.current_runs():
                 ckpts = []
                 for c in run.checkpoints:
-                    key = str(c.path)
+                    key = (root_key, c.rel)  # not c.path: building 960 Paths was most of this
                     decided = self._decisions.get(key)
                     hit = self._state_rows.get(key)
                     if hit is not None and hit[0] is c and hit[1] == decided:
