@@ -8,7 +8,8 @@
 Each mutation (tools/mutaudit/muts.py) is applied alone to a throwaway `git worktree` of
 HEAD (committed code only), its tests run there with pytest -x, and the worktree is
 restored before the next. CAUGHT: a test failed. SURVIVED: every test passed, so nothing
-checks that protection (or the mutation is equivalent: say why in muts.py). Takes about
+checks that protection. EQUIV: it survives, and muts.py says why it cannot be caught (an
+equivalent mutation). Exits 1 if anything survived. Takes about
 10 minutes for all of them on 2 cores, most of it the DeepSpeed and daemon tests.
 """
 
@@ -82,14 +83,17 @@ def main(argv: list[str] | None = None) -> int:
                 caught, detail, secs = _run(worktree, tests)
             finally:
                 _git("checkout", "--", "src", cwd=worktree)
-            if not caught:
-                survived.append(m["id"])
             verdict = "CAUGHT" if caught else "SURVIVED"
+            if not caught and m.get("equivalent"):
+                verdict, detail = "EQUIV", m["equivalent"]  # survives by design: nothing to catch
+            elif not caught:
+                survived.append(m["id"])
             print(f"{m['id']:6} {verdict:8} {secs:6.1f}s  {m['what']}: {detail[:120]}", flush=True)
     finally:
         _git("worktree", "remove", "--force", str(worktree))
         shutil.rmtree(base, ignore_errors=True)
-    print(f"{len(chosen) - len(survived)} of {len(chosen)} caught; survived: {', '.join(survived) or 'none'}")
+    print(f"{len(chosen) - len(survived)} of {len(chosen)} caught or equivalent; "
+          f"survived: {', '.join(survived) or 'none'}")
     return 1 if survived else 0
 
 
