@@ -50,7 +50,7 @@ def _run(worktree: Path, tests: list[str]) -> tuple[bool, str, float]:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                           cwd=worktree, env=env, capture_output=True, text=True)
     out = proc.stdout + proc.stderr
-    failed = [line for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    failed = [line for line in out.splitlines() if line.startswith(("FAILED ", "ERROR tests"))]
     if proc.returncode not in (0, 1) and not failed:
         raise SystemExit(f"pytest could not run ({proc.returncode}):\n{out[-2000:]}")
     return bool(failed), (failed[0] if failed else out.strip().splitlines()[-1]), time.monotonic() - t0

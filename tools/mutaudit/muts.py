@@ -251,7 +251,7 @@ MUTS = [
  dict(id="DM6", what="reload applies dry_run", tests="daemon", edits=[(DM,
    "        if dry_run != self.dry_run:\n", "        if False:\n")]),
  dict(id="DM6b", what="reload rebuilds reaper with dry_run", tests="daemon", edits=[(DM,
-   "                rt.reaper = Reaper(rt.tracker.scanner, self.journal, dry_run=self.dry_run)\n", "")]),
+   "                rt.reaper = self._reaper(rt.tracker, new)\n", "")]),
  dict(id="DM6c", what="reload applies patterns (reconfigure)", tests="daemon", edits=[(DM,
    "                rt.tracker.reconfigure(root)\n", "")]),
  dict(id="DM7", what="retention only by leaders", tests="daemon", edits=[(DM,
