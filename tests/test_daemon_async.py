@@ -235,6 +235,17 @@ async def test_a_reload_can_switch_dry_run_on_and_drop_a_pattern(tmp_path, logs)
     assert sorted(os.listdir(root / "job")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "snap_7"]
 
 
+def ticked_daemon(cfg: Path, clock) -> tuple[Daemon, object]:
+    """A dry-run Daemon for one root, first scan done, not served: the test drives `_tick`,
+    `_retention` and `state` itself, on its own clock."""
+    daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=clock, install_signals=False)
+    daemon.watcher = None
+    rt = daemon._runtime(daemon.config.roots[0], daemon.config)
+    daemon.roots.append(rt)
+    daemon._first_scan()
+    return daemon, rt
+
+
 @pytest.mark.parametrize(
     "fault",
     [OSError(errno.ESTALE, os.strerror(errno.ESTALE)), RootMissingError("/vol: the root is gone (unmounted?)")],
@@ -248,11 +259,7 @@ async def test_a_failing_look_backs_off_doubling_up_to_the_reconcile_interval(tm
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
                        root_extra="poll_interval = '1s'\nreconcile_interval = '60s'")
     now = [1000.0]
-    daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
-    daemon.watcher = None
-    rt = daemon._runtime(daemon.config.roots[0], daemon.config)
-    daemon.roots.append(rt)
-    daemon._first_scan()
+    daemon, rt = ticked_daemon(cfg, lambda: now[0])
 
     def fail(*args):
         raise fault
@@ -342,11 +349,7 @@ async def test_the_state_file_shows_each_checkpoints_decision_and_reuses_unchang
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state", root_extra="quiet_period = '1s'",
                        retention="keep_last = 1")
     now = [1000.0]
-    daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
-    daemon.watcher = None
-    rt = daemon._runtime(daemon.config.roots[0], daemon.config)
-    daemon.roots.append(rt)
-    daemon._first_scan()
+    daemon, rt = ticked_daemon(cfg, lambda: now[0])
     now[0] += 2
     rt.tracker.step(now[0])
     daemon._retention()

@@ -303,6 +303,21 @@ def test_consolidation_killed_midway_loses_nothing_and_the_next_run_completes(ze
     assert (row["state"], row["action"], row["reasons"][-1]) == ("complete", "keep", "slimmed")
 
 
+@contextlib.contextmanager
+def _paused_consolidation(cfg: Path, tmp_path: Path):
+    """`prune` started with the pause hook, once its consolidator has paused: (prune, a pidfd of
+    the consolidator). Whatever the test leaves running is killed on the way out."""
+    fifo = tmp_path / "pause.fifo"
+    os.mkfifo(fifo)
+    proc, reader = _start_prune(cfg, fifo)
+    with proc, _cleanup(proc, reader):
+        pid_fd = os.pidfd_open(_wait_for_pause(reader, proc))
+        try:
+            yield proc, pid_fd
+        finally:
+            os.close(pid_fd)
+
+
 def _gone(pid_fd: int, timeout: float) -> bool:
     """Whether the process behind a pidfd has exited (the pidfd turns readable), waiting up to `timeout`."""
     ready, _, _ = select.select([pid_fd], [], [], timeout)
@@ -315,16 +330,9 @@ def test_a_consolidation_that_overruns_its_timeout_is_killed_and_nothing_is_remo
     root = copy_run(zero3_bf16_bare, tmp_path)
     cfg = config(tmp_path, root, timeout="30s", keep_last=2, keep_best=0, keep_full_last=1)
     before = manifest(root)
-    fifo = tmp_path / "pause.fifo"
-    os.mkfifo(fifo)
-    proc, reader = _start_prune(cfg, fifo)
-    with proc, _cleanup(proc, reader):
-        pid_fd = os.pidfd_open(_wait_for_pause(reader, proc))
+    with _paused_consolidation(cfg, tmp_path) as (proc, pid_fd):
         out, _ = proc.communicate(timeout=120)
-    try:
         assert _gone(pid_fd, 0)
-    finally:
-        os.close(pid_fd)
     assert proc.returncode == 74, out
     assert "-> failed: consolidation failed, nothing removed: zero_to_fp32 took longer than 30s" in out
     assert manifest(root) == before  # the work directory and its partial output are gone too
@@ -335,15 +343,8 @@ def test_a_consolidator_dies_with_the_ckptd_that_started_it(zero3_bf16_bare, tmp
     root = copy_run(zero3_bf16_bare, tmp_path)
     cfg = config(tmp_path, root, keep_last=2, keep_best=0, keep_full_last=1)
     before = manifest(root)
-    fifo = tmp_path / "pause.fifo"
-    os.mkfifo(fifo)
-    proc, reader = _start_prune(cfg, fifo)
-    with proc, _cleanup(proc, reader):
-        pid_fd = os.pidfd_open(_wait_for_pause(reader, proc))
+    with _paused_consolidation(cfg, tmp_path) as (proc, pid_fd):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
-        try:
-            assert _gone(pid_fd, 30), "the consolidator outlived prune"
-        finally:
-            os.close(pid_fd)
+        assert _gone(pid_fd, 30), "the consolidator outlived prune"
     assert {k: v for k, v in manifest(root).items() if slim.CONSOLIDATING not in k} == before

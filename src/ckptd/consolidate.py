@@ -73,13 +73,8 @@ def consolidate(
     out: Path,
     *,
     timeout: float | None = None,
-    pass_fds: tuple[int, ...] = (),
 ) -> Consolidated:
-    """Consolidate `save_dir/tag` into `out` in a low-priority subprocess, and check the result.
-
-    `out` may be `/proc/self/fd/N` with N in `pass_fds`: a file the caller created
-    itself, so that no name in a writable directory can redirect the write.
-    """
+    """Consolidate `save_dir/tag` into `out` in a low-priority subprocess, and check the result."""
     cmd = [sys.executable, "-m", "ckptd.consolidate", str(save_dir), tag, str(model_states), str(out)]
     ionice = shutil.which("ionice")
     if ionice:  # best effort, lowest level; -t: run anyway where ioprio_set is not allowed
@@ -91,9 +86,7 @@ def consolidate(
     env[PARENT_ENV] = str(os.getpid())
     start = time.monotonic()
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, env=env, timeout=timeout, pass_fds=pass_fds
-        )
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         assert timeout is not None  # subprocess.run has killed it (SIGKILL) and reaped it
         raise ConsolidationFailed(f"zero_to_fp32 took longer than {format_duration(timeout)}") from None

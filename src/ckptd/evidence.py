@@ -542,7 +542,7 @@ def _integrity(path: Path, entries: list[Entry], problem: FileProblem) -> Check:
 
 def file_problem(path: Path, e: Entry) -> str | None:
     """Why one torch or safetensors file is not whole (as a suffix to its name), or None."""
-    if e.rel.endswith(SAFETENSORS_SUFFIX) or (not e.rel and path.name.endswith(SAFETENSORS_SUFFIX)):
+    if path.name.endswith(SAFETENSORS_SUFFIX):  # `path` is the file itself
         problem = safetensors_problem(path, e.size)
         return f": {problem}" if problem else None
     if e.size == 0:

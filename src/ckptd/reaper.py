@@ -389,7 +389,7 @@ class Reaper:
                     )
                 except ConsolidationFailed as exc:
                     raise _Stop(Outcome.FAILED, f"consolidation failed, nothing removed: {exc}") from None
-                wrote = _file_identity(_PARTIAL, work_fd)
+                wrote = _identity(_PARTIAL, work_fd, contents=True)
                 # Consolidation took a while: nobody but us may have touched the checkpoint since.
                 if _unchanged_but(before, slim.CONSOLIDATING) != _unchanged_but(
                     walk(c.path), slim.CONSOLIDATING
@@ -412,7 +412,7 @@ class Reaper:
                     raise _Stop(
                         Outcome.FAILED, f"cannot move the consolidated file into place: {exc}"
                     ) from None
-                if _file_identity(slim.CONSOLIDATED, ckpt_fd) != wrote:
+                if _identity(slim.CONSOLIDATED, ckpt_fd, contents=True) != wrote:
                     # Swapped between the check and the rename. Undo our own rename: left in
                     # place, the next run would take it for verified weights.
                     try:
@@ -573,22 +573,17 @@ def open_dir_nofollow(root: Path, rel: str) -> int:
     return fd
 
 
-def _identity(path: str, dir_fd: int | None = None) -> tuple[int, int] | None:
+def _identity(path: str, dir_fd: int | None = None, *, contents: bool = False) -> tuple[int, ...] | None:
+    """(dev, inode) of `path`, not following a symlink; None if it is not there.
+
+    With `contents`, also its size and mtime: a file unlinked and written again often gets
+    the same inode number back at once. (Not the ctime: a rename changes it.)
+    """
     try:
         st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino)
-
-
-def _file_identity(path: str, dir_fd: int) -> tuple[int, int, int, int] | None:
-    """`_identity` with the size and mtime: a file unlinked and written again often gets the
-    same inode number back at once. (Not the ctime: a rename changes it.)"""
-    try:
-        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if contents else (st.st_dev, st.st_ino)
 
 
 _PARTIAL = "weights.partial"  # the consolidator's output inside slim.CONSOLIDATING/
