@@ -366,3 +366,28 @@ async def test_the_state_file_shows_each_checkpoints_decision_and_reuses_unchang
     (root / "job" / "checkpoint-1" / "late.txt").write_text("x")
     rt.tracker.full_scan()  # a reconcile: looks at complete checkpoints too
     assert [r["state"] for r in rows()] == ["writing", "complete", "complete"]
+
+
+async def test_a_missing_root_does_not_stop_retention_on_the_others(tmp_path):
+    """Found in review: free space counted every root's pending trash by stat'ing each root, so
+    one unmounted root made every pass fail ("retention skipped") for all of them."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for step in (1, 2, 3):
+        hf_deepspeed_checkpoint(a / "job", step, world=2)
+    b.mkdir()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n"
+                   f"[[roots]]\npath = '{a}'\nquiet_period = '1s'\n[roots.retention]\nkeep_last = 1\n"
+                   f"min_free = '1%'\n[[roots]]\npath = '{b}'\n")
+    now = [1000.0]
+    daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
+    daemon.watcher = None
+    for root in daemon.config.roots:
+        daemon.roots.append(daemon._runtime(root, daemon.config))
+    daemon._first_scan()
+    now[0] += 2
+    daemon.roots[0].tracker.step(now[0])
+    b.rmdir()  # unmounted
+    daemon._retention()
+    actions = [r["action"] for r in daemon.state()["roots"][0]["runs"][0]["checkpoints"]]
+    assert actions == ["delete", "delete", "keep"]

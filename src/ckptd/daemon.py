@@ -75,6 +75,7 @@ class RootRuntime:
         self.last_error: str | None = None
         self.failures = 0
         self.outcomes: dict[str, str] = {}  # checkpoint -> the last refusal or failure said about it
+        self.dev: int | None = None  # the root's filesystem, as last seen (`Daemon._space`)
 
     @property
     def root(self):
@@ -419,7 +420,13 @@ class Daemon:
         dev = os.stat(path).st_dev
         pending = 0
         for rt in self.roots:
-            if os.stat(rt.root.path).st_dev == dev:
+            # Another root gone or unreachable (unmounted, ESTALE) must not stop this one's
+            # retention: its filesystem is the one it was last seen on.
+            try:
+                rt.dev = os.stat(rt.root.path).st_dev
+            except OSError:
+                pass
+            if rt.dev == dev:
                 with rt.pending_lock:
                     pending += rt.pending_purge_bytes
         return DiskSpace(free=space.free + pending, total=space.total)
