@@ -8,9 +8,15 @@ from pathlib import Path
 
 import pytest
 
-import dsgen
-
 REPO = Path(__file__).resolve().parent.parent
+
+# Test the tree these tests sit in, not whichever copy of ckptd is installed (an editable
+# install points at one checkout; a git worktree beside it would otherwise test that one).
+# The variable carries it to every `python -m ckptd` the tests start.
+sys.path.insert(0, str(REPO / "src"))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
+
+import dsgen  # noqa: E402
 
 # The best checkpoint is the oldest: the seed's case.
 LOSSES = {10: 0.20, 20: 0.90, 30: 0.80, 40: 0.70}

@@ -20,7 +20,8 @@ from ckptd.config import load_config
 from ckptd.daemon import Daemon
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.errors import RootMissingError
-from ckptd.watch import Watcher, choose_observer, filesystem_type
+from ckptd.mounts import filesystem_type
+from ckptd.watch import Watcher, choose_observer
 
 from daemonproc import write_config
 

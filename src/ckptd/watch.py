@@ -40,6 +40,8 @@ from watchdog.events import (
 from watchdog.observers.api import ObservedWatch
 from watchdog.observers.inotify import InotifyEmitter, InotifyObserver
 
+from ckptd.mounts import filesystem_type
+
 log = logging.getLogger(__name__)
 
 # watchdog runs one emitter thread per watch: beyond this many, the rest is left to polling.
@@ -67,26 +69,6 @@ def choose_observer(path: Path, configured: str) -> tuple[str, str]:
     if fstype in REMOTE_FS or fstype.startswith("fuse"):
         return "polling", f"{mount} is {fstype}: inotify does not see other hosts' writes"
     return "inotify", f"{mount} is {fstype}"
-
-
-def filesystem_type(path: Path) -> tuple[str | None, str | None]:
-    """The filesystem type of the mount holding `path`, from /proc/self/mountinfo."""
-    real = os.path.realpath(path)
-    best: tuple[str | None, str | None] = (None, None)
-    best_len = -1
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields = left.split()
-                if len(fields) < 5 or not right:
-                    continue
-                mount = fields[4].replace("\\040", " ")
-                if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > best_len:
-                    best, best_len = (right.split()[0], mount), len(mount)
-    except OSError:
-        pass
-    return best
 
 
 class _Emitter(InotifyEmitter):
