@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import dsmeta, layouts
+from ckptd import dsmeta, evidence, layouts
 from ckptd.config import Root
 from ckptd.demo import age, deepspeed_files, hf_deepspeed_checkpoint, write_model_states, write_zip
 from ckptd.discover import find_runs
@@ -524,3 +524,80 @@ def test_an_empty_or_foreign_model_states_file_does_not_import_torch(tmp_path, c
     )
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
     assert out.stdout.splitlines() == ["refused", "False"], out.stdout + out.stderr
+
+
+# --- zip integrity: the end record must end the file, consistent with its directory (issue 11, 9c) ---
+
+
+def _torch_save(path: Path, obj: object) -> bytes:
+    torch = pytest.importorskip("torch")
+    torch.save(obj, path)
+    return path.read_bytes()
+
+
+def test_every_prefix_of_a_real_torch_file_is_incomplete(tmp_path):
+    """torch.save's own output (which carries a zip64 record even when small) passes whole, and
+    fails cut at every byte: the writer's directory comes last, so no prefix is a whole archive."""
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "states.pt"
+    data = _torch_save(path, {"w": torch.arange(40.0), "step": 7, "name": "x" * 50})
+    assert evidence._is_zip(path, len(data))
+    cut = tmp_path / "cut.pt"
+    accepted = []
+    for n in range(len(data)):
+        cut.write_bytes(data[:n])
+        if evidence._is_zip(cut, n):
+            accepted.append(n)
+    assert accepted == []
+
+
+def test_a_half_written_file_holding_a_whole_zip_is_incomplete(tmp_path):
+    """The hole: a tensor whose bytes are a zip (an archive stored in a checkpoint), the file cut
+    just after that inner zip's end record. zipfile.is_zipfile takes the inner record for the
+    file's own; ckptd must not."""
+    import io
+    import zipfile
+
+    torch = pytest.importorskip("torch")
+    inner = io.BytesIO()
+    with zipfile.ZipFile(inner, "w") as z:
+        z.writestr("a.txt", "hello")
+    payload = inner.getvalue()
+    path = tmp_path / "optim.pt"
+    data = _torch_save(path, {"blob": torch.frombuffer(bytearray(payload), dtype=torch.uint8), "tail": torch.zeros(4096)})
+    end = data.find(payload) + len(payload)
+    assert end > len(payload)  # the inner zip sits inside the torch file
+    path.write_bytes(data[:end])  # killed right after writing the inner zip's end record
+    assert zipfile.is_zipfile(path), "the state that fooled the old check"
+    assert not evidence._is_zip(path, end)
+    entry = evidence.Entry("optim.pt", "f", end, 0)
+    assert evidence.file_problem(path, entry) == " is not a complete zip archive (truncated?)"
+
+
+@pytest.mark.parametrize("entries", [1, 70_000])  # 70k entries: Python writes zip64 end records
+@pytest.mark.parametrize("comment", [b"", b"a comment after the end record"])
+def test_other_writers_zips_pass_whole_and_fail_cut(tmp_path, entries, comment):
+    import zipfile
+
+    path = tmp_path / "model.bin"
+    with zipfile.ZipFile(path, "w") as z:
+        for i in range(entries):
+            z.writestr(f"f{i}", b"")
+        z.comment = comment
+    data = path.read_bytes()
+    assert evidence._is_zip(path, len(data))
+    for cut in (1, 21, 22, 23, len(comment) + 22, len(data) // 2):
+        path.write_bytes(data[: len(data) - cut])
+        assert not evidence._is_zip(path, len(data) - cut), cut
+
+
+def test_an_end_record_whose_numbers_add_up_must_point_at_a_directory_entry(tmp_path):
+    """Hand-made (no writer produces it; a torn write could): the last 22 bytes are an end record
+    whose directory offset and size add up to where it starts, over bytes that are no directory."""
+    body = b"\x00" * 100
+    record = b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, 1, 1, 40, 60, 0)
+    path = tmp_path / "torn.pt"
+    path.write_bytes(body + record)
+    assert not evidence._is_zip(path, len(body) + len(record))
+    path.write_bytes(body[:60] + b"PK\x01\x02" + body[64:] + record)  # now an entry starts there
+    assert evidence._is_zip(path, len(body) + len(record))

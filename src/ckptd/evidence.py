@@ -13,7 +13,7 @@ Why each check exists:
 - trainer_state.json: the Trainer's rank 0 writes it last, after DeepSpeed's
   final barrier. rng_state_<rank>.pth files have no barrier, so count them.
 - file integrity: torch.save files are zip archives, whose directory sits at
-  the end, so a truncated one fails `zipfile.is_zipfile`; a safetensors
+  the end, so a truncated one has no end record at its very end (`_is_zip`); a safetensors
   header's offsets must fit the file.
 - native markers: DCP's `.metadata` (the coordinator writes it after every
   rank), Orbax's tmp directory, NeMo's `-unfinished` marker, Megatron's tracker.
@@ -31,7 +31,6 @@ import os
 import re
 import stat
 import struct
-import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -553,25 +552,65 @@ def file_problem(path: Path, e: Entry) -> str | None:
 
 
 _EOCD = b"PK\x05\x06"  # end of central directory: the last thing a zip writer writes
+_EOCD64_LOCATOR = b"PK\x06\x07"
+_EOCD64 = b"PK\x06\x06"
+_CENTRAL = b"PK\x01\x02"  # a central directory entry
+_EOCD_SEARCH = 22 + 0xFFFF  # the record, and the longest comment it may carry
 
 
 def _is_zip(path: Path, size: int) -> bool:
-    """Whether the file ends in a zip's end-of-central-directory record.
+    """Whether the file ends exactly in a zip's end record, consistent with its central directory.
 
-    torch.save writes no archive comment, so the record is the last 22 bytes: one
-    pread. Anything else (a comment, an odd writer) gets zipfile's full search.
+    A file cut off mid-write can still hold a whole zip *inside* it (a tensor whose bytes
+    happen to be one), and `zipfile.is_zipfile` accepts an end record anywhere in the last
+    64 KiB. So: the end record must end the file (with its comment, if any), the central
+    directory it points at must end exactly where the record (or torch's zip64 record,
+    which it writes even for small files) begins, and an entry must start there. Three
+    preads for a torch.save file.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            tail = os.pread(fd, 22, max(0, size - 22))
+            return _zip_directory_ok(fd, size)
         finally:
             os.close(fd)
-        if len(tail) == 22 and tail[:4] == _EOCD and tail[20:22] == b"\0\0":
-            return True
-        return zipfile.is_zipfile(path)
-    except OSError:
+    except (OSError, struct.error):
         return False
+
+
+def _zip_directory_ok(fd: int, size: int) -> bool:
+    if size < 22:
+        return False
+    eocd_at, record = size - 22, os.pread(fd, 22, size - 22)
+    if not (record[:4] == _EOCD and record[20:22] == b"\0\0"):  # not torch's: a comment follows it
+        n = min(size, _EOCD_SEARCH)
+        tail = os.pread(fd, n, size - n)
+        i = tail.rfind(_EOCD)
+        while i >= 0 and not (
+            len(tail) - i >= 22 and i + 22 + struct.unpack_from("<H", tail, i + 20)[0] == len(tail)
+        ):
+            i = tail.rfind(_EOCD, 0, i)
+        if i < 0:
+            return False
+        eocd_at, record = size - n + i, tail[i : i + 22]
+    disk, cd_disk, here, total, cd_size, cd_offset = struct.unpack_from("<4xHHHHII", record)
+    if disk or cd_disk or here != total:
+        return False  # a multi-disk archive: no torch file is one
+    maxed = 0xFFFF in (here, total) or 0xFFFFFFFF in (cd_size, cd_offset)
+    candidates = []  # (where the central directory must end, its size, its offset)
+    if eocd_at >= 20 + 56 and (locator := os.pread(fd, 20, eocd_at - 20))[:4] == _EOCD64_LOCATOR:
+        (at,) = struct.unpack_from("<Q", locator, 8)
+        zip64 = os.pread(fd, 56, at) if at < eocd_at else b""
+        whole = len(zip64) == 56 and zip64[:4] == _EOCD64
+        if whole and at + 12 + struct.unpack_from("<Q", zip64, 4)[0] == eocd_at - 20:
+            size64, offset64 = struct.unpack_from("<QQ", zip64, 40)
+            candidates.append((at, size64, offset64))
+    if not maxed:
+        candidates.append((eocd_at, cd_size, cd_offset))
+    for end, length, offset in candidates:
+        if offset + length == end and (length == 0 or os.pread(fd, 4, offset) == _CENTRAL):
+            return True
+    return False
 
 
 def safetensors_problem(path: Path, size: int) -> str | None:
