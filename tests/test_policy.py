@@ -44,6 +44,8 @@ def ck(
         checks,
         size_bytes=size,
         newest_mtime=float(step if mtime is None else mtime),
+        saved_at=float(step if mtime is None else mtime),
+        written_at=float(step if mtime is None else mtime),
         pinned=pinned,
         trainer_state=ts,
     )
@@ -218,7 +220,7 @@ def test_max_size_warns_and_stops_at_protected():
     run = run_of(ck(100, pinned=True, size=50), ck(200, INCOMPLETE, size=50), ck(300, size=50))
     out, warnings = enforce_max_size(decide_run(run, Retention(keep_last=3, keep_best=0)), max_size=10)
     assert kept(out) == [100, 200, 300]
-    assert len(warnings) == 1 and "still over max_size=10B" in warnings[0]
+    assert len(warnings) == 1 and "max_size=10B cannot be met" in warnings[0]
 
 
 def test_min_free_counts_planned_deletions_and_takes_oldest_by_mtime():
@@ -226,7 +228,7 @@ def test_min_free_counts_planned_deletions_and_takes_oldest_by_mtime():
         ROOT,
         "a",
         tuple(
-            Checkpoint(ROOT, "a", f"c-{s}", s, "hf", COMPLETE, size_bytes=100, newest_mtime=t)
+            Checkpoint(ROOT, "a", f"c-{s}", s, "hf", COMPLETE, size_bytes=100, newest_mtime=t, written_at=t)
             for s, t in ((1, 10.0), (2, 40.0), (3, 50.0))
         ),
     )
@@ -234,7 +236,7 @@ def test_min_free_counts_planned_deletions_and_takes_oldest_by_mtime():
         ROOT,
         "b",
         tuple(
-            Checkpoint(ROOT, "b", f"c-{s}", s, "hf", COMPLETE, size_bytes=100, newest_mtime=t)
+            Checkpoint(ROOT, "b", f"c-{s}", s, "hf", COMPLETE, size_bytes=100, newest_mtime=t, written_at=t)
             for s, t in ((1, 20.0), (2, 30.0), (3, 60.0))
         ),
     )
@@ -258,7 +260,7 @@ def test_min_free_percentage_and_warning_when_unreachable():
         where="/vol",
     )
     assert kept(out) == [200]
-    assert len(warnings) == 1 and "min_free=50% wants 500B" in warnings[0]
+    assert len(warnings) == 1 and "min_free=50% cannot be met: it needs 490B more" in warnings[0]
 
 
 def test_min_free_already_met_changes_nothing():
@@ -276,3 +278,73 @@ def test_incomplete_and_writing_decisions_are_protected_from_budgets():
     unflagged = [replace(d, protected=False) for d in decisions]  # the budget must still refuse them
     out, _ = enforce_max_size(unflagged, max_size=1)
     assert kept(out)[:2] == [100, 200]
+
+
+# --- issue 11: what a user needs is never deleted ---------------------------------------------
+
+
+def test_a_budget_that_cannot_be_met_deletes_nothing():
+    """min_free wants more than every unprotected checkpoint holds: deleting them all would miss the
+    floor anyway. Before: 100-400 were deleted, then a warning said the floor was still not met."""
+    run = run_of(*(ck(s, size=10) for s in STEPS))
+    ds = decide_run(run, Retention(keep_last=5, keep_best=0))
+    out, warnings = enforce_min_free(ds, free=0, total=10_000, floor=FreeSpace(bytes=1000), where="/vol")
+    assert kept(out) == STEPS
+    assert len(warnings) == 1 and "min_free=1000 cannot be met: it needs 1000B more" in warnings[0]
+    assert "deleting every checkpoint it may take (4, 40B) would not free it; deleting none" in warnings[0]
+    # reachable: the oldest go, and only as many as needed
+    out, warnings = enforce_min_free(ds, free=0, total=10_000, floor=FreeSpace(bytes=15), where="/vol")
+    assert kept(out) == [300, 400, 500] and warnings == []
+    out, warnings = enforce_max_size(ds, max_size=5)
+    assert kept(out) == STEPS and "max_size=5B cannot be met" in warnings[0]
+
+
+def test_steps_that_go_backwards_never_lose_the_checkpoint_written_last():
+    """A new job writes checkpoint-100, -200, -300 into an output dir holding a day-old
+    checkpoint-5000. Before: 'newest' meant the highest step, and each new checkpoint was
+    deleted as old right after it completed."""
+    day_old = ck(5000, mtime=1000.0)
+    new = [ck(s, mtime=90_000.0 + s) for s in (100, 200, 300)]
+    ds = decide_run(run_of(*new, day_old), Retention(keep_last=1, keep_best=0))
+    by_step = {d.checkpoint.step: d for d in ds}
+    assert kept(ds) == [300, 5000]
+    assert by_step[300].reasons == ("written last (newest complete by time)",) and by_step[300].protected
+    assert by_step[5000].reasons == ("newest complete",)
+    # both anchors are protected from budgets too: the oldest unprotected goes
+    ds = decide_run(run_of(*new, day_old), Retention(keep_last=4, keep_best=0))
+    out, _ = enforce_max_size(ds, max_size=30)
+    assert kept(out) == [200, 300, 5000]
+
+
+def test_steps_that_go_backwards_do_not_slim_the_live_lineage():
+    day_old = ck(5000, mtime=1000.0)
+    new = [ck(s, mtime=90_000.0 + s) for s in (100, 200, 300)]
+    for c in [*new, day_old]:
+        object.__setattr__(c, "slim", replace(c.slim, removable=(("optimizer.pt", 8),), weights="model.safetensors"))
+    ds = decide_run(run_of(*new, day_old), Retention(keep_last=4, keep_best=0, keep_full_last=1))
+    actions = {d.checkpoint.step: str(d.action) for d in ds}
+    assert actions == {100: "slim", 200: "slim", 300: "keep", 5000: "keep"}
+
+
+def test_a_touch_of_an_old_checkpoint_does_not_move_the_keep_within_window():
+    """keep_within counts from when the run's newest save began: touching one file of an old
+    checkpoint (or pinning it) made it 'the newest', and the window dropped what it kept."""
+    hour = 3600.0
+    run = [ck(s, mtime=s * hour) for s in (1, 2, 3, 4, 5)]
+    r = Retention(keep_last=1, keep_best=0, keep_within=2 * hour)
+    before = kept(decide_run(run_of(*run), r))
+    assert before == [3, 4, 5]
+    touched = replace(run[0], written_at=100 * hour, newest_mtime=100 * hour)  # saved_at unchanged
+    after = kept(decide_run(run_of(touched, *run[1:]), r))
+    assert set(before) <= set(after)
+
+
+def test_the_checkpoint_a_resume_pointer_names_and_one_holding_a_mount_are_never_deleted():
+    run = run_of(ck(100), replace(ck(200), mounts=("data",)), ck(300), ck(400))
+    run = replace(run, resume={"checkpoint-100": "DeepSpeed's latest"})
+    ds = decide_run(run, Retention(keep_last=1, keep_best=0))
+    assert kept(ds) == [100, 200, 400]
+    by_step = {d.checkpoint.step: d for d in ds}
+    assert by_step[100].reasons == ("named by DeepSpeed's latest: the framework resumes from it",)
+    assert by_step[200].reasons == ("holds a mount point (data): another filesystem is never deleted",)
+    assert by_step[100].protected and by_step[200].protected

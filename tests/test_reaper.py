@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd import reaper as reaper_module
 from ckptd.config import Retention, Root
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.journal import Journal, read_journal
@@ -334,13 +335,14 @@ def test_a_purge_is_journaled_before_the_removal(volume, tmp_path, monkeypatch):
     saying the entry was being purged (found by the crash test: its journal could not agree)."""
     reaper, plan, _ = make(volume, tmp_path)
     reaper.execute(plan.decisions)
-    real_rmtree, seen = shutil.rmtree, []
+    real_remove, seen = reaper_module._remove_tree, []
 
-    def rmtree(entry, **kw):
-        last = read_journal(tmp_path / "state")[-1]
-        seen.append((last["event"], Path(last["trash"]).name == entry))
-        return real_rmtree(entry, **kw)
+    def remove_tree(entry, parent_fd, dev, depth=0):
+        if depth == 0:  # a trash entry, not a directory inside one
+            last = read_journal(tmp_path / "state")[-1]
+            seen.append((last["event"], Path(last["trash"]).name == entry))
+        return real_remove(entry, parent_fd, dev, depth)
 
-    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    monkeypatch.setattr(reaper_module, "_remove_tree", remove_tree)
     assert reaper.purge()[0] == 3
     assert seen == [("purging", True)] * 3

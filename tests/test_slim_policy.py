@@ -25,7 +25,7 @@ def ck(step, slim=FULL, checks=COMPLETE, *, size=100, pinned=False, losses=None)
     if losses is not None:
         ts = TrainerState(step, None, None, {s: {"eval_loss": v} for s, v in losses.items() if s <= step})
     return Checkpoint(ROOT, "run", f"checkpoint-{step}", step, "hf", checks, size_bytes=size,
-                      newest_mtime=float(step), pinned=pinned, trainer_state=ts, slim=slim)
+                      newest_mtime=float(step), saved_at=float(step), written_at=float(step), pinned=pinned, trainer_state=ts, slim=slim)
 
 
 def actions(decisions) -> list[tuple[int, str]]:

@@ -336,7 +336,8 @@ class Daemon:
 
     def _retention(self) -> None:
         """Decide across every root (min_free is per filesystem), then let each leader's reaper act."""
-        plan = decide([(rt.root, rt.tracker.current_runs()) for rt in self.roots], space=self._space)
+        runs = [(rt.root, rt.tracker.current_runs(resume=True)) for rt in self.roots]
+        plan = decide(runs, space=self._space)
         for w in plan.warnings:
             log.warning("%s", w)
         self._log_decisions(plan.decisions)

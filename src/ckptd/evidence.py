@@ -31,11 +31,11 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd import dsmeta, layouts, slim
+from ckptd import dsmeta, layouts, mounts, slim
 from ckptd.config import format_duration, format_size
 from ckptd.layouts import Candidate
 from ckptd.model import QUIET, Check, Checkpoint, Slimming, TrainerState, Verdict, as_metric
@@ -58,12 +58,13 @@ class Entry:
     """One thing inside a checkpoint, as lstat saw it."""
 
     rel: str  # relative to the checkpoint; "" for the checkpoint itself
-    kind: str  # "d", "f", "l" (symlink, never followed), "o"
+    kind: str  # "d", "f", "l" (symlink, never followed), "m" (a mount point, never entered), "o"
     size: int
     mtime_ns: int
 
 
 MAX_WALK_DEPTH = 256
+MOUNT = "m"
 
 
 class TooDeep(Exception):
@@ -75,7 +76,9 @@ class TooDeep(Exception):
 
 
 def walk(path: Path) -> list[Entry]:
-    """Every entry under `path` (itself included), without following symlinks.
+    """Every entry under `path` (itself included), without following symlinks, and without
+    entering another filesystem: a directory on another device, or where a mount is attached
+    (a bind mount keeps its device number), is listed with kind "m" and not descended into.
 
     Entries that vanish while we look are skipped: the quiet check will see
     the directory's mtime move. A tree deeper than MAX_WALK_DEPTH (or with
@@ -98,6 +101,9 @@ def walk(path: Path) -> list[Entry]:
             for e in it:
                 try:
                     est = e.stat(follow_symlinks=False)
+                    kind = _kind(est.st_mode)
+                    if kind == "d" and (est.st_dev != st.st_dev or mounts.is_mount_root(e.path)):
+                        kind = MOUNT  # another filesystem: seen, never entered, never deleted
                 except FileNotFoundError:
                     continue
                 except OSError as exc:  # its path is longer than PATH_MAX: too long to name
@@ -105,7 +111,6 @@ def walk(path: Path) -> list[Entry]:
                         raise TooDeep(out, f"paths too long to walk at {rel[:80]}...") from None
                     raise
                 erel = f"{rel}/{e.name}" if rel else e.name
-                kind = _kind(est.st_mode)
                 out.append(Entry(erel, kind, est.st_size, est.st_mtime_ns))
                 if kind == "d":
                     stack.append((erel, Path(e.path), depth + 1))
@@ -224,6 +229,10 @@ class Inspector:
             checks.append(_slimmed(files, marker))
 
         pinned = layouts.PIN_FILE in files if cand.is_dir else f"{cand.name}{layouts.PIN_FILE}" in run.names
+        saved_at, written_at = _save_times(entries, marker, newest_ns)
+        inside = tuple(e.rel for e in entries if e.kind == MOUNT)
+        if mounts.is_mount_root(path):
+            inside = ("", *inside)
         return Checkpoint(
             root=root,
             run=run_rel,
@@ -234,6 +243,9 @@ class Inspector:
             size_bytes=sum(e.size for e in entries if e.kind == "f"),
             newest_mtime=newest_ns / 1e9,
             fingerprint=digest,
+            saved_at=saved_at,
+            written_at=written_at,
+            mounts=inside,
             pinned=pinned or _matches_pin(rel, pins),
             trainer_state=trainer_state,
             slim=slimming,
@@ -361,6 +373,25 @@ class Inspector:
         return Check(name, PASSED, f"{present}/{len(expected)} files present{gone}, {kind} ({origin})"), sizes
 
 
+def _save_times(
+    entries: list[Entry], marker: slim.Marker | str | None, newest_ns: int
+) -> tuple[float, float]:
+    """(saved_at, written_at): the oldest and newest mtimes of the checkpoint's files.
+
+    Directories are left out (adding a pin or touching one moves their mtime), and so are
+    ckptd's own files (the pin, the slim marker, weights it consolidated, its work directory):
+    none of them says when the trainer saved. A checkpoint with no such file (an empty
+    directory) falls back to its newest mtime.
+    """
+    own = slim.ckptd_files(marker if isinstance(marker, slim.Marker) else None) | {layouts.PIN_FILE}
+    times = [
+        e.mtime_ns for e in entries if e.kind == "f" and e.rel not in own and not slim.in_work_dir(e.rel)
+    ]
+    if not times:
+        return newest_ns / 1e9, newest_ns / 1e9
+    return min(times) / 1e9, max(times) / 1e9
+
+
 def read_slim_marker(path: Path, files: dict[str, Entry]) -> slim.Marker | str | None:
     """The checkpoint's slim marker; a string says why it cannot be read; None: not slimmed."""
     entry = files.get(slim.MARKER)
@@ -465,6 +496,43 @@ def _rng_states(files: dict[str, Entry], world: int | None) -> Check:
     if world is not None:
         return Check("rng states", PASSED, f"{world}/{world} ranks")
     return Check("rng states", PASSED, f"ranks 0..{n - 1} contiguous (world size not known)")
+
+
+DEEPSPEED_LATEST = "latest"
+MAX_POINTER_BYTES = 4096
+
+
+def resume_pointers(run_path: Path, names: Collection[str]) -> dict[str, str]:
+    """The checkpoints a framework's own resume pointer names in a run directory, each with the
+    pointer's name: DeepSpeed's `latest` (the tag `load_checkpoint` loads; a user rolls it back
+    to resume from an earlier one) and Megatron's tracker. Not completeness evidence (rank 0
+    writes `latest` before the other ranks finish), but never deleted: the next resume loads it.
+    """
+    found: dict[str, str] = {}
+    if DEEPSPEED_LATEST in names:
+        tag = _read_pointer(run_path / DEEPSPEED_LATEST)
+        if tag and "/" not in tag and tag not in (".", ".."):
+            found[tag] = "DeepSpeed's latest"
+    if layouts.MEGATRON_TRACKER in names:
+        text = _read_pointer(run_path / layouts.MEGATRON_TRACKER)
+        if text and text.isdigit():
+            found[f"iter_{int(text):07d}"] = layouts.MEGATRON_TRACKER
+    return found
+
+
+def _read_pointer(path: Path) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, MAX_POINTER_BYTES).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _megatron_tracker(run: RunContext, cand: Candidate) -> Check:

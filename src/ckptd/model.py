@@ -114,6 +114,11 @@ class Checkpoint:
     fingerprint: str = (
         ""  # digest of every entry's (path, type, size, mtime): "unchanged" means this is equal
     )
+    # When it was saved, from its files' mtimes, ckptd's own files (pin, slim marker, weights it
+    # consolidated) and directories left out: a pin or a `touch` of the directory moves neither.
+    saved_at: float = 0.0  # the oldest: when the save began
+    written_at: float = 0.0  # the newest: when the save ended
+    mounts: tuple[str, ...] = ()  # mount points inside it ("" for itself): never deleted or slimmed
     pinned: bool = False
     trainer_state: TrainerState | None = None
     slim: Slimming = Slimming()
@@ -137,7 +142,8 @@ class Checkpoint:
         return classify(self.checks)
 
     def sort_key(self) -> tuple[int, float, str]:
-        return (self.step, self.newest_mtime, self.name)
+        """Oldest first: by step, then by when it was written, then by name."""
+        return (self.step, self.written_at, self.name)
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,9 @@ class Run:
     root: Path
     rel: str
     checkpoints: tuple[Checkpoint, ...]  # oldest first (by step, then mtime)
+    # checkpoint name -> the framework file that names it as the one to resume from
+    # (DeepSpeed's `latest`, Megatron's tracker): never deleted, whatever the rules say
+    resume: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def path(self) -> Path:

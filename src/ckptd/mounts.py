@@ -11,9 +11,11 @@ Parsing is pure (`parse_mountinfo`); `read_mounts` reads the file.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,3 +123,47 @@ def filesystem_type(path: Path, mounts: Sequence[Mount] | None = None) -> tuple[
     """(filesystem type, mount point) of the mount holding `path`; (None, None) if unknown."""
     m = mount_of(path, read_mounts() if mounts is None else mounts)
     return (m.fstype, m.point) if m is not None else (None, None)
+
+
+# --- is this directory the root of a mount? (statx) -------------------------
+
+# A bind mount of a directory from the same filesystem keeps its st_dev: only the mount
+# table, or statx's STATX_ATTR_MOUNT_ROOT (Linux 5.8), tells that one apart.
+_STATX_ATTR_MOUNT_ROOT = 0x2000
+_AT_FDCWD = -100
+_AT_SYMLINK_NOFOLLOW = 0x100
+_AT_NO_AUTOMOUNT = 0x800  # never trigger an automount by looking
+_STATX_BASIC_STATS = 0x7FF
+_STATX_SIZE = 256  # struct statx
+_ATTRIBUTES, _ATTRIBUTES_MASK = 8, 56  # offsets of stx_attributes and stx_attributes_mask
+
+
+@functools.cache
+def _statx() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.statx  # glibc >= 2.28
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def is_mount_root(name: str | os.PathLike[str], dir_fd: int | None = None) -> bool | None:
+    """Whether `name` (relative to `dir_fd`, not followed if a symlink) is where a mount is
+    attached, bind mounts included; None where the kernel or libc cannot say (no statx, or a
+    kernel before 5.8) — callers then fall back to `st_dev` and the mount table."""
+    fn = _statx()
+    if fn is None:
+        return None
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    flags = _AT_SYMLINK_NOFOLLOW | _AT_NO_AUTOMOUNT
+    if fn(_AT_FDCWD if dir_fd is None else dir_fd, os.fsencode(name), flags, _STATX_BASIC_STATS, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), os.fsdecode(name))
+    raw = buf.raw
+    attributes, known = (int.from_bytes(raw[o : o + 8], "little") for o in (_ATTRIBUTES, _ATTRIBUTES_MASK))
+    if not known & _STATX_ATTR_MOUNT_ROOT:
+        return None
+    return bool(attributes & _STATX_ATTR_MOUNT_ROOT)

@@ -18,7 +18,7 @@ from ckptd import policy
 from ckptd.config import Root
 from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError
-from ckptd.evidence import Inspector, QuietJudge, RunContext
+from ckptd.evidence import Inspector, QuietJudge, RunContext, resume_pointers
 from ckptd.layouts import Candidate, compile_pattern
 from ckptd.model import Check, Checkpoint, Run, Verdict
 from ckptd.policy import Decision, Plan
@@ -57,7 +57,8 @@ class Scanner:
 
     def inspect_run(self, run_dir: RunDir, *, now: float) -> Run:
         ckpts = [c for cand in run_dir.candidates if (c := self.inspect(run_dir, cand, now=now)) is not None]
-        return Run(self.root.path, run_dir.rel, tuple(sorted(ckpts, key=Checkpoint.sort_key)))
+        resume = resume_pointers(run_dir.path, run_dir.names)
+        return Run(self.root.path, run_dir.rel, tuple(sorted(ckpts, key=Checkpoint.sort_key)), resume)
 
     def inspect(self, run_dir: RunDir, cand: Candidate, *, now: float) -> Checkpoint | None:
         """One checkpoint's evidence; None if it vanished while we looked (not ours to decide about)."""

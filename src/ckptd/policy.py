@@ -2,17 +2,24 @@
 
 Rules combine as a union: a checkpoint is kept if any rule keeps it, and
 every rule that keeps it is named in its reasons. Whatever the config says:
-- the newest complete checkpoint of every run is kept, and so is the newest
-  complete *full* one (not slimmed: the newest a trainer can resume from);
-- incomplete and writing checkpoints are never deleted;
+- each run's *anchors* are kept and protected: its newest complete checkpoint
+  by step and the one written last (by time: a new job writing checkpoint-100
+  into a directory that holds a day-old checkpoint-5000 must not lose it as
+  "old"), and likewise its newest complete *full* ones (not slimmed: what a
+  trainer can resume from). The reaper re-checks every anchor before each
+  deletion of the run;
+- incomplete and writing checkpoints are never deleted; nor is a pinned one, the
+  one the framework's own resume pointer names (DeepSpeed's `latest`, Megatron's
+  tracker), or one that holds a mount point (another filesystem);
 - budgets (`max_size`, `min_free`) take the oldest *unprotected* checkpoints
-  first, and stop with a warning rather than touch a protected one
-  (protected: newest complete, newest full, best, pinned, not complete).
+  first, and only when that can meet them: a budget that cannot be met deletes
+  nothing and says so (deleting every unprotected checkpoint and still missing
+  the floor would lose checkpoints for nothing).
 
 Slimming (`keep_full_last`) is a third action: a checkpoint some rule keeps but
 that is not among the N newest complete full checkpoints keeps its weights and
 loses its optimizer state. Slimmed checkpoints are complete but not full, so
-they never count toward the N, and the newest full one is never slimmed. A
+they never count toward the N, and the newest full ones are never slimmed. A
 planned slim counts as freeing its optimizer bytes in the budgets, which
 delete whole checkpoints and never slim on their own.
 """
@@ -65,6 +72,34 @@ class Plan:
         return tuple(d for d in self.decisions if d.action is Action.SLIM)
 
 
+def anchors(ckpts: Iterable[Checkpoint]) -> list[tuple[Checkpoint, str]]:
+    """A run's anchors, each with the reason it is kept: its newest complete checkpoint by step
+    and by time (written last), and its newest complete full (resumable) ones, likewise.
+
+    Times are `written_at`: its files' newest mtime, with ckptd's own files and directories
+    left out, so a pin or a touch of an old checkpoint's directory does not make it the newest.
+    """
+    complete = [c for c in ckpts if c.state is State.COMPLETE]
+    full = [c for c in complete if not c.slimmed]
+    found: list[tuple[Checkpoint, str]] = []
+    pools = (
+        (complete, "newest complete", "written last (newest complete by time)"),
+        (full, "newest full (resumable)", "written last of the full ones (resumable)"),
+    )
+    for pool, by_step_why, by_time_why in pools:
+        if not pool:
+            continue
+        by_step, by_time = max(pool, key=Checkpoint.sort_key), max(pool, key=_written_key)
+        for c, why in ((by_step, by_step_why), (by_time, by_time_why)):
+            if all(c is not a for a, _ in found):
+                found.append((c, why))
+    return found
+
+
+def _written_key(c: Checkpoint) -> tuple[float, int, str]:
+    return (c.written_at, c.step, c.name)
+
+
 def decide_run(run: Run, r: Retention) -> list[Decision]:
     """Keep, slim or delete each checkpoint of one run, oldest first, each with its reasons."""
     ckpts = sorted(run.checkpoints, key=Checkpoint.sort_key)
@@ -78,11 +113,9 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
         if protect:
             protected.add(id(c))
 
-    if complete:
-        kept(complete[-1], "newest complete", protect=True)
-    full = [c for c in complete if not c.slimmed]
-    if full and full[-1] is not complete[-1]:
-        kept(full[-1], "newest full (resumable)", protect=True)
+    anchored = anchors(ckpts)
+    for c, why in anchored:
+        kept(c, why, protect=True)
     if r.keep_last > 1:
         for i, c in enumerate(reversed(complete[-r.keep_last : -1]), start=2):
             kept(c, f"keep_last={r.keep_last} (#{i} newest)")
@@ -114,18 +147,26 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
                 kept(c, f"keep_every_steps={r.keep_every_steps}")
 
     if r.keep_within is not None and complete:
-        newest = max(c.newest_mtime for c in complete)
+        # From when the run's newest save *began*: touching one file of an old checkpoint (or
+        # pinning it) cannot move the window and drop what it kept a moment before.
+        start = max(c.saved_at for c in complete)
         for c in complete:
-            if newest - c.newest_mtime <= r.keep_within:
+            if start - c.written_at <= r.keep_within:
                 kept(c, f"within keep_within={format_duration(r.keep_within)} of the run's newest")
 
     for c in ckpts:
         if c.pinned:
             kept(c, "pinned", protect=True)
+        if c.name in run.resume:
+            kept(c, f"named by {run.resume[c.name]}: the framework resumes from it", protect=True)
+        if c.mounts:
+            where = ", ".join(m or "itself" for m in c.mounts[:3])
+            kept(c, f"holds a mount point ({where}): another filesystem is never deleted", protect=True)
         if c.state is not State.COMPLETE:
             kept(c, f"{c.state}, never deleted: {_first_problem(c)}", protect=True)
 
-    slims = _slims(ckpts, full, keep, r)
+    full_anchors = {id(c) for c, _ in anchors(c for c in ckpts if not c.slimmed)}
+    slims = _slims(ckpts, full_anchors=full_anchors, keep=keep, r=r)
     outside = f"outside {r.describe()}"
     decisions = []
     for c in ckpts:
@@ -143,18 +184,21 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
 
 
 def _slims(
-    ckpts: list[Checkpoint], full: list[Checkpoint], keep: dict[int, list[str]], r: Retention
+    ckpts: list[Checkpoint], *, full_anchors: set[int], keep: dict[int, list[str]], r: Retention
 ) -> dict[int, str]:
     """The kept checkpoints to slim, with their reason; notes in `keep` why others are not.
 
-    Pinned checkpoints are kept as they are. A slimmed checkpoint that still holds
-    optimizer files was interrupted while they were being removed: it is finished.
+    Pinned checkpoints, those holding a mount point and the run's newest full ones (by step
+    and by time) are kept as they are. A slimmed checkpoint that still holds optimizer files
+    was interrupted while they were being removed: it is finished.
     """
+    full = [c for c in ckpts if c.state is State.COMPLETE and not c.slimmed]
     newest_full = {id(c) for c in full[-r.keep_full_last :]} if r.keep_full_last else set()
+    newest_full |= full_anchors
     out: dict[int, str] = {}
     for c in ckpts:
         reasons = keep[id(c)]
-        if not reasons or c.state is not State.COMPLETE or c.pinned:
+        if not reasons or c.state is not State.COMPLETE or c.pinned or c.mounts:
             continue
         if c.slimmed:
             if c.slim.removable and c.slim.blocker is None:
@@ -172,35 +216,23 @@ def _slims(
 
 
 def enforce_max_size(decisions: list[Decision], max_size: int) -> tuple[list[Decision], list[str]]:
-    """Delete the run's oldest unprotected checkpoints until it fits in `max_size`.
+    """Delete the run's oldest unprotected checkpoints until it fits in `max_size`, if that can.
 
     A checkpoint planned for slimming counts with what slimming leaves of it.
     """
     total = sum(d.checkpoint.size_bytes - d.bytes_freed for d in decisions if d.action is not Action.DELETE)
-    if total <= max_size:
+    if total <= max_size or not decisions:
         return decisions, []
-    out = list(decisions)
+    c = decisions[0].checkpoint
+    where = f"{c.root / c.run}"
     reason = f"max_size={format_size(max_size)} exceeded (run holds {format_size(total)})"
-    for i, d in enumerate(out):  # oldest first
-        if total <= max_size:
-            break
-        if _budget_may_take(d):
-            out[i] = replace(d, action=Action.DELETE, reasons=(reason,))
-            total -= d.checkpoint.size_bytes - d.bytes_freed
-    warnings = []
-    if total > max_size and decisions:
-        run = decisions[0].checkpoint
-        warnings.append(
-            f"{run.root / run.run}: {format_size(total)} still over max_size={format_size(max_size)}; "
-            "the rest is protected (newest complete, best, pinned or not complete)"
-        )
-    return out, warnings
+    return _take_oldest(decisions, total - max_size, reason, where, f"max_size={format_size(max_size)}")
 
 
 def enforce_min_free(
     decisions: Sequence[Decision], *, free: int, total: int, floor: FreeSpace, where: str
 ) -> tuple[list[Decision], list[str]]:
-    """Delete the oldest unprotected checkpoints on one filesystem until `floor` is free.
+    """Delete the oldest unprotected checkpoints on one filesystem until `floor` is free, if that can.
 
     `decisions` are every decision on that filesystem, across runs and roots;
     space already freed by planned deletions and slims counts.
@@ -209,22 +241,39 @@ def enforce_min_free(
     expected = free + sum(d.bytes_freed for d in decisions)
     if expected >= required:
         return list(decisions), []
-    out = list(decisions)
-    order = sorted(range(len(out)), key=lambda i: (out[i].checkpoint.newest_mtime, out[i].checkpoint.rel))
     reason = f"min_free={floor} not met on {where} ({format_size(free)} free)"
+    return _take_oldest(list(decisions), required - expected, reason, where, f"min_free={floor}")
+
+
+def _take_oldest(
+    decisions: list[Decision], needed: int, reason: str, where: str, budget: str
+) -> tuple[list[Decision], list[str]]:
+    """Delete the oldest (by when written) unprotected checkpoints until `needed` bytes are freed.
+
+    Decided before deleting anything: if every checkpoint the budget may take together frees
+    less than `needed`, it takes none and says so. Deleting them all would leave the budget
+    missed anyway, with checkpoints lost for nothing; the operator has to act either way.
+    """
+    order = sorted(
+        (i for i, d in enumerate(decisions) if _budget_may_take(d)),
+        key=lambda i: (decisions[i].checkpoint.written_at, decisions[i].checkpoint.rel),
+    )
+    gains = {i: decisions[i].checkpoint.size_bytes - decisions[i].bytes_freed for i in order}
+    available = sum(gains.values())
+    if available < needed:
+        return decisions, [
+            f"{where}: {budget} cannot be met: it needs {format_size(needed)} more, and deleting every "
+            f"checkpoint it may take ({len(order)}, {format_size(available)}) would not free it; deleting "
+            "none of them (the rest is protected: newest, best, pinned, named by the framework's "
+            "resume pointer, or not complete)"
+        ]
+    out = list(decisions)
     for i in order:
-        if expected >= required:
+        if needed <= 0:
             break
-        if _budget_may_take(out[i]):
-            expected += out[i].checkpoint.size_bytes - out[i].bytes_freed
-            out[i] = replace(out[i], action=Action.DELETE, reasons=(reason,))
-    warnings = []
-    if expected < required:
-        warnings.append(
-            f"{where}: only {format_size(expected)} free after deletions, min_free={floor} wants "
-            f"{format_size(required)}; the rest is protected (newest complete, best, pinned or not complete)"
-        )
-    return out, warnings
+        out[i] = replace(out[i], action=Action.DELETE, reasons=(reason,))
+        needed -= gains[i]
+    return out, []
 
 
 def _budget_may_take(d: Decision) -> bool:

@@ -4,15 +4,17 @@ Deleting a checkpoint is two steps:
 1. rename it into `<root>/.ckptd-trash/<unique>`: O(1) on one filesystem,
    and the checkpoint leaves its run atomically, so a trainer's auto-resume
    never sees half a checkpoint;
-2. purge the trash, without following symlinks (`shutil.rmtree` works from
-   directory file descriptors on Linux). Trash left by a crash is purged at
-   the next start.
+2. purge the trash from directory file descriptors, never following a
+   symlink and never entering another filesystem (`_remove_tree`). Trash left
+   by a crash is purged at the next start.
 
 Just before the rename, every target is checked again, afresh from disk:
 still inside its root with no symlink on the way, not a symlink itself,
 still complete, unchanged since the plan was made (same fingerprint), still
-quiet, not pinned, and the run's newest complete checkpoint (which the plan
-kept) still there and complete. Any doubt and it is left alone.
+quiet, not pinned, holding no mount point, not named by the framework's resume
+pointer, and each of the run's anchors (its newest complete and full
+checkpoints by step and by time, which the plan kept) still there, complete
+and unchanged. Any doubt and it is left alone.
 
 The journal records the intent before the rename, and each outcome after.
 
@@ -32,7 +34,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import stat
 import threading
 import time
@@ -42,22 +43,21 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from ckptd import slim
+from ckptd import mounts, policy, slim
 from ckptd.config import format_size
 from ckptd.consolidate import ConsolidationFailed, consolidate
-from ckptd.evidence import Entry, TooDeep, fingerprint, read_slim_marker, walk
+from ckptd.evidence import Entry, TooDeep, fingerprint, read_slim_marker, resume_pointers, walk
 from ckptd.journal import Journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.model import Action, Checkpoint, State
 from ckptd.planner import Scanner
 from ckptd.policy import Decision
 
+Anchors = Sequence[tuple[Checkpoint, str]]  # a run's anchors with why each is one (policy.anchors)
+
 log = logging.getLogger(__name__)
 
 DRY_RUN_NOTE = "(dry run; not actually removing anything)"
-
-# Refuse to run on a platform whose rmtree would follow a symlink swapped in mid-purge.
-assert shutil.rmtree.avoids_symlink_attacks or os.name != "posix"
 
 
 class Outcome(StrEnum):
@@ -98,7 +98,6 @@ class Reaper:
         self.dry_run = dry_run
         self.clock = clock
         self.consolidate_timeout = consolidate_timeout
-        self._anchors_seen: dict[str, bool] = {}  # anchors re-checked in this pass
 
     @property
     def trash(self) -> Path:
@@ -106,17 +105,19 @@ class Reaper:
 
     # --- re-checks -------------------------------------------------------
 
-    def recheck(self, decision: Decision, anchor: Checkpoint | None) -> str | None:
+    def recheck(self, decision: Decision, anchors: Anchors) -> str | None:
         """Why `decision` must not be carried out now, or None if it may.
 
-        A re-check that cannot be completed (an I/O error) is itself a reason not to act.
+        `anchors` are its run's anchors as the plan saw them (`policy.anchors`): each must still
+        be there, complete and unchanged. A re-check that cannot be completed (an I/O error)
+        is itself a reason not to act.
         """
         try:
-            return self._recheck(decision, anchor)
+            return self._recheck(decision, anchors)
         except OSError as exc:
             return f"cannot re-check it: {exc}"
 
-    def _recheck(self, decision: Decision, anchor: Checkpoint | None) -> str | None:
+    def _recheck(self, decision: Decision, anchors: Anchors) -> str | None:
         planned = decision.checkpoint
         if planned.root != self.root:
             return f"belongs to root {planned.root}, not {self.root}"
@@ -136,58 +137,59 @@ class Reaper:
             return "no longer recognised as a checkpoint"
         if fresh.pinned:
             return "pinned"
+        # Another filesystem inside (a bind mount of a dataset, say): the walk never entered it,
+        # and a rename would carry it into the trash. The mount table is asked afresh as well,
+        # for kernels where statx cannot tell a bind mount (mounts.is_mount_root).
+        inside = fresh.mounts or tuple(
+            os.path.relpath(m, os.path.realpath(path)) for m in mounts.mounts_below(path, mounts.read_mounts())
+        )
+        if inside:
+            return f"holds a mount point ({', '.join(m or 'itself' for m in inside[:3])})"
         if fresh.state is not State.COMPLETE:
             return f"no longer complete ({fresh.state})"
         if fresh.fingerprint != planned.fingerprint:
             return "changed since the plan was made"
-        return self._anchor_problem(planned, anchor, now, slimming=decision.action is Action.SLIM)
+        run_path = path.parent
+        pointer = resume_pointers(run_path, os.listdir(run_path)).get(planned.name)
+        if pointer is not None:  # rolled back to it since the plan, say
+            return f"named by {pointer}: the framework resumes from it"
+        return self._anchor_problem(planned, anchors, now)
 
-    def _anchor_problem(
-        self, planned: Checkpoint, anchor: Checkpoint | None, now: float, *, slimming: bool
-    ) -> str | None:
-        # The plan kept the run's newest complete (for a slim: full) checkpoint; if that
-        # is gone, this one may now be the newest, which is never deleted or slimmed.
-        newest = "newest complete full" if slimming else "newest complete"
-        if anchor is None or anchor.rel == planned.rel:
-            return f"it is its run's {newest} checkpoint"
-        # Looked at once per pass (`execute`), not once per target: a backlog of N deletions
-        # would otherwise walk the anchor N times.
-        if anchor.rel not in self._anchors_seen:
-            fresh_anchor = self.scanner.reinspect(anchor.run, anchor.name, now=now)
-            ok = fresh_anchor is not None and fresh_anchor.state is State.COMPLETE
-            ok = ok and fresh_anchor.fingerprint == anchor.fingerprint  # type: ignore[union-attr]
-            self._anchors_seen[anchor.rel] = ok
-        if not self._anchors_seen[anchor.rel]:
-            return f"the run's {newest} checkpoint {anchor.name} is gone, changed or no longer complete"
+    def _anchor_problem(self, planned: Checkpoint, anchors: Anchors, now: float) -> str | None:
+        """Whether the run's anchors the plan kept are all still there, complete and unchanged.
+
+        Looked at afresh for every target, not once per pass: the trainer's own rotation or an
+        operator's `mv` can take the newest checkpoint away in the middle of a pass, and then
+        the next deletion could leave the run with nothing to resume from (issue 11, item 8).
+        """
+        if not anchors or any(a.rel == planned.rel for a, _ in anchors):
+            why = next((why for a, why in anchors if a.rel == planned.rel), "newest complete")
+            return f"it is its run's {why} checkpoint"
+        for anchor, why in anchors:
+            fresh = self.scanner.reinspect(anchor.run, anchor.name, now=now)
+            ok = fresh is not None and fresh.state is State.COMPLETE
+            ok = ok and fresh.fingerprint == anchor.fingerprint  # type: ignore[union-attr]
+            if not ok:
+                return f"the run's {why} checkpoint {anchor.name} is gone, changed or no longer complete"
         return None
 
     def execute(self, decisions: Sequence[Decision]) -> list[Result]:
         """Carry out one root's plan: trash each deletion, then slim each slim, each re-checked first.
 
-        The anchor of a deletion is its run's newest complete checkpoint; of a
-        slim, the newest complete full one (not slimmed), which the plan kept full.
+        Each is checked against its run's anchors as the plan saw them (`policy.anchors`).
         """
-        anchors: dict[str, Checkpoint] = {}
-        full: dict[str, Checkpoint] = {}
+        by_run: dict[str, list[Checkpoint]] = {}
         for d in decisions:
-            c = d.checkpoint
-            if c.state is not State.COMPLETE:
-                continue
-            if c.run not in anchors or c.sort_key() > anchors[c.run].sort_key():
-                anchors[c.run] = c
-            if not c.slimmed and (c.run not in full or c.sort_key() > full[c.run].sort_key()):
-                full[c.run] = c
+            by_run.setdefault(d.checkpoint.run, []).append(d.checkpoint)
+        anchored = {run: policy.anchors(ckpts) for run, ckpts in by_run.items()}
         ours = [d for d in decisions if d.checkpoint.root == self.root]
-        self._anchors_seen = {}
-        results = [
-            self.trash_one(d, anchors.get(d.checkpoint.run)) for d in ours if d.action is Action.DELETE
-        ]
-        results += [self.slim_one(d, full.get(d.checkpoint.run)) for d in ours if d.action is Action.SLIM]
+        results = [self.trash_one(d, anchored[d.checkpoint.run]) for d in ours if d.action is Action.DELETE]
+        results += [self.slim_one(d, anchored[d.checkpoint.run]) for d in ours if d.action is Action.SLIM]
         return results
 
     # --- acting ----------------------------------------------------------
 
-    def trash_one(self, decision: Decision, anchor: Checkpoint | None) -> Result:
+    def trash_one(self, decision: Decision, anchors: Anchors) -> Result:
         """Re-check, then rename the checkpoint into the trash (or say what it would do).
 
         The rename goes through directory file descriptors opened from the root
@@ -209,7 +211,7 @@ class Reaper:
             return refuse(f"reached through a symlink or not a directory: {c.run} ({exc.strerror})")
         try:
             before = _identity(c.name, run_fd)
-            why_not = self.recheck(decision, anchor)
+            why_not = self.recheck(decision, anchors)
             if why_not is not None:
                 return refuse(why_not)
             moved = _identity(c.name, run_fd) != before or not _still_at(self.root, c.run, run_fd)
@@ -241,10 +243,10 @@ class Reaper:
         self._record("trashed", trash=str(self.trash / target), **fields)
         return Result(decision, Outcome.TRASHED, f"moved to {TRASH_DIR}/{target}", self.trash / target)
 
-    def slim_one(self, decision: Decision, anchor: Checkpoint | None) -> Result:
+    def slim_one(self, decision: Decision, anchors: Anchors) -> Result:
         """Re-check, consolidate the weights if it has none, then move its optimizer files into the trash.
 
-        `anchor` is the run's newest complete full checkpoint. In order, and what a
+        `anchors` are the run's anchors (its newest complete and full checkpoints). In order, and what a
         crash at each step leaves:
         1. zero_to_fp32 into `model.safetensors.ckptd-tmp`, verified (`consolidate`):
            nothing is removed; a leftover temp file is overwritten by the next try.
@@ -272,7 +274,7 @@ class Reaper:
             self._record("failed", why=why, **fields)
             return Result(decision, Outcome.FAILED, why)
 
-        why_not = self.recheck(decision, anchor)
+        why_not = self.recheck(decision, anchors)
         if why_not is None and s.blocker is not None:
             why_not = f"cannot slim: {s.blocker}"
         if why_not is None and not s.removable:
@@ -301,7 +303,7 @@ class Reaper:
             weights = {"path": s.weights, "bytes": _entry_size(before, s.weights), "consolidated": False}
         else:
             try:
-                weights = self._consolidate(c, before, anchor)
+                weights = self._consolidate(c, before, anchors)
             except _Stop as stop:
                 return refuse(stop.why) if stop.outcome is Outcome.REFUSED else fail(stop.why)
             made = (
@@ -358,7 +360,7 @@ class Reaper:
         detail = f"{done}moved {len(moved)} optimizer files ({format_size(freed)}) to {where}"
         return Result(decision, Outcome.SLIMMED, detail, target, freed)
 
-    def _consolidate(self, c: Checkpoint, before: list[Entry], anchor: Checkpoint | None) -> dict:
+    def _consolidate(self, c: Checkpoint, before: list[Entry], anchors: Anchors) -> dict:
         """Steps 1 and 2 of `slim_one`: the weights in place as model.safetensors, described for
         the marker. Raises `_Stop` with why not; nothing of the checkpoint is removed then."""
         assert c.slim.source is not None
@@ -395,10 +397,8 @@ class Reaper:
                     walk(c.path), slim.CONSOLIDATING
                 ):
                     raise _Stop(Outcome.REFUSED, "changed while its weights were being consolidated")
-                # Look at the anchor again for real: the per-pass cache was filled before consolidating.
-                if anchor is not None:
-                    self._anchors_seen.pop(anchor.rel, None)
-                why = self._anchor_problem(c, anchor, self.clock(), slimming=True)
+                # Consolidation took a while: are the run's anchors still there?
+                why = self._anchor_problem(c, anchors, self.clock())
                 if why is None and _identity(slim.CONSOLIDATED, ckpt_fd) is not None:
                     why = f"{slim.CONSOLIDATED} appeared while consolidating"
                 if why is None and (wrote is None or not _is_regular(_PARTIAL, work_fd)):
@@ -491,14 +491,14 @@ class Reaper:
                 # "purged" record, the journal still says this entry was being purged. Unlike a
                 # rename, a purge goes ahead when the journal cannot be written (ENOSPC): its
                 # entry was journaled when it was trashed, and freeing space is the way out.
+                inside = mounts.mounts_below(self.trash / entry, mounts.read_mounts())
+                if inside:  # mounted after it was trashed, or on a kernel where statx cannot tell
+                    log.error("not purging %s: it holds a mount point (%s)", self.trash / entry, inside[0])
+                    continue
                 self._record("purging", **where)
                 try:
-                    st = os.stat(entry, dir_fd=trash_fd, follow_symlinks=False)
-                    if stat.S_ISDIR(st.st_mode):
-                        shutil.rmtree(entry, dir_fd=trash_fd)
-                    else:
-                        os.unlink(entry, dir_fd=trash_fd)
-                except (OSError, RecursionError) as exc:
+                    _remove_at(entry, trash_fd)
+                except OSError as exc:
                     log.error("cannot purge %s: %s", self.trash / entry, exc)
                     continue
                 count += 1
@@ -597,15 +597,47 @@ def _unlink_at(name: str, dir_fd: int) -> None:
 
 
 def _remove_at(name: str, dir_fd: int) -> None:
-    """Remove our own work directory (or whatever was planted under its name), never following links."""
+    """Remove `name` under `dir_fd` (a file, a link itself, or a whole tree), never following links."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(name, dir_fd=dir_fd)
+        _remove_tree(name, dir_fd, os.fstat(dir_fd).st_dev)
     else:
         os.unlink(name, dir_fd=dir_fd)
+
+
+_MAX_REMOVE_DEPTH = 512
+
+
+def _remove_tree(name: str, parent_fd: int, dev: int, depth: int = 0) -> None:
+    """Remove directory `name` under `parent_fd` and all it holds, from descriptors.
+
+    Never follows a symlink (a link is unlinked, not entered) and never enters another
+    filesystem: a directory on another device, or where a mount is attached (a bind mount
+    keeps its device number: `mounts.is_mount_root`), raises EXDEV and stays, with the
+    directories holding it. shutil.rmtree crossed into a bind mount inside a trashed
+    checkpoint and emptied it (issue 11, item 3).
+    """
+    if depth > _MAX_REMOVE_DEPTH:
+        raise OSError(errno.ELOOP, f"deeper than {_MAX_REMOVE_DEPTH} levels", name)
+    if mounts.is_mount_root(name, parent_fd):
+        raise OSError(errno.EXDEV, "a mount point: another filesystem is never removed", name)
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        if os.fstat(fd).st_dev != dev:
+            raise OSError(errno.EXDEV, "on another filesystem: never removed", name)
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        for child, is_dir in entries:
+            if is_dir:
+                _remove_tree(child, fd, dev, depth + 1)
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
 
 
 def _is_regular(name: str, dir_fd: int) -> bool:

@@ -66,6 +66,20 @@ def never_removed(path: str) -> bool:
     )
 
 
+def ckptd_files(marker: Marker | None) -> frozenset[str]:
+    """Paths inside a checkpoint that ckptd wrote, not the trainer (besides its work directory
+    `CONSOLIDATING/`): the slim marker and its temp name, and the weights it consolidated.
+    They say nothing about when the checkpoint was saved."""
+    own = {MARKER, f"{MARKER}.tmp"}
+    if marker is not None and marker.consolidated:
+        own.add(marker.weights)
+    return frozenset(own)
+
+
+def in_work_dir(rel: str) -> bool:
+    return rel == CONSOLIDATING or rel.startswith(f"{CONSOLIDATING}/")
+
+
 @dataclass(frozen=True)
 class Marker:
     """A `.ckptd-slim.json`: what slimming removed (or is removing) and where the weights are."""

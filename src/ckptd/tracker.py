@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ckptd.config import Root
 from ckptd.discover import RunDir, find_runs
+from ckptd.evidence import resume_pointers
 from ckptd.layouts import TRASH_DIR
 from ckptd.model import Checkpoint, Run, State
 from ckptd.planner import Scanner
@@ -76,9 +77,16 @@ class RootTracker:
     def checkpoints(self) -> list[Checkpoint]:
         return [c for rs in self.runs.values() for c in rs.checkpoints.values()]
 
-    def current_runs(self) -> list[Run]:
+    def current_runs(self, *, resume: bool = False) -> list[Run]:
+        """The runs as last seen. With `resume`, each run's resume pointers (DeepSpeed's `latest`)
+        are read afresh: retention needs them, the state file's heartbeat does not."""
         return [
-            Run(self.root.path, rel, tuple(sorted(rs.checkpoints.values(), key=Checkpoint.sort_key)))
+            Run(
+                self.root.path,
+                rel,
+                tuple(sorted(rs.checkpoints.values(), key=Checkpoint.sort_key)),
+                resume_pointers(rs.dir.path, rs.dir.names) if resume else {},
+            )
             for rel, rs in sorted(self.runs.items())
         ]
 
