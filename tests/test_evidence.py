@@ -601,3 +601,46 @@ def test_an_end_record_whose_numbers_add_up_must_point_at_a_directory_entry(tmp_
     assert not evidence._is_zip(path, len(body) + len(record))
     path.write_bytes(body[:60] + b"PK\x01\x02" + body[64:] + record)  # now an entry starts there
     assert evidence._is_zip(path, len(body) + len(record))
+
+
+# --- when a checkpoint was saved: a pin or a touch does not move it (issue 11, item 4) ---------
+
+
+def test_save_times_leave_out_ckptds_own_files_and_directories(tmp_path):
+    ck = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
+    os.utime(ck / "trainer_state.json", (OLD + 5, OLD + 5))
+    (ck / layouts.PIN_FILE).write_text("")
+    os.utime(ck / layouts.PIN_FILE, (NOW, NOW))
+    os.utime(ck, (NOW, NOW))  # a touch of the directory
+    c = scan(tmp_path, world_size=2)["run/checkpoint-10"]
+    assert (c.saved_at, c.written_at) == (OLD, OLD + 5)
+    assert c.newest_mtime == NOW and c.pinned  # quiet still sees everything
+
+
+def test_pinning_an_old_checkpoint_makes_nothing_deletable(tmp_path, state_env):
+    """`touch checkpoint-1/.ckptd-keep` re-anchored keep_within at the pin's mtime: checkpoints kept
+    a moment before were deleted. End to end through `ckptd plan`."""
+    from conftest import run_ckptd
+
+    import time
+
+    root = tmp_path / "vol"
+    hour = 3600
+    base = time.time() - 100 * hour
+    for i in range(1, 6):
+        hf_deepspeed_checkpoint(root / "run", i, world=2, mtime=base + i * hour)
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[[roots]]\npath = '{root}'\nworld_size = 2\n[roots.retention]\n"
+                   "keep_last = 1\nkeep_best = 0\nkeep_within = '2h'\n")
+
+    def deleted() -> list[str]:
+        proc = run_ckptd("plan", "-c", cfg, "--json", env=state_env)
+        assert proc.returncode == 0, proc.stderr
+        return [c["path"].rsplit("/", 1)[1] for c in json.loads(proc.stdout)["checkpoints"] if c["action"] == "delete"]
+
+    assert deleted() == ["checkpoint-1", "checkpoint-2"]  # 3, 4 within 2h of 5; 5 the newest
+    run = root / "run"
+    (run / "checkpoint-1" / layouts.PIN_FILE).write_text("")  # pin the oldest
+    os.utime(run / "checkpoint-3")  # touch a directory
+    os.utime(run / "checkpoint-2" / "trainer_state.json")  # touch a file: it now looks recent
+    assert deleted() == []  # before: the window moved to now, and 3 and 4 were deleted

@@ -346,3 +346,65 @@ def test_a_purge_is_journaled_before_the_removal(volume, tmp_path, monkeypatch):
     monkeypatch.setattr(reaper_module, "_remove_tree", remove_tree)
     assert reaper.purge()[0] == 3
     assert seen == [("purging", True)] * 3
+
+
+# --- issue 11 -----------------------------------------------------------------------------
+
+
+def test_the_anchor_is_re_checked_before_every_deletion_not_once_per_pass(volume, tmp_path, monkeypatch):
+    """The trainer's own rotation (or an operator's mv) takes the newest checkpoint away while a
+    pass is deleting: the next deletion would leave the run with nothing to resume from. Before,
+    the anchor was looked at once per pass and the reaper went on (37 deletions in the trial)."""
+    reaper, plan, _ = make(volume, tmp_path)
+    real_rename = os.rename
+
+    def rename_then_lose_the_newest(src, dst, **kw):
+        real_rename(src, dst, **kw)
+        if (volume / "run" / "checkpoint-40").exists():
+            real_rename(volume / "run" / "checkpoint-40", tmp_path / "moved-away-40")
+
+    monkeypatch.setattr(os, "rename", rename_then_lose_the_newest)
+    results = reaper.execute(plan.decisions)
+    assert [r.outcome for r in results] == [Outcome.TRASHED, Outcome.REFUSED, Outcome.REFUSED]
+    assert results[1].detail == "the run's newest complete checkpoint checkpoint-40 is gone, changed or no longer complete"
+    assert names(volume) == ["checkpoint-20", "checkpoint-30"]
+
+
+def test_a_checkpoint_written_last_with_a_lower_step_is_an_anchor_too(volume, tmp_path):
+    """A new job writing checkpoint-5 into this output dir: it is the one written last, and the
+    reaper re-checks it before deleting anything of the run."""
+    hf_deepspeed_checkpoint(volume / "run", 5, world=2, mtime=OLD + 100)
+    reaper, plan, _ = make(volume, tmp_path)
+    kept = {d.checkpoint.step: d.reasons for d in plan.decisions if d.action is Action.KEEP}
+    assert kept == {5: ("written last (newest complete by time)",), 40: ("newest complete",)}
+    shutil.rmtree(volume / "run" / "checkpoint-5")  # gone (a crash-restart cleaned it?) before the pass
+    results = reaper.execute(plan.decisions)
+    assert {r.outcome for r in results} == {Outcome.REFUSED}
+    assert results[0].detail == (
+        "the run's written last (newest complete by time) checkpoint checkpoint-5 is gone, changed or no longer complete"
+    )
+
+
+def test_a_resume_pointer_rolled_back_after_the_plan_is_honoured(tmp_path):
+    """DeepSpeed's `latest` names the tag the next resume loads; a user rolls it back to an older
+    one (hand-written, as a user does). The plan keeps it; rolled back after the plan, the re-check
+    reads it again and refuses."""
+    root = tmp_path / "vol"
+    run = root / "run"
+    for i, step in enumerate((10, 20, 30, 40)):
+        hf_deepspeed_checkpoint(run, step, world=2, mtime=OLD + i)
+        os.rename(run / f"checkpoint-{step}" / f"global_step{step}", run / f"global_step{step}")
+        shutil.rmtree(run / f"checkpoint-{step}")
+    (run / "latest").write_text("global_step20")
+    scanner = Scanner(Root(path=root, world_size=2, retention=Retention(keep_last=1, keep_best=0)))
+    plan = decide([(scanner.root, scanner.runs(now=NOW))])
+    by_step = {d.checkpoint.step: d for d in plan.decisions}
+    assert [s for s, d in by_step.items() if d.action is Action.DELETE] == [10, 30]
+    assert by_step[20].reasons == ("named by DeepSpeed's latest: the framework resumes from it",)
+    (run / "latest").write_text("global_step10")  # rolled back again, after the plan
+    reaper = Reaper(scanner, Journal(tmp_path / "state"), dry_run=False, clock=lambda: NOW)
+    results = {r.decision.checkpoint.step: r for r in reaper.execute(plan.decisions)}
+    assert (results[10].outcome, results[10].detail) == (
+        Outcome.REFUSED, "named by DeepSpeed's latest: the framework resumes from it")
+    assert results[30].outcome is Outcome.TRASHED
+    assert sorted(os.listdir(run)) == ["global_step10", "global_step20", "global_step40", "latest"]

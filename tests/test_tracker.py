@@ -209,10 +209,11 @@ def test_at_start_only_checkpoints_written_lately_are_watched_deeply(tmp_path, c
     assert (str(tmp_path / "run" / "checkpoint-10"), True) in t.wanted_watches()
 
 
-@pytest.mark.parametrize("mtime", [0.0, 4_000_000_000.0])  # 1970, and 2096
-def test_mtimes_far_in_the_past_or_future_do_not_complete_anything_early(tmp_path, clock, mtime):
+@pytest.mark.parametrize("mtime", [0.0, 1_000_000_000.0])  # 1970, and 2001
+def test_mtimes_far_in_the_past_do_not_complete_anything_early(tmp_path, clock, mtime):
     """A wall-clock step (NTP) or a skewed NFS server moves mtimes relative to 'now'; the daemon
-    compares mtimes only with each other (in the fingerprint) and times quiet on the monotonic clock."""
+    compares mtimes only with each other (in the fingerprint) and times quiet on the monotonic clock.
+    (An mtime in the future holds it back: the next test.)"""
     from ckptd.demo import age
 
     ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
@@ -221,3 +222,24 @@ def test_mtimes_far_in_the_past_or_future_do_not_complete_anything_early(tmp_pat
     t.full_scan()
     assert t.step(clock.advance(59.9)).completed == []
     assert [c.rel for c in t.step(clock.advance(0.1)).completed] == ["run/checkpoint-10"]
+
+
+def test_a_future_mtime_is_not_quiet_for_the_daemon_either(tmp_path, clock):
+    """README: 'a future mtime is not quiet'. plan said 'writing'; the daemon settled it anyway,
+    on its fingerprint. Now it waits until the wall clock has passed the mtime (a writer on a
+    host whose clock runs ahead), and does not look again every step meanwhile."""
+    wall = Clock(1_800_000_000.0)
+    ahead = 300.0
+    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=wall.t + ahead)
+    t = RootTracker(Root(path=tmp_path, quiet_period=60, world_size=2), clock, wall=wall)
+    t.full_scan()
+    [c] = t.checkpoints()
+    assert c.state is State.WRITING and c.checks[0].detail == "newest mtime is 300.0s in the future (clock skew?)"
+    t.step(clock.advance(HINT_DEBOUNCE))
+    assert t.next_deadline() == pytest.approx(clock.t + ahead)  # not the quiet period's end
+    wall.advance(120)
+    assert t.step(clock.advance(120)).completed == []  # quiet period over, mtime still ahead
+    assert states(t) == {"run/checkpoint-10": State.WRITING}
+    wall.advance(ahead)
+    changes = t.step(clock.advance(ahead))
+    assert [c.rel for c in changes.completed] == ["run/checkpoint-10"]  # unchanged all along

@@ -134,7 +134,8 @@ def fingerprint(entries: list[Entry]) -> str:
     return h.hexdigest()
 
 
-QuietJudge = Callable[[str, str], Check]  # (path relative to the root, fingerprint) -> quiet check
+# (path relative to the root, fingerprint, newest mtime in ns) -> the quiet check
+QuietJudge = Callable[[str, str, int], Check]
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ class Inspector:
         marker = read_slim_marker(path, files) if cand.is_dir else None
         removed = frozenset(p for p, _ in marker.removed) if isinstance(marker, slim.Marker) else frozenset()
 
-        checks = [quiet(rel, digest) if quiet is not None else self._quiet(newest_ns, now)]
+        checks = [quiet(rel, digest, newest_ns) if quiet is not None else self._quiet(newest_ns, now)]
         if cand.layout == layouts.HF:
             ts_check, trainer_state = self._trainer_state(path, files)
             checks.append(ts_check)

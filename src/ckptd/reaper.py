@@ -140,8 +140,9 @@ class Reaper:
         # Another filesystem inside (a bind mount of a dataset, say): the walk never entered it,
         # and a rename would carry it into the trash. The mount table is asked afresh as well,
         # for kernels where statx cannot tell a bind mount (mounts.is_mount_root).
+        real = os.path.realpath(path)
         inside = fresh.mounts or tuple(
-            os.path.relpath(m, os.path.realpath(path)) for m in mounts.mounts_below(path, mounts.read_mounts())
+            os.path.relpath(m, real) for m in mounts.mounts_below(real, mounts.read_mounts())
         )
         if inside:
             return f"holds a mount point ({', '.join(m or 'itself' for m in inside[:3])})"

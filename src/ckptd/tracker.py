@@ -25,7 +25,7 @@ from ckptd.config import Root
 from ckptd.discover import RunDir, find_runs
 from ckptd.evidence import resume_pointers
 from ckptd.layouts import TRASH_DIR
-from ckptd.model import Checkpoint, Run, State
+from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
 from ckptd.planner import Scanner
 from ckptd.settle import Settler
 
@@ -50,9 +50,11 @@ class Changes:
 
 
 class RootTracker:
-    def __init__(self, root: Root, clock: Callable[[], float]):
+    def __init__(self, root: Root, clock: Callable[[], float], wall: Callable[[], float] = time.time):
         self.root = root
         self.clock = clock  # monotonic
+        self.wall = wall  # only ever holds a checkpoint back (a future mtime), never completes it
+        self.not_before: dict[str, float] = {}  # checkpoint rel -> monotonic time its mtimes are past
         self.settler = Settler(root.quiet_period, root.stall_after)
         self.scanner = Scanner(root, quiet=self._quiet)
         self.runs: dict[str, RunState] = {}
@@ -69,8 +71,28 @@ class RootTracker:
         self.settler.quiet_period = root.quiet_period
         self.settler.stall_after = root.stall_after
 
-    def _quiet(self, rel: str, fingerprint: str):
-        return self.settler.observe(rel, fingerprint, self.clock())
+    def _quiet(self, rel: str, fingerprint: str, newest_ns: int) -> Check:
+        """The settler's verdict (monotonic time), unless an mtime lies in the future.
+
+        A future mtime is not quiet, as for `plan` (README: how a checkpoint is proven
+        complete): typically a writer on another host whose clock runs ahead. The wall clock
+        can only hold a checkpoint back here, never complete it early; its look is put off
+        until the clock has passed that mtime, rather than repeated every step meanwhile.
+        """
+        now = self.clock()
+        check = self.settler.observe(rel, fingerprint, now)
+        ahead = newest_ns / 1e9 - self.wall()
+        if ahead <= 0:
+            self.not_before.pop(rel, None)
+            return check
+        self.not_before[rel] = now + ahead
+        return Check(QUIET, Verdict.FAILED, f"newest mtime is {ahead:.1f}s in the future (clock skew?)")
+
+    def _deadline(self, rel: str) -> float | None:
+        """When to look at an in-flight checkpoint again: its quiet period's end, or later."""
+        d = self.settler.deadline(rel)
+        later = self.not_before.get(rel)
+        return d if later is None or d is None else max(d, later)
 
     # --- queries ---------------------------------------------------------
 
@@ -98,7 +120,7 @@ class RootTracker:
         times = list(self.hints.values())
         for c in self.in_flight():
             if c.state in (State.WRITING, State.SETTLING):
-                d = self.settler.deadline(c.rel)
+                d = self._deadline(c.rel)
                 if d is not None:
                     times.append(d)
         return min(times) if times else None
@@ -195,7 +217,7 @@ class RootTracker:
         self._relist_dirty(changes)
         due = {k for k, t in self.hints.items() if t <= now}
         for c in self.in_flight():
-            d = self.settler.deadline(c.rel)
+            d = self._deadline(c.rel)
             if c.state in (State.WRITING, State.SETTLING) and d is not None and d <= now:
                 due.add(c.rel)
         for key in due:
@@ -296,6 +318,7 @@ class RootTracker:
     def _vanish(self, rs: RunState, name: str, changes: Changes) -> None:
         c = rs.checkpoints.pop(name)
         self.settler.forget(c.rel)
+        self.not_before.pop(c.rel, None)
         self.hints.pop(c.rel, None)
         changes.vanished.append(c.rel)
         log.debug("%s: gone", c.rel)
