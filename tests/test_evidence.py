@@ -620,9 +620,9 @@ def test_save_times_leave_out_ckptds_own_files_and_directories(tmp_path):
 def test_pinning_an_old_checkpoint_makes_nothing_deletable(tmp_path, state_env):
     """`touch checkpoint-1/.ckptd-keep` re-anchored keep_within at the pin's mtime: checkpoints kept
     a moment before were deleted. End to end through `ckptd plan`."""
-    from conftest import run_ckptd
-
     import time
+
+    from conftest import run_ckptd
 
     root = tmp_path / "vol"
     hour = 3600

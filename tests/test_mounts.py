@@ -202,7 +202,7 @@ def test_the_purge_never_crosses_into_a_mount_inside_the_trash(tmp_path, mount, 
         subprocess.run(["umount", str(trash / "1-aaaa-run%checkpoint-10" / "data")], check=True)
     fd = os.open(trash, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        with pytest.raises(OSError, match="mount point|another filesystem"):
+        with pytest.raises(OSError, match=r"mount point|another filesystem"):
             reaper_module._remove_tree("1-aaaa-run%checkpoint-10", fd, os.fstat(fd).st_dev)
     finally:
         os.close(fd)
