@@ -281,7 +281,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
         return 1
     run_dir = path.parent
-    run_rel = "." if run_dir == root.path else os.path.relpath(run_dir, root.path)
+    real_run, real_root = os.path.realpath(run_dir), os.path.realpath(root.path)
+    run_rel = "." if real_run == real_root else os.path.relpath(real_run, real_root)
     retention, world = root.retention_for(run_rel)
     inspector = Inspector(quiet_period=root.quiet_period, mp_world_size=root.mp_world_size)
     ckpt = inspector.inspect(
@@ -309,9 +310,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _root_for(config: Config, path: Path) -> Root:
-    """The configured root holding `path`, or defaults rooted at its parent."""
+    """The configured root holding `path` (by real path: a symlinked spelling counts), or
+    defaults rooted at its parent."""
+    real = Path(os.path.realpath(path.parent)) / path.name
     for root in config.roots:
-        if path.is_relative_to(root.path) and path != root.path:
+        if real.is_relative_to(os.path.realpath(root.path)) and real != Path(os.path.realpath(root.path)):
             return root
     return Root(path=path.parent)
 

@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -314,6 +315,9 @@ class Root(_Strict):
     )
     retention: Retention = Field(default_factory=Retention, description="The retention policy.")
     runs: tuple[RunRule, ...] = Field((), description="Per-run overrides, first match wins.")
+    # Set only from the command line: `ckptd prune /vol/team` with /vol configured is /vol (its
+    # retention, pins, overrides, lock and trash), restricted to these subtrees (`restricted`).
+    _scope: tuple[str, ...] = PrivateAttr(default=())
 
     @field_validator("path")
     @classmethod
@@ -329,6 +333,21 @@ class Root(_Strict):
             if pattern.count("{step}") != 1 or "/" in pattern:
                 raise ValueError(f"a pattern is one name with exactly one {{step}} field (got {pattern!r})")
         return v
+
+    @property
+    def scope(self) -> tuple[str, ...]:
+        """The subtrees (relative to the root) a command was restricted to; () for all of it."""
+        return self._scope
+
+    def restricted(self, subtrees: tuple[str, ...]) -> Root:
+        """This root, restricted to `subtrees` (relative paths; "." is the whole root)."""
+        copy = self.model_copy()
+        copy._scope = () if "." in subtrees else tuple(sorted(set(subtrees)))
+        return copy
+
+    def in_scope(self, rel: str) -> bool:
+        """Whether the run (or directory) at `rel` lies within the scope."""
+        return not self._scope or any(rel == s or rel.startswith(f"{s}/") for s in self._scope)
 
     def retention_for(self, run: str) -> tuple[Retention, int | None]:
         """The retention policy and world size for a run (its path relative to the root)."""
@@ -387,19 +406,6 @@ class Config(_Strict):
                         f"roots[{j}].path {str(b.path)!r} overlaps roots[{i}].path {str(a.path)!r}"
                     )
         return roots
-
-    def with_roots(self, paths: list[Path]) -> Config:
-        """This config restricted to the given roots (from the command line).
-
-        A path that names a configured root keeps that root's settings; any
-        other gets the built-in defaults.
-        """
-        by_path = {r.path: r for r in self.roots}
-        roots = []
-        for p in paths:
-            p = Path(os.path.normpath(os.path.abspath(p)))
-            roots.append(by_path.get(p) or Root(path=p))
-        return self.model_copy(update={"roots": tuple(roots)})
 
 
 # --- loading -------------------------------------------------------------

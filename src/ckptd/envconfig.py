@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ckptd.config import Config, _loc, _message, read_toml
-from ckptd.errors import ConfigError
+from ckptd.errors import ConfigError, UsageError
 
 
 def _integer(text: str) -> int:
@@ -80,11 +80,14 @@ def effective_config(path: Path | None, env: Mapping[str, str], roots: Sequence[
     problems: list[str] = []
     origins: list[tuple[re.Pattern[str], str]] = []  # error location -> the variable to blame
 
+    scopes: list[tuple[str, ...]] = []
     if roots:
-        data["roots"] = _pick_roots(data, [os.path.normpath(os.path.abspath(p)) for p in roots])
+        data["roots"], scopes = _pick_roots(data, [os.path.normpath(os.path.abspath(p)) for p in roots])
     elif env.get(ROOTS, "").strip():
         paths = [p for p in env[ROOTS].split(":") if p.strip()]
-        data["roots"] = _pick_roots(data, [os.path.normpath(p) if os.path.isabs(p) else p for p in paths])
+        data["roots"], scopes = _pick_roots(
+            data, [os.path.normpath(p) if os.path.isabs(p) else p for p in paths]
+        )
         origins.append((re.compile(r"^roots(\[\d+\]\.path)?$"), ROOTS))
 
     for name, (where, key, parse) in VARIABLES.items():
@@ -109,7 +112,7 @@ def effective_config(path: Path | None, env: Mapping[str, str], roots: Sequence[
         raise ConfigError(problems)
 
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
         for err in exc.errors():
             where = _loc(err["loc"])
@@ -118,15 +121,54 @@ def effective_config(path: Path | None, env: Mapping[str, str], roots: Sequence[
             if line not in problems:  # one line per variable, not one per root
                 problems.append(line)
         raise ConfigError(problems) from None
+    if any(scopes):
+        pairs = zip(config.roots, scopes, strict=True)
+        config = config.model_copy(update={"roots": tuple(r.restricted(s) if s else r for r, s in pairs)})
+    return config
 
 
-def _pick_roots(data: Mapping[str, Any], paths: list[str]) -> list[Any]:
-    """Root tables for `paths`: a configured root keeps its settings, any other gets the defaults."""
-    configured = {}
+def _pick_roots(data: Mapping[str, Any], paths: list[str]) -> tuple[list[Any], list[tuple[str, ...]]]:
+    """Root tables for `paths` from the command line (or CKPTD_ROOTS), with the subtrees each
+    is restricted to (() for the whole root).
+
+    A path inside a configured root, or naming it by another spelling (a symlink, `..`), *is*
+    that root: its retention, pins, overrides, lock and trash, restricted to the subtree.
+    Given the built-in defaults instead, pins were ignored and a second lock let it run beside
+    the daemon (issue 11, item 5). A path that holds a configured root is refused: the
+    defaults would apply to that root's runs. Any other path gets the defaults.
+    """
+    configured: list[tuple[str, dict[str, Any]]] = []
     for table in _tables(data, "roots"):
-        if isinstance(table.get("path"), str):
-            configured[os.path.normpath(table["path"])] = table
-    return [dict(configured.get(p, {"path": p})) for p in paths]
+        if isinstance(table.get("path"), str) and os.path.isabs(table["path"]):
+            configured.append((os.path.realpath(table["path"]), table))
+    picked: list[tuple[dict[str, Any], set[str]]] = []
+    for p in paths:
+        if not os.path.isabs(p):
+            picked.append(({"path": p}, set()))  # validation says it must be absolute
+            continue
+        real = os.path.realpath(p)
+        owner = next(((r, t) for r, t in configured if _within(real, r)), None)
+        if owner is None:
+            held = next((t["path"] for r, t in configured if _within(r, real) and r != real), None)
+            if held is not None:
+                raise UsageError(
+                    f"{p} holds the configured root {held}: name that root (or a directory in it) so that "
+                    "its settings apply, or leave ROOT out for every configured root"
+                )
+            picked.append(({"path": p}, set()))
+            continue
+        real_root, table = owner
+        entry = next((e for e in picked if e[0] is table), None)
+        if entry is None:
+            entry = (table, set())
+            picked.append(entry)
+        entry[1].add(os.path.relpath(real, real_root))
+    tables = [dict(t) for t, _ in picked]
+    return tables, [() if "." in subs or not subs else tuple(sorted(subs)) for _, subs in picked]
+
+
+def _within(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
 
 
 def _table(data: dict[str, Any], key: str) -> dict[str, Any]:

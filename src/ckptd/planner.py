@@ -17,7 +17,7 @@ from pathlib import Path
 from ckptd import policy
 from ckptd.config import Root
 from ckptd.discover import RunDir, find_run, find_runs
-from ckptd.errors import RootMissingError
+from ckptd.errors import RootMissingError, UsageError
 from ckptd.evidence import Inspector, QuietJudge, RunContext, resume_pointers
 from ckptd.layouts import Candidate, compile_pattern
 from ckptd.model import Check, Checkpoint, Run, Verdict
@@ -53,7 +53,23 @@ class Scanner:
     def runs(self, *, now: float) -> list[Run]:
         self.check_root()
         dirs = find_runs(self.root.path, max_depth=self.root.max_depth, patterns=self.patterns)
-        return [self.inspect_run(d, now=now) for d in dirs]
+        return [self.inspect_run(d, now=now) for d in self.in_scope(dirs)]
+
+    def in_scope(self, dirs: list[RunDir]) -> list[RunDir]:
+        """The runs within the subtrees a command was restricted to (`Root.scope`), found by a
+        discovery from the root itself, so that a subtree inside a run or a checkpoint is never
+        mistaken for a run (a Trainer checkpoint named as ROOT would make its global_step
+        directory look like a checkpoint of its own)."""
+        for sub in self.root.scope:
+            where = self.root.path / sub
+            if not where.is_dir():
+                raise RootMissingError(f"{where} does not exist or is not a directory")
+            inside = next((d for d in dirs if d.rel == "." or sub.startswith(f"{d.rel}/")), None)
+            if inside is not None:
+                raise UsageError(
+                    f"{where} is inside the run {inside.path}: name the run itself or a directory above it"
+                )
+        return [d for d in dirs if self.root.in_scope(d.rel)]
 
     def inspect_run(self, run_dir: RunDir, *, now: float) -> Run:
         ckpts = [c for cand in run_dir.candidates if (c := self.inspect(run_dir, cand, now=now)) is not None]
@@ -113,7 +129,12 @@ def decide(
     # min_free is per filesystem: roots on the same device share one budget.
     by_device: dict[int, list[Root]] = defaultdict(list)
     for root, _ in roots:
-        if root.retention.min_free is not None:
+        if root.retention.min_free is not None and root.scope:
+            warnings.append(
+                f"{root.path}: min_free={root.retention.min_free} not applied: this covers only "
+                f"{', '.join(root.scope)} of the root (min_free is per filesystem: name the whole root)"
+            )
+        elif root.retention.min_free is not None:
             by_device[device(root.path)].append(root)
     for dev_roots in by_device.values():
         paths = {r.path for r in dev_roots}

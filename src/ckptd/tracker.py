@@ -185,6 +185,7 @@ class RootTracker:
             self.root.path, max_depth=self.root.max_depth, patterns=self.scanner.patterns, visited=visited
         )
         self.dirs = visited
+        found = self.scanner.in_scope(found)
         seen = {d.rel for d in found}
         for rel in [r for r in self.runs if r not in seen]:
             self._drop_run(rel, changes)
@@ -254,7 +255,7 @@ class RootTracker:
             for d in [d for d in self.dirs if _under(d, rel)]:
                 del self.dirs[d]
             self.dirs.update({_join(rel, v): m for v, m in visited.items()})
-            found_runs = {_join(rel, r.rel): r for r in found}
+            found_runs = {_join(rel, r.rel): r for r in found if self.root.in_scope(_join(rel, r.rel))}
             for run_rel in [r for r in self.runs if _under(r, rel) and r not in found_runs]:
                 self._drop_run(run_rel, changes)
             for run_rel, r in found_runs.items():
