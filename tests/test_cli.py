@@ -202,3 +202,13 @@ def test_demo_volume_plans(tmp_path, state_env):
     assert rows["roberta-mlm/checkpoint-1000"]["action"] == "delete"
     assert rows["roberta-mlm/checkpoint-2500"]["state"] == "incomplete"
     assert rows["roberta-mlm/checkpoint-3000"]["state"] == "writing"
+
+
+def test_a_metric_logged_nowhere_is_said_by_plan_and_prune(volume):
+    config, root = volume
+    config.write_text(config.read_text().replace("metric = 'eval_loss'", "metric = 'val_loss'"))
+    warning = f"warning: {root / 'roberta'}: metric 'val_loss' (eval_val_loss in trainer_state.json"
+    plan = run_ckptd("plan", "-c", config)
+    assert plan.returncode == 0 and warning in plan.stdout, plan.stdout
+    assert warning in run_ckptd("prune", "--dry-run", "-c", config).stdout
+    assert warning[len("warning: "):] in json.dumps(plan_json(config)["warnings"])

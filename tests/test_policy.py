@@ -10,7 +10,7 @@ import pytest
 
 from ckptd.config import FreeSpace, Retention
 from ckptd.model import Check, Checkpoint, Run, TrainerState, Verdict
-from ckptd.policy import Action, decide_run, enforce_max_size, enforce_min_free
+from ckptd.policy import Action, decide_run, enforce_max_size, enforce_min_free, metric_warnings
 
 ROOT = Path("/vol")
 COMPLETE = (Check("quiet", Verdict.PASSED, "quiet"),)
@@ -348,3 +348,28 @@ def test_the_checkpoint_a_resume_pointer_names_and_one_holding_a_mount_are_never
     assert by_step[100].reasons == ("named by DeepSpeed's latest: the framework resumes from it",)
     assert by_step[200].reasons == ("holds a mount point (data): another filesystem is never deleted",)
     assert by_step[100].protected and by_step[200].protected
+
+
+def test_metric_loss_means_eval_loss_as_the_trainer_maps_it_never_the_training_loss():
+    """The Trainer logs the training loss as 'loss' and evaluations as 'eval_loss' at the same
+    steps. metric_for_best_model='loss' means eval_loss to the Trainer; ckptd looked for 'loss'
+    first, ranked by the training loss and deleted the Trainer's own best_model_checkpoint."""
+    train = {100: 0.9, 200: 0.5, 300: 0.1, 400: 0.2, 500: 0.3}  # training loss keeps falling
+    evals = {100: 0.4, 200: 0.2, 300: 0.6, 400: 0.7, 500: 0.8}  # best eval: 200
+    history = {s: {"loss": train[s], "eval_loss": evals[s]} for s in STEPS}
+    ts = TrainerState(500, "checkpoint-200", 0.2, history)
+    run = run_of(*(replace(ck(s), trainer_state=ts if s == 500 else None) for s in STEPS))
+    ds = decide_run(run, Retention(keep_last=1, keep_best=1, metric="loss"))
+    assert kept(ds) == [200, 500]
+    assert next(d for d in ds if d.checkpoint.step == 200).reasons == ("best loss=0.2 (min)",)
+    assert metric_warnings(run, Retention(metric="loss")) == []
+
+
+def test_a_metric_logged_nowhere_is_a_warning_not_a_silent_fallback():
+    run = with_losses(STEPS, {s: 0.1 for s in STEPS})
+    [w] = metric_warnings(run, Retention(metric="val_loss"))
+    assert w == ("/vol/run: metric 'val_loss' (eval_val_loss in trainer_state.json, as the Trainer maps it) "
+                 "is logged for none of its checkpoints: keep_missing_metric keeps every checkpoint")
+    [w] = metric_warnings(run, Retention(metric="eval_bleu", keep_missing_metric=False))
+    assert w.endswith("'eval_bleu' is logged for none of its checkpoints: only the other rules keep checkpoints")
+    assert metric_warnings(run, Retention(metric="eval_bleu", keep_best=0)) == []

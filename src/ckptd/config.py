@@ -198,8 +198,8 @@ class Retention(_Strict):
     )
     metric: str | None = Field(
         None,
-        description="Metric name in trainer_state.json's log_history, e.g. 'eval_loss' "
-        "('loss' also matches 'eval_loss', as the Trainer does).",
+        description="Metric name in trainer_state.json's log_history, e.g. 'eval_loss'; mapped as the "
+        "Trainer maps metric_for_best_model ('loss' means 'eval_loss', not the training loss).",
     )
     mode: Literal["min", "max"] = Field("min", description="Whether lower or higher `metric` is better.")
     keep_missing_metric: bool = Field(

@@ -174,17 +174,24 @@ class Run:
 
         Returns a float (possibly NaN or infinite), a string when the logged
         value is not a number, or None when nothing was logged at that step.
-        'loss' also matches 'eval_loss', as the Trainer's `metric_for_best_model` does.
+        The name is mapped as the Trainer maps `metric_for_best_model`: 'loss' means
+        'eval_loss', never the training loss logged under 'loss' (which ranked checkpoints
+        by it and deleted the Trainer's own best_model_checkpoint).
         Two histories at most, never every checkpoint's: with 10k checkpoints and
         evaluations at other steps than saves, that search was quadratic.
         """
-        names = (name,) if name.startswith("eval_") else (name, f"eval_{name}")
+        key = trainer_metric(name)
         for ts in (self.trainer_state(), ckpt.trainer_state):
             entry = ts.history.get(ckpt.step) if ts is not None else None
-            for n in names if entry else ():
-                if n in entry:
-                    return as_metric(entry[n])
+            if entry and key in entry:
+                return as_metric(entry[key])
         return None
+
+
+def trainer_metric(name: str) -> str:
+    """The Trainer's mapping of `metric_for_best_model` (transformers' Trainer._determine_best_metric:
+    a name not starting with 'eval_' gets the prefix)."""
+    return name if name.startswith("eval_") else f"eval_{name}"
 
 
 def as_metric(value: object) -> float | str:

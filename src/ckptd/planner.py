@@ -121,6 +121,7 @@ def decide(
         for run in runs:
             retention, _ = root.retention_for(run.rel)
             ds = policy.decide_run(run, retention)
+            warnings += policy.metric_warnings(run, retention)
             if retention.max_size is not None:
                 ds, w = policy.enforce_max_size(ds, retention.max_size)
                 warnings += w

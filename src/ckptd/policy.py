@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from ckptd.config import FreeSpace, Retention, format_duration, format_size
-from ckptd.model import Action, Checkpoint, Run, State, Verdict, is_rankable
+from ckptd.model import Action, Checkpoint, Run, State, Verdict, is_rankable, trainer_metric
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,23 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
             note = f" ({r.metric}={_fmt(metric)} is not comparable)" if incomparable else ""
             decisions.append(Decision(c, Action.DELETE, (outside + note,), False, metric))
     return decisions
+
+
+def metric_warnings(run: Run, r: Retention) -> list[str]:
+    """A configured metric that appears in no checkpoint of the run: say so, rather than fall back
+    silently (keep_best then keeps nothing by it, keep_missing_metric keeps everything)."""
+    if not (r.keep_best and r.metric) or not run.checkpoints:
+        return []
+    if any(run.metric(c, r.metric) is not None for c in run.checkpoints):
+        return []
+    key = trainer_metric(r.metric)
+    mapped = f" ({key} in trainer_state.json, as the Trainer maps it)" if key != r.metric else ""
+    then = (
+        "keep_missing_metric keeps every checkpoint"
+        if r.keep_missing_metric
+        else "only the other rules keep checkpoints"
+    )
+    return [f"{run.path}: metric {r.metric!r}{mapped} is logged for none of its checkpoints: {then}"]
 
 
 def _slims(
