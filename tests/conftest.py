@@ -85,3 +85,12 @@ def zero3_bf16_bare(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zero3-bare") / "run"
     dsgen.generate(out, world_size=2, stage=3, bf16=True, layout="bare", steps=(10, 20))
     return out
+
+
+@pytest.fixture(scope="session")
+def zero1_bf16_bare(tmp_path_factory) -> Path:
+    """2 ranks, ZeRO-1, bf16 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer: per-rank
+    bf16_zero_pp_rank_* shards), bare DeepSpeed layout, step 10."""
+    out = tmp_path_factory.mktemp("zero1-bf16-bare") / "run"
+    dsgen.generate(out, world_size=2, stage=1, bf16=True, grad_accum_fp32=True, layout="bare", steps=(10,))
+    return out

@@ -115,11 +115,13 @@ def _cli_args(
     train_steps_per_save,
     seed,
     timeout=300,
+    config_as_path=False,
+    grad_accum_fp32=False,
 ) -> list[str]:
     if not 1 <= world_size <= 8:
         raise ValueError("world_size must be 1..8 (2..4 intended)")
-    if stage not in (1, 2, 3):
-        raise ValueError("stage must be 1, 2 or 3")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError("stage must be 0, 1, 2 or 3")
     if layout not in ("hf", "bare"):
         raise ValueError("layout must be 'hf' or 'bare'")
     steps = [int(s) for s in steps]
@@ -150,6 +152,10 @@ def _cli_args(
         args.append("--bf16")
     if offload:
         args.append("--offload")
+    if config_as_path:
+        args.append("--config-path")
+    if grad_accum_fp32:
+        args.append("--grad-accum-fp32")
     losses = _norm_losses(steps, eval_losses)
     if losses is not None:
         args += ["--eval-losses", *(repr(losses[s]) for s in steps)]
@@ -325,6 +331,8 @@ def start(
     seed: int = 1234,
     timeout: float = 300,
     env: Mapping[str, str] | None = None,
+    config_as_path: bool = False,
+    grad_accum_fp32: bool = False,
 ) -> Run:
     """Start a DeepSpeed run in the background and return a :class:`Run`.
 
@@ -352,6 +360,8 @@ def start(
         train_steps_per_save=train_steps_per_save,
         seed=seed,
         timeout=timeout,
+        config_as_path=config_as_path,
+        grad_accum_fp32=grad_accum_fp32,
     )
     return Run(out, argv, timeout, env)
 
@@ -561,7 +571,13 @@ def _worker(rank: int, cfg: dict) -> None:
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    if cfg.get("grad_accum_fp32"):  # bf16 at stage 0 then takes DeepSpeed's BF16_Optimizer: per-rank shards
+        ds_config["data_types"] = {"grad_accum_dtype": "fp32"}
+    config: dict[str, Any] | str = ds_config
+    if cfg.get("config_path"):  # as a JSON file's path: the model states then record the path, not the dict
+        config = str(Path(cfg["out"]) / f".ds_config.rank{rank}.json")
+        Path(config).write_text(json.dumps(ds_config))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     _quiet_deepspeed()
     t_init = time.monotonic()
     dtype = torch.bfloat16 if cfg["bf16"] else torch.float32
@@ -726,8 +742,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
+    p.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3))
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--config-path", action="store_true", help="pass ds_config as a JSON file's path")
+    p.add_argument("--grad-accum-fp32", action="store_true", help="data_types.grad_accum_dtype = fp32")
     p.add_argument("--offload", action="store_true", help="offload_optimizer device=cpu")
     p.add_argument("--layout", choices=("hf", "bare"), default="hf")
     p.add_argument("--steps", type=int, nargs="+", default=[10, 20, 30])
@@ -768,6 +786,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "world_size": a.world_size,
         "stage": a.stage,
         "bf16": a.bf16,
+        "config_path": a.config_path,
+        "grad_accum_fp32": a.grad_accum_fp32,
         "offload": a.offload,
         "layout": a.layout,
         "steps": a.steps,

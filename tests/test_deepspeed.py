@@ -220,3 +220,33 @@ def test_real_deepspeed_job_saving_under_the_daemon(tmp_path):
         "checkpoint-10", "checkpoint-40"]
     for step in (10, 40):
         _zero_to_fp32(run / f"checkpoint-{step}", f"global_step{step}")
+
+
+def test_a_bf16_save_killed_before_any_shard_is_incomplete_whatever_its_ds_config_says(zero1_bf16_bare, tmp_path):
+    """Issue 11, 9b: the census must not hang on reading the ZeRO stage from a ds_config dict. A
+    save killed after rank 0's model states and before any rank's optimizer shard (the shards are
+    removed from a real checkpoint: what such a kill leaves) is incomplete, with the ds_config as
+    saved, and with it saved as a path string, as the issue's report had it (rewritten here:
+    DeepSpeed 0.19.8 always records the dict). The model states' own structure says shards
+    were written (`param_shapes`), whatever the ds_config says."""
+    root = copy_run(zero1_bf16_bare, tmp_path)
+    tag = root / "run" / "global_step10"
+    code, doc = verify(tag)
+    assert code == 0 and census(doc)[0]["detail"].startswith("3/3 files present, ZeRO-1"), doc
+    for shard in tag.glob("bf16_zero_pp_rank_*_optim_states.pt"):
+        shard.unlink()
+    age(root, time.time() - 3600)
+    code, doc = verify(tag)
+    assert code == 1 and census(doc)[0]["detail"].startswith(
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt, bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt missing"
+    ), doc
+    states = tag / "mp_rank_00_model_states.pt"
+    rewrite = (
+        "import sys, torch; p = sys.argv[1]; sd = torch.load(p, weights_only=False);"
+        "sd['ds_config'] = 'ds_config.json'; torch.save(sd, p)"
+    )
+    subprocess.run([sys.executable, "-c", rewrite, str(states)], check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    age(root, time.time() - 3600)
+    code, doc = verify(tag)
+    assert code == 1 and census(doc)[0]["verdict"] == "failed", doc
+    assert "optim_states.pt missing" in census(doc)[0]["detail"]

@@ -644,3 +644,53 @@ def test_pinning_an_old_checkpoint_makes_nothing_deletable(tmp_path, state_env):
     os.utime(run / "checkpoint-3")  # touch a directory
     os.utime(run / "checkpoint-2" / "trainer_state.json")  # touch a file: it now looks recent
     assert deleted() == []  # before: the window moved to now, and 3 and 4 were deleted
+
+
+# --- a rank census without a known world size learns from the run (issue 11, 9a) -------------
+
+
+def ddp_checkpoint(run: Path, step: int, ranks: int, mtime: float) -> Path:
+    """A Trainer DDP checkpoint (no DeepSpeed): weights, optimizer, one rng_state per rank. Made by
+    hand: the real Trainer's volumes are in test_frameworks.py; this varies the rank count."""
+    ck = run / f"checkpoint-{step}"
+    ck.mkdir(parents=True)
+    write_zip(ck / "optimizer.pt", 64)
+    write_zip(ck / "model.bin", 64)
+    for r in range(ranks):
+        write_zip(ck / f"rng_state_{r}.pth", 16)
+    (ck / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
+    age(ck, mtime)
+    return ck
+
+
+def test_a_checkpoint_one_rank_short_of_the_runs_last_complete_one_is_incomplete(tmp_path):
+    """rng_state_0..6 are contiguous, and rank 7 never wrote its file: before, that passed, the
+    checkpoint became the newest complete, and with keep_last=1 the last loadable ones went."""
+    run = tmp_path / "run"
+    for i, step in enumerate((100, 200)):
+        ddp_checkpoint(run, step, 8, OLD + i)
+    ddp_checkpoint(run, 300, 7, OLD + 10)
+    got = scan(tmp_path)
+    assert got["run/checkpoint-200"].state is State.COMPLETE
+    c = got["run/checkpoint-300"]
+    assert c.state is State.INCOMPLETE
+    assert checks(c)["rank census"] == (
+        Verdict.FAILED,
+        "7 ranks' files, the run's last complete checkpoint checkpoint-200 has 8: a rank is missing, "
+        "or the job shrank (then set world_size for this run)",
+    )
+    assert checks(c)["rng states"] == (Verdict.PASSED, "ranks 0..6 contiguous (world size not known)")
+
+
+def test_a_run_that_grew_is_fine_and_a_configured_world_size_decides(tmp_path):
+    run = tmp_path / "run"
+    ddp_checkpoint(run, 100, 4, OLD)
+    ddp_checkpoint(run, 200, 8, OLD + 1)  # resumed on more GPUs
+    ddp_checkpoint(run, 300, 7, OLD + 2)
+    got = scan(tmp_path)
+    assert got["run/checkpoint-200"].state is State.COMPLETE
+    assert got["run/checkpoint-300"].state is State.INCOMPLETE  # against 200, not 100
+    got = scan(tmp_path, world_size=7)  # the operator says the job shrank
+    assert got["run/checkpoint-300"].state is State.COMPLETE
+    assert checks(got["run/checkpoint-300"])["rng states"] == (Verdict.PASSED, "7/7 ranks")
+    assert got["run/checkpoint-200"].state is State.COMPLETE  # ranks 0..6 there (an eighth file is not asked for)

@@ -243,3 +243,20 @@ def test_a_future_mtime_is_not_quiet_for_the_daemon_either(tmp_path, clock):
     wall.advance(ahead)
     changes = t.step(clock.advance(ahead))
     assert [c.rel for c in changes.completed] == ["run/checkpoint-10"]  # unchanged all along
+
+
+def test_the_daemon_learns_a_runs_rank_count_from_its_complete_checkpoints(tmp_path, clock):
+    from test_evidence import ddp_checkpoint
+
+    run = tmp_path / "run"
+    ddp_checkpoint(run, 100, 8, 1_700_000_000.0)
+    t = RootTracker(Root(path=tmp_path, quiet_period=60), clock)
+    t.full_scan()
+    t.step(clock.advance(60))
+    assert states(t) == {"run/checkpoint-100": State.COMPLETE}
+    ddp_checkpoint(run, 200, 7, 1_700_000_100.0)  # rank 7 killed before its rng_state
+    t.poll()
+    t.step(clock.advance(60))
+    assert states(t) == {"run/checkpoint-100": State.COMPLETE, "run/checkpoint-200": State.INCOMPLETE}
+    [c] = [c for c in t.checkpoints() if c.name == "checkpoint-200"]
+    assert c.checks[-1].name == "rank census" and c.checks[-1].verdict is Verdict.FAILED

@@ -307,8 +307,9 @@ class Root(_Strict):
         strict=True,
         default=None,
         ge=1,
-        description="DeepSpeed data-parallel world size, used only when a checkpoint's "
-        "mp_rank_00_model_states.pt cannot be read.",
+        description="The job's data-parallel world size, used only where a checkpoint does not say: "
+        "DeepSpeed's when mp_rank_00_model_states.pt cannot be read, and the number of per-rank "
+        "files (rng_state_<rank>.pth) a checkpoint without DeepSpeed must hold.",
     )
     mp_world_size: int = Field(
         strict=True, default=1, ge=1, description="DeepSpeed model-parallel world size, with world_size."

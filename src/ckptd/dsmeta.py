@@ -38,6 +38,12 @@ class WorldSizes:
     mp: int
     stage: int | None  # ZeRO stage from the saved ds_config, if recorded
     source: str  # where the numbers came from, for the evidence detail
+    # Whether each rank writes an optimizer shard, from the model states' own structure rather
+    # than the ds_config (which may be a path, or say stage 0 while BF16_Optimizer shards):
+    # `param_shapes` is saved exactly when a ZeRO optimizer is, and BF16_Optimizer's state
+    # (saved in the model states too) carries its partitions.
+    shards: bool = False
+    bf16: bool | None = None  # from ds_config's bf16.enabled, if recorded: the shards' name prefix
 
 
 _torch_lock = threading.Lock()
@@ -163,13 +169,24 @@ def read_world_sizes(path: Path) -> WorldSizes:
     usable = isinstance(dp, int) and isinstance(mp, int) and not isinstance(dp, bool)
     if not usable or not (1 <= dp <= MAX_WORLD and 1 <= mp <= MAX_WORLD):
         raise MetadataUnavailable(f"{path.name} has no usable dp_world_size/mp_world_size ({dp!r}, {mp!r})")
-    stage = None
+    stage, bf16 = None, None
     ds_config = sd.get("ds_config")
     if isinstance(ds_config, dict):
         zero = ds_config.get("zero_optimization")
         if isinstance(zero, dict) and isinstance(zero.get("stage"), int):
             stage = zero["stage"]
-    return WorldSizes(dp=dp, mp=mp, stage=stage, source=path.name)
+        half = ds_config.get("bf16")
+        if isinstance(half, dict) and isinstance(half.get("enabled"), bool):
+            bf16 = half["enabled"]
+    optimizer = sd.get("optimizer")
+    partitioned = isinstance(optimizer, dict) and bool(_BF16_OPTIMIZER_KEYS & set(optimizer))
+    shards = sd.get("param_shapes") is not None or partitioned
+    bf16 = True if partitioned else bf16
+    return WorldSizes(dp=dp, mp=mp, stage=stage, source=path.name, shards=shards, bf16=bf16)
+
+
+# BF16_Optimizer.state_dict() (deepspeed/runtime/bf16_optimizer.py): its fp32 partitions are per rank.
+_BF16_OPTIMIZER_KEYS = frozenset({"single_partition_of_fp32_groups", "partition_count"})
 
 
 def optimizer_safe_globals() -> list:

@@ -31,14 +31,14 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckptd import dsmeta, layouts, mounts, slim
 from ckptd.config import format_duration, format_size
 from ckptd.layouts import Candidate
-from ckptd.model import QUIET, Check, Checkpoint, Slimming, TrainerState, Verdict, as_metric
+from ckptd.model import QUIET, Check, Checkpoint, Slimming, State, TrainerState, Verdict, as_metric
 
 TRAINER_STATE = "trainer_state.json"
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024
@@ -186,6 +186,7 @@ class Inspector:
         """
         path = run.path / cand.name
         too_deep = None
+        ranks: int | None = None  # per-rank files counted without a known world size
         try:
             entries = walk(path)
         except TooDeep as exc:
@@ -205,7 +206,10 @@ class Inspector:
             census = [self._deepspeed(path, d, files, world_size, removed) for d in _global_step_dirs(files)]
             checks.extend(check for check, _ in census)
             worlds = [w.dp * w.mp for _, w in census if w is not None]
-            checks.append(_rng_states(files, worlds[0] if worlds else None))
+            if not worlds and world_size is not None:  # a DDP job's world size, from the config
+                worlds = [world_size * self.mp_world_size]
+            rng_check, ranks = _rng_states(files, worlds[0] if worlds else None)
+            checks.append(rng_check)
         elif cand.layout == layouts.DEEPSPEED:
             checks.append(self._deepspeed(path, "", files, world_size, removed)[0])
         elif cand.layout == layouts.MEGATRON:
@@ -247,6 +251,7 @@ class Inspector:
             saved_at=saved_at,
             written_at=written_at,
             mounts=inside,
+            ranks=ranks,
             pinned=pinned or _matches_pin(rel, pins),
             trainer_state=trainer_state,
             slim=slimming,
@@ -341,8 +346,14 @@ class Inspector:
             if not here - {""}:
                 return Check(name, FAILED, f"{gs or 'directory'} is empty"), None
             return Check(name, UNKNOWN, f"cannot count shards: {sizes}"), None
-        bf16 = any(n.startswith("bf16_zero_pp_rank_") for n in here_or_slimmed)
-        zero = stage3 or (sizes.stage or 0) > 0 or any(_OPTIM.fullmatch(n) for n in here_or_slimmed)
+        # Optimizer shards are expected from what the checkpoint itself shows: ZeRO-3 names, a
+        # ZeRO stage or bf16 in the saved ds_config, the model states' own structure
+        # (`WorldSizes.shards`: a ds_config saved as a path says nothing), or any shard present.
+        shard_present = any(_OPTIM.fullmatch(n) for n in here_or_slimmed)
+        bf16 = any(n.startswith("bf16_zero_pp_rank_") for n in here_or_slimmed) or (
+            not shard_present and bool(sizes.bf16)
+        )
+        zero = stage3 or (sizes.stage or 0) > 0 or sizes.shards or shard_present
         expected: list[str] = []
         for m in range(sizes.mp):
             if stage3:
@@ -479,13 +490,17 @@ def parse_trainer_state(data: dict) -> TrainerState:
     )
 
 
-def _rng_states(files: dict[str, Entry], world: int | None) -> Check:
-    """One rng_state_<rank>.pth per process: each rank writes its own, with no barrier."""
+def _rng_states(files: dict[str, Entry], world: int | None) -> tuple[Check, int | None]:
+    """One rng_state_<rank>.pth per process: each rank writes its own, with no barrier.
+
+    Returns the check and, when no world size was known, how many ranks were counted (for
+    `against_siblings`: ranks 0..6 are contiguous, and still one short of a run of 8).
+    """
     ranks = sorted(int(m[1]) for rel in files if "/" not in rel and (m := _RNG.fullmatch(rel)))
     if not ranks:
         if "rng_state.pth" in files:
-            return Check("rng states", PASSED, "rng_state.pth (one process)")
-        return Check("rng states", PASSED, "none saved")
+            return Check("rng states", PASSED, "rng_state.pth (one process)"), None
+        return Check("rng states", PASSED, "none saved"), None
     # Ranks 0..n-1 are all there exactly when n of them are and the highest is n-1: no
     # walk up to a rank number taken from a (possibly hostile) file name.
     present = set(ranks)
@@ -493,10 +508,49 @@ def _rng_states(files: dict[str, Entry], world: int | None) -> Check:
     if len([r for r in present if r < n]) < n:
         first = next(r for r in range(n) if r not in present)  # at most len(present)+1 steps
         counted = f" ({len(present)}/{world} ranks)" if world is not None else ""
-        return Check("rng states", FAILED, f"rng_state_{first}.pth missing{counted}")
+        return Check("rng states", FAILED, f"rng_state_{first}.pth missing{counted}"), None
     if world is not None:
-        return Check("rng states", PASSED, f"{world}/{world} ranks")
-    return Check("rng states", PASSED, f"ranks 0..{n - 1} contiguous (world size not known)")
+        return Check("rng states", PASSED, f"{world}/{world} ranks"), None
+    return Check("rng states", PASSED, f"ranks 0..{n - 1} contiguous (world size not known)"), n
+
+
+RANK_CENSUS = "rank census"
+
+
+def against_siblings(c: Checkpoint, siblings: Iterable[Checkpoint]) -> Checkpoint:
+    """`c`, made incomplete if it has fewer per-rank files than the run's last complete checkpoint.
+
+    Without a known world size a census can only ask that ranks 0..n-1 be there: a DDP job
+    of 8 killed before rank 7's `rng_state_7.pth` passes it. The run's own history knows
+    better: the newest complete checkpoint saved before `c` counted its ranks too. Fewer
+    now means a rank is missing, or the job shrank: then set `world_size` for the run;
+    until then the checkpoint is kept and says why (never the other way round).
+    """
+    if c.ranks is None:
+        return c
+    earlier = [
+        s for s in siblings
+        if s.name != c.name and s.ranks is not None and s.state is State.COMPLETE and s.saved_at < c.saved_at
+    ]
+    if not earlier:
+        return c
+    last = max(earlier, key=lambda s: (s.saved_at, s.step))
+    if last.ranks is None or last.ranks <= c.ranks:
+        return c
+    why = (
+        f"{c.ranks} ranks' files, the run's last complete checkpoint {last.name} has {last.ranks}: "
+        "a rank is missing, or the job shrank (then set world_size for this run)"
+    )
+    return replace(c, checks=(*c.checks, Check(RANK_CENSUS, FAILED, why)))
+
+
+def with_sibling_census(ckpts: Iterable[Checkpoint]) -> list[Checkpoint]:
+    """Every checkpoint of a run through `against_siblings`, oldest save first, so that one made
+    incomplete no longer counts as a complete sibling for the next."""
+    done: list[Checkpoint] = []
+    for c in sorted(ckpts, key=lambda c: (c.saved_at, c.step, c.name)):
+        done.append(against_siblings(c, done))
+    return done
 
 
 DEEPSPEED_LATEST = "latest"

@@ -18,7 +18,7 @@ from ckptd import policy
 from ckptd.config import Root
 from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
-from ckptd.evidence import Inspector, QuietJudge, RunContext, resume_pointers
+from ckptd.evidence import Inspector, QuietJudge, RunContext, resume_pointers, with_sibling_census
 from ckptd.layouts import Candidate, compile_pattern
 from ckptd.model import Check, Checkpoint, Run, Verdict
 from ckptd.policy import Decision, Plan
@@ -73,6 +73,7 @@ class Scanner:
 
     def inspect_run(self, run_dir: RunDir, *, now: float) -> Run:
         ckpts = [c for cand in run_dir.candidates if (c := self.inspect(run_dir, cand, now=now)) is not None]
+        ckpts = with_sibling_census(ckpts)
         resume = resume_pointers(run_dir.path, run_dir.names)
         return Run(self.root.path, run_dir.rel, tuple(sorted(ckpts, key=Checkpoint.sort_key)), resume)
 

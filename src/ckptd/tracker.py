@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ckptd.config import Root
 from ckptd.discover import RunDir, find_runs
-from ckptd.evidence import resume_pointers
+from ckptd.evidence import against_siblings, resume_pointers
 from ckptd.layouts import TRASH_DIR
 from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
 from ckptd.planner import Scanner
@@ -297,6 +297,7 @@ class RootTracker:
             if old is not None:
                 self._vanish(rs, name, changes)
             return
+        fresh = against_siblings(fresh, rs.checkpoints.values())
         if fresh.state is State.INCOMPLETE:
             stall = self.settler.stall_check(fresh.rel, self.clock())
             if stall is not None:
