@@ -388,7 +388,10 @@ def test_user_pattern_is_complete_on_quiet_alone_and_says_so(tmp_path):
     age(tmp_path / "run", OLD)
     c = scan(tmp_path, patterns=("ckpt_{step}",))["run/ckpt_5"]
     assert c.state is State.COMPLETE
-    assert checks(c)["evidence"] == (Verdict.PASSED, "no layout-specific markers: complete on quiet alone")
+    assert checks(c)["evidence"] == (
+        Verdict.PASSED,
+        "pattern 'ckpt_{step}' names no completion evidence: complete on quiet alone, the weakest evidence there is",
+    )
 
 
 def test_pins(tmp_path):
@@ -694,3 +697,54 @@ def test_a_run_that_grew_is_fine_and_a_configured_world_size_decides(tmp_path):
     assert got["run/checkpoint-300"].state is State.COMPLETE
     assert checks(got["run/checkpoint-300"])["rng states"] == (Verdict.PASSED, "7/7 ranks")
     assert got["run/checkpoint-200"].state is State.COMPLETE  # ranks 0..6 there (an eighth file is not asked for)
+
+
+# --- completion evidence a user names for a pattern of their own (issue 11, item 2) ------------
+
+
+def own_checkpoint(run: Path, step: int, files: list[str]) -> Path:
+    """A checkpoint in the user's own format (theirs to define: made by hand, as they would)."""
+    ck = run / f"ckpt_{step}"
+    ck.mkdir(parents=True)
+    for f in files:
+        (ck / f).parent.mkdir(parents=True, exist_ok=True)
+        (ck / f).write_text("x")
+    age(ck, OLD + step)
+    return ck
+
+
+def test_a_pattern_names_the_evidence_that_completes_its_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    own_checkpoint(run, 1, ["model.pt.part", "shards/shard_0.dat", "shards/shard_1.dat", "COMMITTED"])
+    own_checkpoint(run, 2, ["model.pt.part", "shards/shard_0.dat", "shards/shard_1.dat"])  # killed before COMMITTED
+    own_checkpoint(run, 3, ["shards/shard_0.dat", "COMMITTED"])  # rank 1's shard missing
+    pattern = {"name": "ckpt_{step}", "require": ["COMMITTED"], "ranks": "shards/shard_{rank}.dat"}
+    got = scan(tmp_path, patterns=(pattern,), world_size=2)
+    assert got["run/ckpt_1"].state is State.COMPLETE
+    assert checks(got["run/ckpt_1"])["requires COMMITTED"] == (Verdict.PASSED, "COMMITTED present")
+    assert checks(got["run/ckpt_1"])["ranks (shards/shard_{rank}.dat)"] == (Verdict.PASSED, "2/2 ranks")
+    assert checks(got["run/ckpt_2"])["requires COMMITTED"] == (Verdict.FAILED, "no such file")
+    assert got["run/ckpt_2"].state is State.INCOMPLETE
+    assert checks(got["run/ckpt_3"])["ranks (shards/shard_{rank}.dat)"] == (
+        Verdict.FAILED, "shards/shard_1.dat missing (1/2 ranks)")
+    # without a world size, the run's last complete checkpoint sets the count
+    got = scan(tmp_path, patterns=(pattern,))
+    assert got["run/ckpt_3"].state is State.INCOMPLETE
+    assert "the run's last complete checkpoint ckpt_1 has 2" in checks(got["run/ckpt_3"])["rank census"][1]
+
+
+def test_plan_says_plainly_when_checkpoints_are_complete_on_quiet_alone(tmp_path, state_env):
+    from conftest import run_ckptd
+
+    root = tmp_path / "vol"
+    for step in (1, 2, 3):
+        own_checkpoint(root / "run", step, ["weights.bin"])
+        age(root / "run" / f"ckpt_{step}", OLD - 3600 * 24 * 400 + step)
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[[roots]]\npath = '{root}'\npatterns = ['ckpt_{{step}}']\n")
+    proc = run_ckptd("plan", "-c", cfg, env=state_env)
+    assert proc.returncode == 0, proc.stderr
+    assert (f"warning: {root / 'run'}: 3 checkpoint(s) complete on quiet alone: nothing in them proves a "
+            "save finished; name the evidence in the pattern") in proc.stdout
+    verify = run_ckptd("verify", "-c", cfg, root / "run" / "ckpt_3", env=state_env)
+    assert "complete on quiet alone, the weakest evidence there is" in verify.stdout

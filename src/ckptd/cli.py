@@ -268,7 +268,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not os.path.lexists(path):
         raise RootMissingError(f"{args.path}: no such file or directory")
     root = _root_for(config, path)
-    patterns = [layouts.compile_pattern(p) for p in root.patterns]
+    patterns = [layouts.compile_pattern(p.name) for p in root.patterns]
     is_dir = path.is_dir() and not path.is_symlink()
 
     def children() -> list[str]:
@@ -294,6 +294,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         world_size=world,
         pins=frozenset(retention.pins),
         slim_files=retention.slim_files,
+        pattern=root.patterns[cand.pattern] if cand.pattern is not None else None,
     )
     if args.json:
         print(json.dumps(checkpoint_json(ckpt), indent=2))

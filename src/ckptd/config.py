@@ -280,6 +280,52 @@ class RunRule(Retention):
         return self
 
 
+class Pattern(_Strict):
+    """A checkpoint name pattern of the user's own, with the evidence that completes a checkpoint."""
+
+    name: str = Field(description="The checkpoint's name with one {step} field, e.g. 'ckpt_{step}'.")
+    require: tuple[str, ...] = Field(
+        (),
+        description="Globs on paths inside the checkpoint ('*' stays within a segment) that must each "
+        "match a file before it can be complete, e.g. ['model.pt', 'COMMITTED'].",
+    )
+    ranks: str | None = Field(
+        None,
+        description="A file each rank writes, with one {rank} field, e.g. 'shard_{rank}.pt': ranks "
+        "0..world_size-1 must all be there (world_size, else the run's last complete checkpoint).",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _one_step_field(cls, v: str) -> str:
+        if v.count("{step}") != 1 or "/" in v:
+            raise ValueError(f"a pattern is one name with exactly one {{step}} field (got {v!r})")
+        return v
+
+    @field_validator("ranks")
+    @classmethod
+    def _one_rank_field(cls, v: str | None) -> str | None:
+        if v is not None and (v.count("{rank}") != 1 or v.startswith("/") or ".." in v.split("/")):
+            raise ValueError(f"ranks is a relative path with exactly one {{rank}} field (got {v!r})")
+        return v
+
+    @field_validator("require")
+    @classmethod
+    def _relative(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for glob in v:
+            if not glob or glob.startswith("/") or any(p in ("", ".", "..") for p in glob.split("/")):
+                raise ValueError(f"a require glob is a relative path without '.' or '..' (got {glob!r})")
+        return v
+
+    @property
+    def evidence(self) -> bool:
+        return bool(self.require or self.ranks)
+
+
+def _pattern(value: Any) -> Any:
+    return {"name": value} if isinstance(value, str) else value
+
+
 class Root(_Strict):
     """A directory tree holding runs, each run a directory of checkpoints."""
 
@@ -300,8 +346,11 @@ class Root(_Strict):
     max_depth: int = Field(
         strict=True, default=4, ge=0, le=32, description="How deep under the root to look for runs."
     )
-    patterns: tuple[str, ...] = Field(
-        (), description="Extra checkpoint name patterns with a {step} field, e.g. 'ckpt_{step}'."
+    patterns: tuple[Annotated[Pattern, BeforeValidator(_pattern)], ...] = Field(
+        (),
+        description="Checkpoint names of your own: 'ckpt_{step}', or a table naming the evidence that "
+        "completes one: {name = 'ckpt_{step}', require = ['COMMITTED'], ranks = 'shard_{rank}.pt'}. "
+        "Without evidence, a checkpoint is complete on quiet alone (the weakest evidence there is).",
     )
     world_size: int | None = Field(
         strict=True,
@@ -326,14 +375,6 @@ class Root(_Strict):
         if not v.is_absolute():
             raise ValueError(f"must be an absolute path (got {str(v)!r})")
         return Path(os.path.normpath(v))
-
-    @field_validator("patterns")
-    @classmethod
-    def _one_step_field(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for pattern in v:
-            if pattern.count("{step}") != 1 or "/" in pattern:
-                raise ValueError(f"a pattern is one name with exactly one {{step}} field (got {pattern!r})")
-        return v
 
     @property
     def scope(self) -> tuple[str, ...]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckptd import dsmeta, layouts, mounts, slim
-from ckptd.config import format_duration, format_size
+from ckptd.config import Pattern, format_duration, format_size
 from ckptd.layouts import Candidate
 from ckptd.model import QUIET, Check, Checkpoint, Slimming, State, TrainerState, Verdict, as_metric
 
@@ -175,6 +175,7 @@ class Inspector:
         pins: frozenset[str] = frozenset(),
         quiet: QuietJudge | None = None,
         slim_files: tuple[str, ...] = slim.DEFAULT_SLIM_FILES,
+        pattern: Pattern | None = None,
     ) -> Checkpoint:
         """The evidence for one checkpoint.
 
@@ -206,8 +207,8 @@ class Inspector:
             census = [self._deepspeed(path, d, files, world_size, removed) for d in _global_step_dirs(files)]
             checks.extend(check for check, _ in census)
             worlds = [w.dp * w.mp for _, w in census if w is not None]
-            if not worlds and world_size is not None:  # a DDP job's world size, from the config
-                worlds = [world_size * self.mp_world_size]
+            if not worlds:  # a DDP job's world size, from the config
+                worlds = [w] if (w := _known_world(world_size, self.mp_world_size)) else []
             rng_check, ranks = _rng_states(files, worlds[0] if worlds else None)
             checks.append(rng_check)
         elif cand.layout == layouts.DEEPSPEED:
@@ -217,11 +218,26 @@ class Inspector:
         elif cand.layout == layouts.DCP:
             checks.append(_dcp_metadata(files, ""))
         elif cand.layout == layouts.ORBAX:
-            checks.append(_orbax(cand, files))
+            checks.append(_orbax(cand, path, files))
         elif cand.layout == layouts.NEMO:
             checks.append(_nemo_unfinished(run, cand))
+        elif cand.layout == layouts.ACCELERATE:
+            for d in _deepspeed_tag_dirs(files):  # accelerate under DeepSpeed: pytorch_model/
+                checks.append(self._deepspeed(path, d, files, world_size, removed)[0])
+            world = _known_world(world_size, self.mp_world_size)
+            rank_check, ranks = _rank_files(files, _RANDOM_STATES, world)
+            checks.append(rank_check)
+        elif pattern is not None and pattern.evidence:
+            for glob in pattern.require:
+                checks.append(_required(files, glob))
+            if pattern.ranks is not None:
+                regex = re.compile(re.escape(pattern.ranks).replace(re.escape("{rank}"), r"(\d+)"))
+                world = _known_world(world_size, self.mp_world_size)
+                rank_check, ranks = _rank_files(files, regex, world, name=f"ranks ({pattern.ranks})")
+                checks.append(rank_check)
         else:
-            checks.append(Check("evidence", PASSED, "no layout-specific markers: complete on quiet alone"))
+            named = f"pattern {pattern.name!r} names" if pattern is not None else "it has"
+            checks.append(Check(EVIDENCE, PASSED, f"{named} {QUIET_ALONE}"))
         checks.extend(_nested_dcp(files, skip_top=cand.layout == layouts.DCP))
         checks.append(_integrity(path, entries, self._file_problem))
         if too_deep is not None:
@@ -491,16 +507,31 @@ def parse_trainer_state(data: dict) -> TrainerState:
 
 
 def _rng_states(files: dict[str, Entry], world: int | None) -> tuple[Check, int | None]:
-    """One rng_state_<rank>.pth per process: each rank writes its own, with no barrier.
+    """One rng_state_<rank>.pth per process (the Trainer): each rank writes its own, with no barrier.
 
     Returns the check and, when no world size was known, how many ranks were counted (for
     `against_siblings`: ranks 0..6 are contiguous, and still one short of a run of 8).
     """
-    ranks = sorted(int(m[1]) for rel in files if "/" not in rel and (m := _RNG.fullmatch(rel)))
-    if not ranks:
+    if not any(_RNG.fullmatch(rel) for rel in files if "/" not in rel):
         if "rng_state.pth" in files:
             return Check("rng states", PASSED, "rng_state.pth (one process)"), None
         return Check("rng states", PASSED, "none saved"), None
+    return _rank_files(files, _RNG, world, name="rng states")
+
+
+_RANDOM_STATES = re.compile(r"random_states_(\d+)\.pkl")  # accelerate's, one per process, written last
+
+
+def _rank_files(
+    files: dict[str, Entry], regex: re.Pattern[str], world: int | None, *, name: str = "random states"
+) -> tuple[Check, int | None]:
+    """Each rank's file, `regex` capturing the rank, in the checkpoint's top directory (or where
+    the pattern puts it): ranks 0..world-1, or 0..n-1 with no gap when the world size is not
+    known (then n is returned, for `against_siblings`)."""
+    ranks = sorted(int(m[1]) for rel in files if (m := regex.fullmatch(rel)) and files[rel].kind == "f")
+    example = regex.pattern.replace(r"(\d+)", "0").replace("\\", "")
+    if not ranks:
+        return Check(name, FAILED, f"{example} missing (each rank writes its own, last)"), None
     # Ranks 0..n-1 are all there exactly when n of them are and the highest is n-1: no
     # walk up to a rank number taken from a (possibly hostile) file name.
     present = set(ranks)
@@ -508,10 +539,40 @@ def _rng_states(files: dict[str, Entry], world: int | None) -> tuple[Check, int 
     if len([r for r in present if r < n]) < n:
         first = next(r for r in range(n) if r not in present)  # at most len(present)+1 steps
         counted = f" ({len(present)}/{world} ranks)" if world is not None else ""
-        return Check("rng states", FAILED, f"rng_state_{first}.pth missing{counted}"), None
+        missing = regex.pattern.replace(r"(\d+)", str(first)).replace("\\", "")
+        return Check(name, FAILED, f"{missing} missing{counted}"), None
     if world is not None:
-        return Check("rng states", PASSED, f"{world}/{world} ranks"), None
-    return Check("rng states", PASSED, f"ranks 0..{n - 1} contiguous (world size not known)"), n
+        return Check(name, PASSED, f"{world}/{world} ranks"), None
+    return Check(name, PASSED, f"ranks 0..{n - 1} contiguous (world size not known)"), n
+
+
+def _known_world(world_size: int | None, mp_world_size: int) -> int | None:
+    """Every rank's count from the config (data- times model-parallel), if it says."""
+    return world_size * mp_world_size if world_size is not None else None
+
+
+EVIDENCE = "evidence"
+QUIET_ALONE = "no completion evidence: complete on quiet alone, the weakest evidence there is"
+
+
+def on_quiet_alone(c: Checkpoint) -> bool:
+    """Whether nothing but quiet proves this checkpoint finished (a user pattern without evidence)."""
+    return any(k.name == EVIDENCE and k.detail.endswith(QUIET_ALONE) for k in c.checks)
+
+
+def _required(files: dict[str, Entry], glob: str) -> Check:
+    """A file the user's pattern requires (`require`)."""
+    hit = next((rel for rel, e in files.items() if e.kind == "f" and rel and slim.matches(rel, glob)), None)
+    if hit is None:
+        return Check(f"requires {glob}", FAILED, "no such file")
+    return Check(f"requires {glob}", PASSED, f"{hit} present")
+
+
+def _deepspeed_tag_dirs(files: dict[str, Entry]) -> list[str]:
+    """Top-level directories holding DeepSpeed model states (accelerate names its tag `pytorch_model`)."""
+    return sorted(
+        {rel.partition("/")[0] for rel in files if rel.count("/") == 1 and rel.endswith("model_states.pt")}
+    )
 
 
 RANK_CENSUS = "rank census"
@@ -624,12 +685,40 @@ def _nested_dcp(files: dict[str, Entry], skip_top: bool) -> Iterator[Check]:
         yield _dcp_metadata(files, d)
 
 
-def _orbax(cand: Candidate, files: dict[str, Entry]) -> Check:
+def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
+    """Orbax's own verdict on a step directory (orbax/checkpoint/_src/path/atomicity.py).
+
+    Saved through a tmp directory renamed into place (AtomicRenameTemporaryPath, the default
+    on local filesystems), a final name is the proof. Saved in place (CommitFileTemporaryPath,
+    the default on object stores and filesystems without atomic rename), only
+    `commit_success.txt`, written last, is; a save killed midway leaves the final name with
+    `_CHECKPOINT_METADATA` saying `"commit_timestamp_nsecs": null`. Both modes record the commit
+    time at finalize, and 0.12 writes commit_success.txt in both, so: the commit file, else a
+    recorded commit time; a null one is a save never finished.
+    """
+    name = "orbax commit"
     if cand.in_progress:
-        return Check("orbax commit", FAILED, "still a tmp directory (Orbax renames it when finished)")
-    if "commit_success.txt" in files:
-        return Check("orbax commit", PASSED, "commit_success.txt present")
-    return Check("orbax commit", PASSED, "finalized by rename from its tmp directory")
+        return Check(name, FAILED, "still a tmp directory (Orbax renames it when finished)")
+    if layouts.ORBAX_COMMIT in files:
+        return Check(name, PASSED, f"{layouts.ORBAX_COMMIT} present")
+    meta = files.get(layouts.ORBAX_METADATA)
+    if meta is None or meta.kind != "f":
+        return Check(name, FAILED, f"neither {layouts.ORBAX_COMMIT} nor {layouts.ORBAX_METADATA}")
+    try:
+        with open(path / layouts.ORBAX_METADATA, "rb") as f:
+            doc = json.loads(f.read(MAX_POINTER_BYTES * 16))
+    except (OSError, ValueError, RecursionError) as exc:
+        return Check(name, UNKNOWN, f"{layouts.ORBAX_METADATA} unreadable: {type(exc).__name__}: {exc}")
+    if not isinstance(doc, dict):
+        return Check(name, UNKNOWN, f"{layouts.ORBAX_METADATA} is not a JSON object")
+    committed = doc.get("commit_timestamp_nsecs")
+    if isinstance(committed, int) and not isinstance(committed, bool) and committed > 0:
+        return Check(name, PASSED, f"committed ({layouts.ORBAX_METADATA} records its commit time)")
+    if "commit_timestamp_nsecs" in doc:
+        why = f"not committed: no {layouts.ORBAX_COMMIT}, and no commit time in {layouts.ORBAX_METADATA}"
+        return Check(name, FAILED, why)
+    # An Orbax from before commit times were recorded: renamed into place, the name is the proof.
+    return Check(name, PASSED, "finalized by rename from its tmp directory (no commit time recorded)")
 
 
 def _nemo_unfinished(run: RunContext, cand: Candidate) -> Check:

@@ -17,6 +17,7 @@ MEGATRON = "megatron"  # Megatron-LM: iter_<step:07d>/ + latest_checkpointed_ite
 DCP = "dcp"  # torch.distributed.checkpoint: a directory of *.distcp + .metadata
 ORBAX = "orbax"  # Orbax: <step>/, in progress as <step>.orbax-checkpoint-tmp-*
 NEMO = "nemo"  # NeMo / Lightning: ...step=<step>... (.ckpt/.nemo file or directory)
+ACCELERATE = "accelerate"  # accelerate's save_state(): checkpoint_<n>/, step_<n>/, epoch_<n>/
 PATTERN = "pattern"  # a user pattern such as ckpt_{step}
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -38,7 +39,18 @@ _NEMO_DIR_MARKERS = frozenset({"weights", "context", "metadata.json", "common.pt
 _LAST_INT = re.compile(r"(\d+)(?!.*\d)")
 
 # Files Orbax writes into a finalized step directory.
-_ORBAX_MARKERS = frozenset({"_CHECKPOINT_METADATA", "commit_success.txt"})
+ORBAX_METADATA = "_CHECKPOINT_METADATA"
+ORBAX_COMMIT = "commit_success.txt"
+_ORBAX_MARKERS = frozenset({ORBAX_METADATA, ORBAX_COMMIT})
+
+# accelerate's Accelerator.save_state(): `checkpoint_<n>` with automatic_checkpoint_naming (a
+# save counter), `step_<n>`/`epoch_<n>` as its examples name them; recognised by the files
+# only it writes (accelerate/checkpointing.py save_accelerator_state: models, then
+# optimizer.bin, scheduler.bin, sampler.bin, scaler.pt, and random_states_<process>.pkl last).
+_ACCELERATE = re.compile(r"(?:checkpoint|step|epoch)_(\d+)")
+_ACCELERATE_MARKER = re.compile(
+    r"(?:optimizer|scheduler|sampler|dl_state_dict)(?:_\d+)?\.bin|random_states_\d+\.pkl|scaler\.pt"
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,7 @@ class Candidate:
     layout: str
     is_dir: bool
     in_progress: bool = False  # the layout's own "not finished" name (Orbax tmp)
+    pattern: int | None = None  # which of the root's patterns matched (PATTERN layout)
 
 
 def compile_pattern(pattern: str) -> re.Pattern[str]:
@@ -66,9 +79,9 @@ def recognise_by_name(
                 return Candidate(name, int(m[1]), layout, is_dir)
         if m := _ORBAX_TMP.fullmatch(name):
             return Candidate(name, int(m[1]), ORBAX, is_dir, in_progress=True)
-    for regex in patterns:
+    for i, regex in enumerate(patterns):
         if m := regex.fullmatch(name):
-            return Candidate(name, int(m[1]), PATTERN, is_dir)
+            return Candidate(name, int(m[1]), PATTERN, is_dir, pattern=i)
     nemo_like = is_dir or name.endswith((".ckpt", ".nemo"))
     if nemo_like and not name.endswith(NEMO_UNFINISHED_SUFFIX) and (m := _NEMO_STEP.search(name)):
         return Candidate(name, int(m[1]), NEMO, is_dir)
@@ -76,14 +89,16 @@ def recognise_by_name(
 
 
 def recognise_by_contents(name: str, children: Collection[str]) -> Candidate | None:
-    """Layouts that need a look inside: DCP and finalized Orbax directories.
+    """Layouts that need a look inside: DCP, finalized Orbax and accelerate directories.
 
     A numeric directory is an Orbax step only with Orbax's own files in it, so
     a run or team directory that happens to be called `42` is never mistaken
-    for a checkpoint.
+    for a checkpoint; `step_3` is accelerate's only with accelerate's own files.
     """
     if (m := _ORBAX.fullmatch(name)) and _ORBAX_MARKERS & set(children):
         return Candidate(name, int(m[1]), ORBAX, True)
+    if (m := _ACCELERATE.fullmatch(name)) and any(_ACCELERATE_MARKER.fullmatch(c) for c in children):
+        return Candidate(name, int(m[1]), ACCELERATE, True)
     is_dcp = ".metadata" in children or any(c.endswith(".distcp") for c in children)
     if is_dcp and (m := _LAST_INT.search(name)):
         return Candidate(name, int(m[1]), DCP, True)

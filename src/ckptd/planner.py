@@ -18,9 +18,16 @@ from ckptd import policy
 from ckptd.config import Root
 from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
-from ckptd.evidence import Inspector, QuietJudge, RunContext, resume_pointers, with_sibling_census
+from ckptd.evidence import (
+    Inspector,
+    QuietJudge,
+    RunContext,
+    on_quiet_alone,
+    resume_pointers,
+    with_sibling_census,
+)
 from ckptd.layouts import Candidate, compile_pattern
-from ckptd.model import Check, Checkpoint, Run, Verdict
+from ckptd.model import Check, Checkpoint, Run, State, Verdict
 from ckptd.policy import Decision, Plan
 
 log = logging.getLogger(__name__)
@@ -43,7 +50,7 @@ class Scanner:
     def __init__(self, root: Root, quiet: QuietJudge | None = None):
         self.root = root
         self.quiet = quiet  # the daemon's settler; None: compare mtimes with the wall clock
-        self.patterns = [compile_pattern(p) for p in root.patterns]
+        self.patterns = [compile_pattern(p.name) for p in root.patterns]
         self.inspector = Inspector(quiet_period=root.quiet_period, mp_world_size=root.mp_world_size)
 
     def check_root(self) -> None:
@@ -91,6 +98,7 @@ class Scanner:
                 pins=frozenset(retention.pins),
                 quiet=self.quiet,
                 slim_files=retention.slim_files,
+                pattern=self.root.patterns[cand.pattern] if cand.pattern is not None else None,
             )
         except (FileNotFoundError, NotADirectoryError):
             return None
@@ -123,6 +131,12 @@ def decide(
             retention, _ = root.retention_for(run.rel)
             ds = policy.decide_run(run, retention)
             warnings += policy.metric_warnings(run, retention)
+            alone = [c for c in run.checkpoints if c.state is State.COMPLETE and on_quiet_alone(c)]
+            if alone:
+                warnings.append(
+                    f"{run.path}: {len(alone)} checkpoint(s) complete on quiet alone: nothing in them "
+                    "proves a save finished; name the evidence in the pattern (require = [...], ranks = ...)"
+                )
             if retention.max_size is not None:
                 ds, w = policy.enforce_max_size(ds, retention.max_size)
                 warnings += w
