@@ -255,3 +255,33 @@ def test_the_daemon_refuses_to_start_on_a_bad_config_or_missing_root(tmp_path, c
     proc = run_ckptd("run", "-c", cfg, timeout=60)
     assert proc.returncode == code, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_checkpoint_with_a_future_mtime_does_not_complete_under_the_daemon(tmp_path):
+    """Issue 11, item 4: `plan` called a future mtime 'writing', the daemon settled it anyway (its
+    fingerprint did not change). A writer whose clock runs an hour ahead saves checkpoint-20:
+    with keep_last=1 the daemon deleted checkpoint-10, the last one written on a sane clock, and
+    kept one it cannot yet tell is finished. Now it waits for the clock, and deletes nothing."""
+    import time
+
+    root = tmp_path / "vol"
+    hf_deepspeed_checkpoint(root / "run", 10, world=2, mtime=time.time() - 3600)
+    cfg = write_config(
+        tmp_path / "c.toml", root, tmp_path / "state",
+        root_extra="quiet_period = '0s'\nworld_size = 2\npoll_interval = '0.2s'",
+        retention="keep_last = 1\nkeep_best = 0",
+    )
+    with DaemonProc("-c", cfg) as daemon:
+        daemon.wait_message("ready")
+        mark = daemon.mark()
+        hf_deepspeed_checkpoint(root / "run", 20, world=2, mtime=time.time() + 3600)
+        daemon.wait_for(lambda line: line.get("checkpoint") == "checkpoint-20" and line.get("state") == "writing",
+                        start=mark)
+        hf_deepspeed_checkpoint(root / "run", 30, world=2)  # a sane one after it: retention runs
+        daemon.wait_for(lambda line: line.get("checkpoint") == "checkpoint-30" and line.get("state") == "complete",
+                        start=mark)
+        daemon.wait_message("deleted run/checkpoint-10", start=mark)
+        status = json.loads(run_ckptd("status", "--json", "-c", cfg).stdout)
+    states = {c["name"]: c["state"] for c in status[0]["roots"][0]["runs"][0]["checkpoints"]}
+    assert states["checkpoint-20"] == "writing"
+    assert listing(root / "run") == ["checkpoint-20", "checkpoint-30"]

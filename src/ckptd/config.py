@@ -211,7 +211,9 @@ class Retention(_Strict):
         strict=True, default=0, ge=0, description="Keep checkpoints whose step is a multiple of N (0: off)."
     )
     keep_within: Duration | None = Field(
-        None, description="Keep checkpoints written within this long of the run's newest checkpoint."
+        None,
+        description="Keep checkpoints written within this long of when the run's newest save began (a "
+        "pin or a touch of an old checkpoint does not move it).",
     )
     max_size: Size | None = Field(
         None, description="Per run: delete the oldest unprotected checkpoints until the run fits."
