@@ -18,6 +18,7 @@ the world size from it, as it would on a real volume. Mtimes are set with
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -93,21 +94,46 @@ def model_states(world: int, stage: int = 2) -> bytes:
 ZIP_TAIL = _zip({"archive/data.pkl": b"\x80\x02}q\x00."})  # an empty dict, pickled
 
 
+class _At(io.BytesIO):
+    """A buffer that says it starts `at` bytes into a file: zipfile then records offsets that hold
+    with `at` bytes of zeros before it, as a real archive's do (ckptd checks them)."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at = at
+
+    def tell(self) -> int:
+        return self.at + super().tell()
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.at + super().seek(pos - self.at if whence == 0 else pos, whence)
+
+
+@functools.cache
+def _zip_after(pad: int) -> bytes:
+    out = _At(pad)
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", b"\x80\x02}q\x00.")  # an empty dict, pickled
+    return out.getvalue()
+
+
 def shard_bytes(size: int) -> bytes:
-    """A torch-file stand-in of about `size` bytes: zeros, then a zip directory."""
-    return b"\0" * max(0, size - len(ZIP_TAIL)) + ZIP_TAIL
+    """A torch-file stand-in of about `size` bytes: zeros, then a zip directory whose offsets count them."""
+    pad = max(0, size - len(ZIP_TAIL))
+    return b"\0" * pad + _zip_after(pad)
 
 
 def write_shard(path: Path, size: int, *, chunk: int = 16 << 20) -> None:
     """`shard_bytes(size)` written in chunks, for shards too big to build in memory."""
     pad = max(0, size - len(ZIP_TAIL))
+    tail = _zip_after(pad)
     zeros = b"\0" * min(chunk, pad)
     with open(path, "wb") as f:
         while pad > 0:
             n = min(pad, len(zeros))
             f.write(zeros[:n] if n < len(zeros) else zeros)
             pad -= n
-        f.write(ZIP_TAIL)
+        f.write(tail)
 
 
 def _safetensors() -> bytes:

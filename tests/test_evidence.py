@@ -738,7 +738,7 @@ def test_plan_says_plainly_when_checkpoints_are_complete_on_quiet_alone(tmp_path
 
     root = tmp_path / "vol"
     for step in (1, 2, 3):
-        own_checkpoint(root / "run", step, ["weights.bin"])
+        own_checkpoint(root / "run", step, ["weights.dat"])
         age(root / "run" / f"ckpt_{step}", OLD - 3600 * 24 * 400 + step)
     cfg = tmp_path / "ckptd.toml"
     cfg.write_text(f"[[roots]]\npath = '{root}'\npatterns = ['ckpt_{{step}}']\n")
