@@ -413,7 +413,12 @@ class Job:
 
 
 def _error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    """``Type: first line``, and the last line when there are more (DCP puts the cause last)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    text = lines[0][:300] if lines else ""
+    if len(lines) > 1:
+        text += f" ... {lines[-1][:300]}"
+    return f"{type(exc).__name__}: {text}"
 
 
 def _rel(path, root: Path) -> str:
@@ -609,6 +614,115 @@ def _orbax_main(out: Path, ctl: Path) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------
+# torch.distributed.checkpoint, named as torchtitan names it: <dump>/checkpoint/step-N/
+# --------------------------------------------------------------------------
+
+_DCP_RUNS = {
+    # run -> (complete steps, killed step, where rank 0 is held)
+    "titan-a": ((10, 20), 30, "before_finish"),  # every .distcp written, no .metadata
+    "titan-b": ((10,), 20, "before_metadata_rename"),  # .metadata.tmp written, not renamed
+}
+
+
+def _dcp_state(step: int) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(step)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    return {"model": model.state_dict(), "train_state": {"step": torch.tensor(step)}}
+
+
+def _init_gloo(rank: int, world: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+
+
+def _dcp_job(rank: int, world: int, out: str, run: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import filesystem
+
+    torch.set_num_threads(1)
+    _init_gloo(rank, world)
+    steps, killed, point = _DCP_RUNS[run]
+    folder = Path(out) / run / "checkpoint"
+    current = {"step": None}
+    finish = filesystem._FileSystemWriter.finish  # the coordinator (rank 0) writes .metadata here
+
+    def finish_hook(self, metadata, results):
+        if current["step"] == killed and point == "before_finish":
+            hold(point, path=str(self.path))
+        return finish(self, metadata, results)
+
+    rename = filesystem.FileSystem.rename
+
+    def rename_hook(self, path, new_path):
+        if current["step"] == killed and point == "before_metadata_rename" and Path(new_path).name == ".metadata":
+            hold(point, path=str(new_path))
+        return rename(self, path, new_path)
+
+    filesystem._FileSystemWriter.finish = finish_hook
+    filesystem.FileSystem.rename = rename_hook
+    for step in (*steps, killed):
+        current["step"] = step
+        dcp.save(_dcp_state(step), checkpoint_id=str(folder / f"step-{step}"))  # torchtitan's _create_checkpoint_id
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _dcp_truth(rank: int, world: int, out: str) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    truth = {}
+    for run, (steps, killed, _) in _DCP_RUNS.items():
+        for step in (*steps, killed):
+            path = Path(out) / run / "checkpoint" / f"step-{step}"
+            template = _dcp_state(0)  # wrong values, right shapes: dcp.load fills them in place
+            try:
+                dcp.load(template, checkpoint_id=str(path))  # no process group: a single-process load
+                expected = _dcp_state(step)
+                same = all(torch.equal(template["model"][k], expected["model"][k]) for k in expected["model"])
+                truth[f"{run}/{step}"] = "ok" if same and int(template["train_state"]["step"]) == step else "wrong values"
+            except (Exception, CheckpointException) as exc:
+                truth[f"{run}/{step}"] = _error(exc)
+    write_result("truth", truth)
+
+
+def _dcp_main(out: Path, ctl: Path) -> dict[str, Any]:
+    import torch.distributed.checkpoint  # noqa: F401  (once, before the forks)
+
+    t0 = time.monotonic()
+    holds = []
+    for run in _DCP_RUNS:
+        holds += Job(ctl, f"dcp-{run}", _dcp_job, 2, out=str(out), run=run).kill_at(1)
+    t_write = time.monotonic() - t0
+    truth_job = Job(ctl, "dcp-truth", _dcp_truth, 1, out=str(out))
+    truth_job.join()
+    truth = truth_job.results("truth")[0]
+    runs, records = {}, []
+    for run, (steps, killed, point) in _DCP_RUNS.items():
+        folder = out / run / "checkpoint"
+        # torchtitan's CheckpointManager._find_load_step (components/checkpointer/dcp.py): the highest
+        # step-N holding a .metadata (or a model.safetensors.index.json) -- its rule, evaluated here
+        with_metadata = [s for s in (*steps, killed) if (folder / f"step-{s}" / ".metadata").is_file()]
+        runs[run] = {"steps": [*steps, killed], "killed_step": killed, "killed_at": point,
+                     "torchtitan_find_load_step": max(with_metadata, default=-1), "tree": _tree(out / run)}
+        for step in (*steps, killed):
+            got = truth[f"{run}/{step}"]
+            records.append(_record(out, folder / f"step-{step}", folder, step,
+                                   killed=point if step == killed else None,
+                                   truth={"ok": got == "ok", "dcp_load": got}))
+    return {"framework": "dcp", "versions": _versions("torch"), "runs": runs, "checkpoints": records,
+            "holds": holds, "timings": {"write_s": t_write, "truth_s": truth_job.wall_s}}
+
+
+# --------------------------------------------------------------------------
 # Coordinator
 # --------------------------------------------------------------------------
 
@@ -625,6 +739,7 @@ def _versions(*dists: str) -> dict[str, str]:
 
 _MAINS: dict[str, Callable[[Path, Path], dict[str, Any]]] = {
     "orbax": _orbax_main,
+    "dcp": _dcp_main,
 }
 
 
