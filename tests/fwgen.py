@@ -39,6 +39,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -360,13 +361,14 @@ class Job:
             if self.status and any(code != 0 for code in self.status.values()):
                 break
         held = self.holds()
+        why = "a rank exited" if not open_ or self.status else "timeout"
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, signal.SIGKILL)
         self._reap(block=True)
         os.close(self._r)
         if len(held) < n_holds:
-            raise RuntimeError(f"job {self.name}: {len(held)} of {n_holds} holds before "
-                               f"{'exit' if not open_ or self.status else 'timeout'} (exit codes {self.status})")
+            raise RuntimeError(f"job {self.name}: {len(held)} of {n_holds} holds before {why} "
+                               f"(exit codes {self.status})")
         self.wall_s = time.monotonic() - self.t0
         _emit("killed", job=self.name, holds=held, wall_s=self.wall_s)
         return held
@@ -412,6 +414,18 @@ class Job:
         return [json.loads((self.ctl / f"{self.name}.{name}.r{r}.json").read_text()) for r in range(self.nprocs)]
 
 
+def _preimport(*modules: str) -> None:
+    """Import in the coordinator what every job would import again: a forked job inherits it.
+
+    torch._dynamo is among them: the first torch optimizer a process builds imports it (about 6 s on
+    the 2-core box, 13 s with two ranks doing it side by side).  Importing starts no computation, so
+    the forks stay safe."""
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name)
+
+
 def _error(exc: BaseException) -> str:
     """``Type: first line``, and the last line when there are more (DCP puts the cause last)."""
     lines = [line for line in str(exc).splitlines() if line.strip()]
@@ -443,7 +457,10 @@ def _record(root: Path, path: Path, run: Path, step: int | None, *, killed: str 
         "run": _rel(run, root),
         "step": step,
         "killed": killed,  # None: the save finished; else where the writer was killed
-        "truth": truth,  # what the framework's own loader says; truth["ok"]: it can be resumed from
+        # What the framework's own code says.  truth["complete"]: its lister counts it / its loader restores
+        # everything the save meant to write; truth["loads"]: its loader runs without an error (None: not
+        # tried).  A checkpoint can load and still be incomplete (a rank's RNG state silently skipped).
+        "truth": truth,
         **extra,
     }
 
@@ -588,11 +605,14 @@ def _orbax_main(out: Path, ctl: Path) -> dict[str, Any]:
         listed = truth["writer_options"]["all_steps"]
         for step in (1, 2, 3):
             path = out / name / str(step) if step < 3 else step3
+            default_view = truth.get("default_options", truth["writer_options"])
             records.append(_record(out, path, out / name, step, killed=point if step == 3 else None, truth={
-                "ok": step in listed,
+                "complete": step in listed,
+                "loads": truth["writer_options"]["restore"][str(step)] == "ok",
                 "all_steps": step in listed,
-                "all_steps_default_options": step in truth.get("default_options", truth["writer_options"])["all_steps"],
+                "all_steps_default_options": step in default_view["all_steps"],
                 "restore": truth["writer_options"]["restore"][str(step)],
+                "restore_default_options": default_view["restore"][str(step)],
             }))
     for name, (kw, steps) in _ORBAX_COMPLETE.items():
         truth = read(name, None, dict(kw), steps)
@@ -604,8 +624,8 @@ def _orbax_main(out: Path, ctl: Path) -> dict[str, Any]:
         runs[name]["step_dirs"] = mngr_names
         for step, dirname in zip(steps, mngr_names, strict=True):
             records.append(_record(out, out / name / dirname, out / name, step, killed=None, truth={
-                "ok": step in truth["all_steps"], "all_steps": step in truth["all_steps"],
-                "restore": truth["restore"][str(step)],
+                "complete": step in truth["all_steps"], "loads": truth["restore"][str(step)] == "ok",
+                "all_steps": step in truth["all_steps"], "restore": truth["restore"][str(step)],
             }, metric=ORBAX_LOSSES.get(step) if name == "best_fn" else None))
     return {"framework": "orbax", "versions": _versions("orbax-checkpoint", "jax"), "runs": runs,
             "checkpoints": records, "holds": held,
@@ -717,9 +737,575 @@ def _dcp_main(out: Path, ctl: Path) -> dict[str, Any]:
             got = truth[f"{run}/{step}"]
             records.append(_record(out, folder / f"step-{step}", folder, step,
                                    killed=point if step == killed else None,
-                                   truth={"ok": got == "ok", "dcp_load": got}))
+                                   truth={"complete": got == "ok", "loads": got == "ok", "dcp_load": got}))
     return {"framework": "dcp", "versions": _versions("torch"), "runs": runs, "checkpoints": records,
             "holds": holds, "timings": {"write_s": t_write, "truth_s": truth_job.wall_s}}
+
+
+# --------------------------------------------------------------------------
+# accelerate: Accelerator.save_state, 2 processes (MULTI_CPU, gloo)
+# --------------------------------------------------------------------------
+
+# accelerate/checkpointing.py save_accelerator_state: the main process writes model.safetensors,
+# optimizer.bin, scheduler.bin (and sampler/scaler when there are some), then EVERY process writes its
+# random_states_<rank>.pkl; no barrier inside save_state, so rank 1's file can come first.
+_ACC_KILLS = {
+    # run -> (saves before the killed one, the killed save's directory, kill point)
+    "auto": (3, "checkpoints/checkpoint_3", "rank0_before_optimizer"),
+    "steps": (3, "step_40", "rank1_before_random_states"),
+}
+
+
+def _acc_setup(project_dir: Path | None = None, auto: bool = False):
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+
+    torch.set_num_threads(1)
+    config = ProjectConfiguration(project_dir=str(project_dir) if project_dir else None,
+                                  automatic_checkpoint_naming=auto)
+    accelerator = Accelerator(cpu=True, project_config=config)
+    set_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5)
+    gen = torch.Generator().manual_seed(7)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=gen), torch.randn(64, 8, generator=gen))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    return accelerator, model, optimizer, loader, scheduler
+
+
+def _acc_train(accelerator, model, optimizer, loader, scheduler, n: int) -> None:
+    import torch
+
+    batches = iter(loader)
+    for _ in range(n):
+        x, y = next(batches)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+
+def _acc_job(rank: int, world: int, out: str, run: str) -> None:
+    import accelerate.checkpointing as acc_ckpt
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    auto = run == "auto"
+    root = Path(out) / run
+    parts = _acc_setup(root if auto else None, auto=auto)
+    accelerator = parts[0]
+    store = c10d._get_default_store()
+    n_before, _, point = _ACC_KILLS[run]
+    armed = {"on": False}
+    save, torch_save = acc_ckpt.save, torch.save
+
+    def save_hook(obj, f, *a, **k):  # model / optimizer / scheduler: called everywhere, the main process writes
+        if armed["on"] and point == "rank0_before_optimizer" and rank == 0 and Path(f).name == "optimizer.bin":
+            store.wait(["random_states_1"])  # rank 1 is done with this save: its file is there
+            hold(point, path=str(f))
+        return save(obj, f, *a, **k)
+
+    def torch_save_hook(obj, f, *a, **k):  # checkpointing.py writes random_states_<rank>.pkl with torch.save
+        name = Path(str(f)).name
+        if armed["on"] and point == "rank1_before_random_states" and name == "random_states_1.pkl":
+            store.wait(["random_states_0"])  # rank 0 finished every file of this save
+            hold(point, path=str(f))
+        torch_save(obj, f, *a, **k)
+        if armed["on"] and name.startswith("random_states_"):
+            store.set(name.removesuffix(".pkl"), "1")
+
+    acc_ckpt.save = save_hook
+    torch.save = torch_save_hook
+    # automatic naming: checkpoints/checkpoint_<i>, from the save counter; else step_10, step_20, ...
+    dirs = [None] * (n_before + 1) if auto else [root / f"step_{10 * (i + 1)}" for i in range(n_before + 1)]
+    for i, target in enumerate(dirs):
+        _acc_train(*parts, 4)
+        armed["on"] = i == n_before
+        accelerator.save_state(None if target is None else str(target))
+        accelerator.wait_for_everyone()  # after the killed save: the rank that finished waits here
+        if run == "steps" and i == 1:
+            for epoch in (0, 1):  # accelerate's examples name per-epoch saves epoch_<N>
+                accelerator.save_state(str(Path(out) / "epochs" / f"epoch_{epoch}"))
+                accelerator.wait_for_everyone()
+    raise AssertionError("the killed save returned")
+
+
+def _acc_truth(rank: int, world: int, out: str, dirs: list[str]) -> None:
+    import torch
+
+    truth: dict[str, Any] = {}
+    for rel in dirs:
+        parts = _acc_setup()
+        torch.manual_seed(999)
+        sentinel = torch.get_rng_state()
+        try:
+            parts[0].load_state(str(Path(out) / rel))
+            rng = "not restored (load_state went on without it)" if torch.equal(torch.get_rng_state(), sentinel) \
+                else "restored"
+            truth[rel] = {"load_state": "ok", "rng": rng}
+        except Exception as exc:
+            truth[rel] = {"load_state": _error(exc)}
+    # load_state() with no directory, as a resumed job with automatic naming calls it
+    accelerator = _acc_setup(Path(out) / "auto", auto=True)[0]
+    picked = sorted((Path(out) / "auto" / "checkpoints").iterdir(), key=lambda p: int(p.name.split("_")[-1]))[-1]
+    try:
+        accelerator.load_state()
+        truth["auto:load_state()"] = {"load_state": "ok", "picks": _rel(picked, Path(out))}
+    except Exception as exc:
+        truth["auto:load_state()"] = {"load_state": _error(exc), "picks": _rel(picked, Path(out))}
+    write_result("truth", truth)
+
+
+def _acc_main(out: Path, ctl: Path) -> dict[str, Any]:
+    _preimport("accelerate", "accelerate.checkpointing", "torch._dynamo", "safetensors.torch")
+
+    t0 = time.monotonic()
+    holds = []
+    for run in _ACC_KILLS:
+        holds += Job(ctl, f"accelerate-{run}", _acc_job, 2, out=str(out), run=run).kill_at(1)
+    t_write = time.monotonic() - t0
+    dirs = sorted(_rel(p, out) for p in out.glob("auto/checkpoints/checkpoint_*")) + \
+        sorted(_rel(p, out) for p in out.glob("steps/step_*")) + sorted(_rel(p, out) for p in out.glob("epochs/epoch_*"))
+    truth_job = Job(ctl, "accelerate-truth", _acc_truth, 2, out=str(out), dirs=dirs)
+    truth_job.join()
+    by_rank = truth_job.results("truth")
+    runs = {
+        "auto": {"project_dir": "auto", "automatic_checkpoint_naming": True, "killed": _ACC_KILLS["auto"][1],
+                 "killed_at": _ACC_KILLS["auto"][2], "load_state_no_dir": [r["auto:load_state()"] for r in by_rank]},
+        "steps": {"killed": _ACC_KILLS["steps"][1], "killed_at": _ACC_KILLS["steps"][2]},
+        "epochs": {},
+    }
+    records = []
+    for rel in dirs:
+        ranks = [r[rel] for r in by_rank]
+        loads = all(r["load_state"] == "ok" for r in ranks)
+        killed = next((point for run, (_, d, point) in _ACC_KILLS.items() if rel == f"{run}/{d}"), None)
+        name = Path(rel).name
+        records.append(_record(out, out / rel, (out / rel).parent, int(name.rsplit("_", 1)[1]), killed=killed,
+                               truth={"complete": loads and all(r.get("rng") == "restored" for r in ranks),
+                                      "loads": loads, "load_state": [r["load_state"] for r in ranks],
+                                      "rng": [r.get("rng") for r in ranks]},
+                               files=sorted(p.name for p in (out / rel).iterdir()),
+                               counter=name.startswith("checkpoint_")))
+    for run in runs:
+        runs[run]["tree"] = _tree(out / run)
+    return {"framework": "accelerate", "versions": _versions("accelerate", "torch"), "world_size": 2,
+            "runs": runs, "checkpoints": records, "holds": holds,
+            "timings": {"write_s": t_write, "truth_s": truth_job.wall_s}}
+
+
+# --------------------------------------------------------------------------
+# The Hugging Face Trainer: 2-process DDP on the CPU (gloo), a tiny GPT-2 built from a config
+# --------------------------------------------------------------------------
+
+# trainer.py Trainer._save_checkpoint: save_model (rank 0: model.safetensors, config.json,
+# generation_config.json), a barrier (only when a best step is tracked), optimizer.pt + scheduler.pt
+# (rank 0), rng_state_<rank>.pth (every rank), trainer_state.json (rank 0), rotate_checkpoints.
+# No barrier between the rng states and trainer_state.json.
+_TRAINER_KILLS = {
+    "run-rng": "rank1_before_rng_state",  # rank 0 finished, trainer_state.json included
+    "run-state": "rank0_before_trainer_state",  # both rng_state_<r>.pth written
+}
+_TRAINER_SAVE_STEPS, _TRAINER_MAX_STEPS = 2, 10  # checkpoint-2 .. -8 whole, checkpoint-10 killed
+
+
+def _trainer_parts(output_dir: Path, max_steps: int, **overrides):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.set_num_threads(1)
+    torch.manual_seed(1234)
+    config = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+                        eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    gen = torch.Generator().manual_seed(5)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (48, 8), generator=gen)]
+    kw = {
+        "output_dir": str(output_dir), "max_steps": max_steps, "per_device_train_batch_size": 2,
+        "per_device_eval_batch_size": 4, "learning_rate": 1e-3, "seed": 1234,
+        "eval_strategy": "steps", "eval_steps": _TRAINER_SAVE_STEPS, "save_strategy": "steps",
+        "save_steps": _TRAINER_SAVE_STEPS, "logging_steps": _TRAINER_SAVE_STEPS,
+        # what a ckptd user sets: the Trainer keeps its best, ckptd does the rotating
+        "metric_for_best_model": "loss", "greater_is_better": False, "load_best_model_at_end": True,
+        "save_total_limit": None,
+        "use_cpu": True, "ddp_backend": "gloo", "report_to": "none", "disable_tqdm": True,
+        "dataloader_num_workers": 0, "log_level": "info", "log_level_replica": "info",
+    }
+    kw.update(overrides)
+
+    class ChosenEvalLoss(Trainer):
+        """The Trainer's own evaluation, with eval_loss replaced by EVAL_LOSSES[step] (the best is
+        checkpoint-4: neither the oldest nor the newest)."""
+
+        def evaluation_loop(self, *a, **k):
+            output = super().evaluation_loop(*a, **k)
+            output.metrics[f"{k.get('metric_key_prefix', 'eval')}_loss"] = EVAL_LOSSES[self.state.global_step]
+            return output
+
+    return ChosenEvalLoss(model=model, args=TrainingArguments(**kw), train_dataset=data, eval_dataset=data[:8])
+
+
+def _trainer_job(rank: int, world: int, out: str, run: str) -> None:
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+    import transformers.trainer_callback as trainer_callback
+
+    point = _TRAINER_KILLS[run]
+    killed = f"checkpoint-{_TRAINER_MAX_STEPS}"
+    trainer = _trainer_parts(Path(out) / run, _TRAINER_MAX_STEPS)
+    store = c10d._get_default_store()
+    torch_save, save_to_json = torch.save, trainer_callback.TrainerState.save_to_json
+
+    def torch_save_hook(obj, f, *a, **k):
+        path = Path(str(f))
+        if path.parent.name == killed and path.name == "rng_state_1.pth" and point == "rank1_before_rng_state":
+            store.wait(["trainer_state"])  # rank 0 has written trainer_state.json
+            hold(point, path=str(path))
+        torch_save(obj, f, *a, **k)
+        if path.parent.name == killed and path.name == "rng_state_1.pth":
+            store.set("rng_state_1", "1")
+
+    def save_to_json_hook(self, json_path):
+        path = Path(json_path)
+        if path.parent.name == killed and point == "rank0_before_trainer_state":
+            store.wait(["rng_state_1"])  # rank 1 has written its rng state
+            hold(point, path=str(path))
+        save_to_json(self, json_path)
+        if path.parent.name == killed:
+            store.set("trainer_state", "1")
+
+    torch.save = torch_save_hook
+    trainer_callback.TrainerState.save_to_json = save_to_json_hook
+    trainer.train()
+    threading.Event().wait()  # the rank that was not held: wait here for the kill
+
+
+def _trainer_truth(rank: int, world: int, out: str, scratch: str) -> None:
+    import logging
+
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import get_last_checkpoint
+
+    messages: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            if "RNG file" in record.getMessage():
+                messages.append(record.getMessage())
+
+    logging.getLogger("transformers.trainer").addHandler(Capture())
+
+    class CountSteps(TrainerCallback):
+        def __init__(self):
+            self.steps = 0
+
+        def on_step_end(self, args, state, control, **kw):
+            self.steps += 1
+
+    truth: dict[str, Any] = {}
+    targets = [(run, None) for run in _TRAINER_KILLS] + [("run-rng", f"checkpoint-{_TRAINER_MAX_STEPS - 2}")]
+    for run, name in targets:
+        last = get_last_checkpoint(str(Path(out) / run))  # what resume_from_checkpoint=True resumes from
+        path = last if name is None else str(Path(out) / run / name)
+        key = f"{run}:{'get_last_checkpoint' if name is None else name}"
+        messages.clear()
+        counter = CountSteps()
+        # the volume stays untouched: the resumed run writes nowhere near it
+        trainer = _trainer_parts(Path(scratch) / f"{run}-r{rank}", _TRAINER_MAX_STEPS + 2, save_strategy="no",
+                                 eval_strategy="no", load_best_model_at_end=False)
+        trainer.add_callback(counter)
+        entry: dict[str, Any] = {"get_last_checkpoint": _rel(last, Path(out)) if last else None,
+                                 "resumed_from": _rel(path, Path(out))}
+        try:
+            trainer.train(resume_from_checkpoint=path)
+            entry.update(resume="ok", steps_run=counter.steps,
+                         started_at=trainer.state.global_step - counter.steps, rng_messages=list(messages))
+        except Exception as exc:
+            entry.update(resume=_error(exc))
+        truth[key] = entry
+        import torch.distributed as dist
+
+        dist.barrier()  # both ranks finish this resume before the next (its failure may be on one rank only)
+    write_result("truth", truth)
+
+
+def _trainer_main(out: Path, ctl: Path) -> dict[str, Any]:
+    _preimport("transformers", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2", "torch._dynamo",
+               "accelerate", "safetensors.torch")
+    t0 = time.monotonic()
+    holds = []
+    for run in _TRAINER_KILLS:
+        holds += Job(ctl, f"trainer-{run}", _trainer_job, 2, out=str(out), run=run).kill_at(1)
+    t_write = time.monotonic() - t0
+    scratch = ctl / "trainer-resume"
+    truth_job = Job(ctl, "trainer-truth", _trainer_truth, 2, out=str(out), scratch=str(scratch))
+    truth_job.join()
+    by_rank = truth_job.results("truth")
+    runs, records = {}, []
+    for run, point in _TRAINER_KILLS.items():
+        runs[run] = {"killed": f"checkpoint-{_TRAINER_MAX_STEPS}", "killed_at": point,
+                     "resume_from_last": [r[f"{run}:get_last_checkpoint"] for r in by_rank], "tree": _tree(out / run)}
+        for step in range(_TRAINER_SAVE_STEPS, _TRAINER_MAX_STEPS + 1, _TRAINER_SAVE_STEPS):
+            path = out / run / f"checkpoint-{step}"
+            state_file = path / "trainer_state.json"
+            state = json.loads(state_file.read_text()) if state_file.exists() else None
+            killed = point if step == _TRAINER_MAX_STEPS else None
+            if killed:
+                resumed = [r[f"{run}:get_last_checkpoint"] for r in by_rank]
+                truth = {"complete": False, "loads": all(r["resume"] == "ok" for r in resumed),
+                         "get_last_checkpoint_picks_it": all(r["get_last_checkpoint"] == _rel(path, out) for r in resumed),
+                    "resume": [r["resume"] for r in resumed], "started_at": [r.get("started_at") for r in resumed],
+                    "rng_messages": [r.get("rng_messages") for r in resumed]}
+            else:
+                truth = {"complete": True, "loads": None}  # the save finished; resumed from only where tried
+                if run == "run-rng" and step == _TRAINER_MAX_STEPS - 2:
+                    resumed = [r[f"run-rng:checkpoint-{step}"] for r in by_rank]
+                    truth.update(resume=[r["resume"] for r in resumed], started_at=[r.get("started_at") for r in resumed],
+                                 rng_messages=[r.get("rng_messages") for r in resumed])
+                    truth["loads"] = all(r["resume"] == "ok" and r["started_at"] == step for r in resumed)
+                    truth["complete"] = truth["loads"] and not any(r.get("rng_messages") for r in resumed)
+            records.append(_record(out, path, out / run, step, killed=killed, truth=truth,
+                                   metric=EVAL_LOSSES[step], files=sorted(p.name for p in path.iterdir()),
+                                   best_model_checkpoint=state and state.get("best_model_checkpoint"),
+                                   best_metric=state and state.get("best_metric")))
+    return {"framework": "trainer", "versions": _versions("transformers", "torch", "accelerate"), "world_size": 2,
+            "eval_losses": EVAL_LOSSES, "runs": runs, "checkpoints": records, "holds": holds,
+            "timings": {"write_s": t_write, "truth_s": truth_job.wall_s}}
+
+
+# --------------------------------------------------------------------------
+# Lightning: ModelCheckpoint in the default tree <run>/lightning_logs/version_0/checkpoints/
+# --------------------------------------------------------------------------
+
+# lightning/fabric/utilities/cloud_io.py _atomic_save: torch.save into a BytesIO, then inside an
+# fsspec transaction `fs.open(path, "wb")`; fsspec's LocalFileOpener (autocommit=False) writes a
+# tempfile.mkstemp() file in TMPDIR and commit() does shutil.move(temp, path).  On the same
+# filesystem that is a rename (atomic); across filesystems shutil.move copies INTO the final name.
+_LIGHTNING_RUNS = {
+    # run -> (ModelCheckpoint filename template or None for the default, kill point or None)
+    "team-a/run-default": (None, None),
+    "team-a/run-metric": ("{epoch}-{step}-{val_loss:.2f}", None),
+    "team-b/run-nostep": ("{epoch}-{val_loss:.2f}", None),
+    "team-b/run-killed": (None, "before_commit"),  # TMPDIR on the checkpoints' filesystem
+    "team-c/run-xdev-topk": (None, "mid_copy_topk"),  # TMPDIR elsewhere: killed half-way into epoch=2-...ckpt
+    "team-c/run-xdev-last": (None, "mid_copy_last"),  # TMPDIR elsewhere: killed half-way into rewriting last.ckpt
+}
+_LIGHTNING_KILL_EPOCH = 2
+_LIGHTNING_BATCHES = 2  # training batches per epoch: epoch E ends at step 2 * (E + 1)
+
+
+def _ckpt_dir(out: Path, run: str) -> Path:
+    return out / run / "lightning_logs" / "version_0" / "checkpoints"
+
+
+def _lightning_fit(out: Path, run: str, max_epochs: int, ckpt_path: str | None = None, root: Path | None = None):
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.set_num_threads(1)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(16, 8)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            # the logged val_loss is chosen (VAL_LOSSES), so the best epoch is known: 1
+            self.log("val_loss", VAL_LOSSES[min(self.current_epoch, len(VAL_LOSSES) - 1)])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    gen = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    template, _ = _LIGHTNING_RUNS.get(run, (None, None))
+    kw = {"filename": template} if template else {}
+    checkpoint = ModelCheckpoint(monitor="val_loss", mode="min", save_top_k=-1, save_last=True, **kw)
+    pl.seed_everything(1234, verbose=False)
+    trainer = pl.Trainer(default_root_dir=str(root or out / run), max_epochs=max_epochs, accelerator="cpu",
+                         devices=1, callbacks=[checkpoint], enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, log_every_n_steps=1, limit_train_batches=_LIGHTNING_BATCHES)
+    trainer.fit(Tiny(), loader, loader, ckpt_path=ckpt_path)
+    return trainer
+
+
+def _other_filesystem(path: Path) -> Path | None:
+    """A writable directory on another filesystem than ``path`` (for Lightning's cross-device save)."""
+    dev = path.stat().st_dev
+    for candidate in ("/dev/shm", "/run", "/var/tmp", "/tmp"):
+        c = Path(candidate)
+        with contextlib.suppress(OSError):
+            if c.is_dir() and os.access(c, os.W_OK) and c.stat().st_dev != dev:
+                return c
+    return None
+
+
+def _lightning_complete_job(rank: int, world: int, out: str) -> None:
+    for run, (_, point) in _LIGHTNING_RUNS.items():
+        if point is None:
+            _lightning_fit(Path(out), run, len(VAL_LOSSES))
+
+
+def _lightning_killed_job(rank: int, world: int, out: str, run: str, tmp: str) -> None:
+    import tempfile as tempfile_mod
+
+    from fsspec.implementations.local import LocalFileOpener
+
+    _, point = _LIGHTNING_RUNS[run]
+    tempfile_mod.tempdir = tmp  # where fsspec's LocalFileOpener stages the file (tempfile.mkstemp)
+    # the file to kill the writer in: this epoch's top-k file, or last.ckpt when this epoch rewrites it
+    step = _LIGHTNING_BATCHES * (_LIGHTNING_KILL_EPOCH + 1)
+    name = "last.ckpt" if point == "mid_copy_last" else f"epoch={_LIGHTNING_KILL_EPOCH}-step={step}.ckpt"
+    seen = collections.Counter()
+
+    def is_target(path: str) -> bool:
+        if Path(path).name != name:
+            return False
+        seen[path] += 1
+        return seen[path] == (_LIGHTNING_KILL_EPOCH + 1 if name == "last.ckpt" else 1)  # last.ckpt: once an epoch
+
+    commit = LocalFileOpener.commit
+
+    def commit_hook(self):
+        if point == "before_commit" and is_target(self.path):
+            hold(point, path=self.path, temp=self.temp)
+        return commit(self)
+
+    sendfile = shutil._fastcopy_sendfile  # shutil.copyfile's copy loop on Linux, reached from shutil.move
+
+    def sendfile_hook(fsrc, fdst):
+        if point.startswith("mid_copy") and is_target(fdst.name):
+            size = os.fstat(fsrc.fileno()).st_size
+            os.sendfile(fdst.fileno(), fsrc.fileno(), 0, size // 2)  # the first half, as the real loop does
+            fdst.flush()
+            hold(point, path=fdst.name, written=size // 2, size=size)
+        return sendfile(fsrc, fdst)
+
+    LocalFileOpener.commit = commit_hook
+    shutil._fastcopy_sendfile = sendfile_hook
+    _lightning_fit(Path(out), run, len(VAL_LOSSES))
+    raise AssertionError("the killed save returned")
+
+
+def _describe_lightning_ckpt(ckpt: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    def kind(v):
+        if isinstance(v, torch.Tensor):
+            return f"Tensor(shape={tuple(v.shape)}, dtype={str(v.dtype).removeprefix('torch.')})"
+        return type(v).__name__
+
+    callbacks = ckpt.get("callbacks", {})
+    state_key = next((k for k in callbacks if k.startswith("ModelCheckpoint")), None)
+    mc = callbacks.get(state_key, {})
+    value = lambda v: float(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return {
+        "keys": sorted(ckpt), "epoch": ckpt.get("epoch"), "global_step": ckpt.get("global_step"),
+        "callbacks_keys": sorted(callbacks), "model_checkpoint_key": state_key,
+        "model_checkpoint": {k: value(v) for k, v in mc.items() if k != "best_k_models"},
+        "model_checkpoint_types": {k: kind(v) for k, v in mc.items()},
+        "best_k_models": {Path(k).name: value(v) for k, v in mc.get("best_k_models", {}).items()},
+    }
+
+
+def _lightning_truth(rank: int, world: int, out: str, scratch: str, resume: list[str]) -> None:
+    import torch
+
+    truth: dict[str, Any] = {}
+    for path in sorted(Path(out).rglob("*.ckpt")):
+        rel = _rel(path, Path(out))
+        entry: dict[str, Any] = {"size": path.stat().st_size}
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            entry.update(weights_only_mmap="ok", **_describe_lightning_ckpt(ckpt))
+        except Exception as exc:
+            entry["weights_only_mmap"] = _error(exc)
+        if rel in resume:
+            run = next(r for r in _LIGHTNING_RUNS if rel.startswith(r + "/"))
+            try:
+                trainer = _lightning_fit(Path(out), run, len(VAL_LOSSES) + 1, ckpt_path=str(path),
+                                         root=Path(scratch) / rel.replace("/", "_"))
+                entry["resume"] = "ok"
+                entry["resumed_epochs"] = trainer.current_epoch
+            except Exception as exc:
+                entry["resume"] = _error(exc)
+        truth[rel] = entry
+    write_result("truth", truth)
+
+
+def _lightning_main(out: Path, ctl: Path) -> dict[str, Any]:
+    _preimport("lightning.pytorch", "lightning.pytorch.callbacks", "torch._dynamo", "fsspec.implementations.local")
+    t0 = time.monotonic()
+    Job(ctl, "lightning-complete", _lightning_complete_job, 1, out=str(out)).join()
+    t_complete = time.monotonic() - t0
+    other = _other_filesystem(out)
+    same = ctl if ctl.stat().st_dev == out.stat().st_dev else Path(tempfile.mkdtemp(prefix=".fwgen-", dir=out))
+    holds, skipped = [], {}
+    for run, (_, point) in _LIGHTNING_RUNS.items():
+        if point is None:
+            continue
+        if point.startswith("mid_copy") and other is None:
+            skipped[run] = "no writable directory on another filesystem than the volume"
+            continue
+        tmp = Path(tempfile.mkdtemp(prefix="fwgen-", dir=other if point.startswith("mid_copy") else same))
+        try:
+            holds += Job(ctl, f"lightning-{run.replace('/', '-')}", _lightning_killed_job, 1, out=str(out),
+                         run=run, tmp=str(tmp)).kill_at(1)
+            staged = sorted(p.name for p in tmp.iterdir())
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        holds[-1]["staged_in_tmpdir"] = staged
+    if same != ctl:
+        shutil.rmtree(same, ignore_errors=True)
+    t_write = time.monotonic() - t0
+    resume = []
+    for run, (_, point) in _LIGHTNING_RUNS.items():
+        d = _ckpt_dir(out, run)
+        if point is not None and run not in skipped:
+            step = _LIGHTNING_BATCHES * (_LIGHTNING_KILL_EPOCH + 1)
+            resume += [_rel(d / "last.ckpt", out), _rel(d / f"epoch={_LIGHTNING_KILL_EPOCH}-step={step}.ckpt", out)]
+    resume.append(_rel(_ckpt_dir(out, "team-a/run-default") / "last.ckpt", out))
+    truth_job = Job(ctl, "lightning-truth", _lightning_truth, 1, out=str(out), scratch=str(ctl / "lightning-resume"),
+                    resume=resume)
+    truth_job.join()
+    truth = truth_job.results("truth")[0]
+    runs, records = {}, []
+    for run, (template, point) in _LIGHTNING_RUNS.items():
+        if run in skipped:
+            runs[run] = {"skipped": skipped[run]}
+            continue
+        d = _ckpt_dir(out, run)
+        runs[run] = {"filename": template, "killed_at": point, "ckpt_dir": _rel(d, out), "tree": _tree(out / run),
+                     "files": sorted(p.name for p in d.iterdir())}
+        for path in sorted(d.glob("*.ckpt")):
+            rel = _rel(path, out)
+            t = truth[rel]
+            loads = t["weights_only_mmap"] == "ok" and t.get("resume", "ok") == "ok"
+            hold_here = next((h for h in holds if Path(h.get("path", "")).resolve() == path.resolve()), None)
+            killed = point if hold_here is not None else None
+            # the global step: from the file when it loads, else from a step=N in its name
+            step = t.get("global_step")
+            if step is None and (m := re.search(r"(?:^|-)step=(\d+)", path.name)):
+                step = int(m[1])
+            epoch = t.get("epoch")
+            records.append(_record(out, path, d, step, killed=killed,
+                                   truth={"complete": loads, "loads": loads, **t},
+                                   epoch=epoch, metric=VAL_LOSSES[epoch] if isinstance(epoch, int) and
+                                   epoch < len(VAL_LOSSES) else None, last=path.name.startswith("last")))
+    return {"framework": "lightning", "versions": _versions("lightning", "torch", "fsspec"),
+            "val_losses": list(VAL_LOSSES), "other_filesystem": str(other) if other else None, "runs": runs,
+            "checkpoints": records, "holds": holds,
+            "timings": {"complete_s": t_complete, "write_s": t_write, "truth_s": truth_job.wall_s}}
 
 
 # --------------------------------------------------------------------------
@@ -740,6 +1326,9 @@ def _versions(*dists: str) -> dict[str, str]:
 _MAINS: dict[str, Callable[[Path, Path], dict[str, Any]]] = {
     "orbax": _orbax_main,
     "dcp": _dcp_main,
+    "accelerate": _acc_main,
+    "trainer": _trainer_main,
+    "lightning": _lightning_main,
 }
 
 
