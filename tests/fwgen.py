@@ -1338,6 +1338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("out")
     a = p.parse_args(argv)
     names = list(FRAMEWORKS) if a.frameworks == "all" else a.frameworks.split(",")
+    # Orbax last: this process imports jax for it, and nothing may be forked after jax started.
+    names.sort(key=lambda n: n == "orbax")
     for k, v in _CHILD_ENV.items():
         os.environ.setdefault(k, v)
     out = Path(a.out).resolve()

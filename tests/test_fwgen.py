@@ -10,12 +10,14 @@ process imports no framework.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import fwgen
+from fwfixtures import copy_volume
 
 pytestmark = pytest.mark.frameworks
 
@@ -109,6 +111,12 @@ def test_orbax_best_fn_metrics(orbax_volume):
         assert json.loads((out / "best_fn" / str(step) / "metrics" / "metrics").read_text()) == {"loss": loss}
     meta = json.loads((out / "best_fn" / "2" / "_CHECKPOINT_METADATA").read_text())
     assert "metrics" in meta["item_handlers"] and meta["metrics"] == {}  # metrics live in metrics/, not here
+
+
+def test_copy_volume_is_private_and_aged(orbax_volume, tmp_path):
+    copy = copy_volume(orbax_volume, tmp_path / "vol")
+    assert names(copy) == names(orbax_volume["out_dir"])
+    assert max(p.stat().st_mtime for p in copy.rglob("*")) < time.time() - 3000
 
 
 # --- DCP (torchtitan's layout) ----------------------------------------------------------------
