@@ -987,6 +987,7 @@ def _trainer_job(rank: int, world: int, out: str, run: str) -> None:
 def _trainer_truth(rank: int, world: int, out: str, scratch: str) -> None:
     import logging
 
+    import torch.distributed as dist
     from transformers import TrainerCallback
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -1027,8 +1028,6 @@ def _trainer_truth(rank: int, world: int, out: str, scratch: str) -> None:
         except Exception as exc:
             entry.update(resume=_error(exc))
         truth[key] = entry
-        import torch.distributed as dist
-
         dist.barrier()  # both ranks finish this resume before the next (its failure may be on one rank only)
     write_result("truth", truth)
 
