@@ -100,9 +100,11 @@ _CHILD_ENV = {
 }
 
 # Lightning's ModelCheckpoint logs these val_loss values (epoch -> value): the best is epoch 1,
-# neither the oldest nor the newest.  The Trainer's runs log EVAL_LOSSES the same way.
+# neither the oldest nor the newest.  The Trainer's runs log EVAL_LOSSES the same way (step -> value):
+# the best is checkpoint-6, and the training loss (real, logged at the same steps) is lowest at
+# checkpoint-4, so ranking by `loss` instead of `eval_loss` picks a different checkpoint.
 VAL_LOSSES = (0.9, 0.4, 0.6, 0.7)
-EVAL_LOSSES = {2: 0.9, 4: 0.4, 6: 0.6, 8: 0.7, 10: 0.5}
+EVAL_LOSSES = {2: 0.9, 4: 0.6, 6: 0.4, 8: 0.7, 10: 0.5}
 ORBAX_LOSSES = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.6}
 
 
@@ -939,7 +941,7 @@ def _trainer_parts(output_dir: Path, max_steps: int, **overrides):
 
     class ChosenEvalLoss(Trainer):
         """The Trainer's own evaluation, with eval_loss replaced by EVAL_LOSSES[step] (the best is
-        checkpoint-4: neither the oldest nor the newest)."""
+        checkpoint-6: neither the oldest nor the newest)."""
 
         def evaluation_loop(self, *a, **k):
             output = super().evaluation_loop(*a, **k)

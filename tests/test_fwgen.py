@@ -189,9 +189,13 @@ def test_trainer_complete_checkpoints_and_best(trainer_volume):
             state = json.loads((ckpt / "trainer_state.json").read_text())
             evals = {h["step"]: h["eval_loss"] for h in state["log_history"] if "eval_loss" in h}
             assert evals == {s: fwgen.EVAL_LOSSES[s] for s in range(2, step + 1, 2)}
-        # metric_for_best_model="loss" is eval_loss: the best is checkpoint-4 (neither oldest nor newest)
+        # metric_for_best_model="loss" is eval_loss: the best is checkpoint-6 (neither oldest nor newest)
         state = json.loads((out / run / "checkpoint-8" / "trainer_state.json").read_text())
-        assert Path(state["best_model_checkpoint"]).name == "checkpoint-4" and state["best_metric"] == 0.4
+        assert Path(state["best_model_checkpoint"]).name == "checkpoint-6" and state["best_metric"] == 0.4
+        # ... and the training loss, logged at the same steps, is lowest elsewhere: ranking by `loss`
+        # instead of `eval_loss` keeps a different checkpoint (issue 11, hole 6)
+        train = {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+        assert min(train, key=train.get) != 6
     resumed = records(trainer_volume)["run-rng/checkpoint-8"]["truth"]
     assert resumed["resume"] == ["ok", "ok"] and resumed["started_at"] == [8, 8] and resumed["complete"]
 
