@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                 f"{got['state']}, {got['action']}, {got['layout']}, {got['step']}, {got['metric']}"
             metric = rec.get("metric")
             if metric is not None and got is not None and got["metric"] != metric:
-                plan_cell += f" (framework's metric: {metric})"
+                plan_cell += f" (logged: {metric})"
             ver_cell = f"{vrc}: " + ("; ".join(failing) if failing else (ver.get("state") or str(ver.get("error"))))
             print(f"| {name} | `{rec['path']}` | {rec['killed'] or ''} | {framework_says(rec)} | {plan_cell} | "
                   f"{ver_cell.replace('|', '/')} | {verdict(rec, got)} |")
