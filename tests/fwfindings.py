@@ -85,11 +85,17 @@ def main(argv=None) -> int:
         if torch_names:
             results.update(fwgen.generate(torch_names, out))
         (out / "fwgen.json").write_text(json.dumps(results, default=str, indent=1))
-    state = Path(tempfile.mkdtemp(prefix="fwfindings-state-"))
     print(f"volumes under {out}; ckptd from {REPO / 'src'}; no config, default settings, every mtime 1 h old\n")
     print("| framework | checkpoint | killed at | framework says | ckptd plan: state, action, layout, step, metric "
           "| ckptd verify: rc, checks not passed | verdict |")
     print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="fwfindings-state-") as state:
+        table(results, Path(state))
+    return 0
+
+
+def table(results: dict[str, dict[str, Any]], state: Path) -> None:
+    """One row per checkpoint of every volume (and one per plan warning)."""
     for name, result in results.items():
         root = Path(result["out_dir"])
         age(root, time.time() - 3600)
@@ -112,7 +118,6 @@ def main(argv=None) -> int:
                   f"{ver_cell.replace('|', '/')} | {verdict(rec, got)} |")
         for w in plan.get("warnings", []) if rc == 0 else [f"plan exit {rc}: {plan}"]:
             print(f"| {name} | (plan warning) | | | {str(w).replace('|', '/')} | | |")
-    return 0
 
 
 if __name__ == "__main__":
