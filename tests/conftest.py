@@ -17,6 +17,14 @@ sys.path.insert(0, str(REPO / "src"))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
 
 import dsgen  # noqa: E402
+from fwfixtures import (  # noqa: E402, F401  (session fixtures: real framework volumes)
+    accelerate_volume,
+    dcp_volume,
+    fw_torch_volumes,
+    lightning_volume,
+    orbax_volume,
+    trainer_volume,
+)
 
 # The best checkpoint is the oldest: the seed's case.
 LOSSES = {10: 0.20, 20: 0.90, 30: 0.80, 40: 0.70}
