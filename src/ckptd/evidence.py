@@ -589,9 +589,12 @@ def against_siblings(c: Checkpoint, siblings: Iterable[Checkpoint]) -> Checkpoin
     """
     if c.ranks is None:
         return c
+    order = (c.saved_at, c.step)  # saved earlier; by step where the times tie (a copy that reset them)
     earlier = [
-        s for s in siblings
-        if s.name != c.name and s.ranks is not None and s.state is State.COMPLETE and s.saved_at < c.saved_at
+        s
+        for s in siblings
+        if s.name != c.name and s.ranks is not None and s.state is State.COMPLETE
+        and (s.saved_at, s.step) < order
     ]
     if not earlier:
         return c
@@ -686,20 +689,23 @@ def _nested_dcp(files: dict[str, Entry], skip_top: bool) -> Iterator[Check]:
 
 
 def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
-    """Orbax's own verdict on a step directory (orbax/checkpoint/_src/path/atomicity.py).
+    """Orbax's own verdict on a step directory (orbax/checkpoint/_src/path/atomicity.py; the facts
+    are in tests/FWGEN_NOTES.md).
 
     Saved through a tmp directory renamed into place (AtomicRenameTemporaryPath, the default
-    on local filesystems), a final name is the proof. Saved in place (CommitFileTemporaryPath,
-    the default on object stores and filesystems without atomic rename), only
-    `commit_success.txt`, written last, is; a save killed midway leaves the final name with
-    `_CHECKPOINT_METADATA` saying `"commit_timestamp_nsecs": null`. Both modes record the commit
-    time at finalize, and 0.12 writes commit_success.txt in both, so: the commit file, else a
-    recorded commit time; a null one is a save never finished.
+    on local filesystems), the final name is Orbax's proof. Saved in place (CommitFileTemporaryPath,
+    the default on object stores and filesystems without atomic rename), only the step's own
+    `commit_success.txt`, written last, is: a save killed midway leaves the final name, and may
+    even hold a commit time already (the items' own commit files and the timestamp come first).
+    ckptd cannot know which mode wrote a directory, and an Orbax reader that guesses wrong lists
+    a broken step. Orbax 0.12 writes `commit_success.txt` in both modes, so it is what counts.
+    A step whose `_CHECKPOINT_METADATA` has no commit record at all is from an Orbax that wrote
+    neither: renamed into place, its name is the proof.
     """
     name = "orbax commit"
     if cand.in_progress:
         return Check(name, FAILED, "still a tmp directory (Orbax renames it when finished)")
-    if layouts.ORBAX_COMMIT in files:
+    if layouts.ORBAX_COMMIT in files and files[layouts.ORBAX_COMMIT].kind == "f":
         return Check(name, PASSED, f"{layouts.ORBAX_COMMIT} present")
     meta = files.get(layouts.ORBAX_METADATA)
     if meta is None or meta.kind != "f":
@@ -711,14 +717,13 @@ def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
         return Check(name, UNKNOWN, f"{layouts.ORBAX_METADATA} unreadable: {type(exc).__name__}: {exc}")
     if not isinstance(doc, dict):
         return Check(name, UNKNOWN, f"{layouts.ORBAX_METADATA} is not a JSON object")
-    committed = doc.get("commit_timestamp_nsecs")
-    if isinstance(committed, int) and not isinstance(committed, bool) and committed > 0:
-        return Check(name, PASSED, f"committed ({layouts.ORBAX_METADATA} records its commit time)")
     if "commit_timestamp_nsecs" in doc:
-        why = f"not committed: no {layouts.ORBAX_COMMIT}, and no commit time in {layouts.ORBAX_METADATA}"
+        why = (
+            f"no {layouts.ORBAX_COMMIT}: saved in place (Orbax's commit-file mode) and never committed, "
+            "or killed while committing"
+        )
         return Check(name, FAILED, why)
-    # An Orbax from before commit times were recorded: renamed into place, the name is the proof.
-    return Check(name, PASSED, "finalized by rename from its tmp directory (no commit time recorded)")
+    return Check(name, PASSED, "finalized by rename from its tmp directory (an Orbax that records no commit)")
 
 
 def _nemo_unfinished(run: RunContext, cand: Candidate) -> Check:
