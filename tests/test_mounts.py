@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from ckptd.mounts import mount_of, mounts_below, parse_mountinfo, read_mounts
 
 # Captured shapes: the root, an NFS export with attribute-cache options, a path with a
@@ -48,3 +52,90 @@ def test_this_process_sees_its_own_root_mount():
     mounts = read_mounts()
     assert mounts, "no /proc/self/mountinfo"
     assert mount_of("/", mounts) is not None
+
+
+# --- network filesystems' attribute caches (issue 13, item 2) -------------------------------
+# Captured lines in the shapes the kernel writes (fs/nfs/super.c, nfs_show_mount_options): the
+# ac* values appear only when they differ from nfs(5)'s defaults, `actimeo=N` shows as the four
+# ac* values, `noac`/`nocto`/`nolock` as flags. This kernel has no NFS client (CONFIG_NFS_FS is
+# unset and it cannot load modules), so no live NFS mount can be read here: see test_nfs.py.
+NFS_MOUNTINFO = """\
+22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw
+50 22 0:70 / /mnt/default rw,relatime shared:40 - nfs4 srv:/exp rw,vers=4.2,rsize=1048576,wsize=1048576,\
+namlen=255,hard,proto=tcp,timeo=600,retrans=2,sec=sys,clientaddr=10.0.0.2,local_lock=none,addr=10.0.0.1
+51 22 0:71 / /mnt/actimeo rw,relatime shared:41 - nfs4 srv:/exp rw,vers=4.1,rsize=1048576,wsize=1048576,\
+namlen=255,acregmin=5,acregmax=5,acdirmin=5,acdirmax=5,hard,proto=tcp,local_lock=none,addr=10.0.0.1
+52 22 0:72 / /mnt/noac rw,relatime shared:42 - nfs srv:/exp rw,vers=3,rsize=65536,wsize=65536,namlen=255,\
+acregmin=0,acregmax=0,acdirmin=0,acdirmax=0,hard,noac,nolock,proto=tcp,local_lock=all,addr=10.0.0.1
+53 22 0:73 / /mnt/dirs rw,relatime shared:43 - nfs4 srv:/exp rw,vers=4.2,acdirmax=120,hard,nocto,\
+proto=tcp,lookupcache=pos,local_lock=none,addr=10.0.0.1
+54 22 0:74 / /mnt/lustre rw,relatime shared:44 - lustre 10.0.0.5@tcp:/fs rw,flock,lazystatfs
+55 22 0:75 / /mnt/smb rw,relatime shared:45 - cifs //srv/share rw,vers=3.1.1,cache=strict,actimeo=1
+56 22 0:76 / /mnt/fuse rw,nosuid,nodev,relatime shared:46 - fuse.juicefs JuiceFS:vol rw,user_id=0
+57 22 0:77 / /mnt/old rw,relatime - nfs srv:/exp rw,vers=3,actimeo=7,hard
+"""
+
+
+def _cache(point: str):
+    from ckptd.mounts import attribute_cache
+
+    return attribute_cache(mount_of(point, parse_mountinfo(NFS_MOUNTINFO)))
+
+
+def test_nfs_defaults_when_the_kernel_prints_no_ac_option():
+    c = _cache("/mnt/default/run")
+    assert c.max_staleness == 60 and c.close_to_open
+    assert "acregmax=60s (default)" in c.detail and "acdirmax=60s (default)" in c.detail
+    assert "vers=4.2" in c.detail and "lookupcache=all" in c.detail
+
+
+def test_nfs_actimeo_noac_and_the_larger_of_the_two_maxima():
+    assert _cache("/mnt/actimeo").max_staleness == 5  # actimeo=5 as the kernel prints it
+    assert _cache("/mnt/old").max_staleness == 7  # actimeo itself (an older table, a hand-made line)
+    noac = _cache("/mnt/noac")
+    assert noac.max_staleness == 0 and "noac" in noac.detail
+    dirs = _cache("/mnt/dirs")
+    assert dirs.max_staleness == 120  # acdirmax=120 beats the default acregmax=60
+    assert not dirs.close_to_open and "lookupcache=pos" in dirs.detail
+
+
+def test_coherent_cifs_unknown_and_local_filesystems():
+    assert _cache("/mnt/lustre").max_staleness == 0
+    assert "coherent" in _cache("/mnt/lustre").detail
+    assert _cache("/mnt/smb").max_staleness == 1
+    assert _cache("/mnt/fuse").max_staleness is None
+    assert _cache("/home").max_staleness == 0
+
+
+@pytest.mark.parametrize(
+    ("point", "quiet", "effective", "warns"),
+    [
+        ("/mnt/default", 60, 120, "watched as 120s"),  # the issue's case: 60s of cache, 60s quiet
+        ("/mnt/actimeo", 60, 65, "watched as 65s"),
+        ("/mnt/noac", 60, 60, None),
+        ("/mnt/lustre", 60, 60, None),
+        ("/home", 60, 60, None),
+        ("/mnt/fuse", 60, 60, "used as configured"),
+    ],
+)
+def test_the_effective_quiet_period_covers_the_cache(point, quiet, effective, warns):
+    from ckptd.mounts import quiet_for
+
+    got, _, warning = quiet_for(point, quiet, parse_mountinfo(NFS_MOUNTINFO))
+    assert got == effective
+    assert (warning is None) if warns is None else (warns in warning)
+
+
+def test_leadership_auto_is_volume_on_network_filesystems_and_refuses_nocto():
+    from ckptd.lease import choose_leadership, lock_scope
+
+    mounts = parse_mountinfo(NFS_MOUNTINFO)
+    assert choose_leadership(Path("/mnt/default/x"), "auto", mounts)[::2] == ("volume", None)
+    assert choose_leadership(Path("/home/x"), "auto", mounts)[::2] == ("local", None)
+    assert choose_leadership(Path("/mnt/fuse/x"), "auto", mounts)[0] == "volume"
+    assert choose_leadership(Path("/mnt/lustre/x"), "local", mounts)[0] == "local"
+    kind, _, problem = choose_leadership(Path("/mnt/dirs/x"), "auto", mounts)
+    assert kind == "volume" and "nocto" in problem
+    assert lock_scope(mount_of("/mnt/default", mounts)).startswith("cluster-wide")
+    assert lock_scope(mount_of("/mnt/noac", mounts)).startswith("this host only")
+    assert lock_scope(mount_of("/mnt/lustre", mounts)) == "cluster-wide"
