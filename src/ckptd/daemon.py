@@ -121,6 +121,7 @@ class Daemon:
         self.ready = asyncio.Event()  # set once the first scan is done and READY=1 sent
         self._state_written = -1e9
         self._state_due: float | None = None
+        self._lead_gained = False  # a root's lead was taken: run retention now, not at the next event
         self.metrics: Metrics | None = None  # with [daemon] metrics_listen (metrics.py)
 
     # --- entry point ---------------------------------------------------------
@@ -243,6 +244,7 @@ class Daemon:
             how = f"holds {status['lock']}" if local else f"volume lease, epoch {status['epoch']}"
             log.info("%s: this ckptd deletes here (%s)", rt.root.path, how)
             self._purge(rt)  # what an earlier run left in the trash
+            self._lead_gained = True  # what the standby decided is carried out at the next tick
         elif not held and rt.leader:
             rt.leader = False
             log.warning("%s: standby from now on: this ckptd lost the lead and deletes nothing", rt.root.path)
@@ -367,6 +369,8 @@ class Daemon:
                 )
             if completed or changes.vanished or step.vanished:
                 retention = True
+        if self._lead_gained:
+            self._lead_gained, retention = False, True
         if retention:
             try:
                 self._retention()

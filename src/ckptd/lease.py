@@ -135,6 +135,7 @@ class Record:
     seq: int  # renewals at this epoch
     duration: float
     margin: float
+    since: float = 0.0  # wall clock: when this epoch was taken
     released: bool = False
 
     def to_bytes(self) -> bytes:
@@ -151,7 +152,7 @@ class Record:
             raise ValueError(f"not a lease record: {exc}") from None
         if not isinstance(rec.epoch, int) or not isinstance(rec.seq, int):
             raise ValueError("not a lease record: epoch and seq must be integers")
-        for value in (rec.expires, rec.renewed, rec.duration, rec.margin):
+        for value in (rec.expires, rec.renewed, rec.duration, rec.margin, rec.since):
             if not isinstance(value, int | float):
                 raise ValueError("not a lease record: times must be numbers")
         return rec
@@ -488,7 +489,7 @@ class VolumeLease:
                 self._key = None
                 return
             now = self.wall()
-            rec = Record(epoch, self.me, now + self.duration, now, 0, self.duration, self.margin)
+            rec = Record(epoch, self.me, now + self.duration, now, 0, self.duration, self.margin, since=now)
             self.io.write(rec)
         except OSError as exc:
             self.io.unlock()
@@ -578,6 +579,7 @@ class VolumeLease:
                 "epoch": seen.epoch if seen else None,
                 "holder": asdict(rec.holder) if rec else None,
                 "expires": rec.expires if rec else None,
+                "since": rec.since if rec else None,
                 "released": rec.released if rec else None,
                 "duration": self.duration,
                 "margin": self.margin,
