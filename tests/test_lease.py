@@ -279,3 +279,17 @@ def record_seq(root: Path) -> int:
         return record(root)["seq"]
     except (OSError, ValueError):
         return -1
+
+
+def test_the_fence_goes_by_the_deadline_even_when_no_renewal_runs_to_notice(world):
+    """A renewal thread stuck in a hung NFS call never gets to say the lease is lost: the fence and
+    `held` look at the clock themselves."""
+    a, _, _, _ = world
+    a.step()
+    fence = a.fencer()
+    assert fence() is None
+    a.mono.t += D - 0.01
+    assert fence() is None and a.held()
+    a.mono.t += 0.02
+    assert not a.held()
+    assert fence() == "the volume lease (epoch 1) ran out without a renewal"

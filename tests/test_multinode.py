@@ -218,3 +218,35 @@ async def test_the_daemon_watches_quiet_for_longer_on_a_caching_mount_and_says_s
     finally:
         d.request_stop("test")
         await asyncio.wait_for(task, 30)
+
+
+def test_plan_and_prune_go_by_the_effective_quiet_period(tmp_path, monkeypatch, capsys):
+    """Last written 90s ago, quiet_period 60s: complete on a local disk, not yet on a default NFS
+    mount (60s of attribute cache: watched as 120s)."""
+    from ckptd import cli
+    from ckptd.demo import age
+    from ckptd.mounts import parse_mountinfo
+
+    ckptd_logger = logging.getLogger("ckptd")
+    monkeypatch.setattr(ckptd_logger, "handlers", list(ckptd_logger.handlers))
+    monkeypatch.setattr(ckptd_logger, "propagate", ckptd_logger.propagate)
+    monkeypatch.setattr(ckptd_logger, "level", ckptd_logger.level)
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+    for step in (1, 2):
+        age(root / "job" / f"checkpoint-{step}", time.time() - 90)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 's'}'\nleadership = 'local'\n[[roots]]\npath = '{root}'\n"
+                   "quiet_period = '60s'\nworld_size = 2\n[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
+
+    def plan() -> dict[str, str]:
+        assert cli.main(["plan", "-c", str(cfg), "--json"]) == 0
+        return {Path(c["path"]).name: c["state"] for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+
+    assert plan() == {"checkpoint-1": "complete", "checkpoint-2": "complete"}  # this disk: ext4
+    monkeypatch.setattr(cli, "read_mounts", lambda: parse_mountinfo(nfs_mountinfo(tmp_path, "")))
+    assert plan() == {"checkpoint-1": "writing", "checkpoint-2": "writing"}
+    assert cli.main(["prune", "-c", str(cfg)]) == 0
+    out = capsys.readouterr()
+    assert "quiet_period 60s is watched as 120s" in out.err and "prune: 0 deleted" in out.out
+    assert listing(root / "job") == ["checkpoint-1", "checkpoint-2"]
