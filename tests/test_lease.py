@@ -150,6 +150,11 @@ def test_a_leader_whose_renewals_fail_stops_at_its_deadline_before_anyone_may_ta
     a.step()
     b.step()
     fence = a.fencer()
+    for _ in range(2):  # two good renewals: the last at t=20
+        for c in (wall, mono_a, mono_b):
+            c.t += 10
+        a.step()
+        b.step()
     assert fence() is None
     io.fail_write = errno.EIO
     stopped = took = None
@@ -163,9 +168,27 @@ def test_a_leader_whose_renewals_fail_stops_at_its_deadline_before_anyone_may_ta
         if took is None and b.held():
             took = tick * 0.5
     assert stopped is not None and took is not None
-    assert stopped <= D  # the last renewal was at 0: a stops deleting by 0 + D
+    assert stopped <= D  # the last good renewal began at 0 (t=20): a stops deleting by 0 + D
     assert took >= D + M  # b waits the duration plus the margin after the last renewal it saw
     assert not a.held() and a.epoch is None and a.fence(1) is not None
+
+
+def test_a_standby_waits_for_the_leaders_longer_lease_not_its_own_shorter_one(tmp_path):
+    """Hosts configured differently: b's own lease is 5s, but a's record says 30s (+10s)."""
+    wall, mono_a, mono_b = Clock(1e6), Clock(0.0), Clock(0.0)
+    a = host("a", wall, mono_a, tmp_path)
+    b = VolumeLease(tmp_path, duration=5, margin=1, holder=Holder("b", 1, 0.0, "b"), wall=wall, mono=mono_b)
+    a.step()
+    b.step()
+    for c in (wall, mono_a, mono_b):  # a dies; by b's own settings it could take over after 6s
+        c.t += D + M - 1
+    b.step()
+    assert not b.held()
+    for c in (wall, mono_b):
+        c.t += 1.5
+    b.step()
+    assert b.held()
+    b.release()
 
 
 def test_a_failing_read_refuses_at_the_fence(tmp_path):
