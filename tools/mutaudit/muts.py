@@ -326,7 +326,9 @@ MUTS = [
    "        if rec is None or rec.holder.id != self.me.id or rec.epoch != epoch or superseded:", "        if rec is None:")]),
  dict(id="V2", what="lease fence: the deadline, looked at after the read", tests="lease", edits=[(LE,
    "        if self.mono() >= self.deadline:  # after the read: a read that hung counts against it", "        if False:")]),
- dict(id="V3", what="lease fence: the epoch the plan was made under", tests="lease", edits=[(LE,
+ dict(id="V3", what="lease fence: the epoch the plan was made under", tests="lease",
+      equivalent="a cheap first look: every way the epoch held changes (lost, released, re-taken) also "
+                 "sets the deadline to -inf or writes another epoch into the record, both checked after", edits=[(LE,
    "            if self.epoch != epoch:", "            if False:")]),
  dict(id="V4", what="standby: watched unrenewed for duration + margin", tests="lease", edits=[(LE,
    "                if unchanged_for < duration + margin:", "                if False:")]),
