@@ -174,17 +174,19 @@ def test_a_leader_whose_renewals_fail_stops_at_its_deadline_before_anyone_may_ta
 
 
 def test_a_standby_waits_for_the_leaders_longer_lease_not_its_own_shorter_one(tmp_path):
-    """Hosts configured differently: b's own lease is 5s, but a's record says 30s (+10s)."""
+    """Hosts configured differently: b's own lease is 5s, but a's record says 30s (+10s). b's wall
+    clock is also 100s fast, so only the monotonic rule, with a's figures, keeps b waiting."""
     wall, mono_a, mono_b = Clock(1e6), Clock(0.0), Clock(0.0)
+    wall_b = Clock(1e6 + 100)
     a = host("a", wall, mono_a, tmp_path)
-    b = VolumeLease(tmp_path, duration=5, margin=1, holder=Holder("b", 1, 0.0, "b"), wall=wall, mono=mono_b)
+    b = VolumeLease(tmp_path, duration=5, margin=1, holder=Holder("b", 1, 0.0, "b"), wall=wall_b, mono=mono_b)
     a.step()
     b.step()
-    for c in (wall, mono_a, mono_b):  # a dies; by b's own settings it could take over after 6s
+    for c in (wall, wall_b, mono_a, mono_b):  # a dies; by b's own settings it could take over after 6s
         c.t += D + M - 1
     b.step()
-    assert not b.held()
-    for c in (wall, mono_b):
+    assert not b.held() and "unrenewed for 40s" in b.blocked
+    for c in (wall_b, mono_b):
         c.t += 1.5
     b.step()
     assert b.held()

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -180,6 +181,7 @@ def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadershi
         return None, problem
     lease = VolumeLease(root.path, duration=d.lease_duration, margin=d.lease_margin, why=why)
     deadline = time.monotonic() + d.lease_duration + d.lease_margin + 2 * lease.interval
+    between_looks = threading.Event()  # never set: a timer between looks, nothing to synchronise with
     said = False
     while True:
         lease.step()
@@ -194,7 +196,7 @@ def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadershi
         if not said:
             print(f"{root.path}: {lease.blocked}", file=sys.stderr)
             said = True
-        lease._stop.wait(lease.interval)  # a timer between looks, nothing to synchronise with
+        between_looks.wait(lease.interval)
 
 
 def cmd_prune(args: argparse.Namespace) -> int:

@@ -218,6 +218,8 @@ class Daemon:
     def _first_scan(self) -> None:
         now = self.clock()
         for rt in self.roots:
+            if isinstance(rt.lead, VolumeLease) and not self.dry_run:
+                rt.lead.step()  # a first look now (its thread may not have had one): no false "standby"
             self._try_lead(rt, attempt=True)
             rt.tracker.full_scan()
             rt.next_poll = now + rt.root.poll_interval
@@ -735,8 +737,15 @@ class Daemon:
             )
             _flush_logs()
             os._exit(0)
-        for rt in self.roots:
-            rt.lead.stop()  # a volume lease is marked released: a standby takes over at once
+        # A volume lease is marked released (a standby takes over at once), off the loop and
+        # bounded: a volume that no longer answers must not hold up the exit.
+        stopped = loop.run_in_executor(None, lambda: all([rt.lead.stop() for rt in self.roots]))
+        try:
+            await asyncio.wait_for(asyncio.shield(stopped), SHUTDOWN_TIMEOUT)
+        except TimeoutError:
+            log.warning("the volume lease could not be handed back in time: it expires by itself")
+            _flush_logs()
+            os._exit(0)
         if self.journal is not None:
             self.journal.close()
         log.info("stopped")

@@ -558,13 +558,19 @@ class VolumeLease:
         self._thread = threading.Thread(target=run, name=f"ckptd-lease-{self.root.name}", daemon=True)
         self._thread.start()
 
-    def stop(self, release: bool = True) -> None:
+    def stop(self, release: bool = True, timeout: float = 5.0) -> bool:
+        """End the renewal thread and hand the lease back. False if the thread is stuck in a call
+        the volume does not answer: then nothing is released (the lease expires by itself)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("%s: the volume does not answer; the lease is left to expire", self.root)
+                return False
             self._thread = None
         if release:
             self.release()
+        return True
 
     # --- status ----------------------------------------------------------------------
 
@@ -624,9 +630,10 @@ class LocalLeadership:
     def start(self, on_change: Callable[[], None] = lambda: None) -> None:
         pass
 
-    def stop(self, release: bool = True) -> None:
+    def stop(self, release: bool = True, timeout: float = 5.0) -> bool:
         if release:
             self.release()
+        return True
 
     def status(self) -> dict[str, Any]:
         held = self.held()

@@ -338,7 +338,7 @@ MUTS = [
    "                duration = max(self.duration, rec.duration if rec else 0.0)", "                duration = self.duration")]),
  dict(id="V7", what="takeover: the epoch claimed exclusively", tests="lease", edits=[(LE,
    "            if not self.io.claim(epoch, self.me):", "            if not (self.io.claim(epoch, self.me) or True):")]),
- dict(id="V8", what="renewal: stands down once its deadline passed", tests="lease", edits=[(LE,
+ dict(id="V8", what="renewal: stands down (and drops its lock) once its deadline passed", tests="multinode", edits=[(LE,
    "            if self.mono() >= self.deadline:\n                self._lose(f\"no renewal succeeded before its deadline ({exc})\")", "            if False:\n                pass")]),
  dict(id="V9", what="renewal: stands down when the record is someone else's", tests="lease", edits=[(LE,
    "            if seen.max_claim > epoch or rec is None or rec.holder.id != self.me.id or rec.epoch != epoch:", "            if rec is None:")]),
