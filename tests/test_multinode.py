@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -144,7 +145,7 @@ def test_prune_on_another_node_does_not_delete_while_a_daemon_leads_the_volume(t
         proc = run_ckptd("prune", "-c", cron)
         assert proc.returncode == 75, proc.stdout + proc.stderr
         assert f"pid {a.proc.pid} holds the volume lease (epoch 1)" in proc.stderr
-        assert "waiting for the lease" not in proc.stderr  # a live holder's lease is not waited out
+        assert "is not renewed; waiting" not in proc.stderr  # a live holder's lease is not waited out
         assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
         status = run_ckptd("status", "-c", tmp_path / "a.toml")
         assert status.returncode == 0, status.stderr
@@ -251,3 +252,25 @@ def test_plan_and_prune_go_by_the_effective_quiet_period(tmp_path, monkeypatch, 
     out = capsys.readouterr()
     assert "quiet_period 60s is watched as 120s" in out.err and "prune: 0 deleted" in out.out
     assert listing(root / "job") == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_prune_takes_over_a_dead_daemons_lease_only_after_watching_it_unrenewed(tmp_path):
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2, 3)
+    with DaemonProc("-c", node_config(tmp_path, "a", root, keep_last=5)) as a:
+        a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
+        a.proc.kill()
+        a.proc.wait(30)
+    final = lease_record(root)
+    cron = node_config(tmp_path, "cron", root, keep_last=1)
+    proc = run_ckptd("prune", "-c", cron)  # straight after: the lease has not expired
+    assert proc.returncode == 75 and "holds the volume lease (epoch 1), renewed" in proc.stderr
+    expired = threading.Event()  # a clock condition, not another process: wait until it holds
+    while time.time() <= final["expires"] + M:
+        expired.wait(0.05)
+    proc = run_ckptd("prune", "-c", cron)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the volume lease is not renewed; waiting up to 2s" in proc.stderr
+    assert listing(root / "job") == ["checkpoint-3"]
+    taken = lease_record(root)
+    assert taken["epoch"] == 2 and taken["released"] and taken["since"] >= final["expires"] + M + D

@@ -189,12 +189,17 @@ def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadershi
             lease.start()  # renewed while the prune runs
             return lease, None
         rec = lease.seen.record if lease.seen else None
+        holder = f"{rec.holder.describe()} holds the volume lease (epoch {rec.epoch})" if rec else ""
         live = rec is not None and not rec.released and time.time() <= rec.expires + lease.margin
-        if live or time.monotonic() >= deadline or lease.error or "lock" in (lease.blocked or ""):
-            holder = f"{rec.holder.describe()} holds the volume lease (epoch {rec.epoch})" if rec else ""
+        if live:
+            assert rec is not None
+            return None, f"{holder}, renewed {max(0.0, time.time() - rec.renewed):.0f}s ago"
+        if time.monotonic() >= deadline or lease.error or "lock" in (lease.blocked or ""):
             return None, "; ".join(filter(None, [holder, lease.blocked]))
         if not said:
-            print(f"{root.path}: {lease.blocked}", file=sys.stderr)
+            wait = d.lease_duration + d.lease_margin
+            print(f"{root.path}: the volume lease is not renewed; waiting up to {wait:g}s to be sure its "
+                  f"holder is gone ({lease.blocked})", file=sys.stderr)
             said = True
         between_looks.wait(lease.interval)
 

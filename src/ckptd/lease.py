@@ -551,7 +551,10 @@ class VolumeLease:
                         if self.epoch is not None:
                             self._lose("internal error")
                 if self.held() != before:
-                    on_change()
+                    try:
+                        on_change()
+                    except Exception:
+                        log.exception("%s: telling the daemon the lease changed hands failed", self.root)
                 if self._stop.wait(self.interval):  # a timer: stop() ends the wait at once
                     return
 
