@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -19,10 +20,12 @@ from ckptd.envconfig import effective_config, settings_in
 from ckptd.errors import EX_IOERR, EX_OK, EX_SOFTWARE, CkptdError, RootMissingError, UsageError
 from ckptd.evidence import Inspector, RunContext
 from ckptd.journal import Journal
+from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership, lock_scope
 from ckptd.model import Checkpoint, State
+from ckptd.mounts import is_remote, mount_of, quiet_for, read_mounts
 from ckptd.planner import Scanner, decide
 from ckptd.policy import Decision, Plan, summarise
-from ckptd.reaper import DRY_RUN_NOTE, LockHeld, Outcome, Reaper, RootLock
+from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock
 
 log = logging.getLogger("ckptd")
 
@@ -112,6 +115,19 @@ def load(args: argparse.Namespace) -> Config:
     return effective_config(find_config(args.config), os.environ, roots)
 
 
+def with_effective_quiet(config: Config, *, say: bool = True) -> Config:
+    """The config with each root's quiet period lengthened by its mount's attribute cache
+    (mounts.quiet_for), saying so on stderr: what plan, prune and verify must go by."""
+    mounts = read_mounts()
+    roots = []
+    for root in config.roots:
+        quiet, _, warning = quiet_for(root.path, root.quiet_period, mounts)
+        if warning is not None and say:
+            print(f"note: {root.path}: {warning}", file=sys.stderr)
+        roots.append(root.model_copy(update={"quiet_period": quiet}) if quiet != root.quiet_period else root)
+    return config.model_copy(update={"roots": tuple(roots)})
+
+
 def require_roots(config: Config) -> None:
     if not config.roots:
         raise UsageError("no roots: name one (ckptd plan /mnt/experiments) or configure [[roots]]")
@@ -132,6 +148,7 @@ def scan_all(config: Config, now: float) -> tuple[dict[Path, Scanner], Plan]:
 def cmd_plan(args: argparse.Namespace) -> int:
     config = load(args)
     require_roots(config)
+    config = with_effective_quiet(config)
     _, plan = scan_all(config, time.time())
     if args.json:
         doc = {"checkpoints": [decision_json(d) for d in plan.decisions], "warnings": list(plan.warnings)}
@@ -148,9 +165,50 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EX_OK
 
 
+def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadership | None, str | None]:
+    """The root's leadership taken for one prune, or (None, why not).
+
+    A volume lease that a live holder renews is not waited for (prune exits 75); one whose
+    holder is gone is watched for its duration plus margin first, as any standby must.
+    """
+    d = config.daemon
+    kind, why, problem = choose_leadership(root.path, d.leadership, mounts)
+    if kind == "local":
+        local = LocalLeadership(RootLock(d.state_dir, root.path), why)
+        local.step()
+        return (local, None) if local.held() else (None, local.blocked)
+    if problem is not None:
+        return None, problem
+    lease = VolumeLease(root.path, duration=d.lease_duration, margin=d.lease_margin, why=why)
+    deadline = time.monotonic() + d.lease_duration + d.lease_margin + 2 * lease.interval
+    between_looks = threading.Event()  # never set: a timer between looks, nothing to synchronise with
+    said = False
+    while True:
+        lease.step()
+        if lease.held():
+            lease.start()  # renewed while the prune runs
+            return lease, None
+        rec = lease.seen.record if lease.seen else None
+        holder = f"{rec.holder.describe()} holds the volume lease (epoch {rec.epoch})" if rec else ""
+        live = rec is not None and not rec.released and time.time() <= rec.expires + lease.margin
+        if live:
+            assert rec is not None
+            return None, f"{holder}, renewed {max(0.0, time.time() - rec.renewed):.0f}s ago"
+        if time.monotonic() >= deadline or lease.error or "lock" in (lease.blocked or ""):
+            return None, "; ".join(filter(None, [holder, lease.blocked]))
+        if not said:
+            wait = d.lease_duration + d.lease_margin
+            print(f"{root.path}: the volume lease is not renewed; waiting up to {wait:g}s to be sure its "
+                  f"holder is gone ({lease.blocked})", file=sys.stderr)
+            said = True
+        between_looks.wait(lease.interval)
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     config = load(args)
     require_roots(config)
+    config = with_effective_quiet(config)
+    mounts = read_mounts()
     dry_run = args.dry_run or config.daemon.dry_run
     note = f" {DRY_RUN_NOTE}" if dry_run else ""
     journal = None if dry_run else Journal(config.daemon.state_dir)
@@ -158,18 +216,21 @@ def cmd_prune(args: argparse.Namespace) -> int:
     totals = {o: 0 for o in Outcome}
     freed = slim_freed = 0
     for root in config.roots:
-        lock = RootLock(config.daemon.state_dir, root.path)
-        try:
-            if not dry_run:
-                lock.acquire()
-        except LockHeld as exc:
-            print(f"skipping {root.path}: {exc}", file=sys.stderr)
-            status = max(status, EX_TEMPFAIL)
-            continue
+        lead = None
+        if not dry_run:
+            lead, why_not = _lead_for_prune(config, root, mounts)
+            if lead is None:
+                print(f"skipping {root.path}: {why_not}", file=sys.stderr)
+                status = max(status, EX_TEMPFAIL)
+                continue
         try:
             scanner = Scanner(root)
             reaper = Reaper(
-                scanner, journal, dry_run=dry_run, consolidate_timeout=config.daemon.consolidate_timeout
+                scanner,
+                journal,
+                dry_run=dry_run,
+                consolidate_timeout=config.daemon.consolidate_timeout,
+                fence=lead.fencer() if lead is not None else None,
             )
             leftover, leftover_bytes = reaper.purge()  # an earlier run's interrupted purge
             if leftover:
@@ -190,10 +251,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
                     status = max(status, EX_IOERR)
                 if result.outcome is Outcome.SLIMMED:
                     slim_freed += result.moved_bytes
-            _, purged_bytes = reaper.purge()
+            _, purged_bytes = reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
             freed += purged_bytes
         finally:
-            lock.release()
+            if lead is not None:
+                lead.stop()
     if journal is not None:
         journal.close()
     if dry_run:
@@ -252,6 +314,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             oldest = root.get("oldest_incomplete_age")
             extra = f", oldest incomplete {oldest:.0f}s" if oldest is not None else ""
             print(f"  {root['path']} ({root['observer']}, {role}{extra})")
+            for line in _lead_and_quiet_lines(root, time.time()):
+                print(f"    {line}")
             for run in root["runs"]:
                 for c in run["checkpoints"]:
                     reasons = "; ".join(c["reasons"])
@@ -262,12 +326,40 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EX_OK
 
 
+def _lead_and_quiet_lines(root: dict[str, Any], now: float) -> list[str]:
+    """`status`: who deletes here and under which lease; the quiet period, if the mount changed it."""
+    lines = []
+    lead = root.get("leadership")
+    if lead and lead.get("kind") == "volume":
+        holder = lead.get("holder")
+        if holder and not lead.get("released"):
+            left = lead["expires"] - now
+            when = f"expires in {left:.0f}s" if left >= 0 else f"expired {-left:.0f}s ago"
+            who = f"{holder['host']} pid {holder['pid']}" + (" (this ckptd)" if lead["held"] else "")
+            text = f"volume lease epoch {lead['epoch']}, held by {who}, {when}"
+        else:
+            text = "volume lease free" + (f" (epoch {lead['epoch']} released)" if holder else "")
+        waiting = f"; {lead['waiting']}" if lead.get("waiting") else ""
+        error = f"; error: {lead['error']}" if lead.get("error") else ""
+        lines.append(f"leadership: {text}{waiting}{error} [{lead['why']}]")
+    elif lead:
+        lines.append(f"leadership: local lock {lead['lock']} [{lead['why']}]")
+    quiet, effective = root.get("quiet_period"), root.get("effective_quiet_period")
+    if quiet is not None and effective is not None and effective != quiet:
+        lines.append(f"quiet_period {quiet:g}s, watched as {effective:g}s: {root.get('attribute_cache')}")
+    return lines
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     config = load(args)
     path = Path(os.path.abspath(args.path))
     if not os.path.lexists(path):
         raise RootMissingError(f"{args.path}: no such file or directory")
-    root = _root_for(config, path)
+    root = _root_for(with_effective_quiet(config, say=False), path)
+    quiet, _, warning = quiet_for(path, root.quiet_period, read_mounts())
+    if warning is not None:
+        print(f"note: {warning}", file=sys.stderr)
+        root = root.model_copy(update={"quiet_period": quiet})
     patterns = [layouts.compile_pattern(p.name) for p in root.patterns]
     is_dir = path.is_dir() and not path.is_symlink()
 
@@ -336,7 +428,38 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     with_env = f" (with {', '.join(env)} from the environment)" if env else ""
     print(f"# {path if path else 'no config file: built-in defaults'}{with_env}: OK", file=sys.stderr)
     print(json.dumps(config.model_dump(mode="json"), indent=2))
+    for line in volume_notes(config):
+        print(f"# {line}", file=sys.stderr)
     return EX_OK
+
+
+def volume_notes(config: Config) -> list[str]:
+    """For check-config: per root, who will delete there and how, and what its mount does to quiet."""
+    mounts = read_mounts()
+    d = config.daemon
+    out = []
+    for i, root in enumerate(config.roots):
+        where = f"roots[{i}] {root.path}"
+        kind, why, problem = choose_leadership(root.path, d.leadership, mounts)
+        mount = mount_of(root.path, mounts)
+        locks = lock_scope(mount)
+        if kind == "volume":
+            lease = f"lease {d.lease_duration:g}s + {d.lease_margin:g}s margin"
+            lease += f" in {root.path / layouts.LEASE_DIR}"
+            out.append(f"{where}: leadership=volume ({why}); {lease}; POSIX locks: {locks}")
+        else:
+            out.append(f"{where}: leadership=local ({why}): one deleter per state_dir")
+            if mount is not None and is_remote(mount.fstype):
+                out.append(
+                    f"warning: {where}: leadership=local on {mount.fstype}: ckptd on other hosts "
+                    "sharing this volume would each delete; use leadership = \"volume\" or \"auto\""
+                )
+        if problem is not None:
+            out.append(f"warning: {where}: {problem}")
+        _, _, warning = quiet_for(root.path, root.quiet_period, mounts)
+        if warning is not None:
+            out.append(f"warning: {where}: {warning}")
+    return out
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

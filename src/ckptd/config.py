@@ -425,12 +425,36 @@ class Daemon(_Strict):
         description="Serve Prometheus metrics at http://HOST:PORT/metrics, e.g. '127.0.0.1:9464'; "
         "off when unset. Needs the `metrics` extra (prometheus_client).",
     )
+    leadership: Literal["auto", "local", "volume"] = Field(
+        "auto",
+        description="How one ckptd is made the deleter of a root: 'local' (a lock in state_dir: one "
+        "host), 'volume' (a lease on the volume, in <root>/.ckptd/: any number of hosts sharing it), "
+        "'auto' (volume on network filesystems, local elsewhere). Every host must resolve to the same.",
+    )
+    lease_duration: Duration = Field(
+        30.0,
+        description="With volume leadership: how long a lease lasts unrenewed (renewed every third of "
+        "it). A leader that cannot renew for this long stops deleting.",
+    )
+    lease_margin: Duration = Field(
+        10.0,
+        description="With volume leadership: how much longer a standby waits after a lease runs out "
+        "before taking over. Covers clock skew between hosts and a pause between a leader's last "
+        "check and its rename: keep it above both.",
+    )
 
     @field_validator("metrics_listen")
     @classmethod
     def _host_port(cls, v: str | None) -> str | None:
         if v is not None:
             parse_listen(v)
+        return v
+
+    @field_validator("lease_duration", "lease_margin")
+    @classmethod
+    def _positive(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError(f"must be > 0 (got {format_duration(v)})")
         return v
 
 

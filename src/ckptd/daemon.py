@@ -37,12 +37,14 @@ from ckptd.config import Config, format_size
 from ckptd.envconfig import effective_config
 from ckptd.errors import ConfigError, RootMissingError
 from ckptd.journal import Journal
+from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership
 from ckptd.metrics import Metrics
 from ckptd.model import Action, Checkpoint, State
+from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
 from ckptd.notify import notify, watchdog_interval
 from ckptd.planner import DiskSpace, decide, disk_space
 from ckptd.policy import Decision
-from ckptd.reaper import DRY_RUN_NOTE, LockHeld, Outcome, Reaper, RootLock, lower_priority
+from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock, lower_priority
 from ckptd.tracker import Changes, RootTracker
 from ckptd.watch import Watcher, choose_observer
 
@@ -58,11 +60,11 @@ _StateRow = tuple[Checkpoint, tuple[str, tuple[str, ...]] | None, dict[str, Any]
 
 
 class RootRuntime:
-    """One root as the daemon runs it: its tracker, its lock, its reaper."""
+    """One root as the daemon runs it: its tracker, its leadership (lease.py), its reaper."""
 
-    def __init__(self, tracker: RootTracker, lock: RootLock, reaper: Reaper, observer: str):
+    def __init__(self, tracker: RootTracker, lead: Leadership, reaper: Reaper, observer: str):
         self.tracker = tracker
-        self.lock = lock
+        self.lead = lead
         self.reaper = reaper
         self.observer = observer
         self.leader = False
@@ -76,6 +78,8 @@ class RootRuntime:
         self.failures = 0
         self.outcomes: dict[str, str] = {}  # checkpoint -> the last refusal or failure said about it
         self.dev: int | None = None  # the root's filesystem, as last seen (`Daemon._space`)
+        self.configured_quiet = tracker.root.quiet_period  # before `_effective_root`
+        self.cache: AttributeCache | None = None  # the mount's attribute cache (mounts.py)
 
     @property
     def root(self):
@@ -117,6 +121,7 @@ class Daemon:
         self.ready = asyncio.Event()  # set once the first scan is done and READY=1 sent
         self._state_written = -1e9
         self._state_due: float | None = None
+        self._lead_gained = False  # a root's lead was taken: run retention now, not at the next event
         self.metrics: Metrics | None = None  # with [daemon] metrics_listen (metrics.py)
 
     # --- entry point ---------------------------------------------------------
@@ -168,11 +173,39 @@ class Daemon:
         log.info("ready: watching %d root(s)", len(self.roots))
 
     def _runtime(self, root, config: Config) -> RootRuntime:
-        tracker = RootTracker(root, self.clock)
+        mounts = read_mounts()
+        effective, cache = self._effective_root(root, mounts)
+        tracker = RootTracker(effective, self.clock)
         reaper = self._reaper(tracker, config)
         observer, why = choose_observer(root.path, root.observer)
         log.info("%s: observer=%s (%s)", root.path, observer, why)
-        return RootRuntime(tracker, RootLock(self.config.daemon.state_dir, root.path), reaper, observer)
+        rt = RootRuntime(tracker, self._leadership(root, config, mounts), reaper, observer)
+        rt.configured_quiet, rt.cache = root.quiet_period, cache
+        return rt
+
+    def _effective_root(self, root, mounts: list[Mount]):
+        """The root with the quiet period its mount's attribute cache calls for (mounts.quiet_for)."""
+        quiet, cache, warning = quiet_for(root.path, root.quiet_period, mounts)
+        if warning is not None:
+            log.warning("%s: %s", root.path, warning)
+        if quiet != root.quiet_period:
+            root = root.model_copy(update={"quiet_period": quiet})
+        return root, cache
+
+    def _leadership(self, root, config: Config, mounts: list[Mount]) -> Leadership:
+        d = config.daemon
+        kind, why, problem = choose_leadership(root.path, d.leadership, mounts)
+        log.info("%s: leadership=%s (%s)", root.path, kind, why)
+        if problem is not None:
+            log.error("%s: %s", root.path, problem)
+        if kind == "local":
+            return LocalLeadership(RootLock(d.state_dir, root.path), why)
+        lease = VolumeLease(
+            root.path, duration=d.lease_duration, margin=d.lease_margin, why=why, problem=problem
+        )
+        lease.want = not self.dry_run
+        lease.start(on_change=lambda: self._loop.call_soon_threadsafe(self._wake.set))
+        return lease
 
     def _reaper(self, tracker: RootTracker, config: Config) -> Reaper:
         return Reaper(
@@ -185,7 +218,9 @@ class Daemon:
     def _first_scan(self) -> None:
         now = self.clock()
         for rt in self.roots:
-            self._try_lead(rt)
+            if isinstance(rt.lead, VolumeLease) and not self.dry_run:
+                rt.lead.step()  # a first look now (its thread may not have had one): no false "standby"
+            self._try_lead(rt, attempt=True)
             rt.tracker.full_scan()
             rt.next_poll = now + rt.root.poll_interval
             rt.next_reconcile = now + rt.root.reconcile_interval
@@ -193,20 +228,32 @@ class Daemon:
         self._sample_metrics()
         self._write_state(force=True)
 
-    def _try_lead(self, rt: RootRuntime) -> None:
-        """Take the root's deleter lock if free; otherwise stay an observe-only standby."""
-        if rt.leader or self.dry_run:
+    def _try_lead(self, rt: RootRuntime, attempt: bool = False) -> None:
+        """Follow the root's leadership: lead where it is held, stand by (observe only) where not.
+
+        A local lock is tried when `attempt`; a volume lease is taken and renewed by its own
+        thread, and only looked at here (no I/O).
+        """
+        if self.dry_run:
             return
-        try:
-            rt.lock.acquire()
-        except LockHeld as exc:
-            if not rt.said_standby:
-                log.warning("%s: standby, observing only: %s", rt.root.path, exc)
-                rt.said_standby = True
-            return
-        rt.leader = True
-        log.info("%s: this ckptd deletes here (holds %s)", rt.root.path, rt.lock.path)
-        self._purge(rt)  # what an earlier run left in the trash
+        if attempt and isinstance(rt.lead, LocalLeadership):
+            rt.lead.step()
+        held = rt.lead.held()
+        if held and not rt.leader:
+            rt.leader, rt.said_standby = True, False
+            status = rt.lead.status()
+            local = rt.lead.kind == "local"
+            how = f"holds {status['lock']}" if local else f"volume lease, epoch {status['epoch']}"
+            log.info("%s: this ckptd deletes here (%s)", rt.root.path, how)
+            self._purge(rt)  # what an earlier run left in the trash
+            self._lead_gained = True  # what the standby decided is carried out at the next tick
+        elif not held and rt.leader:
+            rt.leader = False
+            log.warning("%s: standby from now on: this ckptd lost the lead and deletes nothing", rt.root.path)
+        elif not held and not rt.said_standby:
+            why = rt.lead.blocked or rt.lead.status().get("error") or "waiting for the volume lease"
+            log.warning("%s: standby, observing only: %s", rt.root.path, why)
+            rt.said_standby = True
 
     # --- the main loop -----------------------------------------------------
 
@@ -291,7 +338,8 @@ class Daemon:
                 elif now >= rt.next_poll:
                     tr.poll(changes)
                     rt.next_poll = now + rt.root.poll_interval
-                    self._try_lead(rt)
+                    self._try_lead(rt, attempt=True)
+                self._try_lead(rt)  # a volume lease changes hands on its own thread
                 step = tr.step(now)
             except (OSError, RootMissingError) as exc:
                 # A flaky or unmounted volume (ESTALE, EIO, EACCES, gone): say so once, back off,
@@ -323,6 +371,8 @@ class Daemon:
                 )
             if completed or changes.vanished or step.vanished:
                 retention = True
+        if self._lead_gained:
+            self._lead_gained, retention = False, True
         if retention:
             try:
                 self._retention()
@@ -342,12 +392,15 @@ class Daemon:
             log.warning("%s", w)
         self._log_decisions(plan.decisions)
         for rt in self.roots:
+            self._try_lead(rt)
             if not rt.leader and not self.dry_run:
                 continue
             mine = [d for d in plan.decisions if d.checkpoint.root == rt.root.path]
             if not any(d.action in (Action.DELETE, Action.SLIM) for d in mine):
                 continue
             trashed = False
+            # Fencing: each rename asks whether this ckptd still leads, under the epoch held now.
+            rt.reaper.fence = None if self.dry_run else rt.lead.fencer()
             for result in rt.reaper.execute(mine):
                 c = result.decision.checkpoint
                 action = str(result.decision.action)
@@ -437,7 +490,8 @@ class Daemon:
             return
 
         def purge() -> None:
-            count, freed = rt.reaper.purge(stop=lambda: self._purge_stop)
+            # A leader that lost the lead leaves the rest of the trash to the one that has it.
+            count, freed = rt.reaper.purge(stop=lambda: self._purge_stop or not rt.lead.held())
             with rt.pending_lock:
                 rt.pending_purge_bytes = max(0, rt.pending_purge_bytes - freed)
             self.counters["bytes_reclaimed"] += freed
@@ -522,6 +576,10 @@ class Daemon:
                     "path": str(rt.root.path),
                     "observer": rt.observer,
                     "leader": rt.leader,
+                    "leadership": rt.lead.status(),
+                    "quiet_period": rt.configured_quiet,
+                    "effective_quiet_period": rt.root.quiet_period,  # with the attribute cache's
+                    "attribute_cache": rt.cache.detail if rt.cache is not None else None,
                     "poll_interval": rt.root.poll_interval,  # `ckptd health` allows 3 of these
                     "oldest_incomplete_age": oldest,
                     "runs": runs,
@@ -608,6 +666,19 @@ class Daemon:
             self.dry_run = dry_run
             if not dry_run and self.journal is None:
                 self.journal = Journal(self.config.daemon.state_dir)
+            for rt in self.roots:
+                if isinstance(rt.lead, VolumeLease):
+                    rt.lead.want = not dry_run  # its thread hands the lease back, or takes it again
+                elif dry_run:
+                    rt.lead.release()
+                if dry_run:
+                    rt.leader, rt.said_standby = False, False
+        old = self.config.daemon
+        if (new.daemon.leadership, new.daemon.lease_duration, new.daemon.lease_margin) != (
+            old.leadership, old.lease_duration, old.lease_margin
+        ):
+            log.warning("daemon.leadership/lease_*: changes take effect at the next start, not at a reload")
+        mounts = read_mounts()
         by_path = {rt.root.path: rt for rt in self.roots}
         keep: list[RootRuntime] = []
         for root in new.roots:
@@ -621,7 +692,9 @@ class Daemon:
                     log.warning("%s: observer changed: it takes effect at the next start", root.path)
                 # Patterns, depth, world sizes may have changed: look again with the new eyes,
                 # keeping what the settler knows (a reload does not restart quiet periods).
-                rt.tracker.reconfigure(root)
+                effective, rt.cache = self._effective_root(root, mounts)
+                rt.configured_quiet = root.quiet_period
+                rt.tracker.reconfigure(effective)
                 rt.reaper = self._reaper(rt.tracker, new)
                 rt.tracker.full_scan()
             rt.next_poll = min(rt.next_poll, self.clock() + root.poll_interval)
@@ -632,7 +705,7 @@ class Daemon:
             log.warning("daemon.state_dir changed: it takes effect at the next start, not at a reload")
         for rt in by_path.values():
             log.info("%s: no longer configured", rt.root.path)
-            rt.lock.release()
+            rt.lead.stop()
         self.roots = keep
         self.config = new
         self._decisions.clear()
@@ -665,8 +738,15 @@ class Daemon:
             )
             _flush_logs()
             os._exit(0)
-        for rt in self.roots:
-            rt.lock.release()
+        # A volume lease is marked released (a standby takes over at once), off the loop and
+        # bounded: a volume that no longer answers must not hold up the exit.
+        stopped = loop.run_in_executor(None, lambda: all([rt.lead.stop() for rt in self.roots]))
+        try:
+            await asyncio.wait_for(asyncio.shield(stopped), SHUTDOWN_TIMEOUT)
+        except TimeoutError:
+            log.warning("the volume lease could not be handed back in time: it expires by itself")
+            _flush_logs()
+            os._exit(0)
         if self.journal is not None:
             self.journal.close()
         log.info("stopped")

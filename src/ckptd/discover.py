@@ -72,7 +72,7 @@ def find_runs(
                 continue
         candidates: list[Candidate] = []
         for e in entries:
-            if e.name == layouts.TRASH_DIR or e.is_symlink():
+            if e.name in (layouts.TRASH_DIR, layouts.LEASE_DIR) or e.is_symlink():
                 continue  # never followed, never touched
             try:
                 is_dir = e.is_dir(follow_symlinks=False)

@@ -53,6 +53,7 @@ VARIABLES: dict[str, tuple[str, str, Callable[[str], Any]]] = {
     "CKPTD_DRY_RUN": ("daemon", "dry_run", _boolean),
     "CKPTD_LOG_FORMAT": ("daemon", "log_format", _text),
     "CKPTD_METRICS_LISTEN": ("daemon", "metrics_listen", _text),
+    "CKPTD_LEADERSHIP": ("daemon", "leadership", _text),
     "CKPTD_QUIET_PERIOD": ("root", "quiet_period", _text),
     "CKPTD_OBSERVER": ("root", "observer", _text),
     "CKPTD_WORLD_SIZE": ("root", "world_size", _integer),

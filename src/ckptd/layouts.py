@@ -25,6 +25,7 @@ NEMO_UNFINISHED_SUFFIX = "-unfinished"
 ORBAX_TMP = ".orbax-checkpoint-tmp"
 PIN_FILE = ".ckptd-keep"
 TRASH_DIR = ".ckptd-trash"
+LEASE_DIR = ".ckptd"  # the volume lease (lease.py)
 
 _HF = re.compile(r"checkpoint-(\d+)")
 _DEEPSPEED = re.compile(r"global_step(\d+)")

@@ -1,12 +1,13 @@
 """The mount table, from `/proc/self/mountinfo`. Reads only.
 
-Three things need it: choosing an observer (inotify cannot see other hosts' writes
-on NFS, Lustre and friends), knowing how stale a network filesystem's attribute
-cache can make a `stat` (its mount options), and never crossing into another
-filesystem inside a checkpoint (a bind mount shares its `st_dev` with the
-filesystem it came from, so only the mount table shows it).
+Four things need it: choosing an observer (inotify cannot see other hosts' writes
+on NFS, Lustre and friends), choosing where the deleter's lease lives (`lease.py`:
+on the volume when other hosts share it), knowing how stale a network filesystem's
+attribute cache can make a `stat` (its mount options: `attribute_cache`), and never
+crossing into another filesystem inside a checkpoint (a bind mount shares its
+`st_dev` with the filesystem it came from, so only the mount table shows it).
 
-Parsing is pure (`parse_mountinfo`); `read_mounts` reads the file.
+Parsing is pure (`parse_mountinfo`, `attribute_cache`); `read_mounts` reads the file.
 """
 
 from __future__ import annotations
@@ -20,6 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MOUNTINFO = "/proc/self/mountinfo"
+
+# Filesystems other machines write to (or that inotify cannot see at all): the observer polls
+# there, and `leadership = "auto"` keeps the deleter's lease on the volume.
+REMOTE_FS = frozenset({
+    "nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "ceph", "cephfs", "9p", "afs", "beegfs",
+    "glusterfs", "virtiofs", "vboxsf", "panfs", "wekafs", "orangefs", "pvfs2",
+})  # fmt: skip
+
+
+def is_remote(fstype: str) -> bool:
+    """Whether other machines can write to a filesystem of this type (FUSE: assume so)."""
+    return fstype in REMOTE_FS or fstype.startswith("fuse")
 
 _OCTAL = re.compile(r"\\([0-7]{3})")
 
@@ -167,3 +180,119 @@ def is_mount_root(name: str | os.PathLike[str], dir_fd: int | None = None) -> bo
     if not known & _STATX_ATTR_MOUNT_ROOT:
         return None
     return bool(attributes & _STATX_ATTR_MOUNT_ROOT)
+
+
+# --- network filesystems' attribute caches ------------------------------------
+
+# Filesystems whose clients keep their caches coherent with the server: a change made on
+# another node is seen at the next stat, not after a timeout. Lustre revokes a client's
+# LDLM locks (and the attributes cached under them) before another client may change the
+# file; GPFS does the same with its tokens, CephFS with its capabilities (caps).
+COHERENT_FS = frozenset({"lustre", "gpfs", "ceph", "cephfs"})
+
+# nfs(5), "Data and metadata coherence" / the ac* options: without them the Linux client caches
+# a regular file's attributes for 3 to 60 seconds and a directory's for 30 to 60 (the timeout
+# grows from the min to the max while nothing changes), and the kernel prints an ac* option in
+# mountinfo only when it differs from that default (fs/nfs/super.c, nfs_show_mount_options).
+NFS_DEFAULTS = {"acregmin": 3.0, "acregmax": 60.0, "acdirmin": 30.0, "acdirmax": 60.0}
+# mount.cifs(8): actimeo, "the time (in seconds) that the CIFS client caches attributes of a
+# file or directory before it requests attribute information from a server", default 1.
+CIFS_DEFAULT_ACTIMEO = 1.0
+
+
+@dataclass(frozen=True)
+class AttributeCache:
+    """How long another node's change can stay invisible to a `stat` on this mount."""
+
+    fstype: str
+    point: str
+    max_staleness: float | None  # seconds; 0: coherent or uncached; None: cannot tell
+    detail: str  # why, from which options
+    close_to_open: bool = True  # NFS `nocto` turns it off: an open no longer revalidates
+
+
+def _seconds(mount: Mount, name: str) -> float | None:
+    value = mount.option(name)
+    if value is None or value == "":
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def attribute_cache(mount: Mount) -> AttributeCache:
+    """The worst-case staleness of attributes (size, mtime) and listings on `mount`, with why.
+
+    NFS: `noac` (or `actimeo=0`) caches nothing; otherwise the largest of `acregmax` and
+    `acdirmax` (`actimeo` sets all four ac* values; nfs(5) defaults where absent): a file a
+    rank on another node is still writing can show an unchanged size and mtime that long,
+    and a shard it created can be missing from a listing that long (a directory's cached
+    attributes decide when its listing is read again; `lookupcache` changes how names are
+    looked up, not how long a listing or a file's attributes are trusted).
+    """
+    fs, point = mount.fstype, mount.point
+    if fs in ("nfs", "nfs4"):
+        cto = mount.option("nocto") is None
+        if mount.option("noac") is not None:
+            return AttributeCache(fs, point, 0.0, f"{fs} mounted noac: no attribute cache", cto)
+        actimeo = _seconds(mount, "actimeo")
+        values, parts = {}, []
+        for name, default in NFS_DEFAULTS.items():
+            given = _seconds(mount, name)
+            value = given if given is not None else actimeo if actimeo is not None else default
+            values[name] = value
+            if name.endswith("max"):
+                source = "" if given is not None else " (actimeo)" if actimeo is not None else " (default)"
+                parts.append(f"{name}={value:g}s{source}")
+        staleness = max(values["acregmax"], values["acdirmax"])
+        lookup = mount.option("lookupcache") or "all"
+        vers = mount.option("vers")
+        what = f"{fs}{' vers=' + vers if vers else ''}"
+        detail = f"{what} caches attributes up to {staleness:g}s: {', '.join(parts)}, lookupcache={lookup}"
+        return AttributeCache(fs, point, staleness, detail, cto)
+    if fs in ("cifs", "smb3", "smbfs"):
+        actimeo = _seconds(mount, "actimeo")
+        base = actimeo if actimeo is not None else CIFS_DEFAULT_ACTIMEO
+        more = [v for n in ("acregmax", "acdirmax") if (v := _seconds(mount, n)) is not None]
+        staleness = max([base, *more])
+        source = "actimeo" if actimeo is not None else "actimeo default"
+        return AttributeCache(fs, point, staleness, f"{fs} caches attributes up to {staleness:g}s ({source})")
+    if fs in COHERENT_FS:
+        return AttributeCache(fs, point, 0.0, f"{fs} keeps client caches coherent (locks, tokens or caps)")
+    if is_remote(fs):
+        return AttributeCache(fs, point, None, f"{fs}: cannot tell how long its client caches attributes")
+    return AttributeCache(fs, point, 0.0, f"{fs} is local")
+
+
+def effective_quiet_period(quiet_period: float, cache: AttributeCache | None) -> float:
+    """The quiet period to measure so that `quiet_period` of real quiet is seen through the cache.
+
+    A change made elsewhere at time t may first show here at t + staleness, so a checkpoint
+    that looks unchanged for `quiet_period` may have been written in the last `staleness`
+    seconds of it: the quiet must be watched `staleness` longer. Keeping it longer never
+    deletes anything earlier; unknown staleness is not added to (the config is trusted, and
+    `check-config` says so).
+    """
+    if cache is None or not cache.max_staleness:
+        return quiet_period
+    return quiet_period + cache.max_staleness
+
+
+def quiet_for(
+    path: str | os.PathLike[str], quiet_period: float, mounts: Sequence[Mount]
+) -> tuple[float, AttributeCache | None, str | None]:
+    """(the quiet period to use under `path`, its mount's attribute cache, a warning or None)."""
+    mount = mount_of(path, mounts)
+    cache = attribute_cache(mount) if mount is not None else None
+    effective = effective_quiet_period(quiet_period, cache)
+    if cache is None:
+        return effective, None, None
+    if cache.max_staleness is None:
+        return effective, cache, f"{cache.detail}: quiet_period {quiet_period:g}s is used as configured"
+    if effective != quiet_period:
+        return effective, cache, (
+            f"{cache.point}: {cache.detail}: another host's write can stay invisible that long, so "
+            f"quiet_period {quiet_period:g}s is watched as {effective:g}s"
+        )
+    return effective, cache, None

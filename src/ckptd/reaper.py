@@ -18,6 +18,11 @@ and unchanged. Any doubt and it is left alone.
 
 The journal records the intent before the rename, and each outcome after.
 
+Fencing: where several ckptd could lead (lease.py), the reaper asks `fence` immediately
+before each rename that removes something from a checkpoint or a run (into the trash,
+a slim's optimizer files, the consolidated weights into place): it answers why this
+process may no longer act, or None. A refusal leaves everything where it is.
+
 Slimming (`slim_one`) removes only a checkpoint's optimizer files, the same
 way: re-checked first, renamed into the trash, purged later. When the
 checkpoint has no weights of its own they are consolidated first, and nothing
@@ -89,6 +94,7 @@ class Reaper:
         dry_run: bool,
         clock: Callable[[], float] = time.time,
         consolidate_timeout: float | None = None,
+        fence: Callable[[], str | None] | None = None,
     ):
         if not dry_run and journal is None:
             raise ValueError("a reaper that deletes needs a journal")
@@ -98,10 +104,21 @@ class Reaper:
         self.dry_run = dry_run
         self.clock = clock
         self.consolidate_timeout = consolidate_timeout
+        self.fence = fence  # asked just before each rename: why not, or None (see the module doc)
 
     @property
     def trash(self) -> Path:
         return self.root / TRASH_DIR
+
+    def _fenced(self) -> str | None:
+        """Why this process may not rename now (it lost the lead), or None."""
+        if self.fence is None:
+            return None
+        try:
+            why = self.fence()
+        except Exception as exc:  # a fence that cannot answer is a no
+            why = f"cannot tell whether this ckptd still leads: {exc!r}"
+        return None if why is None else f"not the leader: {why}"
 
     # --- re-checks -------------------------------------------------------
 
@@ -222,6 +239,9 @@ class Reaper:
             # verified above (this inode, in this directory) can be moved: nothing else.
             if self.dry_run:
                 return Result(decision, Outcome.DRY_RUN, f"would move to {TRASH_DIR}/ and purge")
+            why_not = self._fenced()
+            if why_not is not None:
+                return refuse(why_not)
             target = _trash_name(c, self.clock())
             try:
                 trash_fd = self._open_trash()
@@ -315,6 +335,9 @@ class Reaper:
         already = list(previous.removed) if previous is not None else []
         planned = already + [f for f in s.removable if f[0] not in {p for p, _ in already}]
         target = self.trash / f"{_trash_name(c, self.clock())}%slim"
+        why_not = self._fenced()
+        if why_not is not None:
+            return refuse(why_not)
         try:
             self._ensure_trash()
             assert self.journal is not None
@@ -334,6 +357,9 @@ class Reaper:
             # Both ends through descriptors opened without following symlinks: a global_step*
             # directory swapped for a link cannot bring files from elsewhere into the trash.
             sub, _, name = rel.rpartition("/")
+            why_not = self._fenced()
+            if why_not is not None:  # the marker says "removing": the next leader finishes it
+                return refuse(f"moved {len(moved)} of {len(s.removable)} files, then: {why_not}")
             try:
                 (target / rel).parent.mkdir(parents=True, exist_ok=True)
                 src_fd = open_dir_nofollow(self.root, f"{c.rel}/{sub}" if sub else c.rel)
@@ -404,6 +430,8 @@ class Reaper:
                     why = f"{slim.CONSOLIDATED} appeared while consolidating"
                 if why is None and (wrote is None or not _is_regular(_PARTIAL, work_fd)):
                     why = "the consolidated file is not where the consolidator left it"
+                if why is None:
+                    why = self._fenced()
                 if why is not None:
                     raise _Stop(Outcome.REFUSED, why)
                 try:
@@ -717,6 +745,10 @@ class RootLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {self.root}\n".encode(errors="surrogateescape"))
         self._fd = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
 
     def release(self) -> None:
         if self._fd is not None:

@@ -40,7 +40,7 @@ from watchdog.events import (
 from watchdog.observers.api import ObservedWatch
 from watchdog.observers.inotify import InotifyEmitter, InotifyObserver
 
-from ckptd.mounts import filesystem_type
+from ckptd.mounts import filesystem_type, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,6 @@ EVENTS: list[type[FileSystemEvent]] = [
     DirCreatedEvent, DirDeletedEvent, DirMovedEvent,
 ]  # fmt: skip
 
-# Filesystems where inotify does not see writes made by other machines (or at all).
-REMOTE_FS = frozenset({
-    "nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "ceph", "cephfs", "9p", "afs", "beegfs",
-    "glusterfs", "virtiofs", "vboxsf", "panfs", "wekafs", "orangefs", "pvfs2",
-})  # fmt: skip
-
 
 def choose_observer(path: Path, configured: str) -> tuple[str, str]:
     """("inotify" | "polling", why) for a root."""
@@ -66,7 +60,7 @@ def choose_observer(path: Path, configured: str) -> tuple[str, str]:
     fstype, mount = filesystem_type(path)
     if fstype is None:
         return "polling", "filesystem type unknown"
-    if fstype in REMOTE_FS or fstype.startswith("fuse"):
+    if is_remote(fstype):
         return "polling", f"{mount} is {fstype}: inotify does not see other hosts' writes"
     return "inotify", f"{mount} is {fstype}"
 

@@ -1,0 +1,683 @@
+"""Who deletes in a root: one leader per volume, however many hosts share it.
+
+Two kinds of leadership, chosen by `[daemon] leadership`:
+
+- `local` (`LocalLeadership`): the flock in `state_dir/locks/` (`reaper.RootLock`). Enough when
+  every ckptd that could delete in the root runs on this host with this state_dir.
+- `volume` (`VolumeLease`): a lease recorded on the volume itself, in `<root>/.ckptd/` (hidden:
+  discovery never descends into it or takes it for a checkpoint), so ckptd on any host that
+  mounts the root sees it. `auto` (the default) means `volume` on network filesystems
+  (`mounts.is_remote`) and `local` elsewhere. Every host must resolve to the same kind.
+
+The volume lease, in `<root>/.ckptd/`:
+
+- `leader.lock`: held with a POSIX lock (`lockf`, F_SETLK) for the whole tenure. NFSv4 (and v3
+  with the NLM), Lustre mounted with `flock`, GPFS and CephFS enforce these across the cluster;
+  where they do not (NFS `nolock` or `local_lock=posix|all`, a FUSE filesystem), the lock only
+  keeps this host's processes apart and the lease below does the work. It is never relied on
+  alone: a lock server can hand a lock on after a partition, and `nolock` succeeds everywhere.
+- `epoch-<N>`: the claim of epoch N, created with O_CREAT|O_EXCL. Exclusive create is atomic
+  on the server for NFSv3 and v4 (the Linux client sends an EXCLUSIVE CREATE with a verifier),
+  and on Lustre, GPFS and CephFS: two standbys that decide to take over at once cannot both
+  claim the same epoch. The holder of the highest epoch is the only one that may lead.
+- `leader.json`: the lease record: the holder (host, pid, process start, a random id), the
+  epoch, a wall-clock expiry, a renewal counter `seq`, the holder's duration and margin.
+
+Rules:
+
+- The leader renews every duration/3. A renewal reads the record first (still ours, at our
+  epoch, no epoch-<N+1> claimed) and writes it with `seq` + 1 and expiry = now + duration.
+  Its own deadline is the monotonic time (CLOCK_BOOTTIME, so a suspended host's deadline
+  passes while it sleeps) taken *before* that renewal began, plus the duration. Past the
+  deadline without a successful renewal it stops deleting at once, releases the lock and
+  becomes a standby; it must win the lease again like anyone else.
+- A standby takes over only when both hold: (1) by the wall clock, the record's expiry plus
+  the margin has passed (the margin covers clock skew between hosts); (2) it has itself
+  watched the record and the claims stay unchanged for the duration plus the margin, on its
+  own monotonic clock. (2) alone is safe without synchronised clocks: a renewal the leader
+  began at t0 is visible before any standby can see it, so a standby that saw no renewal for
+  duration + margin acts after the leader's deadline t0 + duration has passed. (1) is what
+  `status` shows. Each uses the larger of its own and the record's duration and margin, so
+  hosts configured differently still wait long enough.
+- A leader that stops cleanly writes the record `released`; a standby may take that at once.
+- Fencing: every rename into the trash, and every rename of a slim, first asks `fence(epoch)`
+  with the epoch the plan was made under. It refuses unless this process still holds that
+  epoch, its deadline has not passed, and the record on the volume still names it at that
+  epoch with no later claim. The deadline is looked at after the read, so a read that hung
+  counts against it.
+
+What the filesystem must give for this to hold (why the record is written as it is):
+
+- Atomic replacement: the record is written to a temp file, fsynced, closed, renamed over
+  `leader.json`, and the directory fsynced. A reader sees the old record or the new one,
+  never half of one: rename is atomic on the NFS server, and on Lustre, GPFS and CephFS.
+- Fresh reads. NFS close-to-open consistency promises that an open() after another client's
+  close() sees that client's data: the Linux client revalidates a file's attributes on every
+  open (and drops cached pages when they changed). A rename, though, changes the directory,
+  and a cached name may still lead to the old file until the directory's attributes are
+  looked at again; so a reader first opens `.ckptd/` itself (an open revalidates a directory
+  too, and a changed directory invalidates the names cached under it), then opens
+  `leader.json` relative to that descriptor. Mounted `nocto`, none of this holds: volume
+  leadership refuses to lead there (a daemon that cannot be sure deletes nothing). Lustre,
+  GPFS and CephFS are cache-coherent (LDLM locks, tokens, caps): every read is fresh.
+- What no lease can close: a process stopped between its last check and the rename itself
+  (SIGSTOP, a VM paused for longer than the margin) can still rename once after its lease
+  ran out. Only fencing by the storage could prevent that; none of these filesystems offers
+  it. The margin is the allowance for it and for clock skew: choose it above both.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ckptd.layouts import LEASE_DIR
+from ckptd.mounts import Mount, attribute_cache, is_remote, mount_of, read_mounts
+
+log = logging.getLogger(__name__)
+
+RECORD = "leader.json"
+LOCK = "leader.lock"
+CLAIM_PREFIX = "epoch-"
+KEEP_CLAIMS = 4  # the leader removes older claim files than its epoch minus this
+
+
+def boottime() -> float:
+    """Monotonic seconds that also count time suspended (a deadline must pass during a suspend)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _process_start() -> float:
+    """This process's start time, by the wall clock."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+@dataclass(frozen=True)
+class Holder:
+    host: str
+    pid: int
+    start: float  # the process's start, wall clock
+    id: str  # random: tells this process from a later one with the same host and pid
+
+    @classmethod
+    def me(cls) -> Holder:
+        return cls(socket.gethostname(), os.getpid(), round(_process_start(), 3), uuid.uuid4().hex)
+
+    def describe(self) -> str:
+        return f"{self.host} pid {self.pid}"
+
+
+@dataclass(frozen=True)
+class Record:
+    """`leader.json`."""
+
+    epoch: int
+    holder: Holder
+    expires: float  # wall clock
+    renewed: float  # wall clock
+    seq: int  # renewals at this epoch
+    duration: float
+    margin: float
+    since: float = 0.0  # wall clock: when this epoch was taken
+    released: bool = False
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Record:
+        """Raises ValueError on anything that is not a whole record."""
+        try:
+            doc = json.loads(raw)
+            holder = Holder(**doc.pop("holder"))
+            rec = cls(holder=holder, **doc)
+        except (TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"not a lease record: {exc}") from None
+        if not isinstance(rec.epoch, int) or not isinstance(rec.seq, int):
+            raise ValueError("not a lease record: epoch and seq must be integers")
+        for value in (rec.expires, rec.renewed, rec.duration, rec.margin, rec.since):
+            if not isinstance(value, int | float):
+                raise ValueError("not a lease record: times must be numbers")
+        return rec
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One look at `.ckptd/`: the record as read (raw, and parsed if it parses) and the highest claim."""
+
+    raw: bytes | None  # None: no record
+    record: Record | None  # None: none, or it does not parse
+    max_claim: int  # 0: none
+
+    @property
+    def epoch(self) -> int:
+        return max(self.record.epoch if self.record else 0, self.max_claim)
+
+
+class RecordIO:
+    """The lease's I/O on the volume, one method per operation.
+
+    This is the seam through which tests inject what a network filesystem does to the record
+    (EIO, ESTALE): no filesystem that runs here can be made to fail one file on demand.
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.dir = root / LEASE_DIR
+        self._lock_fd: int | None = None
+
+    def _open_dir(self, create: bool = True) -> int:
+        """`.ckptd/` opened afresh (an open revalidates the directory on NFS: see the module doc).
+
+        Without `create`, raises FileNotFoundError when it is not there."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            try:
+                return os.open(LEASE_DIR, flags, dir_fd=root_fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(LEASE_DIR, 0o755, dir_fd=root_fd)
+                except FileExistsError:
+                    pass
+                return os.open(LEASE_DIR, flags, dir_fd=root_fd)
+        finally:
+            os.close(root_fd)
+
+    def read(self) -> Seen:
+        try:
+            dir_fd = self._open_dir(create=False)  # an observer (a dry run) writes nothing
+        except FileNotFoundError:
+            return Seen(None, None, 0)
+        try:
+            try:
+                fd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except FileNotFoundError:
+                raw = None
+            else:
+                try:
+                    raw = os.read(fd, 1 << 16)
+                finally:
+                    os.close(fd)
+            claims = [_claim_number(name) for name in os.listdir(dir_fd)]
+        finally:
+            os.close(dir_fd)
+        record = None
+        if raw is not None:
+            try:
+                record = Record.parse(raw)
+            except ValueError:
+                pass
+        return Seen(raw, record, max([c for c in claims if c is not None], default=0))
+
+    def write(self, record: Record) -> None:
+        """Atomically: a temp file, fsynced, renamed over the record, the directory fsynced."""
+        dir_fd = self._open_dir()
+        try:
+            tmp = f".{RECORD}.{record.holder.id[:12]}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                         dir_fd=dir_fd)
+            try:
+                os.write(fd, record.to_bytes())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, RECORD, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def claim(self, epoch: int, holder: Holder) -> bool:
+        """Create `epoch-<N>` exclusively; False if another host claimed it first."""
+        dir_fd = self._open_dir()
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                fd = os.open(f"{CLAIM_PREFIX}{epoch}", flags, 0o644, dir_fd=dir_fd)
+            except FileExistsError:
+                return False
+            try:
+                os.write(fd, f"{holder.host} {holder.pid} {holder.id}\n".encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.fsync(dir_fd)
+            return True
+        finally:
+            os.close(dir_fd)
+
+    def forget_claims_before(self, epoch: int) -> None:
+        dir_fd = self._open_dir()
+        try:
+            for name in os.listdir(dir_fd):
+                n = _claim_number(name)
+                if n is not None and n < epoch:
+                    try:
+                        os.unlink(name, dir_fd=dir_fd)
+                    except FileNotFoundError:
+                        pass
+        finally:
+            os.close(dir_fd)
+
+    def lock(self) -> str | None:
+        """Take the POSIX lock on `leader.lock`: None if taken (or locks are not available
+        here, which the lease covers), else who has it."""
+        if self._lock_fd is not None:
+            return None
+        dir_fd = self._open_dir()
+        try:
+            fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return "another process holds its lock"
+            # ENOLCK: NFS without a lock manager; ENOSYS: Lustre mounted noflock (its default).
+            if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                log.info("%s: no POSIX locks here (%s): the lease alone decides", self.dir, exc.strerror)
+                return None
+            raise
+        self._lock_fd = fd
+        return None
+
+    def unlock(self) -> None:
+        # Closing the descriptor drops the POSIX lock (and every POSIX lock this process holds
+        # on the file: nothing else in ckptd opens it).
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _claim_number(name: str) -> int | None:
+    if name.startswith(CLAIM_PREFIX) and name[len(CLAIM_PREFIX):].isdigit():
+        return int(name[len(CLAIM_PREFIX):])
+    return None
+
+
+class VolumeLease:
+    """The lease on one root's volume. Thread-safe: a renewal thread, the daemon's filesystem
+    thread (fence, held) and the event loop (status) share it."""
+
+    kind = "volume"
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        duration: float,
+        margin: float,
+        why: str = "",
+        problem: str | None = None,
+        io: RecordIO | None = None,
+        holder: Holder | None = None,
+        wall: Callable[[], float] = time.time,
+        mono: Callable[[], float] = boottime,
+    ):
+        self.root = root
+        self.duration = duration
+        self.margin = margin
+        self.why = why  # why this kind of leadership (for status)
+        self.problem = problem  # set: this host must never lead here (e.g. NFS nocto)
+        self.io = io or RecordIO(root)
+        self.me = holder or Holder.me()
+        self.wall = wall
+        self.mono = mono
+        self.epoch: int | None = None  # the epoch held, or None
+        self.deadline = float("-inf")  # `mono` time after which it is not held
+        self.seq = 0
+        self.seen: Seen | None = None  # the last look at the volume
+        self.error: str | None = None  # the last I/O error, while it lasts
+        self.blocked: str | None = None  # why the last try did not take it
+        self._key: tuple[bytes | None, int] | None = None  # what the observation started on
+        self._since = 0.0  # `mono` time of that
+        self._mutex = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.want = True  # False: observe only (dry run)
+
+    # --- questions ----------------------------------------------------------
+
+    def held(self) -> bool:
+        with self._mutex:
+            return self.epoch is not None and self.mono() < self.deadline
+
+    def current_epoch(self) -> int | None:
+        with self._mutex:
+            return self.epoch if self.held() else None
+
+    def fencer(self) -> Callable[[], str | None]:
+        """The fence for one pass of retention: bound to the epoch held now."""
+        return functools.partial(self.fence, self.current_epoch())
+
+    def fence(self, epoch: int | None) -> str | None:
+        """Why this process may not rename now under `epoch`, or None if it may."""
+        if epoch is None:
+            return "this ckptd did not hold the volume lease when the plan was made"
+        with self._mutex:
+            if self.epoch != epoch:
+                return f"the volume lease changed since the plan was made (epoch {epoch}, now {self.epoch})"
+        try:
+            seen = self.io.read()
+            superseded = seen.max_claim > epoch
+        except OSError as exc:
+            return f"cannot read the lease record: {exc}"
+        rec = seen.record
+        if rec is None or rec.holder.id != self.me.id or rec.epoch != epoch or superseded:
+            other = f"{rec.holder.describe()} epoch {rec.epoch}" if rec else "no readable record"
+            return f"the lease record no longer names this ckptd at epoch {epoch} ({other})"
+        if self.mono() >= self.deadline:  # after the read: a read that hung counts against it
+            return f"the volume lease (epoch {epoch}) ran out without a renewal"
+        return None
+
+    # --- one step ------------------------------------------------------------
+
+    def step(self) -> None:
+        """Renew if leading, else look and take over if the rules allow (one step; never blocks
+        on anything but the filesystem)."""
+        with self._mutex:
+            if self.epoch is not None:
+                if self.want:
+                    self._renew()
+                else:
+                    self.release()
+            else:
+                self._try_take()
+
+    def _renew(self) -> None:
+        t0 = self.mono()
+        epoch = self.epoch
+        assert epoch is not None
+        try:
+            seen = self.io.read()
+            self.seen = seen
+            rec = seen.record
+            if seen.max_claim > epoch or rec is None or rec.holder.id != self.me.id or rec.epoch != epoch:
+                who = f"{rec.holder.describe()} at epoch {rec.epoch}" if rec else "an unreadable record"
+                self._lose(f"the lease was taken over ({who})")
+                return
+            now = self.wall()
+            new = replace(rec, seq=rec.seq + 1, expires=now + self.duration, renewed=now,
+                          duration=self.duration, margin=self.margin)
+            self.io.write(new)
+        except OSError as exc:
+            if self.error != str(exc):
+                self.error = str(exc)
+                left = self.deadline - self.mono()
+                log.warning("%s: cannot renew the volume lease (epoch %d): %s; %.1fs left before this "
+                            "ckptd stops deleting", self.root, epoch, exc, max(0.0, left))
+            if self.mono() >= self.deadline:
+                self._lose(f"no renewal succeeded before its deadline ({exc})")
+            return
+        self.seen = Seen(new.to_bytes(), new, seen.max_claim)
+        self.seq = new.seq
+        self.deadline = t0 + self.duration
+        if self.error is not None:
+            log.info("%s: the volume lease is renewed again", self.root)
+            self.error = None
+
+    def _lose(self, why: str) -> None:
+        log.error("%s: volume lease lost: %s; this ckptd no longer deletes here", self.root, why)
+        self.epoch = None
+        self.deadline = float("-inf")
+        self._key = None
+        self.io.unlock()
+
+    def _observe(self, seen: Seen, now: float) -> float:
+        """Seconds the volume's lease state has been seen unchanged by this process."""
+        key = (seen.raw, seen.max_claim)
+        if key != self._key:
+            self._key, self._since = key, now
+        return now - self._since
+
+    def _try_take(self) -> None:
+        if self.problem is not None:
+            self.blocked = self.problem
+            return
+        t0 = self.mono()
+        try:
+            seen = self.io.read()
+            self.seen = seen
+            unchanged_for = self._observe(seen, t0)
+            if not self.want:
+                self.blocked = "observing only (dry run)"
+                return
+            rec = seen.record
+            if seen.raw is None and seen.max_claim == 0:
+                pass  # never held: free
+            elif rec is not None and rec.released and rec.epoch >= seen.max_claim:
+                pass  # handed back by a leader that stopped: free
+            else:
+                duration = max(self.duration, rec.duration if rec else 0.0)
+                margin = max(self.margin, rec.margin if rec else 0.0)
+                if unchanged_for < duration + margin:
+                    self.blocked = (f"waiting for the lease to go unrenewed for {duration + margin:g}s "
+                                    f"(unchanged for {unchanged_for:.1f}s)")
+                    return
+                if rec is not None and rec.epoch == seen.epoch and self.wall() <= rec.expires + margin:
+                    self.blocked = f"{rec.holder.describe()}'s lease has not expired (+{margin:g}s margin)"
+                    return
+            held_by = self.io.lock()
+            if held_by is not None:
+                self.blocked = held_by
+                return
+            epoch = seen.epoch + 1
+            if not self.io.claim(epoch, self.me):
+                self.io.unlock()
+                self.blocked = f"another host claimed epoch {epoch} first"
+                self._key = None
+                return
+            now = self.wall()
+            rec = Record(epoch, self.me, now + self.duration, now, 0, self.duration, self.margin, since=now)
+            self.io.write(rec)
+        except OSError as exc:
+            self.io.unlock()
+            if self.error != str(exc):
+                log.warning("%s: cannot look at the volume lease: %s", self.root, exc)
+            self.error = str(exc)
+            self.blocked = f"cannot read or write {LEASE_DIR}/: {exc}"
+            return
+        self.epoch, self.seq, self.deadline = epoch, 0, t0 + self.duration
+        self.seen = Seen(rec.to_bytes(), rec, epoch)
+        self.error = self.blocked = None
+        try:
+            self.io.forget_claims_before(epoch - KEEP_CLAIMS)
+        except OSError:
+            pass
+
+    def release(self) -> None:
+        """Stop leading; if held, say so in the record so a standby need not wait for it to expire."""
+        with self._mutex:
+            epoch = self.epoch
+            if epoch is None:
+                self.io.unlock()
+                return
+            still = self.held()
+            self.epoch, self.deadline = None, float("-inf")  # first: nothing renames from here on
+            try:
+                seen = self.io.read()
+                rec = seen.record
+                if still and rec is not None and rec.holder.id == self.me.id and rec.epoch == epoch \
+                        and seen.max_claim <= epoch:
+                    self.io.write(replace(rec, released=True, expires=self.wall(), renewed=self.wall()))
+            except OSError as exc:
+                log.warning("%s: cannot mark the volume lease released (it will expire): %s", self.root, exc)
+            finally:
+                self.io.unlock()
+                self._key = None
+
+    # --- the renewal thread ----------------------------------------------------
+
+    @property
+    def interval(self) -> float:
+        return max(0.05, self.duration / 3)
+
+    def start(self, on_change: Callable[[], None] = lambda: None) -> None:
+        """Renew (or look) every duration/3 on a thread of its own: a long scan or consolidation on
+        the daemon's filesystem thread must not let the lease lapse."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+
+        def run() -> None:
+            while True:
+                before = self.held()
+                try:
+                    self.step()
+                except Exception:  # a bug here must not leave a leader believing it leads
+                    log.exception("%s: volume lease step failed", self.root)
+                    with self._mutex:
+                        if self.epoch is not None:
+                            self._lose("internal error")
+                if self.held() != before:
+                    try:
+                        on_change()
+                    except Exception:
+                        log.exception("%s: telling the daemon the lease changed hands failed", self.root)
+                if self._stop.wait(self.interval):  # a timer: stop() ends the wait at once
+                    return
+
+        self._thread = threading.Thread(target=run, name=f"ckptd-lease-{self.root.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, release: bool = True, timeout: float = 5.0) -> bool:
+        """End the renewal thread and hand the lease back. False if the thread is stuck in a call
+        the volume does not answer: then nothing is released (the lease expires by itself)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("%s: the volume does not answer; the lease is left to expire", self.root)
+                return False
+            self._thread = None
+        if release:
+            self.release()
+        return True
+
+    # --- status ----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        with self._mutex:
+            seen = self.seen
+            rec = seen.record if seen else None
+            return {
+                "kind": self.kind,
+                "why": self.why,
+                "held": self.held(),
+                "epoch": seen.epoch if seen else None,
+                "holder": asdict(rec.holder) if rec else None,
+                "expires": rec.expires if rec else None,
+                "since": rec.since if rec else None,
+                "released": rec.released if rec else None,
+                "duration": self.duration,
+                "margin": self.margin,
+                "waiting": None if self.held() else self.blocked,
+                "error": self.error or self.problem,
+            }
+
+
+class LocalLeadership:
+    """The single-host case: the flock in `state_dir/locks/` (reaper.RootLock)."""
+
+    kind = "local"
+
+    def __init__(self, lock: Any, why: str = ""):
+        self.lock = lock
+        self.why = why
+        self.blocked: str | None = None
+
+    def held(self) -> bool:
+        return self.lock.held
+
+    def step(self) -> None:
+        from ckptd.reaper import LockHeld
+
+        if self.lock.held:
+            return
+        try:
+            self.lock.acquire()
+            self.blocked = None
+        except LockHeld as exc:
+            self.blocked = str(exc)
+
+    def fencer(self) -> Callable[[], str | None]:
+        return self.fence
+
+    def fence(self) -> str | None:
+        return None if self.lock.held else f"this ckptd does not hold {self.lock.path}"
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def start(self, on_change: Callable[[], None] = lambda: None) -> None:
+        pass
+
+    def stop(self, release: bool = True, timeout: float = 5.0) -> bool:
+        if release:
+            self.release()
+        return True
+
+    def status(self) -> dict[str, Any]:
+        held = self.held()
+        return {"kind": self.kind, "why": self.why, "held": held, "lock": str(self.lock.path),
+                "waiting": None if held else self.blocked}
+
+
+Leadership = VolumeLease | LocalLeadership
+
+
+def choose_leadership(
+    root: Path, configured: str, mounts: list[Mount] | None = None
+) -> tuple[str, str, str | None]:
+    """("local" | "volume", why, a problem that forbids leading here or None) for a root."""
+    mount = mount_of(root, read_mounts() if mounts is None else mounts)
+    fstype = mount.fstype if mount else None
+    where = f"{mount.point} is {fstype}" if mount else "filesystem type unknown"
+    if configured == "auto":
+        kind = "volume" if fstype is None or is_remote(fstype) else "local"
+        why = f"auto: {where}"
+    else:
+        kind, why = configured, f"configured ({where})"
+    problem = None
+    if kind == "volume" and mount is not None and not attribute_cache(mount).close_to_open:
+        problem = (f"{mount.point} is mounted nocto: a read of the lease record may not see another "
+                   "host's renewal, so this ckptd never leads there (remount without nocto)")
+    return kind, why, problem
+
+
+def lock_scope(mount: Mount | None) -> str:
+    """Whether POSIX locks on this mount are seen by other hosts, for status and check-config."""
+    if mount is None:
+        return "unknown"
+    fs = mount.fstype
+    if fs in ("nfs", "nfs4"):
+        local = mount.option("local_lock")
+        if mount.option("nolock") is not None or local in ("posix", "all"):
+            return f"this host only (nfs {'nolock' if local is None else 'local_lock=' + local})"
+        return "cluster-wide (nfs lock manager)"
+    if fs == "lustre":
+        return "cluster-wide" if mount.option("flock") is not None else "none (lustre without flock)"
+    if fs in ("gpfs", "ceph", "cephfs"):
+        return "cluster-wide"
+    return "this host only" if not is_remote(fs) else "unknown"

@@ -1,0 +1,276 @@
+"""Many nodes, one volume (issue 13): real `ckptd run` processes with their own state_dirs.
+
+Two daemons with different state_dirs stand for two hosts: their local locks cannot see each
+other, so only the volume lease (lease.py) keeps them to one deleter. Short leases (1.5s,
+0.5s margin) keep this to seconds. Every wait is on a daemon's log lines or the lease record
+with a deadline; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.journal import read_journal
+from ckptd.layouts import LEASE_DIR
+from ckptd.lease import RECORD
+
+from conftest import REPO, run_ckptd
+from daemonproc import DaemonProc
+
+D, M = 1.5, 0.5
+
+
+def node_config(tmp: Path, name: str, root: Path, *, keep_last: int = 1, lease: str = "") -> Path:
+    path = tmp / f"{name}.toml"
+    path.write_text(
+        f"[daemon]\nstate_dir = '{tmp / name}'\nleadership = 'volume'\n"
+        f"lease_duration = '{D}s'\nlease_margin = '{M}s'\n{lease}\n"
+        f"[[roots]]\npath = '{root}'\nquiet_period = '0.2s'\nworld_size = 2\npoll_interval = '0.3s'\n"
+        f"[roots.retention]\nkeep_last = {keep_last}\nkeep_best = 0\n"
+    )
+    return path
+
+
+def lease_record(root: Path) -> dict:
+    return json.loads((root / LEASE_DIR / RECORD).read_text())
+
+
+def trashed(state_dir: Path) -> list[tuple[str, float]]:
+    return [(Path(r["path"]).name, r["time"]) for r in read_journal(state_dir) if r["event"] == "trashed"]
+
+
+def logged_at(line: dict) -> float:
+    """A JSON log line's time (cli.JsonFormatter: local time, milliseconds)."""
+    return datetime.strptime(line["time"], "%Y-%m-%dT%H:%M:%S.%f").timestamp()
+
+
+def ckpts(root: Path, *steps: int) -> None:
+    for step in steps:
+        hf_deepspeed_checkpoint(root / "job", step, world=2)
+
+
+def listing(run: Path) -> list[str]:
+    return sorted(p.name for p in run.iterdir() if not p.name.startswith("."))
+
+
+def test_two_nodes_one_deletes_and_a_killed_leader_is_replaced_after_its_lease(tmp_path):
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+    a = DaemonProc("-c", node_config(tmp_path, "a", root))
+    b = None
+    try:
+        a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
+        a.wait_message("deleted job/checkpoint-1")
+        b = DaemonProc("-c", node_config(tmp_path, "b", root))
+        b.wait_message("standby, observing only")
+        ckpts(root, 3)
+        a.wait_message("deleted job/checkpoint-2")
+        a.proc.kill()  # SIGKILL: no release, no last word; the kernel drops its POSIX lock
+        a.proc.wait(30)
+        final = lease_record(root)  # a's last renewal: nobody else may write before it expires
+        assert final["holder"]["pid"] == a.proc.pid and final["epoch"] == 1 and not final["released"]
+        b.wait_message("this ckptd deletes here (volume lease, epoch 2)", timeout=30)
+        taken = lease_record(root)
+        assert taken["holder"]["pid"] == b.proc.pid and taken["epoch"] == 2
+        # Not before the expiry plus the margin; within it plus a few of b's looks (every D/3).
+        assert final["expires"] + M <= taken["since"] <= final["expires"] + M + 2 * D
+        ckpts(root, 4)
+        b.wait_message("deleted job/checkpoint-3")
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+    by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
+    assert [n for n, _ in by_a] == ["checkpoint-1", "checkpoint-2"]
+    assert [n for n, _ in by_b] == ["checkpoint-3"]
+    assert all(t <= final["expires"] for _, t in by_a)  # nothing after a's deadline
+    assert all(t >= taken["since"] for _, t in by_b)  # nothing before b held the lease
+    assert listing(root / "job") == ["checkpoint-4"]
+    assert lease_record(root)["released"]  # b stopped cleanly: handed back
+
+
+@pytest.mark.parametrize("fault", ["EIO", "ESTALE"])
+def test_a_leader_whose_renewals_fail_stops_deleting_before_its_lease_can_be_taken(tmp_path, fault):
+    """The leader's writes of the lease record fail (injected: tests/leasefault.py says why a seam)."""
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+    trigger = tmp_path / "fault"
+    a = DaemonProc("-c", node_config(tmp_path, "a", root), command=[sys.executable, str(REPO / "tests" / "leasefault.py")],
+                   env={"CKPTD_TEST_LEASE_FAULT": str(trigger)})
+    b = None
+    try:
+        a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
+        a.wait_message("deleted job/checkpoint-1")
+        b = DaemonProc("-c", node_config(tmp_path, "b", root))
+        b.wait_message("standby, observing only")
+        trigger.write_text(fault)
+        a.wait_message("cannot renew the volume lease")
+        last = lease_record(root)  # a can write no more: this is its last successful renewal
+        assert last["holder"]["pid"] == a.proc.pid
+        [lost] = a.wait_message("volume lease lost")
+        ckpts(root, 3)  # now checkpoint-2 is to be deleted: a decides so, but must not act
+        b.wait_message("this ckptd deletes here (volume lease, epoch", timeout=30)
+        b.wait_message("deleted job/checkpoint-2")
+        taken = lease_record(root)
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+    assert logged_at(lost) < taken["since"]  # a stopped before b could take the lease
+    assert taken["since"] >= last["expires"] + M
+    by_a = trashed(tmp_path / "a")
+    assert [n for n, _ in by_a] == ["checkpoint-1"] and all(t < logged_at(lost) for _, t in by_a)
+    assert [n for n, _ in trashed(tmp_path / "b")] == ["checkpoint-2"]
+    assert listing(root / "job") == ["checkpoint-3"]
+
+
+def test_prune_on_another_node_does_not_delete_while_a_daemon_leads_the_volume(tmp_path):
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2, 3)
+    cron = node_config(tmp_path, "cron", root, keep_last=1)  # another node's one-shot prune
+    with DaemonProc("-c", node_config(tmp_path, "a", root, keep_last=5)) as a:
+        a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
+        a.wait_message("state written")
+        proc = run_ckptd("prune", "-c", cron)
+        assert proc.returncode == 75, proc.stdout + proc.stderr
+        assert f"pid {a.proc.pid} holds the volume lease (epoch 1)" in proc.stderr
+        assert "is not renewed; waiting" not in proc.stderr  # a live holder's lease is not waited out
+        assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+        status = run_ckptd("status", "-c", tmp_path / "a.toml")
+        assert status.returncode == 0, status.stderr
+        assert f"leadership: volume lease epoch 1, held by {os.uname().nodename} pid {a.proc.pid} (this ckptd), " \
+               "expires in" in status.stdout
+        [doc] = json.loads(run_ckptd("status", "-c", tmp_path / "a.toml", "--json").stdout)
+        lead = doc["roots"][0]["leadership"]
+        assert lead["kind"] == "volume" and lead["held"] and lead["epoch"] == 1 and lead["expires"] > time.time() - D
+    # The daemon stopped and handed the lease back: the prune may lead at once.
+    proc = run_ckptd("prune", "-c", cron)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert listing(root / "job") == ["checkpoint-3"]
+    assert lease_record(root)["epoch"] == 2 and lease_record(root)["released"]
+
+
+# --- item 2: the attribute cache, read from a captured mountinfo (this kernel has no NFS client) ---
+
+def nfs_mountinfo(point: Path, options: str) -> str:
+    return (
+        "22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw\n"
+        f"60 22 0:80 / {point} rw,relatime shared:50 - nfs4 srv:/exp rw,vers=4.2,rsize=1048576,"
+        f"wsize=1048576,namlen=255,{options}hard,proto=tcp,timeo=600,retrans=2,sec=sys,local_lock=none,addr=10.0.0.1\n"
+    )
+
+
+def test_check_config_warns_about_the_attribute_cache_and_names_the_leadership(tmp_path, monkeypatch, capsys):
+    from ckptd import cli
+    from ckptd.mounts import parse_mountinfo
+
+    ckptd_logger = logging.getLogger("ckptd")  # cli.main installs its own handlers: undone after
+    for attr in ("handlers", "propagate", "level"):
+        monkeypatch.setattr(ckptd_logger, attr, list(ckptd_logger.handlers) if attr == "handlers" else
+                            getattr(ckptd_logger, attr))
+    root = tmp_path / "vol"
+    root.mkdir()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 's'}'\n[[roots]]\npath = '{root}'\nquiet_period = '60s'\n")
+    monkeypatch.setattr(cli, "read_mounts", lambda: parse_mountinfo(nfs_mountinfo(tmp_path, "")))
+    assert cli.main(["check-config", "-c", str(cfg)]) == 0
+    err = capsys.readouterr().err
+    assert f"roots[0] {root}: leadership=volume (auto: {tmp_path} is nfs4)" in err
+    assert "POSIX locks: cluster-wide" in err
+    assert "acregmax=60s (default), acdirmax=60s (default)" in err and "watched as 120s" in err
+    monkeypatch.setattr(cli, "read_mounts", lambda: parse_mountinfo(nfs_mountinfo(tmp_path, "acregmin=0,"
+                                                                                  "acregmax=0,acdirmin=0,acdirmax=0,noac,")))
+    assert cli.main(["check-config", "-c", str(cfg)]) == 0
+    assert "watched as" not in capsys.readouterr().err  # noac: nothing cached, nothing to add
+
+
+@pytest.mark.asyncio
+async def test_the_daemon_watches_quiet_for_longer_on_a_caching_mount_and_says_so(tmp_path, monkeypatch, caplog):
+    from ckptd import daemon as daemon_module
+    from ckptd.config import load_config
+    from ckptd.mounts import parse_mountinfo
+
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 's'}'\nleadership = 'local'\n"
+                   f"[[roots]]\npath = '{root}'\nquiet_period = '2s'\nworld_size = 2\n")
+    captured = parse_mountinfo(nfs_mountinfo(tmp_path, "acregmin=5,acregmax=5,acdirmin=5,acdirmax=5,"))
+    monkeypatch.setattr(daemon_module, "read_mounts", lambda: captured)
+    d = daemon_module.Daemon(load_config(cfg), config_path=cfg, install_signals=False)
+    task = asyncio.create_task(d.serve())
+    try:
+        await asyncio.wait_for(d.ready.wait(), 30)
+        [r] = d.state()["roots"]
+        assert (r["quiet_period"], r["effective_quiet_period"]) == (2.0, 7.0)
+        assert "caches attributes up to 5s" in r["attribute_cache"]
+        assert d.roots[0].tracker.settler.quiet_period == 7.0  # what settling actually waits for
+        assert any("quiet_period 2s is watched as 7s" in m for m in caplog.messages)
+    finally:
+        d.request_stop("test")
+        await asyncio.wait_for(task, 30)
+
+
+def test_plan_and_prune_go_by_the_effective_quiet_period(tmp_path, monkeypatch, capsys):
+    """Last written 90s ago, quiet_period 60s: complete on a local disk, not yet on a default NFS
+    mount (60s of attribute cache: watched as 120s)."""
+    from ckptd import cli
+    from ckptd.demo import age
+    from ckptd.mounts import parse_mountinfo
+
+    ckptd_logger = logging.getLogger("ckptd")
+    monkeypatch.setattr(ckptd_logger, "handlers", list(ckptd_logger.handlers))
+    monkeypatch.setattr(ckptd_logger, "propagate", ckptd_logger.propagate)
+    monkeypatch.setattr(ckptd_logger, "level", ckptd_logger.level)
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+    for step in (1, 2):
+        age(root / "job" / f"checkpoint-{step}", time.time() - 90)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 's'}'\nleadership = 'local'\n[[roots]]\npath = '{root}'\n"
+                   "quiet_period = '60s'\nworld_size = 2\n[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
+
+    def plan() -> dict[str, str]:
+        assert cli.main(["plan", "-c", str(cfg), "--json"]) == 0
+        return {Path(c["path"]).name: c["state"] for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+
+    assert plan() == {"checkpoint-1": "complete", "checkpoint-2": "complete"}  # this disk: ext4
+    monkeypatch.setattr(cli, "read_mounts", lambda: parse_mountinfo(nfs_mountinfo(tmp_path, "")))
+    assert plan() == {"checkpoint-1": "writing", "checkpoint-2": "writing"}
+    assert cli.main(["prune", "-c", str(cfg)]) == 0
+    out = capsys.readouterr()
+    assert "quiet_period 60s is watched as 120s" in out.err and "prune: 0 deleted" in out.out
+    assert listing(root / "job") == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_prune_takes_over_a_dead_daemons_lease_only_after_watching_it_unrenewed(tmp_path):
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2, 3)
+    with DaemonProc("-c", node_config(tmp_path, "a", root, keep_last=5)) as a:
+        a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
+        a.proc.kill()
+        a.proc.wait(30)
+    final = lease_record(root)
+    cron = node_config(tmp_path, "cron", root, keep_last=1)
+    proc = run_ckptd("prune", "-c", cron)  # straight after: the lease has not expired
+    assert proc.returncode == 75 and "holds the volume lease (epoch 1), renewed" in proc.stderr
+    expired = threading.Event()  # a clock condition, not another process: wait until it holds
+    while time.time() <= final["expires"] + M:
+        expired.wait(0.05)
+    proc = run_ckptd("prune", "-c", cron)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the volume lease is not renewed; waiting up to 2s" in proc.stderr
+    assert listing(root / "job") == ["checkpoint-3"]
+    taken = lease_record(root)
+    assert taken["epoch"] == 2 and taken["released"] and taken["since"] >= final["expires"] + M + D
