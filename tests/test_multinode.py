@@ -31,11 +31,12 @@ from daemonproc import DaemonProc
 D, M = 1.5, 0.5
 
 
-def node_config(tmp: Path, name: str, root: Path, *, keep_last: int = 1, lease: str = "") -> Path:
+def node_config(tmp: Path, name: str, root: Path, *, keep_last: int = 1, lease: str = "",
+                duration: float = D, margin: float = M) -> Path:
     path = tmp / f"{name}.toml"
     path.write_text(
         f"[daemon]\nstate_dir = '{tmp / name}'\nleadership = 'volume'\n"
-        f"lease_duration = '{D}s'\nlease_margin = '{M}s'\n{lease}\n"
+        f"lease_duration = '{duration}s'\nlease_margin = '{margin}s'\n{lease}\n"
         f"[[roots]]\npath = '{root}'\nquiet_period = '0.2s'\nworld_size = 2\npoll_interval = '0.3s'\n"
         f"[roots.retention]\nkeep_last = {keep_last}\nkeep_best = 0\n"
     )
@@ -257,20 +258,23 @@ def test_plan_and_prune_go_by_the_effective_quiet_period(tmp_path, monkeypatch, 
 def test_prune_takes_over_a_dead_daemons_lease_only_after_watching_it_unrenewed(tmp_path):
     root = tmp_path / "vol"
     ckpts(root, 1, 2, 3)
-    with DaemonProc("-c", node_config(tmp_path, "a", root, keep_last=5)) as a:
+    # A lease long enough that the first prune surely starts inside it, on a loaded machine too.
+    d, m = 5.0, 1.0
+    with DaemonProc("-c", node_config(tmp_path, "a", root, keep_last=5, duration=d, margin=m)) as a:
         a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
         a.proc.kill()
         a.proc.wait(30)
     final = lease_record(root)
-    cron = node_config(tmp_path, "cron", root, keep_last=1)
+    cron = node_config(tmp_path, "cron", root, keep_last=1, duration=d, margin=m)
     proc = run_ckptd("prune", "-c", cron)  # straight after: the lease has not expired
+    assert time.time() < final["expires"], "the first prune came too late to test the refusal"
     assert proc.returncode == 75 and "holds the volume lease (epoch 1), renewed" in proc.stderr
     expired = threading.Event()  # a clock condition, not another process: wait until it holds
-    while time.time() <= final["expires"] + M:
+    while time.time() <= final["expires"] + m:
         expired.wait(0.05)
     proc = run_ckptd("prune", "-c", cron)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "the volume lease is not renewed; waiting up to 2s" in proc.stderr
+    assert "the volume lease is not renewed; waiting up to 6s" in proc.stderr
     assert listing(root / "job") == ["checkpoint-3"]
     taken = lease_record(root)
-    assert taken["epoch"] == 2 and taken["released"] and taken["since"] >= final["expires"] + M + D
+    assert taken["epoch"] == 2 and taken["released"] and taken["since"] >= final["expires"] + m + d
