@@ -126,3 +126,17 @@ def test_metric_loss_keeps_the_trainers_own_best_checkpoint(trainer_volume, tmp_
     assert seen["run-rng/checkpoint-6"]["action"] == "keep"
     assert seen["run-rng/checkpoint-6"]["reasons"] == ["best loss=0.4 (min)"]
     assert seen["run-rng/checkpoint-4"]["action"] == "delete"
+
+
+def test_an_accelerate_save_killed_before_any_random_states_is_incomplete(accelerate_volume, tmp_path):
+    """Killed after the main process's model, optimizer and scheduler, before any process wrote its
+    random_states_<r>.pkl (the files removed from a real save: what such a kill leaves)."""
+    root = copy_volume(accelerate_volume, tmp_path / "vol")
+    ck = root / "steps" / "step_30"
+    for f in ck.glob("random_states_*.pkl"):
+        f.unlink()
+    copy_age = root.stat().st_mtime
+    os.utime(ck, (copy_age, copy_age))
+    row = rows(plan(write_config(tmp_path, root, keep_last=1, keep_best=0)), root)["steps/step_30"]
+    assert row["state"] == "incomplete"
+    assert "random_states_0.pkl missing" in row["reasons"][0]

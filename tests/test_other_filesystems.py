@@ -164,3 +164,19 @@ def test_the_purge_never_crosses_into_a_mount_inside_the_trash(tmp_path, mount, 
         os.close(fd)
     assert (dataset / "x").read_text() == "precious"
     assert (trash / "1-aaaa-run%checkpoint-10" / "tmp" / "y").read_text() == "precious too"
+
+
+def test_the_remover_never_enters_a_bind_mount(tmp_path, mount):
+    """The remover alone, a bind mount (same st_dev) its only way into another tree: statx says."""
+    trash, dataset = tmp_path / "trash", tmp_path / "dataset"
+    dataset.mkdir()
+    (dataset / "x").write_text("precious")
+    (trash / "entry" / "data").mkdir(parents=True)
+    mount("--bind", dataset, trash / "entry" / "data")
+    fd = os.open(trash, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(OSError, match="mount point"):
+            reaper_module._remove_tree("entry", fd, os.fstat(fd).st_dev)
+    finally:
+        os.close(fd)
+    assert (dataset / "x").read_text() == "precious"
