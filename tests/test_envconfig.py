@@ -144,3 +144,20 @@ async def test_a_reload_keeps_the_environment_on_top_of_the_new_file(tmp_path, m
     finally:
         daemon.request_stop("test")
         assert await asyncio.wait_for(task, 30) == 0
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90", 90.0), ("90s", 90.0), (" 1.5m ", 90.0), ("2.5", 2.5)])
+def test_quiet_period_from_the_environment_takes_seconds_as_toml_does(text, seconds):
+    """`quiet_period = 90` is accepted in the file; CKPTD_QUIET_PERIOD=90 is too."""
+    [root] = effective_config(None, {"CKPTD_ROOTS": "/x", "CKPTD_QUIET_PERIOD": text}).roots
+    assert root.quiet_period == seconds
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("-5", "CKPTD_QUIET_PERIOD: must be a finite, non-negative duration (got -5.0)"),
+    ("soon", "CKPTD_QUIET_PERIOD: expected a duration like '90s', '10m', '6h' or '7d' (got 'soon')"),
+])
+def test_a_bad_quiet_period_from_the_environment_names_the_variable(text, message):
+    with pytest.raises(ConfigError) as info:
+        effective_config(None, {"CKPTD_ROOTS": "/x", "CKPTD_QUIET_PERIOD": text})
+    assert info.value.problems == [message]
