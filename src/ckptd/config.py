@@ -101,6 +101,18 @@ def format_duration(seconds: float) -> str:
     return f"{seconds:g}s"
 
 
+def format_age(seconds: float) -> str:
+    """An elapsed time for people, two units at most: `12s`, `5m12s`, `3h0m`, `2d3h`.
+
+    Not for config values (`format_duration` writes those exactly, to be read back).
+    """
+    s = max(0, round(seconds))
+    for big, small, unit, sub in ((86400, 3600, "d", "h"), (3600, 60, "h", "m"), (60, 1, "m", "s")):
+        if s >= big:
+            return f"{s // big}{unit}{s % big // small}{sub}"
+    return f"{s}s"
+
+
 def format_size(size: float) -> str:
     """Bytes for humans: `1.5GiB`, `312B`."""
     for unit in ("PiB", "TiB", "GiB", "MiB", "KiB"):
