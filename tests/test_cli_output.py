@@ -384,3 +384,26 @@ def test_check_config_refuses_metrics_without_prometheus_client_as_run_does(tmp_
     ran = run_ckptd("run", "-c", cfg, env=env, timeout=60)
     assert (checked.returncode, ran.returncode) == (EX_CONFIG, EX_CONFIG), checked.stderr + ran.stderr
     assert "pip install 'ckptd[metrics]'" in checked.stderr
+
+
+# --- the README's samples are the real thing --------------------------------------------
+
+
+def _comparable(lines: list[str]) -> list[list[str]]:
+    """Table rows without SIZE and FREES (they vary with the demo's path, which trainer_state.json
+    holds) and with "last change 5.9s ago" made timeless; the summary without its byte count."""
+    out = []
+    for line in lines:
+        cols = re.split(r"\s{2,}", line.strip(), maxsplit=8)
+        if len(cols) == 9:
+            cols = cols[:4] + cols[5:7] + cols[8:]
+        out.append([re.sub(r"\d+(\.\d+)?s ago", "Ns ago", re.sub(r"\(\S+ to free\)", "", c)) for c in cols])
+    return out
+
+
+def test_the_readmes_plan_sample_is_what_the_demo_shows(demo):
+    readme = (REPO / "README.md").read_text()
+    command = "$ ckptd demo /tmp/ckptd-demo && ckptd plan -c /tmp/ckptd-demo/ckptd.toml\n"
+    sample = readme[readme.index(command) + len(command):].split("```")[0].strip().splitlines()
+    real = run_ckptd("plan", "-c", demo).stdout.strip().splitlines()
+    assert _comparable(sample) == _comparable(real)
