@@ -20,7 +20,7 @@ import pytest
 
 from ckptd.config import format_size
 from ckptd.demo import hf_deepspeed_checkpoint
-from ckptd.errors import EX_CONFIG, EX_NOINPUT, EX_USAGE
+from ckptd.errors import EX_CONFIG, EX_IOERR, EX_NOINPUT, EX_USAGE
 from ckptd.reaper import DRY_RUN_NOTE
 
 from conftest import REPO, run_ckptd
@@ -313,9 +313,9 @@ def test_step_mismatch_looks_at_trainer_checkpoints_only(tmp_path):
 # --- check-config checks what run needs -------------------------------------------
 
 
-def config_with(tmp_path: Path, roots: str, retention: str = "") -> Path:
+def config_with(tmp_path: Path, roots: str, retention: str = "", state_dir: Path | None = None) -> Path:
     path = tmp_path / "c.toml"
-    path.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n{roots}{retention}")
+    path.write_text(f"[daemon]\nstate_dir = '{state_dir or tmp_path / 'state'}'\n{roots}{retention}")
     return path
 
 
@@ -324,11 +324,15 @@ def config_with(tmp_path: Path, roots: str, retention: str = "") -> Path:
     [(lambda p: "", EX_USAGE, "no roots"),
      (lambda p: f"[[roots]]\npath = '{p / 'missing'}'\n", EX_NOINPUT, "does not exist"),
      (lambda p: f"[[roots]]\npath = '{p / 'a-file'}'\n", EX_NOINPUT, "is not a directory"),
-     (lambda p: "[[roots]]\npath = 'relative'\n", EX_CONFIG, "must be an absolute path")],
+     (lambda p: "[[roots]]\npath = 'relative'\n", EX_CONFIG, "must be an absolute path"),
+     # a file where the state directory goes: run cannot create it, whoever runs it
+     (lambda p: f"[[roots]]\npath = '{p}'\n", EX_IOERR, "is not a directory")],
 )
 def test_check_config_fails_as_run_would(tmp_path, state_env, make, code, says):
     (tmp_path / "a-file").write_text("")
-    cfg = config_with(tmp_path, make(tmp_path))
+    # the last case's trouble is the state directory: a file is where it would go
+    state_dir = tmp_path / "a-file" / "state" if code == EX_IOERR else None
+    cfg = config_with(tmp_path, make(tmp_path), state_dir=state_dir)
     checked = run_ckptd("check-config", "-c", cfg, env=state_env)
     ran = run_ckptd("run", "-c", cfg, env=state_env, timeout=60)
     assert (checked.returncode, ran.returncode) == (code, code), checked.stderr + ran.stderr
@@ -407,3 +411,19 @@ def test_the_readmes_plan_sample_is_what_the_demo_shows(demo):
     sample = readme[readme.index(command) + len(command):].split("```")[0].strip().splitlines()
     real = run_ckptd("plan", "-c", demo).stdout.strip().splitlines()
     assert _comparable(sample) == _comparable(real)
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(0, "0s"), (4.4, "4s"), (59.6, "1m0s"), (312, "5m12s"),
+                                               (10813, "3h0m"), (86399, "23h59m"), (200000, "2d7h"), (-3, "0s")])
+def test_elapsed_times_read_as_people_say_them(seconds, text):
+    from ckptd.config import format_age
+
+    assert format_age(seconds) == text
+
+
+def test_verify_says_how_long_a_checkpoint_has_been_quiet_readably(demo):
+    ckpt = demo.parent / "experiments" / "roberta-mlm" / "checkpoint-500"  # the demo wrote it "6 hours ago"
+    proc = run_ckptd("verify", "-c", demo, ckpt)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [quiet] = [line.split(None, 2)[2] for line in proc.stdout.splitlines() if line.split()[1:2] == ["quiet"]]
+    assert quiet == "unchanged for 6h0m (quiet_period=1m)"

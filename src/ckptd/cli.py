@@ -26,6 +26,7 @@ from ckptd.errors import (
     EX_SOFTWARE,
     CkptdError,
     ConfigError,
+    IOFault,
     RootMissingError,
     UsageError,
 )
@@ -244,19 +245,22 @@ def preflight(config: Config) -> None:
     require_extras(config)
 
 
-def state_dir_warning(config: Config) -> str | None:
-    """Why this user could not write the state directory, if it could not (a warning: a service
-    runs as another user, and systemd's StateDirectory= creates the directory for it)."""
+def check_state_dir(config: Config) -> str | None:
+    """Whether `run` could create and write its state directory.
+
+    A file in the way stops any user: IOFault, exit 74, as `run` exits there. Not writable by
+    this user is only a warning: the service runs as another user, and systemd's
+    StateDirectory= creates the directory for it.
+    """
     path = config.daemon.state_dir
     existing = path
-    while not existing.exists() and existing != existing.parent:
+    while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
-    if existing == path and not path.is_dir():
-        what = "is not a directory"
-    elif os.access(existing, os.W_OK | os.X_OK):
+    if not existing.is_dir():
+        raise IOFault(f"daemon.state_dir {path}: {existing} is not a directory (`ckptd run` would exit 74)")
+    if os.access(existing, os.W_OK | os.X_OK):
         return None
-    else:
-        what = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
+    what = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
     return (
         f"daemon.state_dir {path} {what} by uid {os.getuid()}: `ckptd run` as this user exits 74 "
         "(under systemd, StateDirectory= creates it for the service's user)"
@@ -564,7 +568,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(json.dumps(config.model_dump(mode="json"), indent=2))
     sys.stdout.flush()  # the document first, then the verdict on stderr
     preflight(config)  # what `ckptd run` checks before it starts, with its exit codes
-    warning = state_dir_warning(config)
+    warning = check_state_dir(config)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     checked = [f"{len(config.roots)} root(s) present"]
