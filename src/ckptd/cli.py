@@ -351,7 +351,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                     would[str(d.action)][0] += 1
                     would[str(d.action)][1] += d.bytes_freed
                     # "would move to .ckptd-trash/ and purge" says nothing "would delete" does not
-                    how = f"; {result.detail.removeprefix('would ')}" if d.action is Action.SLIM else ""
+                    how = f" -> {result.detail}" if d.action is Action.SLIM else ""
                     print(f"would {d.action} {d.checkpoint.rel} ({size}): {'; '.join(d.reasons)}{how}{note}")
                     continue
                 print(
