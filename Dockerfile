@@ -30,9 +30,11 @@ HEALTHCHECK --interval=30s --timeout=10s --start-period=2m --retries=3 CMD ["ckp
 ENTRYPOINT ["ckptd", "run"]
 
 FROM base AS deepspeed
-# torch first, pinned, from PyTorch's CPU wheel index: PyPI's default torch is the multi-GB CUDA build.
+# torch first, pinned, from PyTorch's CPU wheel index alone (as the README's test command does):
+# PyPI's torch==2.13.0 is the multi-GB CUDA build. --no-deps: its dependencies come from PyPI
+# with the next install, which keeps the installed 2.13.0+cpu.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
+RUN pip install --index-url "$TORCH_INDEX_URL" --no-deps torch==2.13.0 \
  && pip install '.[deepspeed,metrics]'
 USER ckptd
 WORKDIR /var/lib/ckptd

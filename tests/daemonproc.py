@@ -19,10 +19,13 @@ class DaemonProc:
 
     def __init__(self, *args: str | os.PathLike[str], env: dict[str, str] | None = None,
                  command: list[str] | None = None):
-        """`command` replaces `python -m ckptd run --foreground --log-format json` (it must log JSON)."""
+        """`command` replaces `python -m ckptd run --foreground -v --log-format json` (it must log JSON).
+
+        -v: the debug lines too (`state written` is what tests wait on for a fresh state file).
+        """
         full_env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_CONFIG", "NOTIFY_SOCKET")}
         full_env.update(env or {})
-        command = command or [sys.executable, "-m", "ckptd", "run", "--foreground", "--log-format", "json"]
+        command = command or [sys.executable, "-m", "ckptd", "run", "--foreground", "-v", "--log-format", "json"]
         self.proc = subprocess.Popen(
             [*command, *map(str, args)],
             stdin=subprocess.DEVNULL,

@@ -157,7 +157,8 @@ def test_verify_shows_each_check(volume):
 def test_verify_refuses_what_it_does_not_recognise(tmp_path):
     (tmp_path / "notes").mkdir()
     proc = run_ckptd("verify", tmp_path / "notes")
-    assert proc.returncode == 1 and "not a checkpoint ckptd recognises" in proc.stderr
+    # not 1, which says "not complete": this is not a checkpoint at all
+    assert proc.returncode == EX_USAGE and "not a checkpoint ckptd recognises" in proc.stderr
     assert run_ckptd("verify", tmp_path / "missing").returncode == EX_NOINPUT
 
 
@@ -188,9 +189,15 @@ def test_exit_codes(args, code, state_env):
 
 def test_version_and_help():
     assert run_ckptd("--version").stdout.startswith("ckptd ")
-    for command in ("plan", "prune", "verify", "check-config", "demo"):
+    top = run_ckptd("--help")
+    assert top.returncode == 0 and "exit codes:" in top.stdout and "CKPTD_ROOTS" in top.stdout
+    for command in ("run", "status", "health", "plan", "prune", "verify", "check-config", "demo"):
         proc = run_ckptd(command, "--help")
-        assert proc.returncode == 0 and "exit codes:" in proc.stdout
+        assert proc.returncode == 0
+        # one line pointing at the whole story, not the global epilog again
+        assert proc.stdout.rstrip().splitlines()[-1].endswith("CKPTD_* variables: ckptd --help")
+        assert "exit codes:" not in proc.stdout and "CKPTD_ROOTS" not in proc.stdout
+    assert "exit 0: complete, 1: not complete, 64: not a checkpoint" in run_ckptd("verify", "--help").stdout
 
 
 def test_demo_volume_plans(tmp_path, state_env):

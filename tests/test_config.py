@@ -69,7 +69,15 @@ def test_free_space_percent_rounds_up():
 BAD = [
     ("[[roots]]\npath = 'relative'\n", "roots[0].path: must be an absolute path (got 'relative')"),
     ("[[roots]]\npath = '/x'\n[roots.retention]\nkeep_last = -1\n", "roots[0].retention.keep_last: must be >= 0 (got -1)"),
-    ("[[roots]]\npath = '/x'\nkeep_lats = 3\n", "roots[0].keep_lats: unknown key"),
+    ("[[roots]]\npath = '/x'\nkeep_lats = 3\n",
+     "roots[0].keep_lats: unknown key (did you mean keep_last, in [roots.retention]?)"),
+    # a valid key in the wrong table says which table it belongs in
+    ("[[roots]]\npath = '/x'\nkeep_last = 3\n",
+     "roots[0].keep_last: unknown key; keep_last belongs in [roots.retention], not [[roots]]"),
+    ("[[roots]]\npath = '/x'\n[roots.retention]\nquiet_period = '5s'\n",
+     "roots[0].retention.quiet_period: unknown key; quiet_period belongs in [[roots]], not [roots.retention]"),
+    ("state_dir = '/x'\n", "state_dir: unknown key; state_dir belongs in [daemon], not the top level"),
+    ("[daemon]\nstatedir = '/x'\n", "daemon.statedir: unknown key (did you mean state_dir?)"),
     ("[daemon]\ndry_run = 'yes'\n", "daemon.dry_run: input should be a valid boolean (got 'yes')"),
     ("[daemon]\nlog_format = 'xml'\n", "daemon.log_format: input should be 'text' or 'json' (got 'xml')"),
     ("[[roots]]\npath = '/x'\nquiet_period = 'soon'\n",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd import __version__
 from ckptd.envconfig import KNOWN, effective_config
 
 from conftest import REPO
@@ -129,6 +131,15 @@ def test_compose_shares_the_volume_and_runs_the_image(dockerfile):
     assert mounts["ckptd-state"] == env_of(list(dockerfile.values())[-1])["CKPTD_STATE_DIR"]
     assert ckptd["user"] == trainer["user"]  # so ckptd may delete what the trainer wrote
     assert "save_total_limit" not in " ".join(trainer["command"])
+    # the trainer's image is the user's to name: compose refuses to start without it, never pulls a placeholder
+    assert re.fullmatch(r"\$\{TRAINER_IMAGE:\?[^}]+\}", trainer["image"]), trainer["image"]
+    # a new named volume is root's: a one-off service hands it to the uid:gid both run as, first
+    init = doc["services"]["volume-init"]
+    uid_gid = trainer["user"]
+    assert init["command"] == ["chown", uid_gid, env["CKPTD_ROOTS"]] and init["user"] == "0:0"
+    assert init["volumes"] == [f"checkpoints:{env['CKPTD_ROOTS']}"]
+    for service in (trainer, ckptd):
+        assert service["depends_on"] == {"volume-init": {"condition": "service_completed_successfully"}}
 
 
 def test_kubernetes_sidecar_shares_the_pvc_with_the_trainer():
@@ -139,6 +150,9 @@ def test_kubernetes_sidecar_shares_the_pvc_with_the_trainer():
     [ckptd] = [c for c in spec["initContainers"] if c["name"] == "ckptd"]
     [trainer] = spec["containers"]
     assert ckptd["restartPolicy"] == "Always"  # a native sidecar
+    # the image built from this tree, by version: a `:latest` image is always pulled, from nowhere
+    assert ckptd["image"] == f"ckptd:{__version__}" and ckptd["imagePullPolicy"] == "IfNotPresent"
+    assert f"docker build -t ckptd:{__version__} ." in (REPO / "README.md").read_text()
     assert ckptd["command"] == ["ckptd", "run"]
     for probe in ("startupProbe", "livenessProbe"):
         assert ckptd[probe]["exec"]["command"] == ["ckptd", "health"]

@@ -241,7 +241,8 @@ def test_status_shows_what_the_daemon_sees(tmp_path):
         states = {c["name"]: c["state"] for c in r["runs"][0]["checkpoints"]}
         assert states == {"checkpoint-1": "complete", "checkpoint-2": "incomplete"}
         text = run_ckptd("status", "-c", cfg)
-        assert "job/checkpoint-2  incomplete" in text.stdout
+        rows = [line.split()[:5] for line in text.stdout.splitlines()]
+        assert ["job", "checkpoint-2", "incomplete", "1.8KiB", "keep"] in rows, text.stdout
     assert run_ckptd("status", "-c", cfg).returncode == 1  # the state file goes with the daemon
 
 

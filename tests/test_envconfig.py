@@ -111,10 +111,12 @@ def test_metrics_listen_rejects(text):
 
 
 def test_check_config_says_what_came_from_the_environment(tmp_path, state_env):
-    proc = run_ckptd("check-config", env={**state_env, "CKPTD_ROOTS": "/data", "CKPTD_KEEP_LAST": "5"})
+    data = tmp_path / "data"  # check-config checks the roots are there, as `ckptd run` would
+    data.mkdir()
+    proc = run_ckptd("check-config", env={**state_env, "CKPTD_ROOTS": str(data), "CKPTD_KEEP_LAST": "5"})
     assert proc.returncode == 0, proc.stderr
     assert "CKPTD_KEEP_LAST, CKPTD_ROOTS from the environment" in proc.stderr
-    assert '"keep_last": 5' in proc.stdout and '"path": "/data"' in proc.stdout
+    assert '"keep_last": 5' in proc.stdout and f'"path": "{data}"' in proc.stdout
     proc = run_ckptd("check-config", env={**state_env, "CKPTD_KEEP_LAST": "-1", "CKPTD_ROOTS": "/data"})
     assert proc.returncode == EX_CONFIG
     assert proc.stderr == "ckptd: CKPTD_KEEP_LAST: must be >= 0 (got -1)\n"
@@ -144,3 +146,20 @@ async def test_a_reload_keeps_the_environment_on_top_of_the_new_file(tmp_path, m
     finally:
         daemon.request_stop("test")
         assert await asyncio.wait_for(task, 30) == 0
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90", 90.0), ("90s", 90.0), (" 1.5m ", 90.0), ("2.5", 2.5)])
+def test_quiet_period_from_the_environment_takes_seconds_as_toml_does(text, seconds):
+    """`quiet_period = 90` is accepted in the file; CKPTD_QUIET_PERIOD=90 is too."""
+    [root] = effective_config(None, {"CKPTD_ROOTS": "/x", "CKPTD_QUIET_PERIOD": text}).roots
+    assert root.quiet_period == seconds
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("-5", "CKPTD_QUIET_PERIOD: must be a finite, non-negative duration (got -5.0)"),
+    ("soon", "CKPTD_QUIET_PERIOD: expected a duration like '90s', '10m', '6h' or '7d' (got 'soon')"),
+])
+def test_a_bad_quiet_period_from_the_environment_names_the_variable(text, message):
+    with pytest.raises(ConfigError) as info:
+        effective_config(None, {"CKPTD_ROOTS": "/x", "CKPTD_QUIET_PERIOD": text})
+    assert info.value.problems == [message]

@@ -26,10 +26,10 @@ def doc(pid: int = 123, age: float = 4, roots: tuple[str, ...] = ("/vol",), poll
     ("docs", "kw", "healthy", "line"),
     [
         ([doc()], {}, True, "healthy: pid 123, heartbeat 4s ago (max 30s)"),
-        ([doc(age=312)], {}, False, "unhealthy: pid 123, heartbeat 312s ago (max 30s)"),
+        ([doc(age=312)], {}, False, "unhealthy: pid 123, heartbeat 5m12s ago (max 30s)"),
         # the limit is 3 poll intervals when that is longer than 30 s
-        ([doc(age=100, poll=60)], {}, True, "healthy: pid 123, heartbeat 100s ago (max 180s)"),
-        ([doc(age=100)], {"max_age": 60}, False, "unhealthy: pid 123, heartbeat 100s ago (max 60s)"),
+        ([doc(age=100, poll=60)], {}, True, "healthy: pid 123, heartbeat 1m40s ago (max 3m0s)"),
+        ([doc(age=100)], {"max_age": 60}, False, "unhealthy: pid 123, heartbeat 1m40s ago (max 1m0s)"),
         ([], {}, False, "unhealthy: no ckptd state file in /var/lib/ckptd"),
         ([], {"dead_pids": [77]}, False, "unhealthy: no ckptd is running (state file in /var/lib/ckptd of pid 77, gone)"),
         # the freshest of several daemons decides
@@ -38,7 +38,7 @@ def doc(pid: int = 123, age: float = 4, roots: tuple[str, ...] = ("/vol",), poll
         ([doc(roots=("/other",))], {"roots": [Path("/vol")]}, False,
          "unhealthy: no ckptd is running for /vol (pid 123 runs others)"),
         ([doc(pid=1, roots=("/other",)), doc(pid=2, age=200)], {"roots": [Path("/vol")]}, False,
-         "unhealthy: pid 2, heartbeat 200s ago (max 30s)"),
+         "unhealthy: pid 2, heartbeat 3m20s ago (max 30s)"),
         # a wall clock stepped back is not an error
         ([doc(age=-5)], {}, True, "healthy: pid 123, heartbeat 0s ago (max 30s)"),
     ],
@@ -73,7 +73,7 @@ def test_health_stale(tmp_path, config):
     write_state(tmp_path / "state", time.time() - 312)
     proc = run_ckptd("health", "-c", config)
     assert proc.returncode == 1
-    assert proc.stdout.startswith(f"unhealthy: pid {os.getpid()}, heartbeat 31") and "(max 30s)" in proc.stdout
+    assert proc.stdout.startswith(f"unhealthy: pid {os.getpid()}, heartbeat 5m1") and "(max 30s)" in proc.stdout
     assert run_ckptd("health", "-c", config, "--max-age", "600").returncode == 0
 
 

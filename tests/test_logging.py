@@ -54,7 +54,8 @@ def test_no_timestamps_when_stderr_is_the_journal(stderr, monkeypatch):
     setup_logging(False, "text", timestamps=True)
     logging.getLogger("ckptd.daemon").info("ready")
     [line] = lines()
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO ready", line), line
+    # local time with its UTC offset
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}[+-]\d{4} INFO ready", line), line
 
 
 def test_json_lines_carry_the_decision_fields(stderr, monkeypatch):
@@ -72,5 +73,37 @@ def test_json_lines_carry_the_decision_fields(stderr, monkeypatch):
     assert first["message"] == "deleted job/checkpoint-1" and first["level"] == "info"
     assert {k: first[k] for k in ("run", "checkpoint", "action", "reasons")} == {
         "run": "job", "checkpoint": "checkpoint-1", "action": "delete", "reasons": ["outside keep_last=1"]}
-    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}", first["time"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["time"])  # UTC
     assert second["level"] == "error" and "OSError: disk on fire" in second["traceback"]
+
+
+@pytest.fixture
+def kolkata(monkeypatch):
+    """Local time +05:30 (no daylight saving), restored after."""
+    import time
+
+    monkeypatch.setenv("TZ", "Asia/Kolkata")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_log_times_carry_their_offset_and_json_is_utc(kolkata):
+    from ckptd.cli import JsonFormatter, TextFormatter
+
+    record = logging.LogRecord("ckptd.daemon", logging.INFO, __file__, 1, "ready", None, None)
+    record.created, record.msecs = 1_800_000_000.25, 250.0  # 2027-01-15 08:00:00.250 UTC
+    text = TextFormatter("%(asctime)s %(levelname)s %(message)s").format(record)
+    assert text == "2027-01-15 13:30:00.250+0530 INFO ready"
+    assert json.loads(JsonFormatter().format(record))["time"] == "2027-01-15T08:00:00.250Z"
+
+
+def test_json_lines_carry_the_root_and_dry_run(stderr, monkeypatch):
+    f, lines = stderr
+    monkeypatch.setattr(sys, "stderr", f)
+    setup_logging(False, "json", timestamps=True)
+    logging.getLogger("ckptd.daemon").info("decide delete job/checkpoint-1: outside keep_last=1",
+                                           extra={"root": "/vol", "dry_run": True, "action": "delete"})
+    [line] = (json.loads(x) for x in lines())
+    assert (line["root"], line["dry_run"], line["action"]) == ("/vol", True, "delete")

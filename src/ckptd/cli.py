@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -15,13 +18,23 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import __version__, layouts
-from ckptd.config import Config, Root, find_config, format_size
+from ckptd.config import Config, Root, find_config, format_age, format_size
+from ckptd.discover import find_runs
 from ckptd.envconfig import effective_config, settings_in
-from ckptd.errors import EX_IOERR, EX_OK, EX_SOFTWARE, CkptdError, RootMissingError, UsageError
-from ckptd.evidence import Inspector, RunContext
+from ckptd.errors import (
+    EX_IOERR,
+    EX_OK,
+    EX_SOFTWARE,
+    CkptdError,
+    ConfigError,
+    IOFault,
+    RootMissingError,
+    UsageError,
+)
+from ckptd.evidence import Inspector, RunContext, step_mismatch
 from ckptd.journal import Journal
 from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership, lock_scope
-from ckptd.model import Checkpoint, State
+from ckptd.model import Action, Checkpoint, State
 from ckptd.mounts import is_remote, mount_of, quiet_for, read_mounts
 from ckptd.planner import Scanner, decide
 from ckptd.policy import Decision, Plan, summarise
@@ -30,8 +43,9 @@ from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock
 log = logging.getLogger("ckptd")
 
 EPILOG = """\
-exit codes: 0 ok, 1 verify: not complete / health: unhealthy, 64 usage, 66 root missing,
-            70 internal error, 74 I/O error, 75 another ckptd holds the root, 78 config error
+exit codes: 0 ok, 1 verify: not complete / health: unhealthy / status: no daemon running,
+            64 usage, 66 root missing, 70 internal error, 74 I/O error,
+            75 another ckptd holds the root, 78 config error, 141 stdout closed early (| head)
 config: -c CONFIG, else $CKPTD_CONFIG, else /etc/ckptd/config.toml if it exists,
         else built-in defaults (keep the 2 newest complete checkpoints and the
         trainer's best, quiet_period 60s, no slimming); CKPTD_* variables override it
@@ -40,6 +54,8 @@ slimming: keep_full_last = N keeps the optimizer state of the N newest complete
         checkpoints only; other kept ones keep their weights (see README)
 """
 EX_TEMPFAIL = 75
+EX_PIPE = 128 + 13  # what a shell reports for a program that SIGPIPE stopped (`cat big | head -1`)
+MORE = "exit codes, where the config is found, CKPTD_* variables: ckptd --help"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,61 +74,108 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    def command(name: str, help: str, *, roots: bool = True, config: bool = True) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help, epilog=EPILOG, formatter_class=fmt)
+    def command(
+        name: str, help: str, *, roots: bool = True, config: bool = True, exits: str = ""
+    ) -> argparse.ArgumentParser:
+        # One line, not the global epilog again: `ckptd --help` has the whole story.
+        epilog = f"{exits}; {MORE}" if exits else MORE
+        sp = sub.add_parser(name, help=help, description=help, epilog=epilog, formatter_class=fmt)
         if roots:
             sp.add_argument(
                 "roots", nargs="*", metavar="ROOT", help="directories to manage (default: the config's roots)"
             )
         if config:
             sp.add_argument("-c", "--config", metavar="CONFIG", help="TOML config file")
-        sp.add_argument("-v", "--verbose", action="store_true", help="log debug detail to stderr")
+        sp.add_argument("-v", "--verbose", action="store_true", help="more detail (and debug logs on stderr)")
         return sp
 
     sp = command("run", "the daemon: watch the roots and apply retention as checkpoints complete")
     sp.add_argument(
         "--foreground",
         action="store_true",
-        help="debug mode: a human-readable line on stderr for every state change and decision",
+        help="a readable line on stderr for every state change and decision (-v: debug detail too)",
     )
     sp.add_argument("--dry-run", action="store_true", help="decide and log, but delete nothing")
     sp.add_argument("--log-format", choices=("text", "json"), help="default: the config's daemon.log_format")
 
-    sp = command("status", "what the running daemon sees: runs, checkpoints, states", roots=False)
+    sp = command(
+        "status",
+        "what the running daemon sees: runs, checkpoints, states",
+        roots=False,
+        exits="exit 0: a daemon is running, 1: none is",
+    )
     sp.add_argument("--json", action="store_true", help="print the daemons' state documents")
 
     sp = command("plan", "show what retention would keep, slim and delete (read-only)")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
 
-    sp = command("prune", "apply retention once: delete and slim what the plan says, crash-safely")
+    sp = command(
+        "prune",
+        "apply retention once: delete and slim what the plan says, crash-safely",
+        exits="exit 75: another ckptd holds a root's lock",
+    )
     sp.add_argument("--dry-run", action="store_true", help="re-check and report, but change nothing")
 
-    sp = command("verify", "show the completeness evidence for one checkpoint", roots=False)
+    sp = command(
+        "verify",
+        "show the completeness evidence for one checkpoint",
+        roots=False,
+        exits="exit 0: complete, 1: not complete, 64: not a checkpoint, 66: no such path",
+    )
     sp.add_argument("path", metavar="PATH", help="a checkpoint directory or file")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
 
-    sp = command("health", "exit 0 if the daemon's heartbeat is recent, 1 if not, saying why", roots=False)
+    sp = command(
+        "health",
+        "exit 0 if the daemon's heartbeat is recent, 1 if not, saying why",
+        roots=False,
+        exits="exit 0: healthy, 1: unhealthy",
+    )
     sp.add_argument(
         "--max-age",
-        type=float,
+        type=_positive_seconds,
         metavar="SECONDS",
         help="how old a heartbeat may be (default: 3 x the largest poll_interval, at least 30s)",
     )
 
-    command("check-config", "validate the config and print it with defaults filled in", roots=False)
+    command(
+        "check-config",
+        "validate the config, check what `ckptd run` needs (roots, extras), print it with defaults",
+        roots=False,
+        exits="exit codes as `ckptd run` would give",
+    )
 
     sp = command("demo", "write a small example volume and a config for it", roots=False, config=False)
     sp.add_argument("dir", metavar="DIR", help="where to write it (created if missing)")
+    sp.add_argument("--force", action="store_true", help="overwrite an earlier demo (or anything) in DIR")
     return p
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds (got {text!r})") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})")
+    return value
 
 
 # --- config --------------------------------------------------------------
 
 
+def config_path(args: argparse.Namespace) -> Path | None:
+    """`-c`, else `$CKPTD_CONFIG`, else /etc/ckptd/config.toml if it exists (config.find_config)."""
+    path = find_config(args.config)
+    if path is not None and not args.config and os.environ.get("CKPTD_CONFIG") and not path.exists():
+        raise ConfigError([f"{path}: no such file (named by $CKPTD_CONFIG)"])
+    return path
+
+
 def load(args: argparse.Namespace) -> Config:
     """The file (or defaults), then ROOT arguments, then CKPTD_* variables (envconfig.py)."""
     roots = [Path(r) for r in getattr(args, "roots", None) or []]
-    return effective_config(find_config(args.config), os.environ, roots)
+    return effective_config(config_path(args), os.environ, roots)
 
 
 def with_effective_quiet(config: Config, *, say: bool = True) -> Config:
@@ -131,9 +194,93 @@ def with_effective_quiet(config: Config, *, say: bool = True) -> Config:
 def require_roots(config: Config) -> None:
     if not config.roots:
         raise UsageError("no roots: name one (ckptd plan /mnt/experiments) or configure [[roots]]")
+    problems = []
     for root in config.roots:
-        if not root.path.is_dir():
-            raise RootMissingError(f"root {root.path} does not exist or is not a directory")
+        if not os.path.lexists(root.path):
+            problems.append(f"root {root.path} does not exist")
+        elif not root.path.is_dir():
+            problems.append(f"root {root.path} is not a directory")
+    if problems:
+        raise RootMissingError("\n".join(problems))
+
+
+# What slimming's consolidation imports (`python -m ckptd.consolidate`: zero_to_fp32, safetensors).
+SLIMMING_MODULES = ("torch", "deepspeed", "safetensors")
+
+
+def missing_modules(names: Sequence[str]) -> list[str]:
+    """Those of `names` that cannot be imported here (looked up, not imported: torch takes seconds)."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def slimming_keys(config: Config) -> list[str]:
+    """Where the config turns slimming on: `roots[0].retention.keep_full_last`, ..."""
+    keys = []
+    for i, root in enumerate(config.roots):
+        if root.retention.keep_full_last is not None:
+            keys.append(f"roots[{i}].retention.keep_full_last")
+        keys += [
+            f"roots[{i}].runs[{j}].keep_full_last"
+            for j, rule in enumerate(root.runs)
+            if rule.keep_full_last is not None
+        ]
+    return keys
+
+
+def require_extras(config: Config) -> None:
+    """What `run` and `prune` would fail on later, said before they start (exit 78)."""
+    problems = []
+    keys = slimming_keys(config)
+    missing = missing_modules(SLIMMING_MODULES) if keys else []
+    if missing:
+        problems.append(
+            f"{keys[0]}: slimming needs the deepspeed extra, and {', '.join(missing)} cannot be imported "
+            "here: pip install 'ckptd[deepspeed]' (the CPU torch first: README, Set-up), "
+            "or remove keep_full_last"
+        )
+    if config.daemon.metrics_listen and missing_modules(["prometheus_client"]):
+        problems.append(
+            "daemon.metrics_listen is set, but prometheus_client is not installed: "
+            "pip install 'ckptd[metrics]'"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def preflight(config: Config) -> None:
+    """Everything `run` checks before it starts, in its order, with its exit codes."""
+    require_roots(config)
+    require_extras(config)
+
+
+def check_state_dir(config: Config) -> str | None:
+    """Whether `run` could create and write its state directory.
+
+    A file in the way stops any user: IOFault, exit 74, as `run` exits there. Not writable by
+    this user is only a warning: the service runs as another user, and systemd's
+    StateDirectory= creates the directory for it.
+    """
+    path = config.daemon.state_dir
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise IOFault(f"daemon.state_dir {path}: {existing} is not a directory (`ckptd run` would exit 74)")
+    if os.access(existing, os.W_OK | os.X_OK):
+        return None
+    what = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
+    return (
+        f"daemon.state_dir {path} {what} by uid {os.getuid()}: `ckptd run` as this user exits 74 "
+        "(under systemd, StateDirectory= creates it for the service's user)"
+    )
 
 
 # --- commands ------------------------------------------------------------
@@ -150,17 +297,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     require_roots(config)
     config = with_effective_quiet(config)
     _, plan = scan_all(config, time.time())
+    warnings = list(plan.warnings)
+    try:
+        require_extras(config)
+    except ConfigError as exc:  # plan only reads: say what run and prune will refuse, and go on
+        warnings += [f"{line} (ckptd run and prune refuse this config)" for line in exc.problems]
+    totals = summarise(plan.decisions)
     if args.json:
-        doc = {"checkpoints": [decision_json(d) for d in plan.decisions], "warnings": list(plan.warnings)}
+        checkpoints = []
+        for d in plan.decisions:
+            row = decision_json(d)
+            if args.verbose:
+                row["checks"] = checks_json(d.checkpoint)
+            checkpoints.append(row)
+        doc = {
+            "roots": [str(root.path) for root in config.roots],
+            "checkpoints": checkpoints,
+            "warnings": warnings,
+            "totals": totals,
+        }
         print(json.dumps(doc, indent=2))
         return EX_OK
-    print_table(plan.decisions)
-    for w in plan.warnings:
+    print_table(plan.decisions, checks=args.verbose)
+    for w in warnings:
         print(f"warning: {w}")
-    s = summarise(plan.decisions)
     print(
-        f"\n{s['keep']} keep, {s['delete']} delete, {s['slim']} slim "
-        f"({format_size(s['bytes_to_free'])} to free)"
+        f"\n{totals['keep']} keep, {totals['delete']} delete, {totals['slim']} slim "
+        f"({format_size(totals['bytes_to_free'])} to free)"
     )
     return EX_OK
 
@@ -206,7 +369,7 @@ def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadershi
 
 def cmd_prune(args: argparse.Namespace) -> int:
     config = load(args)
-    require_roots(config)
+    preflight(config)
     config = with_effective_quiet(config)
     mounts = read_mounts()
     dry_run = args.dry_run or config.daemon.dry_run
@@ -214,6 +377,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     journal = None if dry_run else Journal(config.daemon.state_dir)
     status = EX_OK
     totals = {o: 0 for o in Outcome}
+    would = {"delete": [0, 0], "slim": [0, 0]}  # dry run: action -> [count, bytes]
     freed = slim_freed = 0
     for root in config.roots:
         lead = None
@@ -243,8 +407,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
             for result in reaper.execute(plan.decisions):
                 d = result.decision
                 totals[result.outcome] += 1
+                size = format_size(d.bytes_freed)
+                if result.outcome is Outcome.DRY_RUN:
+                    would[str(d.action)][0] += 1
+                    would[str(d.action)][1] += d.bytes_freed
+                    # "would move to .ckptd-trash/ and purge" says nothing "would delete" does not
+                    how = f" -> {result.detail}" if d.action is Action.SLIM else ""
+                    print(f"would {d.action} {d.checkpoint.rel} ({size}): {'; '.join(d.reasons)}{how}{note}")
+                    continue
                 print(
-                    f"{d.action} {d.checkpoint.rel} ({format_size(d.bytes_freed)}): "
+                    f"{d.action} {d.checkpoint.rel} ({size}): "
                     f"{'; '.join(d.reasons)} -> {result.outcome}: {result.detail}{note}"
                 )
                 if result.outcome is Outcome.FAILED:
@@ -259,7 +431,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if journal is not None:
         journal.close()
     if dry_run:
-        done = f"{totals[Outcome.DRY_RUN]} would be deleted or slimmed"
+        done = (
+            f"{would['delete'][0]} would be deleted ({format_size(would['delete'][1])}), "
+            f"{would['slim'][0]} would be slimmed ({format_size(would['slim'][1])} of optimizer state)"
+        )
     else:
         # Slims' optimizer files went through the trash too: purged bytes include them.
         done = (
@@ -277,16 +452,41 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from ckptd.daemon import Daemon
 
-    path = find_config(args.config)
+    path = config_path(args)
     config = load(args)
-    require_roots(config)
+    preflight(config)
     setup_logging(
-        args.verbose or args.foreground,
+        args.verbose,
         log_format=args.log_format or ("text" if args.foreground else config.daemon.log_format),
         timestamps=True,
     )
     daemon = Daemon(config, config_path=path, cli_roots=[Path(r) for r in args.roots], dry_run=args.dry_run)
     return asyncio.run(daemon.serve())
+
+
+def _without_c_hint(args: argparse.Namespace, config: Config) -> str | None:
+    """Said when no daemon was found and nothing named where to look."""
+    if args.config or os.environ.get("CKPTD_CONFIG") or os.environ.get("CKPTD_STATE_DIR"):
+        return None
+    return (
+        f"that is the default state_dir; a daemon started with -c CONFIG keeps its state "
+        f"where CONFIG says: ckptd {args.command} -c CONFIG"
+    )
+
+
+def role_of(root: dict[str, Any], doc: dict[str, Any]) -> str:
+    """leader, standby or dry-run; from `leader` for a state file written before `role` existed."""
+    role = root.get("role")
+    if isinstance(role, str):
+        return role
+    return "dry-run" if doc.get("dry_run") else "leader" if root.get("leader") else "standby"
+
+
+ROLES = {
+    "leader": "leader: deletes here",
+    "standby": "standby: another ckptd deletes here, this one observes",
+    "dry-run": "dry run: decides, deletes nothing",
+}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -296,33 +496,46 @@ def cmd_status(args: argparse.Namespace) -> int:
     docs = read_states(config.daemon.state_dir)
     if args.json:
         print(json.dumps(docs, indent=2))
-        return EX_OK if docs else 1
     if not docs:
         print(f"no ckptd daemon is running (state_dir {config.daemon.state_dir})", file=sys.stderr)
+        hint = _without_c_hint(args, config)
+        if hint:
+            print(f"  {hint}", file=sys.stderr)
         return 1
+    if args.json:
+        return EX_OK
+    now = time.time()
     for doc in docs:
-        age = time.time() - doc["heartbeat"]
-        dry = " (dry run)" if doc.get("dry_run") else ""
-        print(f"ckptd {doc['version']} pid {doc['pid']}, last heartbeat {age:.0f}s ago{dry}")
+        dry = ", dry run" if doc.get("dry_run") else ""
+        print(
+            f"ckptd {doc['version']}, pid {doc['pid']}{dry}: up {format_age(now - doc.get('started', now))}, "
+            f"heartbeat {format_age(now - doc['heartbeat'])} ago"
+        )
         counters = doc.get("counters", {})
         print(
-            f"  {counters.get('deleted', 0)} deleted, {format_size(counters.get('bytes_reclaimed', 0))} "
-            f"reclaimed, {counters.get('rescans', 0)} rescans after missed events"
+            f"  {counters.get('deleted', 0)} deleted, {counters.get('slimmed', 0)} slimmed, "
+            f"{format_size(counters.get('bytes_reclaimed', 0))} reclaimed, "
+            f"{counters.get('rescans', 0)} rescans after missed events"
         )
         for root in doc["roots"]:
-            role = "deletes" if root["leader"] else "standby"
+            role = role_of(root, doc)
             oldest = root.get("oldest_incomplete_age")
-            extra = f", oldest incomplete {oldest:.0f}s" if oldest is not None else ""
-            print(f"  {root['path']} ({root['observer']}, {role}{extra})")
+            extra = f"; oldest incomplete: {format_age(oldest)}" if oldest is not None else ""
+            print(f"  {root['path']}: {ROLES.get(role, role)} (observer {root['observer']}{extra})")
             for line in _lead_and_quiet_lines(root, time.time()):
                 print(f"    {line}")
+            rows = [("RUN", "CHECKPOINT", "STATE", "SIZE", "ACTION", "REASONS")]
             for run in root["runs"]:
                 for c in run["checkpoints"]:
-                    reasons = "; ".join(c["reasons"])
-                    print(
-                        f"    {run['run']}/{c['name']}  {c['state']}  {format_size(c['size_bytes'])}  "
-                        f"{c['action'] or '-'}: {reasons}"
-                    )
+                    action = c["action"] or "-"
+                    reasons = "; ".join(c["reasons"]) or f"not decided yet ({c['state']})"
+                    size = format_size(c["size_bytes"])
+                    rows.append((run["run"], c["name"], c["state"], size, action, reasons))
+            if len(rows) == 1:
+                print("    no checkpoints yet")
+                continue
+            for line in columns(rows):
+                print(f"    {line}")
     return EX_OK
 
 
@@ -355,23 +568,39 @@ def cmd_verify(args: argparse.Namespace) -> int:
     path = Path(os.path.abspath(args.path))
     if not os.path.lexists(path):
         raise RootMissingError(f"{args.path}: no such file or directory")
+    if path.is_symlink():
+        raise UsageError(
+            f"{args.path} is a symlink, and ckptd never follows symlinks: "
+            f"verify {os.path.realpath(path)} itself"
+        )
     root = _root_for(with_effective_quiet(config, say=False), path)
     quiet, _, warning = quiet_for(path, root.quiet_period, read_mounts())
     if warning is not None:
         print(f"note: {warning}", file=sys.stderr)
         root = root.model_copy(update={"quiet_period": quiet})
     patterns = [layouts.compile_pattern(p.name) for p in root.patterns]
-    is_dir = path.is_dir() and not path.is_symlink()
+    is_dir = path.is_dir()
 
     def children() -> list[str]:
         return os.listdir(path)
 
     cand = layouts.recognise(path.name, is_dir, children, patterns)
-    if cand is None or path.is_symlink():
-        print(
-            f"{args.path}: not a checkpoint ckptd recognises (symlinks are never followed)", file=sys.stderr
+    if cand is None:
+        held = find_runs(path, max_depth=0, patterns=patterns) if is_dir else []
+        if held:
+            names = [c.name for c in sorted(held[0].candidates, key=lambda c: (c.step, c.name))]
+            raise UsageError(
+                f"{args.path} is a run directory holding {len(names)} checkpoints "
+                f"({names[0]} ... {names[-1]}): "
+                f"verify one of them, e.g. ckptd verify {os.path.join(args.path, names[-1])}; "
+                f"ckptd plan {args.path} shows them all"
+            )
+        what = "; for what a directory holds: ckptd plan PATH" if is_dir else ""
+        raise UsageError(
+            f"{args.path}: not a checkpoint ckptd recognises (checkpoint-N, global_stepN, "
+            "iter_NNNNNNN, a DCP or Orbax step directory, a ...step=N... Lightning/NeMo "
+            f"checkpoint, or a configured pattern){what}"
         )
-        return 1
     run_dir = path.parent
     real_run, real_root = os.path.realpath(run_dir), os.path.realpath(root.path)
     run_rel = "." if real_run == real_root else os.path.relpath(real_run, real_root)
@@ -388,8 +617,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         slim_files=retention.slim_files,
         pattern=root.patterns[cand.pattern] if cand.pattern is not None else None,
     )
+    warnings = step_mismatch(ckpt, os.listdir(path) if is_dir else [])
     if args.json:
-        print(json.dumps(checkpoint_json(ckpt), indent=2))
+        print(json.dumps({**checkpoint_json(ckpt), "warnings": warnings}, indent=2))
     else:
         slimmed = ", slimmed: weights only" if ckpt.slimmed else ""
         print(
@@ -399,6 +629,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         width = max(len(c.name) for c in ckpt.checks)
         for c in ckpt.checks:
             print(f"  {c.verdict:<8} {c.name:<{width}}  {c.detail}")
+        for w in warnings:
+            print(f"warning: {w}")
     return EX_OK if ckpt.state is State.COMPLETE else 1
 
 
@@ -418,18 +650,32 @@ def cmd_health(args: argparse.Namespace) -> int:
     config = load(args)
     ok, line = check(config, max_age=args.max_age, now=time.time())
     print(line)
+    hint = None if ok or "heartbeat" in line else _without_c_hint(args, config)
+    if hint:
+        print(hint, file=sys.stderr)
     return EX_OK if ok else 1
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    path = find_config(args.config)
+    path = config_path(args)
     config = load(args)
     env = settings_in(os.environ)
     with_env = f" (with {', '.join(env)} from the environment)" if env else ""
-    print(f"# {path if path else 'no config file: built-in defaults'}{with_env}: OK", file=sys.stderr)
     print(json.dumps(config.model_dump(mode="json"), indent=2))
+    sys.stdout.flush()  # the document first, then the verdict on stderr
+    preflight(config)  # what `ckptd run` checks before it starts, with its exit codes
+    warning = check_state_dir(config)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    checked = [f"{len(config.roots)} root(s) present"]
+    if slimming_keys(config):
+        checked.append("slimming's torch, deepspeed, safetensors importable")
+    if config.daemon.metrics_listen:
+        checked.append("prometheus_client importable")
     for line in volume_notes(config):
         print(f"# {line}", file=sys.stderr)
+    source = path if path else "no config file: built-in defaults"
+    print(f"# {source}{with_env}: OK ({', '.join(checked)})", file=sys.stderr)
     return EX_OK
 
 
@@ -465,16 +711,33 @@ def volume_notes(config: Config) -> list[str]:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ckptd import demo
 
-    config = demo.build(Path(os.path.abspath(args.dir)), time.time())
-    print(f"wrote an example volume and {config}; now try:\n  ckptd plan -c {config}")
+    base = Path(os.path.abspath(args.dir))
+    config, volume = base / demo.CONFIG_NAME, base / demo.VOLUME_NAME
+    existing = [p for p in (config, volume) if os.path.lexists(p)]
+    if existing and not args.force:
+        raise UsageError(
+            f"{' and '.join(map(str, existing))} already there: ckptd demo {args.dir} --force "
+            "writes the demo over it, or choose another DIR"
+        )
+    config = demo.build(base, time.time())
+    print(
+        f"wrote an example volume in {volume} and its config {config}; now try:\n"
+        f"  ckptd plan -c {config}\n"
+        f"  ckptd run --foreground --dry-run -c {config}"
+    )
     return EX_OK
 
 
 # --- output --------------------------------------------------------------
 
 
+def checks_json(c: Checkpoint) -> list[dict[str, str]]:
+    return [{"name": k.name, "verdict": str(k.verdict), "detail": k.detail} for k in c.checks]
+
+
 def checkpoint_json(c: Checkpoint) -> dict[str, Any]:
     return {
+        "root": str(c.root),
         "run": c.run,
         "path": str(c.path),
         "step": c.step,
@@ -483,7 +746,7 @@ def checkpoint_json(c: Checkpoint) -> dict[str, Any]:
         "size_bytes": c.size_bytes,
         "pinned": c.pinned,
         "slimmed": c.slimmed,
-        "checks": [{"name": k.name, "verdict": str(k.verdict), "detail": k.detail} for k in c.checks],
+        "checks": checks_json(c),
     }
 
 
@@ -493,6 +756,7 @@ def decision_json(d: Decision) -> dict[str, Any]:
     if isinstance(metric, float) and metric in (float("inf"), float("-inf")):
         metric = str(metric)
     return {
+        "root": str(c.root),
         "run": c.run,
         "path": str(c.path),
         "step": c.step,
@@ -507,7 +771,14 @@ def decision_json(d: Decision) -> dict[str, Any]:
     }
 
 
-def print_table(decisions: Sequence[Decision]) -> None:
+def columns(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows aligned in columns; the last column is left ragged (reasons run long)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows]
+
+
+def print_table(decisions: Sequence[Decision], *, checks: bool = False) -> None:
+    """The plan as a table; with `checks`, each checkpoint's evidence under its row."""
     header = ("RUN", "CHECKPOINT", "STEP", "STATE", "SIZE", "METRIC", "ACTION", "FREES", "REASONS")
     rows = [header]
     for d in decisions:
@@ -526,9 +797,14 @@ def print_table(decisions: Sequence[Decision]) -> None:
                 "; ".join(d.reasons),
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
-    for r in rows:
-        print("  ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    lines = columns(rows)
+    print(lines[0])
+    for d, line in zip(decisions, lines[1:], strict=True):
+        print(line)
+        if checks:
+            width = max(len(k.name) for k in d.checkpoint.checks)
+            for k in d.checkpoint.checks:
+                print(f"    {k.verdict:<8} {k.name:<{width}}  {k.detail}")
 
 
 # --- entry points --------------------------------------------------------
@@ -546,13 +822,14 @@ COMMANDS = {
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line, for docker log drivers and log shippers."""
+    """One JSON object per line, for docker log drivers and log shippers. Times in UTC."""
 
-    FIELDS = ("run", "checkpoint", "state", "action", "reasons", "outcome")
+    FIELDS = ("root", "run", "checkpoint", "state", "action", "reasons", "outcome", "dry_run")
 
     def format(self, record: logging.LogRecord) -> str:
+        when = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
         doc: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -561,6 +838,15 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             doc["traceback"] = self.formatException(record.exc_info)
         return json.dumps(doc, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """`2026-03-01 14:02:03.120+0100 INFO ...`: local time with its UTC offset, so lines from
+    machines in other zones (or around a DST change) can be put in order."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        when = datetime.datetime.fromtimestamp(record.created).astimezone()
+        return when.strftime("%Y-%m-%d %H:%M:%S") + f".{int(record.msecs):03d}" + when.strftime("%z")
 
 
 def _stderr_is_journal() -> bool:
@@ -573,12 +859,16 @@ def _stderr_is_journal() -> bool:
 
 
 def setup_logging(verbose: bool, log_format: str = "text", timestamps: bool = False) -> None:
-    """Handlers for the `ckptd` loggers; only the command line installs them."""
+    """Handlers for the `ckptd` loggers; only the command line installs them.
+
+    The daemon (`timestamps`) logs at INFO: state changes, decisions, deletions; `-v` adds
+    DEBUG (every look, every transition). The other commands log warnings only.
+    """
     handler = logging.StreamHandler(sys.stderr)
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     elif timestamps and not _stderr_is_journal():  # the journal stamps lines itself
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(message)s"))
     else:
         handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     root = logging.getLogger("ckptd")
@@ -593,19 +883,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
+    args = None
     try:
         try:
             args = parser.parse_args(argv)
         except SystemExit as exc:  # --help, --version
+            sys.stdout.flush()
             return int(exc.code or 0)
         if args.command is None:
             parser.print_help(sys.stderr)
             return UsageError.exit_code
         setup_logging(args.verbose)
-        return COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
     except CkptdError as exc:
-        for line in str(exc).splitlines() or [type(exc).__name__]:
+        lines = str(exc).splitlines() or [type(exc).__name__]
+        for line in lines:
             print(f"ckptd: {line}", file=sys.stderr)
+        if getattr(args, "json", False):  # a script reading --json gets a document, errors too
+            try:
+                doc = {"error": "\n".join(lines), "exit_code": exc.exit_code}
+                print(json.dumps(doc, indent=2), flush=True)
+            except BrokenPipeError:
+                _stdout_closed()
         return exc.exit_code
     except OSError as exc:
         print(f"ckptd: I/O error: {exc}", file=sys.stderr)
@@ -616,6 +919,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         print("ckptd: internal error (a bug: please report it with the traceback above)", file=sys.stderr)
         return EX_SOFTWARE
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`ckptd plan | head -1`): not an error worth a message.
+
+    stdout is pointed at /dev/null so that the interpreter's own flush at exit does not
+    raise again; the exit status is a shell's for a program stopped by SIGPIPE.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EX_PIPE
 
 
 def console_main() -> None:

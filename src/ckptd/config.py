@@ -102,6 +102,18 @@ def format_duration(seconds: float) -> str:
     return f"{seconds:g}s"
 
 
+def format_age(seconds: float) -> str:
+    """An elapsed time for people, two units at most: `12s`, `5m12s`, `3h0m`, `2d3h`.
+
+    Not for config values (`format_duration` writes those exactly, to be read back).
+    """
+    s = max(0, round(seconds))
+    for big, small, unit, sub in ((86400, 3600, "d", "h"), (3600, 60, "h", "m"), (60, 1, "m", "s")):
+        if s >= big:
+            return f"{s // big}{unit}{s % big // small}{sub}"
+    return f"{s}s"
+
+
 def format_size(size: float) -> str:
     """Bytes for humans: `1.5GiB`, `312B`."""
     for unit in ("PiB", "TiB", "GiB", "MiB", "KiB"):
@@ -493,11 +505,48 @@ def _loc(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
+def _tables() -> dict[tuple[str, ...], tuple[str, type[BaseModel]]]:
+    """Where each model sits in the document (key path without indexes) and how a user writes it."""
+    return {
+        (): ("the top level", Config),
+        ("daemon",): ("[daemon]", Daemon),
+        ("roots",): ("[[roots]]", Root),
+        ("roots", "retention"): ("[roots.retention]", Retention),
+        ("roots", "runs"): ("[[roots.runs]]", RunRule),
+    }
+
+
+def _unknown_key_hint(loc: tuple[int | str, ...]) -> str:
+    """For `keep_last` under [[roots]]: where it belongs; for a typo: the nearest valid key."""
+    import difflib
+
+    names = tuple(str(p) for p in loc if not isinstance(p, int))
+    if not names:
+        return ""
+    *parent, key = names
+    tables = _tables()
+    here = tables.get(tuple(parent))
+    if here is None:
+        return ""
+    others = [(table, model) for path, (table, model) in tables.items() if path != tuple(parent)]
+    elsewhere = [table for table, model in others if key in model.model_fields]
+    if elsewhere:
+        return f"; {key} belongs in {elsewhere[0]}, not {here[0]}"
+    close = difflib.get_close_matches(key, sorted(here[1].model_fields), n=1, cutoff=0.7)
+    if close:
+        return f" (did you mean {close[0]}?)"
+    for table, model in others:
+        close = difflib.get_close_matches(key, sorted(model.model_fields), n=1, cutoff=0.8)
+        if close:
+            return f" (did you mean {close[0]}, in {table}?)"
+    return ""
+
+
 def _message(err: Mapping[str, Any]) -> str:
     kind = err["type"]
     msg = err["msg"]
     if kind == "extra_forbidden":
-        return "unknown key"
+        return "unknown key" + _unknown_key_hint(tuple(err["loc"]))
     if kind == "missing":
         return "required key is missing"
     msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")

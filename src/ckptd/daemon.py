@@ -29,17 +29,18 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ckptd import __version__
-from ckptd.config import Config, format_size
+from ckptd.config import Config, format_age, format_duration, format_size
 from ckptd.envconfig import effective_config
 from ckptd.errors import ConfigError, RootMissingError
 from ckptd.journal import Journal
 from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership
 from ckptd.metrics import Metrics
-from ckptd.model import Action, Checkpoint, State
+from ckptd.model import QUIET, Action, Checkpoint, State, Verdict
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
 from ckptd.notify import notify, watchdog_interval
 from ckptd.planner import DiskSpace, decide, disk_space
@@ -74,6 +75,7 @@ class RootRuntime:
         self.pending_purge_bytes = 0  # in the trash, not yet purged: counted as free (under `pending_lock`)
         self.pending_lock = threading.Lock()
         self.said_standby = False
+        self.said_dry_run = False
         self.last_error: str | None = None
         self.failures = 0
         self.outcomes: dict[str, str] = {}  # checkpoint -> the last refusal or failure said about it
@@ -84,6 +86,11 @@ class RootRuntime:
     @property
     def root(self):
         return self.tracker.root
+
+    def role(self, dry_run: bool) -> str:
+        """What this daemon does at this root: `leader` (deletes here), `standby` (another ckptd
+        holds the root's lock: this one observes) or `dry-run` (decides, deletes nothing, no lock)."""
+        return "dry-run" if dry_run else "leader" if self.leader else "standby"
 
 
 class Daemon:
@@ -109,6 +116,10 @@ class Daemon:
         self.counters = collections.Counter[str]()
         self.started = time.time()
         self._decisions: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}  # by (root, rel)
+        # What the log last said of each checkpoint (by (root, rel)): its state, its action.
+        self._said_states: dict[tuple[str, str], State] = {}
+        self._said_actions: dict[tuple[str, str], str] = {}
+        self._start_notes: list[str] = []  # what the first scan found, said after "ready"
         self._state_rows: dict[tuple[str, str], _StateRow] = {}  # see `state`
         self._hints: collections.deque[str] = collections.deque()
         self._state_path = config.daemon.state_dir / f"{STATE_PREFIX}{os.getpid()}.json"
@@ -155,7 +166,8 @@ class Daemon:
 
     async def startup(self) -> None:
         note = f" {DRY_RUN_NOTE}" if self.dry_run else ""
-        log.info("ckptd %s starting (pid %d)%s", __version__, os.getpid(), note)
+        source = self.config_path or "no config file (built-in defaults)"
+        log.info("ckptd %s starting (pid %d), config %s%s", __version__, os.getpid(), source, note)
         if self.config.daemon.metrics_listen:
             self.metrics = Metrics(self.counters)
             self.metrics.start(self.config.daemon.metrics_listen)
@@ -170,7 +182,8 @@ class Daemon:
             return
         self._report("READY=1")
         self.ready.set()
-        log.info("ready: watching %d root(s)", len(self.roots))
+        for line in self._start_notes:  # "ready: ...", then what `plan` would show meanwhile
+            log.info("%s", line)
 
     def _runtime(self, root, config: Config) -> RootRuntime:
         mounts = read_mounts()
@@ -178,7 +191,7 @@ class Daemon:
         tracker = RootTracker(effective, self.clock)
         reaper = self._reaper(tracker, config)
         observer, why = choose_observer(root.path, root.observer)
-        log.info("%s: observer=%s (%s)", root.path, observer, why)
+        log.info("%s: observer=%s (%s)", root.path, observer, why, extra={"root": str(root.path)})
         rt = RootRuntime(tracker, self._leadership(root, config, mounts), reaper, observer)
         rt.configured_quiet, rt.cache = root.quiet_period, cache
         return rt
@@ -224,9 +237,79 @@ class Daemon:
             rt.tracker.full_scan()
             rt.next_poll = now + rt.root.poll_interval
             rt.next_reconcile = now + rt.root.reconcile_interval
+            n = len(rt.tracker.checkpoints())
+            log.info(
+                "%s: %d checkpoint(s) in %d run(s)", rt.root.path, n, len(rt.tracker.runs),
+                extra={"root": str(rt.root.path)},
+            )
+        self._said_states = {
+            (str(rt.root.path), c.rel): c.state for rt in self.roots for c in rt.tracker.checkpoints()
+        }
+        self._start_notes = [self._what_comes_next(), *self._as_plan_sees_it()]
         self._sync_watches()
         self._sample_metrics()
         self._write_state(force=True)
+
+    def _what_comes_next(self) -> str:
+        """The start-up line: what the daemon waits for, and when it first decides.
+
+        Every checkpoint found at start settles once: it is complete only after the daemon
+        itself has seen it unchanged for its quiet period, on the monotonic clock (settle.py),
+        so the first decisions come one quiet period after the first scan.
+        """
+        periods = sorted({rt.root.quiet_period for rt in self.roots}) or [0.0]
+        quiet = " to ".join(dict.fromkeys(format_duration(p) for p in (periods[0], periods[-1])))
+        head = f"ready: watching {len(self.roots)} root(s)"
+        waiting = [
+            d
+            for rt in self.roots
+            for c in rt.tracker.in_flight()
+            if c.state in IN_FLIGHT and (d := rt.tracker.settler.deadline(c.rel)) is not None
+        ]
+        dry = "; dry run: nothing will be deleted" if self.dry_run else ""
+        if not waiting:
+            return (
+                f"{head}, no checkpoint in flight: a new one is decided once ckptd has seen it "
+                f"unchanged for quiet_period ({quiet}){dry}"
+            )
+        first = min(waiting) - self.clock()
+        at = time.strftime("%H:%M:%S", time.localtime(time.time() + first))
+        return (
+            f"{head}, {len(waiting)} checkpoint(s) settling: ckptd decides about a checkpoint once it "
+            f"has itself seen it unchanged for quiet_period ({quiet}; file times are not trusted). "
+            f"First decisions at {at} (in {format_age(first)}){dry}"
+        )
+
+    def _as_plan_sees_it(self) -> list[str]:
+        """Meanwhile: the plan by file times, as `ckptd plan` would show it now (not acted on).
+
+        So that the first quiet period is not silent. The daemon decides for itself once
+        checkpoints have settled; this only previews what that is likely to be.
+        """
+        wall = time.time()
+        runs = []
+        for rt in self.roots:
+            period = rt.root.quiet_period
+            judged = [
+                replace(r, checkpoints=tuple(_by_file_times(c, period, wall) for c in r.checkpoints))
+                for r in rt.tracker.current_runs()
+            ]
+            runs.append((rt.root, judged))
+        if not any(r.checkpoints for _, rs in runs for r in rs):
+            return []
+        plan = decide(runs, space=self._space)
+        states = collections.Counter(str(d.checkpoint.state) for d in plan.decisions)
+        found = ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
+        acts = []
+        for action in (Action.DELETE, Action.SLIM):
+            ds = [d for d in plan.decisions if d.action is action]
+            if ds:
+                more = f" and {len(ds) - 3} more" if len(ds) > 3 else ""
+                names = ", ".join(d.checkpoint.rel for d in ds[:3]) + more
+                freed = format_size(sum(d.bytes_freed for d in ds))
+                acts.append(f"{action} {len(ds)} ({freed}: {names})")
+        would = "; would " + ", ".join(acts) if acts else "; nothing to delete or slim"
+        return [f"meanwhile, by file times (as `ckptd plan` shows it now): {found}{would}"]
 
     def _try_lead(self, rt: RootRuntime, attempt: bool = False) -> None:
         """Follow the root's leadership: lead where it is held, stand by (observe only) where not.
@@ -234,6 +317,10 @@ class Daemon:
         A local lock is tried when `attempt`; a volume lease is taken and renewed by its own
         thread, and only looked at here (no I/O).
         """
+        if self.dry_run and not rt.said_dry_run:
+            log.info("%s: dry run: deciding, deleting nothing (no lock taken)", rt.root.path,
+                     extra={"root": str(rt.root.path), "dry_run": True})
+            rt.said_dry_run = True
         if self.dry_run:
             return
         if attempt and isinstance(rt.lead, LocalLeadership):
@@ -319,6 +406,7 @@ class Daemon:
         while self._hints:
             hints.append(self._hints.popleft())
         retention = False
+        changed = False
         for rt in self.roots:
             tr = rt.tracker
             for path in hints:
@@ -360,19 +448,14 @@ class Daemon:
                 log.info("%s: the volume answers again", rt.root.path)
                 rt.last_error, rt.failures = None, 0
             completed = changes.completed + step.completed
-            for c in completed:
-                self.counters["completed"] += 1
-                log.info(
-                    "%s: complete (%s, %s)",
-                    c.rel,
-                    c.layout,
-                    format_size(c.size_bytes),
-                    extra={"run": c.run, "checkpoint": c.name, "state": "complete"},
-                )
+            self.counters["completed"] += len(completed)
             if completed or changes.vanished or step.vanished:
                 retention = True
+            changed = changed or retention or bool(changes.transitions or step.transitions)
         if self._lead_gained:
             self._lead_gained, retention = False, True
+        if changed:
+            self._say_state_changes()
         if retention:
             try:
                 self._retention()
@@ -381,6 +464,38 @@ class Daemon:
         self._sync_watches()
         self._sample_metrics()
         self._write_state()
+
+    def _say_state_changes(self) -> None:
+        """Log what a person watching wants to know, once per change, in path order: a new
+        checkpoint, one complete, incomplete (and why), stalled, in flight again, gone.
+
+        Not every look: a checkpoint being written goes writing -> settling -> writing many
+        times; those transitions are debug lines (tracker.py).
+        """
+        said = self._said_states
+        now: dict[tuple[str, str], State] = {}
+        for rt in self.roots:
+            root = str(rt.root.path)
+            for run in rt.tracker.current_runs():
+                for c in run.checkpoints:
+                    key = (root, c.rel)
+                    now[key] = c.state
+                    before = said.get(key)
+                    if before is not None and (c.state is before or {c.state, before} <= IN_FLIGHT):
+                        continue
+                    extra = {"root": root, "run": c.run, "checkpoint": c.name, "state": str(c.state)}
+                    if c.state is State.COMPLETE:
+                        what = f"complete ({c.layout}, {format_size(c.size_bytes)})"
+                    elif c.state in IN_FLIGHT:
+                        what = f"new, {c.state}" if before is None else f"{c.state} again (was {before})"
+                    else:
+                        what = f"{c.state}: {_first_failed(c)}"
+                    log.info("%s: %s", c.rel, what, extra=extra)
+                    said[key] = c.state
+        for key in [k for k in said if k not in now]:
+            del said[key]
+            root, rel = key
+            log.info("%s: gone (not by ckptd)", rel, extra={"root": root})
 
     # --- retention ---------------------------------------------------------
 
@@ -406,11 +521,13 @@ class Daemon:
                 action = str(result.decision.action)
                 verb = "deleted" if action == "delete" else "slimmed"
                 extra = {
+                    "root": str(rt.root.path),
                     "run": c.run,
                     "checkpoint": c.name,
                     "action": action,
                     "reasons": list(result.decision.reasons),
                     "outcome": str(result.outcome),
+                    "dry_run": self.dry_run,
                 }
                 if result.outcome in (Outcome.TRASHED, Outcome.SLIMMED):
                     trashed = True
@@ -420,6 +537,7 @@ class Daemon:
                         rt.pending_purge_bytes += moved
                     if result.outcome is Outcome.TRASHED:
                         rt.tracker.forget(c.rel)
+                        self._said_states.pop((str(rt.root.path), c.rel), None)
                     else:
                         rt.tracker.look_again(c.rel)  # slimmed: not the checkpoint the plan saw
                     reasons = "; ".join(result.decision.reasons)
@@ -438,31 +556,53 @@ class Daemon:
         # Forget what was said about checkpoints that are gone (a path re-created later is news again).
         current = {(str(d.checkpoint.root), d.checkpoint.rel) for d in plan.decisions}
         self._decisions = {k: v for k, v in self._decisions.items() if k in current}
+        self._said_actions = {k: v for k, v in self._said_actions.items() if k in current}
         for rt in self.roots:
             rels = {c.rel for c in rt.tracker.checkpoints()}
             rt.outcomes = {k: v for k, v in rt.outcomes.items() if k in rels}
 
     def _log_decisions(self, decisions: tuple[Decision, ...]) -> None:
-        """Log each checkpoint's decision when it changes (not at every reconcile)."""
+        """Log a checkpoint's decision when its action changes, in plan order (root, run, step).
+
+        At INFO: a complete checkpoint's first decision, and any change of action (keep ->
+        delete, keep -> slim); a keep waits until nothing in its run is settling, so that the
+        checkpoints found at start (which complete milliseconds apart) are not said to be kept
+        as "newest complete" one moment and deleted the next. A kept checkpoint's reasons
+        shift with every save (`keep_last=2 (#2 newest)`), and one in flight is kept because
+        it is in flight (its state line said so): those are debug lines.
+        """
         note = f" {DRY_RUN_NOTE}" if self.dry_run else ""
+        busy = {(c.root, c.run) for d in decisions if (c := d.checkpoint).state in IN_FLIGHT}
         for d in decisions:
-            key = (str(d.checkpoint.root), d.checkpoint.rel)
+            c = d.checkpoint
+            key = (str(c.root), c.rel)
             value = (str(d.action), d.reasons)
-            if self._decisions.get(key) != value:
-                self._decisions[key] = value
-                level = logging.INFO if d.action is Action.DELETE else logging.DEBUG
-                log.log(
-                    level,
-                    "decide %s%s",
-                    d.line(),
-                    note if d.action is Action.DELETE else "",
-                    extra={
-                        "run": d.checkpoint.run,
-                        "checkpoint": d.checkpoint.name,
-                        "action": str(d.action),
-                        "reasons": list(d.reasons),
-                    },
-                )
+            changed = self._decisions.get(key) != value
+            self._decisions[key] = value
+            acting = d.action is not Action.KEEP
+            news = (
+                c.state is State.COMPLETE
+                and self._said_actions.get(key) != value[0]
+                and (acting or (c.root, c.run) not in busy)
+            )
+            if not (news or changed):
+                continue
+            if news:
+                self._said_actions[key] = value[0]
+            log.log(
+                logging.INFO if news else logging.DEBUG,
+                "decide %s%s",
+                d.line(),
+                note if acting else "",
+                extra={
+                    "root": str(c.root),
+                    "run": c.run,
+                    "checkpoint": c.name,
+                    "action": str(d.action),
+                    "reasons": list(d.reasons),
+                    "dry_run": self.dry_run,
+                },
+            )
 
     def _space(self, path: Path) -> DiskSpace:
         """Free space on `path`'s filesystem, counting what its roots hold in the trash as freed.
@@ -556,13 +696,19 @@ class Daemon:
                     if hit is not None and hit[0] is c and hit[1] == decided:
                         row = hit[2]  # the same Checkpoint (they are replaced, never changed) and decision
                     else:
+                        if c.state is not State.COMPLETE:
+                            # Never deleted, whatever retention said when it last ran (it runs when
+                            # checkpoints complete or vanish: its reason may be an earlier state's).
+                            action, reasons = "keep", [f"{c.state}, never deleted: {_first_failed(c)}"]
+                        else:
+                            action, reasons = (decided[0], list(decided[1])) if decided else (None, [])
                         row = {
                             "name": c.name,
                             "step": c.step,
                             "state": str(c.state),
                             "size_bytes": c.size_bytes,
-                            "action": decided[0] if decided else None,
-                            "reasons": list(decided[1]) if decided else [],
+                            "action": action,
+                            "reasons": reasons,
                         }
                     rows[key] = (c, decided, row)
                     ckpts.append(row)
@@ -575,6 +721,7 @@ class Daemon:
                 {
                     "path": str(rt.root.path),
                     "observer": rt.observer,
+                    "role": rt.role(self.dry_run),  # leader, standby or dry-run
                     "leader": rt.leader,
                     "leadership": rt.lead.status(),
                     "quiet_period": rt.configured_quiet,
@@ -687,6 +834,10 @@ class Daemon:
                 rt = self._runtime(root, new)
                 self._try_lead(rt)
                 rt.tracker.full_scan()
+                found = rt.tracker.checkpoints()
+                log.info("%s: %d checkpoint(s) in %d run(s)", root.path, len(found), len(rt.tracker.runs),
+                         extra={"root": str(root.path)})
+                self._said_states.update({(str(root.path), c.rel): c.state for c in found})
             else:
                 if root.observer != rt.root.observer:
                     log.warning("%s: observer changed: it takes effect at the next start", root.path)
@@ -750,6 +901,32 @@ class Daemon:
         if self.journal is not None:
             self.journal.close()
         log.info("stopped")
+
+
+IN_FLIGHT = frozenset({State.WRITING, State.SETTLING})
+
+
+def _first_failed(c: Checkpoint) -> str:
+    """The first check that did not pass, for a state line."""
+    for check in c.checks:
+        if check.verdict is not Verdict.PASSED:
+            return f"{check.name} {check.verdict}: {check.detail}"
+    return "every check passed"
+
+
+def _by_file_times(c: Checkpoint, quiet_period: float, wall: float) -> Checkpoint:
+    """`c` with its quiet check as `ckptd plan` makes it: its newest mtime against the wall clock.
+
+    For the start-up preview only. The daemon itself settles a checkpoint on what it has
+    watched, on the monotonic clock (settle.py); a settling checkpoint is judged here.
+    """
+    if c.state is not State.SETTLING:
+        return c
+    age = wall - c.newest_mtime
+    verdict = Verdict.PASSED if age >= quiet_period else Verdict.FAILED  # a future mtime: not quiet
+    detail = f"by file times: last change {format_age(age)} ago"
+    checks = tuple(replace(k, verdict=verdict, detail=detail) if k.name == QUIET else k for k in c.checks)
+    return replace(c, checks=checks)
 
 
 def _log_late_failure(future: asyncio.Future[Any]) -> None:

@@ -13,6 +13,9 @@ import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
+CONFIG_NAME = "ckptd.toml"  # DIR/ckptd.toml
+VOLUME_NAME = "experiments"  # DIR/experiments/, the root
+
 DEMO_CONFIG = """\
 # Written by `ckptd demo`. See config.example.toml for every key.
 [daemon]
@@ -122,7 +125,7 @@ def hf_deepspeed_checkpoint(
 
 def build(base: Path, now: float) -> Path:
     """The demo volume under `base`, with a config beside it. Returns the config path."""
-    root = base / "experiments"
+    root = base / VOLUME_NAME
     run = root / "roberta-mlm"
     losses = {500: 0.91, 1000: 1.02, 1500: 0.97, 2000: 0.95, 2500: 0.93, 3000: 0.99}
     hour = 3600.0
@@ -148,6 +151,6 @@ def build(base: Path, now: float) -> Path:
         write_zip(it / "model_optim_rng.pt", 2048)
         age(it.parent, now - (6 - i) * hour)
     (mega / "latest_checkpointed_iteration.txt").write_text("4000")
-    config = base / "ckptd.toml"
+    config = base / CONFIG_NAME
     config.write_text(DEMO_CONFIG.format(root=root, state=base / "state"))
     return config

@@ -46,6 +46,15 @@ def _text(text: str) -> str:
     return text.strip()
 
 
+def _duration(text: str) -> str | float:
+    """A duration with its unit ('90s'), or a bare number of seconds, as TOML's `quiet_period = 90`."""
+    value = text.strip()
+    try:
+        return float(value)
+    except ValueError:
+        return value  # '90s', '10m': parsed and checked by the config's own Duration
+
+
 # variable -> (where: "daemon" | "root" | "retention", key, parse). CKPTD_ROOTS and
 # CKPTD_CONFIG (which file: see config.find_config) are handled on their own.
 VARIABLES: dict[str, tuple[str, str, Callable[[str], Any]]] = {
@@ -54,7 +63,7 @@ VARIABLES: dict[str, tuple[str, str, Callable[[str], Any]]] = {
     "CKPTD_LOG_FORMAT": ("daemon", "log_format", _text),
     "CKPTD_METRICS_LISTEN": ("daemon", "metrics_listen", _text),
     "CKPTD_LEADERSHIP": ("daemon", "leadership", _text),
-    "CKPTD_QUIET_PERIOD": ("root", "quiet_period", _text),
+    "CKPTD_QUIET_PERIOD": ("root", "quiet_period", _duration),
     "CKPTD_OBSERVER": ("root", "observer", _text),
     "CKPTD_WORLD_SIZE": ("root", "world_size", _integer),
     "CKPTD_KEEP_LAST": ("retention", "keep_last", _integer),

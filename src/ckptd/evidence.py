@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckptd import dsmeta, layouts, mounts, slim
-from ckptd.config import Pattern, format_duration, format_size
+from ckptd.config import Pattern, format_age, format_duration, format_size
 from ckptd.layouts import Candidate
 from ckptd.model import QUIET, Check, Checkpoint, Slimming, State, TrainerState, Verdict, as_metric
 
@@ -305,7 +305,7 @@ class Inspector:
             return Check(QUIET, Verdict.FAILED, f"newest mtime is {-age:.1f}s in the future (clock skew?)")
         if age < self.quiet_period:
             return Check(QUIET, FAILED, f"last change {age:.1f}s ago, quiet_period={period}")
-        return Check(QUIET, PASSED, f"unchanged for {format_duration(round(age))} (quiet_period={period})")
+        return Check(QUIET, PASSED, f"unchanged for {format_age(age)} (quiet_period={period})")
 
     def _world_sizes(
         self, ckpt: Path, gs: str, files: dict[str, Entry], stage3: bool, world_size: int | None
@@ -462,6 +462,26 @@ def _global_step_dirs(files: dict[str, Entry]) -> list[str]:
         for rel, e in files.items()
         if e.kind == "d" and "/" not in rel and re.fullmatch(r"global_step\d+", rel)
     )
+
+
+def step_mismatch(ckpt: Checkpoint, names: Iterable[str]) -> list[str]:
+    """Why a Trainer checkpoint's name and contents disagree on its step, if they do.
+
+    `checkpoint-3500` holding `global_step2000/` (or a trainer_state.json at another
+    global_step) was copied or renamed by hand: the Trainer names the directory from the
+    step it saves. Not a completeness check (every file may be there), so not a reason to
+    keep or delete; `verify` shows it as a warning. `names`: the entries directly inside.
+    """
+    if ckpt.layout != layouts.HF:
+        return []
+    out = []
+    tags = sorted(n for n in names if re.fullmatch(r"global_step\d+", n))
+    if tags and f"global_step{ckpt.step}" not in tags:
+        out.append(f"{ckpt.name} holds {', '.join(tags)}, not global_step{ckpt.step}: renamed or copied?")
+    ts = ckpt.trainer_state
+    if ts is not None and ts.global_step is not None and ts.global_step != ckpt.step:
+        out.append(f"{ckpt.name}'s {TRAINER_STATE} says global_step={ts.global_step}: renamed or copied?")
+    return out
 
 
 def _trainer_state(path: Path, files: dict[str, Entry]) -> tuple[Check, TrainerState | None]:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptd.config import Config
+from ckptd.config import Config, format_age
 
 MIN_MAX_AGE = 30.0
 POLLS = 3  # missed polls before a heartbeat is too old
@@ -60,9 +60,8 @@ def judge(
     age = max(0.0, now - doc.get("heartbeat", 0.0))
     limit = max_age if max_age is not None else max_age_for(doc)
     dry = ", dry run" if doc.get("dry_run") else ""
-    if age > limit:
-        return False, f"unhealthy: pid {doc.get('pid')}, heartbeat {age:.0f}s ago (max {limit:.0f}s){dry}"
-    return True, f"healthy: pid {doc.get('pid')}, heartbeat {age:.0f}s ago (max {limit:.0f}s){dry}"
+    said = f"pid {doc.get('pid')}, heartbeat {format_age(age)} ago (max {format_age(limit)}){dry}"
+    return (False, f"unhealthy: {said}") if age > limit else (True, f"healthy: {said}")
 
 
 def check(config: Config, *, now: float | None = None, max_age: float | None = None) -> tuple[bool, str]:
