@@ -99,6 +99,7 @@ class Scanner:
                 quiet=self.quiet,
                 slim_files=retention.slim_files,
                 pattern=self.root.patterns[cand.pattern] if cand.pattern is not None else None,
+                metric=retention.metric if retention.keep_best or retention.keep_total is not None else None,
             )
         except (FileNotFoundError, NotADirectoryError):
             return None
