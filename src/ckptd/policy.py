@@ -323,7 +323,10 @@ def metric_warnings(run: Run, r: Retention) -> list[str]:
         then = "only the other rules keep checkpoints"
     if not found:
         key = trainer_metric(r.metric)
-        mapped = f" ({key} in trainer_state.json, as the Trainer maps it)" if key != r.metric else ""
+        trainer = run.trainer_state() is not None or any(c.trainer_state for c in run.checkpoints)
+        mapped = ""
+        if key != r.metric and trainer:
+            mapped = f" ({key} in trainer_state.json, as the Trainer maps it)"
         none = f"is logged for none of its checkpoints{unread_note}"
         return [f"{run.path}: metric {r.metric!r}{mapped} {none}: {then}"]
     out = []
