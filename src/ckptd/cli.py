@@ -345,7 +345,8 @@ def cmd_latest(args: argparse.Namespace) -> int:
     from ckptd.resume import find_latest
 
     try:
-        quiet = parse_duration(args.quiet_period) if args.quiet_period is not None else None
+        text = args.quiet_period
+        quiet = None if text is None else parse_duration(float(text) if text.strip().isdigit() else text)
     except ValueError as exc:
         raise UsageError(f"--quiet-period: {exc}") from None
     found = find_latest(args.run_dir, config=find_config(args.config), by=args.by, quiet_period=quiet)
@@ -365,7 +366,7 @@ def cmd_latest(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return EX_OK if c else 1
     for c, why in found.passed_over:
-        print(f"ckptd: passed over {c.rel}: {why}", file=sys.stderr)
+        print(f"ckptd: passed over {found.rel(c)}: {why}", file=sys.stderr)
     if found.note:
         print(f"ckptd: note: {found.note}", file=sys.stderr)
     if found.checkpoint is None:

@@ -51,6 +51,10 @@ class Latest:
     def path(self) -> Path | None:
         return self.checkpoint.path if self.checkpoint is not None else None
 
+    def rel(self, c: Checkpoint) -> str:
+        """`c`'s path relative to the run directory asked about."""
+        return _rel(self.run_dir, c)
+
 
 def latest(
     run_dir: str | os.PathLike[str],
@@ -113,7 +117,7 @@ def choose(run_dir: Path, ckpts: list[Checkpoint], *, by: str = "step") -> Lates
         if not ckpts:
             why = f"no checkpoints in {run_dir} (none that ckptd recognises)"
         else:
-            shown = "; ".join(f"{c.rel}: {w}" for c, w in passed[:3])
+            shown = "; ".join(f"{_rel(run_dir, c)}: {w}" for c, w in passed[:3])
             more = f"; and {len(passed) - 3} more" if len(passed) > 3 else ""
             why = f"none of its {len(ckpts)} checkpoints is complete and full: {shown}{more}"
         return Latest(run_dir, None, passed, why_none=why)
@@ -122,11 +126,15 @@ def choose(run_dir: Path, ckpts: list[Checkpoint], *, by: str = "step") -> Lates
     if other is not chosen:
         if by == "step":
             note = (
-                f"{other.rel} (step {other.step_label}) was written after {chosen.rel}: a new job in this "
-                "directory, or a rollback? Naming the highest step; --by time names the one written last"
+                f"{_rel(run_dir, other)} (step {other.step_label}) was written after "
+                f"{_rel(run_dir, chosen)}: a new job in this directory, or a rollback? Naming the highest "
+                "step; --by time names the one written last"
             )
         else:
-            note = f"{other.rel} has a higher step than {chosen.rel}, which was written last (--by time)"
+            note = (
+                f"{_rel(run_dir, other)} has a higher step than {_rel(run_dir, chosen)}, which was written "
+                "last (--by time)"
+            )
     return Latest(run_dir, chosen, passed, note=note)
 
 
@@ -136,6 +144,10 @@ def why_not(c: Checkpoint) -> str:
         return "slimmed by ckptd (weights only: its optimizer state is gone)"
     problem = next((k for k in c.checks if k.verdict is not Verdict.PASSED), None)
     return f"{c.state}: {problem.name} {problem.verdict}: {problem.detail}" if problem else str(c.state)
+
+
+def _rel(run_dir: Path, c: Checkpoint) -> str:
+    return os.path.relpath(c.path, run_dir)
 
 
 def _written_key(c: Checkpoint) -> tuple[float, int, str]:
@@ -179,11 +191,14 @@ def _the_run(path: Path, found: list[RunDir]) -> list[RunDir]:
     here = [d for d in found if d.rel == "."]
     if here:
         return here
-    shapes = {"/".join("*" if _PER_LAUNCH.fullmatch(p) else p for p in d.rel.split("/")) for d in found}
+    def shape(rel: str) -> str:
+        return "/".join("*" if _PER_LAUNCH.fullmatch(p) else p for p in rel.split("/"))
+
+    shapes = sorted({shape(d.rel) for d in found})
     if len(shapes) == 1:
         return found
-    names = ", ".join(d.rel for d in found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
-    raise UsageError(f"{path} holds {len(found)} runs ({names}): name one of them")
+    names = ", ".join(shapes[:5]) + (f" and {len(shapes) - 5} more" if len(shapes) > 5 else "")
+    raise UsageError(f"{path} holds {len(shapes)} runs ({names}): name one of them")
 
 
 def _join(rel: str, sub: str) -> str:
