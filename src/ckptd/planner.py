@@ -131,7 +131,7 @@ def decide(
         for run in runs:
             retention, _ = root.retention_for(run.rel)
             ds = policy.decide_run(run, retention)
-            warnings += policy.metric_warnings(run, retention)
+            warnings += policy.metric_warnings(run, retention, ds)
             alone = [c for c in run.checkpoints if c.state is State.COMPLETE and on_quiet_alone(c)]
             if alone:
                 warnings.append(

@@ -142,13 +142,14 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
     anchored = anchors(ckpts)
     for c, why in anchored:
         kept(c, why, protect=True)
+    values: dict[int, float | str | None] = {}
     if r.metric and (r.keep_best or r.keep_total):
         for c in ckpts:
-            readings[id(c)] = run.reading(c, r.metric)
+            found = readings[id(c)] = run.reading(c, r.metric)
+            values[id(c)] = found.value if found is not None else None
 
     def metric(c: Checkpoint) -> float | str | None:
-        found = readings.get(id(c))
-        return found.value if found is not None else None
+        return values.get(id(c))
 
     counted: set[int] = set()  # what keep_total keeps
     if r.keep_total is not None:
@@ -301,18 +302,23 @@ def _keep_total(
 _ORDER_FIELDS = frozenset({"epoch", "step", "consumed_samples"})
 
 
-def metric_warnings(run: Run, r: Retention) -> list[str]:
+def metric_warnings(run: Run, r: Retention, decisions: Sequence[Decision] | None = None) -> list[str]:
     """What `plan` should say about a run's metric rather than fall back silently: a configured
     metric that appears in none of its checkpoints (keep_best then keeps nothing by it,
     keep_missing_metric keeps everything), values from more than one source, some checkpoints
     without one, a value that could not be read (a Lightning .ckpt without torch); and, with no
-    metric configured, a framework that records its metrics where only a named metric is read."""
+    metric configured, a framework that records its metrics where only a named metric is read.
+    `decisions`, the run's from `decide_run`, carry each checkpoint's reading already."""
     if not run.checkpoints or not (r.keep_best or r.keep_total is not None):
         return []
     if not r.metric:
         return _no_metric_warnings(run)
-    readings = [(c, run.reading(c, r.metric)) for c in run.checkpoints]
-    found = [x for _, x in readings if x is not None]
+    sources: list[tuple[Checkpoint, str | None]]  # where each checkpoint's value came from; None: nowhere
+    if decisions is not None:
+        sources = [(d.checkpoint, d.metric_source) for d in decisions]
+    else:
+        sources = [(c, x.source if (x := run.reading(c, r.metric)) else None) for c in run.checkpoints]
+    found = [x for _, x in sources if x is not None]
     unread = [c for c in run.checkpoints if c.metric_problem]
     unread_note = f"; {len(unread)} could not be read: {unread[0].metric_problem}" if unread else ""
     if r.keep_total is not None:
@@ -330,14 +336,14 @@ def metric_warnings(run: Run, r: Retention) -> list[str]:
         none = f"is logged for none of its checkpoints{unread_note}"
         return [f"{run.path}: metric {r.metric!r}{mapped} {none}: {then}"]
     out = []
-    sources = Counter(x.source for x in found)
-    if len(sources) > 1:
-        counts = ", ".join(f"{s} ({n})" for s, n in sorted(sources.items()))
+    by_source = Counter(found)
+    if len(by_source) > 1:
+        counts = ", ".join(f"{s} ({n})" for s, n in sorted(by_source.items()))
         out.append(
             f"{run.path}: metric {r.metric!r} comes from more than one source: {counts}; a file name's "
             "value is rounded as the name was formatted"
         )
-    missing = [c for c, x in readings if x is None and c.state is State.COMPLETE]
+    missing = [c for c, x in sources if x is None and c.state is State.COMPLETE]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         shown = ", ".join(c.name for c in missing[:3]) + more
