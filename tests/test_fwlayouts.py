@@ -238,3 +238,17 @@ def test_a_second_callbacks_state_does_not_lend_its_score_to_a_file(tmp_path):
     assert fwmetrics.ckpt_scores(tmp_path / "epoch=1-step=4.ckpt") == {"val_loss": pytest.approx(0.4)}
     assert fwmetrics.ckpt_scores(tmp_path / "step=5.ckpt") == (
         "no ModelCheckpoint with a monitor lists this file in its state")
+
+
+def test_nemos_unfinished_marker_counts_for_a_lightning_named_file_too(tmp_path):
+    """NeMo's ModelCheckpoint may name its files as Lightning's do (a user template without `--`):
+    its `-unfinished` marker beside one still says the save is not finished (hand-made marker)."""
+    run = tmp_path / "run"
+    write_zip(run / "epoch=0-step=100.ckpt")
+    write_zip(run / "epoch=1-step=200.ckpt")
+    (run / "epoch=1-step=200-unfinished").touch()
+    age(tmp_path, OLD)
+    seen = scan(tmp_path)
+    assert seen["run/epoch=0-step=100.ckpt"].state is State.COMPLETE
+    assert failed(seen["run/epoch=1-step=200.ckpt"]) == [
+        "nemo marker: epoch=1-step=200-unfinished present: save not finished"]
