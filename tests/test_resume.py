@@ -155,3 +155,9 @@ def test_ckptd_latest_is_importable_cheaply_and_imports_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "CKPTD_CONFIG": ""})
     assert out.stdout.split() == [str(run / "checkpoint-20"), "True", "False"], out.stderr
+
+
+def test_verify_says_what_a_last_copy_is(tmp_path):
+    write_zip(tmp_path / "run" / "last.ckpt")
+    proc = run_ckptd("verify", tmp_path / "run" / "last.ckpt")
+    assert proc.returncode == 1 and "not a step: ckptd never counts it and never deletes it" in proc.stderr

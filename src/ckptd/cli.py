@@ -294,6 +294,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return os.listdir(path)
 
     cand = layouts.recognise(path.name, is_dir, children, patterns)
+    if cand is None and layouts.is_last_copy(path.name):
+        print(f"{args.path}: {layouts.LAST_COPY_NOTE}", file=sys.stderr)
+        return 1
     if cand is None or path.is_symlink():
         print(
             f"{args.path}: not a checkpoint ckptd recognises (symlinks are never followed)", file=sys.stderr

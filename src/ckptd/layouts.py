@@ -57,6 +57,10 @@ _FIELD = re.compile(
 # each save, never a step of their own. A resume takes them (Lightning's ckpt_path="last",
 # NeMo's resume_if_exists): ckptd never counts them and never deletes them.
 _LAST_COPY = re.compile(r"(?:.*-)?last(?:-v\d+)?")
+LAST_COPY_NOTE = (
+    "a last copy (Lightning's last.ckpt, NeMo's -last): rewritten or renamed at every save and what a "
+    "resume from 'last' loads; not a step: ckptd never counts it and never deletes it"
+)
 # What a NeMo distributed-checkpoint directory holds (NeMo 1: torch_dist; NeMo 2: weights/ + context/).
 _NEMO_DIR_MARKERS = frozenset({"weights", "context", "metadata.json", "common.pt", ".metadata"})
 # Directories frameworks make on the way to their checkpoints; discovery does not count them
