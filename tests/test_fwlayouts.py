@@ -252,3 +252,36 @@ def test_nemos_unfinished_marker_counts_for_a_lightning_named_file_too(tmp_path)
     assert seen["run/epoch=0-step=100.ckpt"].state is State.COMPLETE
     assert failed(seen["run/epoch=1-step=200.ckpt"]) == [
         "nemo marker: epoch=1-step=200-unfinished present: save not finished"]
+
+
+def test_the_daemons_polling_finds_a_new_lightning_version_below_max_depth(tmp_path):
+    """A resumed fit opens lightning_logs/version_1/checkpoints: the daemon's re-listing of the
+    directory that changed counts depth as discovery does (framework-made directories are free)."""
+    from ckptd.tracker import RootTracker
+
+    logs = tmp_path / "team" / "run" / "lightning_logs"
+    write_zip(logs / "version_0" / "checkpoints" / "epoch=0-step=2.ckpt")
+    t = RootTracker(Root(path=tmp_path, max_depth=2), lambda: 1000.0)
+    t.full_scan()
+    assert [c.rel for c in t.checkpoints()] == ["team/run/lightning_logs/version_0/checkpoints/epoch=0-step=2.ckpt"]
+    write_zip(logs / "version_1" / "checkpoints" / "epoch=1-step=4.ckpt")
+    t.poll()
+    assert sorted(c.rel for c in t.checkpoints()) == [
+        "team/run/lightning_logs/version_0/checkpoints/epoch=0-step=2.ckpt",
+        "team/run/lightning_logs/version_1/checkpoints/epoch=1-step=4.ckpt"]
+
+
+def test_the_daemons_relisting_counts_depth_as_discovery_does(tmp_path):
+    """Re-listing a changed directory below framework-made ones: `lightning_logs/version_0` has used
+    none of max_depth=2, so a run two levels below it is in reach, as a full scan finds it."""
+    from ckptd.tracker import RootTracker
+
+    version = tmp_path / "lightning_logs" / "version_0"
+    write_zip(version / "checkpoints" / "epoch=0-step=2.ckpt")
+    t = RootTracker(Root(path=tmp_path, max_depth=2), lambda: 1000.0)
+    t.full_scan()
+    (version / "exp" / "run" / "checkpoint-1").mkdir(parents=True)
+    t.poll()
+    assert "lightning_logs/version_0/exp/run/checkpoint-1" in {c.rel for c in t.checkpoints()}
+    assert [r.rel for r in find_runs(tmp_path, max_depth=2)] == [
+        "lightning_logs/version_0/checkpoints", "lightning_logs/version_0/exp/run"]

@@ -415,6 +415,8 @@ MUTS = [
    "        whole_file = not e.rel and name.endswith((\".ckpt\", \".nemo\"))", "        whole_file = not e.rel and name.endswith(\".ckpt\")")]),
  dict(id="FW11", what="a Lightning score from its own file's entry in best_k_models, not another's", tests="fwlayouts", edits=[(FM,
    "            if isinstance(saved, str) and os.path.basename(saved) == path.name:", "            if isinstance(saved, str):")]),
+ dict(id="FW12", what="the daemon's re-listing counts depth as discovery does", tests="fwlayouts", edits=[("tracker.py",
+   "            depth = depth_of(rel)", "            depth = 0 if rel == \".\" else rel.count(\"/\") + 1")]),
  dict(id="KT1", what="keep_total never overrides the anchors", tests="keep_total", edits=[(P,
    "    for c, why in anchored:\n", "    for c, why in (anchored if r.keep_total is None else []):\n")]),
  dict(id="KT2", what="keep_total: the best is protected inside the limit", tests="keep_total", edits=[(P,
