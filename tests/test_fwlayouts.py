@@ -285,3 +285,17 @@ def test_the_daemons_relisting_counts_depth_as_discovery_does(tmp_path):
     assert "lightning_logs/version_0/exp/run/checkpoint-1" in {c.rel for c in t.checkpoints()}
     assert [r.rel for r in find_runs(tmp_path, max_depth=2)] == [
         "lightning_logs/version_0/checkpoints", "lightning_logs/version_0/exp/run"]
+
+
+def test_torchtitans_staged_shards_are_not_a_save_it_loads(tmp_path):
+    """torchtitan stages an HF save's shards in step-N/sharded/ (a whole DCP save there) and then
+    consolidates them; killed before the index is written, step-N holds neither .metadata nor
+    model.safetensors.index.json at its top, and `_find_load_step` skips it."""
+    staged = tmp_path / "outputs" / "checkpoint" / "step-30" / "sharded"
+    staged.mkdir(parents=True)
+    (staged / "__0_0.distcp").write_bytes(b"s")
+    (staged / ".metadata").write_bytes(b"m")
+    age(tmp_path, OLD)
+    c = scan(tmp_path)["outputs/checkpoint/step-30"]
+    assert (c.layout, c.state) == ("torchtitan", State.INCOMPLETE)
+    assert failed(c) == ["torchtitan step: neither .metadata nor model.safetensors.index.json (written last)"]
