@@ -299,3 +299,32 @@ def test_torchtitans_staged_shards_are_not_a_save_it_loads(tmp_path):
     c = scan(tmp_path)["outputs/checkpoint/step-30"]
     assert (c.layout, c.state) == ("torchtitan", State.INCOMPLETE)
     assert failed(c) == ["torchtitan step: neither .metadata nor model.safetensors.index.json (written last)"]
+
+
+def test_values_from_more_than_one_source_and_missing_ones_are_said(tmp_path):
+    """A template changed mid-run: older names carry val_loss, newer ones not (read from the .ckpt
+    state instead), and one has it nowhere. Pure: the checkpoints as a scan leaves them."""
+    from dataclasses import replace
+
+    from ckptd.model import CKPT_STATE, FILE_NAME, Checkpoint, Reading, Run, Verdict
+    from ckptd.model import Check as K
+
+    def ckpt(step: int, metrics: tuple) -> Checkpoint:
+        return Checkpoint(tmp_path, "run", f"epoch={step}-step={step}.ckpt", step, "lightning",
+                          (K("quiet", Verdict.PASSED, "q"),), written_at=float(step), saved_at=float(step))
+
+    run = Run(tmp_path, "run", (
+        replace(ckpt(1, ()), metrics=(("val_loss", Reading(0.5, FILE_NAME)),)),
+        replace(ckpt(2, ()), metrics=(("val_loss", Reading(0.4, CKPT_STATE)),)),
+        ckpt(3, ()),
+    ))
+    decisions = decide_run(run, Retention(keep_last=1, keep_best=1, metric="val_loss"))
+    assert [(d.metric, d.metric_source) for d in decisions] == [(0.5, FILE_NAME), (0.4, CKPT_STATE), (None, None)]
+    warnings = metric_warnings(run, Retention(keep_last=1, keep_best=1, metric="val_loss"), decisions)
+    assert warnings == [
+        f"{tmp_path}/run: metric 'val_loss' comes from more than one source: .ckpt ModelCheckpoint state (1), "
+        "file name (1); a file name's value is rounded as the name was formatted",
+        f"{tmp_path}/run: metric 'val_loss' found for 2 of 3 complete checkpoints; none for epoch=3-step=3.ckpt: "
+        "keep_missing_metric keeps them",
+    ]
+    assert metric_warnings(run, Retention(keep_last=1, keep_best=1, metric="val_loss")) == warnings  # no decisions
