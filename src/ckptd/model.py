@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -225,6 +225,24 @@ class Run:
                 if entry and key in entry:
                     return Reading(as_metric(entry[key]), TRAINER_STATE)
         return ckpt.own_metric(name) if ckpt.metrics else None
+
+    def readings(self, ckpts: Iterable[Checkpoint], name: str) -> list[Reading | None]:
+        """`reading` for each of `ckpts` (of this run), in one pass: planning asks for every one."""
+        key = trainer_metric(name)
+        newest = self._newest_trainer_state
+        newest_history = newest.history if newest is not None else None
+        out: list[Reading | None] = []
+        for c in ckpts:
+            found = None
+            for history in (newest_history, c.trainer_state.history if c.trainer_state is not None else None):
+                entry = history.get(c.step) if history else None
+                if entry and key in entry:
+                    found = Reading(as_metric(entry[key]), TRAINER_STATE)
+                    break
+            if found is None and c.metrics:
+                found = c.own_metric(name)
+            out.append(found)
+        return out
 
 
 def trainer_metric(name: str) -> str:

@@ -144,8 +144,8 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
         kept(c, why, protect=True)
     values: dict[int, float | str | None] = {}
     if r.metric and (r.keep_best or r.keep_total):
-        for c in ckpts:
-            found = readings[id(c)] = run.reading(c, r.metric)
+        for c, found in zip(ckpts, run.readings(ckpts, r.metric), strict=True):
+            readings[id(c)] = found
             values[id(c)] = found.value if found is not None else None
 
     def metric(c: Checkpoint) -> float | str | None:
@@ -317,7 +317,8 @@ def metric_warnings(run: Run, r: Retention, decisions: Sequence[Decision] | None
     if decisions is not None:
         sources = [(d.checkpoint, d.metric_source) for d in decisions]
     else:
-        sources = [(c, x.source if (x := run.reading(c, r.metric)) else None) for c in run.checkpoints]
+        found_at = run.readings(run.checkpoints, r.metric)
+        sources = [(c, x.source if x else None) for c, x in zip(run.checkpoints, found_at, strict=True)]
     found = [x for _, x in sources if x is not None]
     unread = [c for c in run.checkpoints if c.metric_problem]
     unread_note = f"; {len(unread)} could not be read: {unread[0].metric_problem}" if unread else ""
