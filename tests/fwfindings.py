@@ -54,6 +54,8 @@ def framework_says(rec: dict[str, Any]) -> str:
 
 def verdict(rec: dict[str, Any], plan: dict[str, Any] | None) -> str:
     complete = bool(rec["truth"].get("complete"))
+    if plan is None and rec.get("last"):
+        return "agrees: a last copy, not a step (never listed, counted or deleted)"
     if plan is None:
         return "**MISSED**: not in the plan" if complete else "**MISSED** (not listed; it is broken)"
     if plan["state"] == "complete" and not complete:
@@ -110,6 +112,10 @@ def table(results: dict[str, dict[str, Any]], state: Path) -> None:
             failing = [f"{c['name']}: {c['detail']}" for c in ver.get("checks", []) if c["verdict"] != "passed"]
             plan_cell = "not listed" if got is None else \
                 f"{got['state']}, {got['action']}, {got['layout']}, {got['step']}, {got['metric']}"
+            if got is not None and got.get("step_unit", "step") != "step":
+                plan_cell += f" ({got['step_unit']})"
+            if got is not None and got.get("metric_source"):
+                plan_cell += f" from {got['metric_source']}"
             metric = rec.get("metric")
             if metric is not None and got is not None and got["metric"] != metric:
                 plan_cell += f" (logged: {metric})"

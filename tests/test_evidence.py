@@ -48,8 +48,23 @@ def checks(ckpt) -> dict[str, tuple[Verdict, str]]:
         ("42.orbax-checkpoint-tmp-1700000000", True, (layouts.ORBAX, 42)),
         ("megatron_gpt--val_loss=1.23-step=1000-consumed_samples=8000.0.ckpt", False, (layouts.NEMO, 1000)),
         ("megatron_gpt--val_loss=1.23-step=1000-consumed_samples=8000.0", True, (layouts.NEMO, 1000)),
-        ("epoch=3-step=900.ckpt", False, (layouts.NEMO, 900)),
+        ("epoch=3-step=900.ckpt", False, (layouts.LIGHTNING, 900)),
+        # Lightning templates without a step: ordered by epoch (then time); NeMo's default has none
+        ("epoch=1-val_loss=0.40.ckpt", False, (layouts.LIGHTNING, 1)),
+        ("epoch=1-val_loss=-0.40-v1.ckpt", False, (layouts.LIGHTNING, 1)),
+        ("model-epoch=02-val_loss=0.52.ckpt", False, (layouts.LIGHTNING, 2)),
+        ("megatron_gpt--val_loss=2.3456-epoch=3.ckpt", False, (layouts.NEMO, 3)),
+        ("megatron_gpt--val_loss=2.3456-epoch=0-consumed_samples=8000.0", True, (layouts.NEMO, 8000)),
+        ("megatron_gpt.nemo", False, None),  # NeMo's archive, rewritten in place: no step of its own
+        ("val_loss=0.40.ckpt", False, None),  # nothing to order by
+        # last copies are not steps: Lightning's save_last, NeMo's -last
+        ("last.ckpt", False, None),
+        ("last-v1.ckpt", False, None),
+        ("epoch=3-last.ckpt", False, None),
+        ("megatron_gpt--val_loss=2.3456-epoch=3-step=900-last.ckpt", False, None),
+        ("megatron_gpt--val_loss=2.3456-epoch=3-step=900-last", True, None),
         ("megatron_gpt--step=1000-unfinished", False, None),
+        ("step_3.orbax-checkpoint-tmp", True, (layouts.ORBAX, 3)),  # Orbax's step_prefix
         ("notes-step=5.txt", False, None),
         ("ckpt_77", True, (layouts.PATTERN, 77)),
         ("ckpt_77.tmp", True, None),
@@ -68,6 +83,12 @@ def test_recognise_by_name(name, is_dir, expected):
     [
         ("42", ["_CHECKPOINT_METADATA", "default"], (layouts.ORBAX, 42)),
         ("42", ["checkpoint-1"], None),  # a run named 42 is not an Orbax step
+        ("step_100", ["_CHECKPOINT_METADATA", "commit_success.txt", "default"], (layouts.ORBAX, 100)),
+        ("step_000100", ["_CHECKPOINT_METADATA", "default"], (layouts.ORBAX, 100)),  # fixed length
+        ("00000100", ["_CHECKPOINT_METADATA", "default"], (layouts.ORBAX, 100)),
+        ("step_10", ["model.safetensors", "optimizer.bin", "random_states_0.pkl"], (layouts.ACCELERATE, 10)),
+        ("step-30", [".metadata", "__0_0.distcp"], (layouts.TORCHTITAN, 30)),
+        ("step-30", ["model.safetensors.index.json", "model-00001-of-00001.safetensors"], (layouts.TORCHTITAN, 30)),
         ("step_300", [".metadata", "__0_0.distcp"], (layouts.DCP, 300)),
         ("step_300", ["__0_0.distcp"], (layouts.DCP, 300)),  # in flight: recognised, then incomplete
         ("final", [".metadata"], None),  # no step to order by
@@ -488,9 +509,9 @@ def test_a_directory_holding_checkpoints_is_a_run_not_a_checkpoint(tmp_path, rel
 
 def test_a_nemo_named_directory_without_nemo_contents_is_not_a_checkpoint(tmp_path):
     (tmp_path / "run" / "epoch=1-step=100" / "tensorboard").mkdir(parents=True)
-    (tmp_path / "run" / "megatron--step=200-last" / "weights").mkdir(parents=True)
+    (tmp_path / "run" / "megatron--step=200" / "weights").mkdir(parents=True)
     [run] = find_runs(tmp_path)
-    assert [c.name for c in run.candidates] == ["megatron--step=200-last"]
+    assert [c.name for c in run.candidates] == ["megatron--step=200"]
 
 
 def test_a_model_states_file_still_being_written_does_not_import_torch(tmp_path):

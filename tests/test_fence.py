@@ -39,7 +39,7 @@ class Fence:
         return None if self.asked <= self.allow else self.why
 
 
-def test_no_deletion_once_the_fence_says_no(volume, tmp_path):  # noqa: F811
+def test_no_deletion_once_the_fence_says_no(volume, tmp_path):
     reaper, plan, journal = make(volume, tmp_path)
     reaper.fence = Fence(allow=1)
     results = reaper.execute(plan.decisions)
@@ -51,7 +51,7 @@ def test_no_deletion_once_the_fence_says_no(volume, tmp_path):  # noqa: F811
     assert [r["event"] for r in read_journal(tmp_path / "state")] == ["trashing", "trashed", "refused", "refused"]
 
 
-def test_a_fence_that_cannot_answer_is_a_no(volume, tmp_path):  # noqa: F811
+def test_a_fence_that_cannot_answer_is_a_no(volume, tmp_path):
     reaper, plan, journal = make(volume, tmp_path)
 
     def broken() -> str | None:
@@ -65,7 +65,7 @@ def test_a_fence_that_cannot_answer_is_a_no(volume, tmp_path):  # noqa: F811
     journal.close()
 
 
-def test_the_dry_run_never_asks(volume, tmp_path):  # noqa: F811
+def test_the_dry_run_never_asks(volume, tmp_path):
     reaper, plan, _ = make(volume, tmp_path, dry_run=True)
     reaper.fence = Fence(allow=0)
     assert {r.outcome for r in reaper.execute(plan.decisions)} == {Outcome.DRY_RUN}
@@ -82,7 +82,7 @@ def test_the_dry_run_never_asks(volume, tmp_path):  # noqa: F811
         (4, None, "done"),
     ],
 )
-def test_a_slim_asks_before_each_rename(unconsolidated, tmp_path, monkeypatch, allow, detail, marker):  # noqa: F811
+def test_a_slim_asks_before_each_rename(unconsolidated, tmp_path, monkeypatch, allow, detail, marker):
     fake_consolidator(monkeypatch)
     reaper, plan, journal = reaper_for(unconsolidated, tmp_path, keep_last=3, keep_full_last=1)
     reaper.fence = Fence(allow)

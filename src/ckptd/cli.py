@@ -145,6 +145,25 @@ def build_parser() -> argparse.ArgumentParser:
         exits="exit codes as `ckptd run` would give",
     )
 
+    sp = command(
+        "latest",
+        "print the newest complete, full checkpoint of a run: what a restart should resume from",
+        roots=False,
+    )
+    sp.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (e.g. the Trainer's output_dir)")
+    sp.add_argument(
+        "--by",
+        choices=("step", "time"),
+        default="step",
+        help="newest by step (the default, as the frameworks number them) or by time written",
+    )
+    sp.add_argument(
+        "--quiet-period",
+        metavar="DURATION",
+        help="override quiet_period (e.g. 0 when the job that wrote the run is known to be dead)",
+    )
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
+
     sp = command("demo", "write a small example volume and a config for it", roots=False, config=False)
     sp.add_argument("dir", metavar="DIR", help="where to write it (created if missing)")
     sp.add_argument("--force", action="store_true", help="overwrite an earlier demo (or anything) in DIR")
@@ -585,6 +604,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return os.listdir(path)
 
     cand = layouts.recognise(path.name, is_dir, children, patterns)
+    if cand is None and layouts.is_last_copy(path.name):
+        raise UsageError(f"{args.path}: {layouts.LAST_COPY_NOTE}")
     if cand is None:
         held = find_runs(path, max_depth=0, patterns=patterns) if is_dir else []
         if held:
@@ -642,6 +663,43 @@ def _root_for(config: Config, path: Path) -> Root:
         if real.is_relative_to(os.path.realpath(root.path)) and real != Path(os.path.realpath(root.path)):
             return root
     return Root(path=path.parent)
+
+
+def cmd_latest(args: argparse.Namespace) -> int:
+    """`resume_from_checkpoint=$(ckptd latest out/)`: the path on stdout, or exit 1 saying why not."""
+    from ckptd.config import parse_duration
+    from ckptd.resume import find_latest
+
+    try:
+        text = args.quiet_period
+        quiet = None if text is None else parse_duration(float(text) if text.strip().isdigit() else text)
+    except ValueError as exc:
+        raise UsageError(f"--quiet-period: {exc}") from None
+    found = find_latest(args.run_dir, config=find_config(args.config), by=args.by, quiet_period=quiet)
+    if args.json:
+        c = found.checkpoint
+        doc = {
+            "path": str(c.path) if c else None,
+            "step": c.step if c else None,
+            "step_unit": c.unit if c else None,
+            "layout": c.layout if c else None,
+            "why_none": found.why_none,
+            "note": found.note,
+            "passed_over": [
+                {"path": str(p.path), "state": str(p.state), "why": w} for p, w in found.passed_over
+            ],
+        }
+        print(json.dumps(doc, indent=2))
+        return EX_OK if c else 1
+    for c, why in found.passed_over:
+        print(f"ckptd: passed over {found.rel(c)}: {why}", file=sys.stderr)
+    if found.note:
+        print(f"ckptd: note: {found.note}", file=sys.stderr)
+    if found.checkpoint is None:
+        print(f"ckptd: nothing to resume from: {found.why_none}", file=sys.stderr)
+        return 1
+    print(found.checkpoint.path)
+    return EX_OK
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -764,6 +822,8 @@ def decision_json(d: Decision) -> dict[str, Any]:
         "state": str(c.state),
         "size_bytes": c.size_bytes,
         "metric": metric,
+        "metric_source": d.metric_source,
+        "step_unit": c.unit,
         "action": str(d.action),
         "bytes_freed": d.bytes_freed,
         "protected": d.protected,
@@ -784,11 +844,13 @@ def print_table(decisions: Sequence[Decision], *, checks: bool = False) -> None:
     for d in decisions:
         c = d.checkpoint
         metric = f"{d.metric:.4g}" if isinstance(d.metric, float) else (d.metric or "-")
+        if d.metric_source is not None:  # where it was read: trainer_state, file name, ...
+            metric = f"{metric} ({d.metric_source})"
         rows.append(
             (
                 c.run,
                 c.name,
-                str(c.step),
+                c.step_label,
                 str(c.state),
                 format_size(c.size_bytes),
                 str(metric),
@@ -817,6 +879,7 @@ COMMANDS = {
     "prune": cmd_prune,
     "verify": cmd_verify,
     "check-config": cmd_check_config,
+    "latest": cmd_latest,
     "demo": cmd_demo,
 }
 

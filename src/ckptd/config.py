@@ -219,8 +219,22 @@ class Retention(_Strict):
         default=True,
         description="With keep_best and metric: keep checkpoints that have no value for the metric.",
     )
+    keep_total: int | None = Field(
+        strict=True,
+        default=None,
+        ge=1,
+        description="The Trainer's save_total_limit: keep at most N complete checkpoints, the newest and "
+        "the best (by `metric`, else the trainer's best_model_checkpoint) counted inside the N, as the "
+        "Trainer rotates them. Replaces keep_last and keep_best (a union keeps the best beside the N "
+        "newest). Never deletes what is always kept (newest complete by step and by time, pinned, in "
+        "flight, named by a resume pointer): those stay, over the limit if need be.",
+    )
     keep_every_steps: int = Field(
-        strict=True, default=0, ge=0, description="Keep checkpoints whose step is a multiple of N (0: off)."
+        strict=True,
+        default=0,
+        ge=0,
+        description="Keep checkpoints whose step is a multiple of N (0: off); not checkpoints numbered "
+        "by epoch or save count.",
     )
     keep_within: Duration | None = Field(
         None,
@@ -262,10 +276,24 @@ class Retention(_Strict):
                 raise ValueError(f"a slim_files glob is a relative path without '.' or '..' (got {glob!r})")
         return v
 
+    @model_validator(mode="after")
+    def _total_or_union(self) -> Retention:
+        both = {"keep_last", "keep_best"} & self.model_fields_set
+        if self.keep_total is not None and both:
+            raise ValueError(
+                f"keep_total replaces {' and '.join(sorted(both))}: it is the Trainer's save_total_limit, "
+                "which counts the best inside the limit; set one or the other"
+            )
+        return self
+
     def describe(self) -> str:
         """The rules in force, for reasons: `keep_last=2 and keep_best=1 (eval_loss, min)`."""
-        parts = [f"keep_last={self.keep_last}"]
-        if self.keep_best:
+        if self.keep_total is not None:
+            best = f"best by {self.metric}, {self.mode}" if self.metric else "the trainer's best"
+            parts = [f"keep_total={self.keep_total} (save_total_limit: {best} counted)"]
+        else:
+            parts = [f"keep_last={self.keep_last}"]
+        if self.keep_total is None and self.keep_best:
             best = f"keep_best={self.keep_best}"
             best += f" ({self.metric}, {self.mode})" if self.metric else " (trainer's best)"
             parts.append(best)
@@ -416,6 +444,8 @@ class Root(_Strict):
                 }
                 if "pins" in overrides:  # pins add up: a run rule never unpins what the root pins
                     overrides["pins"] = (*self.retention.pins, *overrides["pins"])
+                if {"keep_last", "keep_best"} & overrides.keys() and "keep_total" not in overrides:
+                    overrides["keep_total"] = None  # the run asks for the union: not the root's keep_total
                 world = rule.world_size if rule.world_size is not None else self.world_size
                 return self.retention.model_copy(update=overrides), world
         return self.retention, self.world_size

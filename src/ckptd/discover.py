@@ -2,7 +2,14 @@
 
 A run is any directory that directly holds checkpoints, at any depth up to
 `max_depth`, so `<root>/<run>/checkpoint-N` and `<root>/<team>/<run>/checkpoint-N`
-both work. Checkpoints are not descended into, symlinks are never followed,
+both work. Directories a framework makes on the way to its checkpoints
+(Lightning's `lightning_logs/version_N/checkpoints`, NeMo's timestamped version,
+torchtitan's `checkpoint`) do not count against `max_depth`: Lightning's default
+tree under team/run folders is 5 levels down, below the default of 4, and was
+found empty without a word. Raising the default instead would list every
+directory one or two levels deeper on a big volume (datasets included), and
+watch them; these names cost a listing only where they exist.
+Checkpoints are not descended into, symlinks are never followed,
 and hidden directories (the trash among them) are skipped.
 """
 
@@ -50,12 +57,14 @@ def find_runs(
     max_depth: int = 4,
     patterns: Collection[re.Pattern[str]] = (),
     visited: dict[str, int] | None = None,
+    framework_dirs: bool = True,
 ) -> list[RunDir]:
     """Every run under `root`, with the checkpoint candidates it holds, sorted by path.
 
     `visited`, if given, receives every directory listed (relative to `root`)
     with the mtime it had just before it was listed: a later stat showing a
-    different mtime means its entries changed (targeted polling).
+    different mtime means its entries changed (targeted polling). `framework_dirs=False`:
+    framework-made directories count against `max_depth` like any other.
     """
     runs: list[RunDir] = []
     stack: list[tuple[str, str, int, list[os.DirEntry[str]] | None]] = [(str(root), ".", 0, None)]
@@ -88,14 +97,24 @@ def find_runs(
             cand = layouts.recognise(e.name, is_dir, names, patterns)
             if cand is not None:
                 candidates.append(cand)
-            elif is_dir and depth < max_depth and not e.name.startswith("."):
-                sub_rel = e.name if rel == "." else f"{rel}/{e.name}"
-                stack.append((e.path, sub_rel, depth + 1, children))
+            elif is_dir and not e.name.startswith("."):
+                free = framework_dirs and layouts.is_framework_dir(e.name)
+                if depth < max_depth or free:
+                    sub_rel = e.name if rel == "." else f"{rel}/{e.name}"
+                    stack.append((e.path, sub_rel, depth if free else depth + 1, children))
         if candidates:
             runs.append(
                 RunDir(root, rel, frozenset(e.name for e in entries), tuple(sorted(candidates, key=_order)))
             )
     return sorted(runs, key=lambda r: r.rel)
+
+
+def depth_of(rel: str) -> int:
+    """How much of `max_depth` the directory at `rel` (relative to the root) has used: its path
+    segments, less those a framework made (`layouts.is_framework_dir`)."""
+    if rel == ".":
+        return 0
+    return sum(1 for part in rel.split("/") if not layouts.is_framework_dir(part))
 
 
 def _order(c: Candidate) -> tuple[int, str]:
@@ -105,7 +124,7 @@ def _order(c: Candidate) -> tuple[int, str]:
 def find_run(root: Path, rel: str, *, patterns: Collection[re.Pattern[str]] = ()) -> RunDir | None:
     """One run directory re-listed (no descent): for re-checks just before deleting."""
     path = root if rel == "." else root / rel
-    runs = find_runs(path, max_depth=0, patterns=patterns)
+    runs = find_runs(path, max_depth=0, patterns=patterns, framework_dirs=False)
     if not runs:
         return None
     return RunDir(root, rel, runs[0].names, runs[0].candidates)

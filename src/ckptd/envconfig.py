@@ -68,6 +68,7 @@ VARIABLES: dict[str, tuple[str, str, Callable[[str], Any]]] = {
     "CKPTD_WORLD_SIZE": ("root", "world_size", _integer),
     "CKPTD_KEEP_LAST": ("retention", "keep_last", _integer),
     "CKPTD_KEEP_BEST": ("retention", "keep_best", _integer),
+    "CKPTD_KEEP_TOTAL": ("retention", "keep_total", _integer),
     "CKPTD_METRIC": ("retention", "metric", _text),
     "CKPTD_MODE": ("retention", "mode", _text),
     "CKPTD_MAX_SIZE": ("retention", "max_size", _text),

@@ -16,7 +16,9 @@ Why each check exists:
   the end, so a truncated one has no end record at its very end (`_is_zip`); a safetensors
   header's offsets must fit the file.
 - native markers: DCP's `.metadata` (the coordinator writes it after every
-  rank), Orbax's tmp directory, NeMo's `-unfinished` marker, Megatron's tracker.
+  rank), Orbax's tmp directory and commit file, NeMo's `-unfinished` marker,
+  Megatron's tracker, megatron-core's `metadata.json` (written last), torchtitan's
+  `.metadata` or HF index.
 - slimmed: a `.ckptd-slim.json` marker lists the optimizer shards ckptd removed
   on purpose, so the census stops demanding them, and names the weights that
   must still be there.
@@ -35,10 +37,21 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckptd import dsmeta, layouts, mounts, slim
+from ckptd import dsmeta, fwmetrics, layouts, mounts, slim
 from ckptd.config import Pattern, format_age, format_duration, format_size
 from ckptd.layouts import Candidate
-from ckptd.model import QUIET, Check, Checkpoint, Slimming, State, TrainerState, Verdict, as_metric
+from ckptd.model import (
+    CKPT_STATE,
+    QUIET,
+    Check,
+    Checkpoint,
+    Reading,
+    Slimming,
+    State,
+    TrainerState,
+    Verdict,
+    as_metric,
+)
 
 TRAINER_STATE = "trainer_state.json"
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024
@@ -162,6 +175,7 @@ class Inspector:
         # an in-flight checkpoint is looked at every poll, and a long run's log history takes
         # tens of milliseconds to parse.
         self._ts_cache: dict[str, tuple[tuple[int, int], tuple[Check, TrainerState | None]]] = {}
+        self.ckpt_scores = fwmetrics.CkptScores()  # Lightning's ModelCheckpoint scores (torch)
 
     def inspect(
         self,
@@ -176,14 +190,16 @@ class Inspector:
         quiet: QuietJudge | None = None,
         slim_files: tuple[str, ...] = slim.DEFAULT_SLIM_FILES,
         pattern: Pattern | None = None,
+        metric: str | None = None,
     ) -> Checkpoint:
-        """The evidence for one checkpoint.
+        """The evidence for one checkpoint, and the metrics it carries itself.
 
         Quiescence is judged by `quiet` when given (the daemon's settler, on
         monotonic time), else by comparing the newest mtime with `now`, the
         wall clock (one-shot commands have nothing better).
         `world_size` stands in for DeepSpeed's dp_world_size when the
-        checkpoint's own metadata cannot be read.
+        checkpoint's own metadata cannot be read. `metric` (retention's) is looked for
+        inside a Lightning `.ckpt` when its name does not carry it (`fwmetrics`).
         """
         path = run.path / cand.name
         too_deep = None
@@ -215,12 +231,22 @@ class Inspector:
             checks.append(self._deepspeed(path, "", files, world_size, removed)[0])
         elif cand.layout == layouts.MEGATRON:
             checks.append(_megatron_tracker(run, cand))
+            if _is_megatron_core(files, ""):  # the torch_dist format: megatron-core's files in iter_N/
+                checks.append(_megatron_core(path, files, ""))
         elif cand.layout == layouts.DCP:
             checks.append(_dcp_metadata(files, ""))
         elif cand.layout == layouts.ORBAX:
             checks.append(_orbax(cand, path, files))
+        elif cand.layout == layouts.TORCHTITAN:
+            checks.append(_torchtitan(path, files))
         elif cand.layout == layouts.NEMO:
             checks.append(_nemo_unfinished(run, cand))
+            for d in ("", "weights"):  # NeMo 1 torch_dist: the files at the top; NeMo 2: in weights/
+                if _is_megatron_core(files, d):
+                    checks.append(_megatron_core(path, files, d))
+        elif cand.layout == layouts.LIGHTNING:
+            if layouts.nemo_unfinished_marker(cand.name) in run.names:  # NeMo's callback wrote it
+                checks.append(_nemo_unfinished(run, cand))
         elif cand.layout == layouts.ACCELERATE:
             for d in _deepspeed_tag_dirs(files):  # accelerate under DeepSpeed: pytorch_model/
                 checks.append(self._deepspeed(path, d, files, world_size, removed)[0])
@@ -239,7 +265,9 @@ class Inspector:
             named = f"pattern {pattern.name!r} names" if pattern is not None else "it has"
             checks.append(Check(EVIDENCE, PASSED, f"{named} {QUIET_ALONE}"))
         checks.extend(_nested_dcp(files, skip_top=cand.layout == layouts.DCP))
-        checks.append(_integrity(path, entries, self._file_problem))
+        integrity = _integrity(path, entries, self._file_problem)
+        checks.append(integrity)
+        metrics, metric_problem = self._metrics(path, cand, files, metric, integrity.verdict is PASSED)
         if too_deep is not None:
             checks.append(too_deep)
         if marker is None or isinstance(marker, slim.Marker):
@@ -271,7 +299,32 @@ class Inspector:
             pinned=pinned or _matches_pin(rel, pins),
             trainer_state=trainer_state,
             slim=slimming,
+            unit=cand.unit,
+            metrics=metrics,
+            metric_problem=metric_problem,
         )
+
+    def _metrics(
+        self, path: Path, cand: Candidate, files: dict[str, Entry], metric: str | None, whole: bool
+    ) -> tuple[tuple[tuple[str, Reading], ...], str | None]:
+        """The metrics a checkpoint carries itself (`fwmetrics`), and why one could not be read."""
+        if cand.layout == layouts.ORBAX and fwmetrics.ORBAX_METRICS_FILE in files:
+            return fwmetrics.from_orbax(path)
+        if cand.layout not in (layouts.LIGHTNING, layouts.NEMO):
+            return (), None
+        found = fwmetrics.from_name(cand.name)
+        named = metric is None or any(n == metric for n, _ in found)
+        if named or cand.is_dir or not cand.name.endswith(".ckpt") or not whole:
+            return found, None  # a file cut short: nothing to read, and no reason to import torch for it
+        entry = files[""]
+        scores = self.ckpt_scores.read(path, entry.size, entry.mtime_ns)
+        if isinstance(scores, str):
+            return found, (
+                f"{metric} is not in its name, and Lightning's ModelCheckpoint state in it "
+                f"cannot be read: {scores}"
+            )
+        extra = tuple((k, Reading(v, CKPT_STATE)) for k, v in scores.items() if k not in dict(found))
+        return found + extra, None
 
     # --- checks ----------------------------------------------------------
 
@@ -708,6 +761,65 @@ def _nested_dcp(files: dict[str, Entry], skip_top: bool) -> Iterator[Check]:
         yield _dcp_metadata(files, d)
 
 
+def _torchtitan(path: Path, files: dict[str, Entry]) -> Check:
+    """torchtitan's own rule (components/checkpoint.py `_find_load_step`): a `step-N` it loads holds
+    DCP's `.metadata`, or `model.safetensors.index.json` when its last save was in HF format; then
+    every shard the index names must be there too (their integrity is checked with the rest)."""
+    name = "torchtitan step"
+    if ".metadata" in files:
+        return Check(name, PASSED, ".metadata present (the DCP coordinator writes it after every rank)")
+    index = files.get(layouts.TORCHTITAN_HF_INDEX)
+    if index is None or index.kind != "f":
+        return Check(name, FAILED, f"neither .metadata nor {layouts.TORCHTITAN_HF_INDEX} (written last)")
+    if index.size > MAX_TRAINER_STATE_BYTES:
+        return Check(name, UNKNOWN, f"{layouts.TORCHTITAN_HF_INDEX}: {index.size} bytes, too large to parse")
+    try:
+        with open(path / layouts.TORCHTITAN_HF_INDEX, "rb") as f:
+            weight_map = json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1)).get("weight_map")
+    except (OSError, ValueError, RecursionError, AttributeError) as exc:
+        return Check(name, FAILED, f"{layouts.TORCHTITAN_HF_INDEX} unreadable: {type(exc).__name__}: {exc}")
+    if not isinstance(weight_map, dict) or not weight_map:
+        return Check(name, FAILED, f"{layouts.TORCHTITAN_HF_INDEX} has no weight_map")
+    shards = sorted({str(v) for v in weight_map.values()})
+    missing = [s for s in shards if s not in files]
+    if missing:
+        present = len(shards) - len(missing)
+        return Check(name, FAILED, f"{missing[0]} missing ({present}/{len(shards)} shards in the HF index)")
+    return Check(name, PASSED, f"{layouts.TORCHTITAN_HF_INDEX} and its {len(shards)} shards (HF format)")
+
+
+MEGATRON_CORE_METADATA = "metadata.json"
+_MEGATRON_CORE_FILES = ("common.pt", MEGATRON_CORE_METADATA, ".metadata")
+
+
+def _is_megatron_core(files: dict[str, Entry], d: str) -> bool:
+    """Whether directory `d` ("" for the top) holds a megatron-core distributed checkpoint."""
+    prefix = f"{d}/" if d else ""
+    return any(f"{prefix}{n}" in files for n in _MEGATRON_CORE_FILES) or any(
+        rel.startswith(prefix) and "/" not in rel[len(prefix) :] and rel.endswith(".distcp") for rel in files
+    )
+
+
+def _megatron_core(path: Path, files: dict[str, Entry], d: str) -> Check:
+    """megatron-core writes `metadata.json` last (dist_checkpointing/serialization.py `save`: rank 0,
+    after common.pt and every rank's shards; with async save, in the finalize), and takes a directory
+    for a checkpoint only when it parses (`check_is_distributed_checkpoint`)."""
+    rel = f"{d}/{MEGATRON_CORE_METADATA}" if d else MEGATRON_CORE_METADATA
+    name = f"megatron-core {rel}"
+    entry = files.get(rel)
+    if entry is None or entry.kind != "f":
+        return Check(name, FAILED, "missing (megatron-core writes it last)")
+    try:
+        with open(path / rel, "rb") as f:
+            doc = json.loads(f.read(MAX_POINTER_BYTES * 16))
+    except (OSError, ValueError, RecursionError) as exc:
+        return Check(name, FAILED, f"unreadable: {type(exc).__name__}: {exc}")
+    if not isinstance(doc, dict):
+        return Check(name, FAILED, "not a JSON object")
+    backend = doc.get("sharded_backend")
+    return Check(name, PASSED, f"parsed (sharded_backend={backend!r})" if backend else "parsed")
+
+
 def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
     """Orbax's own verdict on a step directory (orbax/checkpoint/_src/path/atomicity.py; the facts
     are in tests/FWGEN_NOTES.md).
@@ -763,7 +875,8 @@ def _integrity(path: Path, entries: list[Entry], problem: FileProblem) -> Check:
         if e.kind != "f":
             continue
         name = e.rel or path.name
-        if name.endswith((*ZIP_SUFFIXES, SAFETENSORS_SUFFIX)) or (not e.rel and name.endswith(".ckpt")):
+        whole_file = not e.rel and name.endswith((".ckpt", ".nemo"))  # the checkpoint is this one file
+        if name.endswith((*ZIP_SUFFIXES, SAFETENSORS_SUFFIX)) or whole_file:
             count += 1
             why = problem(path / e.rel if e.rel else path, e)
             if why:
@@ -777,9 +890,12 @@ def _integrity(path: Path, entries: list[Entry], problem: FileProblem) -> Check:
 
 
 def file_problem(path: Path, e: Entry) -> str | None:
-    """Why one torch or safetensors file is not whole (as a suffix to its name), or None."""
+    """Why one torch, safetensors or .nemo file is not whole (as a suffix to its name), or None."""
     if path.name.endswith(SAFETENSORS_SUFFIX):  # `path` is the file itself
         problem = safetensors_problem(path, e.size)
+        return f": {problem}" if problem else None
+    if path.name.endswith(".nemo"):
+        problem = tar_problem(path, e.size)
         return f": {problem}" if problem else None
     if e.size == 0:
         return " is empty"
@@ -848,6 +964,53 @@ def _zip_directory_ok(fd: int, size: int) -> bool:
         if offset + length == end and (length == 0 or os.pread(fd, 4, offset) == _CENTRAL):
             return True
     return False
+
+
+TAR_BLOCK = 512
+MAX_TAR_MEMBERS = 100_000
+
+
+def tar_problem(path: Path, size: int) -> str | None:
+    """Why a `.nemo` archive (a tar NeMo writes in place: save_restore_connector.py, `tarfile.open(
+    filename, "w:")`, no marker, not atomic) is not whole, or None.
+
+    Walks the member headers (one pread each, a .nemo has a handful): every member's data must lie
+    within the file, and the archive must end in tar's end-of-archive zero blocks. A gzip-compressed
+    one (older NeMo) cannot be checked without reading it all, and is said so.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
+    try:
+        if os.pread(fd, 2, 0) == b"\x1f\x8b":
+            return None  # gzip: its end cannot be checked cheaply; NeMo writes plain tar since 1.x
+        if size < 2 * TAR_BLOCK or size % TAR_BLOCK:
+            return f"{size} bytes: not a whole number of tar blocks (truncated?)"
+        offset = 0
+        for _ in range(MAX_TAR_MEMBERS):
+            header = os.pread(fd, TAR_BLOCK, offset)
+            if len(header) < TAR_BLOCK:
+                return "ends inside a tar header (truncated?)"
+            if header == bytes(TAR_BLOCK):
+                return None if os.pread(fd, TAR_BLOCK, offset + TAR_BLOCK) == bytes(TAR_BLOCK) else (
+                    "no end-of-archive blocks (truncated?)")
+            stored = header[148:156].split(b"\0")[0].strip()
+            if not stored or int(stored, 8) != sum(header[:148]) + 8 * 32 + sum(header[156:]):
+                return f"a tar header at byte {offset} has a bad checksum (truncated or not a tar)"
+            field = header[124:136]
+            if field[0] & 0x80:  # GNU base-256, for members over 8 GiB
+                length = int.from_bytes(field[1:], "big")
+            else:
+                length = int(field.split(b"\0")[0].strip() or b"0", 8)
+            offset += TAR_BLOCK + -(-length // TAR_BLOCK) * TAR_BLOCK
+            if offset > size:
+                return "a member runs past the end of the file (truncated?)"
+        return f"more than {MAX_TAR_MEMBERS} members: not checked further"
+    except (OSError, ValueError) as exc:
+        return f"unreadable: {exc}"
+    finally:
+        os.close(fd)
 
 
 def safetensors_problem(path: Path, size: int) -> str | None:

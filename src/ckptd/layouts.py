@@ -15,10 +15,19 @@ HF = "hf"  # Hugging Face Trainer: checkpoint-<step>/
 DEEPSPEED = "deepspeed"  # bare DeepSpeed: global_step<step>/ beside `latest`
 MEGATRON = "megatron"  # Megatron-LM: iter_<step:07d>/ + latest_checkpointed_iteration.txt
 DCP = "dcp"  # torch.distributed.checkpoint: a directory of *.distcp + .metadata
-ORBAX = "orbax"  # Orbax: <step>/, in progress as <step>.orbax-checkpoint-tmp-*
-NEMO = "nemo"  # NeMo / Lightning: ...step=<step>... (.ckpt/.nemo file or directory)
+ORBAX = "orbax"  # Orbax: [<prefix>_]<step>/, in progress as <that>.orbax-checkpoint-tmp*
+TORCHTITAN = "torchtitan"  # torchtitan: <dump>/checkpoint/step-<N>/ (DCP, or its last save in HF format)
+LIGHTNING = "lightning"  # Lightning's ModelCheckpoint: epoch=E-step=S[-val_loss=V].ckpt
+NEMO = "nemo"  # NeMo: <name>--val_loss=V-epoch=E[-step=S].ckpt/.nemo, or a distributed-checkpoint dir
 ACCELERATE = "accelerate"  # accelerate's save_state(): checkpoint_<n>/, step_<n>/, epoch_<n>/
 PATTERN = "pattern"  # a user pattern such as ckpt_{step}
+
+# What a checkpoint's number counts, when it is not a training step (`Candidate.unit`): ckptd
+# orders a run by it, then by time, and says so in `plan`.
+STEP = "step"
+EPOCH = "epoch"  # a Lightning/NeMo name without a step: `epoch=3-val_loss=0.52.ckpt`, accelerate's epoch_<n>
+CONSUMED_SAMPLES = "consumed_samples"  # NeMo 2 under Megatron: `...-epoch=0-consumed_samples=8000.0`
+SAVE = "save"  # accelerate's automatic naming: checkpoint_<n> counts saves, not steps
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 NEMO_UNFINISHED_SUFFIX = "-unfinished"
@@ -30,13 +39,35 @@ LEASE_DIR = ".ckptd"  # the volume lease (lease.py)
 _HF = re.compile(r"checkpoint-(\d+)")
 _DEEPSPEED = re.compile(r"global_step(\d+)")
 _MEGATRON = re.compile(r"iter_(\d{7,})")
-_ORBAX = re.compile(r"(\d+)")
-_ORBAX_TMP = re.compile(r"(\d+)\.orbax-checkpoint-tmp.*")
-# NeMo and Lightning name checkpoints `...--step=N-...` or `epoch=E-step=N`; not `warmup_step=N`
-# (a Hydra sweep directory such as `lr=0.1,warmup_step=100` is a run, not a checkpoint).
-_NEMO_STEP = re.compile(r"(?:^|-)step=(\d+)")
+# Orbax's step names (orbax/checkpoint/_src/path/step.py: `<step_prefix>_<step>`, the step
+# zero-padded to step_format_fixed_length if set) and its tmp directories (`TMP_DIR_STEP_PATTERN`).
+_ORBAX = re.compile(r"(?:.+_)?(\d+)")
+_ORBAX_TMP = re.compile(r"(?:.+_)?(\d+)\.orbax-checkpoint-tmp.*")
+_TORCHTITAN = re.compile(r"step-(\d+)")  # torchtitan/components/checkpoint.py _create_checkpoint_id
+TORCHTITAN_HF_INDEX = "model.safetensors.index.json"  # its last save in HF format (last_save_in_hf)
+# Lightning names a file from its template's fields, `name=value` joined by '-'
+# (ModelCheckpoint._format_checkpoint_name, auto_insert_metric_name); NeMo's default template is
+# `{name}--{monitor:.4f}-{epoch}` (+ `-{step}` or `-{consumed_samples}`). A field follows the
+# start or a '-': `warmup_step=100` in a Hydra sweep directory (`lr=0.1,warmup_step=100`) is not
+# a step. Values are numbers as Python formats them (`-0.40`, `1e-05`, `8000.0`, `nan`, `inf`).
+_FIELD = re.compile(
+    r"(?:^|-)([A-Za-z_][A-Za-z0-9_.]*)=(-?(?:nan|inf|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?))(?=-|$)"
+)
+# Lightning's `last.ckpt` (save_last; `last-v1.ckpt` on a clash; a CHECKPOINT_NAME_LAST template
+# such as `{epoch}-last`) and NeMo's `<name>--...-last` copies: rewritten in place or renamed
+# each save, never a step of their own. A resume takes them (Lightning's ckpt_path="last",
+# NeMo's resume_if_exists): ckptd never counts them and never deletes them.
+_LAST_COPY = re.compile(r"(?:.*-)?last(?:-v\d+)?")
+LAST_COPY_NOTE = (
+    "a last copy (Lightning's last.ckpt, NeMo's -last): rewritten or renamed at every save and what a "
+    "resume from 'last' loads; not a step: ckptd never counts it and never deletes it"
+)
 # What a NeMo distributed-checkpoint directory holds (NeMo 1: torch_dist; NeMo 2: weights/ + context/).
 _NEMO_DIR_MARKERS = frozenset({"weights", "context", "metadata.json", "common.pt", ".metadata"})
+# Directories frameworks make on the way to their checkpoints; discovery does not count them
+# against max_depth: Lightning's `lightning_logs/version_<N>/checkpoints/`, NeMo 2's
+# `<name>/<%Y-%m-%d_%H-%M-%S>/checkpoints/`, torchtitan's `checkpoint/`, accelerate's `checkpoints/`.
+_FRAMEWORK_DIR = re.compile(r"lightning_logs|version_\d+|checkpoints?|\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}")
 _LAST_INT = re.compile(r"(\d+)(?!.*\d)")
 
 # Files Orbax writes into a finalized step directory.
@@ -57,11 +88,39 @@ _ACCELERATE_MARKER = re.compile(
 @dataclass(frozen=True)
 class Candidate:
     name: str
-    step: int
+    step: int  # what the run is ordered by: a training step, unless `unit` says otherwise
     layout: str
     is_dir: bool
     in_progress: bool = False  # the layout's own "not finished" name (Orbax tmp)
     pattern: int | None = None  # which of the root's patterns matched (PATTERN layout)
+    unit: str = STEP  # what `step` counts: STEP, EPOCH, CONSUMED_SAMPLES or SAVE
+
+
+def name_fields(name: str) -> dict[str, str]:
+    """The `name=value` fields of a Lightning or NeMo checkpoint name, extension removed:
+    `epoch=3-step=40-val_loss=0.52.ckpt` -> {'epoch': '3', 'step': '40', 'val_loss': '0.52'}."""
+    stem = name.removesuffix(".ckpt").removesuffix(".nemo")
+    return {m[1]: m[2] for m in _FIELD.finditer(stem)}
+
+
+def is_last_copy(name: str) -> bool:
+    """Lightning's `last.ckpt` or a NeMo `-last` copy: not a step of its own (see _LAST_COPY)."""
+    return bool(_LAST_COPY.fullmatch(name.removesuffix(".ckpt").removesuffix(".nemo")))
+
+
+def is_framework_dir(name: str) -> bool:
+    """A directory a framework makes on the way to its checkpoints (not counted against max_depth)."""
+    return bool(_FRAMEWORK_DIR.fullmatch(name))
+
+
+def _order_from_fields(fields: dict[str, str]) -> tuple[int, str] | None:
+    """What a Lightning/NeMo name orders by: its step, else NeMo's consumed samples, else its epoch
+    (then time, within one epoch)."""
+    for key, unit in (("step", STEP), ("consumed_samples", CONSUMED_SAMPLES), ("epoch", EPOCH)):
+        value = fields.get(key)
+        if value is not None and re.fullmatch(r"\d+(?:\.0*)?", value):
+            return int(value.partition(".")[0]), unit
+    return None
 
 
 def compile_pattern(pattern: str) -> re.Pattern[str]:
@@ -83,10 +142,16 @@ def recognise_by_name(
     for i, regex in enumerate(patterns):
         if m := regex.fullmatch(name):
             return Candidate(name, int(m[1]), PATTERN, is_dir, pattern=i)
-    nemo_like = is_dir or name.endswith((".ckpt", ".nemo"))
-    if nemo_like and not name.endswith(NEMO_UNFINISHED_SUFFIX) and (m := _NEMO_STEP.search(name)):
-        return Candidate(name, int(m[1]), NEMO, is_dir)
-    return None
+    if not (is_dir or name.endswith((".ckpt", ".nemo"))):
+        return None
+    if name.endswith(NEMO_UNFINISHED_SUFFIX) or is_last_copy(name):
+        return None
+    order = _order_from_fields(name_fields(name))
+    if order is None:
+        return None
+    # NeMo's names carry `<name>--`; its distributed checkpoints are directories, its archives .nemo.
+    layout = NEMO if is_dir or name.endswith(".nemo") or "--" in name else LIGHTNING
+    return Candidate(name, order[0], layout, is_dir, unit=order[1])
 
 
 def recognise_by_contents(name: str, children: Collection[str]) -> Candidate | None:
@@ -99,8 +164,12 @@ def recognise_by_contents(name: str, children: Collection[str]) -> Candidate | N
     if (m := _ORBAX.fullmatch(name)) and _ORBAX_MARKERS & set(children):
         return Candidate(name, int(m[1]), ORBAX, True)
     if (m := _ACCELERATE.fullmatch(name)) and any(_ACCELERATE_MARKER.fullmatch(c) for c in children):
-        return Candidate(name, int(m[1]), ACCELERATE, True)
+        unit = {"checkpoint": SAVE, "epoch": EPOCH}.get(name.partition("_")[0], STEP)
+        return Candidate(name, int(m[1]), ACCELERATE, True, unit=unit)
     is_dcp = ".metadata" in children or any(c.endswith(".distcp") for c in children)
+    titan = is_dcp or TORCHTITAN_HF_INDEX in children or "sharded" in children
+    if titan and (m := _TORCHTITAN.fullmatch(name)):
+        return Candidate(name, int(m[1]), TORCHTITAN, True)
     if is_dcp and (m := _LAST_INT.search(name)):
         return Candidate(name, int(m[1]), DCP, True)
     return None

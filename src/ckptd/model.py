@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import NamedTuple
 
 
 class State(StrEnum):
@@ -79,6 +80,21 @@ class TrainerState:
     history: Mapping[int, Mapping[str, object]] = field(default_factory=dict)
 
 
+# Where a metric's value was read (plan's `metric_source`).
+TRAINER_STATE = "trainer_state"  # the Trainer's log_history in trainer_state.json
+FILE_NAME = "file name"  # a Lightning/NeMo name field: epoch=3-step=40-val_loss=0.52.ckpt (rounded as named)
+CKPT_STATE = ".ckpt ModelCheckpoint state"  # Lightning's callback state inside the .ckpt (best_k_models)
+ORBAX_METRICS = "orbax metrics/"  # <step>/metrics/metrics: the metrics given to CheckpointManager.save
+
+
+class Reading(NamedTuple):
+    """A metric's value at one checkpoint, and where it was read. A named tuple: planning makes
+    one per checkpoint, and 10k frozen dataclasses cost a tenth of a 10k-checkpoint plan."""
+
+    value: float | str  # a string: logged, but not a number
+    source: str  # TRAINER_STATE, FILE_NAME, CKPT_STATE or ORBAX_METRICS
+
+
 @dataclass(frozen=True)
 class Slimming:
     """What slimming would remove from a checkpoint, or has removed (see `slim.survey`).
@@ -123,6 +139,14 @@ class Checkpoint:
     pinned: bool = False
     trainer_state: TrainerState | None = None
     slim: Slimming = Slimming()
+    unit: str = "step"  # what `step` counts: "step", or "epoch", "consumed_samples", "save" (layouts.py)
+    # Metrics the checkpoint carries itself (its name, Orbax's metrics item, Lightning's state),
+    # by name; the Trainer's come from the run's log history instead (`Run.reading`).
+    metrics: tuple[tuple[str, Reading], ...] = ()
+    metric_problem: str | None = None  # why a metric it should carry could not be read
+
+    def own_metric(self, name: str) -> Reading | None:
+        return next((r for n, r in self.metrics if n == name), None)
 
     @property
     def path(self) -> Path:
@@ -143,8 +167,13 @@ class Checkpoint:
         return classify(self.checks)
 
     def sort_key(self) -> tuple[int, float, str]:
-        """Oldest first: by step, then by when it was written, then by name."""
+        """Oldest first: by step (or what `unit` counts), then by when it was written, then by name."""
         return (self.step, self.written_at, self.name)
+
+    @property
+    def step_label(self) -> str:
+        """`1200`, or `epoch 3` / `save 2` / `consumed_samples 8000` when the name has no step."""
+        return str(self.step) if self.unit == "step" else f"{self.unit} {self.step}"
 
 
 @dataclass(frozen=True)
@@ -171,22 +200,49 @@ class Run:
         return self._newest_trainer_state
 
     def metric(self, ckpt: Checkpoint, name: str) -> float | str | None:
-        """The value of metric `name` at `ckpt`'s step, from the run's newest log history, else its own.
+        """The value of metric `name` at `ckpt` (see `reading`): a float (possibly NaN or
+        infinite), a string when the logged value is not a number, or None when none was found."""
+        found = self.reading(ckpt, name)
+        return found.value if found is not None else None
 
-        Returns a float (possibly NaN or infinite), a string when the logged
-        value is not a number, or None when nothing was logged at that step.
-        The name is mapped as the Trainer maps `metric_for_best_model`: 'loss' means
-        'eval_loss', never the training loss logged under 'loss' (which ranked checkpoints
-        by it and deleted the Trainer's own best_model_checkpoint).
+    def reading(self, ckpt: Checkpoint, name: str) -> Reading | None:
+        """Metric `name` at `ckpt`, with where it was read: the run's newest Trainer log history,
+        else the checkpoint's own, else what the checkpoint carries itself (its name, Orbax's
+        metrics item, Lightning's ModelCheckpoint state).
+
+        In a Trainer log history the name is mapped as the Trainer maps `metric_for_best_model`:
+        'loss' means 'eval_loss', never the training loss logged under 'loss' (which ranked
+        checkpoints by it and deleted the Trainer's own best_model_checkpoint). Elsewhere the
+        name is the framework's own (Lightning's monitor, the key of Orbax's metrics).
         Two histories at most, never every checkpoint's: with 10k checkpoints and
         evaluations at other steps than saves, that search was quadratic.
         """
+        newest = self._newest_trainer_state
+        if newest is not None or ckpt.trainer_state is not None:
+            key = trainer_metric(name)
+            for ts in (newest, ckpt.trainer_state):
+                entry = ts.history.get(ckpt.step) if ts is not None else None
+                if entry and key in entry:
+                    return Reading(as_metric(entry[key]), TRAINER_STATE)
+        return ckpt.own_metric(name) if ckpt.metrics else None
+
+    def readings(self, ckpts: Iterable[Checkpoint], name: str) -> list[Reading | None]:
+        """`reading` for each of `ckpts` (of this run), in one pass: planning asks for every one."""
         key = trainer_metric(name)
-        for ts in (self.trainer_state(), ckpt.trainer_state):
-            entry = ts.history.get(ckpt.step) if ts is not None else None
-            if entry and key in entry:
-                return as_metric(entry[key])
-        return None
+        newest = self._newest_trainer_state
+        newest_history = newest.history if newest is not None else None
+        out: list[Reading | None] = []
+        for c in ckpts:
+            found = None
+            for history in (newest_history, c.trainer_state.history if c.trainer_state is not None else None):
+                entry = history.get(c.step) if history else None
+                if entry and key in entry:
+                    found = Reading(as_metric(entry[key]), TRAINER_STATE)
+                    break
+            if found is None and c.metrics:
+                found = c.own_metric(name)
+            out.append(found)
+        return out
 
 
 def trainer_metric(name: str) -> str:

@@ -99,6 +99,7 @@ class Scanner:
                 quiet=self.quiet,
                 slim_files=retention.slim_files,
                 pattern=self.root.patterns[cand.pattern] if cand.pattern is not None else None,
+                metric=retention.metric if retention.keep_best or retention.keep_total is not None else None,
             )
         except (FileNotFoundError, NotADirectoryError):
             return None
@@ -130,7 +131,7 @@ def decide(
         for run in runs:
             retention, _ = root.retention_for(run.rel)
             ds = policy.decide_run(run, retention)
-            warnings += policy.metric_warnings(run, retention)
+            warnings += policy.metric_warnings(run, retention, ds)
             alone = [c for c in run.checkpoints if c.state is State.COMPLETE and on_quiet_alone(c)]
             if alone:
                 warnings.append(

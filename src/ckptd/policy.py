@@ -16,6 +16,11 @@ every rule that keeps it is named in its reasons. Whatever the config says:
   nothing and says so (deleting every unprotected checkpoint and still missing
   the floor would lose checkpoints for nothing).
 
+`keep_total` is the other way to count, the Hugging Face Trainer's `save_total_limit`
+(transformers trainer_utils.py `rotate_checkpoints`): at most N, the newest and the best
+counted inside the N. It replaces keep_last and keep_best; the anchors and every protection
+above still hold, over the limit if need be, and say so.
+
 Slimming (`keep_full_last`) is a third action: a checkpoint some rule keeps but
 that is not among the N newest complete full checkpoints keeps its weights and
 loses its optimizer state. Slimmed checkpoints are complete but not full, so
@@ -26,11 +31,22 @@ delete whole checkpoints and never slim on their own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from ckptd.config import FreeSpace, Retention, format_duration, format_size
-from ckptd.model import Action, Checkpoint, Run, State, Verdict, is_rankable, trainer_metric
+from ckptd.model import (
+    TRAINER_STATE,
+    Action,
+    Checkpoint,
+    Reading,
+    Run,
+    State,
+    Verdict,
+    is_rankable,
+    trainer_metric,
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +56,7 @@ class Decision:
     reasons: tuple[str, ...]
     protected: bool = False  # budgets may not delete it
     metric: float | str | None = None
+    metric_source: str | None = None  # where `metric` was read (model.TRAINER_STATE, FILE_NAME, ...)
 
     @property
     def bytes_freed(self) -> int:
@@ -90,10 +107,19 @@ def anchors(ckpts: Iterable[Checkpoint]) -> list[tuple[Checkpoint, str]]:
         if not pool:
             continue
         by_step, by_time = max(pool, key=Checkpoint.sort_key), max(pool, key=_written_key)
-        for c, why in ((by_step, by_step_why), (by_time, by_time_why)):
+        for c, why in ((by_step, by_step_why + ordered_by(by_step)), (by_time, by_time_why)):
             if all(c is not a for a, _ in found):
                 found.append((c, why))
     return found
+
+
+def ordered_by(c: Checkpoint) -> str:
+    """How a checkpoint without a step in its name is ordered, for its reasons ("" for a step)."""
+    if c.unit == "step":
+        return ""
+    if c.unit == "save":
+        return " (by save count, then time: accelerate's checkpoint_N counts saves, not steps)"
+    return f" (by {c.unit}, then time: its name has no step)"
 
 
 def _written_key(c: Checkpoint) -> tuple[float, int, str]:
@@ -106,7 +132,7 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
     complete = [c for c in ckpts if c.state is State.COMPLETE]
     keep: dict[int, list[str]] = {id(c): [] for c in ckpts}
     protected: set[int] = set()
-    metrics: dict[int, float | str | None] = {}
+    readings: dict[int, Reading | None] = {}
 
     def kept(c: Checkpoint, reason: str, protect: bool = False) -> None:
         keep[id(c)].append(reason)
@@ -116,34 +142,41 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
     anchored = anchors(ckpts)
     for c, why in anchored:
         kept(c, why, protect=True)
-    if r.keep_last > 1:
-        for i, c in enumerate(reversed(complete[-r.keep_last : -1]), start=2):
-            kept(c, f"keep_last={r.keep_last} (#{i} newest)")
+    values: dict[int, float | str | None] = {}
+    if r.metric and (r.keep_best or r.keep_total):
+        for c, found in zip(ckpts, run.readings(ckpts, r.metric), strict=True):
+            readings[id(c)] = found
+            values[id(c)] = found.value if found is not None else None
 
-    if r.keep_best and r.metric:
-        for c in ckpts:
-            metrics[id(c)] = run.metric(c, r.metric)
-        rankable = [c for c in complete if is_rankable(metrics[id(c)])]
-        sign = 1.0 if r.mode == "min" else -1.0
-        # Ties go to the newer checkpoint: it saw more training for the same score.
-        ranked = sorted(rankable, key=lambda c: (sign * metrics[id(c)], -c.step))  # type: ignore[operator]
-        for c in ranked[: r.keep_best]:
-            kept(c, f"best {r.metric}={_fmt(metrics[id(c)])} ({r.mode})", protect=True)
+    def metric(c: Checkpoint) -> float | str | None:
+        return values.get(id(c))
+
+    counted: set[int] = set()  # what keep_total keeps
+    if r.keep_total is not None:
+        counted = _keep_total(run, complete, r, metric, readings, kept)
+    elif r.keep_last > 1:
+        for i, c in enumerate(reversed(complete[-r.keep_last : -1]), start=2):
+            kept(c, f"keep_last={r.keep_last} (#{i} newest{ordered_by(c)})")
+
+    if r.keep_total is None and r.keep_best and r.metric:
+        for c, value in _best(complete, metric, r)[: r.keep_best]:
+            kept(c, f"best {r.metric}={_fmt(value)} ({r.mode})", protect=True)
         if r.keep_missing_metric:
             for c in complete:
-                if metrics[id(c)] is None or isinstance(metrics[id(c)], str):
+                if metric(c) is None or isinstance(metric(c), str):
                     kept(c, f"no usable {r.metric} logged (keep_missing_metric)")
-    elif r.keep_best:
+    elif r.keep_total is None and r.keep_best:
         ts = run.trainer_state()
         for c in complete:
             if ts is not None and c.name == ts.best_model_checkpoint:
-                metrics[id(c)] = ts.best_metric
+                if ts.best_metric is not None:
+                    readings[id(c)] = Reading(ts.best_metric, TRAINER_STATE)
                 value = f" (best_metric={_fmt(ts.best_metric)})" if ts.best_metric is not None else ""
                 kept(c, f"trainer's best_model_checkpoint{value}", protect=True)
 
-    if r.keep_every_steps:
+    if r.keep_every_steps:  # steps only: an epoch or a save count is not one
         for c in complete:
-            if c.step % r.keep_every_steps == 0:
+            if c.unit == "step" and c.step % r.keep_every_steps == 0:
                 kept(c, f"keep_every_steps={r.keep_every_steps}")
 
     if r.keep_within is not None and complete:
@@ -165,39 +198,188 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
         if c.state is not State.COMPLETE:
             kept(c, f"{c.state}, never deleted: {_first_problem(c)}", protect=True)
 
+    if r.keep_total is not None:  # what the Trainer's rotation would have deleted, and ckptd keeps
+        for c in complete:
+            if id(c) in protected and id(c) not in counted:
+                kept(c, f"over keep_total={r.keep_total}: always kept")
+
     full_anchors = {id(c) for c, _ in anchors(c for c in ckpts if not c.slimmed)}
     slims = _slims(ckpts, full_anchors=full_anchors, keep=keep, r=r)
     outside = f"outside {r.describe()}"
     decisions = []
     for c in ckpts:
         reasons = keep[id(c)]
-        metric = metrics.get(id(c))
+        found = readings.get(id(c))
+        value, source = (found.value, found.source) if found is not None else (None, None)
         if id(c) in slims:
-            decisions.append(Decision(c, Action.SLIM, (slims[id(c)],), id(c) in protected, metric))
+            decisions.append(Decision(c, Action.SLIM, (slims[id(c)],), id(c) in protected, value, source))
         elif reasons:
-            decisions.append(Decision(c, Action.KEEP, tuple(reasons), id(c) in protected, metric))
+            decisions.append(Decision(c, Action.KEEP, tuple(reasons), id(c) in protected, value, source))
         else:
-            incomparable = isinstance(metric, float) and not is_rankable(metric)
-            note = f" ({r.metric}={_fmt(metric)} is not comparable)" if incomparable else ""
-            decisions.append(Decision(c, Action.DELETE, (outside + note,), False, metric))
+            incomparable = isinstance(value, float) and not is_rankable(value)
+            note = f" ({r.metric}={_fmt(value)} is not comparable)" if incomparable else ""
+            decisions.append(Decision(c, Action.DELETE, (outside + note,), False, value, source))
     return decisions
 
 
-def metric_warnings(run: Run, r: Retention) -> list[str]:
-    """A configured metric that appears in no checkpoint of the run: say so, rather than fall back
-    silently (keep_best then keeps nothing by it, keep_missing_metric keeps everything)."""
-    if not (r.keep_best and r.metric) or not run.checkpoints:
+def _best(
+    complete: list[Checkpoint], metric: Callable[[Checkpoint], float | str | None], r: Retention
+) -> list[tuple[Checkpoint, float]]:
+    """The complete checkpoints with a comparable value, best first; ties go to the newer
+    checkpoint (it saw more training for the same score)."""
+    sign = 1.0 if r.mode == "min" else -1.0
+    rankable = [(c, v) for c in complete if is_rankable(v := metric(c))]
+    return sorted(rankable, key=lambda cv: (sign * cv[1], -cv[0].step))  # type: ignore[operator]
+
+
+def trainer_order(complete: list[Checkpoint]) -> list[Checkpoint]:
+    """Oldest first, as the Trainer orders its checkpoints to rotate them (transformers 5.x
+    trainer_utils.py `sort_checkpoints(use_mtime=True)`): by when each was written, or by number
+    when those times span less than a second (its test for a filesystem whose mtimes are unreliable).
+    ckptd's times leave directories and its own files out (`Checkpoint.written_at`)."""
+    by_time = sorted(complete, key=lambda c: (c.written_at, c.step, c.name))
+    if len(by_time) > 1 and by_time[-1].written_at - by_time[0].written_at < 1.0:
+        return sorted(complete, key=Checkpoint.sort_key)
+    return by_time
+
+
+def _keep_total(
+    run: Run,
+    complete: list[Checkpoint],
+    r: Retention,
+    metric: Callable[[Checkpoint], float | str | None],
+    readings: dict[int, Reading | None],
+    kept: Callable[..., None],
+) -> set[int]:
+    """The Trainer's `save_total_limit` (transformers 5.x trainer_utils.py `rotate_checkpoints`): the
+    newest and the best are protected, `max(limit, len(protected))` are kept, and the oldest others
+    go first. So the best counts inside the limit: limit 2, best checkpoint-5 of 5..25 -> {5, 25};
+    with the best the newest -> {20, 25}; limit 1 -> {best, newest} (the Trainer deletes the newest
+    too at the very end of training, when the limit is 1: ckptd cannot tell training ended, and
+    keeps the newest anyway). A best_model_checkpoint that names no complete checkpoint still
+    counts as protected, as the Trainer counts the path it was given. Incomplete checkpoints are
+    neither counted nor deleted (the Trainer counts every `checkpoint-*` directory).
+    Returns the checkpoints it keeps."""
+    n = r.keep_total
+    assert n is not None
+    order = trainer_order(complete)
+    if not order:
+        return set()
+    best: Checkpoint | None = None
+    best_names: set[str] = set()
+    if r.metric:
+        ranked = _best(complete, metric, r)
+        if ranked:
+            best, value = ranked[0]
+            best_names.add(best.name)
+            kept(best, f"best {r.metric}={_fmt(value)} ({r.mode}), counted in keep_total={n}", protect=True)
+    else:
+        ts = run.trainer_state()
+        if ts is not None and ts.best_model_checkpoint:
+            best_names.add(ts.best_model_checkpoint)
+            best = next((c for c in complete if c.name == ts.best_model_checkpoint), None)
+            if best is not None:
+                if ts.best_metric is not None:
+                    readings[id(best)] = Reading(ts.best_metric, TRAINER_STATE)
+                value = f" (best_metric={_fmt(ts.best_metric)})" if ts.best_metric is not None else ""
+                kept(best, f"trainer's best_model_checkpoint{value}, counted in keep_total={n}", protect=True)
+    newest = order[-1]
+    protected = {newest.name} | best_names
+    to_keep = max(n, len(protected))
+    survivors = list(order)
+    for c in order:
+        if len(survivors) <= to_keep:
+            break
+        if c.name not in protected:
+            survivors.remove(c)
+    for i, c in enumerate(reversed(survivors), start=1):
+        if c is not best:
+            kept(c, f"keep_total={n} ({'the newest' if i == 1 else f'#{i} newest'})")
+    return {id(c) for c in survivors} | ({id(best)} if best is not None else set())
+
+
+# Name fields that order checkpoints rather than rate them.
+_ORDER_FIELDS = frozenset({"epoch", "step", "consumed_samples"})
+
+
+def metric_warnings(run: Run, r: Retention, decisions: Sequence[Decision] | None = None) -> list[str]:
+    """What `plan` should say about a run's metric rather than fall back silently: a configured
+    metric that appears in none of its checkpoints (keep_best then keeps nothing by it,
+    keep_missing_metric keeps everything), values from more than one source, some checkpoints
+    without one, a value that could not be read (a Lightning .ckpt without torch); and, with no
+    metric configured, a framework that records its metrics where only a named metric is read.
+    `decisions`, the run's from `decide_run`, carry each checkpoint's reading already."""
+    if not run.checkpoints or not (r.keep_best or r.keep_total is not None):
         return []
-    if any(run.metric(c, r.metric) is not None for c in run.checkpoints):
+    if not r.metric:
+        return _no_metric_warnings(run)
+    sources: list[tuple[Checkpoint, str | None]]  # where each checkpoint's value came from; None: nowhere
+    if decisions is not None:
+        sources = [(d.checkpoint, d.metric_source) for d in decisions]
+    else:
+        found_at = run.readings(run.checkpoints, r.metric)
+        sources = [(c, x.source if x else None) for c, x in zip(run.checkpoints, found_at, strict=True)]
+    found = [x for _, x in sources if x is not None]
+    unread = [c for c in run.checkpoints if c.metric_problem]
+    unread_note = f"; {len(unread)} could not be read: {unread[0].metric_problem}" if unread else ""
+    if r.keep_total is not None:
+        then = "only the other rules and what is always kept count"
+    elif r.keep_missing_metric:
+        then = "keep_missing_metric keeps every checkpoint"
+    else:
+        then = "only the other rules keep checkpoints"
+    if not found:
+        key = trainer_metric(r.metric)
+        trainer = run.trainer_state() is not None or any(c.trainer_state for c in run.checkpoints)
+        mapped = ""
+        if key != r.metric and trainer:
+            mapped = f" ({key} in trainer_state.json, as the Trainer maps it)"
+        none = f"is logged for none of its checkpoints{unread_note}"
+        return [f"{run.path}: metric {r.metric!r}{mapped} {none}: {then}"]
+    out = []
+    by_source = Counter(found)
+    if len(by_source) > 1:
+        counts = ", ".join(f"{s} ({n})" for s, n in sorted(by_source.items()))
+        out.append(
+            f"{run.path}: metric {r.metric!r} comes from more than one source: {counts}; a file name's "
+            "value is rounded as the name was formatted"
+        )
+    missing = [c for c, x in sources if x is None and c.state is State.COMPLETE]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        shown = ", ".join(c.name for c in missing[:3]) + more
+        if r.keep_total is not None:
+            then = "they are counted as not best"
+        elif r.keep_missing_metric:
+            then = "keep_missing_metric keeps them"
+        else:
+            then = "keep_best ranks them out"
+        complete = sum(1 for c in run.checkpoints if c.state is State.COMPLETE)
+        out.append(
+            f"{run.path}: metric {r.metric!r} found for {complete - len(missing)} of {complete} complete "
+            f"checkpoints; none for {shown}{unread_note}: {then}"
+        )
+    elif unread:
+        out.append(f"{run.path}: metric {r.metric!r}{unread_note.removeprefix(';')}")
+    return out
+
+
+def _no_metric_warnings(run: Run) -> list[str]:
+    """keep_best without a metric keeps the Trainer's best_model_checkpoint; a best that another
+    framework records (Lightning's monitor in its names, Orbax's metrics for best_fn) is known
+    only by a metric: say which names the run's checkpoints carry."""
+    ts = run.trainer_state()
+    if ts is not None and ts.best_model_checkpoint:
         return []
-    key = trainer_metric(r.metric)
-    mapped = f" ({key} in trainer_state.json, as the Trainer maps it)" if key != r.metric else ""
-    then = (
-        "keep_missing_metric keeps every checkpoint"
-        if r.keep_missing_metric
-        else "only the other rules keep checkpoints"
-    )
-    return [f"{run.path}: metric {r.metric!r}{mapped} is logged for none of its checkpoints: {then}"]
+    carried = sorted({n for c in run.checkpoints for n, _ in c.metrics if n not in _ORDER_FIELDS})
+    if not carried:
+        return []
+    kinds = "/".join(sorted({c.layout for c in run.checkpoints}))
+    names = ", ".join(repr(n) for n in carried[:5])
+    return [
+        f"{run.path}: keep_best has no metric to rank these {kinds} checkpoints by (the trainer's "
+        f"best_model_checkpoint is the HF Trainer's alone); they carry {names}: set retention.metric and mode"
+    ]
 
 
 def _slims(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ckptd.config import Root
-from ckptd.discover import RunDir, find_runs
+from ckptd.discover import RunDir, depth_of, find_runs
 from ckptd.evidence import against_siblings, resume_pointers
 from ckptd.layouts import TRASH_DIR
 from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
@@ -244,7 +244,7 @@ class RootTracker:
         for rel in sorted(dirty, key=lambda r: (r != ".", r.count("/"), r)):
             if any(d != rel and _under(rel, d) for d in dirty):
                 continue  # an ancestor is re-listed anyway
-            depth = 0 if rel == "." else rel.count("/") + 1
+            depth = depth_of(rel)  # framework-made directories on the way are not counted (discover.py)
             visited: dict[str, int] = {}
             found = find_runs(
                 self._abs(rel),

@@ -1,0 +1,330 @@
+"""Layouts as their frameworks name them, on a real filesystem (issue 12, items 1-3).
+
+The frameworks that can run here write their own volumes (test_frameworks.py). NeMo and
+Megatron-core cannot save on a CPU-only torch (FWGEN_NOTES.md: megatron-core calls
+torch.cuda.synchronize(), NeMo's strategy needs CUDA), so their checkpoints here are hand-made
+look-alikes of what their source writes, file for file, and each test says so. Ages are set with
+os.utime; `now` is passed in.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from ckptd import fwmetrics, layouts
+from ckptd.config import Retention, Root
+from ckptd.demo import age, write_zip
+from ckptd.discover import depth_of, find_runs
+from ckptd.evidence import tar_problem
+from ckptd.model import State
+from ckptd.planner import Scanner
+from ckptd.policy import decide_run, metric_warnings
+
+NOW = 1_800_000_000.0
+OLD = NOW - 3600
+
+
+def scan(root: Path, **kw) -> dict[str, object]:
+    runs = Scanner(Root(path=root, **kw)).runs(now=NOW)
+    return {c.rel: c for run in runs for c in run.checkpoints}
+
+
+def failed(c) -> list[str]:
+    return [f"{k.name}: {k.detail}" for k in c.checks if k.verdict != "passed"]
+
+
+# --- discovery: framework-made directories do not count against max_depth -------------------------
+
+
+def test_framework_made_directories_do_not_count_against_max_depth(tmp_path):
+    """Lightning's default tree under team/run folders is 5 levels down, below the default max_depth
+    of 4: it was found empty, without a word. Its directories (and NeMo's timestamped version,
+    torchtitan's checkpoint/) are not counted; any other directory is."""
+    lightning = tmp_path / "team" / "run" / "lightning_logs" / "version_0" / "checkpoints"
+    nemo = tmp_path / "nemo_experiments" / "gpt" / "2024-01-31_12-00-00" / "checkpoints"
+    titan = tmp_path / "titan" / "outputs" / "checkpoint"
+    write_zip(lightning / "epoch=0-step=2.ckpt")
+    write_zip(nemo / "gpt--val_loss=2.5000-epoch=0.ckpt")
+    (titan / "step-10").mkdir(parents=True)
+    (titan / "step-10" / ".metadata").write_bytes(b"m")
+    (tmp_path / "data" / "a" / "b" / "checkpoint-1").mkdir(parents=True)  # depth 3: beyond max_depth=2
+    found = [r.rel for r in find_runs(tmp_path, max_depth=2)]
+    assert found == ["nemo_experiments/gpt/2024-01-31_12-00-00/checkpoints",
+                     "team/run/lightning_logs/version_0/checkpoints", "titan/outputs/checkpoint"]
+    assert find_runs(tmp_path, max_depth=2, framework_dirs=False) == []
+    assert depth_of("team/run/lightning_logs/version_0/checkpoints") == 2  # what the daemon's re-listing uses
+    assert depth_of(".") == 0
+
+
+# --- names -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "fields"),
+    [
+        ("epoch=3-step=40-val_loss=0.52.ckpt", {"epoch": "3", "step": "40", "val_loss": "0.52"}),
+        ("epoch=1-val_loss=-0.40-v1.ckpt", {"epoch": "1", "val_loss": "-0.40"}),
+        ("megatron_gpt--val_loss=2.3456-epoch=3-consumed_samples=8000.0",
+         {"val_loss": "2.3456", "epoch": "3", "consumed_samples": "8000.0"}),
+        ("lr=1e-05-epoch=2.ckpt", {"lr": "1e-05", "epoch": "2"}),
+        ("val_acc=nan-epoch=2.ckpt", {"val_acc": "nan", "epoch": "2"}),
+        ("lr=0.1,warmup_step=100", {}),  # a Hydra sweep directory
+    ],
+)
+def test_name_fields(name, fields):
+    assert layouts.name_fields(name) == fields
+
+
+# --- NeMo (hand-made look-alikes of what NeMo's source writes: it cannot save here) ----------------
+
+
+def nemo2_checkpoint(run: Path, name: str, *, metadata: bool = True) -> Path:
+    """NeMo 2's distributed checkpoint: <name>/weights/ holds megatron-core's files (common.pt, the
+    DCP shards and .metadata, then metadata.json last), <name>/context/ the model's config."""
+    ckpt = run / name
+    write_zip(ckpt / "weights" / "common.pt")
+    (ckpt / "weights" / "__0_0.distcp").write_bytes(b"shard")
+    (ckpt / "weights" / ".metadata").write_bytes(b"dcp")
+    if metadata:
+        (ckpt / "weights" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    (ckpt / "context").mkdir()
+    (ckpt / "context" / "io.json").write_text("{}")
+    return ckpt
+
+
+def test_nemo_distributed_checkpoints_need_megatron_cores_metadata_json_and_no_marker(tmp_path):
+    """Hand-made (NeMo cannot save on a CPU torch). megatron-core writes weights/metadata.json last;
+    NeMo's `-unfinished` marker is there while it saves; `-last` copies are not steps."""
+    run = tmp_path / "gpt" / "checkpoints"
+    nemo2_checkpoint(run, "gpt--val_loss=2.5000-epoch=0-consumed_samples=4000.0")
+    nemo2_checkpoint(run, "gpt--val_loss=2.4000-epoch=0-consumed_samples=8000.0", metadata=False)
+    nemo2_checkpoint(run, "gpt--val_loss=2.3000-epoch=0-consumed_samples=12000.0")
+    (run / "gpt--val_loss=2.3000-epoch=0-consumed_samples=12000.0-unfinished").touch()
+    nemo2_checkpoint(run, "gpt--val_loss=2.3000-epoch=0-consumed_samples=12000.0-last")
+    age(tmp_path, OLD)
+    seen = scan(tmp_path)
+    names = {rel.rsplit("/", 1)[1]: c for rel, c in seen.items()}
+    assert sorted((c.step, c.unit, c.layout) for c in names.values()) == [
+        (4000, "consumed_samples", "nemo"), (8000, "consumed_samples", "nemo"), (12000, "consumed_samples", "nemo")]
+    assert names["gpt--val_loss=2.5000-epoch=0-consumed_samples=4000.0"].state is State.COMPLETE
+    assert failed(names["gpt--val_loss=2.4000-epoch=0-consumed_samples=8000.0"]) == [
+        "megatron-core weights/metadata.json: missing (megatron-core writes it last)"]
+    assert failed(names["gpt--val_loss=2.3000-epoch=0-consumed_samples=12000.0"]) == [
+        "nemo marker: gpt--val_loss=2.3000-epoch=0-consumed_samples=12000.0-unfinished present: save not finished"]
+
+
+def test_nemo_metric_and_epoch_order_from_its_default_names(tmp_path):
+    """NeMo 1's default name, `{name}--{val_loss:.4f}-{epoch}`, has no step: ordered by epoch, val_loss
+    read from the name (hand-made .ckpt files: zips as torch.save writes them)."""
+    run = tmp_path / "exp" / "checkpoints"
+    for epoch, loss in ((0, 2.5), (1, 2.1), (2, 2.3)):
+        write_zip(run / f"megatron_gpt--val_loss={loss:.4f}-epoch={epoch}.ckpt")
+    write_zip(run / "megatron_gpt--val_loss=2.3000-epoch=2-last.ckpt")
+    age(tmp_path, OLD)
+    [run_] = Scanner(Root(path=tmp_path)).runs(now=NOW)
+    assert [(c.step, c.unit) for c in run_.checkpoints] == [(0, "epoch"), (1, "epoch"), (2, "epoch")]
+    decisions = decide_run(run_, Retention(keep_last=1, keep_best=1, metric="val_loss"))
+    assert [(d.checkpoint.step, str(d.action), d.metric, d.metric_source) for d in decisions] == [
+        (0, "delete", 2.5, "file name"), (1, "keep", 2.1, "file name"), (2, "keep", 2.3, "file name")]
+    assert decisions[2].reasons == ("newest complete (by epoch, then time: its name has no step)",)
+
+
+def nemo_archive(path: Path, payload: int = 3000) -> bytes:
+    """A .nemo as NeMo's save_restore_connector writes it: tarfile.open(path, 'w:'), config and weights."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:") as tar:
+        for name, data in (("model_config.yaml", b"a: 1\n"), ("model_weights.ckpt", b"\x01" * payload)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(buf.getvalue())
+    return buf.getvalue()
+
+
+def test_a_nemo_archive_is_whole_only_with_its_members_and_end_blocks(tmp_path):
+    """NeMo writes .nemo in place, with no marker: the tar's own structure is the only evidence."""
+    data = nemo_archive(tmp_path / "a.nemo")
+    assert tar_problem(tmp_path / "a.nemo", len(data)) is None
+    # two members (512 + 512, 512 + 3072 bytes), tar's two zero blocks at 4608, zeros to 10240
+    for cut in (512, 1024, 2048, 4096, 4608, 5120):
+        (tmp_path / "b.nemo").write_bytes(data[:cut])
+        assert tar_problem(tmp_path / "b.nemo", cut) is not None, cut
+    (tmp_path / "b.nemo").write_bytes(data[:5632])  # cut in the padding after the end blocks: whole
+    assert tar_problem(tmp_path / "b.nemo", 5632) is None
+    (tmp_path / "run").mkdir()
+    nemo_archive(tmp_path / "run" / "gpt--step=100.nemo")
+    (tmp_path / "run" / "gpt--step=200.nemo").write_bytes(data[:2048])
+    nemo_archive(tmp_path / "run" / "gpt.nemo")  # NeMo's usual name: no step, rewritten in place
+    age(tmp_path, OLD)
+    seen = scan(tmp_path)
+    assert sorted(seen) == ["run/gpt--step=100.nemo", "run/gpt--step=200.nemo"]
+    assert seen["run/gpt--step=100.nemo"].state is State.COMPLETE
+    assert "file integrity" in failed(seen["run/gpt--step=200.nemo"])[0]
+
+
+# --- Megatron-core and torchtitan ------------------------------------------------------------------
+
+
+def test_megatron_torch_dist_needs_metadata_json_and_the_tracker(tmp_path):
+    """Hand-made (megatron-core cannot save on a CPU torch): Megatron-LM's iter_N in the torch_dist
+    format holds megatron-core's files; metadata.json is written last, the tracker after that."""
+    run = tmp_path / "gpt"
+    for it, meta in ((100, True), (200, False)):
+        d = run / f"iter_{it:07d}"
+        write_zip(d / "common.pt")
+        (d / "__0_0.distcp").write_bytes(b"s")
+        (d / ".metadata").write_bytes(b"m")
+        if meta:
+            (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (run / "latest_checkpointed_iteration.txt").write_text("200")
+    age(tmp_path, OLD)
+    seen = scan(tmp_path)
+    assert seen["gpt/iter_0000100"].state is State.COMPLETE
+    assert failed(seen["gpt/iter_0000200"]) == ["megatron-core metadata.json: missing (megatron-core writes it last)"]
+
+
+def test_torchtitans_last_save_in_hf_format(tmp_path):
+    """torchtitan's last_save_in_hf: step-N holds model.safetensors.index.json and the shards it names."""
+    run = tmp_path / "outputs" / "checkpoint"
+    for step, shards in ((10, 2), (20, 1)):
+        d = run / f"step-{step}"
+        d.mkdir(parents=True)
+        names = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {f"w{i}": n for i, n in enumerate(names)}}))
+        for n in names[:shards]:
+            (d / n).write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    age(tmp_path, OLD)
+    seen = scan(tmp_path)
+    assert seen["outputs/checkpoint/step-10"].state is State.COMPLETE
+    assert failed(seen["outputs/checkpoint/step-20"]) == [
+        "torchtitan step: model-00002-of-00002.safetensors missing (1/2 shards in the HF index)"]
+
+
+# --- metrics the checkpoints carry -------------------------------------------------------------------
+
+
+def test_an_unreadable_orbax_metrics_item_is_said_so(tmp_path):
+    run = tmp_path / "run"
+    for step, text in ((1, '{"loss": 0.5}'), (2, "{not json")):
+        d = run / str(step)
+        (d / "metrics").mkdir(parents=True)
+        (d / "metrics" / "metrics").write_text(text)
+        (d / "commit_success.txt").write_text("ok")
+        (d / "_CHECKPOINT_METADATA").write_text("{}")
+    age(tmp_path, OLD)
+    [run_] = Scanner(Root(path=tmp_path)).runs(now=NOW)
+    [w] = metric_warnings(run_, Retention(metric="loss"))
+    assert "metric 'loss' found for 1 of 2 complete checkpoints; none for 2" in w
+    assert "metrics/metrics unreadable: JSONDecodeError" in w
+
+
+def test_a_second_callbacks_state_does_not_lend_its_score_to_a_file(tmp_path):
+    """Every callback's state goes into every .ckpt: a file saved by a callback without a monitor
+    carries the monitoring callback's state too, with its current_score from an earlier save. Only
+    a ModelCheckpoint whose best_k_models lists this very file (by name: the paths are absolute as
+    written) gives its score. Hand-made with torch.save: fwgen's Lightning runs have one callback."""
+    torch = pytest.importorskip("torch")
+    watcher = {"monitor": "val_loss", "current_score": torch.tensor(0.4),
+               "best_k_models": {"/elsewhere/ckpts/epoch=1-step=4.ckpt": torch.tensor(0.4)}}
+    plain = {"monitor": None, "current_score": None, "best_k_models": {}}
+    state = {"callbacks": {"ModelCheckpoint{'monitor': 'val_loss'}": watcher, "ModelCheckpoint{'monitor': None}": plain}}
+    torch.save(state, tmp_path / "epoch=1-step=4.ckpt")
+    torch.save(state, tmp_path / "step=5.ckpt")  # saved by the other callback, one step later
+    assert fwmetrics.ckpt_scores(tmp_path / "epoch=1-step=4.ckpt") == {"val_loss": pytest.approx(0.4)}
+    assert fwmetrics.ckpt_scores(tmp_path / "step=5.ckpt") == (
+        "no ModelCheckpoint with a monitor lists this file in its state")
+
+
+def test_nemos_unfinished_marker_counts_for_a_lightning_named_file_too(tmp_path):
+    """NeMo's ModelCheckpoint may name its files as Lightning's do (a user template without `--`):
+    its `-unfinished` marker beside one still says the save is not finished (hand-made marker)."""
+    run = tmp_path / "run"
+    write_zip(run / "epoch=0-step=100.ckpt")
+    write_zip(run / "epoch=1-step=200.ckpt")
+    (run / "epoch=1-step=200-unfinished").touch()
+    age(tmp_path, OLD)
+    seen = scan(tmp_path)
+    assert seen["run/epoch=0-step=100.ckpt"].state is State.COMPLETE
+    assert failed(seen["run/epoch=1-step=200.ckpt"]) == [
+        "nemo marker: epoch=1-step=200-unfinished present: save not finished"]
+
+
+def test_the_daemons_polling_finds_a_new_lightning_version_below_max_depth(tmp_path):
+    """A resumed fit opens lightning_logs/version_1/checkpoints: the daemon's re-listing of the
+    directory that changed counts depth as discovery does (framework-made directories are free)."""
+    from ckptd.tracker import RootTracker
+
+    logs = tmp_path / "team" / "run" / "lightning_logs"
+    write_zip(logs / "version_0" / "checkpoints" / "epoch=0-step=2.ckpt")
+    t = RootTracker(Root(path=tmp_path, max_depth=2), lambda: 1000.0)
+    t.full_scan()
+    assert [c.rel for c in t.checkpoints()] == ["team/run/lightning_logs/version_0/checkpoints/epoch=0-step=2.ckpt"]
+    write_zip(logs / "version_1" / "checkpoints" / "epoch=1-step=4.ckpt")
+    t.poll()
+    assert sorted(c.rel for c in t.checkpoints()) == [
+        "team/run/lightning_logs/version_0/checkpoints/epoch=0-step=2.ckpt",
+        "team/run/lightning_logs/version_1/checkpoints/epoch=1-step=4.ckpt"]
+
+
+def test_the_daemons_relisting_counts_depth_as_discovery_does(tmp_path):
+    """Re-listing a changed directory below framework-made ones: `lightning_logs/version_0` has used
+    none of max_depth=2, so a run two levels below it is in reach, as a full scan finds it."""
+    from ckptd.tracker import RootTracker
+
+    version = tmp_path / "lightning_logs" / "version_0"
+    write_zip(version / "checkpoints" / "epoch=0-step=2.ckpt")
+    t = RootTracker(Root(path=tmp_path, max_depth=2), lambda: 1000.0)
+    t.full_scan()
+    (version / "exp" / "run" / "checkpoint-1").mkdir(parents=True)
+    t.poll()
+    assert "lightning_logs/version_0/exp/run/checkpoint-1" in {c.rel for c in t.checkpoints()}
+    assert [r.rel for r in find_runs(tmp_path, max_depth=2)] == [
+        "lightning_logs/version_0/checkpoints", "lightning_logs/version_0/exp/run"]
+
+
+def test_torchtitans_staged_shards_are_not_a_save_it_loads(tmp_path):
+    """torchtitan stages an HF save's shards in step-N/sharded/ (a whole DCP save there) and then
+    consolidates them; killed before the index is written, step-N holds neither .metadata nor
+    model.safetensors.index.json at its top, and `_find_load_step` skips it."""
+    staged = tmp_path / "outputs" / "checkpoint" / "step-30" / "sharded"
+    staged.mkdir(parents=True)
+    (staged / "__0_0.distcp").write_bytes(b"s")
+    (staged / ".metadata").write_bytes(b"m")
+    age(tmp_path, OLD)
+    c = scan(tmp_path)["outputs/checkpoint/step-30"]
+    assert (c.layout, c.state) == ("torchtitan", State.INCOMPLETE)
+    assert failed(c) == ["torchtitan step: neither .metadata nor model.safetensors.index.json (written last)"]
+
+
+def test_values_from_more_than_one_source_and_missing_ones_are_said(tmp_path):
+    """A template changed mid-run: older names carry val_loss, newer ones not (read from the .ckpt
+    state instead), and one has it nowhere. Pure: the checkpoints as a scan leaves them."""
+    from dataclasses import replace
+
+    from ckptd.model import CKPT_STATE, FILE_NAME, Checkpoint, Reading, Run, Verdict
+    from ckptd.model import Check as K
+
+    def ckpt(step: int, metrics: tuple) -> Checkpoint:
+        return Checkpoint(tmp_path, "run", f"epoch={step}-step={step}.ckpt", step, "lightning",
+                          (K("quiet", Verdict.PASSED, "q"),), written_at=float(step), saved_at=float(step))
+
+    run = Run(tmp_path, "run", (
+        replace(ckpt(1, ()), metrics=(("val_loss", Reading(0.5, FILE_NAME)),)),
+        replace(ckpt(2, ()), metrics=(("val_loss", Reading(0.4, CKPT_STATE)),)),
+        ckpt(3, ()),
+    ))
+    decisions = decide_run(run, Retention(keep_last=1, keep_best=1, metric="val_loss"))
+    assert [(d.metric, d.metric_source) for d in decisions] == [(0.5, FILE_NAME), (0.4, CKPT_STATE), (None, None)]
+    warnings = metric_warnings(run, Retention(keep_last=1, keep_best=1, metric="val_loss"), decisions)
+    assert warnings == [
+        f"{tmp_path}/run: metric 'val_loss' comes from more than one source: .ckpt ModelCheckpoint state (1), "
+        "file name (1); a file name's value is rounded as the name was formatted",
+        f"{tmp_path}/run: metric 'val_loss' found for 2 of 3 complete checkpoints; none for epoch=3-step=3.ckpt: "
+        "keep_missing_metric keeps them",
+    ]
+    assert metric_warnings(run, Retention(keep_last=1, keep_best=1, metric="val_loss")) == warnings  # no decisions
