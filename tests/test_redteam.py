@@ -9,10 +9,12 @@ where the framework is not installed here, and the test says so.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -298,3 +300,70 @@ def test_a_fifo_where_ckptd_reads_does_not_hang_it(tmp_path, where):
     except subprocess.TimeoutExpired:
         pytest.fail(f"ckptd plan hung on a FIFO at {where}")
     assert proc.returncode == 0, proc.stderr
+
+
+# --- 8. An empty ROOT argument (an unset "$VAR") is the current directory -----------------------
+
+
+@pytest.mark.xfail(strict=True, reason="red team: `ckptd prune \"\"` prunes the working directory with the defaults")
+def test_an_empty_root_argument_is_refused(tmp_path):
+    """`ckptd prune "$CKPT_ROOT"` from cron or a unit's ExecStart, with the variable unset, passes
+    an empty argument. Path("") is ".", so ckptd prunes its working directory (for a service,
+    often /) with the built-in defaults, up to max_depth below it: checkpoints outside every root
+    the operator meant, and none of the config's pins. rm, ls and cd refuse an empty path;
+    ckptd must too (exit 64), deleting nothing."""
+    work = tmp_path / "home"
+    for step in (1, 2, 3, 4):
+        hf_deepspeed_checkpoint(work / "someone" / "exp", step, world=2, mtime=OLD + step)
+    proc = run_ckptd("prune", "", env={"XDG_STATE_HOME": str(tmp_path / "state")}, cwd=work)
+    assert names(work / "someone" / "exp") == [f"checkpoint-{s}" for s in (1, 2, 3, 4)], proc.stdout
+    assert proc.returncode == 64, proc.stdout + proc.stderr
+
+
+# --- 9. `latest` rolled back to a checkpoint while it is being consolidated for slimming ---------
+
+
+@pytest.mark.deepspeed
+@no_deepspeed
+@pytest.mark.xfail(strict=True, reason="red team: a slim does not re-read the resume pointer after consolidating")
+def test_latest_rolled_back_during_consolidation_stops_the_slim(zero3_bf16_bare, tmp_path):
+    """Slimming re-checks a checkpoint (pins, fingerprint, anchors, the lease) again after the
+    consolidation, which takes minutes on a real model, but not DeepSpeed's `latest`: an operator
+    who rolls `latest` back to global_step10 meanwhile, to resume from it, gets its optimizer
+    shards moved to the trash a moment later, and the resume (load_optimizer_states=True) fails.
+    The plan itself already says `slim` for a checkpoint `latest` names (the first re-check
+    refuses it, every pass: a near-miss of its own)."""
+    from ckptd.consolidate import PAUSE_FIFO_ENV
+
+    root = tmp_path / "vol"
+    shutil.copytree(zero3_bf16_bare, root / "run")
+    age(root, OLD)
+    ck = root / "run" / "global_step10"
+    shards = sorted(p.name for p in ck.glob("*optim_states.pt"))
+    cfg = config(tmp_path, root, keep_last=2, keep_best=0, keep_full_last=1)
+    fifo = tmp_path / "pause.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the consolidator writes its pid here, then waits
+    env = {k: v for k, v in os.environ.items() if k != "CKPTD_CONFIG"}
+    env[PAUSE_FIFO_ENV] = str(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "prune", "-c", str(cfg)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        import select
+        ready, _, _ = select.select([reader, proc.stdout], [], [], 180)
+        assert reader in ready, "the consolidator never paused"
+        child = int(os.read(reader, 64).decode().strip())
+        (root / "run" / "latest").write_text("global_step10")  # the operator rolls back
+        # To the main thread only (tgkill): it alone blocks SIGUSR1, and a process-directed signal
+        # may land on one of torch's threads, whose default action kills the child.
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.tgkill(child, child, signal.SIGUSR1) == 0, os.strerror(ctypes.get_errno())
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        os.close(reader)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "-> failed" not in out, out  # a consolidation that failed tests nothing here
+    assert sorted(p.name for p in ck.glob("*optim_states.pt")) == shards, (
+        "`latest` names global_step10, and its optimizer state was slimmed away:\n" + out)
