@@ -171,6 +171,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             reaper = Reaper(
                 scanner, journal, dry_run=dry_run, consolidate_timeout=config.daemon.consolidate_timeout
             )
+            reaper.clear_work()  # what an interrupted consolidation left, into the trash
             leftover, leftover_bytes = reaper.purge()  # an earlier run's interrupted purge
             if leftover:
                 print(
@@ -293,6 +294,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         world_size=world,
         pins=frozenset(retention.pins),
         slim_files=retention.slim_files,
+        slim_weights=retention.slim_weights,
     )
     if args.json:
         print(json.dumps(checkpoint_json(ckpt), indent=2))

@@ -40,6 +40,7 @@ from ckptd import dsmeta, layouts, slim
 from ckptd.config import format_duration, format_size
 from ckptd.layouts import Candidate
 from ckptd.model import QUIET, Check, Checkpoint, Slimming, TrainerState, Verdict, as_metric
+from ckptd.weights import WeightsReader
 
 TRAINER_STATE = "trainer_state.json"
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024
@@ -157,6 +158,7 @@ class Inspector:
         # an in-flight checkpoint is looked at every poll, and a long run's log history takes
         # tens of milliseconds to parse.
         self._ts_cache: dict[str, tuple[tuple[int, int], tuple[Check, TrainerState | None]]] = {}
+        self._weights = WeightsReader()  # the dtypes of the weights a slim would keep
 
     def inspect(
         self,
@@ -170,6 +172,7 @@ class Inspector:
         pins: frozenset[str] = frozenset(),
         quiet: QuietJudge | None = None,
         slim_files: tuple[str, ...] = slim.DEFAULT_SLIM_FILES,
+        slim_weights: str = "fp32",
     ) -> Checkpoint:
         """The evidence for one checkpoint.
 
@@ -219,6 +222,9 @@ class Inspector:
             checks.append(too_deep)
         if marker is None or isinstance(marker, slim.Marker):
             slimming = slim.survey(cand.layout, cand.name, files, slim_files, marker)
+            if slimming.removable and marker is None:  # which weights a slim would keep: their dtypes
+                seen = self._weights.read(path, files)
+                slimming = slim.survey(cand.layout, cand.name, files, slim_files, None, seen, slim_weights)
         else:
             slimming = Slimming(slimmed=True)  # unreadable marker: not full, and nothing to do
         if marker is not None:
@@ -389,6 +395,10 @@ def _slimmed(files: dict[str, Entry], marker: slim.Marker | str) -> Check:
             FAILED,
             f"{marker.weights} is {weights.size} bytes, the marker says {marker.weights_bytes}",
         )
+    for path, size in marker.files:  # the shards of sharded weights
+        if path not in files or files[path].kind != "f" or files[path].size != size:
+            why = f"{path} missing or not {size} bytes: the marker says it is there"
+            return Check("slimmed", FAILED, why)
     left = [p for p, _ in marker.removed if p in files]
     detail = marker.summary(format_size)
     if left:  # a crash between the marker and the renames

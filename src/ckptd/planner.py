@@ -73,6 +73,7 @@ class Scanner:
                 pins=frozenset(retention.pins),
                 quiet=self.quiet,
                 slim_files=retention.slim_files,
+                slim_weights=retention.slim_weights,
             )
         except (FileNotFoundError, NotADirectoryError):
             return None

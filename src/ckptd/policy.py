@@ -167,7 +167,9 @@ def _slims(
         if c.slim.blocker is not None:
             reasons.append(f"not slimmed: {c.slim.blocker}")
         else:
-            out[id(c)] = f"slim: outside keep_full_last={r.keep_full_last} (kept for: {'; '.join(reasons)})"
+            keeps = f"; keeps {c.slim.keeps}" if c.slim.keeps else ""
+            kept_for = "; ".join(reasons)
+            out[id(c)] = f"slim: outside keep_full_last={r.keep_full_last} (kept for: {kept_for}){keeps}"
     return out
 
 
