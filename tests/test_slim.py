@@ -707,30 +707,36 @@ def fake_consolidator(monkeypatch, during=lambda out_dir: None):
     """Writes what the real child writes (one shard, the index with ckptd's record), reports it
     as the parent's check would, then calls `during`: between the check and the move into place."""
     import ckptd.reaper
-    from ckptd.consolidate import Consolidated
 
     class Fake:
         def __init__(self, save_dir, tag, model_states, out_dir, *, source_fingerprint, timeout):
             self.out_dir, self.tag, self.fp = out_dir, tag, source_fingerprint
 
         def run(self):
-            shard = slim.shard_name(1, 1)
-            write_safetensors(self.out_dir / shard)
-            size = (self.out_dir / shard).stat().st_size
-            record = {"source": self.tag, "source_fingerprint": self.fp, "tool": "test",
-                      "files": [{"path": shard, "bytes": size, "sha256": "cd" * 32}]}
-            index = {"metadata": {"total_size": 64, "ckptd": record}, "weight_map": {"w": shard}}
-            (self.out_dir / slim.INDEX).write_text(json.dumps(index))
-            ids = {}
-            for name in (shard, slim.INDEX):
-                st = (self.out_dir / name).stat()
-                ids[name] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-            out = Consolidated(self.out_dir, ((shard, size, "cd" * 32),), ids[slim.INDEX][2], "ef" * 32, 1, 0.01,
-                               "test", ids)
+            out = write_consolidated(self.out_dir, self.tag, self.fp)
             during(self.out_dir)
             return out
 
     monkeypatch.setattr(ckptd.reaper, "Consolidation", Fake)
+
+
+def write_consolidated(out_dir: Path, tag: str, source_fingerprint: str):
+    """What the consolidator leaves in its work directory (one shard, the index with ckptd's record),
+    and the parent's account of it. A look-alike: the real one needs torch, DeepSpeed and seconds."""
+    from ckptd.consolidate import Consolidated
+
+    shard = slim.shard_name(1, 1)
+    write_safetensors(out_dir / shard)
+    size = (out_dir / shard).stat().st_size
+    record = {"source": tag, "source_fingerprint": source_fingerprint, "tool": "test",
+              "files": [{"path": shard, "bytes": size, "sha256": "cd" * 32}]}
+    index = {"metadata": {"total_size": 64, "ckptd": record}, "weight_map": {"w": shard}}
+    (out_dir / slim.INDEX).write_text(json.dumps(index))
+    ids = {}
+    for name in (shard, slim.INDEX):
+        st = (out_dir / name).stat()
+        ids[name] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return Consolidated(out_dir, ((shard, size, "cd" * 32),), ids[slim.INDEX][2], "ef" * 32, 1, 0.01, "test", ids)
 
 
 def slim_first(root: Path, tmp_path: Path):

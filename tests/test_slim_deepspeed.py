@@ -31,6 +31,7 @@ from ckptd.reaper import WORK_DIR
 
 import dsgen
 from conftest import run_ckptd
+from daemonproc import DaemonProc
 
 pytestmark = [
     pytest.mark.deepspeed,
@@ -409,3 +410,102 @@ def test_a_consolidator_dies_with_the_ckptd_that_started_it(zero3_bf16_bare, tmp
         proc.wait(timeout=60)
         assert _gone(pid_fd, 30), "the consolidator outlived prune"
     assert manifest(root) == before
+
+
+# --- the daemon: consolidation on a worker of its own (issue 14, item 4) ----------------------
+
+
+def _pids(fifo_fd: int, timeout: float = 180):
+    """The pid each consolidator announces on the pause FIFO, as it pauses, one at a time."""
+    buffered = b""
+    while True:
+        while b"\n" not in buffered:
+            ready, _, _ = select.select([fifo_fd], [], [], timeout)
+            assert ready, "no consolidator paused"
+            buffered += os.read(fifo_fd, 64)
+        line, buffered = buffered.split(b"\n", 1)
+        yield int(line)
+
+
+def _daemon_config(tmp_path: Path, root: Path) -> Path:
+    cfg = config(tmp_path, root, keep_last=2, keep_best=0, keep_full_last=1)
+    # The first retention pass comes with the first reconcile (or a checkpoint completing).
+    extra = "quiet_period = '0s'\nobserver = 'inotify'\nreconcile_interval = '2s'"
+    cfg.write_text(cfg.read_text().replace("quiet_period = '0s'", extra))
+    return cfg
+
+
+def test_the_daemon_completes_and_deletes_while_a_consolidation_runs(zero3_bf16_bare, tmp_path):
+    """`ckptd run` with its consolidator paused (the test hook): a new checkpoint completes and an
+    old one is deleted meanwhile. The one deleted is the very one being consolidated: that
+    consolidation is stopped, and the next one (the checkpoint now outside keep_full_last) runs to
+    the end: consolidated, settled, slimmed, bit for bit what zero_to_fp32 makes of its shards."""
+    root = copy_run(zero3_bf16_bare, tmp_path)
+    run = root / "run"
+    staged = tmp_path / "staged"
+    shutil.copytree(run / "global_step20", staged / "global_step30")  # a real checkpoint, arriving later
+    cfg = _daemon_config(tmp_path, root)
+    fifo = tmp_path / "pause.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # before the daemon: its consolidator needs a listener
+    pids = _pids(reader)
+    try:
+        with DaemonProc("-c", cfg, env={PAUSE_FIFO_ENV: str(fifo)}) as daemon:
+            first = os.pidfd_open(next(pids))  # paused, its first shard written
+            mark = daemon.mark()
+            os.rename(staged / "global_step30", run / "global_step30")
+            daemon.wait_for(lambda line: line.get("checkpoint") == "global_step30" and line.get("state") == "complete",
+                            start=mark, timeout=60)
+            daemon.wait_message("deleted run/global_step10 (", start=mark, timeout=60)
+            daemon.wait_message("stopped consolidating run/global_step10: the plan no longer slims it (delete",
+                                start=mark, timeout=60)
+            assert _gone(first, 30), "the stopped consolidator is still running"
+            daemon.wait_message("consolidating run/global_step10: fp32 weights from global_step10")
+            os.close(first)
+            assert not (run / "global_step10").exists() and not list(run.glob("*/fp32"))
+
+            # the next one: global_step20, now outside keep_full_last=1; let it run to the end
+            daemon.wait_message("consolidating run/global_step20", start=mark, timeout=60)
+            os.kill(next(pids), signal.SIGUSR1)
+            daemon.wait_message("consolidated run/global_step20: consolidated global_step20 into fp32/", timeout=180)
+            daemon.wait_message("slimmed run/global_step20 (", timeout=60)
+            assert sorted(p.name for p in run.glob("global_step*")) == ["global_step20", "global_step30"]
+            assert work_files(root) == []
+    finally:
+        os.close(reader)
+    ck = run / "global_step20"
+    assert optimizer_shards(ck) == {} and len(optimizer_shards(run / "global_step30")) == 2
+    result = compare_with_zero_to_fp32(zero3_bf16_bare, "global_step20", ck / "fp32")
+    assert result["ref"] == result["got"] and result["unequal"] == [] and result["dtypes"] == ["torch.float32"]
+    events = [(r["event"], Path(r["path"]).name, r.get("action")) for r in read_journal(tmp_path / "state")
+              if "path" in r]
+    assert ("trashed", "global_step10", None) in events
+    assert events.index(("consolidated", "global_step20", "consolidate")) < events.index(
+        ("slimmed", "global_step20", "slim"))
+
+
+def test_a_daemon_stopped_during_a_consolidation_stops_at_once_and_the_next_start_finishes(zero3_bf16_bare,
+                                                                                          tmp_path):
+    """SIGTERM while the consolidator holds (it would for 60 s): the daemon kills it and exits
+    within its bounded shutdown, without timing out; what it left is cleared at the next start."""
+    root = copy_run(zero3_bf16_bare, tmp_path)
+    before = manifest(root)
+    cfg = _daemon_config(tmp_path, root)
+    fifo = tmp_path / "pause.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with DaemonProc("-c", cfg, env={PAUSE_FIFO_ENV: str(fifo)}) as daemon:
+            child = os.pidfd_open(next(_pids(reader)))
+            mark = daemon.mark()
+            assert daemon.stop(timeout=30) == 0
+            assert _gone(child, 0), "the consolidator outlived the daemon"
+            os.close(child)
+            said = [line.get("message", "") for line in daemon.lines[mark:]]
+            assert "stopped" in said and not any("timed out" in m for m in said), said
+    finally:
+        os.close(reader)
+    assert manifest(root) == before and len(work_files(root)) == 1  # its first shard, never moved into place
+    with DaemonProc("-c", cfg) as daemon:
+        daemon.wait_message("slimmed run/global_step10 (", timeout=180)
+    assert work_files(root) == [] and (root / "run" / "global_step10" / "fp32" / slim.INDEX).exists()
