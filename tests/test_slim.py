@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import time
 from pathlib import Path
@@ -240,6 +241,7 @@ def test_consolidating_first_and_slimming_in_a_later_pass(tmp_path, monkeypatch)
     assert result.outcome is Outcome.CONSOLIDATED and result.detail.startswith("consolidated global_step10 into fp32/")
     assert sorted(os.listdir(ck / "fp32")) == [slim.shard_name(1, 1), slim.INDEX] and not work.path.exists()
     assert all(s.exists() for s in shards) and not (ck / slim.MARKER).exists()  # it only added fp32/
+    assert stat.S_IMODE((ck / "fp32").stat().st_mode) == stat.S_IMODE(ck.stat().st_mode)  # not 0700
 
     # the next pass: the checkpoint holds fp32 weights ckptd consolidated from these very shards
     settle_weights(ck)
@@ -275,6 +277,59 @@ def test_fp32_weights_from_shards_that_changed_since_are_not_trusted(tmp_path, m
     assert (d.action, d.reasons[-1]) == (
         Action.KEEP, "not slimmed: model.safetensors is bf16 and fp32/ was consolidated from global_step10 as it was "
                      'then: its shards changed since; slim_weights = "as-saved" would keep model.safetensors alone')
+
+
+def test_fp32_weights_missing_a_shard_are_not_taken_for_weights(tmp_path, monkeypatch):
+    ck = ds_run(tmp_path / "vol", bf16)
+    two_phase(tmp_path / "vol", tmp_path, monkeypatch)
+    (ck / "fp32" / slim.shard_name(1, 1)).unlink()
+    settle_weights(ck)
+    d = plan_first(tmp_path / "vol")
+    assert (d.action, d.reasons[-1]) == (
+        Action.KEEP, "not slimmed: model.safetensors is bf16 and fp32/model-00001-of-00001.safetensors is missing or "
+                     "not the size ckptd recorded when it consolidated it; slim_weights = \"as-saved\" would keep "
+                     "model.safetensors alone")
+
+
+def test_a_checkpoint_replaced_by_a_copy_while_consolidating_gets_nothing(tmp_path, monkeypatch):
+    """Moved away and copied back with every mtime kept (`cp -a`): the same entries, another
+    directory. What was consolidated from the first is not moved into the second."""
+    root = tmp_path / "vol"
+    ck = ds_run(root, bf16)
+
+    def replace_with_a_copy(out_dir):
+        os.rename(ck, tmp_path / "moved")
+        __import__("shutil").copytree(tmp_path / "moved", ck)
+        os.utime(ck, ns=((tmp_path / "moved").stat().st_atime_ns, (tmp_path / "moved").stat().st_mtime_ns))
+
+    _, result, _ = two_phase(root, tmp_path, monkeypatch, replace_with_a_copy)
+    assert (result.outcome, result.detail) == (Outcome.REFUSED,
+                                               "moved or replaced while its weights were being consolidated")
+    assert not (ck / "fp32").exists() and not (tmp_path / "moved" / "fp32").exists() and no_work_left(root)
+
+
+def test_beginning_a_consolidation_re_checks_the_fingerprint_itself_after_the_recheck(tmp_path, monkeypatch):
+    """A file lands between the shared re-check and the consolidation's own walk."""
+    root = tmp_path / "vol"
+    ck = ds_run(root, bf16)
+    reaper, plan, _ = reaper_for(root, tmp_path, keep_last=2, keep_full_last=1)
+    [deferred] = reaper.execute(plan.decisions, consolidate=False)
+    real_recheck = reaper.recheck
+    monkeypatch.setattr(reaper, "recheck", lambda d, a: real_recheck(d, a) or add(ck, "notes.txt"))
+    result = reaper.begin_consolidation(deferred.decision, deferred.anchor)
+    assert (result.outcome, result.detail) == (Outcome.REFUSED, "changed since the plan was made")
+    assert not (root / ".ckptd-consolidating").exists() or no_work_left(root)
+
+
+def test_a_marker_naming_weights_outside_the_checkpoint_is_unreadable(tmp_path):
+    ck = slimmed_deepspeed_checkpoint(tmp_path / "run")
+    doc = json.loads((ck / slim.MARKER).read_text())
+    doc["weights"]["files"] = [{"path": "../elsewhere/model.safetensors", "bytes": 1}]
+    (ck / slim.MARKER).write_text(json.dumps(doc))
+    age(ck, OLD)
+    c = inspect_one(tmp_path)
+    assert c.state is State.INCOMPLETE and c.slimmed
+    assert "malformed weights file" in next(k for k in c.checks if k.name == "slimmed").detail
 
 
 def test_a_directory_named_fp32_that_ckptd_did_not_write_is_not_taken_for_weights(tmp_path):
@@ -822,6 +877,26 @@ def test_weights_that_appear_while_consolidating_are_not_overwritten(unconsolida
     _, [result] = slim_first(unconsolidated, tmp_path)
     assert (result.outcome, result.detail) == (Outcome.REFUSED, "fp32/ appeared while consolidating")
     assert os.listdir(ck / "fp32") == ["mine.txt"] and untouched(ck) and no_work_left(unconsolidated)
+
+
+def test_a_change_right_after_the_weights_went_into_place_stops_the_slim(unconsolidated, tmp_path, monkeypatch):
+    """`prune` slims straight after consolidating: the checkpoint is looked at once more in between."""
+    import ckptd.reaper
+
+    ck = unconsolidated / "run" / "checkpoint-10"
+    fake_consolidator(monkeypatch)
+    real_walk, walks = ckptd.reaper.walk, []
+
+    def walk_then_write(path):
+        walks.append(path)
+        if len(walks) == 4:  # the look after fp32/ went into place
+            (ck / "notes.txt").write_text("a late write")
+        return real_walk(path)
+
+    monkeypatch.setattr(ckptd.reaper, "walk", walk_then_write)
+    _, [result] = slim_first(unconsolidated, tmp_path)
+    assert (result.outcome, result.detail) == (Outcome.REFUSED, "changed while its weights were being consolidated")
+    assert untouched(ck) and (ck / "fp32" / slim.INDEX).exists()  # added, and nothing removed
 
 
 def test_a_consolidated_file_replaced_by_a_link_is_not_moved_into_place(unconsolidated, tmp_path, monkeypatch):

@@ -509,3 +509,44 @@ def test_a_daemon_stopped_during_a_consolidation_stops_at_once_and_the_next_star
     with DaemonProc("-c", cfg) as daemon:
         daemon.wait_message("slimmed run/global_step10 (", timeout=180)
     assert work_files(root) == [] and (root / "run" / "global_step10" / "fp32" / slim.INDEX).exists()
+
+
+def test_a_shard_that_reads_back_different_is_never_taken_for_weights(zero2_bf16_bare_3ranks, tmp_path):
+    """The consolidator pauses once its first shard is written; a byte of a tensor is flipped on disk
+    (a torn write, a bad sector); its read-back against the shards catches it, and nothing is removed."""
+    root = copy_run(zero2_bf16_bare_3ranks, tmp_path)
+    cfg = config(tmp_path, root, keep_last=2, keep_best=0, keep_full_last=1)
+    before = manifest(root)
+    fifo = tmp_path / "pause.fifo"
+    os.mkfifo(fifo)
+    proc, reader = _start_prune(cfg, fifo)
+    with proc, _cleanup(proc, reader):
+        pid = _wait_for_pause(reader, proc)
+        [partial] = work_files(root)
+        with open(root / WORK_DIR / partial, "r+b") as f:
+            f.seek(-1, os.SEEK_END)  # the last byte of the last tensor's data
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0x01]))
+        os.kill(pid, signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 74, out
+    assert "-> failed: consolidation failed, nothing removed: ValueError: 2.bias reads back different" in out
+    assert manifest(root) == before and work_files(root) == []
+
+
+def test_many_shards_and_remapped_sources_are_bit_identical(zero2_bf16_bare_3ranks, tmp_path):
+    """The consolidator with tiny shards (one tensor each) and its mappings dropped before every
+    tensor: the index across shards and the rebuilt state dicts give what zero_to_fp32 gives."""
+    out = tmp_path / "out"
+    out.mkdir()
+    tag = zero2_bf16_bare_3ranks / "global_step10"
+    proc = subprocess.run([sys.executable, "-m", "ckptd.consolidate", str(zero2_bf16_bare_3ranks), "global_step10",
+                           str(tag / "mp_rank_00_model_states.pt"), str(out), "--source-fingerprint", "t",
+                           "--max-shard-bytes", "1", "--remap-bytes", "1"],
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "TQDM_DISABLE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(os.listdir(out)) == [*(slim.shard_name(i, 4) for i in range(1, 5)), slim.INDEX]
+    result = compare_with_zero_to_fp32(zero2_bf16_bare_3ranks, "global_step10", out)
+    assert result["ref"] == result["got"] and result["unequal"] == [] and result["dtypes"] == ["torch.float32"]

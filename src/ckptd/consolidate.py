@@ -15,8 +15,9 @@ belongs in the daemon. The child:
    optimizer moments and the 16-bit module in the model states are never read into memory;
 2. checks names and shapes against the model-states file's `param_shapes`;
 3. writes each shard by streaming, one tensor materialised at a time (`Writer`), fsyncs it;
-4. reads each shard back through safetensors itself and compares every tensor's bytes with
-   what was written (by SHA-256 of each tensor's bytes), then hashes the file (sha256);
+4. reads each shard back through safetensors itself and compares every tensor, byte for
+   byte, with the same tensor gathered again from the DeepSpeed shards, then hashes the
+   file (sha256);
 5. writes the index, whose metadata records the source, a fingerprint of the shards it was
    consolidated from, and each shard's size and hash (`slim.INDEX_RECORD`).
 
@@ -26,9 +27,10 @@ model) before slicing parameters out of it. Its own merge function is run with a
 whose `cat` returns that concatenation unmaterialised (`_LazyCat`): DeepSpeed's offsets,
 paddings and sanity checks run unchanged, and each parameter is gathered from the
 partitions only when it is written. The mapped pages of the shards stay resident until
-unmapped, so the state dict is rebuilt (and the previous one dropped) for each output
-shard. Peak RSS: the interpreter with torch and deepspeed, plus about one output shard
-(`MAX_SHARD_BYTES`) of mapped source pages, plus the largest tensor about twice.
+unmapped, so the state dict is rebuilt (the old one dropped) after every `REMAP_BYTES`.
+Peak RSS: the interpreter with torch and deepspeed, plus `REMAP_BYTES` of mapped source
+pages and `REOPEN_BYTES` of the shard read back, plus a few times the largest tensor; not the
+model, not the shard size.
 
 The parent checks the result again on its own (every header's names and shapes against
 `param_shapes`, sizes, the index) before the reaper moves it into place.
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import hashlib
 import json
 import os
@@ -67,12 +68,12 @@ PARENT_ENV = "CKPTD_CONSOLIDATE_PARENT"  # the parent's pid: the child dies with
 # it is verified), then waits (SIGUSR1 or 60 s) so that a test can act while it runs.
 PAUSE_FIFO_ENV = "CKPTD_TEST_CONSOLIDATE_FIFO"
 
-# Output shards of at most this much (one larger tensor goes alone). It bounds the child's memory
-# (see the module docstring), and loaders read shards one at a time too. transformers' own
-# default is 50GB: one file, and the whole model in memory to write it.
-MAX_SHARD_BYTES = 1 << 30
-# The read-back reopens the shard after this much, so that its mapping holds at most this.
-REOPEN_BYTES = 256 << 20
+# Output shards of at most this much (one larger tensor goes alone), as DeepSpeed's own converter
+# and transformers 4 cut them. Memory does not grow with it: tensors are streamed, and the
+# mappings that hold read pages are dropped every REMAP_BYTES (writing) and REOPEN_BYTES (reading back).
+MAX_SHARD_BYTES = 5 * 1000**3
+REMAP_BYTES = 128 << 20
+REOPEN_BYTES = 128 << 20
 
 
 class ConsolidationFailed(Exception):
@@ -382,72 +383,99 @@ _ST_DTYPES = {
 }  # fmt: skip
 
 
+def _bits(torch, t):
+    """A contiguous CPU tensor as its bytes (a uint8 view, no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
 def _raw(torch, t) -> memoryview:
     """A contiguous CPU tensor's bytes, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(_bits(torch, t).numpy())
 
 
-def _write_shard(torch, path: Path, names: list[str], sd: dict, metadata: dict[str, str]) -> dict[str, str]:
-    """Stream `names` of `sd` into a new safetensors file, one tensor materialised at a time.
+class _Remapped:
+    """The lazy state dict, built again after every `REMAP_BYTES` of tensors taken from it.
 
-    Returns each tensor's sha256 (of the bytes written). The header is built first from
-    shapes and dtypes alone, which the lazy tensors know without their data.
+    The pages of the memory-mapped shards that a tensor was gathered from stay resident (and
+    count in RSS) until their mapping goes, and the mappings go with the state dict that holds
+    them: so the state dict is dropped and rebuilt (about 0.1 s) now and then.
+    """
+
+    def __init__(self, build, every: int = REMAP_BYTES):
+        self.build, self.every = build, every
+        self.sd: dict | None = None
+        self.taken = 0
+
+    def take(self, name: str, size: int):
+        if self.sd is None or (self.taken and self.taken + size > self.every):
+            self.drop()
+            self.sd = self.build()
+        self.taken += size
+        return self.sd[name]
+
+    def drop(self) -> None:
+        # The mappings go by reference counting, with the last tensor that holds them (measured:
+        # the same peak RSS as with a gc.collect() here, which took 0.3 s a time).
+        self.sd, self.taken = None, 0
+
+
+def _write_shard(
+    torch, path: Path, names: list[str], specs: dict, source: _Remapped, metadata: dict[str, str]
+) -> None:
+    """Stream `names` into a new safetensors file, one tensor materialised at a time.
+
+    The header comes first, from the shapes and dtypes alone (`specs`: name -> (dtype, shape,
+    bytes)), which the lazy tensors know without their data.
     """
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name in names:
-        t = sd[name]
-        size = int(t.shape.numel()) * t.dtype.itemsize
-        dtype = _ST_DTYPES[str(t.dtype).removeprefix("torch.")]
-        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        dtype, shape, size = specs[name]
+        st = _ST_DTYPES[str(dtype).removeprefix("torch.")]
+        header[name] = {"dtype": st, "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    digests = {}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for name in names:
-            t = sd[name].contiguous()
-            info = header[name]
-            assert isinstance(info, dict)
-            if list(t.shape) != info["shape"] or t.dtype != sd[name].dtype:
+            dtype, shape, size = specs[name]
+            t = source.take(name, size).contiguous()
+            if list(t.shape) != shape or t.dtype != dtype:
                 raise ValueError(f"{name} materialised as {list(t.shape)} {t.dtype}, not as described")
             data = _raw(torch, t)
-            if len(data) != info["data_offsets"][1] - info["data_offsets"][0]:
-                raise ValueError(f"{name}: {len(data)} bytes, not {info['data_offsets']}")
-            digests[name] = hashlib.sha256(data).hexdigest()
+            if len(data) != size:
+                raise ValueError(f"{name}: {len(data)} bytes, not {size}")
             f.write(data)
             del t, data
         f.flush()
         os.fsync(f.fileno())
-    return digests
 
 
-def _verify_shard(torch, safe_open, path: Path, digests: dict[str, str]) -> str:
-    """Read a shard back with safetensors, tensor by tensor against what was written; its sha256."""
+def _verify_shard(torch, safe_open, path: Path, names: list[str], specs: dict, source: _Remapped) -> str:
+    """Read a shard back through safetensors and compare every tensor, byte for byte, with the
+    same tensor gathered again from the DeepSpeed shards; return the file's sha256."""
     header = read_header(path)
-    if set(header) != set(digests):
-        raise ValueError(f"{path.name}: read back {len(header)} tensors, wrote {len(digests)}")
+    if set(header) != set(names):
+        raise ValueError(f"{path.name}: read back {len(header)} tensors, wrote {len(names)}")
     f, mapped = None, 0
     try:
-        for name, info in header.items():
-            size = info["data_offsets"][1] - info["data_offsets"][0]
+        for name in names:
+            dtype, shape, size = specs[name]
             if f is None or mapped + size > REOPEN_BYTES:  # a fresh mapping: the old one's pages go
                 if f is not None:
                     f.__exit__(None, None, None)
                 f = safe_open(str(path), framework="pt").__enter__()
                 mapped = 0
-            t = f.get_tensor(name)
+            got = f.get_tensor(name)
             mapped += size
-            if (
-                _ST_DTYPES.get(str(t.dtype).removeprefix("torch.")) != info["dtype"]
-                or list(t.shape) != info["shape"]
-            ):
-                raise ValueError(f"{name} reads back as {list(t.shape)} {t.dtype}")
-            if hashlib.sha256(_raw(torch, t.contiguous())).hexdigest() != digests[name]:
+            if got.dtype != dtype or list(got.shape) != shape:
+                raise ValueError(f"{name} reads back as {list(got.shape)} {got.dtype}")
+            want = source.take(name, size).contiguous()
+            if not torch.equal(_bits(torch, got), _bits(torch, want)):  # bitwise: NaN weights are weights
                 raise ValueError(f"{name} reads back different from what was written")
-            del t
+            del got, want
     finally:
         if f is not None:
             f.__exit__(None, None, None)
@@ -472,7 +500,13 @@ def _split(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
 
 
 def _run(
-    save_dir: str, tag: str, model_states: Path, out_dir: Path, fingerprint: str, max_bytes: int
+    save_dir: str,
+    tag: str,
+    model_states: Path,
+    out_dir: Path,
+    fingerprint: str,
+    max_bytes: int,
+    remap_bytes: int,
 ) -> dict:
     import deepspeed
     import torch
@@ -490,24 +524,23 @@ def _run(
     problem = compare(expected, {k: tuple(v.shape) for k, v in sd.items()})
     if problem:
         raise ValueError(problem)
-    sizes = [(k, int(v.shape.numel()) * v.dtype.itemsize) for k, v in sd.items()]
+    specs = {k: (v.dtype, list(v.shape), int(v.shape.numel()) * v.dtype.itemsize) for k, v in sd.items()}
+    sizes = [(k, size) for k, (_, _, size) in specs.items()]
     del sd
     plan = _split(sizes, max_bytes)
+    source = _Remapped(state_dict, remap_bytes)
     tool = f"deepspeed.utils.zero_to_fp32 (deepspeed {deepspeed.__version__})"
     files = []
     for i, names in enumerate(plan, start=1):
         name = slim.shard_name(i, len(plan))
-        # A fresh state dict for each shard: the previous one's mappings (and their resident
-        # pages) go with it.
-        sd = state_dict()
         meta = {"format": "pt", "ckptd": f"zero_to_fp32 of {tag}, shard {i} of {len(plan)}"}
-        digests = _write_shard(torch, out_dir / name, names, sd, meta)
-        del sd
-        gc.collect()
+        _write_shard(torch, out_dir / name, names, specs, source, meta)
+        source.drop()  # the pages of its mappings go before the read-back maps the shard
         os.chmod(out_dir / name, stat.S_IMODE(mode))
         if i == 1:
             _pause_for_tests()
-        sha = _verify_shard(torch, safe_open, out_dir / name, digests)
+        sha = _verify_shard(torch, safe_open, out_dir / name, names, specs, source)
+        source.drop()
         files.append({"path": name, "bytes": os.stat(out_dir / name).st_size, "sha256": sha})
     record = {"source": tag, "source_fingerprint": fingerprint, "tool": tool, "files": files}
     index = {
@@ -575,6 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("out_dir", type=Path, help="an empty directory for the shards and the index")
     p.add_argument("--source-fingerprint", default="", help="recorded in the index (slim.source_fingerprint)")
     p.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES, help="the largest shard")
+    p.add_argument("--remap-bytes", type=int, default=REMAP_BYTES, help="drop the mappings after this much")
     args = p.parse_args(argv)
     _die_with_parent()
     with contextlib.suppress(OSError):
@@ -587,6 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.out_dir,
             args.source_fingerprint,
             args.max_shard_bytes,
+            args.remap_bytes,
         )
     except Exception as exc:  # torch and deepspeed raise many kinds; the parent reads the last line
         print(
