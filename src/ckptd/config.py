@@ -228,8 +228,8 @@ class Retention(_Strict):
         default=None,
         ge=1,
         description="Keep the optimizer state of only the N newest complete full checkpoints of each "
-        "run: older ones that a rule keeps are slimmed to their weights (consolidated first with "
-        "DeepSpeed's zero_to_fp32 when they have none). Unset: never slim.",
+        "run: older ones that a rule keeps are slimmed to their weights (fp32 weights consolidated "
+        "first with DeepSpeed's zero_to_fp32 when they have none, see slim_weights). Unset: never slim.",
     )
     slim_weights: Literal["fp32", "as-saved"] = Field(
         "fp32",

@@ -172,7 +172,7 @@ class Inspector:
         pins: frozenset[str] = frozenset(),
         quiet: QuietJudge | None = None,
         slim_files: tuple[str, ...] = slim.DEFAULT_SLIM_FILES,
-        slim_weights: str = "fp32",
+        slim_weights: str | None = None,
     ) -> Checkpoint:
         """The evidence for one checkpoint.
 
@@ -180,7 +180,8 @@ class Inspector:
         monotonic time), else by comparing the newest mtime with `now`, the
         wall clock (one-shot commands have nothing better).
         `world_size` stands in for DeepSpeed's dp_world_size when the
-        checkpoint's own metadata cannot be read.
+        checkpoint's own metadata cannot be read. `slim_weights` (None: the run
+        is not slimmed) has the weights' dtypes read for `slim.survey`.
         """
         path = run.path / cand.name
         too_deep = None
@@ -222,7 +223,7 @@ class Inspector:
             checks.append(too_deep)
         if marker is None or isinstance(marker, slim.Marker):
             slimming = slim.survey(cand.layout, cand.name, files, slim_files, marker)
-            if slimming.removable and marker is None:  # which weights a slim would keep: their dtypes
+            if slimming.removable and marker is None and slim_weights:  # the dtypes of what a slim keeps
                 seen = self._weights.read(path, files)
                 slimming = slim.survey(cand.layout, cand.name, files, slim_files, None, seen, slim_weights)
         else:

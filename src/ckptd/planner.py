@@ -73,7 +73,7 @@ class Scanner:
                 pins=frozenset(retention.pins),
                 quiet=self.quiet,
                 slim_files=retention.slim_files,
-                slim_weights=retention.slim_weights,
+                slim_weights=retention.slim_weights if retention.keep_full_last is not None else None,
             )
         except (FileNotFoundError, NotADirectoryError):
             return None
