@@ -28,9 +28,10 @@ whose `cat` returns that concatenation unmaterialised (`_LazyCat`): DeepSpeed's 
 paddings and sanity checks run unchanged, and each parameter is gathered from the
 partitions only when it is written. The mapped pages of the shards stay resident until
 unmapped, so the state dict is rebuilt (the old one dropped) after every `REMAP_BYTES`.
-Peak RSS: the interpreter with torch and deepspeed, plus `REMAP_BYTES` of mapped source
-pages and `REOPEN_BYTES` of the shard read back, plus a few times the largest tensor; not the
-model, not the shard size.
+A parameter split across ranks is written and compared piece by piece (`_chunks`), never
+concatenated. Peak RSS: the interpreter with torch and deepspeed, plus `REMAP_BYTES` of
+mapped source pages and `REOPEN_BYTES` of the shard read back, plus about twice the largest
+tensor (its pages in the shards and in the file read back); not the model, not the shard size.
 
 The parent checks the result again on its own (every header's names and shapes against
 `param_shapes`, sizes, the index) before the reaper moves it into place.
@@ -358,22 +359,58 @@ class _LazySlice:
             raise ValueError(f"view {list(size)} of {self.length} elements")
         return _LazySlice(self.cat, self.start, self.length, size)
 
-    def contiguous(self):
-        torch = self.cat.torch
-        chunks, pos, end = [], 0, self.start + self.length
+    def chunks(self) -> list:
+        """The pieces of the partitions this slice covers, in order: views, no copy."""
+        out, pos, end = [], 0, self.start + self.length
         for part in self.cat.parts:
             n = part.numel()
             lo, hi = max(self.start, pos), min(end, pos + n)
             if lo < hi:
-                chunks.append(part[lo - pos : hi - pos])
+                out.append(part[lo - pos : hi - pos])
             pos += n
-        if not chunks:
-            flat = torch.empty(0, dtype=self.dtype)
-        else:  # one chunk: a view of the mapped partition, no copy
-            flat = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        return out
+
+    def contiguous(self):
+        chunks = self.chunks()
+        torch = self.cat.torch
+        flat = (
+            torch.cat(chunks)
+            if len(chunks) > 1
+            else chunks[0]
+            if chunks
+            else torch.empty(0, dtype=self.dtype)
+        )
         if flat.numel() != self.length:
             raise ValueError(f"gathered {flat.numel()} elements of {self.length}")
         return flat.view(self.shape)
+
+
+def _chunks(t) -> list:
+    """A lazy or real tensor as 1-D pieces whose concatenation is its data, without concatenating:
+    a parameter split across ranks costs no copy of itself (and no memory beyond its mapped pages).
+
+    `_LazySlice` (ZeRO-2): pieces of the ranks' partitions. zero_to_fp32's `GatheredTensor`
+    (ZeRO-3): the pieces its `contiguous()` concatenates, found as it finds them (the groups of
+    each rank that overlap the parameter's partition, rank by rank), cut to the parameter's size.
+    Anything else: the tensor itself, flattened.
+    """
+    if isinstance(t, _LazySlice):
+        return t.chunks()
+    if type(t).__name__ == "GatheredTensor" and hasattr(t, "flat_groups_offset"):
+        end, offsets, out = t.offset + t.partitioned_numel, t.flat_groups_offset, []
+        for rank_groups in t.flat_groups:
+            for group, flat in enumerate(rank_groups):
+                lo, hi = max(t.offset, offsets[group]), min(end, offsets[group + 1])
+                if lo < hi:
+                    out.append(flat[lo - offsets[group] : hi - offsets[group]])
+        left, cut = t.shape.numel(), []  # the last rank's piece is padded
+        for c in out:
+            if left <= 0:
+                break
+            cut.append(c[:left])
+            left -= cut[-1].numel()
+        return cut
+    return [t.contiguous().reshape(-1)]
 
 
 _ST_DTYPES = {
@@ -386,6 +423,18 @@ _ST_DTYPES = {
 def _bits(torch, t):
     """A contiguous CPU tensor as its bytes (a uint8 view, no copy)."""
     return t.reshape(-1).view(torch.uint8)
+
+
+def _same_bytes(torch, flat, pieces: list) -> bool:
+    """Whether `flat` (bytes) is, byte for byte, the concatenation of `pieces`. Bitwise: NaN weights
+    are weights too."""
+    pos = 0
+    for piece in pieces:
+        b = _bits(torch, piece.contiguous())
+        if not torch.equal(flat[pos : pos + b.numel()], b):
+            return False
+        pos += b.numel()
+    return pos == flat.numel()
 
 
 def _raw(torch, t) -> memoryview:
@@ -441,14 +490,16 @@ def _write_shard(
         f.write(struct.pack("<Q", len(raw)) + raw)
         for name in names:
             dtype, shape, size = specs[name]
-            t = source.take(name, size).contiguous()
-            if list(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(f"{name} materialised as {list(t.shape)} {t.dtype}, not as described")
-            data = _raw(torch, t)
-            if len(data) != size:
-                raise ValueError(f"{name}: {len(data)} bytes, not {size}")
-            f.write(data)
-            del t, data
+            written = 0
+            for piece in _chunks(source.take(name, size)):
+                if piece.dtype != dtype:
+                    raise ValueError(f"{name} materialised as {piece.dtype}, not {dtype}")
+                data = _raw(torch, piece.contiguous())
+                f.write(data)
+                written += len(data)
+                del piece, data
+            if written != size:
+                raise ValueError(f"{name}: {written} bytes, not {size}")
         f.flush()
         os.fsync(f.fileno())
 
@@ -472,10 +523,9 @@ def _verify_shard(torch, safe_open, path: Path, names: list[str], specs: dict, s
             mapped += size
             if got.dtype != dtype or list(got.shape) != shape:
                 raise ValueError(f"{name} reads back as {list(got.shape)} {got.dtype}")
-            want = source.take(name, size).contiguous()
-            if not torch.equal(_bits(torch, got), _bits(torch, want)):  # bitwise: NaN weights are weights
+            if not _same_bytes(torch, _bits(torch, got.contiguous()), _chunks(source.take(name, size))):
                 raise ValueError(f"{name} reads back different from what was written")
-            del got, want
+            del got
     finally:
         if f is not None:
             f.__exit__(None, None, None)
