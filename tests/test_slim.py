@@ -956,3 +956,25 @@ def test_a_file_swapped_in_just_before_the_rename_does_not_become_the_weights(un
     assert untouched(ck)
     assert not (ck / "fp32").exists()  # else the next run would slim trusting it
     assert no_work_left(unconsolidated)
+
+
+def test_a_consolidation_finished_after_dry_run_was_switched_on_is_not_moved_into_place(tmp_path, monkeypatch):
+    """A reload turned dry run on while zero_to_fp32 ran: its output is not moved into the checkpoint."""
+    root = tmp_path / "vol"
+    ck = ds_run(root, bf16)
+
+    def dry_run_on(out_dir):
+        reaper.dry_run = True
+
+    import ckptd.reaper
+
+    fake_consolidator(monkeypatch, dry_run_on)
+    reaper, plan, _ = reaper_for(root, tmp_path, keep_last=2, keep_full_last=1)
+    [deferred] = reaper.execute(plan.decisions, consolidate=False)
+    work = reaper.begin_consolidation(deferred.decision, deferred.anchor)
+    out = ckptd.reaper.Consolidation(work.save_dir, work.tag, work.model_states, work.path,
+                                     source_fingerprint=work.source_fingerprint, timeout=None).run()
+    result = reaper.finish_consolidation(work, out)
+    assert (result.outcome, result.detail) == (
+        Outcome.REFUSED, "dry run: not moved into place (dry run; not actually removing anything)")
+    assert not (ck / "fp32").exists() and untouched(ck) and no_work_left(root)

@@ -439,6 +439,8 @@ class Reaper:
         try:
             if isinstance(outcome, BaseException):
                 raise _Stop(Outcome.FAILED, f"consolidation failed, nothing removed: {outcome}")
+            if self.dry_run:  # switched on by a reload while it ran
+                raise _Stop(Outcome.REFUSED, f"dry run: not moved into place {DRY_RUN_NOTE}")
             weights = self._commit(work, outcome)
         except _Stop as stop:
             self._discard(work.name)

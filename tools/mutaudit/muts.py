@@ -339,6 +339,8 @@ MUTS = [
  dict(id="W8", what="marker: weights files are relative paths", tests="slim", edits=[(SL,
    "        if not (isinstance(item, dict) and _relative(item.get(\"path\")) and _is_int(item.get(\"bytes\"))):", "        if False:")]),
  # --- 12. consolidation beside the filesystem thread (issue 14.4)
+ dict(id="DC5", what="reaper: a dry run moves no consolidated weights into place", tests="slim", edits=[(R,
+   "            if self.dry_run:  # switched on by a reload while it ran\n", "            if False:\n")]),
  dict(id="DC1", what="daemon: a consolidation the plan no longer wants is stopped", tests="slimdaemon", edits=[(DM,
    "                job.run.cancel(f\"stopped: {why}\")", "                pass")]),
  dict(id="DC2", what="daemon: a failed consolidation is not run again on the same checkpoint", tests="slimdaemon", edits=[(DM,
