@@ -166,3 +166,20 @@ async def test_a_stop_stops_the_consolidation_at_once(tmp_path, monkeypatch, log
     assert first.cancelled == "stopped: the daemon is stopping"
     assert logs.messages("stopped") and not logs.messages("shutdown timed out")
     assert [p.name for p in (root / WORK_DIR).iterdir()] == [first.out_dir.name]  # cleared at the next start
+
+
+async def test_a_reload_that_stops_slimming_stops_the_consolidation(tmp_path, monkeypatch, logs):  # noqa: F811
+    root, cfg = volume(tmp_path)
+    held = Consolidators(monkeypatch, asyncio.get_running_loop())
+    daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
+    task = asyncio.create_task(daemon.serve())
+    try:
+        first = await held.next()
+        cfg.write_text(cfg.read_text().replace("keep_full_last = 1", ""))
+        await daemon.reload()
+        await logs.wait("stopped consolidating job/checkpoint-1: the plan no longer slims it (keep: keep_last=2")
+        assert first.cancelled and not (root / "job" / "checkpoint-1" / "fp32").exists()
+    finally:
+        daemon.request_stop("test")
+        assert await asyncio.wait_for(task, 30) == 0
+    assert len(held.all) == 1 and not any((root / WORK_DIR).iterdir())

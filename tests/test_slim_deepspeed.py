@@ -550,3 +550,18 @@ def test_many_shards_and_remapped_sources_are_bit_identical(zero2_bf16_bare_3ran
     assert sorted(os.listdir(out)) == [*(slim.shard_name(i, 4) for i in range(1, 5)), slim.INDEX]
     result = compare_with_zero_to_fp32(zero2_bf16_bare_3ranks, "global_step10", out)
     assert result["ref"] == result["got"] and result["unequal"] == [] and result["dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.slow
+def test_the_consolidation_benchmark_runs(zero2_bf16_bare_3ranks):
+    """`python -m bench.consolidation --quick` on a tiny real checkpoint (a minute: five children
+    importing torch and deepspeed), so that the benchmark does not rot; its figures come from the
+    full run, by hand."""
+    from conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "bench.consolidation", "--quick", "--checkpoint",
+                           str(zero2_bf16_bare_3ranks)], capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 6 and rows[1].startswith("| floor") and any("| ckptd: lazy" in r for r in rows), proc.stdout
