@@ -91,10 +91,10 @@ class RootRuntime:
 class _ConsolidationJob:
     """The one consolidation the daemon runs at a time, and for which root.
 
-    At most one: each needs the memory of one output shard and the largest tensor twice on
-    top of torch (README, Slimming), and reads the whole optimizer state of a checkpoint
-    from the volume the training writes to; two at once would double the memory a unit
-    must be given, for no checkpoint freed sooner (each slim waits for its own).
+    At most one: each needs about twice the model's largest tensor on top of torch (README,
+    Slimming), and reads a checkpoint's whole optimizer state from the volume the training
+    writes to; two at once would double the memory a unit must be given (`MemoryMax=`), for
+    no checkpoint freed sooner: each slim waits for its own consolidation either way.
     """
 
     rt: RootRuntime
