@@ -117,6 +117,9 @@ def _cli_args(
     timeout=300,
     config_as_path=False,
     grad_accum_fp32=False,
+    trainer_weights=False,
+    hidden=32,
+    layers=0,
 ) -> list[str]:
     if not 1 <= world_size <= 8:
         raise ValueError("world_size must be 1..8 (2..4 intended)")
@@ -131,6 +134,10 @@ def _cli_args(
         raise ValueError("train_steps_per_save must be >= 1 (or None)")
     if slow_rank is not None and not 0 <= slow_rank < world_size:
         raise ValueError("slow_rank out of range")
+    if trainer_weights and layout != "hf":
+        raise ValueError("trainer_weights: the Trainer layout only")
+    if hidden < 1 or layers < 0:
+        raise ValueError("hidden must be >= 1 and layers >= 0")
     args = [
         str(out_dir),
         "--world-size",
@@ -148,6 +155,10 @@ def _cli_args(
     ]
     if train_steps_per_save is not None:
         args += ["--train-steps-per-save", str(train_steps_per_save)]
+    if trainer_weights:
+        args.append("--trainer-weights")
+    if (hidden, layers) != (32, 0):
+        args += ["--hidden", str(hidden), "--layers", str(layers)]
     if bf16:
         args.append("--bf16")
     if offload:
@@ -333,6 +344,9 @@ def start(
     env: Mapping[str, str] | None = None,
     config_as_path: bool = False,
     grad_accum_fp32: bool = False,
+    trainer_weights: bool = False,
+    hidden: int = 32,
+    layers: int = 0,
 ) -> Run:
     """Start a DeepSpeed run in the background and return a :class:`Run`.
 
@@ -342,6 +356,14 @@ def start(
     ``<out>/.slow_rank_waiting`` (JSON), emits the ``slow_rank_waiting`` event,
     holds for ``slow_seconds`` (or until :meth:`Run.release`), writes its shard,
     removes the marker and emits ``slow_rank_done``.
+
+    ``trainer_weights`` (Trainer layout): rank 0 also writes ``checkpoint-N/model.safetensors``
+    as the Trainer does under DeepSpeed, before the DeepSpeed checkpoint: the engine module's
+    own state dict (16-bit with ``bf16``; gathered at ZeRO-3, as with
+    ``stage3_gather_16bit_weights_on_model_save``), saved by ``safetensors.torch.save_file``
+    with ``{"format": "pt"}`` (what ``save_pretrained`` calls; the MLP is no PreTrainedModel).
+    ``hidden``/``layers``: the MLP is Linear(16, hidden), then ``layers`` Linear(hidden, hidden),
+    then Linear(hidden, 8); the defaults are the tiny model every test uses.
     """
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -362,6 +384,9 @@ def start(
         timeout=timeout,
         config_as_path=config_as_path,
         grad_accum_fp32=grad_accum_fp32,
+        trainer_weights=trainer_weights,
+        hidden=hidden,
+        layers=layers,
     )
     return Run(out, argv, timeout, env)
 
@@ -553,7 +578,9 @@ def _worker(rank: int, cfg: dict) -> None:
         )
 
     torch.manual_seed(cfg["seed"])
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    h = cfg.get("hidden", 32)
+    inner = [m for _ in range(cfg.get("layers", 0)) for m in (torch.nn.Linear(h, h), torch.nn.ReLU())]
+    model = torch.nn.Sequential(torch.nn.Linear(16, h), torch.nn.ReLU(), *inner, torch.nn.Linear(h, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     zero: dict[str, Any] = {"stage": cfg["stage"]}
     if cfg["offload"]:
@@ -684,6 +711,20 @@ def _worker(rank: int, cfg: dict) -> None:
         tag = f"global_step{step}"
         save_dir = out / f"checkpoint-{step}" if cfg["layout"] == "hf" else out
         save_dirs[str(step)] = str(save_dir)
+        if cfg.get("trainer_weights"):
+            # The Trainer's save_model under DeepSpeed (accelerate's get_state_dict, then
+            # save_pretrained -> safetensors' save_file), before engine.save_checkpoint.
+            if cfg["stage"] == 3:
+                weights = engine._zero3_consolidated_16bit_state_dict()  # a collective: every rank
+            else:
+                weights = engine.module.state_dict()
+            if rank == 0:
+                from safetensors.torch import save_file
+
+                save_dir.mkdir(parents=True, exist_ok=True)
+                tensors = {k: v.detach().clone().contiguous() for k, v in weights.items()}
+                save_file(tensors, str(save_dir / "model.safetensors"), metadata={"format": "pt"})
+            tdist.barrier()
         engine.save_checkpoint(str(save_dir), tag=tag)
         if cfg["layout"] == "hf":
             rng = {"python": __import__("random").getstate(), "cpu": torch.random.get_rng_state()}
@@ -760,6 +801,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "so engine.global_steps == N in the checkpoint)",
     )
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--trainer-weights", action="store_true", help="hf layout: model.safetensors as the Trainer")
+    p.add_argument("--hidden", type=int, default=32, help="the MLP's width")
+    p.add_argument("--layers", type=int, default=0, help="hidden Linear(hidden, hidden) layers")
     p.add_argument("--timeout", type=float, default=300, help="bound for in-child store waits (s)")
     a = p.parse_args(argv)
     for k, v in _CHILD_ENV.items():
@@ -778,6 +822,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         slow_step=a.slow_step,
         train_steps_per_save=a.train_steps_per_save,
         seed=a.seed,
+        trainer_weights=a.trainer_weights,
+        hidden=a.hidden,
+        layers=a.layers,
     )  # validation
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -798,6 +845,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train_steps_per_save": a.train_steps_per_save,
         "seed": a.seed,
         "timeout": a.timeout,
+        "trainer_weights": a.trainer_weights,
+        "hidden": a.hidden,
+        "layers": a.layers,
     }
     cfg["port"], cfg["store_port"] = _free_ports(2)
     import torch.multiprocessing as mp

@@ -350,6 +350,22 @@ def test_the_checkpoint_a_resume_pointer_names_and_one_holding_a_mount_are_never
     assert by_step[100].protected and by_step[200].protected
 
 
+def test_the_checkpoint_a_resume_pointer_names_is_never_slimmed():
+    """DeepSpeed resumes from what `latest` names with its optimizer state (load_optimizer_states):
+    slimming it would leave a resume that fails. The plan said `slim` and the reaper refused it
+    every pass (red team)."""
+    run = [ck(s) for s in (100, 200, 300)]
+    for c in run:
+        object.__setattr__(c, "slim", replace(c.slim, removable=(("optimizer.pt", 8),), weights="model.safetensors"))
+    r = Retention(keep_last=3, keep_best=0, keep_full_last=1)
+    assert {d.checkpoint.step: str(d.action) for d in decide_run(run_of(*run), r)} == {
+        100: "slim", 200: "slim", 300: "keep"}
+    rolled_back = replace(run_of(*run), resume={"checkpoint-100": "DeepSpeed's latest"})
+    ds = {d.checkpoint.step: d for d in decide_run(rolled_back, r)}
+    assert {s: str(d.action) for s, d in ds.items()} == {100: "keep", 200: "slim", 300: "keep"}
+    assert "named by DeepSpeed's latest: the framework resumes from it" in ds[100].reasons
+
+
 def test_metric_loss_means_eval_loss_as_the_trainer_maps_it_never_the_training_loss():
     """The Trainer logs the training loss as 'loss' and evaluations as 'eval_loss' at the same
     steps. metric_for_best_model='loss' means eval_loss to the Trainer; ckptd looked for 'loss'

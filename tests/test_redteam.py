@@ -325,7 +325,6 @@ def test_an_empty_root_argument_is_refused(tmp_path):
 
 @pytest.mark.deepspeed
 @no_deepspeed
-@pytest.mark.xfail(strict=True, reason="red team: a slim does not re-read the resume pointer after consolidating")
 def test_latest_rolled_back_during_consolidation_stops_the_slim(zero3_bf16_bare, tmp_path):
     """Slimming re-checks a checkpoint (pins, fingerprint, anchors, the lease) again after the
     consolidation, which takes minutes on a real model, but not DeepSpeed's `latest`: an operator

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -110,6 +110,297 @@ def test_a_checkpoint_without_weights_or_a_deepspeed_tag_is_not_slimmed(tmp_path
     first = plan.decisions[0]
     assert first.action is Action.KEEP
     assert first.reasons[-1] == "not slimmed: no weights file and no global_step directories to consolidate from"
+
+
+# --- which weights a slim keeps: fp32, or as saved (issue 11, item 12) ------------------
+
+
+def save_weights(path: Path, dtype: str = "float32", tensors: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Weights as the Trainer saves them: safetensors' own torch writer, {"format": "pt"}."""
+    import torch
+    from safetensors.torch import save_file
+
+    shapes = tensors or {"w": (4, 4), "b": (4,)}
+    save_file({k: torch.zeros(v, dtype=getattr(torch, dtype)) for k, v in shapes.items()}, str(path),
+              metadata={"format": "pt"})
+
+
+def ds_run(root: Path, weights=None) -> Path:
+    """Trainer+DeepSpeed checkpoints 10 and 20 (synthetic shards: ckptd.demo), each given `weights(ck)`."""
+    for i, step in enumerate((10, 20)):
+        ck = hf_deepspeed_checkpoint(root / "run", step, world=2)
+        if weights is not None:
+            weights(ck)
+        age(ck, time.time() - 3600 + i)
+    return root / "run" / "checkpoint-10"
+
+
+def bf16(ck: Path) -> None:
+    save_weights(ck / "model.safetensors", "bfloat16")
+
+
+def bf16_sharded(ck: Path) -> None:
+    """transformers' sharded layout: two shards and the index that names them."""
+    save_weights(ck / "model-00001-of-00002.safetensors", "bfloat16", {"a": (4,)})
+    save_weights(ck / "model-00002-of-00002.safetensors", "float32", {"b": (4,)})
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 24}, "weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+
+
+def plan_first(root: Path, **retention):
+    scanner = Scanner(Root(path=root, world_size=2, retention=Retention(keep_last=2, keep_best=0, keep_full_last=1,
+                                                                       **retention)))
+    return decide([(scanner.root, scanner.runs(now=time.time()))]).decisions[0]
+
+
+CONSOLIDATE = "keeps fp32 weights consolidated from global_step10 into fp32/ first"
+
+
+@pytest.mark.parametrize(
+    ("weights", "setting", "source", "keeps"),
+    [
+        (lambda ck: save_weights(ck / "model.safetensors"), "fp32", None, "keeps model.safetensors as saved (fp32)"),
+        (bf16, "fp32", "global_step10", f"{CONSOLIDATE} (model.safetensors is bf16)"),
+        (bf16, "as-saved", None, "keeps model.safetensors as saved (bf16)"),
+        (lambda ck: save_weights(ck / "model.safetensors", "float16"), "fp32", "global_step10",
+         f"{CONSOLIDATE} (model.safetensors is fp16)"),
+        (bf16_sharded, "fp32", "global_step10", f"{CONSOLIDATE} (model.safetensors.index.json is bf16+fp32)"),
+        # a pickle's dtypes are not read: not known to be fp32, so consolidated (the safe side)
+        (lambda ck: write_zip(ck / "pytorch_model.bin", 100), "fp32", "global_step10",
+         f"{CONSOLIDATE} (pytorch_model.bin is a pickle: its dtypes are not read)"),
+        (None, "fp32", "global_step10", f"{CONSOLIDATE} (no weights file)"),
+        (None, "as-saved", "global_step10", f"{CONSOLIDATE} (no weights file)"),
+    ],
+)
+def test_the_plan_says_which_weights_a_slim_keeps(tmp_path, weights, setting, source, keeps):
+    ds_run(tmp_path / "vol", weights)
+    d = plan_first(tmp_path / "vol", slim_weights=setting)
+    assert d.action is Action.SLIM and d.checkpoint.slim.source == source
+    assert d.reasons[0].endswith(f"(kept for: keep_last=2 (#2 newest)); {keeps}")
+
+
+def test_16_bit_weights_with_nothing_to_consolidate_from_are_not_slimmed(tmp_path):
+    """A Trainer checkpoint without DeepSpeed: bf16 weights, optimizer.pt. With "fp32" nothing can
+    consolidate fp32 weights, so it keeps its optimizer state, and the plan says how to opt out."""
+    root = tmp_path / "vol"
+    for i, step in enumerate((100, 200)):
+        bf16(trainer_checkpoint(root / "run", step, mtime=time.time() - 3600 + i, weights=False))
+        age(root / "run" / f"checkpoint-{step}", time.time() - 3600 + i)
+    d = plan_first(root)
+    assert (d.action, d.reasons[-1]) == (Action.KEEP, 'not slimmed: model.safetensors is bf16 and no global_step '
+                                         'directories to consolidate from; slim_weights = "as-saved" would keep '
+                                         'model.safetensors alone')
+    assert plan_first(root, slim_weights="as-saved").action is Action.SLIM
+
+
+def test_slim_weights_per_run_and_in_check_config(tmp_path):
+    config = parse_config({"roots": [{"path": "/x", "runs": [{"match": "sft/*", "slim_weights": "as-saved"}]}]})
+    assert config.roots[0].retention_for("pretrain")[0].slim_weights == "fp32"
+    assert config.roots[0].retention_for("sft/a")[0].slim_weights == "as-saved"
+    with pytest.raises(ConfigError) as info:
+        parse_config({"roots": [{"path": "/x", "retention": {"slim_weights": "bf16"}}]}, "c.toml")
+    assert info.value.problems == ["c.toml: roots[0].retention.slim_weights: input should be 'fp32' or 'as-saved' "
+                                   "(got 'bf16')"]
+    cfg = config_file(tmp_path, tmp_path, keep_full_last=1)
+    shown = json.loads(run_ckptd("check-config", "-c", cfg).stdout)
+    assert shown["roots"][0]["retention"]["slim_weights"] == "fp32"
+
+
+def settle_weights(ck: Path) -> None:
+    """Age what consolidating added (fp32/ and the checkpoint directory's own mtime), and only that:
+    the shards' mtimes are part of what the consolidated weights were made from."""
+    # Older than checkpoint-20's save (ds_run), so that a fp32/ ckptd cannot vouch for (not its
+    # record, or shards changed) does not make checkpoint-10 the run's newest save.
+    age(ck / "fp32", time.time() - 3600 + 0.5)
+    os.utime(ck, (time.time() - 3600 + 0.5,) * 2)
+
+
+def two_phase(root: Path, tmp_path: Path, monkeypatch, during=lambda out_dir: None):
+    """The daemon's way: the slim comes back DEFERRED, the consolidation is begun, run (here by the
+    fake consolidator), finished; returns (reaper, result of finishing, work)."""
+    import ckptd.reaper
+
+    fake_consolidator(monkeypatch, during)
+    reaper, plan, _ = reaper_for(root, tmp_path, keep_last=2, keep_full_last=1)
+    [deferred] = [r for r in reaper.execute(plan.decisions, consolidate=False)]
+    assert (deferred.outcome, deferred.detail) == (Outcome.DEFERRED, "consolidating fp32 weights from global_step10 "
+                                                                     "first")
+    work = reaper.begin_consolidation(deferred.decision, deferred.anchors)
+    assert isinstance(work, ckptd.reaper.Work) and work.path.is_dir() and not any(work.path.iterdir())
+    try:
+        out = ckptd.reaper.Consolidation(work.save_dir, work.tag, work.model_states, work.path,
+                                         source_fingerprint=work.source_fingerprint, timeout=None).run()
+    except Exception as exc:  # handed on, as the daemon does
+        out = exc
+    return reaper, reaper.finish_consolidation(work, out), work
+
+
+def test_consolidating_first_and_slimming_in_a_later_pass(tmp_path, monkeypatch):
+    ck = ds_run(tmp_path / "vol", bf16)
+    weights = (ck / "model.safetensors").read_bytes()
+    shards = sorted((ck / "global_step10").glob("*optim_states.pt"))
+    reaper, result, work = two_phase(tmp_path / "vol", tmp_path, monkeypatch)
+    assert result.outcome is Outcome.CONSOLIDATED and result.detail.startswith("consolidated global_step10 into fp32/")
+    assert sorted(os.listdir(ck / "fp32")) == [slim.shard_name(1, 1), slim.INDEX] and not work.path.exists()
+    assert all(s.exists() for s in shards) and not (ck / slim.MARKER).exists()  # it only added fp32/
+    assert stat.S_IMODE((ck / "fp32").stat().st_mode) == stat.S_IMODE(ck.stat().st_mode)  # not 0700
+
+    # the next pass: the checkpoint holds fp32 weights ckptd consolidated from these very shards
+    settle_weights(ck)
+    reaper, plan, journal = reaper_for(tmp_path / "vol", tmp_path, keep_last=2, keep_full_last=1)
+    d = plan.decisions[0]
+    assert d.checkpoint.slim.weights == "fp32/model.safetensors.index.json" and d.checkpoint.slim.source is None
+    assert d.reasons[0].endswith("; keeps fp32 weights consolidated from global_step10 into fp32/")
+    [slimmed] = reaper.execute(plan.decisions, consolidate=False)
+    assert slimmed.outcome is Outcome.SLIMMED and not any(s.exists() for s in shards)
+    marker = json.loads((ck / slim.MARKER).read_text())["weights"]
+    index = (ck / "fp32" / slim.INDEX).read_bytes()
+    assert marker["path"] == "fp32/model.safetensors.index.json" and marker["consolidated"] is True
+    assert marker["sha256"] == __import__("hashlib").sha256(index).hexdigest() and marker["bytes"] == len(index)
+    assert [f["path"] for f in marker["files"]] == ["fp32/model-00001-of-00001.safetensors"]
+    assert (ck / "model.safetensors").read_bytes() == weights  # the Trainer's bf16 weights stay as they were
+    journal.close()
+    events = [(r["event"], r.get("action")) for r in read_journal(tmp_path / "state")]
+    assert events == [("consolidated", "consolidate"), ("slimming", "slim"), ("slimmed", "slim")]
+
+
+def test_fp32_weights_from_shards_that_changed_since_are_not_trusted(tmp_path, monkeypatch):
+    """A trainer that saved this step again (a resumed run) rewrote the shards: fp32/ is theirs no more,
+    and nothing is slimmed until a person looks (fp32/ is in the way of a new consolidation)."""
+    ck = ds_run(tmp_path / "vol", bf16)
+    two_phase(tmp_path / "vol", tmp_path, monkeypatch)
+    shard = ck / "global_step10" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    size = shard.stat().st_size
+    write_zip(shard, 1024)  # written again: the same size, another mtime (before checkpoint-20's save)
+    assert shard.stat().st_size == size
+    os.utime(shard, (time.time() - 3600 + 0.25,) * 2)
+    settle_weights(ck)
+    d = plan_first(tmp_path / "vol")
+    assert (d.action, d.reasons[-1]) == (
+        Action.KEEP, "not slimmed: model.safetensors is bf16 and fp32/ was consolidated from global_step10 as it was "
+                     'then: its shards changed since; slim_weights = "as-saved" would keep model.safetensors alone')
+
+
+def test_fp32_weights_missing_a_shard_are_not_taken_for_weights(tmp_path, monkeypatch):
+    ck = ds_run(tmp_path / "vol", bf16)
+    two_phase(tmp_path / "vol", tmp_path, monkeypatch)
+    (ck / "fp32" / slim.shard_name(1, 1)).unlink()
+    settle_weights(ck)
+    d = plan_first(tmp_path / "vol")
+    assert (d.action, d.reasons[-1]) == (
+        Action.KEEP, "not slimmed: model.safetensors is bf16 and fp32/model-00001-of-00001.safetensors is missing or "
+                     "not the size ckptd recorded when it consolidated it; slim_weights = \"as-saved\" would keep "
+                     "model.safetensors alone")
+
+
+def test_a_checkpoint_replaced_by_a_copy_while_consolidating_gets_nothing(tmp_path, monkeypatch):
+    """Moved away and copied back with every mtime kept (`cp -a`): the same entries, another
+    directory. What was consolidated from the first is not moved into the second."""
+    root = tmp_path / "vol"
+    ck = ds_run(root, bf16)
+
+    def replace_with_a_copy(out_dir):
+        os.rename(ck, tmp_path / "moved")
+        __import__("shutil").copytree(tmp_path / "moved", ck)
+        os.utime(ck, ns=((tmp_path / "moved").stat().st_atime_ns, (tmp_path / "moved").stat().st_mtime_ns))
+
+    _, result, _ = two_phase(root, tmp_path, monkeypatch, replace_with_a_copy)
+    assert (result.outcome, result.detail) == (Outcome.REFUSED,
+                                               "moved or replaced while its weights were being consolidated")
+    assert not (ck / "fp32").exists() and not (tmp_path / "moved" / "fp32").exists() and no_work_left(root)
+
+
+def test_beginning_a_consolidation_re_checks_the_fingerprint_itself_after_the_recheck(tmp_path, monkeypatch):
+    """A file lands between the shared re-check and the consolidation's own walk."""
+    root = tmp_path / "vol"
+    ck = ds_run(root, bf16)
+    reaper, plan, _ = reaper_for(root, tmp_path, keep_last=2, keep_full_last=1)
+    [deferred] = reaper.execute(plan.decisions, consolidate=False)
+    real_recheck = reaper.recheck
+    monkeypatch.setattr(reaper, "recheck", lambda d, a: real_recheck(d, a) or add(ck, "notes.txt"))
+    result = reaper.begin_consolidation(deferred.decision, deferred.anchors)
+    assert (result.outcome, result.detail) == (Outcome.REFUSED, "changed since the plan was made")
+    assert not (root / ".ckptd-consolidating").exists() or no_work_left(root)
+
+
+def test_a_marker_naming_weights_outside_the_checkpoint_is_unreadable(tmp_path):
+    ck = slimmed_deepspeed_checkpoint(tmp_path / "run")
+    doc = json.loads((ck / slim.MARKER).read_text())
+    doc["weights"]["files"] = [{"path": "../elsewhere/model.safetensors", "bytes": 1}]
+    (ck / slim.MARKER).write_text(json.dumps(doc))
+    age(ck, OLD)
+    c = inspect_one(tmp_path)
+    assert c.state is State.INCOMPLETE and c.slimmed
+    assert "malformed weights file" in next(k for k in c.checks if k.name == "slimmed").detail
+
+
+def test_a_directory_named_fp32_that_ckptd_did_not_write_is_not_taken_for_weights(tmp_path):
+    ck = ds_run(tmp_path / "vol", bf16)
+    (ck / "fp32").mkdir()
+    save_weights(ck / "fp32" / "model.safetensors")
+    age(ck, time.time() - 3600 + 0.5)  # saved before checkpoint-20
+    d = plan_first(tmp_path / "vol")
+    assert d.action is Action.KEEP
+    assert d.reasons[-1].startswith("not slimmed: model.safetensors is bf16 and fp32/ holds no fp32 weights ckptd "
+                                    "consolidated (fp32/model.safetensors.index.json missing)")
+
+
+def test_a_checkpoint_deleted_while_consolidating_gets_nothing_and_loses_nothing(tmp_path, monkeypatch):
+    """A deletion of the same checkpoint (a budget, the plan changing) while zero_to_fp32 runs: the
+    rename into the trash works, and the consolidator's output goes to the trash on its own."""
+    root = tmp_path / "vol"
+    ck = ds_run(root, bf16)
+    trashed = []
+
+    def delete_meanwhile(out_dir):
+        reaper, plan, _ = reaper_for(root, tmp_path / "other", keep_last=1)
+        [d] = plan.deletions
+        trashed.append(reaper.trash_one(d, [(plan.decisions[1].checkpoint, "newest complete")]))
+
+    _, result, work = two_phase(root, tmp_path, monkeypatch, delete_meanwhile)
+    assert trashed[0].outcome is Outcome.TRASHED and not ck.exists()
+    assert (result.outcome, result.detail) == (Outcome.REFUSED, "gone while its weights were being consolidated")
+    assert not (trashed[0].trash_path / "fp32").exists() and no_work_left(root)
+    assert sorted(p.name for p in (root / TRASH_DIR).iterdir()) == sorted(
+        [trashed[0].trash_path.name, f"{work.name}%consolidating"])
+
+
+def test_a_failed_consolidation_leaves_its_output_in_the_trash_only(tmp_path, monkeypatch):
+    from ckptd.consolidate import ConsolidationFailed
+
+    def fail(out_dir):
+        raise ConsolidationFailed("killed by signal 9 (no output)")
+
+    ck = ds_run(tmp_path / "vol", bf16)
+    _, result, work = two_phase(tmp_path / "vol", tmp_path, monkeypatch, fail)
+    assert (result.outcome, result.detail) == (
+        Outcome.FAILED, "consolidation failed, nothing removed: killed by signal 9 (no output)")
+    assert not (ck / "fp32").exists() and no_work_left(tmp_path / "vol") and untouched(ck)
+    assert (tmp_path / "vol" / TRASH_DIR / f"{work.name}%consolidating").is_dir()
+
+
+def test_leftovers_of_a_crash_go_to_the_trash_at_the_next_start(tmp_path):
+    from ckptd.reaper import WORK_DIR
+
+    root = tmp_path / "vol"
+    ds_run(root, bf16)
+    (root / WORK_DIR / "1700000000-abcd-run%checkpoint-10").mkdir(parents=True)
+    (root / WORK_DIR / "1700000000-abcd-run%checkpoint-10" / slim.shard_name(1, 2)).write_text("half")
+    reaper, _, journal = reaper_for(root, tmp_path, keep_last=2, keep_full_last=1)
+    assert reaper.clear_work() == 1 and no_work_left(root)
+    assert reaper.purge()[0] == 1 and os.listdir(root / TRASH_DIR) == []
+    journal.close()
+
+
+def test_a_leftover_of_an_older_ckptds_consolidation_goes_with_the_optimizer_state(tmp_path):
+    """Before fp32/, ckptd consolidated inside the checkpoint (model.safetensors.ckptd-tmp/); a crash
+    left its partial output there."""
+    ck = ds_run(tmp_path / "vol", lambda ck: save_weights(ck / "model.safetensors"))
+    (ck / slim.LEGACY_WORK_DIR).mkdir()
+    (ck / slim.LEGACY_WORK_DIR / "weights.partial").write_bytes(b"\0" * 100)
+    age(ck, time.time() - 3000)
+    d = plan_first(tmp_path / "vol")
+    assert ("model.safetensors.ckptd-tmp/weights.partial", 100) in d.checkpoint.slim.removable
 
 
 # --- the marker and the census -----------------------------------------------
@@ -271,7 +562,8 @@ def test_prune_slims_trainer_checkpoints_to_their_weights(trainer_volume, tmp_pa
         assert (ck / "model.safetensors").read_bytes() == weights  # not consolidated: it had its weights
         marker = json.loads((ck / slim.MARKER).read_text())
         assert marker["state"] == "done" and marker["bytes_freed"] == optim
-        assert marker["weights"] == {"path": "model.safetensors", "bytes": len(weights), "consolidated": False}
+        assert marker["weights"] == {"path": "model.safetensors", "bytes": len(weights), "consolidated": False,
+                                     "dtype": "fp32"}
     assert (run / "checkpoint-300" / "optimizer.pt").exists()
     assert os.listdir(trainer_volume / TRASH_DIR) == []
     events = [r["event"] for r in read_journal(tmp_path / "state")]
@@ -453,9 +745,9 @@ def test_the_marker_says_removing_before_any_file_moves(tmp_path, monkeypatch):
 
 
 # --- consolidation's re-checks ----------------------------------------------------
-# The consolidator is replaced by one that writes a small valid safetensors file at once: what
+# The consolidator is replaced by one that writes a small valid shard and index at once: what
 # is tested is what the reaper checks around it. Real zero_to_fp32 runs on real DeepSpeed
-# checkpoints in test_slim_deepspeed.py (minutes, not milliseconds).
+# checkpoints in test_slim_deepspeed.py (seconds to minutes, not milliseconds).
 
 
 @pytest.fixture
@@ -468,16 +760,40 @@ def unconsolidated(tmp_path: Path) -> Path:
     return root
 
 
-def fake_consolidator(monkeypatch, during=lambda out: None):
+def fake_consolidator(monkeypatch, during=lambda out_dir: None):
+    """Writes what the real child writes (one shard, the index with ckptd's record), reports it
+    as the parent's check would, then calls `during`: between the check and the move into place."""
     import ckptd.reaper
 
-    def consolidate(save_dir, tag, model_states, out, *, timeout):
-        write_safetensors(out)
-        during(out)
-        return SimpleNamespace(path=out, bytes=out.stat().st_size, sha256="cd" * 32, tensors=1, seconds=0.01,
-                               tool="test")
+    class Fake:
+        def __init__(self, save_dir, tag, model_states, out_dir, *, source_fingerprint, timeout):
+            self.out_dir, self.tag, self.fp = out_dir, tag, source_fingerprint
 
-    monkeypatch.setattr(ckptd.reaper, "consolidate", consolidate)
+        def run(self):
+            out = write_consolidated(self.out_dir, self.tag, self.fp)
+            during(self.out_dir)
+            return out
+
+    monkeypatch.setattr(ckptd.reaper, "Consolidation", Fake)
+
+
+def write_consolidated(out_dir: Path, tag: str, source_fingerprint: str):
+    """What the consolidator leaves in its work directory (one shard, the index with ckptd's record),
+    and the parent's account of it. A look-alike: the real one needs torch, DeepSpeed and seconds."""
+    from ckptd.consolidate import Consolidated
+
+    shard = slim.shard_name(1, 1)
+    write_safetensors(out_dir / shard)
+    size = (out_dir / shard).stat().st_size
+    record = {"source": tag, "source_fingerprint": source_fingerprint, "tool": "test",
+              "files": [{"path": shard, "bytes": size, "sha256": "cd" * 32}]}
+    index = {"metadata": {"total_size": 64, "ckptd": record}, "weight_map": {"w": shard}}
+    (out_dir / slim.INDEX).write_text(json.dumps(index))
+    ids = {}
+    for name in (shard, slim.INDEX):
+        st = (out_dir / name).stat()
+        ids[name] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return Consolidated(out_dir, ((shard, size, "cd" * 32),), ids[slim.INDEX][2], "ef" * 32, 1, 0.01, "test", ids)
 
 
 def slim_first(root: Path, tmp_path: Path):
@@ -491,14 +807,36 @@ def untouched(ck: Path) -> bool:
     return all(s.exists() for s in shards) and not (ck / slim.MARKER).exists()
 
 
+def no_work_left(root: Path) -> bool:
+    """Nothing of the consolidation is left in the work area: a failed one's output is in the trash."""
+    from ckptd.reaper import WORK_DIR
+
+    return not any((root / WORK_DIR).iterdir())
+
+
 def test_a_consolidated_checkpoint_is_slimmed(unconsolidated, tmp_path, monkeypatch):
     """The baseline for the refusals below: nothing raced, so it goes through."""
     fake_consolidator(monkeypatch)
     _, [result] = slim_first(unconsolidated, tmp_path)
     ck = unconsolidated / "run" / "checkpoint-10"
-    assert result.outcome is Outcome.SLIMMED and result.detail.startswith("consolidated global_step10 into")
-    assert (ck / "model.safetensors").is_file() and not (ck / slim.CONSOLIDATING).exists()
-    assert json.loads((ck / slim.MARKER).read_text())["weights"]["sha256"] == "cd" * 32
+    assert result.outcome is Outcome.SLIMMED and result.detail.startswith("consolidated global_step10 into fp32/")
+    assert sorted(os.listdir(ck / slim.WEIGHTS_DIR)) == [slim.shard_name(1, 1), slim.INDEX]
+    assert no_work_left(unconsolidated)
+    marker = json.loads((ck / slim.MARKER).read_text())
+    assert marker["weights"]["path"] == "fp32/model.safetensors.index.json"
+    assert marker["weights"]["sha256"] == "ef" * 32
+    assert marker["weights"]["files"] == [{"path": "fp32/model-00001-of-00001.safetensors",
+                                           "bytes": (ck / "fp32" / slim.shard_name(1, 1)).stat().st_size,
+                                           "sha256": "cd" * 32}]
+    # the marker's shards are demanded by the census too
+    age(ck, OLD)
+    assert inspect_one(unconsolidated).state is State.COMPLETE
+    (ck / "fp32" / slim.shard_name(1, 1)).unlink()
+    age(ck, OLD)
+    c = inspect_one(unconsolidated)
+    assert c.state is State.INCOMPLETE
+    assert next(k for k in c.checks if k.name == "slimmed").detail.startswith(
+        "fp32/model-00001-of-00001.safetensors missing")
 
 
 def test_a_checkpoint_changed_while_consolidating_is_not_slimmed(unconsolidated, tmp_path, monkeypatch):
@@ -506,22 +844,23 @@ def test_a_checkpoint_changed_while_consolidating_is_not_slimmed(unconsolidated,
     fake_consolidator(monkeypatch, lambda out: (ck / "notes.txt").write_text("a late write"))
     _, [result] = slim_first(unconsolidated, tmp_path)
     assert (result.outcome, result.detail) == (Outcome.REFUSED, "changed while its weights were being consolidated")
-    assert untouched(ck) and not (ck / "model.safetensors").exists() and not (ck / slim.CONSOLIDATING).exists()
+    assert untouched(ck) and not (ck / slim.WEIGHTS_DIR).exists() and no_work_left(unconsolidated)
 
 
 def test_the_anchor_is_looked_at_again_after_consolidating(unconsolidated, tmp_path, monkeypatch):
-    """The newest full checkpoint deleted meanwhile (by a trainer's own save_total_limit, say)."""
+    """The newest full checkpoint deleted meanwhile (by a trainer's own save_total_limit, say): the
+    fp32 weights were added (that removes nothing), but nothing is removed."""
     run = unconsolidated / "run"
     fake_consolidator(monkeypatch, lambda out: os.rename(run / "checkpoint-30", tmp_path / "gone-30"))
     _, [result] = slim_first(unconsolidated, tmp_path)
     assert (result.outcome, result.detail) == (
         Outcome.REFUSED,
         "the run's newest complete checkpoint checkpoint-30 is gone, changed or no longer complete")
-    assert untouched(run / "checkpoint-10") and not (run / "checkpoint-10" / "model.safetensors").exists()
+    assert untouched(run / "checkpoint-10")
 
 
 def test_weights_that_appear_while_consolidating_are_not_overwritten(unconsolidated, tmp_path, monkeypatch):
-    """They land after the last look at the checkpoint's entries, just before the rename."""
+    """An fp32/ lands after the last look at the checkpoint's entries, just before the rename."""
     import ckptd.reaper
 
     ck = unconsolidated / "run" / "checkpoint-10"
@@ -531,30 +870,67 @@ def test_weights_that_appear_while_consolidating_are_not_overwritten(unconsolida
     def walk_then_plant(path):
         entries = real_walk(path)
         walks.append(path)
-        if len(walks) == 2:  # the look after consolidating
-            (ck / "model.safetensors").write_text("the trainer's own")
+        if len(walks) == 3:  # the look just before moving the weights into place
+            (ck / "fp32").mkdir()
+            (ck / "fp32" / "mine.txt").write_text("the user's own")
         return entries
 
     monkeypatch.setattr(ckptd.reaper, "walk", walk_then_plant)
     _, [result] = slim_first(unconsolidated, tmp_path)
-    assert (result.outcome, result.detail) == (Outcome.REFUSED, "model.safetensors appeared while consolidating")
-    assert (ck / "model.safetensors").read_text() == "the trainer's own" and untouched(ck)
+    assert (result.outcome, result.detail) == (Outcome.REFUSED, "fp32/ appeared while consolidating")
+    assert os.listdir(ck / "fp32") == ["mine.txt"] and untouched(ck) and no_work_left(unconsolidated)
+
+
+def test_a_change_right_after_the_weights_went_into_place_stops_the_slim(unconsolidated, tmp_path, monkeypatch):
+    """`prune` slims straight after consolidating: the checkpoint is looked at once more in between."""
+    import ckptd.reaper
+
+    ck = unconsolidated / "run" / "checkpoint-10"
+    fake_consolidator(monkeypatch)
+    real_walk, walks = ckptd.reaper.walk, []
+
+    def walk_then_write(path):
+        walks.append(path)
+        if len(walks) == 4:  # the look after fp32/ went into place
+            (ck / "notes.txt").write_text("a late write")
+        return real_walk(path)
+
+    monkeypatch.setattr(ckptd.reaper, "walk", walk_then_write)
+    _, [result] = slim_first(unconsolidated, tmp_path)
+    assert (result.outcome, result.detail) == (Outcome.REFUSED, "changed while its weights were being consolidated")
+    assert untouched(ck) and (ck / "fp32" / slim.INDEX).exists()  # added, and nothing removed
 
 
 def test_a_consolidated_file_replaced_by_a_link_is_not_moved_into_place(unconsolidated, tmp_path, monkeypatch):
     outside = tmp_path / "outside.safetensors"
     write_safetensors(outside)
 
-    def replace_with_link(out):
-        out.unlink()
-        out.symlink_to(outside)
+    def replace_with_link(out_dir):
+        (out_dir / slim.shard_name(1, 1)).unlink()
+        (out_dir / slim.shard_name(1, 1)).symlink_to(outside)
 
     fake_consolidator(monkeypatch, replace_with_link)
     _, [result] = slim_first(unconsolidated, tmp_path)
     ck = unconsolidated / "run" / "checkpoint-10"
     assert (result.outcome, result.detail) == (
-        Outcome.REFUSED, "the consolidated file is not where the consolidator left it")
-    assert untouched(ck) and not os.path.lexists(ck / "model.safetensors") and outside.is_file()
+        Outcome.REFUSED, "the consolidated files are not the ones that were verified")
+    assert untouched(ck) and not os.path.lexists(ck / "fp32") and outside.is_file()
+
+
+def test_a_work_directory_replaced_is_not_moved_into_place(unconsolidated, tmp_path, monkeypatch):
+    """Another directory (or a link) under the work directory's name: not the one checked."""
+    def replace_directory(out_dir):
+        os.rename(out_dir, tmp_path / "checked")
+        os.mkdir(out_dir)
+        for name in os.listdir(tmp_path / "checked"):
+            (out_dir / name).write_bytes((tmp_path / "checked" / name).read_bytes())
+
+    fake_consolidator(monkeypatch, replace_directory)
+    _, [result] = slim_first(unconsolidated, tmp_path)
+    ck = unconsolidated / "run" / "checkpoint-10"
+    assert (result.outcome, result.detail) == (
+        Outcome.REFUSED, "the consolidated weights are not where the consolidator left them")
+    assert untouched(ck) and not os.path.lexists(ck / "fp32")
 
 
 def test_a_file_swapped_in_just_before_the_rename_does_not_become_the_weights(unconsolidated, tmp_path,
@@ -565,17 +941,42 @@ def test_a_file_swapped_in_just_before_the_rename_does_not_become_the_weights(un
     real_rename = os.rename
 
     def swap_then_rename(src, dst, **kw):
-        if src == "weights.partial":
-            os.unlink(src, dir_fd=kw["src_dir_fd"])
-            fd = os.open(src, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=kw["src_dir_fd"])
+        if dst == slim.WEIGHTS_DIR:
+            shard = slim.shard_name(1, 1)
+            work_fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY, dir_fd=kw["src_dir_fd"])
+            os.unlink(shard, dir_fd=work_fd)
+            fd = os.open(shard, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=work_fd)
             os.write(fd, b"unverified")
             os.close(fd)
+            os.close(work_fd)
         return real_rename(src, dst, **kw)
 
     monkeypatch.setattr(os, "rename", swap_then_rename)
     _, [result] = slim_first(unconsolidated, tmp_path)
     ck = unconsolidated / "run" / "checkpoint-10"
-    assert (result.outcome, result.detail) == (
-        Outcome.REFUSED, "model.safetensors is not the file the consolidator wrote")
+    assert (result.outcome, result.detail) == (Outcome.REFUSED, "fp32/ is not what the consolidator wrote")
     assert untouched(ck)
-    assert not (ck / "model.safetensors").exists()  # else the next run would slim trusting it
+    assert not (ck / "fp32").exists()  # else the next run would slim trusting it
+    assert no_work_left(unconsolidated)
+
+
+def test_a_consolidation_finished_after_dry_run_was_switched_on_is_not_moved_into_place(tmp_path, monkeypatch):
+    """A reload turned dry run on while zero_to_fp32 ran: its output is not moved into the checkpoint."""
+    root = tmp_path / "vol"
+    ck = ds_run(root, bf16)
+
+    def dry_run_on(out_dir):
+        reaper.dry_run = True
+
+    import ckptd.reaper
+
+    fake_consolidator(monkeypatch, dry_run_on)
+    reaper, plan, _ = reaper_for(root, tmp_path, keep_last=2, keep_full_last=1)
+    [deferred] = reaper.execute(plan.decisions, consolidate=False)
+    work = reaper.begin_consolidation(deferred.decision, deferred.anchors)
+    out = ckptd.reaper.Consolidation(work.save_dir, work.tag, work.model_states, work.path,
+                                     source_fingerprint=work.source_fingerprint, timeout=None).run()
+    result = reaper.finish_consolidation(work, out)
+    assert (result.outcome, result.detail) == (
+        Outcome.REFUSED, "dry run: not moved into place (dry run; not actually removing anything)")
+    assert not (ck / "fp32").exists() and untouched(ck) and no_work_left(root)

@@ -415,6 +415,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 consolidate_timeout=config.daemon.consolidate_timeout,
                 fence=lead.fencer() if lead is not None else None,
             )
+            reaper.clear_work()  # what an interrupted consolidation left, into the trash
             leftover, leftover_bytes = reaper.purge()  # an earlier run's interrupted purge
             if leftover:
                 print(
@@ -637,6 +638,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         pins=frozenset(retention.pins),
         slim_files=retention.slim_files,
         pattern=root.patterns[cand.pattern] if cand.pattern is not None else None,
+        slim_weights=retention.slim_weights,
     )
     warnings = step_mismatch(ckpt, os.listdir(path) if is_dir else [])
     if args.json:

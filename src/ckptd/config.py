@@ -257,8 +257,15 @@ class Retention(_Strict):
         default=None,
         ge=1,
         description="Keep the optimizer state of only the N newest complete full checkpoints of each "
-        "run: older ones that a rule keeps are slimmed to their weights (consolidated first with "
-        "DeepSpeed's zero_to_fp32 when they have none). Unset: never slim.",
+        "run: older ones that a rule keeps are slimmed to their weights (fp32 weights consolidated "
+        "first with DeepSpeed's zero_to_fp32 when they have none, see slim_weights). Unset: never slim.",
+    )
+    slim_weights: Literal["fp32", "as-saved"] = Field(
+        "fp32",
+        description="Which weights a slimmed checkpoint keeps. 'fp32': fp32 weights; where the checkpoint "
+        "holds only 16-bit (or unknown-dtype) weights, its fp32 master weights are consolidated from "
+        "the DeepSpeed optimizer shards with zero_to_fp32 into fp32/ first, and without shards to "
+        "consolidate from it is not slimmed. 'as-saved': the weights as the trainer saved them.",
     )
     slim_files: tuple[str, ...] = Field(
         DEFAULT_SLIM_FILES,

@@ -5,7 +5,10 @@ Shape (after uvicorn): `startup() -> main_loop() -> shutdown()`.
 - The event loop only schedules. Every look at the disk, every decision and
   every rename happens on one filesystem worker thread (`_fs`), so the
   per-root trackers need no locks; purging the trash runs on a second thread
-  at idle priority.
+  at idle priority. Consolidating a checkpoint's fp32 weights before slimming
+  (zero_to_fp32, minutes for a large model) runs on a third, one at a time,
+  while the filesystem thread goes on tracking, settling and deleting; what it
+  made goes into place on the filesystem thread (`_ConsolidationJob`).
 - watchdog's threads hand paths to the loop (`watch.py`); the loop queues them
   as hints for the worker, which folds them in at its next step.
 - The loop sleeps on an `asyncio.Event` until the earliest deadline: a
@@ -29,12 +32,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ckptd import __version__
 from ckptd.config import Config, format_age, format_duration, format_size
+from ckptd.consolidate import Consolidation
 from ckptd.envconfig import effective_config
 from ckptd.errors import ConfigError, RootMissingError
 from ckptd.journal import Journal
@@ -45,7 +49,7 @@ from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
 from ckptd.notify import notify, watchdog_interval
 from ckptd.planner import DiskSpace, decide, disk_space
 from ckptd.policy import Decision
-from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock, lower_priority
+from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, Result, RootLock, Work, lower_priority
 from ckptd.tracker import Changes, RootTracker
 from ckptd.watch import Watcher, choose_observer
 
@@ -93,6 +97,26 @@ class RootRuntime:
         return "dry-run" if dry_run else "leader" if self.leader else "standby"
 
 
+@dataclass
+class _ConsolidationJob:
+    """The one consolidation the daemon runs at a time, and for which root.
+
+    At most one: each needs about twice the model's largest tensor on top of torch (README,
+    Slimming), and reads a checkpoint's whole optimizer state from the volume the training
+    writes to; two at once would double the memory a unit must be given (`MemoryMax=`), for
+    no checkpoint freed sooner: each slim waits for its own consolidation either way.
+    """
+
+    rt: RootRuntime
+    work: Work
+    run: Consolidation
+    future: concurrent.futures.Future | None = None
+    stopping: str | None = None  # why it was stopped, if it was
+
+
+_Waiting = tuple[RootRuntime, Result]  # a slim whose fp32 weights are to be consolidated first (DEFERRED)
+
+
 class Daemon:
     def __init__(
         self,
@@ -134,6 +158,9 @@ class Daemon:
         self._state_due: float | None = None
         self._lead_gained = False  # a root's lead was taken: run retention now, not at the next event
         self.metrics: Metrics | None = None  # with [daemon] metrics_listen (metrics.py)
+        self._consolidation: _ConsolidationJob | None = None  # running; the fs thread's alone
+        self._consolidated = collections.deque[_ConsolidationJob]()  # finished, for the fs thread
+        self._consolidation_failed: dict[tuple[str, str], str] = {}  # (root, rel) -> its fingerprint then
 
     # --- entry point ---------------------------------------------------------
 
@@ -144,6 +171,7 @@ class Daemon:
         self._purger = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="ckptd-purge", initializer=lower_priority
         )
+        self._consolidator = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptd-consolidate")
         if self.install_signals:
             self._install_signals()
         self.watcher: Watcher | None = None
@@ -332,6 +360,7 @@ class Daemon:
             local = rt.lead.kind == "local"
             how = f"holds {status['lock']}" if local else f"volume lease, epoch {status['epoch']}"
             log.info("%s: this ckptd deletes here (%s)", rt.root.path, how)
+            rt.reaper.clear_work()  # what an interrupted consolidation left, into the trash
             self._purge(rt)  # what an earlier run left in the trash
             self._lead_gained = True  # what the standby decided is carried out at the next tick
         elif not held and rt.leader:
@@ -407,6 +436,9 @@ class Daemon:
             hints.append(self._hints.popleft())
         retention = False
         changed = False
+        while self._consolidated:  # a consolidation ended: its weights go into place, or are dropped
+            self._finish_consolidation(self._consolidated.popleft())
+            retention = True  # the next one waiting may start
         for rt in self.roots:
             tr = rt.tracker
             for path in hints:
@@ -506,6 +538,7 @@ class Daemon:
         for w in plan.warnings:
             log.warning("%s", w)
         self._log_decisions(plan.decisions)
+        waiting: list[_Waiting] = []  # slims whose fp32 weights are to be consolidated first
         for rt in self.roots:
             self._try_lead(rt)
             if not rt.leader and not self.dry_run:
@@ -516,8 +549,11 @@ class Daemon:
             trashed = False
             # Fencing: each rename asks whether this ckptd still leads, under the epoch held now.
             rt.reaper.fence = None if self.dry_run else rt.lead.fencer()
-            for result in rt.reaper.execute(mine):
+            for result in rt.reaper.execute(mine, consolidate=False):
                 c = result.decision.checkpoint
+                if result.outcome is Outcome.DEFERRED:
+                    waiting.append((rt, result))
+                    continue
                 action = str(result.decision.action)
                 verb = "deleted" if action == "delete" else "slimmed"
                 extra = {
@@ -553,6 +589,7 @@ class Daemon:
                         log.log(level, "not %s %s: %s", what, c.rel, result.detail, extra=extra)
             if trashed:
                 self._purge(rt)
+        self._schedule_consolidation(plan.decisions, waiting)
         # Forget what was said about checkpoints that are gone (a path re-created later is news again).
         current = {(str(d.checkpoint.root), d.checkpoint.rel) for d in plan.decisions}
         self._decisions = {k: v for k, v in self._decisions.items() if k in current}
@@ -560,6 +597,120 @@ class Daemon:
         for rt in self.roots:
             rels = {c.rel for c in rt.tracker.checkpoints()}
             rt.outcomes = {k: v for k, v in rt.outcomes.items() if k in rels}
+
+    # --- consolidation, on a worker of its own --------------------------------------
+
+    def _schedule_consolidation(self, decisions: tuple[Decision, ...], waiting: list[_Waiting]) -> None:
+        """Stop the running consolidation if the plan no longer wants it, else start the first one
+        waiting (one at a time: `_ConsolidationJob`). On the filesystem thread."""
+        job = self._consolidation
+        if job is not None:
+            why = None if job.stopping else self._unwanted(job, decisions, waiting)
+            if why is not None:
+                job.stopping = why
+                log.info("stopping the consolidation of %s: %s", job.work.decision.checkpoint.rel, why)
+                job.run.cancel(f"stopped: {why}")
+            return
+        for rt, result in waiting:
+            c = result.decision.checkpoint
+            if self._consolidation_failed.get((str(rt.root.path), c.rel)) == c.fingerprint:
+                continue  # failed on this very checkpoint: not again until it changes or a reload
+            work = rt.reaper.begin_consolidation(result.decision, result.anchors)
+            if isinstance(work, Result):
+                self._consolidation_failed[(str(rt.root.path), c.rel)] = c.fingerprint
+                self._say_not(rt, work, "consolidating")
+                continue
+            self._start_consolidation(rt, work)
+            return
+
+    def _unwanted(
+        self, job: _ConsolidationJob, decisions: tuple[Decision, ...], waiting: list[_Waiting]
+    ) -> str | None:
+        """Why the running consolidation is no longer wanted, or None."""
+        planned = job.work.decision.checkpoint
+
+        def same(c: Checkpoint) -> bool:
+            return c.root == planned.root and c.rel == planned.rel
+
+        unchanged = [r for rt, r in waiting if rt is job.rt and same(r.decision.checkpoint)]
+        if unchanged and unchanged[0].decision.checkpoint.fingerprint == planned.fingerprint:
+            return None  # still a slim whose weights are to be consolidated: re-checked this very pass
+        if job.rt not in self.roots:
+            return "its root is no longer configured"
+        if self.dry_run:
+            return "dry run"
+        if not job.rt.leader:
+            return "this ckptd no longer deletes there"
+        d = next((d for d in decisions if same(d.checkpoint)), None)
+        if d is None:
+            return "it is gone"
+        if d.action is not Action.SLIM:
+            return f"the plan no longer slims it ({d.action}: {'; '.join(d.reasons)})"
+        if d.checkpoint.fingerprint != planned.fingerprint:
+            return "it changed since the consolidation began"
+        return "its re-check failed"
+
+    def _start_consolidation(self, rt: RootRuntime, work: Work) -> None:
+        c = work.decision.checkpoint
+        job = _ConsolidationJob(rt, work, work.consolidation(self.config.daemon.consolidate_timeout))
+        loop = self._loop
+
+        def done(_: concurrent.futures.Future) -> None:  # on the worker thread
+            try:
+                loop.call_soon_threadsafe(self._on_consolidated, job)
+            except RuntimeError:  # the loop is closed: the daemon is gone, the next start clears up
+                pass
+
+        job.future = self._consolidator.submit(job.run.run)
+        self._consolidation = job
+        job.future.add_done_callback(done)
+        self.counters["consolidations"] += 1
+        log.info(
+            "consolidating %s: fp32 weights from %s, beside the tracking and deleting; the slim follows "
+            "once they are verified in place",
+            c.rel,
+            work.tag,
+            extra={"run": c.run, "checkpoint": c.name, "action": "consolidate"},
+        )
+
+    def _on_consolidated(self, job: _ConsolidationJob) -> None:
+        """From the worker (via call_soon_threadsafe): hand the finished job to the filesystem thread."""
+        self._consolidated.append(job)
+        self._wake.set()
+
+    def _finish_consolidation(self, job: _ConsolidationJob) -> None:
+        """On the filesystem thread: move the verified weights into place, or drop what was made."""
+        if self._consolidation is job:
+            self._consolidation = None
+        assert job.future is not None
+        try:
+            outcome = job.future.result()
+        except Exception as exc:  # ConsolidationFailed, or a bug: nothing goes into place then
+            outcome = exc
+        rt, c = job.rt, job.work.decision.checkpoint
+        result = rt.reaper.finish_consolidation(job.work, outcome)
+        extra = {"run": c.run, "checkpoint": c.name, "action": "consolidate", "outcome": str(result.outcome)}
+        if result.outcome is Outcome.CONSOLIDATED:
+            self.counters["consolidated"] += 1
+            log.info("consolidated %s: %s", c.rel, result.detail, extra=extra)
+            rt.tracker.look_again(c.rel)  # fp32/ is new: it settles, and the slim follows
+            return
+        self._purge(rt)  # what it made went to the trash
+        if job.stopping is not None:
+            log.info("stopped consolidating %s: %s", c.rel, job.stopping, extra=extra)
+            return
+        self._consolidation_failed[(str(rt.root.path), c.rel)] = c.fingerprint
+        self._say_not(rt, result, "consolidating")
+
+    def _say_not(self, rt: RootRuntime, result: Result, what: str) -> None:
+        """A refusal or failure, logged once per reason and checkpoint, not every pass."""
+        c = result.decision.checkpoint
+        self.counters[str(result.outcome)] += 1
+        if rt.outcomes.get(c.rel) != result.detail:
+            rt.outcomes[c.rel] = result.detail
+            level = logging.ERROR if result.outcome is Outcome.FAILED else logging.WARNING
+            extra = {"run": c.run, "checkpoint": c.name, "outcome": str(result.outcome)}
+            log.log(level, "not %s %s: %s", what, c.rel, result.detail, extra=extra)
 
     def _log_decisions(self, decisions: tuple[Decision, ...]) -> None:
         """Log a checkpoint's decision when its action changes, in plan order (root, run, step).
@@ -860,6 +1011,7 @@ class Daemon:
         self.roots = keep
         self.config = new
         self._decisions.clear()
+        self._consolidation_failed.clear()  # a new timeout or setting may let them through
         self._retention()
         self._sync_watches()
 
@@ -873,9 +1025,15 @@ class Daemon:
             await loop.run_in_executor(None, self.watcher.stop)
         if self.metrics is not None:
             await loop.run_in_executor(None, self.metrics.stop)
+        job = self._consolidation
+        if job is not None:  # its child is killed; its work directory goes to the trash at the next start
+            job.stopping = "the daemon is stopping"
+            job.run.cancel("stopped: the daemon is stopping")
         self._fs.shutdown(wait=False, cancel_futures=True)
         self._purger.shutdown(wait=False, cancel_futures=True)
-        done = await loop.run_in_executor(None, _join_executors, [self._fs, self._purger], SHUTDOWN_TIMEOUT)
+        self._consolidator.shutdown(wait=False, cancel_futures=True)
+        executors = [self._fs, self._purger, self._consolidator]
+        done = await loop.run_in_executor(None, _join_executors, executors, SHUTDOWN_TIMEOUT)
         try:
             self._state_path.unlink()
         except OSError:

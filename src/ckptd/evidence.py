@@ -45,6 +45,7 @@ from ckptd.model import (
     QUIET,
     Check,
     Checkpoint,
+    ConsolidatedWeights,
     Reading,
     Slimming,
     State,
@@ -52,6 +53,7 @@ from ckptd.model import (
     Verdict,
     as_metric,
 )
+from ckptd.weights import WeightsReader
 
 TRAINER_STATE = "trainer_state.json"
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024
@@ -176,6 +178,7 @@ class Inspector:
         # tens of milliseconds to parse.
         self._ts_cache: dict[str, tuple[tuple[int, int], tuple[Check, TrainerState | None]]] = {}
         self.ckpt_scores = fwmetrics.CkptScores()  # Lightning's ModelCheckpoint scores (torch)
+        self._weights = WeightsReader()  # the dtypes of the weights a slim would keep
 
     def inspect(
         self,
@@ -191,6 +194,7 @@ class Inspector:
         slim_files: tuple[str, ...] = slim.DEFAULT_SLIM_FILES,
         pattern: Pattern | None = None,
         metric: str | None = None,
+        slim_weights: str | None = None,
     ) -> Checkpoint:
         """The evidence for one checkpoint, and the metrics it carries itself.
 
@@ -200,6 +204,8 @@ class Inspector:
         `world_size` stands in for DeepSpeed's dp_world_size when the
         checkpoint's own metadata cannot be read. `metric` (retention's) is looked for
         inside a Lightning `.ckpt` when its name does not carry it (`fwmetrics`).
+        `slim_weights` (None: the run is not slimmed) has the weights' dtypes read for
+        `slim.survey`.
         """
         path = run.path / cand.name
         too_deep = None
@@ -272,13 +278,16 @@ class Inspector:
             checks.append(too_deep)
         if marker is None or isinstance(marker, slim.Marker):
             slimming = slim.survey(cand.layout, cand.name, files, slim_files, marker)
+            if slimming.removable and marker is None and slim_weights:  # the dtypes of what a slim keeps
+                seen = self._weights.read(path, files)
+                slimming = slim.survey(cand.layout, cand.name, files, slim_files, None, seen, slim_weights)
         else:
             slimming = Slimming(slimmed=True)  # unreadable marker: not full, and nothing to do
         if marker is not None:
             checks.append(_slimmed(files, marker))
 
         pinned = layouts.PIN_FILE in files if cand.is_dir else f"{cand.name}{layouts.PIN_FILE}" in run.names
-        saved_at, written_at = _save_times(entries, marker, newest_ns)
+        saved_at, written_at = _save_times(entries, marker, newest_ns, slimming.consolidated)
         inside = tuple(e.rel for e in entries if e.kind == MOUNT)
         if mounts.is_mount_root(path):
             inside = ("", *inside)
@@ -455,7 +464,10 @@ class Inspector:
 
 
 def _save_times(
-    entries: list[Entry], marker: slim.Marker | str | None, newest_ns: int
+    entries: list[Entry],
+    marker: slim.Marker | str | None,
+    newest_ns: int,
+    consolidated: ConsolidatedWeights | None = None,
 ) -> tuple[float, float]:
     """(saved_at, written_at): the oldest and newest mtimes of the checkpoint's files.
 
@@ -465,6 +477,8 @@ def _save_times(
     directory) falls back to its newest mtime.
     """
     own = slim.ckptd_files(marker if isinstance(marker, slim.Marker) else None) | {layouts.PIN_FILE}
+    if consolidated is not None:  # fp32/ consolidated before the slim that will record it
+        own |= {consolidated.index, *(path for path, _, _ in consolidated.files)}
     times = [
         e.mtime_ns for e in entries if e.kind == "f" and e.rel not in own and not slim.in_work_dir(e.rel)
     ]
@@ -500,6 +514,10 @@ def _slimmed(files: dict[str, Entry], marker: slim.Marker | str) -> Check:
             FAILED,
             f"{marker.weights} is {weights.size} bytes, the marker says {marker.weights_bytes}",
         )
+    for path, size in marker.files:  # the shards of sharded weights
+        if path not in files or files[path].kind != "f" or files[path].size != size:
+            why = f"{path} missing or not {size} bytes: the marker says it is there"
+            return Check("slimmed", FAILED, why)
     left = [p for p, _ in marker.removed if p in files]
     detail = marker.summary(format_size)
     if left:  # a crash between the marker and the renames

@@ -96,19 +96,35 @@ class Reading(NamedTuple):
 
 
 @dataclass(frozen=True)
+class ConsolidatedWeights:
+    """fp32 weights ckptd consolidated into a checkpoint, as their index records them (`slim.survey`)."""
+
+    index: str  # relative to the checkpoint: "fp32/model.safetensors.index.json"
+    source: str  # the DeepSpeed tag they were consolidated from: "global_step30"
+    source_fingerprint: str  # of that tag's model-states and optimizer files then (`slim.source_fingerprint`)
+    files: tuple[tuple[str, int, str], ...]  # (path, bytes, sha256) of each shard, relative to the checkpoint
+    tool: str = ""
+
+
+@dataclass(frozen=True)
 class Slimming:
     """What slimming would remove from a checkpoint, or has removed (see `slim.survey`).
 
     Paths are relative to the checkpoint. A checkpoint can be slimmed only when its
     weights survive: it holds them already (`weights`), or DeepSpeed's zero_to_fp32
-    can consolidate them from `source`.
+    can consolidate them from `source`. With `slim_weights = "fp32"` the weights it
+    keeps must be fp32: 16-bit weights alone are not enough while the fp32 master
+    weights are in the optimizer state that slimming removes.
     """
 
     slimmed: bool = False  # a .ckptd-slim.json marker is present: weights only, not resumable
     removable: tuple[tuple[str, int], ...] = ()  # (path, bytes) matching slim_files, still present
-    weights: str | None = None  # the weights it holds, e.g. "model.safetensors"
-    source: str | None = None  # else the DeepSpeed tag directory to consolidate from: "global_step30"
+    weights: str | None = None  # the weights a slim keeps, present: "model.safetensors", "fp32/..."
+    source: str | None = None  # else the DeepSpeed tag directory to consolidate fp32 from: "global_step30"
     blocker: str | None = None  # why it cannot be slimmed although it has optimizer state
+    keeps: str = ""  # which weights a slim keeps, in words, for the plan's reasons
+    consolidated: ConsolidatedWeights | None = None  # when `weights` are fp32 weights ckptd consolidated
+    dtype: str | None = None  # of the weights a slim keeps: "fp32", "bf16", ...; None: not known
 
     @property
     def removable_bytes(self) -> int:

@@ -100,6 +100,7 @@ class Scanner:
                 slim_files=retention.slim_files,
                 pattern=self.root.patterns[cand.pattern] if cand.pattern is not None else None,
                 metric=retention.metric if retention.keep_best or retention.keep_total is not None else None,
+                slim_weights=retention.slim_weights if retention.keep_full_last is not None else None,
             )
         except (FileNotFoundError, NotADirectoryError):
             return None

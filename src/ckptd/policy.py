@@ -204,6 +204,8 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
                 kept(c, f"over keep_total={r.keep_total}: always kept")
 
     full_anchors = {id(c) for c, _ in anchors(c for c in ckpts if not c.slimmed)}
+    # What the framework's resume pointer names is resumed from with its optimizer state: never slimmed.
+    full_anchors |= {id(c) for c in ckpts if c.name in run.resume}
     slims = _slims(ckpts, full_anchors=full_anchors, keep=keep, r=r)
     outside = f"outside {r.describe()}"
     decisions = []
@@ -410,7 +412,9 @@ def _slims(
         if c.slim.blocker is not None:
             reasons.append(f"not slimmed: {c.slim.blocker}")
         else:
-            out[id(c)] = f"slim: outside keep_full_last={r.keep_full_last} (kept for: {'; '.join(reasons)})"
+            keeps = f"; keeps {c.slim.keeps}" if c.slim.keeps else ""
+            kept_for = "; ".join(reasons)
+            out[id(c)] = f"slim: outside keep_full_last={r.keep_full_last} (kept for: {kept_for}){keeps}"
     return out
 
 

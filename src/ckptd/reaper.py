@@ -25,13 +25,16 @@ process may no longer act, or None. A refusal leaves everything where it is.
 
 Slimming (`slim_one`) removes only a checkpoint's optimizer files, the same
 way: re-checked first, renamed into the trash, purged later. When the
-checkpoint has no weights of its own they are consolidated first, and nothing
-is removed unless that output verified; see `slim_one` for what a crash at
-each step leaves.
+checkpoint has no fp32 weights of its own they are consolidated first, and
+nothing is removed unless that output verified; see `slim_one` for what a
+crash at each step leaves. The consolidation itself only adds a directory
+(`begin_consolidation`, `finish_consolidation`): the daemon runs it on a worker
+of its own and slims in a later pass, as a checkpoint that holds its weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -48,13 +51,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from ckptd import mounts, policy, slim
+from ckptd import layouts, mounts, policy, slim
 from ckptd.config import format_size
-from ckptd.consolidate import ConsolidationFailed, consolidate
+from ckptd.consolidate import Consolidated, Consolidation, ConsolidationFailed
 from ckptd.evidence import Entry, TooDeep, fingerprint, read_slim_marker, resume_pointers, walk
 from ckptd.journal import Journal
 from ckptd.layouts import TRASH_DIR
-from ckptd.model import Action, Checkpoint, State
+from ckptd.model import Action, Checkpoint, ConsolidatedWeights, State
 from ckptd.planner import Scanner
 from ckptd.policy import Decision
 
@@ -71,6 +74,8 @@ class Outcome(StrEnum):
     FAILED = "failed"  # the rename failed; left where it is
     DRY_RUN = "dry-run"  # would have been trashed (or slimmed)
     SLIMMED = "slimmed"  # its optimizer files renamed into the trash; its weights verified in place
+    DEFERRED = "deferred"  # a slim whose fp32 weights must be consolidated first, by the caller's worker
+    CONSOLIDATED = "consolidated"  # fp32 weights verified and moved into it; slimmed in a later pass
 
 
 @dataclass(frozen=True)
@@ -80,9 +85,39 @@ class Result:
     detail: str
     trash_path: Path | None = None
     moved_bytes: int = 0  # what went into the trash
+    anchors: Anchors = ()  # DEFERRED: the run's anchors to re-check against when it begins
 
     def line(self) -> str:
         return f"{self.outcome} {self.decision.checkpoint.rel}: {self.detail}"
+
+
+WORK_DIR = ".ckptd-consolidating"  # <root>/.ckptd-consolidating/<unique>/: where zero_to_fp32 writes
+
+
+@dataclass(frozen=True)
+class Work:
+    """A consolidation under way: its work directory, and the checkpoint as it was when it began.
+
+    Outside the checkpoint: while zero_to_fp32 writes for minutes, the checkpoint does not change
+    (the daemon does not see it "writing"), and a deletion of it meanwhile takes nothing of ours.
+    """
+
+    decision: Decision
+    name: str  # of the work directory, in <root>/.ckptd-consolidating/
+    path: Path
+    identity: tuple[int, int]  # (dev, inode) of the work directory
+    checkpoint: tuple[int, int]  # (dev, inode) of the checkpoint directory
+    before: str  # the fingerprint of the checkpoint's entries when it began
+    save_dir: Path
+    tag: str
+    model_states: Path
+    source_fingerprint: str  # of what zero_to_fp32 reads (`slim.source_fingerprint`)
+
+    def consolidation(self, timeout: float | None) -> Consolidation:
+        return Consolidation(
+            self.save_dir, self.tag, self.model_states, self.path,
+            source_fingerprint=self.source_fingerprint, timeout=timeout,
+        )  # fmt: skip
 
 
 class Reaper:
@@ -167,11 +202,13 @@ class Reaper:
             return f"no longer complete ({fresh.state})"
         if fresh.fingerprint != planned.fingerprint:
             return "changed since the plan was made"
-        run_path = path.parent
+        return self._pointer_problem(planned) or self._anchor_problem(planned, anchors, now)
+
+    def _pointer_problem(self, planned: Checkpoint) -> str | None:
+        """Whether the run's resume pointer names it now (rolled back to it since the plan, say)."""
+        run_path = planned.path.parent
         pointer = resume_pointers(run_path, os.listdir(run_path)).get(planned.name)
-        if pointer is not None:  # rolled back to it since the plan, say
-            return f"named by {pointer}: the framework resumes from it"
-        return self._anchor_problem(planned, anchors, now)
+        return None if pointer is None else f"named by {pointer}: the framework resumes from it"
 
     def _anchor_problem(self, planned: Checkpoint, anchors: Anchors, now: float) -> str | None:
         """Whether the run's anchors the plan kept are all still there, complete and unchanged.
@@ -191,10 +228,12 @@ class Reaper:
                 return f"the run's {why} checkpoint {anchor.name} is gone, changed or no longer complete"
         return None
 
-    def execute(self, decisions: Sequence[Decision]) -> list[Result]:
+    def execute(self, decisions: Sequence[Decision], *, consolidate: bool = True) -> list[Result]:
         """Carry out one root's plan: trash each deletion, then slim each slim, each re-checked first.
 
         Each is checked against its run's anchors as the plan saw them (`policy.anchors`).
+        With `consolidate=False`, a slim that needs its fp32 weights consolidated first
+        comes back DEFERRED, for the caller to run (`begin_consolidation`).
         """
         by_run: dict[str, list[Checkpoint]] = {}
         for d in decisions:
@@ -202,7 +241,11 @@ class Reaper:
         anchored = {run: policy.anchors(ckpts) for run, ckpts in by_run.items()}
         ours = [d for d in decisions if d.checkpoint.root == self.root]
         results = [self.trash_one(d, anchored[d.checkpoint.run]) for d in ours if d.action is Action.DELETE]
-        results += [self.slim_one(d, anchored[d.checkpoint.run]) for d in ours if d.action is Action.SLIM]
+        results += [
+            self.slim_one(d, anchored[d.checkpoint.run], consolidate=consolidate)
+            for d in ours
+            if d.action is Action.SLIM
+        ]
         return results
 
     # --- acting ----------------------------------------------------------
@@ -264,17 +307,21 @@ class Reaper:
         self._record("trashed", trash=str(self.trash / target), **fields)
         return Result(decision, Outcome.TRASHED, f"moved to {TRASH_DIR}/{target}", self.trash / target)
 
-    def slim_one(self, decision: Decision, anchors: Anchors) -> Result:
-        """Re-check, consolidate the weights if it has none, then move its optimizer files into the trash.
+    def slim_one(self, decision: Decision, anchors: Anchors, *, consolidate: bool = True) -> Result:
+        """Re-check, consolidate fp32 weights if it has none, then move its optimizer files into the trash.
 
         `anchors` are the run's anchors (its newest complete and full checkpoints). In order, and what a
         crash at each step leaves:
-        1. zero_to_fp32 into `model.safetensors.ckptd-tmp`, verified (`consolidate`):
-           nothing is removed; a leftover temp file is overwritten by the next try.
-        2. nothing else changed the checkpoint meanwhile (its entries, fingerprinted
-           without the temp file), then rename the temp file to `model.safetensors`:
-           a full checkpoint that also holds its weights; the next run slims it
-           without consolidating.
+        1. if the weights it would keep are not there (no weights, or 16-bit ones
+           with `slim_weights = "fp32"`): zero_to_fp32 into a work directory of
+           its own under `<root>/.ckptd-consolidating/`, verified; then, if the
+           checkpoint did not change meanwhile, the directory is renamed into it as
+           `fp32/` (`begin_consolidation`, `finish_consolidation`). A crash leaves a
+           work directory (moved to the trash at the next start) or a full checkpoint
+           that also holds its fp32 weights, which the next run slims without
+           consolidating. With `consolidate=False` this step is the caller's
+           (DEFERRED), and the slim comes in a later pass.
+        2. nothing else changed the checkpoint meanwhile.
         3. journal the intent, write `.ckptd-slim.json` saying "removing" and listing
            the files: from now on the census does not demand them and the
            checkpoint counts as slimmed; the next run finishes an interrupted one.
@@ -304,9 +351,12 @@ class Reaper:
             return refuse(why_not)
         moving = f"move {len(s.removable)} optimizer files ({format_size(s.removable_bytes)}) to {TRASH_DIR}/"
         if self.dry_run:
-            first = f"consolidate {s.source} into {slim.CONSOLIDATED}, then " if s.weights is None else ""
+            first = f"consolidate {s.source} into {slim.WEIGHTS_DIR}/, then " if s.weights is None else ""
             log.info("would slim %s: %s %s", c.rel, "; ".join(decision.reasons), DRY_RUN_NOTE)
             return Result(decision, Outcome.DRY_RUN, f"would {first}{moving}")
+        if s.weights is None and not consolidate:
+            first = f"consolidating fp32 weights from {s.source} first"
+            return Result(decision, Outcome.DEFERRED, first, anchors=tuple(anchors))
 
         try:
             before = walk(c.path)
@@ -320,17 +370,21 @@ class Reaper:
         done = ""
         if previous is not None:
             weights = previous.document["weights"]
-        elif s.weights is not None:
-            weights = {"path": s.weights, "bytes": _entry_size(before, s.weights), "consolidated": False}
-        else:
+        elif s.weights is None:
             try:
-                weights = self._consolidate(c, before, anchors)
+                weights = self._consolidate_inline(decision, before, anchors)
             except _Stop as stop:
                 return refuse(stop.why) if stop.outcome is Outcome.REFUSED else fail(stop.why)
-            made = (
-                f"{format_size(weights['bytes'])}, sha256 {weights['sha256'][:12]}, {weights['seconds']:.1f}s"
-            )
-            done = f"consolidated {s.source} into {slim.CONSOLIDATED} ({made}); "
+            done = f"consolidated {s.source} into {slim.WEIGHTS_DIR}/ ({_made(weights)}); "
+        elif s.consolidated is not None:
+            try:
+                weights = self._consolidated_weights(c, s.consolidated)
+            except OSError as exc:
+                return refuse(f"cannot read {s.consolidated.index}: {exc}")
+        else:
+            weights = {"path": s.weights, "bytes": _entry_size(before, s.weights), "consolidated": False}
+            if s.dtype is not None:
+                weights["dtype"] = s.dtype
 
         already = list(previous.removed) if previous is not None else []
         planned = already + [f for f in s.removable if f[0] not in {p for p, _ in already}]
@@ -387,85 +441,250 @@ class Reaper:
         detail = f"{done}moved {len(moved)} optimizer files ({format_size(freed)}) to {where}"
         return Result(decision, Outcome.SLIMMED, detail, target, freed)
 
-    def _consolidate(self, c: Checkpoint, before: list[Entry], anchors: Anchors) -> dict:
-        """Steps 1 and 2 of `slim_one`: the weights in place as model.safetensors, described for
-        the marker. Raises `_Stop` with why not; nothing of the checkpoint is removed then."""
+    # --- consolidation: it only adds fp32/ to a checkpoint ----------------------------
+
+    def begin_consolidation(self, decision: Decision, anchors: Anchors) -> Work | Result:
+        """Re-check a slim that needs its fp32 weights first, and make an empty work directory for
+        zero_to_fp32 (`Work.consolidation` runs it, on any thread; then `finish_consolidation`)."""
+        c = decision.checkpoint
+        fields = self._fields(decision, 0, action="consolidate")
+        why = self.recheck(decision, anchors)
+        if why is None and (c.slim.source is None or c.slim.weights is not None):
+            why = "nothing to consolidate"
+        try:
+            if why is None:
+                return self._begin(decision)
+        except _Stop as stop:
+            why = stop.why
+            if stop.outcome is Outcome.FAILED:
+                log.error("not consolidating %s: %s", c.rel, why)
+                self._record("failed", why=why, **fields)
+                return Result(decision, Outcome.FAILED, why)
+        self._record("refused", why=why, **fields)
+        return Result(decision, Outcome.REFUSED, why)
+
+    def finish_consolidation(self, work: Work, outcome: Consolidated | BaseException) -> Result:
+        """Move verified weights into the checkpoint as `fp32/`, if it is still the checkpoint the
+        consolidation began from; else (or on a failed one) move the work directory to the trash."""
+        fields = self._fields(work.decision, 0, action="consolidate")
+        try:
+            if isinstance(outcome, BaseException):
+                raise _Stop(Outcome.FAILED, f"consolidation failed, nothing removed: {outcome}")
+            if self.dry_run:  # switched on by a reload while it ran
+                raise _Stop(Outcome.REFUSED, f"dry run: not moved into place {DRY_RUN_NOTE}")
+            weights = self._commit(work, outcome)
+        except _Stop as stop:
+            self._discard(work.name)
+            self._record(str(stop.outcome), why=stop.why, **fields)
+            return Result(work.decision, stop.outcome, stop.why)
+        self._record("consolidated", weights=weights, **fields)
+        into = f"{slim.WEIGHTS_DIR}/ ({_made(weights)})"
+        detail = f"consolidated {work.tag} into {into}; slimmed once it has settled"
+        return Result(work.decision, Outcome.CONSOLIDATED, detail)
+
+    def clear_work(self) -> int:
+        """Move what earlier consolidations left in the work area to the trash (at start-up: none
+        of ours runs then, and a consolidator dies with the ckptd that started it)."""
+        try:
+            area_fd = open_dir_nofollow(self.root, WORK_DIR)
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            log.error("not clearing %s: %s", self.root / WORK_DIR, exc)
+            return 0
+        try:
+            names = os.listdir(area_fd)
+        finally:
+            os.close(area_fd)
+        return sum(self._discard(name) for name in names)
+
+    def _consolidate_inline(self, decision: Decision, before: list[Entry], anchors: Anchors) -> dict:
+        """Step 1 of `slim_one` where the caller waits for it (`prune`). Raises `_Stop`."""
+        c = decision.checkpoint
+        work = self._begin(decision)
+        try:
+            out = work.consolidation(self.consolidate_timeout).run()
+        except ConsolidationFailed as exc:
+            self._discard(work.name)
+            raise _Stop(Outcome.FAILED, f"consolidation failed, nothing removed: {exc}") from None
+        try:
+            weights = self._commit(work, out)
+        except _Stop:
+            self._discard(work.name)
+            raise
+        self._record("consolidated", weights=weights, **self._fields(work.decision, 0, action="consolidate"))
+        # Consolidation took a while: nobody but us may have touched the checkpoint since.
+        if _unchanged_but(before, slim.WEIGHTS_DIR) != _unchanged_but(walk(c.path), slim.WEIGHTS_DIR):
+            raise _Stop(Outcome.REFUSED, "changed while its weights were being consolidated")
+        # Consolidation took a while: are the run's anchors still there, and does the framework's
+        # resume pointer (DeepSpeed's `latest`, rolled back by an operator meanwhile) name it now?
+        why = self._anchor_problem(c, anchors, self.clock())
+        if why is None:
+            why = self._pointer_problem(c)
+        if why is not None:
+            raise _Stop(Outcome.REFUSED, why)
+        return weights
+
+    def _begin(self, decision: Decision) -> Work:
+        c = decision.checkpoint
         assert c.slim.source is not None
-        run_dir = c.path.parent
-        save_dir, tag, states = slim.consolidation_paths(
-            c.layout, c.name, c.slim.source, {e.rel for e in before}
-        )
-        # The child writes into a directory we create ourselves (mkdir fails on anything
-        # planted under that name, and the mode is 0700), reached from a descriptor of the
-        # checkpoint opened without following symlinks; the result is moved into place from
-        # descriptors too, and must be the very file the child wrote.
+        try:
+            before = walk(c.path)
+        except (OSError, TooDeep) as exc:
+            raise _Stop(Outcome.REFUSED, f"cannot re-check it: {exc}") from None
+        if fingerprint(before) != c.fingerprint:
+            raise _Stop(Outcome.REFUSED, "changed since the plan was made")
+        files = {e.rel: e for e in before}
+        save_dir, tag, states = slim.consolidation_paths(c.layout, c.name, c.slim.source, set(files))
+        source_fp = slim.source_fingerprint(files, "" if c.layout == layouts.DEEPSPEED else f"{tag}/")
         try:
             ckpt_fd = open_dir_nofollow(self.root, c.rel)
         except OSError as exc:
             raise _Stop(Outcome.REFUSED, f"reached through a symlink or not a directory: {exc}") from None
         try:
-            _remove_at(slim.CONSOLIDATING, ckpt_fd)  # a leftover of an interrupted try
+            st = os.fstat(ckpt_fd)
+            area_fd = self._open_area()
+        except OSError as exc:
+            os.close(ckpt_fd)
+            raise _Stop(Outcome.FAILED, f"cannot prepare {WORK_DIR}/: {exc}") from None
+        name = _trash_name(c, self.clock())
+        try:
+            # Ours alone: mkdir fails on anything planted under the name, and the mode is 0700.
+            os.mkdir(name, 0o700, dir_fd=area_fd)
+            work = os.stat(name, dir_fd=area_fd, follow_symlinks=False)
+        except OSError as exc:
+            raise _Stop(Outcome.FAILED, f"cannot create a work directory in {WORK_DIR}/: {exc}") from None
+        finally:
+            os.close(area_fd)
+            os.close(ckpt_fd)
+        if work.st_dev != st.st_dev:  # the rename into place would fail with EXDEV, hours from now
+            self._discard(name)
+            raise _Stop(Outcome.REFUSED, f"on another filesystem than {WORK_DIR}/ in its root")
+        run_dir = c.path.parent
+        return Work(
+            decision,
+            name,
+            self.root / WORK_DIR / name,
+            (work.st_dev, work.st_ino),
+            (st.st_dev, st.st_ino),
+            fingerprint(before),
+            run_dir / save_dir,
+            tag,
+            run_dir / states,
+            source_fp,
+        )
+
+    def _commit(self, work: Work, out: Consolidated) -> dict:
+        """Rename the verified work directory into the checkpoint as `fp32/`. Raises `_Stop`.
+
+        Everything is reached from descriptors opened without following symlinks, and what
+        lands in place must be the very directory and files the consolidator wrote and the
+        parent checked (`Consolidated.identities`).
+        """
+        c = work.decision.checkpoint
+        try:
+            ckpt_fd = open_dir_nofollow(self.root, c.rel)
+        except FileNotFoundError:
+            raise _Stop(Outcome.REFUSED, "gone while its weights were being consolidated") from None
+        except OSError as exc:
+            raise _Stop(Outcome.REFUSED, f"reached through a symlink or not a directory: {exc}") from None
+        with contextlib.ExitStack() as fds:
+            fds.callback(os.close, ckpt_fd)
             try:
-                os.mkdir(slim.CONSOLIDATING, 0o700, dir_fd=ckpt_fd)
-                work_fd = os.open(slim.CONSOLIDATING, _DIR_FLAGS, dir_fd=ckpt_fd)
-            except OSError as exc:
-                raise _Stop(Outcome.FAILED, f"cannot create {slim.CONSOLIDATING}/: {exc}") from None
-            try:
-                out_path = c.path / slim.CONSOLIDATING / _PARTIAL
-                try:
-                    out = consolidate(
-                        run_dir / save_dir, tag, run_dir / states, out_path, timeout=self.consolidate_timeout
-                    )
-                except ConsolidationFailed as exc:
-                    raise _Stop(Outcome.FAILED, f"consolidation failed, nothing removed: {exc}") from None
-                wrote = _identity(_PARTIAL, work_fd, contents=True)
-                # Consolidation took a while: nobody but us may have touched the checkpoint since.
-                if _unchanged_but(before, slim.CONSOLIDATING) != _unchanged_but(
-                    walk(c.path), slim.CONSOLIDATING
-                ):
-                    raise _Stop(Outcome.REFUSED, "changed while its weights were being consolidated")
-                # Consolidation took a while: are the run's anchors still there?
-                why = self._anchor_problem(c, anchors, self.clock())
-                if why is None and _identity(slim.CONSOLIDATED, ckpt_fd) is not None:
-                    why = f"{slim.CONSOLIDATED} appeared while consolidating"
-                if why is None and (wrote is None or not _is_regular(_PARTIAL, work_fd)):
-                    why = "the consolidated file is not where the consolidator left it"
-                if why is None:
-                    why = self._fenced()
+                area_fd = open_dir_nofollow(self.root, WORK_DIR)
+                fds.callback(os.close, area_fd)
+                work_fd = os.open(work.name, _DIR_FLAGS, dir_fd=area_fd)
+                fds.callback(os.close, work_fd)
+                why = self._commit_problem(work, out, ckpt_fd, work_fd)
                 if why is not None:
                     raise _Stop(Outcome.REFUSED, why)
-                try:
-                    os.rename(_PARTIAL, slim.CONSOLIDATED, src_dir_fd=work_fd, dst_dir_fd=ckpt_fd)
-                    os.fsync(ckpt_fd)
-                except OSError as exc:
-                    raise _Stop(
-                        Outcome.FAILED, f"cannot move the consolidated file into place: {exc}"
-                    ) from None
-                if _identity(slim.CONSOLIDATED, ckpt_fd, contents=True) != wrote:
-                    # Swapped between the check and the rename. Undo our own rename: left in
+                os.fchmod(work_fd, stat.S_IMODE(os.fstat(ckpt_fd).st_mode))  # readable like it, not 0700
+                # (A directory planted under the name since the look above: rename(2) fails on a
+                # non-empty one, and replaces only an empty one.)
+                os.rename(work.name, slim.WEIGHTS_DIR, src_dir_fd=area_fd, dst_dir_fd=ckpt_fd)
+                os.fsync(ckpt_fd)
+                in_place = _identity(slim.WEIGHTS_DIR, ckpt_fd) == work.identity
+                if not in_place or _contents(work_fd) != out.identities:
+                    # Swapped between the checks and the rename. Undo our own rename: left in
                     # place, the next run would take it for verified weights.
                     try:
-                        os.rename(slim.CONSOLIDATED, _PARTIAL, src_dir_fd=ckpt_fd, dst_dir_fd=work_fd)
+                        os.rename(slim.WEIGHTS_DIR, work.name, src_dir_fd=ckpt_fd, dst_dir_fd=area_fd)
                     except OSError as exc:
-                        log.error("cannot take %s back out of %s: %s", slim.CONSOLIDATED, c.path, exc)
-                    raise _Stop(
-                        Outcome.REFUSED, f"{slim.CONSOLIDATED} is not the file the consolidator wrote"
-                    )
-            finally:
-                os.close(work_fd)
-                _remove_at(slim.CONSOLIDATING, ckpt_fd)
+                        log.error("cannot take %s back out of %s: %s", slim.WEIGHTS_DIR, c.path, exc)
+                    raise _Stop(Outcome.REFUSED, f"{slim.WEIGHTS_DIR}/ is not what the consolidator wrote")
+            except OSError as exc:
+                why = f"cannot move the consolidated weights into place: {exc}"
+                raise _Stop(Outcome.FAILED, why) from None
+        index = f"{slim.WEIGHTS_DIR}/{slim.INDEX}"
+        files = tuple((f"{slim.WEIGHTS_DIR}/{n}", b, h) for n, b, h in out.files)
+        record = _weights_record(index, out.index_bytes, out.index_sha256, work.tag, files, out.tool)
+        return {**record, "tensors": out.tensors, "seconds": round(out.seconds, 3)}
+
+    def _commit_problem(self, work: Work, out: Consolidated, ckpt_fd: int, work_fd: int) -> str | None:
+        """Why the consolidated weights may not go into the checkpoint now, or None."""
+        st = os.fstat(ckpt_fd)
+        if (st.st_dev, st.st_ino) != work.checkpoint:
+            return "moved or replaced while its weights were being consolidated"
+        # Nobody but us may have touched the checkpoint since the consolidation began.
+        try:
+            changed = fingerprint(walk(work.decision.checkpoint.path)) != work.before
+        except TooDeep:
+            changed = True
+        if changed:
+            return "changed while its weights were being consolidated"
+        if _identity(slim.WEIGHTS_DIR, ckpt_fd) is not None:
+            return f"{slim.WEIGHTS_DIR}/ appeared while consolidating"
+        w = os.fstat(work_fd)
+        if (w.st_dev, w.st_ino) != work.identity:
+            return "the consolidated weights are not where the consolidator left them"
+        if _contents(work_fd) != out.identities:
+            return "the consolidated files are not the ones that were verified"
+        return self._fenced()  # a ckptd that lost the lead adds nothing to a checkpoint either
+
+    def _consolidated_weights(self, c: Checkpoint, cw: ConsolidatedWeights) -> dict:
+        """The marker's account of fp32 weights consolidated earlier: their index, hashed now."""
+        ckpt_fd = open_dir_nofollow(self.root, f"{c.rel}/{slim.WEIGHTS_DIR}")
+        try:
+            fd = os.open(slim.INDEX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ckpt_fd)
         finally:
             os.close(ckpt_fd)
-        return {
-            "path": slim.CONSOLIDATED,
-            "bytes": out.bytes,
-            "consolidated": True,
-            "source": c.slim.source,
-            "sha256": out.sha256,
-            "tensors": out.tensors,
-            "seconds": round(out.seconds, 3),
-            "tool": out.tool,
-        }
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+        digest = hashlib.sha256(data).hexdigest()
+        return _weights_record(cw.index, len(data), digest, cw.source, cw.files, cw.tool)
+
+    def _discard(self, name: str) -> int:
+        """Move a work directory (ours) into the trash, for `purge`. 1 if it moved."""
+        try:
+            area_fd = open_dir_nofollow(self.root, WORK_DIR)
+        except OSError:
+            return 0
+        try:
+            if _identity(name, area_fd) is None:
+                return 0
+            trash_fd = self._open_trash()
+            try:
+                os.rename(name, f"{name}%consolidating", src_dir_fd=area_fd, dst_dir_fd=trash_fd)
+            finally:
+                os.close(trash_fd)
+            return 1
+        except OSError as exc:
+            log.error("cannot move %s to %s/: %s", self.root / WORK_DIR / name, TRASH_DIR, exc)
+            return 0
+        finally:
+            os.close(area_fd)
+
+    def _open_area(self) -> int:
+        """A descriptor of `<root>/.ckptd-consolidating/`, made if needed (0700), not through a symlink."""
+        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            try:
+                os.mkdir(WORK_DIR, 0o700, dir_fd=root_fd)
+            except FileExistsError:
+                pass
+            return os.open(WORK_DIR, _DIR_FLAGS, dir_fd=root_fd)
+        finally:
+            os.close(root_fd)
 
     def _write_marker(
         self, c: Checkpoint, state: str, removed: list[tuple[str, int]], weights: dict, decision: Decision
@@ -615,9 +834,6 @@ def _identity(path: str, dir_fd: int | None = None, *, contents: bool = False) -
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if contents else (st.st_dev, st.st_ino)
 
 
-_PARTIAL = "weights.partial"  # the consolidator's output inside slim.CONSOLIDATING/
-
-
 def _unlink_at(name: str, dir_fd: int) -> None:
     try:
         os.unlink(name, dir_fd=dir_fd)  # never follows: removes a symlink itself
@@ -696,6 +912,42 @@ class _Stop(Exception):
         super().__init__(why)
         self.outcome = outcome
         self.why = why
+
+
+def _contents(dir_fd: int) -> dict[str, tuple[int, int, int, int]] | None:
+    """(dev, inode, size, mtime_ns) of each entry of a directory; None if one is not a regular file."""
+    out = {}
+    for name in os.listdir(dir_fd):
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        out[name] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _made(weights: dict) -> str:
+    """What a consolidation made, for a line: its size, the index's sha256, how long it took."""
+    size = sum(f["bytes"] for f in weights["files"])
+    shards = len(weights["files"])
+    plural = "s" if shards > 1 else ""
+    took = f"{weights['seconds']:.1f}s"
+    return f"{format_size(size)} in {shards} shard{plural}, sha256 {weights['sha256'][:12]}, {took}"
+
+
+def _weights_record(
+    index: str, size: int, sha256: str, source: str, files: Sequence[tuple[str, int, str]], tool: str
+) -> dict:
+    """The slim marker's `weights` for fp32 weights ckptd consolidated: the index and its shards."""
+    return {
+        "path": index,
+        "bytes": size,
+        "consolidated": True,
+        "source": source,
+        "sha256": sha256,  # of the index, which holds each shard's sha256
+        "files": [{"path": p, "bytes": b, "sha256": h} for p, b, h in files],
+        "tool": tool,
+        "dtype": "fp32",
+    }
 
 
 def _entry_size(entries: list[Entry], rel: str) -> int | None:

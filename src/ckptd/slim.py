@@ -14,6 +14,7 @@ of a checkpoint is optimizer state that only resuming needs.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -21,16 +22,29 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 from ckptd import layouts
-from ckptd.model import Slimming
+from ckptd.model import ConsolidatedWeights, Slimming
 
 if TYPE_CHECKING:
     from ckptd.evidence import Entry
+    from ckptd.weights import WeightsSeen
 
 MARKER = ".ckptd-slim.json"
 MARKER_VERSION = 1
+# fp32 weights ckptd consolidates go into this directory of the checkpoint, written as the HF
+# ecosystem reads sharded weights (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`;
+# transformers' `load_sharded_checkpoint(model, "checkpoint-N/fp32")`). A directory of their own:
+# beside 16-bit weights the Trainer saved, no loader that reads a checkpoint's top level
+# (from_pretrained, vLLM's `*.safetensors` glob) sees two sets of weights; and a directory comes
+# into place with one rename, so a crash never leaves half a set of shards under final names.
+WEIGHTS_DIR = "fp32"
+INDEX = "model.safetensors.index.json"
+INDEX_RECORD = "ckptd"  # the key of ckptd's record (source, shard hashes) in the index's "metadata"
+SLIM_WEIGHTS = ("fp32", "as-saved")
+# Where ckptd before fp32/ consolidated weights (a single file; markers that name it still verify),
+# and the work directory it used inside the checkpoint: a crash's leftover there is ckptd's own
+# temp file, removed with the optimizer state when the checkpoint is slimmed.
 CONSOLIDATED = "model.safetensors"
-# Not *.safetensors, so a leftover from a crash fails no integrity check; the next try overwrites it.
-CONSOLIDATING = f"{CONSOLIDATED}.ckptd-tmp"
+LEGACY_WORK_DIR = f"{CONSOLIDATED}.ckptd-tmp"
 DEFAULT_SLIM_FILES = ("global_step*/*optim_states.pt", "optimizer.pt")
 
 # Weights a checkpoint may hold already (Trainer, PEFT): then nothing needs consolidating.
@@ -47,6 +61,22 @@ _GLOBAL_STEP = re.compile(r"global_step\d+")
 # zero_to_fp32 reads mp_rank_00 only, and knows nothing of pipeline layer files.
 _MODEL_PARALLEL = re.compile(r".*mp_rank_(?!00_)\d+_.*\.pt")
 _PIPELINE_LAYER = re.compile(r"layer_\d+-model_\d+-model_states\.pt")
+_DTYPE_NAMES = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16"}
+
+
+def shard_name(i: int, n: int) -> str:
+    """The i-th of n consolidated shards (from 1), named as transformers names them."""
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def dtype_name(dtypes: frozenset[str]) -> str:
+    """`{"BF16"}` -> "bf16"; several -> "bf16+fp32"."""
+    return "+".join(sorted(_DTYPE_NAMES.get(d, d.lower()) for d in dtypes)) or "no floating-point tensors"
+
+
+def is_fp32(dtypes: frozenset[str]) -> bool:
+    """Every floating-point tensor at least fp32 (and there is one)."""
+    return bool(dtypes) and dtypes <= {"F32", "F64"}
 
 
 def matches(path: str, glob: str) -> bool:
@@ -61,23 +91,43 @@ def never_removed(path: str) -> bool:
     return (
         name in WEIGHTS_FILES
         or bool(_SHARDED_WEIGHTS.fullmatch(name))
+        or path == WEIGHTS_DIR
+        or path.startswith(f"{WEIGHTS_DIR}/")
         or name.endswith("model_states.pt")
-        or name in ("trainer_state.json", layouts.PIN_FILE, MARKER, CONSOLIDATING)
+        or name in ("trainer_state.json", layouts.PIN_FILE, MARKER)
     )
 
 
 def ckptd_files(marker: Marker | None) -> frozenset[str]:
     """Paths inside a checkpoint that ckptd wrote, not the trainer (besides its work directory
-    `CONSOLIDATING/`): the slim marker and its temp name, and the weights it consolidated.
+    `LEGACY_WORK_DIR/`): the slim marker and its temp name, and the weights it consolidated
+    (the index and each shard in `fp32/`, or an older ckptd's single file).
     They say nothing about when the checkpoint was saved."""
     own = {MARKER, f"{MARKER}.tmp"}
     if marker is not None and marker.consolidated:
         own.add(marker.weights)
+        own.update(path for path, _ in marker.files)
     return frozenset(own)
 
 
 def in_work_dir(rel: str) -> bool:
-    return rel == CONSOLIDATING or rel.startswith(f"{CONSOLIDATING}/")
+    return rel == LEGACY_WORK_DIR or rel.startswith(f"{LEGACY_WORK_DIR}/")
+
+
+def source_fingerprint(files: Mapping[str, Entry], tag_prefix: str) -> str:
+    """What zero_to_fp32 reads in a tag directory (model-states and optimizer files: names, sizes,
+    mtimes), as a digest: fp32 weights consolidated from them are theirs while it is the same.
+
+    `tag_prefix` is "global_step10/" inside a Trainer checkpoint, "" for a bare `global_step10/`.
+    """
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        rest = rel[len(tag_prefix) :]
+        read = rest.endswith(("model_states.pt", "optim_states.pt"))
+        if rel.startswith(tag_prefix) and "/" not in rest and read:
+            e = files[rel]
+            h.update(f"{rest}\0{e.kind}\0{e.size}\0{e.mtime_ns}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -93,6 +143,8 @@ class Marker:
     sha256: str | None
     time: float | None
     document: dict = field(compare=False, repr=False)  # as read, for rewriting it
+    files: tuple[tuple[str, int], ...] = ()  # the shards `weights` (an index) names, with their bytes
+    dtype: str | None = None  # of the weights kept, when recorded: "fp32", "bf16"
 
     @property
     def bytes_freed(self) -> int:
@@ -104,10 +156,18 @@ class Marker:
             if self.consolidated
             else "already present"
         )
+        if self.files:
+            how += f", {len(self.files)} shard{'s' if len(self.files) > 1 else ''}"
+        if self.dtype:
+            how = f"{self.dtype}, {how}"
         return (
             f"optimizer state removed: {len(self.removed)} files, {format_size(self.bytes_freed)}; "
             f"weights in {self.weights} ({how})"
         )
+
+
+def _relative(path: object) -> bool:
+    return isinstance(path, str) and bool(path) and not path.startswith("/") and ".." not in path.split("/")
 
 
 def parse_marker(data: Any) -> Marker:
@@ -124,8 +184,13 @@ def parse_marker(data: Any) -> Marker:
             raise ValueError(f"malformed 'removed' entry {item!r}")
         files.append((item["path"], item["bytes"]))
     path = weights.get("path")
-    if not isinstance(path, str) or not path or path.startswith("/") or ".." in path.split("/"):
+    if not _relative(path):
         raise ValueError(f"malformed weights path {path!r}")
+    shards = []
+    for item in weights.get("files") or ():  # optional: markers before sharded weights have none
+        if not (isinstance(item, dict) and _relative(item.get("path")) and _is_int(item.get("bytes"))):
+            raise ValueError(f"malformed weights file {item!r}")
+        shards.append((item["path"], item["bytes"]))
     state = data.get("state")
     if state not in ("removing", "done"):
         raise ValueError(f"unknown state {state!r}")
@@ -139,6 +204,8 @@ def parse_marker(data: Any) -> Marker:
         sha256=weights.get("sha256") if isinstance(weights.get("sha256"), str) else None,
         time=data["time"] if isinstance(data.get("time"), int | float) else None,
         document=data,
+        files=tuple(shards),
+        dtype=weights.get("dtype") if isinstance(weights.get("dtype"), str) else None,
     )
 
 
@@ -167,48 +234,97 @@ def survey(
     files: Mapping[str, Entry],
     slim_files: Collection[str],
     marker: Marker | None,
+    weights: WeightsSeen | None = None,
+    slim_weights: str = "fp32",
 ) -> Slimming:
-    """What slimming would remove from one checkpoint and where its weights are or come from.
+    """What slimming would remove from one checkpoint and which weights it would keep.
 
     `files` are the checkpoint's entries by path; `slim_files` globs are matched
     against paths relative to the DeepSpeed save_dir, which is the checkpoint
     itself except for a bare `global_step<N>/` (then its parent), so that
     `global_step*/*optim_states.pt` fits both. Only Trainer and DeepSpeed
     layouts are slimmed: for the others ckptd cannot tell weights from state.
+
+    The weights a slim keeps, best first: fp32 weights ckptd consolidated from these
+    very shards (`fp32/`); the checkpoint's own weights file, if it is fp32 (or with
+    `slim_weights = "as-saved"`, whatever its dtype); else fp32 weights still to be
+    consolidated from the DeepSpeed tag directory (`source`). Weights that are 16-bit
+    or of unknown dtype are not enough for "fp32": the fp32 master weights would go
+    with the optimizer shards. `weights` holds what their headers say (`weights.py`).
     """
     if layout not in (layouts.HF, layouts.DEEPSPEED):
         return Slimming()
     prefix = f"{name}/" if layout == layouts.DEEPSPEED else ""
+    leftover = f"{LEGACY_WORK_DIR}/"
     removable = tuple(
         sorted(
             (rel, e.size)
             for rel, e in files.items()
             if e.kind == "f"
             and rel
-            and not never_removed(rel)
-            and any(matches(prefix + rel, g) for g in slim_files)
+            and (
+                rel.startswith(leftover)
+                or (not never_removed(rel) and any(matches(prefix + rel, g) for g in slim_files))
+            )
         )
     )
-    slimmed = marker is not None
-    weights = _weights(layout, files, marker)
-    if not removable or weights is not None:
-        return Slimming(slimmed, removable, weights)
-    if marker is not None:
-        return Slimming(
-            slimmed, removable, None, None, f"{marker.weights}, named by its slim marker, is missing"
-        )
-    source, blocker = _source(layout, name, files)
-    return Slimming(slimmed, removable, None, source, blocker)
 
-
-def _weights(layout: str, files: Mapping[str, Entry], marker: Marker | None) -> str | None:
     def present(rel: str) -> bool:
         return rel in files and files[rel].kind == "f"
 
-    if marker is not None:
-        return marker.weights if present(marker.weights) else None
     candidates = WEIGHTS_FILES if layout == layouts.HF else (CONSOLIDATED,)
-    return next((w for w in candidates if present(w)), None)
+    saved = next((w for w in candidates if present(w)), None)
+    if marker is not None:
+        named = f"{marker.weights}, named by its slim marker"
+        if present(marker.weights):
+            return Slimming(True, removable, marker.weights, keeps=named)
+        return Slimming(True, removable, None, None, f"{named}, is missing")
+    seen = weights.dtypes.get(saved) if weights is not None and saved is not None else None
+    dtype = dtype_name(seen) if isinstance(seen, frozenset) else None
+    if not removable:
+        return Slimming(False, (), saved, dtype=dtype)
+
+    source, blocker = _source(layout, name, files)
+    record = weights.consolidated if weights is not None else None
+    consolidated, occupied = _consolidated(layout, files, record, source)
+    if consolidated is not None:
+        keeps = f"fp32 weights consolidated from {consolidated.source} into {WEIGHTS_DIR}/"
+        return Slimming(False, removable, consolidated.index, None, None, keeps, consolidated, "fp32")
+    if saved is not None:
+        fp32 = isinstance(seen, frozenset) and is_fp32(seen)
+        if fp32 or slim_weights == "as-saved":
+            keeps = f"{saved} as saved ({dtype or 'dtype not known'})"
+            return Slimming(False, removable, saved, keeps=keeps, dtype=dtype)
+        why = f"{saved} is {dtype}" if dtype else str(seen or f"{saved}: dtype not known")
+        opt_out = f'; slim_weights = "as-saved" would keep {saved} alone'
+    else:
+        why, opt_out = "no weights file", ""
+    blocker = blocker or occupied
+    if blocker is not None:
+        return Slimming(False, removable, None, None, f"{why} and {blocker}{opt_out}")
+    keeps = f"fp32 weights consolidated from {source} into {WEIGHTS_DIR}/ first ({why})"
+    return Slimming(False, removable, None, source, None, keeps=keeps, dtype="fp32")
+
+
+def _consolidated(
+    layout: str, files: Mapping[str, Entry], record: ConsolidatedWeights | str | None, source: str | None
+) -> tuple[ConsolidatedWeights | None, str | None]:
+    """ckptd's fp32/ weights if they are whole and were consolidated from these very shards; else
+    None and, when something occupies fp32/, why no new consolidation may go there."""
+    if WEIGHTS_DIR not in files:
+        return None, None
+    if record is None or isinstance(record, str):
+        why = record or f"{WEIGHTS_DIR}/{INDEX} missing"
+        return None, f"{WEIGHTS_DIR}/ holds no fp32 weights ckptd consolidated ({why})"
+    for path, size, _ in record.files:
+        if path not in files or files[path].kind != "f" or files[path].size != size:
+            return None, f"{path} is missing or not the size ckptd recorded when it consolidated it"
+    if source is None or record.source != source:
+        return None, f"{WEIGHTS_DIR}/ was consolidated from {record.source}, not from {source}"
+    tag_prefix = "" if layout == layouts.DEEPSPEED else f"{source}/"
+    if source_fingerprint(files, tag_prefix) != record.source_fingerprint:
+        return None, f"{WEIGHTS_DIR}/ was consolidated from {source} as it was then: its shards changed since"
+    return record, None
 
 
 def _source(layout: str, name: str, files: Mapping[str, Entry]) -> tuple[str | None, str | None]:
@@ -218,8 +334,7 @@ def _source(layout: str, name: str, files: Mapping[str, Entry]) -> tuple[str | N
     else:
         tags = sorted(rel for rel, e in files.items() if e.kind == "d" and _GLOBAL_STEP.fullmatch(rel))
         if len(tags) != 1:
-            why = "no weights file and no" if not tags else f"no weights file and {len(tags)}"
-            return None, f"{why} global_step directories to consolidate from"
+            return None, f"{len(tags) or 'no'} global_step directories to consolidate from"
         tag = tags[0]
         names = {rel[len(tag) + 1 :] for rel in files if rel.startswith(f"{tag}/")}
     if not names & {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"}:
