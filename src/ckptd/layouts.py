@@ -193,7 +193,8 @@ def held(layout: str, entries: Iterable[tuple[str, bool]]) -> list[str]:
     to it: checkpoints of a run of its own, at any depth, recognised as discovery recognises
     them (a job given `--output_dir out/checkpoint-500` writes checkpoint-100, -200 inside it;
     an Orbax CheckpointManager directory named like a user pattern holds its numbered steps),
-    and pins below its top (`.ckptd-keep`, or a file's `<name>.ckptd-keep`). Such a directory is
+    and pins below its top (`.ckptd-keep`, or a file's `<name>.ckptd-keep`); Lightning's and
+    NeMo's last copies too (`last.ckpt`: what that run resumes from). Such a directory is
     never deleted as one checkpoint. `entries`: (path relative to it, is a directory), from the
     walk evidence makes anyway: no extra I/O.
 
@@ -223,6 +224,10 @@ def held(layout: str, entries: Iterable[tuple[str, bool]]) -> list[str]:
         if not is_dir and not name.endswith((".ckpt", ".nemo")):
             continue  # only Lightning's and NeMo's checkpoints are files
         cand = recognise(name, is_dir, lambda rel=rel: kids.get(rel, ()))
+        if cand is None and name.endswith((".ckpt", ".nemo")) and is_last_copy(name):
+            found.append(rel)  # a nested run's last.ckpt: what its resume loads
+            seen.add(rel)
+            continue
         if cand is None or cand.layout == DCP:
             continue
         if not parent and cand.layout == DEEPSPEED and layout != DEEPSPEED:
