@@ -51,9 +51,10 @@ def decision(doc: dict, rel: str) -> dict:
 # --- layouts.held: what a checkpoint directory holds that is not its own ------------------------
 
 
-def tree(*rels: str) -> list[tuple[str, bool]]:
-    """Entries as the walk gives them: a trailing '/' marks a directory."""
-    return [(r.rstrip("/"), r.endswith("/")) for r in rels]
+def tree(*rels: str) -> tuple[list[str], list[str]]:
+    """Everything in a checkpoint and its directories, as evidence has them from its walk: a
+    trailing '/' marks a directory."""
+    return ["", *(r.rstrip("/") for r in rels)], ["", *(r.rstrip("/") for r in rels if r.endswith("/"))]
 
 
 @pytest.mark.parametrize(
@@ -83,7 +84,7 @@ def tree(*rels: str) -> list[tuple[str, bool]]:
     ],
 )
 def test_what_a_checkpoint_directory_holds_that_is_not_its_own(layout, entries, held):
-    assert layouts.held(layout, entries) == held
+    assert layouts.held(layout, *entries) == held
 
 
 # --- a checkpoint holding a run of its own, through the CLI -------------------------------------
@@ -187,7 +188,8 @@ def test_the_reaper_refuses_a_checkpoint_holding_a_run_whatever_the_plan_says(tm
 # --- NeMo's model-parallel ranks: one step, one file in each rank's directory -------------------
 
 NEMO = "megatron_gpt--val_loss=2.50-step={s}-consumed_samples={c}.0"
-RANK_DIRS = {"mp_rank": "mp_rank_{:02d}", "tp_rank_pp_rank": "tp_rank_{:02d}_pp_rank_000"}
+RANK_DIRS = {"mp_rank": "mp_rank_{:02d}", "tp_rank_pp_rank": "tp_rank_{:02d}_pp_rank_000",
+             "mp_rank_fsdp_shard": "mp_rank_00_fsdp_shard_{:05d}", "fsdp_shard": "fsdp_shard_{:05d}"}
 
 
 def nemo_ranks(ck: Path, spelling: str, steps: dict[int, tuple[int, ...]], name: str = NEMO) -> None:

@@ -281,7 +281,8 @@ class Inspector:
         pinned = layouts.PIN_FILE in files if cand.is_dir else f"{cand.name}{layouts.PIN_FILE}" in run.names
         saved_at, written_at = _save_times(entries, marker, newest_ns)
         inside = tuple(e.rel for e in entries if e.kind == MOUNT)
-        holds = layouts.held(cand.layout, ((e.rel, e.kind == "d") for e in entries)) if cand.is_dir else []
+        dirs = [e.rel for e in entries if e.kind == "d"]
+        holds = layouts.held(cand.layout, files, dirs) if cand.is_dir else []
         if mounts.is_mount_root(path):
             inside = ("", *inside)
         return Checkpoint(

@@ -8,7 +8,7 @@ not recognised here is never touched.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 HF = "hf"  # Hugging Face Trainer: checkpoint-<step>/
@@ -71,11 +71,13 @@ _FRAMEWORK_DIR = re.compile(r"lightning_logs|version_\d+|checkpoints?|\d{4}-\d{2
 _LAST_INT = re.compile(r"(\d+)(?!.*\d)")
 # A model-parallel rank's own directory beside its siblings: NeMo 1 without a distributed
 # checkpoint saves each rank's file as <dir>/mp_rank_<tp:02d>/<name>.ckpt, or
-# <dir>/tp_rank_<tp:02d>_pp_rank_<pp:03d>/<name>.ckpt with pipeline parallelism, under ONE
-# unfinished marker <dir>/<name>-unfinished (nemo/utils/get_rank.py inject_model_parallel_rank,
+# <dir>/tp_rank_<tp:02d>_pp_rank_<pp:03d>/<name>.ckpt with pipeline parallelism, and with an FSDP
+# sharded checkpoint <dir>/mp_rank_<tp:02d>_fsdp_shard_<dp:05d>/ or (no model parallelism)
+# <dir>/fsdp_shard_<dp:05d>/, under ONE unfinished marker <dir>/<name>-unfinished
+# (nemo/utils/app_state.py and get_rank.py inject_model_parallel_rank, uninjected by
 # nemo_model_checkpoint.py format_checkpoint_unfinished_marker_path); Megatron-LM's
 # mp_rank_<tp:02d>[_<pp:03d>] likewise.
-_RANK_DIR = re.compile(r"mp_rank_\d+(?:_\d+)?|tp_rank_\d+_pp_rank_\d+")
+_RANK_DIR = re.compile(r"mp_rank_\d+(?:_\d+)?(?:_fsdp_shard_\d+)?|tp_rank_\d+_pp_rank_\d+|fsdp_shard_\d+")
 
 # Files Orbax writes into a finalized step directory.
 ORBAX_METADATA = "_CHECKPOINT_METADATA"
@@ -116,7 +118,8 @@ def is_last_copy(name: str) -> bool:
 
 
 def is_rank_dir(name: str) -> bool:
-    """One model-parallel rank's directory (`mp_rank_00`, `tp_rank_00_pp_rank_000`): its checkpoints
+    """One model-parallel rank's directory (`mp_rank_00`, `tp_rank_00_pp_rank_000`, NeMo's FSDP
+    `mp_rank_00_fsdp_shard_00000` and `fsdp_shard_00000`): its checkpoints
     are parts of checkpoints whose other parts are in its sibling rank directories."""
     return bool(_RANK_DIR.fullmatch(name))
 
@@ -188,15 +191,18 @@ def recognise_by_contents(name: str, children: Collection[str]) -> Candidate | N
     return None
 
 
-def held(layout: str, entries: Iterable[tuple[str, bool]]) -> list[str]:
+_HELD_FILES = (".ckpt", ".nemo", PIN_FILE)  # files that may be held: Lightning's and NeMo's, pins
+
+
+def held(layout: str, rels: Collection[str], dirs: Collection[str]) -> list[str]:
     """What a checkpoint directory of `layout` holds that is not its own part, as paths relative
     to it: checkpoints of a run of its own, at any depth, recognised as discovery recognises
     them (a job given `--output_dir out/checkpoint-500` writes checkpoint-100, -200 inside it;
     an Orbax CheckpointManager directory named like a user pattern holds its numbered steps),
     and pins below its top (`.ckptd-keep`, or a file's `<name>.ckptd-keep`); Lightning's and
     NeMo's last copies too (`last.ckpt`: what that run resumes from). Such a directory is
-    never deleted as one checkpoint. `entries`: (path relative to it, is a directory), from the
-    walk evidence makes anyway: no extra I/O.
+    never deleted as one checkpoint. `rels`: everything in it, relative to it, and `dirs`: the
+    directories among them, from the walk evidence makes anyway: no extra I/O.
 
     Its own parts are not counted: a DeepSpeed tag directory (`global_stepN/`) directly in a
     Trainer, accelerate or Lightning checkpoint, Orbax's items directly in a step, and
@@ -204,18 +210,27 @@ def held(layout: str, entries: Iterable[tuple[str, bool]]) -> list[str]:
     `weights/`: the evidence demands their `.metadata` as parts). Parts of a held checkpoint
     are not listed again.
     """
-    items = sorted((rel, is_dir) for rel, is_dir in entries if rel)
-    kids: dict[str, list[str]] = {}
-    for rel, _ in items:
-        parent, _, name = rel.rpartition("/")
-        kids.setdefault(parent, []).append(name)
+    items = sorted([(d, True) for d in dirs if d] + [(f, False) for f in rels if f.endswith(_HELD_FILES)])
+    kids: dict[str, list[str]] | None = None
+
+    def children(rel: str) -> list[str]:  # listed once, and only if a directory's name is not enough
+        nonlocal kids
+        if kids is None:
+            kids = {}
+            for r in rels:
+                if r:
+                    parent, _, name = r.rpartition("/")
+                    kids.setdefault(parent, []).append(name)
+        return kids.get(rel, [])
+
     found: list[str] = []
     seen: set[str] = set()
     for rel, is_dir in items:
         parent, _, name = rel.rpartition("/")
-        parts = parent.split("/") if parent else []
-        if found and any("/".join(parts[: i + 1]) in seen for i in range(len(parts))):
-            continue  # a part of a checkpoint already listed
+        if seen and parent:
+            parts = parent.split("/")
+            if any("/".join(parts[: i + 1]) in seen for i in range(len(parts))):
+                continue  # a part of a checkpoint already listed
         if name.endswith(PIN_FILE):
             if parent or name != PIN_FILE:  # `.ckptd-keep` at its top pins the checkpoint itself
                 found.append(rel)
@@ -223,15 +238,15 @@ def held(layout: str, entries: Iterable[tuple[str, bool]]) -> list[str]:
             continue
         if not is_dir and not name.endswith((".ckpt", ".nemo")):
             continue  # only Lightning's and NeMo's checkpoints are files
-        cand = recognise(name, is_dir, lambda rel=rel: kids.get(rel, ()))
+        if not parent and is_dir and layout != DEEPSPEED and _DEEPSPEED.fullmatch(name):
+            continue  # its own DeepSpeed tag (the Trainer's global_stepN/), the common case: no more to do
+        cand = recognise(name, is_dir, lambda rel=rel: children(rel))
         if cand is None and name.endswith((".ckpt", ".nemo")) and is_last_copy(name):
             found.append(rel)  # a nested run's last.ckpt: what its resume loads
             seen.add(rel)
             continue
         if cand is None or cand.layout == DCP:
             continue
-        if not parent and cand.layout == DEEPSPEED and layout != DEEPSPEED:
-            continue  # its own DeepSpeed tag
         if not parent and layout == ORBAX and cand.layout == ORBAX and not cand.in_progress:
             continue  # an Orbax item (its own commit_success.txt, in commit-file mode)
         found.append(rel)
