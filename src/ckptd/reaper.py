@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import threading
 import time
@@ -174,7 +175,7 @@ class Reaper:
         pointer = resume_pointers(run_path, os.listdir(run_path)).get(planned.name)
         if pointer is not None:  # rolled back to it since the plan, say
             return f"named by {pointer}: the framework resumes from it"
-        why = _last_whole_step(run_path, planned.name, stat.S_ISDIR(st.st_mode))
+        why = _last_whole_step(run_path, planned.name, stat.S_ISDIR(st.st_mode), self.scanner.patterns)
         if why is not None:
             return why
         return self._anchor_problem(planned, anchors, now)
@@ -582,21 +583,23 @@ class Reaper:
             log.error("cannot write the journal %s: %s", self.journal.path, exc)
 
 
-def _last_whole_step(run_path: Path, name: str, is_dir: bool) -> str | None:
+def _last_whole_step(
+    run_path: Path, name: str, is_dir: bool, patterns: Sequence[re.Pattern[str]]
+) -> str | None:
     """For one model-parallel rank's part of a step (`mp_rank_00/<name>.ckpt`, `layouts.is_rank_dir`):
     why it must stay, unless a newer step is there in every rank's directory beside it, with no NeMo
     unfinished marker above them. Names only, afresh: the last line of defence for the newest step
     every rank holds, which the plan keeps (`planner.with_whole_steps`)."""
     if not is_rank_dir(run_path.name):
         return None
-    mine = recognise_by_name(name, is_dir)
+    mine = recognise_by_name(name, is_dir, patterns)
     if mine is None:
         return f"a model-parallel rank's file whose step cannot be read ({name})"
     above = os.listdir(run_path.parent)
     ranks = sorted(n for n in above if is_rank_dir(n))
     held = [set(os.listdir(run_path.parent / r)) for r in ranks]
     for other in set.intersection(*held) if held else ():
-        cand = recognise_by_name(other, is_dir)
+        cand = recognise_by_name(other, is_dir, patterns)
         if (cand is not None and cand.unit == mine.unit and cand.step > mine.step
                 and nemo_unfinished_marker(other) not in above):
             return None
