@@ -87,7 +87,6 @@ def test_latest_rolled_back_with_a_trailing_slash_is_still_the_resume_pointer(ze
 # --- 2. A directory holding checkpoints taken for one checkpoint --------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="red team: a run nested in checkpoint-500/ is deleted with it, pin and all")
 def test_a_run_written_inside_a_checkpoint_directory_is_not_deleted_with_it(tmp_path):
     """A fine-tuning job given `--output_dir out/checkpoint-500` (the checkpoint it starts from)
     writes its own checkpoint-100, -200 inside. A strictly named directory (checkpoint-N,
@@ -109,7 +108,6 @@ def test_a_run_written_inside_a_checkpoint_directory_is_not_deleted_with_it(tmp_
     assert (nested / "checkpoint-200").is_dir(), "the nested run's newest (and pinned) checkpoint was deleted"
 
 
-@pytest.mark.xfail(strict=True, reason="red team: an Orbax run named like a user pattern is deleted as one checkpoint")
 def test_a_pattern_named_directory_holding_orbax_steps_is_a_run(orbax_volume, tmp_path):
     """patterns = ['ckpt_{step}'] for one team's own checkpoints; another team's Orbax
     CheckpointManager directory is called ckpt_1 and ckpt_2. recognise() keeps a loosely named
@@ -228,7 +226,6 @@ def test_a_checkpoint_rewritten_in_place_is_in_flight_until_its_save_ends(zero2_
 # --- 6. NeMo's model-parallel layout: one checkpoint in several directories ----------------------
 
 
-@pytest.mark.xfail(strict=True, reason="red team: NeMo mp_rank_XX/ dirs are judged apart; the last whole step goes")
 def test_nemo_model_parallel_ranks_are_one_checkpoint(tmp_path):
     """NeMo 1 with tensor parallelism (no distributed checkpoint) saves each step as
     checkpoints/mp_rank_00/<name>.ckpt and checkpoints/mp_rank_01/<name>.ckpt

@@ -251,7 +251,8 @@ class Inspector:
                 if _is_megatron_core(files, d):
                     checks.append(_megatron_core(path, files, d))
         elif cand.layout == layouts.LIGHTNING:
-            if layouts.nemo_unfinished_marker(cand.name) in run.names:  # NeMo's callback wrote it
+            # NeMo's callback wrote a marker for it, here or (one for every rank) above its rank directory
+            if layouts.nemo_unfinished_marker(cand.name) in run.names or layouts.is_rank_dir(run.path.name):
                 checks.append(_nemo_unfinished(run, cand))
         elif cand.layout == layouts.ACCELERATE:
             for d in _deepspeed_tag_dirs(files):  # accelerate under DeepSpeed: pytorch_model/
@@ -289,6 +290,8 @@ class Inspector:
         pinned = layouts.PIN_FILE in files if cand.is_dir else f"{cand.name}{layouts.PIN_FILE}" in run.names
         saved_at, written_at = _save_times(entries, marker, newest_ns, slimming.consolidated)
         inside = tuple(e.rel for e in entries if e.kind == MOUNT)
+        dirs = [e.rel for e in entries if e.kind == "d"]
+        holds = layouts.held(cand.layout, files, dirs) if cand.is_dir else []
         if mounts.is_mount_root(path):
             inside = ("", *inside)
         return Checkpoint(
@@ -304,6 +307,7 @@ class Inspector:
             saved_at=saved_at,
             written_at=written_at,
             mounts=inside,
+            holds=tuple(holds),
             ranks=ranks,
             pinned=pinned or _matches_pin(rel, pins),
             trainer_state=trainer_state,
@@ -877,9 +881,17 @@ def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
 
 
 def _nemo_unfinished(run: RunContext, cand: Candidate) -> Check:
+    """NeMo's `-unfinished` marker, beside the checkpoint; for a model-parallel rank's file
+    (`mp_rank_01/<name>.ckpt`), the one marker of every rank's file, in the directory above
+    (format_checkpoint_unfinished_marker_path takes the rank out of the path)."""
     marker = layouts.nemo_unfinished_marker(cand.name)
     if marker in run.names:
         return Check("nemo marker", FAILED, f"{marker} present: save not finished")
+    if layouts.is_rank_dir(run.path.name):
+        if os.path.lexists(run.path.parent / marker):
+            why = f"../{marker} present (one for every rank's file): save not finished"
+            return Check("nemo marker", FAILED, why)
+        return Check("nemo marker", PASSED, f"no {marker}, here or above the rank directories")
     return Check("nemo marker", PASSED, f"no {marker}")
 
 

@@ -69,6 +69,15 @@ _NEMO_DIR_MARKERS = frozenset({"weights", "context", "metadata.json", "common.pt
 # `<name>/<%Y-%m-%d_%H-%M-%S>/checkpoints/`, torchtitan's `checkpoint/`, accelerate's `checkpoints/`.
 _FRAMEWORK_DIR = re.compile(r"lightning_logs|version_\d+|checkpoints?|\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}")
 _LAST_INT = re.compile(r"(\d+)(?!.*\d)")
+# A model-parallel rank's own directory beside its siblings: NeMo 1 without a distributed
+# checkpoint saves each rank's file as <dir>/mp_rank_<tp:02d>/<name>.ckpt, or
+# <dir>/tp_rank_<tp:02d>_pp_rank_<pp:03d>/<name>.ckpt with pipeline parallelism, and with an FSDP
+# sharded checkpoint <dir>/mp_rank_<tp:02d>_fsdp_shard_<dp:05d>/ or (no model parallelism)
+# <dir>/fsdp_shard_<dp:05d>/, under ONE unfinished marker <dir>/<name>-unfinished
+# (nemo/utils/app_state.py and get_rank.py inject_model_parallel_rank, uninjected by
+# nemo_model_checkpoint.py format_checkpoint_unfinished_marker_path); Megatron-LM's
+# mp_rank_<tp:02d>[_<pp:03d>] likewise.
+_RANK_DIR = re.compile(r"mp_rank_\d+(?:_\d+)?(?:_fsdp_shard_\d+)?|tp_rank_\d+_pp_rank_\d+|fsdp_shard_\d+")
 
 # Files Orbax writes into a finalized step directory.
 ORBAX_METADATA = "_CHECKPOINT_METADATA"
@@ -106,6 +115,13 @@ def name_fields(name: str) -> dict[str, str]:
 def is_last_copy(name: str) -> bool:
     """Lightning's `last.ckpt` or a NeMo `-last` copy: not a step of its own (see _LAST_COPY)."""
     return bool(_LAST_COPY.fullmatch(name.removesuffix(".ckpt").removesuffix(".nemo")))
+
+
+def is_rank_dir(name: str) -> bool:
+    """One model-parallel rank's directory (`mp_rank_00`, `tp_rank_00_pp_rank_000`, NeMo's FSDP
+    `mp_rank_00_fsdp_shard_00000` and `fsdp_shard_00000`): its checkpoints
+    are parts of checkpoints whose other parts are in its sibling rank directories."""
+    return bool(_RANK_DIR.fullmatch(name))
 
 
 def is_framework_dir(name: str) -> bool:
@@ -173,6 +189,69 @@ def recognise_by_contents(name: str, children: Collection[str]) -> Candidate | N
     if is_dcp and (m := _LAST_INT.search(name)):
         return Candidate(name, int(m[1]), DCP, True)
     return None
+
+
+_HELD_FILES = (".ckpt", ".nemo", PIN_FILE)  # files that may be held: Lightning's and NeMo's, pins
+
+
+def held(layout: str, rels: Collection[str], dirs: Collection[str]) -> list[str]:
+    """What a checkpoint directory of `layout` holds that is not its own part, as paths relative
+    to it: checkpoints of a run of its own, at any depth, recognised as discovery recognises
+    them (a job given `--output_dir out/checkpoint-500` writes checkpoint-100, -200 inside it;
+    an Orbax CheckpointManager directory named like a user pattern holds its numbered steps),
+    and pins below its top (`.ckptd-keep`, or a file's `<name>.ckptd-keep`); Lightning's and
+    NeMo's last copies too (`last.ckpt`: what that run resumes from). Such a directory is
+    never deleted as one checkpoint. `rels`: everything in it, relative to it, and `dirs`: the
+    directories among them, from the walk evidence makes anyway: no extra I/O.
+
+    Its own parts are not counted: a DeepSpeed tag directory (`global_stepN/`) directly in a
+    Trainer, accelerate or Lightning checkpoint, Orbax's items directly in a step, and
+    torch.distributed.checkpoint directories anywhere (FSDP's `pytorch_model_fsdp_0/`, NeMo's
+    `weights/`: the evidence demands their `.metadata` as parts). Parts of a held checkpoint
+    are not listed again.
+    """
+    items = sorted([(d, True) for d in dirs if d] + [(f, False) for f in rels if f.endswith(_HELD_FILES)])
+    kids: dict[str, list[str]] | None = None
+
+    def children(rel: str) -> list[str]:  # listed once, and only if a directory's name is not enough
+        nonlocal kids
+        if kids is None:
+            kids = {}
+            for r in rels:
+                if r:
+                    parent, _, name = r.rpartition("/")
+                    kids.setdefault(parent, []).append(name)
+        return kids.get(rel, [])
+
+    found: list[str] = []
+    seen: set[str] = set()
+    for rel, is_dir in items:
+        parent, _, name = rel.rpartition("/")
+        if seen and parent:
+            parts = parent.split("/")
+            if any("/".join(parts[: i + 1]) in seen for i in range(len(parts))):
+                continue  # a part of a checkpoint already listed
+        if name.endswith(PIN_FILE):
+            if parent or name != PIN_FILE:  # `.ckptd-keep` at its top pins the checkpoint itself
+                found.append(rel)
+                seen.add(rel)
+            continue
+        if not is_dir and not name.endswith((".ckpt", ".nemo")):
+            continue  # only Lightning's and NeMo's checkpoints are files
+        if not parent and is_dir and layout != DEEPSPEED and _DEEPSPEED.fullmatch(name):
+            continue  # its own DeepSpeed tag (the Trainer's global_stepN/), the common case: no more to do
+        cand = recognise(name, is_dir, lambda rel=rel: children(rel))
+        if cand is None and name.endswith((".ckpt", ".nemo")) and is_last_copy(name):
+            found.append(rel)  # a nested run's last.ckpt: what its resume loads
+            seen.add(rel)
+            continue
+        if cand is None or cand.layout == DCP:
+            continue
+        if not parent and layout == ORBAX and cand.layout == ORBAX and not cand.in_progress:
+            continue  # an Orbax item (its own commit_success.txt, in commit-file mode)
+        found.append(rel)
+        seen.add(rel)
+    return found
 
 
 def nemo_unfinished_marker(name: str) -> str:

@@ -151,6 +151,8 @@ class Checkpoint:
     saved_at: float = 0.0  # the oldest: when the save began
     written_at: float = 0.0  # the newest: when the save ended
     mounts: tuple[str, ...] = ()  # mount points inside it ("" for itself): never deleted or slimmed
+    # Checkpoints of a run of its own, or pins, inside it (layouts.held): never deleted or slimmed
+    holds: tuple[str, ...] = ()
     ranks: int | None = None  # per-rank files counted with no world size known (evidence.against_siblings)
     pinned: bool = False
     trainer_state: TrainerState | None = None

@@ -11,7 +11,7 @@ import logging
 import os
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckptd import policy
@@ -26,7 +26,7 @@ from ckptd.evidence import (
     resume_pointers,
     with_sibling_census,
 )
-from ckptd.layouts import Candidate, compile_pattern
+from ckptd.layouts import Candidate, compile_pattern, is_rank_dir
 from ckptd.model import Check, Checkpoint, Run, State, Verdict
 from ckptd.policy import Decision, Plan
 
@@ -76,7 +76,21 @@ class Scanner:
                 raise UsageError(
                     f"{where} is inside the run {inside.path}: name the run itself or a directory above it"
                 )
-        return [d for d in dirs if self.root.in_scope(d.rel)]
+        kept = [d for d in dirs if self.root.in_scope(d.rel)]
+        # A NeMo step's parts are in every model-parallel rank's directory: judged together or not at all.
+        ranks: dict[str, list[RunDir]] = defaultdict(list)
+        for d in dirs:
+            parent, _, name = d.rel.rpartition("/")
+            if d.rel != "." and is_rank_dir(name):
+                ranks[parent].append(d)
+        for group in ranks.values():
+            scoped = [d for d in group if self.root.in_scope(d.rel)]
+            if scoped and len(scoped) < len(group):
+                raise UsageError(
+                    f"{scoped[0].path} is one model-parallel rank of the checkpoints in "
+                    f"{scoped[0].path.parent}: name the directory above the ranks"
+                )
+        return kept
 
     def inspect_run(self, run_dir: RunDir, *, now: float) -> Run:
         ckpts = [c for cand in run_dir.candidates if (c := self.inspect(run_dir, cand, now=now)) is not None]
@@ -120,6 +134,46 @@ class Scanner:
         return self.inspect(run_dir, cand, now=now)
 
 
+MODEL_PARALLEL = "NeMo's model-parallel ranks"
+
+
+def with_whole_steps(runs: list[Run]) -> list[Run]:
+    """`runs`, each model-parallel rank's directory (`mp_rank_00/`, `mp_rank_01/` beside each other:
+    `layouts.is_rank_dir`) with the newest step that every rank holds complete named as what the
+    framework resumes from (`Run.resume`), so every rank keeps its part of it.
+
+    Each rank directory is a run of its own, and a step is one file in each. Judged apart, a rank
+    that saved a step the others have not yet (or whose save NeMo marks unfinished) has a newer
+    "newest complete" than the others, and retention would delete its part of the last step every
+    rank has: nothing resumable would be left. A rank directory with no checkpoint at all is no
+    run, and not counted.
+    """
+    groups: dict[tuple[Path, str], list[Run]] = defaultdict(list)
+    for run in runs:
+        parent, _, name = run.rel.rpartition("/")
+        if run.rel != "." and is_rank_dir(name):
+            groups[(run.root, parent)].append(run)
+    named: dict[int, tuple[str, str]] = {}
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        complete = [{c.name for c in r.checkpoints if c.state is State.COMPLETE} for r in group]
+        whole = set.intersection(*complete)
+        if not whole:
+            continue
+        newest = max((c for c in group[0].checkpoints if c.name in whole), key=Checkpoint.sort_key)
+        ranks = sorted(r.rel.rpartition("/")[2] for r in group)
+        why = f"{MODEL_PARALLEL} {ranks[0]}..{ranks[-1]} as the newest step all {len(ranks)} hold complete"
+        for r in group:
+            named[id(r)] = (newest.name, why)
+    if not named:
+        return runs
+    return [
+        replace(r, resume={**r.resume, named[id(r)][0]: named[id(r)][1]}) if id(r) in named else r
+        for r in runs
+    ]
+
+
 def decide(
     roots: list[tuple[Root, list[Run]]],
     space: Callable[[Path], DiskSpace] = disk_space,
@@ -129,7 +183,7 @@ def decide(
     decisions: list[Decision] = []
     warnings: list[str] = []
     for root, runs in roots:
-        for run in runs:
+        for run in with_whole_steps(runs):
             retention, _ = root.retention_for(run.rel)
             ds = policy.decide_run(run, retention)
             warnings += policy.metric_warnings(run, retention, ds)
@@ -139,6 +193,12 @@ def decide(
                     f"{run.path}: {len(alone)} checkpoint(s) complete on quiet alone: nothing in them "
                     "proves a save finished; name the evidence in the pattern (require = [...], ranks = ...)"
                 )
+            for c in run.checkpoints:
+                if c.holds:
+                    warnings.append(
+                        f"{c.path}: {policy.held_reason(c)}: kept whole, and nothing inside it is managed "
+                        "(move that run out of the checkpoint to manage it)"
+                    )
             if retention.max_size is not None:
                 ds, w = policy.enforce_max_size(ds, retention.max_size)
                 warnings += w

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from ckptd.config import FreeSpace, Retention, format_duration, format_size
+from ckptd.layouts import PIN_FILE
 from ckptd.model import (
     TRAINER_STATE,
     Action,
@@ -195,6 +196,8 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
         if c.mounts:
             where = ", ".join(m or "itself" for m in c.mounts[:3])
             kept(c, f"holds a mount point ({where}): another filesystem is never deleted", protect=True)
+        if c.holds:
+            kept(c, f"{held_reason(c)}: never deleted as one checkpoint", protect=True)
         if c.state is not State.COMPLETE:
             kept(c, f"{c.state}, never deleted: {_first_problem(c)}", protect=True)
 
@@ -222,6 +225,14 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
             note = f" ({r.metric}={_fmt(value)} is not comparable)" if incomparable else ""
             decisions.append(Decision(c, Action.DELETE, (outside + note,), False, value, source))
     return decisions
+
+
+def held_reason(c: Checkpoint) -> str:
+    """`holds a run of its own: checkpoint-100, checkpoint-200`, for a checkpoint that does
+    (`Checkpoint.holds`)."""
+    shown = [f"a pin ({h})" if h.endswith(PIN_FILE) else h for h in c.holds[:3]]
+    more = f" and {len(c.holds) - 3} more" if len(c.holds) > 3 else ""
+    return f"holds a run of its own: {', '.join(shown)}{more}"
 
 
 def _best(
@@ -399,7 +410,7 @@ def _slims(
     out: dict[int, str] = {}
     for c in ckpts:
         reasons = keep[id(c)]
-        if not reasons or c.state is not State.COMPLETE or c.pinned or c.mounts:
+        if not reasons or c.state is not State.COMPLETE or c.pinned or c.mounts or c.holds:
             continue
         if c.slimmed:
             if c.slim.removable and c.slim.blocker is None:

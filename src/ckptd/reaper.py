@@ -42,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import threading
 import time
@@ -56,7 +57,7 @@ from ckptd.config import format_size
 from ckptd.consolidate import Consolidated, Consolidation, ConsolidationFailed
 from ckptd.evidence import Entry, TooDeep, fingerprint, read_slim_marker, resume_pointers, walk
 from ckptd.journal import Journal
-from ckptd.layouts import TRASH_DIR
+from ckptd.layouts import TRASH_DIR, is_rank_dir, nemo_unfinished_marker, recognise_by_name
 from ckptd.model import Action, Checkpoint, ConsolidatedWeights, State
 from ckptd.planner import Scanner
 from ckptd.policy import Decision
@@ -189,6 +190,9 @@ class Reaper:
             return "no longer recognised as a checkpoint"
         if fresh.pinned:
             return "pinned"
+        # Checkpoints of a run of its own (or a pin) below it: the walk just done saw every entry.
+        if fresh.holds:
+            return policy.held_reason(fresh)
         # Another filesystem inside (a bind mount of a dataset, say): the walk never entered it,
         # and a rename would carry it into the trash. The mount table is asked afresh as well,
         # for kernels where statx cannot tell a bind mount (mounts.is_mount_root).
@@ -202,7 +206,10 @@ class Reaper:
             return f"no longer complete ({fresh.state})"
         if fresh.fingerprint != planned.fingerprint:
             return "changed since the plan was made"
-        return self._pointer_problem(planned) or self._anchor_problem(planned, anchors, now)
+        why = self._pointer_problem(planned)
+        if why is None:
+            why = _last_whole_step(path.parent, planned.name, stat.S_ISDIR(st.st_mode), self.scanner.patterns)
+        return why or self._anchor_problem(planned, anchors, now)
 
     def _pointer_problem(self, planned: Checkpoint) -> str | None:
         """Whether the run's resume pointer names it now (rolled back to it since the plan, say)."""
@@ -793,6 +800,32 @@ class Reaper:
             self.journal.record(event, **fields)
         except OSError as exc:
             log.error("cannot write the journal %s: %s", self.journal.path, exc)
+
+
+def _last_whole_step(
+    run_path: Path, name: str, is_dir: bool, patterns: Sequence[re.Pattern[str]]
+) -> str | None:
+    """For one model-parallel rank's part of a step (`mp_rank_00/<name>.ckpt`, `layouts.is_rank_dir`):
+    why it must stay, unless a newer step is there in every rank's directory beside it, with no NeMo
+    unfinished marker above them. Names only, afresh: the last line of defence for the newest step
+    every rank holds, which the plan keeps (`planner.with_whole_steps`)."""
+    if not is_rank_dir(run_path.name):
+        return None
+    mine = recognise_by_name(name, is_dir, patterns)
+    if mine is None:
+        return f"a model-parallel rank's file whose step cannot be read ({name})"
+    above = os.listdir(run_path.parent)
+    ranks = sorted(n for n in above if is_rank_dir(n))
+    held = [set(os.listdir(run_path.parent / r)) for r in ranks]
+    for other in set.intersection(*held) if held else ():
+        cand = recognise_by_name(other, is_dir, patterns)
+        if (cand is not None and cand.unit == mine.unit and cand.step > mine.step
+                and nemo_unfinished_marker(other) not in above):
+            return None
+    return (
+        f"no newer step is saved whole in every model-parallel rank ({', '.join(ranks[:4])}"
+        f"{'...' if len(ranks) > 4 else ''}): its part of the last step they all hold"
+    )
 
 
 def _trash_name(c: Checkpoint, now: float) -> str:
