@@ -36,7 +36,7 @@ from ckptd.journal import Journal
 from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership, lock_scope
 from ckptd.model import Action, Checkpoint, State
 from ckptd.mounts import is_remote, mount_of, quiet_for, read_mounts
-from ckptd.planner import Scanner, decide
+from ckptd.planner import Scanner, decide, unmatched_paths
 from ckptd.policy import Decision, Plan, summarise
 from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock
 
@@ -82,10 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help, epilog=epilog, formatter_class=fmt)
         if roots:
             sp.add_argument(
-                "roots", nargs="*", metavar="ROOT", help="directories to manage (default: the config's roots)"
+                "roots",
+                nargs="*",
+                type=_path_arg,
+                metavar="ROOT",
+                help="directories to manage (default: the config's roots)",
             )
         if config:
-            sp.add_argument("-c", "--config", metavar="CONFIG", help="TOML config file")
+            sp.add_argument("-c", "--config", type=_path_arg, metavar="CONFIG", help="TOML config file")
         sp.add_argument("-v", "--verbose", action="store_true", help="more detail (and debug logs on stderr)")
         return sp
 
@@ -122,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         roots=False,
         exits="exit 0: complete, 1: not complete, 64: not a checkpoint, 66: no such path",
     )
-    sp.add_argument("path", metavar="PATH", help="a checkpoint directory or file")
+    sp.add_argument("path", type=_path_arg, metavar="PATH", help="a checkpoint directory or file")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
 
     sp = command(
@@ -150,7 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         "print the newest complete, full checkpoint of a run: what a restart should resume from",
         roots=False,
     )
-    sp.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (e.g. the Trainer's output_dir)")
+    sp.add_argument(
+        "run_dir",
+        type=_path_arg,
+        metavar="RUN_DIR",
+        help="the run's directory (e.g. the Trainer's output_dir)",
+    )
     sp.add_argument(
         "--by",
         choices=("step", "time"),
@@ -165,9 +174,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print one JSON document")
 
     sp = command("demo", "write a small example volume and a config for it", roots=False, config=False)
-    sp.add_argument("dir", metavar="DIR", help="where to write it (created if missing)")
+    sp.add_argument("dir", type=_path_arg, metavar="DIR", help="where to write it (created if missing)")
     sp.add_argument("--force", action="store_true", help="overwrite an earlier demo (or anything) in DIR")
     return p
+
+
+def _path_arg(text: str) -> str:
+    """A path argument, never empty: `ckptd prune "$CKPT_ROOT"` with the variable unset passes "",
+    which Path() reads as the working directory (for a service, often /). rm, ls and cd refuse an
+    empty path; so does ckptd (exit 64, by the parser), for every path it takes (red team)."""
+    if text == "":
+        raise argparse.ArgumentTypeError("empty (an unset variable?): never taken for the working directory")
+    return text
 
 
 def _positive_seconds(text: str) -> float:
@@ -734,9 +752,25 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         checked.append("prometheus_client importable")
     for line in volume_notes(config):
         print(f"# {line}", file=sys.stderr)
+    for line in _unmatched(config):
+        print(f"warning: {line}", file=sys.stderr)
     source = path if path else "no config file: built-in defaults"
     print(f"# {source}{with_env}: OK ({', '.join(checked)})", file=sys.stderr)
     return EX_OK
+
+
+def _unmatched(config: Config) -> list[str]:
+    """Pins and run rules that match nothing on the volume now (discovery only: no file is read)."""
+    out = []
+    for root in config.roots:
+        patterns = [layouts.compile_pattern(p.name) for p in root.patterns]
+        try:
+            dirs = find_runs(root.path, max_depth=root.max_depth, patterns=patterns)
+        except OSError:
+            continue  # preflight said what it could; nothing to compare with
+        rels = [c.name if d.rel == "." else f"{d.rel}/{c.name}" for d in dirs for c in d.candidates]
+        out += unmatched_paths(root, rels, [d.rel for d in dirs])
+    return out
 
 
 def volume_notes(config: Config) -> list[str]:

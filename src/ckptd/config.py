@@ -250,7 +250,10 @@ class Retention(_Strict):
         "until this much is free.",
     )
     pins: tuple[str, ...] = Field(
-        (), description="Globs on checkpoint paths relative to the root that are always kept."
+        (),
+        description="Checkpoint paths relative to the root that are always kept: each matches the path "
+        "literally ('exp[ablation]/checkpoint-1') or as a glob ('team-a/*/checkpoint-500'); a trailing "
+        "slash, './' or the absolute path of a checkpoint under the root are the same pin.",
     )
     keep_full_last: int | None = Field(
         strict=True,
@@ -314,7 +317,10 @@ class Retention(_Strict):
 class RunRule(Retention):
     """Overrides of retention keys for the runs whose path matches `match`."""
 
-    match: str = Field(description="Glob on the run's path relative to the root, e.g. 'team-a/*'.")
+    match: str = Field(
+        description="The run's path relative to the root, literally or as a glob, e.g. 'team-a/*' "
+        "('.' for checkpoints directly in the root; './', a trailing slash, the absolute path are the same)."
+    )
     world_size: int | None = Field(
         strict=True,
         default=None,
@@ -373,6 +379,40 @@ class Pattern(_Strict):
 
 def _pattern(value: Any) -> Any:
     return {"name": value} if isinstance(value, str) else value
+
+
+def relative_spelling(spelling: str, root: Path, key: str) -> str:
+    """A path (or glob) a user wrote in the config for something under `root`, as the path
+    relative to the root it names: a trailing slash, './' and '//' dropped, an absolute path
+    under the root (as configured, or resolved) made relative. Raises ValueError naming `key`
+    for one that names nothing under the root: empty, absolute elsewhere, or climbing out."""
+    if not spelling.strip():
+        raise ValueError(f"{key}: empty: it names nothing")
+    text = spelling
+    if text.startswith("/"):
+        text = os.path.normpath(text)
+        for top in dict.fromkeys((os.path.normpath(root), os.path.realpath(root))):
+            if text == top:
+                text = "."
+                break
+            if text.startswith(top.rstrip("/") + "/"):
+                text = text[len(top.rstrip("/")) + 1 :]
+                break
+        else:
+            raise ValueError(f"{key}: {spelling!r} is not under the root {root}: it would never match")
+    out = os.path.normpath(text)
+    if out == ".." or out.startswith("../"):
+        raise ValueError(f"{key}: {spelling!r} climbs out of the root: it would never match")
+    return out
+
+
+def path_matches(rel: str, spelling: str) -> bool:
+    """Whether a path relative to the root is what a pin or a run rule names: the very path
+    (`exp[ablation]/checkpoint-1`, whose brackets fnmatch would read as a character class),
+    or a match of the glob."""
+    from fnmatch import fnmatchcase
+
+    return rel == spelling or fnmatchcase(rel, spelling)
 
 
 class Root(_Strict):
@@ -440,12 +480,34 @@ class Root(_Strict):
         """Whether the run (or directory) at `rel` lies within the scope."""
         return not self._scope or any(rel == s or rel.startswith(f"{s}/") for s in self._scope)
 
+    @model_validator(mode="after")
+    def _paths_as_written(self) -> Root:
+        """Pins and run rules' `match` as relative paths (`relative_spelling`), so that each is
+        matched as the user wrote it, not never (red team: a pin written `run/ckpt/` matched
+        nothing, silently, and the checkpoint it pinned was deleted)."""
+        def pins(r: Retention, where: str) -> tuple[str, ...]:
+            out = tuple(relative_spelling(p, self.path, f"{where}.pins[{i}]") for i, p in enumerate(r.pins))
+            if "." in out:
+                raise ValueError(f"{where}.pins: '.' is the root itself; a pin names checkpoints under it")
+            return out
+
+        runs = tuple(
+            rule.model_copy(update={
+                "match": relative_spelling(rule.match, self.path, f"runs[{i}].match"),
+                "pins": pins(rule, f"runs[{i}]"),
+            })
+            for i, rule in enumerate(self.runs)
+        )
+        retention = self.retention.model_copy(update={"pins": pins(self.retention, "retention")})
+        # Frozen, and a model validator must return `self` itself: set in place, once, here.
+        object.__setattr__(self, "retention", retention)
+        object.__setattr__(self, "runs", runs)
+        return self
+
     def retention_for(self, run: str) -> tuple[Retention, int | None]:
         """The retention policy and world size for a run (its path relative to the root)."""
-        from fnmatch import fnmatchcase
-
         for rule in self.runs:
-            if fnmatchcase(run, rule.match):
+            if path_matches(run, rule.match):
                 overrides = {
                     k: getattr(rule, k) for k in rule.model_fields_set if k in Retention.model_fields
                 }

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import pickle
 import pickletools
 import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from ckptd import volread
 
 
 class MetadataUnavailable(Exception):
@@ -63,6 +66,8 @@ def load_safely(path: Path) -> dict:
     """`torch.load(path, weights_only=True, mmap=True)` on the CPU, and nothing looser."""
     torch = _torch()
     try:
+        # torch opens it by name (mmap needs one): a FIFO or device is refused first (volread).
+        os.close(volread.open_regular(path))
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises many kinds: UnpicklingError, RuntimeError, OSError...
         text = str(exc).strip()
@@ -126,7 +131,7 @@ def _check_pickle(data: bytes, name: str) -> None:
 def read_plain_data(path: Path) -> dict:
     """The plain-data skeleton of a torch.save file, without torch and without running anything."""
     try:
-        with zipfile.ZipFile(path) as z:
+        with volread.open_file(path) as f, zipfile.ZipFile(f) as z:
             name = next((n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
             if name is None:
                 raise MetadataUnavailable(f"{path.name} has no data.pkl")
@@ -146,15 +151,19 @@ def read_plain_data(path: Path) -> dict:
 
 def _head(path: Path) -> bytes:
     try:
-        with open(path, "rb") as f:
-            return f.read(4)
+        return volread.read_bytes(path, 4)
     except OSError:
         return b""
 
 
 def read_world_sizes(path: Path) -> WorldSizes:
     """dp/mp world sizes and ZeRO stage from a model-states file."""
-    if zipfile.is_zipfile(path):
+    try:
+        with volread.open_file(path) as f:  # never a FIFO (zipfile would block opening it)
+            is_zip = zipfile.is_zipfile(f)
+    except OSError as exc:
+        raise MetadataUnavailable(f"cannot read {path.name}: {exc.strerror or exc}") from None
+    if is_zip:
         sd = read_plain_data(path)
     else:
         head = _head(path)

@@ -37,8 +37,8 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckptd import dsmeta, fwmetrics, layouts, mounts, slim
-from ckptd.config import Pattern, format_age, format_duration, format_size
+from ckptd import dsmeta, fwmetrics, layouts, mounts, slim, volread
+from ckptd.config import Pattern, format_age, format_duration, format_size, path_matches
 from ckptd.layouts import Candidate
 from ckptd.model import (
     CKPT_STATE,
@@ -413,8 +413,14 @@ class Inspector:
         """
         name = f"deepspeed shards{f' ({gs})' if gs else ''}"
         prefix = f"{gs}/" if gs else ""
+        # A FIFO, socket or device named like a shard is not one (nothing can load it, and the
+        # consolidator would block reading it): only files, or links to them, are present.
         here = {
-            rel[len(prefix) :] for rel in files if rel.startswith(prefix) and "/" not in rel[len(prefix) :]
+            rel[len(prefix) :]
+            for rel, e in files.items()
+            if rel.startswith(prefix)
+            and "/" not in rel[len(prefix) :]
+            and (e.kind in ("f", "l") or rel == gs)
         }
         slimmed = {
             n
@@ -499,7 +505,7 @@ def read_slim_marker(path: Path, files: dict[str, Entry]) -> slim.Marker | str |
     if entry.kind != "f" or entry.size > MAX_TRAINER_STATE_BYTES:
         return "not a regular file of sensible size"
     try:
-        with open(path / slim.MARKER, "rb") as f:
+        with volread.open_file(path / slim.MARKER) as f:
             return slim.parse_marker(json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1)))
     except (OSError, ValueError, RecursionError) as exc:
         return f"{type(exc).__name__}: {exc}"
@@ -566,7 +572,7 @@ def _trainer_state(path: Path, files: dict[str, Entry]) -> tuple[Check, TrainerS
     if entry.size > MAX_TRAINER_STATE_BYTES:
         return Check(TRAINER_STATE, FAILED, f"{entry.size} bytes: larger than this tool will parse"), None
     try:
-        with open(path / TRAINER_STATE, "rb") as f:
+        with volread.open_file(path / TRAINER_STATE) as f:
             data = json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1))
     except (OSError, ValueError, RecursionError) as exc:
         return Check(TRAINER_STATE, FAILED, f"unreadable: {type(exc).__name__}: {exc}"), None
@@ -721,32 +727,74 @@ def resume_pointers(run_path: Path, names: Collection[str]) -> dict[str, str]:
     pointer's name: DeepSpeed's `latest` (the tag `load_checkpoint` loads; a user rolls it back
     to resume from an earlier one) and Megatron's tracker. Not completeness evidence (rank 0
     writes `latest` before the other ranks finish), but never deleted: the next resume loads it.
+
+    Read as the frameworks read them (`pointer_target`): `global_step10/`, `./global_step10` and
+    the absolute path all name global_step10. A pointer that is there but cannot be read (a
+    FIFO, EACCES, EIO, longer than a pointer can be) may name any checkpoint of the run, so
+    every one is named by it: kept, saying why, until it can be read. Guessing (or ignoring
+    it, as if absent) could delete the very checkpoint the next resume loads.
     """
     found: dict[str, str] = {}
-    if DEEPSPEED_LATEST in names:
-        tag = _read_pointer(run_path / DEEPSPEED_LATEST)
-        if tag and "/" not in tag and tag not in (".", ".."):
-            found[tag] = "DeepSpeed's latest"
-    if layouts.MEGATRON_TRACKER in names:
-        text = _read_pointer(run_path / layouts.MEGATRON_TRACKER)
-        if text and text.isdigit():
-            found[f"iter_{int(text):07d}"] = layouts.MEGATRON_TRACKER
+    for pointer, label in ((DEEPSPEED_LATEST, "DeepSpeed's latest"), (layouts.MEGATRON_TRACKER, None)):
+        if pointer not in names:
+            continue
+        label = label or pointer
+        try:
+            text = read_pointer(run_path / pointer)
+        except FileNotFoundError:
+            continue  # gone since the listing: as if never there
+        except OSError as exc:
+            why = f"{label} (unreadable: {exc.strerror or exc}; it may name any checkpoint here)"
+            for name in names:
+                found.setdefault(name, why)
+            continue
+        for name in pointer_target(run_path, pointer, text):
+            found.setdefault(name, label)
     return found
 
 
-def _read_pointer(path: Path) -> str | None:
+def read_pointer(path: Path) -> str:
+    """A resume pointer's text, stripped as DeepSpeed and Megatron strip it. Raises OSError: a
+    FIFO, socket or device is never opened for reading (volread), a symlink is followed (the
+    frameworks follow it), and a pointer longer than any name can be is unreadable."""
+    raw = volread.read_bytes(path, MAX_POINTER_BYTES + 1, follow_symlinks=True)
+    if len(raw) > MAX_POINTER_BYTES:
+        raise OSError(errno.EFBIG, f"longer than {MAX_POINTER_BYTES} bytes", str(path))
+    return raw.decode("utf-8", "surrogateescape").strip()
+
+
+def megatron_iteration(text: str) -> int | None:
+    """The iteration Megatron's tracker names, parsed as Megatron parses it (`int(metastring)`
+    in checkpointing.py's read_metadata: ' 100', '+100', '1_000' are 100, 100, 1000); None if
+    Megatron would not take it for one."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+        return int(text)
+    except ValueError:
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return os.read(fd, MAX_POINTER_BYTES).decode("utf-8", "replace").strip()
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+
+
+def pointer_target(run_path: Path, pointer: str, text: str) -> set[str]:
+    """The entries of `run_path` the resume pointer `pointer` holding `text` makes the framework
+    load, resolved as the framework resolves it: DeepSpeed `os.path.join(load_dir, tag)`
+    (engine.py load_checkpoint, zero_to_fp32), Megatron `os.path.join(path, 'iter_{:07d}')`
+    or 'release'. What the join lands on, or below, names the run's entry it lies in (a tag
+    `checkpoint-10/global_step10` keeps checkpoint-10). Both the lexical normpath and the
+    resolved path count: a symlink on the way (or a symlinked root spelled another way) may
+    make them differ, and keeping both is never less safe. Outside the run: nothing here."""
+    if pointer == layouts.MEGATRON_TRACKER:
+        iteration = megatron_iteration(text)
+        if iteration is None and text != "release":
+            return set()  # Megatron refuses it (and exits): it resumes from nothing
+        text = "release" if iteration is None else f"iter_{iteration:07d}"
+    if not text:
+        return set()
+    joined = os.path.join(run_path, text)
+    out = set()
+    for target, top in ((os.path.normpath(joined), os.path.normpath(run_path)),
+                        (os.path.realpath(joined), os.path.realpath(run_path))):
+        if target.startswith(top.rstrip("/") + "/"):
+            out.add(target[len(top.rstrip("/")) + 1 :].split("/", 1)[0])
+    return out
 
 
 def _megatron_tracker(run: RunContext, cand: Candidate) -> Check:
@@ -754,16 +802,17 @@ def _megatron_tracker(run: RunContext, cand: Candidate) -> Check:
     if layouts.MEGATRON_TRACKER not in run.names:
         return Check(name, FAILED, f"{layouts.MEGATRON_TRACKER} missing (written after every rank saved)")
     try:
-        text = (run.path / layouts.MEGATRON_TRACKER).read_text(errors="replace").strip()
+        text = read_pointer(run.path / layouts.MEGATRON_TRACKER)
     except OSError as exc:
-        return Check(name, UNKNOWN, f"cannot read {layouts.MEGATRON_TRACKER}: {exc}")
+        return Check(name, UNKNOWN, f"cannot read {layouts.MEGATRON_TRACKER}: {exc.strerror or exc}")
     if text == "release":
         return Check(name, PASSED, "tracker says 'release'")
-    if not text.isdigit():
+    iteration = megatron_iteration(text)
+    if iteration is None:
         return Check(name, UNKNOWN, f"{layouts.MEGATRON_TRACKER} holds {text[:40]!r}, not an iteration")
-    if int(text) < cand.step:
-        return Check(name, FAILED, f"tracker at iteration {int(text)} < {cand.step}: still being saved")
-    return Check(name, PASSED, f"tracker at iteration {int(text)} >= {cand.step}")
+    if iteration < cand.step:
+        return Check(name, FAILED, f"tracker at iteration {iteration} < {cand.step}: still being saved")
+    return Check(name, PASSED, f"tracker at iteration {iteration} >= {cand.step}")
 
 
 def _dcp_metadata(files: dict[str, Entry], d: str) -> Check:
@@ -796,7 +845,7 @@ def _torchtitan(path: Path, files: dict[str, Entry]) -> Check:
     if index.size > MAX_TRAINER_STATE_BYTES:
         return Check(name, UNKNOWN, f"{layouts.TORCHTITAN_HF_INDEX}: {index.size} bytes, too large to parse")
     try:
-        with open(path / layouts.TORCHTITAN_HF_INDEX, "rb") as f:
+        with volread.open_file(path / layouts.TORCHTITAN_HF_INDEX) as f:
             weight_map = json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1)).get("weight_map")
     except (OSError, ValueError, RecursionError, AttributeError) as exc:
         return Check(name, FAILED, f"{layouts.TORCHTITAN_HF_INDEX} unreadable: {type(exc).__name__}: {exc}")
@@ -832,7 +881,7 @@ def _megatron_core(path: Path, files: dict[str, Entry], d: str) -> Check:
     if entry is None or entry.kind != "f":
         return Check(name, FAILED, "missing (megatron-core writes it last)")
     try:
-        with open(path / rel, "rb") as f:
+        with volread.open_file(path / rel) as f:
             doc = json.loads(f.read(MAX_POINTER_BYTES * 16))
     except (OSError, ValueError, RecursionError) as exc:
         return Check(name, FAILED, f"unreadable: {type(exc).__name__}: {exc}")
@@ -865,7 +914,7 @@ def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
     if meta is None or meta.kind != "f":
         return Check(name, FAILED, f"neither {layouts.ORBAX_COMMIT} nor {layouts.ORBAX_METADATA}")
     try:
-        with open(path / layouts.ORBAX_METADATA, "rb") as f:
+        with volread.open_file(path / layouts.ORBAX_METADATA) as f:
             doc = json.loads(f.read(MAX_POINTER_BYTES * 16))
     except (OSError, ValueError, RecursionError) as exc:
         return Check(name, UNKNOWN, f"{layouts.ORBAX_METADATA} unreadable: {type(exc).__name__}: {exc}")
@@ -952,7 +1001,7 @@ def _is_zip(path: Path, size: int) -> bool:
     preads for a torch.save file.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = volread.open_regular(path)
         try:
             return _zip_directory_ok(fd, size)
         finally:
@@ -1009,7 +1058,7 @@ def tar_problem(path: Path, size: int) -> str | None:
     one (older NeMo) cannot be checked without reading it all, and is said so.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = volread.open_regular(path)
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
     try:
@@ -1048,7 +1097,7 @@ def safetensors_problem(path: Path, size: int) -> str | None:
     if size < 8:
         return f"{size} bytes: too short for a header"
     try:
-        with open(path, "rb") as f:
+        with volread.open_file(path) as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > size - 8:
                 return f"header length {n} runs past the end of the file ({size} bytes)"
@@ -1074,6 +1123,4 @@ def safetensors_problem(path: Path, size: int) -> str | None:
 
 
 def _matches_pin(rel: str, pins: frozenset[str]) -> bool:
-    from fnmatch import fnmatchcase
-
-    return any(fnmatchcase(rel, p) for p in pins)
+    return any(path_matches(rel, p) for p in pins)

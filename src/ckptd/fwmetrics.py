@@ -26,7 +26,7 @@ import json
 import os
 from pathlib import Path
 
-from ckptd import dsmeta
+from ckptd import dsmeta, volread
 from ckptd.layouts import name_fields
 from ckptd.model import FILE_NAME, ORBAX_METRICS, Reading, as_metric
 
@@ -44,7 +44,7 @@ def from_name(name: str) -> Readings:
 def from_orbax(path: Path) -> tuple[Readings, str | None]:
     """Orbax's metrics item (`<step>/metrics/metrics`), or why it cannot be read."""
     try:
-        with open(path / ORBAX_METRICS_FILE, "rb") as f:
+        with volread.open_file(path / ORBAX_METRICS_FILE) as f:
             doc = json.loads(f.read(MAX_METRICS_BYTES + 1))
     except (OSError, ValueError, RecursionError) as exc:
         return (), f"{ORBAX_METRICS_FILE} unreadable: {type(exc).__name__}: {exc}"

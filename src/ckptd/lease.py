@@ -75,6 +75,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -210,12 +211,15 @@ class RecordIO:
             return Seen(None, None, 0)
         try:
             try:
-                fd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                # O_NONBLOCK and a regular-file check: a FIFO planted here would block the open
+                # forever (volread's rule, from a descriptor here).
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                fd = os.open(RECORD, flags, dir_fd=dir_fd)
             except FileNotFoundError:
                 raw = None
             else:
                 try:
-                    raw = os.read(fd, 1 << 16)
+                    raw = os.read(fd, 1 << 16) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
                 finally:
                     os.close(fd)
             claims = [_claim_number(name) for name in os.listdir(dir_fd)]

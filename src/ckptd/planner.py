@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckptd import policy
-from ckptd.config import Root
+from ckptd.config import Root, path_matches
 from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
 from ckptd.evidence import (
@@ -174,6 +174,24 @@ def with_whole_steps(runs: list[Run]) -> list[Run]:
     ]
 
 
+def unmatched_paths(root: Root, ckpt_rels: list[str], run_rels: list[str]) -> list[str]:
+    """Warnings for the pins that match no checkpoint of the root, and the run rules that match
+    no run: mistyped, most likely, and then what the user meant to keep is not kept. Not said
+    for a command restricted to part of the root (the rest was not looked at)."""
+    if root.scope:
+        return []
+    out = []
+    rules = [("retention.pins", p) for p in root.retention.pins]
+    rules += [(f"runs[{i}].pins", p) for i, rule in enumerate(root.runs) for p in rule.pins]
+    for key, pin in dict.fromkeys(rules):
+        if not any(path_matches(rel, pin) for rel in ckpt_rels):
+            out.append(f"{root.path}: {key}: {pin!r} matches no checkpoint (mistyped?): it keeps nothing")
+    for i, rule in enumerate(root.runs):
+        if not any(path_matches(rel, rule.match) for rel in run_rels):
+            out.append(f"{root.path}: runs[{i}].match: {rule.match!r} matches no run (mistyped?)")
+    return out
+
+
 def decide(
     roots: list[tuple[Root, list[Run]]],
     space: Callable[[Path], DiskSpace] = disk_space,
@@ -183,6 +201,8 @@ def decide(
     decisions: list[Decision] = []
     warnings: list[str] = []
     for root, runs in roots:
+        rels = [c.rel for run in runs for c in run.checkpoints]
+        warnings += unmatched_paths(root, rels, [r.rel for r in runs])
         for run in with_whole_steps(runs):
             retention, _ = root.retention_for(run.rel)
             ds = policy.decide_run(run, retention)

@@ -729,7 +729,7 @@ class Reaper:
         if self.dry_run:
             return 0, 0
         try:
-            trash_fd = open_dir_nofollow(self.root, TRASH_DIR)
+            trash_fd = self._open_trash(create=False)
         except FileNotFoundError:
             return 0, 0
         except OSError as exc:
@@ -764,14 +764,28 @@ class Reaper:
             os.close(trash_fd)
         return count, freed
 
-    def _open_trash(self) -> int:
+    def _open_trash(self, *, create: bool = True) -> int:
+        """A descriptor of the trash directory (made if missing and `create`), never a symlink, and
+        never another filesystem: a mount at <root>/.ckptd-trash (a bind mount of a dataset, a
+        disk) would be emptied by the purge, and renames into it fail with EXDEV anyway (red team).
+        Raises OSError saying why."""
         root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
+            if create:
+                try:
+                    os.mkdir(TRASH_DIR, 0o700, dir_fd=root_fd)
+                except FileExistsError:
+                    pass
+            fd = os.open(TRASH_DIR, _DIR_FLAGS, dir_fd=root_fd)
             try:
-                os.mkdir(TRASH_DIR, 0o700, dir_fd=root_fd)
-            except FileExistsError:
-                pass
-            return os.open(TRASH_DIR, _DIR_FLAGS, dir_fd=root_fd)
+                why = _another_filesystem(TRASH_DIR, root_fd, fd, self.trash)
+            except BaseException:
+                os.close(fd)
+                raise
+            if why is not None:
+                os.close(fd)
+                raise OSError(errno.EXDEV, f"{self.trash} is {why}: never purged, nothing moved into it")
+            return fd
         except OSError as exc:
             if exc.errno in (errno.ENOTDIR, errno.ELOOP):
                 raise OSError(exc.errno, f"{self.trash} exists and is not a directory") from None
@@ -834,6 +848,19 @@ def _trash_name(c: Checkpoint, now: float) -> str:
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _another_filesystem(name: str, parent_fd: int, fd: int, path: Path) -> str | None:
+    """Why the directory `fd` (`name` under `parent_fd`, at `path`) is not on its parent's
+    filesystem, or None: another device, or where a mount is attached (a bind mount keeps its
+    device number; the mount table where statx cannot tell)."""
+    if os.fstat(fd).st_dev != os.fstat(parent_fd).st_dev:
+        return "on another filesystem than the root"
+    is_root = mounts.is_mount_root(name, parent_fd)
+    if is_root is None:
+        real = os.path.realpath(path)
+        is_root = any(m.point == real for m in mounts.read_mounts())
+    return "a mount point" if is_root else None
 
 
 def open_dir_nofollow(root: Path, rel: str) -> int:
