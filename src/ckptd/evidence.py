@@ -227,8 +227,10 @@ class Inspector:
                 worlds = [w] if (w := _known_world(world_size, self.mp_world_size)) else []
             rng_check, ranks = _rng_states(files, worlds[0] if worlds else None)
             checks.append(rng_check)
+            checks.extend(one_save(files, trainer=True, tags=_global_step_dirs(files)))
         elif cand.layout == layouts.DEEPSPEED:
             checks.append(self._deepspeed(path, "", files, world_size, removed)[0])
+            checks.extend(one_save(files, trainer=False, tags=[""]))
         elif cand.layout == layouts.MEGATRON:
             checks.append(_megatron_tracker(run, cand))
             if _is_megatron_core(files, ""):  # the torch_dist format: megatron-core's files in iter_N/
@@ -250,6 +252,7 @@ class Inspector:
         elif cand.layout == layouts.ACCELERATE:
             for d in _deepspeed_tag_dirs(files):  # accelerate under DeepSpeed: pytorch_model/
                 checks.append(self._deepspeed(path, d, files, world_size, removed)[0])
+            checks.extend(one_save(files, trainer=False, tags=_deepspeed_tag_dirs(files)))
             world = _known_world(world_size, self.mp_world_size)
             rank_check, ranks = _rank_files(files, _RANDOM_STATES, world)
             checks.append(rank_check)
@@ -278,7 +281,7 @@ class Inspector:
             checks.append(_slimmed(files, marker))
 
         pinned = layouts.PIN_FILE in files if cand.is_dir else f"{cand.name}{layouts.PIN_FILE}" in run.names
-        saved_at, written_at = _save_times(entries, marker, newest_ns)
+        saved_at, written_at, touched_at = _save_times(entries, marker, newest_ns, cand.layout)
         inside = tuple(e.rel for e in entries if e.kind == MOUNT)
         if mounts.is_mount_root(path):
             inside = ("", *inside)
@@ -294,6 +297,7 @@ class Inspector:
             fingerprint=digest,
             saved_at=saved_at,
             written_at=written_at,
+            touched_at=touched_at,
             mounts=inside,
             ranks=ranks,
             pinned=pinned or _matches_pin(rel, pins),
@@ -455,22 +459,148 @@ class Inspector:
 
 
 def _save_times(
-    entries: list[Entry], marker: slim.Marker | str | None, newest_ns: int
-) -> tuple[float, float]:
-    """(saved_at, written_at): the oldest and newest mtimes of the checkpoint's files.
+    entries: list[Entry], marker: slim.Marker | str | None, newest_ns: int, layout: str = ""
+) -> tuple[float, float, float]:
+    """(saved_at, written_at, touched_at): the oldest mtime of the checkpoint's files, the newest of
+    the files its framework writes in a save (`save_files`), and the newest of any of its files.
 
     Directories are left out (adding a pin or touching one moves their mtime), and so are
     ckptd's own files (the pin, the slim marker, weights it consolidated, its work directory):
-    none of them says when the trainer saved. A checkpoint with no such file (an empty
-    directory) falls back to its newest mtime.
+    none of them says when the trainer saved. `written_at` leaves out, besides, what was added
+    to the checkpoint after its save (an evaluation's results.json, a zero_to_fp32 conversion):
+    an old checkpoint given a new file is not the run's newest save (red team, item 7). Where
+    the layout's own files cannot be told (`save_files` has none for it), every file counts.
+    A checkpoint with no such file (an empty directory) falls back to its newest mtime.
     """
     own = slim.ckptd_files(marker if isinstance(marker, slim.Marker) else None) | {layouts.PIN_FILE}
-    times = [
-        e.mtime_ns for e in entries if e.kind == "f" and e.rel not in own and not slim.in_work_dir(e.rel)
-    ]
-    if not times:
-        return newest_ns / 1e9, newest_ns / 1e9
-    return min(times) / 1e9, max(times) / 1e9
+    theirs = [e for e in entries if e.kind == "f" and e.rel not in own and not slim.in_work_dir(e.rel)]
+    if not theirs:
+        return newest_ns / 1e9, newest_ns / 1e9, newest_ns / 1e9
+    saved = [e.mtime_ns for e in theirs if save_files(layout, e.rel)] or [e.mtime_ns for e in theirs]
+    return min(e.mtime_ns for e in theirs) / 1e9, max(saved) / 1e9, max(e.mtime_ns for e in theirs) / 1e9
+
+
+# Written by the Trainer before trainer_state.json, in the same save (transformers 5.x
+# Trainer._save_checkpoint: save_model (training_args.bin), _save_optimizer_and_scheduler (DeepSpeed's
+# save_checkpoint, which ends in a barrier after every rank's shard and `latest`; optimizer.pt,
+# scheduler.pt), _save_scaler, _save_rng_state (process 0's, the process that then writes
+# trainer_state.json), then trainer_state.json. Not the model weights: zero_to_fp32.py, which the
+# Trainer copies into the checkpoint, is run there by hand later and writes them.
+_BEFORE_TRAINER_STATE = frozenset({
+    "latest", "optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin",
+    "rng_state.pth", "rng_state_0.pth",
+})
+_GLOBAL_STEP_FILE = re.compile(r"global_step\d+/.+")
+_DS_FILE = re.compile(r"(?:[^/]+/)?(?:bf16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states\.pt")
+_ACCELERATE_FILE = re.compile(
+    r"(?:optimizer|scheduler|sampler|random_states)(?:_\d+)?\.(?:bin|pkl|pt)|scaler\.pt"
+)
+_MEGATRON_FILE = re.compile(
+    r"(?:.+/)?(?:model_optim_rng\.pt|[^/]+\.distcp|metadata\.json|common\.pt|\.metadata)"
+)
+
+
+def _before_trainer_state(rel: str) -> bool:
+    return rel in _BEFORE_TRAINER_STATE or bool(_GLOBAL_STEP_FILE.fullmatch(rel))
+
+
+def save_files(layout: str, rel: str) -> bool:
+    """Whether the file at `rel` (in a checkpoint of `layout`) is one its framework writes in a save,
+    as opposed to one added later. Only the files that end a save need be named: their newest mtime
+    is when the save ended. False for every file of a layout with no such list (then all count)."""
+    if layout == layouts.HF:
+        return rel == TRAINER_STATE or _before_trainer_state(rel) or bool(_RNG.fullmatch(rel))
+    if layout == layouts.DEEPSPEED:
+        return bool(_DS_FILE.fullmatch(rel))
+    if layout == layouts.ACCELERATE:
+        return bool(_ACCELERATE_FILE.fullmatch(rel) or _DS_FILE.fullmatch(rel))
+    if layout == layouts.ORBAX:
+        return rel in (layouts.ORBAX_COMMIT, layouts.ORBAX_METADATA)
+    if layout in (layouts.DCP, layouts.TORCHTITAN):
+        return rel == ".metadata" or rel.endswith(".distcp") or rel == layouts.TORCHTITAN_HF_INDEX
+    if layout == layouts.MEGATRON:
+        return bool(_MEGATRON_FILE.fullmatch(rel))
+    return False
+
+
+# --- one save: a checkpoint re-saved in place (red team, item 5) -------------------------------
+#
+# A job resumed into the same output directory re-saves the checkpoints the first job left there,
+# in place: the Trainer and DeepSpeed makedirs(exist_ok=True) and overwrite file by file. Until the
+# save ends the directory holds the new save's files beside the old one's, and every file a census
+# counts is there (a slow rank's old shard among them). What gives it away is order: a file the
+# framework writes *after* another, in one save, older than it.
+ONE_SAVE = "one save"
+# Tolerated disorder between two files that one save writes in order: mtime granularity (2s on some
+# filesystems) and the clocks of nodes that set their own mtimes (Lustre clients) a few seconds apart.
+# A job re-saving the same step that soon after the first save does not happen: it restarts first.
+MTIME_SLACK = 10.0
+# Between files of one save written by different ranks, with no barrier between them: a rank's
+# optimizer shard may end before rank 0 has finished writing the model states, by at most the time
+# that one file takes to write. Larger than that: the shard is from another save.
+SAVE_SPAN = 30 * 60.0
+_MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
+
+
+def one_save(files: dict[str, Entry], *, trainer: bool, tags: Iterable[str]) -> list[Check]:
+    """Whether the checkpoint's files are from one save, by the order its framework writes them:
+    the Trainer's trainer_state.json after everything else it saves (`_BEFORE_TRAINER_STATE`, every
+    DeepSpeed file), each DeepSpeed rank its optimizer shard after its model states, and no rank its
+    shard long before rank 0's model states (`SAVE_SPAN`). [] when the checkpoint has none of these
+    files. Failed: files from two saves, a re-save in place not finished; kept, and said why.
+
+    Only "older than" counts: a file added after the save (an evaluation's output, zero_to_fp32's
+    weights) is newer, never a reason. A copy that did not keep mtimes (cp -r without -p) can
+    break the order: its checkpoints are kept, and `plan` says so (planner.decide)."""
+    problems: list[tuple[float, str]] = []  # (seconds out of order, why)
+    checked = False
+    ts = files.get(TRAINER_STATE) if trainer else None
+    if ts is not None and ts.kind == "f":
+        for rel, e in files.items():
+            if e.kind == "f" and _before_trainer_state(rel):
+                checked = True
+                gap = (e.mtime_ns - ts.mtime_ns) / 1e9
+                if gap > MTIME_SLACK:
+                    why = f"{TRAINER_STATE} is {format_age(gap)} older than {rel}"
+                    problems.append((gap, f"{why}, which the Trainer writes before it"))
+    for tag in tags:
+        prefix = f"{tag}/" if tag else ""
+        here = {
+            rel[len(prefix) :]: e for rel, e in files.items() if rel.startswith(prefix) and e.kind == "f"
+        }
+        states = [(m, e) for n, e in here.items() if (m := _MODEL_STATES.fullmatch(n))]
+        for name, shard in here.items():
+            if not (o := _OPTIM.fullmatch(name)):
+                continue
+            rank, mp = int(o[2]), int(o[3])
+            for m, e in states:
+                checked = True
+                # Written by the same process, one after the other: ZeRO-3's per-rank model states,
+                # or mp_rank_XX's, written by data-parallel rank 0 before its own shard.
+                same = int(m[2]) == mp and (int(m[1]) == rank if m[1] is not None else rank == 0)
+                gap = (e.mtime_ns - shard.mtime_ns) / 1e9
+                if gap > (MTIME_SLACK if same else SAVE_SPAN):
+                    who = "the same rank" if same else "DeepSpeed"
+                    why = (
+                        f"rank {rank}'s shard {prefix}{name} is {format_age(gap)} older than {prefix}{m[0]}, "
+                        f"which {who} writes before it"
+                    )
+                    problems.append((gap, why))
+    if problems:
+        _, worst = max(problems)
+        more = f" (and {len(problems) - 1} more out of order)" if len(problems) > 1 else ""
+        return [Check(ONE_SAVE, FAILED, f"{MIXED_SAVE}: {worst}{more}; a re-save in place not finished?")]
+    if not checked:
+        return []
+    return [Check(ONE_SAVE, PASSED, "its files are in the order one save writes them")]
+
+
+MIXED_SAVE = "files from two saves"
+
+
+def mixed_save(c: Checkpoint) -> bool:
+    """Whether `one_save` found files from two saves in `c`."""
+    return any(k.name == ONE_SAVE and k.verdict is FAILED for k in c.checks)
 
 
 def read_slim_marker(path: Path, files: dict[str, Entry]) -> slim.Marker | str | None:

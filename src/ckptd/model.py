@@ -133,7 +133,8 @@ class Checkpoint:
     # When it was saved, from its files' mtimes, ckptd's own files (pin, slim marker, weights it
     # consolidated) and directories left out: a pin or a `touch` of the directory moves neither.
     saved_at: float = 0.0  # the oldest: when the save began
-    written_at: float = 0.0  # the newest: when the save ended
+    written_at: float = 0.0  # the newest of the files its framework saves: when the save ended
+    touched_at: float = 0.0  # the newest of all, files added after the save included (evidence._save_times)
     mounts: tuple[str, ...] = ()  # mount points inside it ("" for itself): never deleted or slimmed
     ranks: int | None = None  # per-rank files counted with no world size known (evidence.against_siblings)
     pinned: bool = False
