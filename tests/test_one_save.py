@@ -138,6 +138,8 @@ def bare(run: Path, step: int, *, stage: int, mtime: float) -> Path:
 @pytest.mark.parametrize(("stage", "rewritten", "gap", "state"), [
     # ZeRO-3: rank 1 writes its model states, then its shard; the shard is the old save's
     (3, ["zero_pp_rank_1_mp_rank_00_model_states.pt"], 86400, State.INCOMPLETE),
+    # ... and 20 minutes apart is two saves as well: one process writes both, one after the other
+    (3, ["zero_pp_rank_1_mp_rank_00_model_states.pt"], 1200, State.INCOMPLETE),
     # ZeRO-2, rank 0 re-saved (model states, its shard), rank 1 slow: its shard is a day old
     (2, ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], 86400, State.INCOMPLETE),
     # ZeRO-2, one save: rank 1 finished its shard 20 minutes before rank 0 finished the model

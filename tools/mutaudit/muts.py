@@ -38,6 +38,8 @@ SETS = {
     "fwlayouts+frameworks": [T+"test_fwlayouts.py", T+"test_evidence.py", T+"test_frameworks.py"],
     "keep_total": [T+"test_keep_total.py", T+"test_policy.py"],
     "resume": [T+"test_resume.py"],
+    # red team items 5 and 7: which save a checkpoint's files belong to, and when it was saved
+    "one_save": [T+"test_one_save.py"],
 }
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
@@ -514,4 +516,25 @@ MUTS = [
    "    if cand is not None:\n        raise UsageError", "    if False:\n        raise UsageError")]),
  dict(id="RL5", what="latest refuses a directory holding several runs", tests="resume", edits=[(RS,
    "    if len(shapes) == 1:\n        return found", "    if True:\n        return found")]),
+ # --- red team items 5 and 7: files from two saves; the save time, not later additions
+ dict(id="OS1", what="a Trainer checkpoint's files must be from one save", tests="one_save", edits=[(E,
+   "            checks.extend(one_save(files, trainer=True, tags=_global_step_dirs(files)))\n", "")]),
+ dict(id="OS2", what="trainer_state.json older than a file written before it: two saves", tests="one_save", edits=[(E,
+   "                if gap > MTIME_SLACK:\n                    why = f\"{TRAINER_STATE} is",
+   "                if False:\n                    why = f\"{TRAINER_STATE} is")]),
+ dict(id="OS3", what="a DeepSpeed shard older than model states written before it: two saves", tests="one_save",
+   edits=[(E, "                if gap > (MTIME_SLACK if same else SAVE_SPAN):", "                if False:")]),
+ dict(id="OS4", what="one process's model states and shard: no SAVE_SPAN of slack", tests="one_save", edits=[(E,
+   "                if gap > (MTIME_SLACK if same else SAVE_SPAN):", "                if gap > SAVE_SPAN:")]),
+ dict(id="OS5", what="a bare DeepSpeed tag's files must be from one save", tests="one_save", edits=[(E,
+   "            checks.extend(one_save(files, trainer=False, tags=[\"\"]))\n", "")]),
+ dict(id="OS6", what="plan says when more than one checkpoint of a run holds two saves", tests="one_save", edits=[(
+   "planner.py", "            if len(mixed) > 1:", "            if False:")]),
+ dict(id="SV1", what="written_at from the save's own files, not files added later", tests="one_save", edits=[(E,
+   "    saved = [e.mtime_ns for e in theirs if save_files(layout, e.rel)] or",
+   "    saved = [e.mtime_ns for e in theirs] or")]),
+ dict(id="SV2", what="in doubt, the checkpoint touched last is an anchor too", tests="one_save", edits=[(P,
+   "(by_time, by_time_why), (by_touch, touched_why))", "(by_time, by_time_why))")]),
+ dict(id="SV3", what="an Orbax step's save time from Orbax's own commit files", tests="one_save", edits=[(E,
+   "        return rel in (layouts.ORBAX_COMMIT, layouts.ORBAX_METADATA)", "        return False")]),
 ]
