@@ -145,6 +145,9 @@ def bare(run: Path, step: int, *, stage: int, mtime: float) -> Path:
     # ZeRO-2, one save: rank 1 finished its shard 20 minutes before rank 0 finished the model
     # states (no barrier between them): a slow write, not two saves
     (2, ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], 1200, State.COMPLETE),
+    # ZeRO-3, one save with a slow rank 1: its model states and shard both two hours after rank 0's
+    (3, ["zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"], 7200,
+     State.COMPLETE),
     # one save with a slow rank 1: its shard is the newest by hours, which says nothing
     (2, ["zero_pp_rank_1_mp_rank_00_optim_states.pt"], 7200, State.COMPLETE),
 ])

@@ -568,24 +568,32 @@ def one_save(files: dict[str, Entry], *, trainer: bool, tags: Iterable[str]) -> 
         here = {
             rel[len(prefix) :]: e for rel, e in files.items() if rel.startswith(prefix) and e.kind == "f"
         }
-        states = [(m, e) for n, e in here.items() if (m := _MODEL_STATES.fullmatch(n))]
+        # (dp rank or None, mp rank) -> its model states: ZeRO-3's per rank, else mp_rank_XX's
+        states = {
+            (int(m[1]) if m[1] is not None else None, int(m[2])): (m[0], e)
+            for n, e in here.items()
+            if (m := _MODEL_STATES.fullmatch(n))
+        }
         for name, shard in here.items():
             if not (o := _OPTIM.fullmatch(name)):
                 continue
             rank, mp = int(o[2]), int(o[3])
-            for m, e in states:
-                checked = True
-                # Written by the same process, one after the other: ZeRO-3's per-rank model states,
-                # or mp_rank_XX's, written by data-parallel rank 0 before its own shard.
-                same = int(m[2]) == mp and (int(m[1]) == rank if m[1] is not None else rank == 0)
-                gap = (e.mtime_ns - shard.mtime_ns) / 1e9
-                if gap > (MTIME_SLACK if same else SAVE_SPAN):
-                    who = "the same rank" if same else "DeepSpeed"
-                    why = (
-                        f"rank {rank}'s shard {prefix}{name} is {format_age(gap)} older than {prefix}{m[0]}, "
-                        f"which {who} writes before it"
-                    )
-                    problems.append((gap, why))
+            # The model states the same process wrote just before this shard (ZeRO-3's own, or
+            # mp_rank_XX's, written by data-parallel rank 0), else rank 0's: one lookup a shard.
+            found = states.get((rank, mp)) or states.get((None, mp))
+            if found is None:
+                continue
+            checked = True
+            ms_name, e = found
+            same = (rank, mp) in states or rank == 0
+            gap = (e.mtime_ns - shard.mtime_ns) / 1e9
+            if gap > (MTIME_SLACK if same else SAVE_SPAN):
+                who = "the same rank" if same else "DeepSpeed"
+                why = (
+                    f"rank {rank}'s shard {prefix}{name} is {format_age(gap)} older than {prefix}{ms_name}, "
+                    f"which {who} writes before it"
+                )
+                problems.append((gap, why))
     if problems:
         _, worst = max(problems)
         more = f" (and {len(problems) - 1} more out of order)" if len(problems) > 1 else ""
