@@ -523,9 +523,9 @@ MUTS = [
    "                if gap > MTIME_SLACK:\n                    why = f\"{TRAINER_STATE} is",
    "                if False:\n                    why = f\"{TRAINER_STATE} is")]),
  dict(id="OS3", what="a DeepSpeed shard older than model states written before it: two saves", tests="one_save",
-   edits=[(E, "                if gap > (MTIME_SLACK if same else SAVE_SPAN):", "                if False:")]),
+   edits=[(E, "            if gap > (MTIME_SLACK if same else SAVE_SPAN):", "            if False:")]),
  dict(id="OS4", what="one process's model states and shard: no SAVE_SPAN of slack", tests="one_save", edits=[(E,
-   "                if gap > (MTIME_SLACK if same else SAVE_SPAN):", "                if gap > SAVE_SPAN:")]),
+   "            if gap > (MTIME_SLACK if same else SAVE_SPAN):", "            if gap > SAVE_SPAN:")]),
  dict(id="OS5", what="a bare DeepSpeed tag's files must be from one save", tests="one_save", edits=[(E,
    "            checks.extend(one_save(files, trainer=False, tags=[\"\"]))\n", "")]),
  dict(id="OS6", what="plan says when more than one checkpoint of a run holds two saves", tests="one_save", edits=[(
