@@ -206,7 +206,7 @@ class Clock:
         return self.t
 
 
-def test_the_daemon_takes_a_settled_checkpoint_re_saved_in_place_back_to_in_flight(tmp_path):
+def test_the_tracker_takes_a_settled_checkpoint_re_saved_in_place_back_to_in_flight(tmp_path):
     """The tracker walks complete checkpoints again only at reconcile, or when told (an event, or
     the reaper refusing one that changed): then a re-save in place is in flight until it ends."""
     ck = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=time.time() - 86400)
@@ -307,3 +307,44 @@ def test_an_orbax_step_given_a_file_later_keeps_its_save_time(orbax_volume, tmp_
     assert proc.returncode == 0, proc.stderr
     rows = {c["path"].split("/vol/")[1]: c for c in json.loads(proc.stdout)["checkpoints"]}
     assert rows["default/2"]["action"] == "keep"
+
+
+@pytest.mark.asyncio
+async def test_a_deletion_refused_because_it_changed_takes_the_checkpoint_back_to_in_flight(tmp_path):
+    """The daemon plans on what its tracker last saw, and the tracker does not walk a complete
+    checkpoint again until reconcile. A re-save in place of one it planned to delete is refused by
+    the reaper's re-check, and the daemon then has the tracker look again: in flight, not deleted,
+    not an anchor, until its save ends."""
+    from ckptd.config import load_config
+    from ckptd.daemon import Daemon
+
+    root = tmp_path / "vol"
+    for step in (1, 2, 3):
+        hf_deepspeed_checkpoint(root / "job", step, world=2, mtime=time.time() - 86400 + step)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{root}'\n"
+                   "quiet_period = '1s'\nworld_size = 2\n[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
+    now = [1000.0]
+    daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
+    daemon.watcher = None
+    rt = daemon._runtime(daemon.config.roots[0], daemon.config)
+    daemon.roots.append(rt)
+    daemon._first_scan()
+    now[0] += 2
+    rt.tracker.step(now[0])
+
+    def seen() -> dict[str, tuple[str, str]]:
+        rows = daemon.state()["roots"][0]["runs"][0]["checkpoints"]
+        return {r["name"]: (r["state"], r["action"]) for r in rows}
+
+    daemon._retention()
+    assert seen()["checkpoint-2"] == ("complete", "delete")
+    resave(root / "job" / "checkpoint-2", ["global_step2/mp_rank_00_model_states.pt", "latest"],
+           when=time.time() - 30)  # a second job re-saves it; its trainer_state.json is still the old one
+    daemon._retention()  # the reaper's re-check refuses it (dry run: it would have trashed it)
+    assert seen()["checkpoint-2"][0] in ("writing", "settling")
+    now[0] += 2
+    rt.tracker.step(now[0])
+    assert seen()["checkpoint-2"][0] == "incomplete"  # quiet, and two saves
+    daemon._retention()
+    assert seen()["checkpoint-2"][1] == "keep"

@@ -530,6 +530,8 @@ MUTS = [
    "            checks.extend(one_save(files, trainer=False, tags=[\"\"]))\n", "")]),
  dict(id="OS6", what="plan says when more than one checkpoint of a run holds two saves", tests="one_save", edits=[(
    "planner.py", "            if len(mixed) > 1:", "            if False:")]),
+ dict(id="OS7", what="the daemon looks again at a checkpoint whose deletion the reaper refused", tests="one_save",
+   edits=[(DM, "                    if result.outcome is Outcome.REFUSED:\n", "                    if False:\n")]),
  dict(id="SV1", what="written_at from the save's own files, not files added later", tests="one_save", edits=[(E,
    "    saved = [e.mtime_ns for e in theirs if save_files(layout, e.rel)] or",
    "    saved = [e.mtime_ns for e in theirs] or")]),
