@@ -177,6 +177,26 @@ def test_a_real_deepspeed_run_is_one_save_and_its_re_save_is_not(zero2_hf, tmp_p
     assert "trainer_state.json is 23h50m older than" in one_save(c)[1]
 
 
+@pytest.mark.frameworks
+def test_a_dcp_step_re_saved_in_place_is_mixed_until_its_metadata_is_written(dcp_volume, tmp_path):
+    """Real torchtitan/DCP steps (fwgen, 2 ranks): DCP overwrites a directory it saves into, and its
+    coordinator writes .metadata after every rank's data. The job's own files pass; step-20 with
+    rank 0's data rewritten and the old .metadata still there fails, until .metadata is rewritten."""
+    run = tmp_path / "vol" / "titan-a"
+    shutil.copytree(dcp_volume["out_dir"] / "titan-a", run)  # copy2: the job's own mtimes
+    found = scan(tmp_path / "vol")
+    assert found["titan-a/checkpoint/step-20"].state is State.COMPLETE
+    assert one_save(found["titan-a/checkpoint/step-20"])[0] is Verdict.PASSED
+    step = run / "checkpoint" / "step-20"
+    age(step, OLD)
+    resave(step, ["__0_0.distcp"])
+    c = scan(tmp_path / "vol")["titan-a/checkpoint/step-20"]
+    assert c.state is State.INCOMPLETE
+    assert one_save(c)[1].startswith("files from two saves: .metadata is 23h50m older than __0_0.distcp")
+    resave(step, ["__1_0.distcp", ".metadata"], when=NOW - 300)
+    assert scan(tmp_path / "vol")["titan-a/checkpoint/step-20"].state is State.COMPLETE
+
+
 def test_plan_says_when_more_than_one_checkpoint_is_a_mixed_save(tmp_path):
     """One re-save in flight is normal; two at once look like a copy that lost its mtimes, and the
     run would never be pruned: plan says so."""

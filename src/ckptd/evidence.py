@@ -227,10 +227,8 @@ class Inspector:
                 worlds = [w] if (w := _known_world(world_size, self.mp_world_size)) else []
             rng_check, ranks = _rng_states(files, worlds[0] if worlds else None)
             checks.append(rng_check)
-            checks.extend(one_save(files, trainer=True, tags=_global_step_dirs(files)))
         elif cand.layout == layouts.DEEPSPEED:
             checks.append(self._deepspeed(path, "", files, world_size, removed)[0])
-            checks.extend(one_save(files, trainer=False, tags=[""]))
         elif cand.layout == layouts.MEGATRON:
             checks.append(_megatron_tracker(run, cand))
             if _is_megatron_core(files, ""):  # the torch_dist format: megatron-core's files in iter_N/
@@ -252,7 +250,6 @@ class Inspector:
         elif cand.layout == layouts.ACCELERATE:
             for d in _deepspeed_tag_dirs(files):  # accelerate under DeepSpeed: pytorch_model/
                 checks.append(self._deepspeed(path, d, files, world_size, removed)[0])
-            checks.extend(one_save(files, trainer=False, tags=_deepspeed_tag_dirs(files)))
             world = _known_world(world_size, self.mp_world_size)
             rank_check, ranks = _rank_files(files, _RANDOM_STATES, world)
             checks.append(rank_check)
@@ -268,6 +265,7 @@ class Inspector:
             named = f"pattern {pattern.name!r} names" if pattern is not None else "it has"
             checks.append(Check(EVIDENCE, PASSED, f"{named} {QUIET_ALONE}"))
         checks.extend(_nested_dcp(files, skip_top=cand.layout == layouts.DCP))
+        checks.extend(one_save(files, trainer=cand.layout == layouts.HF, tags=_tags(cand.layout, files)))
         integrity = _integrity(path, entries, self._file_problem)
         checks.append(integrity)
         metrics, metric_problem = self._metrics(path, cand, files, metric, integrity.verdict is PASSED)
@@ -542,11 +540,29 @@ SAVE_SPAN = 30 * 60.0
 _MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 
 
+def _tags(layout: str, files: dict[str, Entry]) -> list[str]:
+    """The DeepSpeed tag directories of a checkpoint ("" for the checkpoint itself)."""
+    if layout == layouts.HF:
+        return _global_step_dirs(files)
+    if layout == layouts.DEEPSPEED:
+        return [""]
+    if layout == layouts.ACCELERATE:
+        return _deepspeed_tag_dirs(files)
+    return []
+
+
+# Written last in their directory, after its *.distcp: DCP's coordinator writes `.metadata` after
+# every rank's data (torch.distributed.checkpoint's finish), megatron-core `metadata.json` after
+# common.pt and the shards (dist_checkpointing/serialization.py `save`).
+_WRITTEN_LAST = (".metadata", "metadata.json")
+
+
 def one_save(files: dict[str, Entry], *, trainer: bool, tags: Iterable[str]) -> list[Check]:
     """Whether the checkpoint's files are from one save, by the order its framework writes them:
     the Trainer's trainer_state.json after everything else it saves (`_BEFORE_TRAINER_STATE`, every
     DeepSpeed file), each DeepSpeed rank its optimizer shard after its model states, and no rank its
-    shard long before rank 0's model states (`SAVE_SPAN`). [] when the checkpoint has none of these
+    shard long before rank 0's model states (`SAVE_SPAN`); DCP's `.metadata` and megatron-core's
+    `metadata.json` after the *.distcp beside them. [] when the checkpoint has none of these
     files. Failed: files from two saves, a re-save in place not finished; kept, and said why.
 
     Only "older than" counts: a file added after the save (an evaluation's output, zero_to_fp32's
@@ -563,6 +579,21 @@ def one_save(files: dict[str, Entry], *, trainer: bool, tags: Iterable[str]) -> 
                 if gap > MTIME_SLACK:
                     why = f"{TRAINER_STATE} is {format_age(gap)} older than {rel}"
                     problems.append((gap, f"{why}, which the Trainer writes before it"))
+    distcp: dict[str, tuple[int, str]] = {}  # directory -> its newest *.distcp (mtime, path)
+    for rel, e in files.items():
+        if e.kind == "f" and rel.endswith(".distcp"):
+            d = rel.rpartition("/")[0]
+            distcp[d] = max(distcp.get(d, (0, "")), (e.mtime_ns, rel))
+    for d, (newest_ns, newest) in distcp.items():
+        for last in _WRITTEN_LAST:
+            marker = files.get(f"{d}/{last}" if d else last)
+            if marker is None or marker.kind != "f":
+                continue
+            checked = True
+            gap = (newest_ns - marker.mtime_ns) / 1e9
+            if gap > MTIME_SLACK:
+                why = f"{f'{d}/' if d else ''}{last} is {format_age(gap)} older than {newest}"
+                problems.append((gap, f"{why}, which is written before it"))
     for tag in tags:
         prefix = f"{tag}/" if tag else ""
         here = {

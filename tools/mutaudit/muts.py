@@ -518,7 +518,7 @@ MUTS = [
    "    if len(shapes) == 1:\n        return found", "    if True:\n        return found")]),
  # --- red team items 5 and 7: files from two saves; the save time, not later additions
  dict(id="OS1", what="a Trainer checkpoint's files must be from one save", tests="one_save", edits=[(E,
-   "            checks.extend(one_save(files, trainer=True, tags=_global_step_dirs(files)))\n", "")]),
+   "trainer=cand.layout == layouts.HF, tags=", "trainer=False, tags=")]),
  dict(id="OS2", what="trainer_state.json older than a file written before it: two saves", tests="one_save", edits=[(E,
    "                if gap > MTIME_SLACK:\n                    why = f\"{TRAINER_STATE} is",
    "                if False:\n                    why = f\"{TRAINER_STATE} is")]),
@@ -527,7 +527,9 @@ MUTS = [
  dict(id="OS4", what="one process's model states and shard: no SAVE_SPAN of slack", tests="one_save", edits=[(E,
    "            if gap > (MTIME_SLACK if same else SAVE_SPAN):", "            if gap > SAVE_SPAN:")]),
  dict(id="OS5", what="a bare DeepSpeed tag's files must be from one save", tests="one_save", edits=[(E,
-   "            checks.extend(one_save(files, trainer=False, tags=[\"\"]))\n", "")]),
+   "    if layout == layouts.DEEPSPEED:\n        return [\"\"]\n", "")]),
+ dict(id="OS8", what="DCP's .metadata (megatron-core's metadata.json) older than a .distcp: two saves",
+   tests="one_save", edits=[(E, "        for last in _WRITTEN_LAST:", "        for last in ():")]),
  dict(id="OS6", what="plan says when more than one checkpoint of a run holds two saves", tests="one_save", edits=[(
    "planner.py", "            if len(mixed) > 1:", "            if False:")]),
  dict(id="OS7", what="the daemon looks again at a checkpoint whose deletion the reaper refused", tests="one_save",
