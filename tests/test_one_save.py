@@ -197,6 +197,29 @@ def test_a_dcp_step_re_saved_in_place_is_mixed_until_its_metadata_is_written(dcp
     assert scan(tmp_path / "vol")["titan-a/checkpoint/step-20"].state is State.COMPLETE
 
 
+@pytest.mark.frameworks
+def test_an_accelerate_state_re_saved_in_place_is_mixed_until_its_random_states_are_written(
+        accelerate_volume, tmp_path):
+    """Real accelerate save_state() directories (fwgen, 2 processes): save_state(output_dir) into an
+    existing directory overwrites it; process 0 writes random_states_0.pkl after the optimizer,
+    scheduler and samplers. Weights written later (zero_to_fp32) are not a second save."""
+    run = tmp_path / "vol" / "steps"
+    shutil.copytree(accelerate_volume["out_dir"] / "steps", run)  # copy2: the job's own mtimes
+    assert scan(tmp_path / "vol")["steps/step_20"].state is State.COMPLETE
+    step = run / "step_20"
+    age(step, OLD)
+    resave(step, ["model.safetensors"])
+    assert scan(tmp_path / "vol")["steps/step_20"].state is State.COMPLETE  # weights: not counted
+    resave(step, ["optimizer.bin"])
+    c = scan(tmp_path / "vol")["steps/step_20"]
+    assert c.state is State.INCOMPLETE
+    assert one_save(c)[1].startswith(
+        "files from two saves: random_states_0.pkl is 23h50m older than optimizer.bin, which accelerate")
+    resave(step, ["scheduler.bin", "random_states_0.pkl", "random_states_1.pkl"], when=NOW - 300)
+    c = scan(tmp_path / "vol")["steps/step_20"]
+    assert c.state is State.COMPLETE and one_save(c)[0] is Verdict.PASSED
+
+
 def test_plan_says_when_more_than_one_checkpoint_is_a_mixed_save(tmp_path):
     """One re-save in flight is normal; two at once look like a copy that lost its mtimes, and the
     run would never be pruned: plan says so."""

@@ -22,6 +22,10 @@ Why each check exists:
 - slimmed: a `.ckptd-slim.json` marker lists the optimizer shards ckptd removed
   on purpose, so the census stops demanding them, and names the weights that
   must still be there.
+- one save: a job resumed into the same output directory re-saves checkpoints in
+  place, file by file; until it ends, the old save's files pass every census. A
+  file written last (trainer_state.json, DCP's .metadata) or after another (a
+  rank's shard after its model states) that is older than it gives that away.
 """
 
 from __future__ import annotations
@@ -265,7 +269,7 @@ class Inspector:
             named = f"pattern {pattern.name!r} names" if pattern is not None else "it has"
             checks.append(Check(EVIDENCE, PASSED, f"{named} {QUIET_ALONE}"))
         checks.extend(_nested_dcp(files, skip_top=cand.layout == layouts.DCP))
-        checks.extend(one_save(files, trainer=cand.layout == layouts.HF, tags=_tags(cand.layout, files)))
+        checks.extend(one_save(files, last=_LAST_WRITTEN.get(cand.layout), tags=_tags(cand.layout, files)))
         integrity = _integrity(path, entries, self._file_problem)
         checks.append(integrity)
         metrics, metric_problem = self._metrics(path, cand, files, metric, integrity.verdict is PASSED)
@@ -557,28 +561,48 @@ def _tags(layout: str, files: dict[str, Entry]) -> list[str]:
 _WRITTEN_LAST = (".metadata", "metadata.json")
 
 
-def one_save(files: dict[str, Entry], *, trainer: bool, tags: Iterable[str]) -> list[Check]:
+def _before_random_states(rel: str) -> bool:
+    return bool(_ACCELERATE_BEFORE.fullmatch(rel) or ("/" in rel and _DS_FILE.fullmatch(rel)))
+
+
+# The file a framework's process 0 writes last in a save, who writes it, and which files it writes
+# before it in the same save. accelerate's save_state: DeepSpeed's save_checkpoint (or the
+# optimizers), the schedulers, the samplers, then each process its random_states_<i>.pkl
+# (utils/checkpointing.py save_accelerator_state). The weights are left out for both: DeepSpeed
+# copies zero_to_fp32.py into the checkpoint, and it is run there later.
+_LAST_WRITTEN: dict[str, tuple[str, str, Callable[[str], bool]]] = {
+    layouts.HF: (TRAINER_STATE, "the Trainer", _before_trainer_state),
+    layouts.ACCELERATE: ("random_states_0.pkl", "accelerate", _before_random_states),
+}
+_ACCELERATE_BEFORE = re.compile(r"(?:optimizer|scheduler|sampler)(?:_\d+)?\.(?:bin|pt)|scaler\.pt")
+
+
+def one_save(
+    files: dict[str, Entry], *, last: tuple[str, str, Callable[[str], bool]] | None, tags: Iterable[str]
+) -> list[Check]:
     """Whether the checkpoint's files are from one save, by the order its framework writes them:
     the Trainer's trainer_state.json after everything else it saves (`_BEFORE_TRAINER_STATE`, every
-    DeepSpeed file), each DeepSpeed rank its optimizer shard after its model states, and no rank its
-    shard long before rank 0's model states (`SAVE_SPAN`); DCP's `.metadata` and megatron-core's
-    `metadata.json` after the *.distcp beside them. [] when the checkpoint has none of these
-    files. Failed: files from two saves, a re-save in place not finished; kept, and said why.
+    DeepSpeed file) and accelerate's random_states_0.pkl likewise (`_LAST_WRITTEN`), each DeepSpeed
+    rank its optimizer shard after its model states, and no rank its shard long before rank 0's
+    model states (`SAVE_SPAN`); DCP's `.metadata` and megatron-core's `metadata.json` after the
+    *.distcp beside them. [] when the checkpoint has none of these files. Failed: files from two
+    saves, a re-save in place not finished; kept, and said why.
 
     Only "older than" counts: a file added after the save (an evaluation's output, zero_to_fp32's
     weights) is newer, never a reason. A copy that did not keep mtimes (cp -r without -p) can
     break the order: its checkpoints are kept, and `plan` says so (planner.decide)."""
     problems: list[tuple[float, str]] = []  # (seconds out of order, why)
     checked = False
-    ts = files.get(TRAINER_STATE) if trainer else None
-    if ts is not None and ts.kind == "f":
+    name, who, before = last if last is not None else ("", "", None)
+    ts = files.get(name) if before is not None else None
+    if ts is not None and ts.kind == "f" and before is not None:
         for rel, e in files.items():
-            if e.kind == "f" and _before_trainer_state(rel):
+            if e.kind == "f" and before(rel):
                 checked = True
                 gap = (e.mtime_ns - ts.mtime_ns) / 1e9
                 if gap > MTIME_SLACK:
-                    why = f"{TRAINER_STATE} is {format_age(gap)} older than {rel}"
-                    problems.append((gap, f"{why}, which the Trainer writes before it"))
+                    why = f"{name} is {format_age(gap)} older than {rel}"
+                    problems.append((gap, f"{why}, which {who} writes before it"))
     distcp: dict[str, tuple[int, str]] = {}  # directory -> its newest *.distcp (mtime, path)
     for rel, e in files.items():
         if e.kind == "f" and rel.endswith(".distcp"):

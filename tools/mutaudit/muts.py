@@ -518,7 +518,7 @@ MUTS = [
    "    if len(shapes) == 1:\n        return found", "    if True:\n        return found")]),
  # --- red team items 5 and 7: files from two saves; the save time, not later additions
  dict(id="OS1", what="a Trainer checkpoint's files must be from one save", tests="one_save", edits=[(E,
-   "trainer=cand.layout == layouts.HF, tags=", "trainer=False, tags=")]),
+   "    layouts.HF: (TRAINER_STATE, \"the Trainer\", _before_trainer_state),\n", "")]),
  dict(id="OS2", what="trainer_state.json older than a file written before it: two saves", tests="one_save", edits=[(E,
    "                if gap > MTIME_SLACK:\n                    why = f\"{TRAINER_STATE} is",
    "                if False:\n                    why = f\"{TRAINER_STATE} is")]),
@@ -530,6 +530,8 @@ MUTS = [
    "    if layout == layouts.DEEPSPEED:\n        return [\"\"]\n", "")]),
  dict(id="OS8", what="DCP's .metadata (megatron-core's metadata.json) older than a .distcp: two saves",
    tests="one_save", edits=[(E, "        for last in _WRITTEN_LAST:", "        for last in ():")]),
+ dict(id="OS9", what="accelerate's random_states_0.pkl older than a file written before it: two saves",
+   tests="one_save", edits=[(E, "    layouts.ACCELERATE: (\"random_states_0.pkl\", \"accelerate\", _before_random_states),\n", "")]),
  dict(id="OS6", what="plan says when more than one checkpoint of a run holds two saves", tests="one_save", edits=[(
    "planner.py", "            if len(mixed) > 1:", "            if False:")]),
  dict(id="OS7", what="the daemon looks again at a checkpoint whose deletion the reaper refused", tests="one_save",
