@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import evidence
+from ckptd import evidence, layouts
 from ckptd.config import Retention, Root
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_model_states, write_zip
 from ckptd.model import Action, State, Verdict
@@ -284,6 +284,9 @@ def test_files_added_after_the_save_do_not_move_its_save_time(tmp_path):
     write_zip(ck / "pytorch_model.bin", 32)
     os.utime(ck / "eval" / "results.json", (NOW - 100, NOW - 100))
     os.utime(ck / "pytorch_model.bin", (NOW - 50, NOW - 50))
+    os.utime(ck / "eval", (NOW - 40, NOW - 40))  # directories say nothing of a save, nor of a file added
+    (ck / layouts.PIN_FILE).write_text("")  # nor does ckptd's own pin
+    os.utime(ck / layouts.PIN_FILE, (NOW - 30, NOW - 30))
     c = scan(tmp_path, world_size=2)["run/checkpoint-10"]
     assert (c.saved_at, c.written_at, c.touched_at) == (OLD, OLD, NOW - 50)
 
