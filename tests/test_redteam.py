@@ -196,7 +196,6 @@ def test_a_mount_at_the_trash_is_never_purged(tmp_path, mount):
 
 @pytest.mark.deepspeed
 @no_deepspeed
-@pytest.mark.xfail(strict=True, reason="red team: an in-place re-save is 'complete' from the old save's shards")
 def test_a_checkpoint_rewritten_in_place_is_in_flight_until_its_save_ends(zero2_hf, tmp_path):
     """A job resumed into the same output directory re-saves checkpoint-10 and checkpoint-20,
     which the first job left there (the Trainer and DeepSpeed write into an existing directory:
@@ -251,7 +250,6 @@ def test_nemo_model_parallel_ranks_are_one_checkpoint(tmp_path):
 # --- 7. The run's newest by time loses its protection when a file lands in an old one ----------
 
 
-@pytest.mark.xfail(strict=True, reason="red team: eval output written into an old checkpoint un-protects the newest save")
 def test_eval_output_in_an_old_checkpoint_does_not_unprotect_the_newest_save(tmp_path):
     """A run resumed from checkpoint-3000 (after 4000 and 5000 diverged) saves checkpoint-3500:
     'written last', so kept. Then an evaluation script writes its results into checkpoint-5000

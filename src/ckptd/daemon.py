@@ -582,6 +582,10 @@ class Daemon:
                     log.debug("would %s %s: %s %s", action, c.rel, result.detail, DRY_RUN_NOTE, extra=extra)
                 else:
                     self.counters[str(result.outcome)] += 1
+                    if result.outcome is Outcome.REFUSED:
+                        # Changed since the tracker settled it (a re-save in place, say): complete
+                        # checkpoints are walked again only at reconcile, so look now.
+                        rt.tracker.look_again(c.rel)
                     if rt.outcomes.get(c.rel) != result.detail:  # once per reason, not every pass
                         rt.outcomes[c.rel] = result.detail
                         level = logging.ERROR if result.outcome is Outcome.FAILED else logging.WARNING

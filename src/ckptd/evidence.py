@@ -22,6 +22,10 @@ Why each check exists:
 - slimmed: a `.ckptd-slim.json` marker lists the optimizer shards ckptd removed
   on purpose, so the census stops demanding them, and names the weights that
   must still be there.
+- one save: a job resumed into the same output directory re-saves checkpoints in
+  place, file by file; until it ends, the old save's files pass every census. A
+  file written last (trainer_state.json, DCP's .metadata) or after another (a
+  rank's shard after its model states) that is older than it gives that away.
 """
 
 from __future__ import annotations
@@ -272,6 +276,7 @@ class Inspector:
             named = f"pattern {pattern.name!r} names" if pattern is not None else "it has"
             checks.append(Check(EVIDENCE, PASSED, f"{named} {QUIET_ALONE}"))
         checks.extend(_nested_dcp(files, skip_top=cand.layout == layouts.DCP))
+        checks.extend(one_save(files, last=_LAST_WRITTEN.get(cand.layout), tags=_tags(cand.layout, files)))
         integrity = _integrity(path, entries, self._file_problem)
         checks.append(integrity)
         metrics, metric_problem = self._metrics(path, cand, files, metric, integrity.verdict is PASSED)
@@ -288,7 +293,9 @@ class Inspector:
             checks.append(_slimmed(files, marker))
 
         pinned = layouts.PIN_FILE in files if cand.is_dir else f"{cand.name}{layouts.PIN_FILE}" in run.names
-        saved_at, written_at = _save_times(entries, marker, newest_ns, slimming.consolidated)
+        saved_at, written_at, touched_at = _save_times(
+            entries, marker, newest_ns, cand.layout, slimming.consolidated
+        )
         inside = tuple(e.rel for e in entries if e.kind == MOUNT)
         dirs = [e.rel for e in entries if e.kind == "d"]
         holds = layouts.held(cand.layout, files, dirs) if cand.is_dir else []
@@ -306,6 +313,7 @@ class Inspector:
             fingerprint=digest,
             saved_at=saved_at,
             written_at=written_at,
+            touched_at=touched_at,
             mounts=inside,
             holds=tuple(holds),
             ranks=ranks,
@@ -477,24 +485,212 @@ def _save_times(
     entries: list[Entry],
     marker: slim.Marker | str | None,
     newest_ns: int,
+    layout: str = "",
     consolidated: ConsolidatedWeights | None = None,
-) -> tuple[float, float]:
-    """(saved_at, written_at): the oldest and newest mtimes of the checkpoint's files.
+) -> tuple[float, float, float]:
+    """(saved_at, written_at, touched_at): the oldest mtime of the checkpoint's files, the newest of
+    the files its framework writes in a save (`save_files`), and the newest of any of its files.
 
     Directories are left out (adding a pin or touching one moves their mtime), and so are
     ckptd's own files (the pin, the slim marker, weights it consolidated, its work directory):
-    none of them says when the trainer saved. A checkpoint with no such file (an empty
-    directory) falls back to its newest mtime.
+    none of them says when the trainer saved. `written_at` leaves out, besides, what was added
+    to the checkpoint after its save (an evaluation's results.json, a zero_to_fp32 conversion):
+    an old checkpoint given a new file is not the run's newest save (red team, item 7). Where
+    the layout's own files cannot be told (`save_files` has none for it), every file counts.
+    A checkpoint with no such file (an empty directory) falls back to its newest mtime.
     """
     own = slim.ckptd_files(marker if isinstance(marker, slim.Marker) else None) | {layouts.PIN_FILE}
     if consolidated is not None:  # fp32/ consolidated before the slim that will record it
         own |= {consolidated.index, *(path for path, _, _ in consolidated.files)}
-    times = [
-        e.mtime_ns for e in entries if e.kind == "f" and e.rel not in own and not slim.in_work_dir(e.rel)
-    ]
-    if not times:
-        return newest_ns / 1e9, newest_ns / 1e9
-    return min(times) / 1e9, max(times) / 1e9
+    theirs = [e for e in entries if e.kind == "f" and e.rel not in own and not slim.in_work_dir(e.rel)]
+    if not theirs:
+        return newest_ns / 1e9, newest_ns / 1e9, newest_ns / 1e9
+    saved = [e.mtime_ns for e in theirs if save_files(layout, e.rel)] or [e.mtime_ns for e in theirs]
+    return min(e.mtime_ns for e in theirs) / 1e9, max(saved) / 1e9, max(e.mtime_ns for e in theirs) / 1e9
+
+
+# Written by the Trainer before trainer_state.json, in the same save (transformers 5.x
+# Trainer._save_checkpoint: save_model (training_args.bin), _save_optimizer_and_scheduler (DeepSpeed's
+# save_checkpoint, which ends in a barrier after every rank's shard and `latest`; optimizer.pt,
+# scheduler.pt), _save_scaler, _save_rng_state (process 0's, the process that then writes
+# trainer_state.json), then trainer_state.json. Not the model weights: zero_to_fp32.py, which the
+# Trainer copies into the checkpoint, is run there by hand later and writes them.
+_BEFORE_TRAINER_STATE = frozenset({
+    "latest", "optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin",
+    "rng_state.pth", "rng_state_0.pth",
+})
+_GLOBAL_STEP_FILE = re.compile(r"global_step\d+/.+")
+_DS_FILE = re.compile(r"(?:[^/]+/)?(?:bf16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states\.pt")
+_ACCELERATE_FILE = re.compile(
+    r"(?:optimizer|scheduler|sampler|random_states)(?:_\d+)?\.(?:bin|pkl|pt)|scaler\.pt"
+)
+_MEGATRON_FILE = re.compile(
+    r"(?:.+/)?(?:model_optim_rng\.pt|[^/]+\.distcp|metadata\.json|common\.pt|\.metadata)"
+)
+
+
+def _before_trainer_state(rel: str) -> bool:
+    return rel in _BEFORE_TRAINER_STATE or bool(_GLOBAL_STEP_FILE.fullmatch(rel))
+
+
+def save_files(layout: str, rel: str) -> bool:
+    """Whether the file at `rel` (in a checkpoint of `layout`) is one its framework writes in a save,
+    as opposed to one added later. Only the files that end a save need be named: their newest mtime
+    is when the save ended. False for every file of a layout with no such list (then all count)."""
+    if layout == layouts.HF:
+        return rel == TRAINER_STATE or _before_trainer_state(rel) or bool(_RNG.fullmatch(rel))
+    if layout == layouts.DEEPSPEED:
+        return bool(_DS_FILE.fullmatch(rel))
+    if layout == layouts.ACCELERATE:
+        return bool(_ACCELERATE_FILE.fullmatch(rel) or _DS_FILE.fullmatch(rel))
+    if layout == layouts.ORBAX:
+        return rel in (layouts.ORBAX_COMMIT, layouts.ORBAX_METADATA)
+    if layout in (layouts.DCP, layouts.TORCHTITAN):
+        return rel == ".metadata" or rel.endswith(".distcp") or rel == layouts.TORCHTITAN_HF_INDEX
+    if layout == layouts.MEGATRON:
+        return bool(_MEGATRON_FILE.fullmatch(rel))
+    return False
+
+
+# --- one save: a checkpoint re-saved in place (red team, item 5) -------------------------------
+#
+# A job resumed into the same output directory re-saves the checkpoints the first job left there,
+# in place: the Trainer and DeepSpeed makedirs(exist_ok=True) and overwrite file by file. Until the
+# save ends the directory holds the new save's files beside the old one's, and every file a census
+# counts is there (a slow rank's old shard among them). What gives it away is order: a file the
+# framework writes *after* another, in one save, older than it.
+ONE_SAVE = "one save"
+# Tolerated disorder between two files that one save writes in order: mtime granularity (2s on some
+# filesystems) and the clocks of nodes that set their own mtimes (Lustre clients) a few seconds apart.
+# A job re-saving the same step that soon after the first save does not happen: it restarts first.
+MTIME_SLACK = 10.0
+# Between files of one save written by different ranks, with no barrier between them: a rank's
+# optimizer shard may end before rank 0 has finished writing the model states, by at most the time
+# that one file takes to write. Larger than that: the shard is from another save.
+SAVE_SPAN = 30 * 60.0
+_MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
+
+
+def _tags(layout: str, files: dict[str, Entry]) -> list[str]:
+    """The DeepSpeed tag directories of a checkpoint ("" for the checkpoint itself)."""
+    if layout == layouts.HF:
+        return _global_step_dirs(files)
+    if layout == layouts.DEEPSPEED:
+        return [""]
+    if layout == layouts.ACCELERATE:
+        return _deepspeed_tag_dirs(files)
+    return []
+
+
+# Written last in their directory, after its *.distcp: DCP's coordinator writes `.metadata` after
+# every rank's data (torch.distributed.checkpoint's finish), megatron-core `metadata.json` after
+# common.pt and the shards (dist_checkpointing/serialization.py `save`).
+_WRITTEN_LAST = (".metadata", "metadata.json")
+
+
+def _before_random_states(rel: str) -> bool:
+    return bool(_ACCELERATE_BEFORE.fullmatch(rel) or ("/" in rel and _DS_FILE.fullmatch(rel)))
+
+
+# The file a framework's process 0 writes last in a save, who writes it, and which files it writes
+# before it in the same save. accelerate's save_state: DeepSpeed's save_checkpoint (or the
+# optimizers), the schedulers, the samplers, then each process its random_states_<i>.pkl
+# (utils/checkpointing.py save_accelerator_state). The weights are left out for both: DeepSpeed
+# copies zero_to_fp32.py into the checkpoint, and it is run there later.
+_LAST_WRITTEN: dict[str, tuple[str, str, Callable[[str], bool]]] = {
+    layouts.HF: (TRAINER_STATE, "the Trainer", _before_trainer_state),
+    layouts.ACCELERATE: ("random_states_0.pkl", "accelerate", _before_random_states),
+}
+_ACCELERATE_BEFORE = re.compile(r"(?:optimizer|scheduler|sampler)(?:_\d+)?\.(?:bin|pt)|scaler\.pt")
+
+
+def one_save(
+    files: dict[str, Entry], *, last: tuple[str, str, Callable[[str], bool]] | None, tags: Iterable[str]
+) -> list[Check]:
+    """Whether the checkpoint's files are from one save, by the order its framework writes them:
+    the Trainer's trainer_state.json after everything else it saves (`_BEFORE_TRAINER_STATE`, every
+    DeepSpeed file) and accelerate's random_states_0.pkl likewise (`_LAST_WRITTEN`), each DeepSpeed
+    rank its optimizer shard after its model states, and no rank its shard long before rank 0's
+    model states (`SAVE_SPAN`); DCP's `.metadata` and megatron-core's `metadata.json` after the
+    *.distcp beside them. [] when the checkpoint has none of these files. Failed: files from two
+    saves, a re-save in place not finished; kept, and said why.
+
+    Only "older than" counts: a file added after the save (an evaluation's output, zero_to_fp32's
+    weights) is newer, never a reason. A copy that did not keep mtimes (cp -r without -p) can
+    break the order: its checkpoints are kept, and `plan` says so (planner.decide)."""
+    problems: list[tuple[float, str]] = []  # (seconds out of order, why)
+    checked = False
+    name, who, before = last if last is not None else ("", "", None)
+    ts = files.get(name) if before is not None else None
+    if ts is not None and ts.kind == "f" and before is not None:
+        for rel, e in files.items():
+            if e.kind == "f" and before(rel):
+                checked = True
+                gap = (e.mtime_ns - ts.mtime_ns) / 1e9
+                if gap > MTIME_SLACK:
+                    why = f"{name} is {format_age(gap)} older than {rel}"
+                    problems.append((gap, f"{why}, which {who} writes before it"))
+    distcp: dict[str, tuple[int, str]] = {}  # directory -> its newest *.distcp (mtime, path)
+    for rel, e in files.items():
+        if e.kind == "f" and rel.endswith(".distcp"):
+            d = rel.rpartition("/")[0]
+            distcp[d] = max(distcp.get(d, (0, "")), (e.mtime_ns, rel))
+    for d, (newest_ns, newest) in distcp.items():
+        for last in _WRITTEN_LAST:
+            marker = files.get(f"{d}/{last}" if d else last)
+            if marker is None or marker.kind != "f":
+                continue
+            checked = True
+            gap = (newest_ns - marker.mtime_ns) / 1e9
+            if gap > MTIME_SLACK:
+                why = f"{f'{d}/' if d else ''}{last} is {format_age(gap)} older than {newest}"
+                problems.append((gap, f"{why}, which is written before it"))
+    for tag in tags:
+        prefix = f"{tag}/" if tag else ""
+        here = {
+            rel[len(prefix) :]: e for rel, e in files.items() if rel.startswith(prefix) and e.kind == "f"
+        }
+        # (dp rank or None, mp rank) -> its model states: ZeRO-3's per rank, else mp_rank_XX's
+        states = {
+            (int(m[1]) if m[1] is not None else None, int(m[2])): (m[0], e)
+            for n, e in here.items()
+            if (m := _MODEL_STATES.fullmatch(n))
+        }
+        for name, shard in here.items():
+            if not (o := _OPTIM.fullmatch(name)):
+                continue
+            rank, mp = int(o[2]), int(o[3])
+            # The model states the same process wrote just before this shard (ZeRO-3's own, or
+            # mp_rank_XX's, written by data-parallel rank 0), else rank 0's: one lookup a shard.
+            found = states.get((rank, mp)) or states.get((None, mp))
+            if found is None:
+                continue
+            checked = True
+            ms_name, e = found
+            same = (rank, mp) in states or rank == 0
+            gap = (e.mtime_ns - shard.mtime_ns) / 1e9
+            if gap > (MTIME_SLACK if same else SAVE_SPAN):
+                who = "the same rank" if same else "DeepSpeed"
+                why = (
+                    f"rank {rank}'s shard {prefix}{name} is {format_age(gap)} older than {prefix}{ms_name}, "
+                    f"which {who} writes before it"
+                )
+                problems.append((gap, why))
+    if problems:
+        _, worst = max(problems)
+        more = f" (and {len(problems) - 1} more out of order)" if len(problems) > 1 else ""
+        return [Check(ONE_SAVE, FAILED, f"{MIXED_SAVE}: {worst}{more}; a re-save in place not finished?")]
+    if not checked:
+        return []
+    return [Check(ONE_SAVE, PASSED, "its files are in the order one save writes them")]
+
+
+MIXED_SAVE = "files from two saves"
+
+
+def mixed_save(c: Checkpoint) -> bool:
+    """Whether `one_save` found files from two saves in `c`."""
+    return any(k.name == ONE_SAVE and k.verdict is FAILED for k in c.checks)
 
 
 def read_slim_marker(path: Path, files: dict[str, Entry]) -> slim.Marker | str | None:

@@ -149,7 +149,8 @@ class Checkpoint:
     # When it was saved, from its files' mtimes, ckptd's own files (pin, slim marker, weights it
     # consolidated) and directories left out: a pin or a `touch` of the directory moves neither.
     saved_at: float = 0.0  # the oldest: when the save began
-    written_at: float = 0.0  # the newest: when the save ended
+    written_at: float = 0.0  # the newest of the files its framework saves: when the save ended
+    touched_at: float = 0.0  # the newest of all, files added after the save included (evidence._save_times)
     mounts: tuple[str, ...] = ()  # mount points inside it ("" for itself): never deleted or slimmed
     # Checkpoints of a run of its own, or pins, inside it (layouts.held): never deleted or slimmed
     holds: tuple[str, ...] = ()

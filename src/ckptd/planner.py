@@ -22,6 +22,7 @@ from ckptd.evidence import (
     Inspector,
     QuietJudge,
     RunContext,
+    mixed_save,
     on_quiet_alone,
     resume_pointers,
     with_sibling_census,
@@ -219,6 +220,14 @@ def decide(
                         f"{c.path}: {policy.held_reason(c)}: kept whole, and nothing inside it is managed "
                         "(move that run out of the checkpoint to manage it)"
                     )
+            mixed = [c.name for c in run.checkpoints if mixed_save(c)]
+            if len(mixed) > 1:  # a job re-saves one checkpoint at a time
+                shown = ", ".join(mixed[:3]) + (f" and {len(mixed) - 3} more" if len(mixed) > 3 else "")
+                warnings.append(
+                    f"{run.path}: {len(mixed)} checkpoints hold files from two saves ({shown}), kept while "
+                    "so: more than a re-save in place in flight; copied without their mtimes (cp -r without "
+                    "-p, rsync without -t)? `ckptd verify` names the files out of order"
+                )
             if retention.max_size is not None:
                 ds, w = policy.enforce_max_size(ds, retention.max_size)
                 warnings += w

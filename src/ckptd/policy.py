@@ -94,8 +94,11 @@ def anchors(ckpts: Iterable[Checkpoint]) -> list[tuple[Checkpoint, str]]:
     """A run's anchors, each with the reason it is kept: its newest complete checkpoint by step
     and by time (written last), and its newest complete full (resumable) ones, likewise.
 
-    Times are `written_at`: its files' newest mtime, with ckptd's own files and directories
-    left out, so a pin or a touch of an old checkpoint's directory does not make it the newest.
+    Times are `written_at`: the newest mtime of the files its framework saves, so a pin, a touch
+    of an old checkpoint's directory, or an evaluation's output written into it later does not
+    make it the newest save (red team, item 7). Which files a save wrote is known per layout
+    (`evidence.save_files`); in doubt, the checkpoint written last counting every file
+    (`touched_at`) is kept as well: one more anchor, never one fewer.
     """
     complete = [c for c in ckpts if c.state is State.COMPLETE]
     full = [c for c in complete if not c.slimmed]
@@ -108,7 +111,11 @@ def anchors(ckpts: Iterable[Checkpoint]) -> list[tuple[Checkpoint, str]]:
         if not pool:
             continue
         by_step, by_time = max(pool, key=Checkpoint.sort_key), max(pool, key=_written_key)
-        for c, why in ((by_step, by_step_why + ordered_by(by_step)), (by_time, by_time_why)):
+        by_touch = max(pool, key=_touched_key)
+        touched_why = f"{by_time_why.partition(' (')[0]} counting files added after its save (kept in doubt)"
+        by_step_why += ordered_by(by_step)
+        candidates = ((by_step, by_step_why), (by_time, by_time_why), (by_touch, touched_why))
+        for c, why in candidates:
             if all(c is not a for a, _ in found):
                 found.append((c, why))
     return found
@@ -125,6 +132,10 @@ def ordered_by(c: Checkpoint) -> str:
 
 def _written_key(c: Checkpoint) -> tuple[float, int, str]:
     return (c.written_at, c.step, c.name)
+
+
+def _touched_key(c: Checkpoint) -> tuple[float, int, str]:
+    return (max(c.touched_at, c.written_at), c.step, c.name)
 
 
 def decide_run(run: Run, r: Retention) -> list[Decision]:

@@ -45,6 +45,8 @@ SETS = {
     "held": [T+"test_held_runs.py"],
     # the red team's classes (item by item: pointers, pins, trash, empty paths, non-regular files)
     "rtclasses": [T+"test_redteam_classes.py"],
+    # red team items 5 and 7: which save a checkpoint's files belong to, and when it was saved
+    "one_save": [T+"test_one_save.py"],
 }
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
@@ -380,12 +382,13 @@ MUTS = [
  dict(id="R14", what="anchors re-checked before every deletion (all of them, not the first)", tests="reaper", edits=[(R,
    "        for anchor, why in anchors:\n            fresh = self.scanner.reinspect(anchor.run, anchor.name, now=now)",
    "        for anchor, why in anchors[:1]:\n            fresh = self.scanner.reinspect(anchor.run, anchor.name, now=now)")]),
- dict(id="W1", what="save times leave out ckptd's own files (the pin)", tests="evidence", edits=[(E,
+ dict(id="W1", what="save times leave out ckptd's own files (the pin)", tests=[T+"test_evidence.py", T+"test_one_save.py"],
+   edits=[(E,
    "    own = slim.ckptd_files(marker if isinstance(marker, slim.Marker) else None) | {layouts.PIN_FILE}",
    "    own = slim.ckptd_files(marker if isinstance(marker, slim.Marker) else None)")]),
- dict(id="W1b", what="save times leave out directories", tests="evidence", edits=[(E,
-   "        e.mtime_ns for e in entries if e.kind == \"f\" and e.rel not in own and not slim.in_work_dir(e.rel)",
-   "        e.mtime_ns for e in entries if e.rel not in own and not slim.in_work_dir(e.rel)")]),
+ dict(id="W1b", what="save times leave out directories", tests=[T+"test_evidence.py", T+"test_one_save.py"], edits=[(E,
+   "    theirs = [e for e in entries if e.kind == \"f\" and e.rel not in own and not slim.in_work_dir(e.rel)]",
+   "    theirs = [e for e in entries if e.rel not in own and not slim.in_work_dir(e.rel)]")]),
  dict(id="W2", what="daemon: a future mtime is not quiet", tests="settle", edits=[("tracker.py",
    "        if ahead <= 0:\n", "        if True:\n")]),
  dict(id="W3", what="rank census against the run's last complete checkpoint", tests="evidence", edits=[(E,
@@ -644,4 +647,31 @@ MUTS = [
  dict(id="RT15", what="the lease record is read without blocking", tests="rtclasses", edits=[(LE,
    "                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK\n",
    "                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC\n")]),
+ # --- red team items 5 and 7: files from two saves; the save time, not later additions
+ dict(id="OS1", what="a Trainer checkpoint's files must be from one save", tests="one_save", edits=[(E,
+   "    layouts.HF: (TRAINER_STATE, \"the Trainer\", _before_trainer_state),\n", "")]),
+ dict(id="OS2", what="trainer_state.json older than a file written before it: two saves", tests="one_save", edits=[(E,
+   "                if gap > MTIME_SLACK:\n                    why = f\"{name} is",
+   "                if False:\n                    why = f\"{name} is")]),
+ dict(id="OS3", what="a DeepSpeed shard older than model states written before it: two saves", tests="one_save",
+   edits=[(E, "            if gap > (MTIME_SLACK if same else SAVE_SPAN):", "            if False:")]),
+ dict(id="OS4", what="one process's model states and shard: no SAVE_SPAN of slack", tests="one_save", edits=[(E,
+   "            if gap > (MTIME_SLACK if same else SAVE_SPAN):", "            if gap > SAVE_SPAN:")]),
+ dict(id="OS5", what="a bare DeepSpeed tag's files must be from one save", tests="one_save", edits=[(E,
+   "    if layout == layouts.DEEPSPEED:\n        return [\"\"]\n", "")]),
+ dict(id="OS8", what="DCP's .metadata (megatron-core's metadata.json) older than a .distcp: two saves",
+   tests="one_save", edits=[(E, "        for last in _WRITTEN_LAST:", "        for last in ():")]),
+ dict(id="OS9", what="accelerate's random_states_0.pkl older than a file written before it: two saves",
+   tests="one_save", edits=[(E, "    layouts.ACCELERATE: (\"random_states_0.pkl\", \"accelerate\", _before_random_states),\n", "")]),
+ dict(id="OS6", what="plan says when more than one checkpoint of a run holds two saves", tests="one_save", edits=[(
+   "planner.py", "            if len(mixed) > 1:", "            if False:")]),
+ dict(id="OS7", what="the daemon looks again at a checkpoint whose deletion the reaper refused", tests="one_save",
+   edits=[(DM, "                    if result.outcome is Outcome.REFUSED:\n", "                    if False:\n")]),
+ dict(id="SV1", what="written_at from the save's own files, not files added later", tests="one_save", edits=[(E,
+   "    saved = [e.mtime_ns for e in theirs if save_files(layout, e.rel)] or",
+   "    saved = [e.mtime_ns for e in theirs] or")]),
+ dict(id="SV2", what="in doubt, the checkpoint touched last is an anchor too", tests="one_save", edits=[(P,
+   "(by_time, by_time_why), (by_touch, touched_why))", "(by_time, by_time_why))")]),
+ dict(id="SV3", what="an Orbax step's save time from Orbax's own commit files", tests="one_save", edits=[(E,
+   "        return rel in (layouts.ORBAX_COMMIT, layouts.ORBAX_METADATA)", "        return False")]),
 ]
