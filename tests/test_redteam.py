@@ -1,8 +1,8 @@
 """Red team: ways found to make ckptd delete what its promise protects, through the real CLI.
 
-Each test is a reproduction that fails on the code it was written against; each is marked
-`xfail(strict=True)` so the suite passes until the lead fixes the hole (then the marker goes,
-and the test keeps the fix). Real files, real processes (`ckptd plan`/`prune`, real DeepSpeed
+Each test is a reproduction that failed on the code it was written against (a6066a9); each was
+marked `xfail(strict=True)` until its hole was fixed, and now keeps the fix (the other members
+of each class are in test_redteam_classes.py, test_held_runs.py and test_one_save.py). Real files, real processes (`ckptd plan`/`prune`, real DeepSpeed
 jobs from dsgen.py, real Orbax steps from fwgen.py, real mounts); hand-made look-alikes only
 where the framework is not installed here, and the test says so.
 """
