@@ -281,7 +281,9 @@ def test_a_checkpoint_with_a_future_mtime_does_not_complete_under_the_daemon(tmp
         hf_deepspeed_checkpoint(root / "run", 30, world=2)  # a sane one after it: retention runs
         daemon.wait_for(lambda line: line.get("checkpoint") == "checkpoint-30" and line.get("state") == "complete",
                         start=mark)
-        daemon.wait_message("deleted run/checkpoint-10", start=mark)
+        deleted = daemon.wait_message("deleted run/checkpoint-10", start=mark)[-1]
+        # A state file written after the deletion: the one before it may predate checkpoint-20.
+        daemon.wait_message("state written", start=daemon.lines.index(deleted))
         status = json.loads(run_ckptd("status", "--json", "-c", cfg).stdout)
     states = {c["name"]: c["state"] for c in status[0]["roots"][0]["runs"][0]["checkpoints"]}
     assert states["checkpoint-20"] == "writing"
