@@ -1,0 +1,120 @@
+"""Red team, second round: reproductions of ways to make ckptd delete what its promise protects.
+
+Each test drives the real CLI (`ckptd plan`/`prune` as subprocesses) on real files, and is marked
+`xfail(strict=True)` while the hole it reproduces is open: it fails on the code it was written
+against, and passes (turning the xfail into an error) once the hole is fixed; then drop the mark.
+Hand-made look-alikes (ckptd.demo's DeepSpeed stand-ins) only where the state needs no framework
+to show the hole, and the test says so.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptd.demo import age, deepspeed_files, hf_deepspeed_checkpoint, write_model_states, write_zip
+
+from conftest import run_ckptd
+
+OLD = time.time() - 86400  # a day ago: every quiet period is over
+
+
+def config(tmp_path: Path, root: Path, *, root_extra: str = "", **retention) -> Path:
+    path = tmp_path / "ckptd.toml"
+    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'",
+             f"[[roots]]\npath = '{root}'\nquiet_period = '0s'\n{root_extra}", "[roots.retention]"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in retention.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def prune(cfg: Path, *args) -> str:
+    proc = run_ckptd("prune", "-c", cfg, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def bare_deepspeed(run: Path, step: int, *, world: int = 2, mtime: float | None = None) -> Path:
+    """A bare `global_step<N>/` as DeepSpeed's save_checkpoint names its files (ckptd.demo's
+    stand-ins: valid zips, the model states holding the world sizes ckptd reads)."""
+    gs = run / f"global_step{step}"
+    for name in deepspeed_files(world):
+        if name.endswith("model_states.pt"):
+            write_model_states(gs / name, world)
+        else:
+            write_zip(gs / name, 64)
+    if mtime is not None:
+        age(gs, mtime)
+    return gs
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """mount(...) args, undone at teardown; skips where this process may not mount."""
+    done: list[Path] = []
+
+    def do(*args: str | Path) -> None:
+        proc = subprocess.run(["mount", *map(str, args)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount here ({proc.stderr.strip() or proc.returncode}): needs root")
+        done.append(Path(args[-1]))
+
+    yield do
+    for point in reversed(done):
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+# --- 1. The configured root reached through a bind mount is a root of its own -----------------
+
+
+@pytest.mark.xfail(strict=True, reason="red team 2: a ROOT that is the configured root through a bind "
+                                       "mount gets the built-in defaults, its pins dropped")
+@pytest.mark.parametrize("which", ["the root", "a run's parent inside it"])
+def test_a_root_reached_through_a_bind_mount_keeps_its_pins(tmp_path, mount, which):
+    """The config's root is /vol with `pins = ['team/run/checkpoint-1']`; the same volume is
+    bind-mounted at /mnt (a container's or another node's path for it, or `mount --bind` to give
+    a team its own path). `ckptd prune -c cfg /mnt` (or /mnt/team) is the configured root by
+    every measure the kernel has (same device, same inode), but ckptd recognises another spelling
+    of a root only through symlinks and `..`: it takes /mnt for a root of its own with the
+    built-in defaults, no pins, and a lock of its own (so not even the daemon holding /vol stops
+    it). keep_last=2 then deletes the pinned checkpoint-1."""
+    root = tmp_path / "vol"
+    run = root / "team" / "run"
+    for step in (1, 2, 3, 4):
+        hf_deepspeed_checkpoint(run, step, world=2, mtime=OLD + step)
+    cfg = config(tmp_path, root, root_extra="pins = ['team/run/checkpoint-1']", keep_last=1, keep_best=0)
+    other = tmp_path / "mnt"
+    other.mkdir()
+    mount("--bind", root, other)
+    assert (other / "team" / "run" / "checkpoint-1").is_dir()
+    prune(cfg, other if which == "the root" else other / "team")
+    assert (run / "checkpoint-1").is_dir(), "the pinned checkpoint-1 was deleted through the bind mount's path"
+
+
+# --- 2. DeepSpeed's `latest` holding an absolute path as the trainer's node mounts the volume --
+
+
+@pytest.mark.xfail(strict=True, reason="red team 2: an absolute `latest` spelled through another mount "
+                                       "point names nothing, and its checkpoint is deleted")
+def test_an_absolute_latest_through_another_mount_point_is_kept(tmp_path):
+    """A user rolls a DeepSpeed run back by writing the tag's absolute path into `latest`, as the
+    training node mounts the volume: /data/ckpt/run/global_step10. DeepSpeed's load_checkpoint
+    does os.path.join(load_dir, tag), which is the absolute path itself: on the trainer's node it
+    resumes from global_step10. ckptd's host (a sidecar, another node) mounts the volume at
+    another path; pointer_target resolves the absolute path, finds it outside the run, and
+    concludes the pointer names nothing here, not that it cannot tell. keep_last=1 deletes
+    global_step10, the checkpoint the next resume loads. (An absolute pointer whose target ckptd
+    cannot see should keep, in doubt, what it may name: at least the tag of the same name.)"""
+    root = tmp_path / "vol"
+    run = root / "run"
+    for step in (10, 20, 30):
+        bare_deepspeed(run, step, mtime=OLD + step)
+    (run / "latest").write_text("/data/ckpt/run/global_step10\n")
+    age(run / "latest", OLD + 40)
+    cfg = config(tmp_path, root, keep_last=1, keep_best=0)
+    prune(cfg)
+    assert (run / "global_step10").is_dir(), "`latest` names global_step10 (another mount's path), and it was deleted"
