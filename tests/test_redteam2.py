@@ -10,7 +10,9 @@ to show the hole, and the test says so.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -118,3 +120,45 @@ def test_an_absolute_latest_through_another_mount_point_is_kept(tmp_path):
     cfg = config(tmp_path, root, keep_last=1, keep_best=0)
     prune(cfg)
     assert (run / "global_step10").is_dir(), "`latest` names global_step10 (another mount's path), and it was deleted"
+
+
+# --- 3. A run of torch.distributed.checkpoint saves written inside a Trainer checkpoint ---------
+
+
+def dcp_save(path: Path, step: int) -> None:
+    """A real torch.distributed.checkpoint save (one process, no process group: DCP's no-dist path)."""
+    code = ("import sys, torch, torch.distributed.checkpoint as dcp;"
+            "dcp.save({'w': torch.full((64,), float(sys.argv[2])), 'step': int(sys.argv[2])},"
+            " checkpoint_id=sys.argv[1])")
+    proc = subprocess.run([sys.executable, "-c", code, str(path), str(step)],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        pytest.skip(f"torch.distributed.checkpoint cannot save here: {proc.stderr[-300:]}")
+    assert (path / ".metadata").is_file()
+
+
+@pytest.mark.xfail(strict=True, reason="red team 2: a run of DCP saves inside a checkpoint is taken for "
+                                       "its parts, and deleted with it")
+def test_a_dcp_run_written_inside_a_checkpoint_is_not_deleted_with_it(tmp_path):
+    """The red team's item 2 again, with torch.distributed.checkpoint: a fine-tuning script given
+    `--output_dir out/checkpoint-500` (the checkpoint it starts from) saves its own steps there
+    with dcp.save as step_10/, step_20/ (ckptd's `dcp` layout: 'the last number in the name').
+    layouts.held counts DCP directories nowhere, as parts of the checkpoint (FSDP's
+    pytorch_model_fsdp_0/), and the evidence's own DCP check passes them ('.metadata present').
+    So checkpoint-500 is one complete old checkpoint of `out`: once the outer job saves again,
+    keep_last deletes it, and the nested run's every save, its newest included, goes with it.
+    (The same nested run at the top of a root is two checkpoints ckptd keeps the newest of.)
+    Real DCP files (dcp.save in one process); the Trainer's checkpoints are ckptd.demo's."""
+    root = tmp_path / "vol"
+    out = root / "out"
+    for step in (500, 1000, 1500):
+        hf_deepspeed_checkpoint(out, step, world=2, mtime=OLD + step)
+    nested = out / "checkpoint-500"
+    for step in (10, 20):
+        dcp_save(nested / f"step_{step}", step)
+        age(nested / f"step_{step}", OLD + 3000 + step)
+    os.utime(nested, (OLD + 3020, OLD + 3020))
+    hf_deepspeed_checkpoint(out, 2000, world=2, mtime=OLD + 4000)  # the outer job saved again, later
+    cfg = config(tmp_path, root, keep_last=1, keep_best=0)
+    prune(cfg)
+    assert (nested / "step_20").is_dir(), "the nested DCP run's newest save was deleted with checkpoint-500"
