@@ -88,7 +88,8 @@ def test_a_root_reached_through_a_bind_mount_keeps_its_pins(tmp_path, mount, whi
     run = root / "team" / "run"
     for step in (1, 2, 3, 4):
         hf_deepspeed_checkpoint(run, step, world=2, mtime=OLD + step)
-    cfg = config(tmp_path, root, root_extra="pins = ['team/run/checkpoint-1']", keep_last=1, keep_best=0)
+    cfg = config(tmp_path, root, keep_last=1, keep_best=0, pins=["team/run/checkpoint-1"])
+    assert "keep" in run_ckptd("plan", "-c", cfg).stdout.splitlines()[1], "the pin holds on the root's own path"
     other = tmp_path / "mnt"
     other.mkdir()
     mount("--bind", root, other)
@@ -162,3 +163,30 @@ def test_a_dcp_run_written_inside_a_checkpoint_is_not_deleted_with_it(tmp_path):
     cfg = config(tmp_path, root, keep_last=1, keep_best=0)
     prune(cfg)
     assert (nested / "step_20").is_dir(), "the nested DCP run's newest save was deleted with checkpoint-500"
+
+
+# --- near-miss: a pin spelled through a symlink to the root is refused as "never matches" ------
+
+
+@pytest.mark.xfail(strict=True, reason="red team 2 (near-miss): an absolute pin through a symlinked "
+                                       "spelling of the root is a config error")
+def test_an_absolute_pin_through_a_symlink_to_the_root_pins(tmp_path):
+    """The root is configured as its real path, /data/vol; users know it by the symlink the
+    cluster provides, /vol -> /data/vol, and pin `/vol/team/run/checkpoint-1`. ckptd compares
+    the pin with the root lexically: 'not under the root: it would never match', exit 78, so
+    every command (and the daemon) refuses the config, though the pin names a checkpoint under
+    the root by any measure the kernel has. The other way round (the root configured through the
+    symlink, the pin as the real path) is accepted and pins. Nothing is deleted (the refusal is
+    loud), hence a near-miss: the daemon does not start after a reload of such a pin list
+    (the old config stays in force), and `prune` from cron stops running."""
+    real = tmp_path / "data" / "vol"
+    run = real / "team" / "run"
+    for step in (1, 2, 3):
+        hf_deepspeed_checkpoint(run, step, world=2, mtime=OLD + step)
+    link = tmp_path / "vol"
+    link.symlink_to(real)
+    cfg = config(tmp_path, real, keep_last=1, keep_best=0, pins=[f"{link}/team/run/checkpoint-1"])
+    proc = run_ckptd("plan", "-c", cfg)
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if " checkpoint-1 " in line)
+    assert "pinned" in row, row
