@@ -190,3 +190,32 @@ def test_an_absolute_pin_through_a_symlink_to_the_root_pins(tmp_path):
     assert proc.returncode == 0, proc.stderr
     row = next(line for line in proc.stdout.splitlines() if " checkpoint-1 " in line)
     assert "pinned" in row, row
+
+
+@pytest.mark.xfail(strict=True, reason="red team 2: two configured roots that overlap through a bind mount "
+                                       "are accepted, and one deletes what the other pins")
+def test_configured_roots_overlapping_through_a_bind_mount_are_refused(tmp_path, mount):
+    """Roots that overlap as written (`/vol` and `/vol/team`) are a config error (78: 'overlaps').
+    The same overlap through a bind mount (team-a's directory also mounted at /mnt/team, as the
+    team's jobs see it, and configured as a root of its own with the defaults) is accepted:
+    check-config says OK, and `prune` plans each root apart. /mnt/team's pass (keep_last=2)
+    deletes checkpoint-1, which /vol's retention pins; /vol's own pass then warns that its pin
+    matches nothing. Two deleters of one run, each with its own rules, and the pin lost."""
+    root = tmp_path / "vol"
+    run = root / "team" / "run"
+    for step in (1, 2, 3, 4):
+        hf_deepspeed_checkpoint(run, step, world=2, mtime=OLD + step)
+    other = tmp_path / "mnt"
+    other.mkdir()
+    mount("--bind", root / "team", other)
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(
+        f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n"
+        f"[[roots]]\npath = '{other}'\nquiet_period = '0s'\n"
+        f"[[roots]]\npath = '{root}'\nquiet_period = '0s'\n"
+        "[roots.retention]\nkeep_last = 1\nkeep_best = 0\npins = ['team/run/checkpoint-1']\n"
+    )
+    proc = run_ckptd("prune", "-c", cfg)
+    if proc.returncode == 78:  # refused, as the lexical overlap is: the fix
+        return
+    assert (run / "checkpoint-1").is_dir(), "checkpoint-1, pinned by /vol's retention, was deleted through /mnt"
