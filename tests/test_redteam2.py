@@ -9,8 +9,10 @@ to show the hole, and the test says so.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +25,11 @@ from ckptd.demo import age, deepspeed_files, hf_deepspeed_checkpoint, write_mode
 from conftest import run_ckptd
 
 OLD = time.time() - 86400  # a day ago: every quiet period is over
+
+no_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("torch") is None,
+    reason="needs ckptd[deepspeed] (torch==2.13.0, deepspeed)",
+)
 
 
 def config(tmp_path: Path, root: Path, *, root_extra: str = "", **retention) -> Path:
@@ -219,3 +226,42 @@ def test_configured_roots_overlapping_through_a_bind_mount_are_refused(tmp_path,
     if proc.returncode == 78:  # refused, as the lexical overlap is: the fix
         return
     assert (run / "checkpoint-1").is_dir(), "checkpoint-1, pinned by /vol's retention, was deleted through /mnt"
+
+
+# --- 4. Lightning's DeepSpeed checkpoint directory: no census of its shards ----------------------
+
+
+@pytest.mark.deepspeed
+@no_deepspeed
+@pytest.mark.xfail(strict=True, reason="red team 2: a Lightning DeepSpeed checkpoint directory missing a "
+                                       "rank's shard is complete, and the last whole one is deleted")
+def test_a_lightning_deepspeed_checkpoint_missing_a_shard_is_not_complete(zero3_bf16_bare, tmp_path):
+    """Lightning's DeepSpeedStrategy saves each checkpoint as a *directory* named like the file
+    (`epoch=1-step=20.ckpt/`): `deepspeed_engine.save_checkpoint(filepath, tag="checkpoint")`, so
+    the shards are in `<name>.ckpt/checkpoint/` and `latest` says `checkpoint`
+    (lightning/pytorch/strategies/deepspeed.py save_checkpoint). ckptd takes the directory for a
+    Lightning checkpoint and checks only quiet, NeMo's marker and the files' integrity: the
+    DeepSpeed census (every rank's optimizer shard, from the model states' world sizes) runs for
+    `global_step*` tags in Trainer checkpoints, bare runs and accelerate's tag directories, never
+    here. With rank 1's shard missing (rank 1 killed mid-save, or still on its way: nothing of
+    it in the directory yet), step 20 is 'complete', the newest, and keep_last=1 deletes step 10,
+    the only checkpoint that can be resumed. Real DeepSpeed files (ZeRO-3 bf16, 2 ranks, from
+    dsgen) in the directory Lightning puts them in; Lightning's DeepSpeedStrategy needs CUDA, so
+    the directory is laid out by hand as deepspeed.py lays it out."""
+    root = tmp_path / "vol"
+    ckpts = root / "team" / "run" / "lightning_logs" / "version_0" / "checkpoints"
+    for epoch, step in enumerate((10, 20)):
+        d = ckpts / f"epoch={epoch}-step={step}.ckpt"
+        shutil.copytree(zero3_bf16_bare / f"global_step{step}", d / "checkpoint")
+        (d / "latest").write_text("checkpoint")
+    killed = ckpts / "epoch=1-step=20.ckpt" / "checkpoint"
+    shards = sorted(killed.glob("*zero_pp_rank_1_*optim_states.pt"))
+    assert shards, sorted(p.name for p in killed.iterdir())
+    for p in shards:
+        p.unlink()
+    age(root, OLD)
+    cfg = config(tmp_path, root, keep_last=1, keep_best=0)
+    proc = run_ckptd("plan", "-c", cfg)
+    row = next(line for line in proc.stdout.splitlines() if "step=20" in line)
+    prune(cfg)
+    assert (ckpts / "epoch=0-step=10.ckpt").is_dir(), f"the last whole checkpoint was deleted; step 20: {row}"
