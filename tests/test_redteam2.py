@@ -265,3 +265,35 @@ def test_a_lightning_deepspeed_checkpoint_missing_a_shard_is_not_complete(zero3_
     row = next(line for line in proc.stdout.splitlines() if "step=20" in line)
     prune(cfg)
     assert (ckpts / "epoch=0-step=10.ckpt").is_dir(), f"the last whole checkpoint was deleted; step 20: {row}"
+
+
+# --- near-miss: Lightning's FSDP sharded checkpoints are megatron-core ones missing metadata.json -
+
+
+@pytest.mark.xfail(strict=True, reason="red team 2 (near-miss): Lightning's FSDP sharded checkpoint "
+                                       "directories are never complete (megatron-core metadata.json missing)")
+def test_lightning_fsdp_sharded_checkpoints_can_be_complete(tmp_path):
+    """Lightning's FSDPStrategy with state_dict_type="sharded" saves each checkpoint as a directory
+    named like the file (`epoch=0-step=100.ckpt/`): torch.distributed.checkpoint's files, then
+    rank 0's `meta.pt` (lightning/pytorch/strategies/fsdp.py save_checkpoint,
+    _distributed_checkpoint_save, _METADATA_FILENAME). ckptd takes a Lightning-named directory of
+    DCP files for a NeMo/megatron-core distributed checkpoint and demands megatron-core's
+    `metadata.json`, which Lightning never writes: every such checkpoint is 'incomplete' for
+    ever. Nothing is deleted (safe), but nothing is ever freed either, and `plan` blames a file
+    of another framework. Real DCP files (dcp.save, one process) and a real torch.save meta.pt,
+    laid out as fsdp.py lays them out; Lightning refuses FSDP on the CPU, so it cannot write them
+    here itself."""
+    root = tmp_path / "vol"
+    ckpts = root / "team" / "run" / "lightning_logs" / "version_0" / "checkpoints"
+    code = ("import sys, torch; torch.save({'epoch': int(sys.argv[2]), 'global_step': int(sys.argv[3])},"
+            " sys.argv[1])")
+    for epoch, step in enumerate((100, 200)):
+        d = ckpts / f"epoch={epoch}-step={step}.ckpt"
+        dcp_save(d, step)
+        subprocess.run([sys.executable, "-c", code, str(d / "meta.pt"), str(epoch), str(step)], check=True,
+                       timeout=120)
+        age(d, OLD + step)
+    cfg = config(tmp_path, root, keep_last=1, keep_best=0)
+    proc = run_ckptd("plan", "-c", cfg)
+    rows = [line for line in proc.stdout.splitlines() if ".ckpt" in line]
+    assert len(rows) == 2 and all(" complete " in r for r in rows), proc.stdout
