@@ -297,3 +297,52 @@ def test_lightning_fsdp_sharded_checkpoints_can_be_complete(tmp_path):
     proc = run_ckptd("plan", "-c", cfg)
     rows = [line for line in proc.stdout.splitlines() if ".ckpt" in line]
     assert len(rows) == 2 and all(" complete " in r for r in rows), proc.stdout
+
+
+# --- 5. Lightning's last.ckpt as a link: its target is what ckpt_path="last" loads ---------------
+
+_LIGHTNING_LINK_JOB = """
+import sys, torch, lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+class M(L.LightningModule):
+    def __init__(self):
+        super().__init__(); self.l = torch.nn.Linear(4, 1)
+    def training_step(self, b, i):
+        self.log("m", float(self.global_step))  # worse at every step: the first save stays the best
+        return self.l(b[0]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+d = sys.argv[1]
+best = ModelCheckpoint(dirpath=d, filename="best-{epoch}-{step}", monitor="m", mode="min", save_top_k=1,
+                       save_last="link", every_n_train_steps=2)
+periodic = ModelCheckpoint(dirpath=d, filename="{epoch}-{step}", save_top_k=-1, every_n_train_steps=2)
+t = L.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[best, periodic], logger=False,
+              enable_progress_bar=False, enable_model_summary=False)
+t.fit(M(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="red team 2: the target of Lightning's last.ckpt link (what "
+                                       "ckpt_path='last' loads) is deleted")
+def test_the_target_of_lightnings_last_link_is_kept(tmp_path):
+    """Lightning's ModelCheckpoint(save_last="link") makes last.ckpt a symlink to the file it saved
+    last, instead of a copy (lightning/pytorch/callbacks/model_checkpoint.py _save_last_checkpoint,
+    _link_checkpoint). With a top-k callback on a metric beside a periodic one (the usual pair),
+    the top-k callback saves nothing once the metric stops improving, and its last.ckpt keeps
+    pointing at its best file, `best-epoch=0-step=2.ckpt`, while the periodic callback writes
+    newer steps beside it. ckptd never deletes last.ckpt itself ('what ckpt_path="last" loads'),
+    but the file the link names is an ordinary old step: keep_last (the defaults too) deletes it,
+    last.ckpt dangles, and `Trainer.fit(ckpt_path="last")` has nothing to load. Real Lightning
+    files: a 6-step CPU fit with the two callbacks."""
+    ckpts = tmp_path / "vol" / "run" / "checkpoints"
+    proc = subprocess.run([sys.executable, "-c", _LIGHTNING_LINK_JOB, str(ckpts)], capture_output=True,
+                          text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.skip(f"lightning cannot run here: {proc.stderr[-300:]}")
+    target = os.readlink(ckpts / "last.ckpt")
+    assert target == "best-epoch=0-step=2.ckpt", target
+    assert any(p.name == "epoch=0-step=6.ckpt" for p in ckpts.iterdir())
+    age(tmp_path / "vol", OLD)
+    cfg = config(tmp_path, tmp_path / "vol", keep_last=1, keep_best=0)
+    prune(cfg)
+    assert (ckpts / "last.ckpt").resolve().is_file(), f"last.ckpt -> {target}, which was deleted"
