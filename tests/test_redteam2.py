@@ -346,3 +346,31 @@ def test_the_target_of_lightnings_last_link_is_kept(tmp_path):
     cfg = config(tmp_path, tmp_path / "vol", keep_last=1, keep_best=0)
     prune(cfg)
     assert (ckpts / "last.ckpt").resolve().is_file(), f"last.ckpt -> {target}, which was deleted"
+
+
+# --- near-miss: a prune with another state_dir deletes beside the daemon that leads the root -----
+
+
+@pytest.mark.xfail(strict=True, reason="red team 2 (near-miss): on a local filesystem the root's lock lives "
+                                       "in state_dir: a prune with another state_dir deletes beside the daemon")
+def test_a_prune_with_another_state_dir_waits_for_the_daemon_leading_the_root(tmp_path):
+    """README: one deleter per root; `prune` takes the same lock as the daemon and exits 75 while a
+    live ckptd holds it. With `leadership = "auto"` on a local filesystem the lock is
+    `state_dir/locks/<hash of the root>.lock`: a daemon run from the packaged unit
+    (state_dir /var/lib/ckptd) and a `ckptd prune` from a user's cron with a config of its own
+    (its own state_dir), or a docker sidecar with its own state volume beside a host unit, hold
+    different locks on the same root. The prune goes ahead and deletes while the daemon leads (its
+    plan, consolidations and trash at the same time), each journalling in its own state_dir.
+    Nothing protected is deleted by this alone (each deleter re-checks), hence a near-miss."""
+    from daemonproc import DaemonProc, write_config
+
+    root = tmp_path / "vol"
+    for step in (1, 2, 3):
+        hf_deepspeed_checkpoint(root / "run", step, world=2, mtime=OLD + step)
+    daemon_cfg = write_config(tmp_path / "daemon.toml", root, tmp_path / "state-daemon",
+                              root_extra="quiet_period = '1h'", retention="keep_last = 1\nkeep_best = 0")
+    cron_cfg = config(tmp_path, root, keep_last=1, keep_best=0)  # state_dir tmp_path/state
+    with DaemonProc("-c", daemon_cfg) as daemon:
+        daemon.wait_message("this ckptd deletes here", timeout=60)
+        proc = run_ckptd("prune", "-c", cron_cfg)
+    assert proc.returncode == 75, f"prune ran beside the leading daemon (exit {proc.returncode}):\n{proc.stdout}"
