@@ -374,3 +374,36 @@ def test_a_prune_with_another_state_dir_waits_for_the_daemon_leading_the_root(tm
         daemon.wait_message("this ckptd deletes here", timeout=60)
         proc = run_ckptd("prune", "-c", cron_cfg)
     assert proc.returncode == 75, f"prune ran beside the leading daemon (exit {proc.returncode}):\n{proc.stdout}"
+
+
+# --- 6. Rewriting trainer_state.json in every checkpoint moves every save time ------------------
+
+
+@pytest.mark.xfail(strict=True, reason="red team 2: a script rewriting trainer_state.json in each checkpoint "
+                                       "(sed -i after a move) takes the resumed job's newest save off its anchor")
+def test_trainer_state_rewritten_in_place_does_not_unprotect_the_newest_save(tmp_path):
+    """Red team item 7 with a file the Trainer does save. A run resumed from checkpoint-3000 (4000
+    and 5000 diverged) saved checkpoint-3500: 'written last', kept. Then the run is moved
+    (`mv out /vol/archive/out`) and, as the Trainer's `best_model_checkpoint` holds the old path,
+    the paths are fixed with `sed -i` over `*/trainer_state.json` (shell order: 3000, 3500, 4000,
+    5000). sed -i writes a new file and renames it over the old one: every trainer_state.json now
+    has the time of the fix, in name order, so checkpoint-5000 is both the newest by step and
+    'written last'; `one_save` is content (trainer_state.json is newest in each). keep_last=2
+    keeps 5000 and 4000 and deletes checkpoint-3500, the resumed job's only save. The mtimes of
+    the files written before trainer_state.json (global_step*/, rng states) still tell the
+    saves' order."""
+    root = tmp_path / "vol"
+    run = root / "out"
+    for step in (3000, 4000, 5000):
+        hf_deepspeed_checkpoint(run, step, world=2, mtime=OLD + step)
+    hf_deepspeed_checkpoint(run, 3500, world=2, mtime=OLD + 20_000)  # the resumed job's save
+    for i, step in enumerate((3000, 3500, 4000, 5000)):  # sed -i, in the shell's order
+        ts = run / f"checkpoint-{step}" / "trainer_state.json"
+        fixed = ts.parent / ".sedXYZ"
+        fixed.write_text(ts.read_text().replace(str(run), "/vol/archive/out"))
+        os.replace(fixed, ts)
+        os.utime(ts, (OLD + 30_000 + i, OLD + 30_000 + i))
+        os.utime(ts.parent, (OLD + 30_000 + i, OLD + 30_000 + i))
+    cfg = config(tmp_path, root, keep_last=2, keep_best=0)
+    prune(cfg)
+    assert (run / "checkpoint-3500").is_dir(), "the resumed job's newest save was deleted"
