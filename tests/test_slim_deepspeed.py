@@ -422,7 +422,10 @@ def _pids(fifo_fd: int, timeout: float = 180):
         while b"\n" not in buffered:
             ready, _, _ = select.select([fifo_fd], [], [], timeout)
             assert ready, "no consolidator paused"
-            buffered += os.read(fifo_fd, 64)
+            try:
+                buffered += os.read(fifo_fd, 64)
+            except BlockingIOError:  # woken with nothing to read (a writer came and went): wait again
+                continue
         line, buffered = buffered.split(b"\n", 1)
         yield int(line)
 

@@ -234,5 +234,5 @@ def test_slimming_runs_where_writable_memory_cannot_become_executable(zero3_bf16
     proc = subprocess.run([sys.executable, "-c", MDWE, "prune", "-c", str(cfg)], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "-> slimmed: consolidated global_step10 into model.safetensors" in proc.stdout
-    assert (root / "run" / "global_step10" / "model.safetensors").is_file()
+    assert "-> slimmed: consolidated global_step10 into fp32/" in proc.stdout
+    assert (root / "run" / "global_step10" / "fp32" / "model.safetensors.index.json").is_file()
