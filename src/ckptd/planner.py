@@ -22,6 +22,7 @@ from ckptd.evidence import Inspector, QuietJudge, RunContext
 from ckptd.layouts import Candidate, compile_pattern
 from ckptd.model import Check, Checkpoint, Run, Verdict
 from ckptd.policy import Decision, Plan
+from ckptd.verdicts import Verdicts, cache_path
 
 log = logging.getLogger(__name__)
 
@@ -38,22 +39,55 @@ def disk_space(path: Path) -> DiskSpace:
 
 
 class Scanner:
-    """Inspects the runs of one root. Keeps its inspector's cache between scans."""
+    """Inspects the runs of one root. Keeps what its inspector read (`verdicts.py`) between scans.
 
-    def __init__(self, root: Root, quiet: QuietJudge | None = None):
+    With a `state_dir` that exists, what was read is also kept there across processes: loaded
+    here, saved by `save_verdicts` (after `runs`, and by the daemon's tracker after each full
+    scan). The state_dir is not created for this: `ckptd plan` stays free of side effects on a
+    machine where no ckptd ever ran.
+    """
+
+    def __init__(
+        self,
+        root: Root,
+        quiet: QuietJudge | None = None,
+        *,
+        state_dir: Path | None = None,
+        verdicts: Verdicts | None = None,
+    ):
         self.root = root
         self.quiet = quiet  # the daemon's settler; None: compare mtimes with the wall clock
         self.patterns = [compile_pattern(p) for p in root.patterns]
-        self.inspector = Inspector(quiet_period=root.quiet_period, mp_world_size=root.mp_world_size)
+        self.verdict_file = cache_path(state_dir, root.path) if state_dir is not None else None
+        if verdicts is None:
+            verdicts = Verdicts()
+            if self.verdict_file is not None:
+                verdicts.load(self.verdict_file, root.path)
+        self.inspector = Inspector(
+            quiet_period=root.quiet_period, mp_world_size=root.mp_world_size, verdicts=verdicts
+        )
+
+    @property
+    def verdicts(self) -> Verdicts:
+        return self.inspector.verdicts
+
+    def save_verdicts(self) -> None:
+        """Write what was proven to `state_dir`, if there is one and anything changed."""
+        if self.verdict_file is not None and self.verdicts.dirty and self.verdict_file.parent.is_dir():
+            self.verdicts.save(self.verdict_file, self.root.path)
 
     def check_root(self) -> None:
         if not self.root.path.is_dir():
             raise RootMissingError(f"root {self.root.path} does not exist or is not a directory")
 
     def runs(self, *, now: float) -> list[Run]:
+        """Every run of the root, each checkpoint inspected; what was read is saved (`save_verdicts`)."""
         self.check_root()
         dirs = find_runs(self.root.path, max_depth=self.root.max_depth, patterns=self.patterns)
-        return [self.inspect_run(d, now=now) for d in dirs]
+        runs = [self.inspect_run(d, now=now) for d in dirs]
+        self.verdicts.retain(str(c.path) for r in runs for c in r.checkpoints)
+        self.save_verdicts()
+        return runs
 
     def inspect_run(self, run_dir: RunDir, *, now: float) -> Run:
         ckpts = [c for cand in run_dir.candidates if (c := self.inspect(run_dir, cand, now=now)) is not None]
@@ -84,12 +118,18 @@ class Scanner:
             return Checkpoint(self.root.path, run_dir.rel, cand.name, cand.step, cand.layout, (why,))
 
     def reinspect(self, run_rel: str, name: str, *, now: float) -> Checkpoint | None:
-        """One checkpoint, looked at afresh: None if it is gone or no longer recognised."""
+        """One checkpoint, looked at afresh: None if it is gone or no longer recognised.
+
+        For the reaper's re-check just before it acts: every entry is walked and stat'ed again,
+        and a file is read again unless this process itself read it at the same identity; a
+        verdict loaded from `state_dir` is never used here (`Verdicts.strict`).
+        """
         run_dir = find_run(self.root.path, run_rel, patterns=self.patterns)
         cand = next((c for c in run_dir.candidates if c.name == name), None) if run_dir else None
         if run_dir is None or cand is None:
             return None
-        return self.inspect(run_dir, cand, now=now)
+        with self.verdicts.strict():
+            return self.inspect(run_dir, cand, now=now)
 
 
 def decide(
