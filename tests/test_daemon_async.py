@@ -369,6 +369,34 @@ async def test_the_state_file_shows_each_checkpoints_decision_and_reuses_unchang
     assert [r["state"] for r in rows()] == ["writing", "complete", "complete"]
 
 
+async def test_a_refusal_sends_the_tracker_to_look_at_what_changed_in_place(tmp_path):
+    """A reconcile does not walk an unchanged complete checkpoint (only its directories are
+    stat'ed), so a file rewritten in place goes unseen until the reaper's re-check finds it and
+    refuses; the refusal makes the tracker look again, and the plan follows the disk."""
+    import time
+
+    from ckptd.verdicts import RACY_NS
+
+    root = tmp_path / "vol"
+    for step in (1, 2):
+        hf_deepspeed_checkpoint(root / "job", step, world=2)
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state", root_extra="quiet_period = '1s'",
+                       retention="keep_last = 1\nkeep_best = 0")
+    now = [1000.0]
+    daemon, rt = ticked_daemon(cfg, lambda: now[0])
+    rt.tracker.scanner.verdicts.clock_ns = lambda: time.time_ns() + 10 * RACY_NS  # the files count as old
+    now[0] += 2
+    rt.tracker.step(now[0])
+    assert {c.name: str(c.state) for c in rt.tracker.checkpoints()} == {
+        "checkpoint-1": "complete", "checkpoint-2": "complete"}
+    (root / "job" / "checkpoint-2" / "trainer_state.json").write_text("{}")  # the anchor, in place
+    rt.tracker.full_scan()
+    assert str(rt.tracker.runs["job"].checkpoints["checkpoint-2"].state) == "complete"  # unseen
+    daemon._retention()  # decides to delete checkpoint-1; the re-check finds the anchor changed
+    # changed: its quiet period starts again (the re-check's look saw the change first)
+    assert str(rt.tracker.runs["job"].checkpoints["checkpoint-2"].state) == "settling"
+
+
 async def test_a_missing_root_does_not_stop_retention_on_the_others(tmp_path):
     """Found in review: free space counted every root's pending trash by stat'ing each root, so
     one unmounted root made every pass fail ("retention skipped") for all of them."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from ckptd.demo import hf_deepspeed_checkpoint, write_zip
 from ckptd.model import State, Verdict
 from ckptd.settle import Settler
 from ckptd.tracker import HINT_DEBOUNCE, RootTracker
+from ckptd.verdicts import RACY_NS
 
 
 class Clock:
@@ -75,7 +77,11 @@ def clock():
 
 
 def tracker(root: Path, clock: Clock, **kw) -> RootTracker:
-    return RootTracker(Root(path=root, quiet_period=60, world_size=2, **kw), clock)
+    t = RootTracker(Root(path=root, quiet_period=60, world_size=2, **kw), clock)
+    # The wall clock the verdicts' racy-clean rule reads: the test's files count as written well
+    # before each look (as they are, one quiet period before, outside a test).
+    t.scanner.verdicts.clock_ns = lambda: time.time_ns() + 10 * RACY_NS
+    return t
 
 
 def states(t: RootTracker) -> dict[str, State]:
@@ -143,8 +149,14 @@ def test_polling_does_not_walk_complete_checkpoints(tmp_path, clock, monkeypatch
     monkeypatch.setattr(evidence, "walk", lambda p: walked.append(p) or real_walk(p))
     t.poll()
     assert walked == []
-    t.full_scan()  # reconcile looks again
+    t.full_scan()  # a reconcile stats its directories: unchanged, so not walked
+    assert walked == []
+    (tmp_path / "run" / "checkpoint-10" / "global_step10" / "extra.pt").write_bytes(b"x")
+    t.full_scan()  # a directory of it changed: walked, and found writing again
     assert walked == [tmp_path / "run" / "checkpoint-10"]
+    assert states(t) == {"run/checkpoint-10": State.WRITING}
+    t.full_scan(deep=True)  # after a reload: every checkpoint walked
+    assert walked[1:] == [tmp_path / "run" / "checkpoint-10"]
 
 
 def test_vanished_checkpoints_are_forgotten(tmp_path, clock):
@@ -221,3 +233,234 @@ def test_mtimes_far_in_the_past_or_future_do_not_complete_anything_early(tmp_pat
     t.full_scan()
     assert t.step(clock.advance(59.9)).completed == []
     assert [c.rel for c in t.step(clock.advance(0.1)).completed] == ["run/checkpoint-10"]
+
+
+# --- what a reconcile costs: O(directories) for complete checkpoints -----------------
+
+
+class MetadataCounter:
+    """Counts the metadata operations this process makes: stat calls (os.stat, os.lstat,
+    DirEntry.stat), directory listings (os.scandir, os.listdir) and opens (os.open, open)."""
+
+    def __init__(self, monkeypatch):
+        import builtins
+        from collections import Counter
+
+        self.counts: Counter[str] = Counter()
+        counts = self.counts
+
+        def counted(kind, fn):
+            def wrapper(*a, **kw):
+                counts[kind] += 1
+                return fn(*a, **kw)
+
+            return wrapper
+
+        class Entry:
+            __slots__ = ("_e",)
+
+            def __init__(self, e):
+                self._e = e
+
+            def __getattr__(self, name):
+                return getattr(self._e, name)
+
+            def __fspath__(self):
+                return self._e.path
+
+            def stat(self, *, follow_symlinks=True):
+                counts["stat"] += 1
+                return self._e.stat(follow_symlinks=follow_symlinks)
+
+        class Listing:
+            def __init__(self, it):
+                self._it = it
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self._it.close()
+
+            def __iter__(self):
+                return (Entry(e) for e in self._it)
+
+            def close(self):
+                self._it.close()
+
+        real_scandir = os.scandir
+
+        def scandir(path="."):
+            counts["listing"] += 1
+            return Listing(real_scandir(path))
+
+        monkeypatch.setattr(os, "stat", counted("stat", os.stat))
+        monkeypatch.setattr(os, "lstat", counted("stat", os.lstat))
+        monkeypatch.setattr(os, "scandir", scandir)
+        monkeypatch.setattr(os, "listdir", counted("listing", os.listdir))
+        monkeypatch.setattr(os, "open", counted("open", os.open))
+        monkeypatch.setattr(builtins, "open", counted("open", builtins.open))
+
+    def take(self) -> dict[str, int]:
+        out = dict(self.counts)
+        self.counts.clear()
+        return out
+
+
+def complete_volume(root: Path, clock: Clock, runs: int = 3, per_run: int = 4) -> RootTracker:
+    for r in range(runs):
+        for i in range(per_run):
+            hf_deepspeed_checkpoint(root / f"team-{r % 2}" / f"run-{r}", 10 * (i + 1), world=4)
+    t = tracker(root, clock)
+    t.full_scan()
+    t.step(clock.advance(60))
+    assert set(states(t).values()) == {State.COMPLETE}
+    return t
+
+
+def test_a_reconcile_stats_the_directories_of_complete_checkpoints_and_reads_nothing(tmp_path, clock,
+                                                                                    monkeypatch):
+    """The metadata load a reconcile puts on a shared filesystem's metadata server: the directories
+    on the way to runs are listed, each complete checkpoint's two directories stat'ed, no file
+    opened, no file inside stat'ed (counts are exact, so the bound is tight)."""
+    t = complete_volume(tmp_path, clock)
+    counter = MetadataCounter(monkeypatch)
+    t.full_scan()
+    ops = counter.take()
+    dirs, ckpts = len(t.dirs), len(t.checkpoints())
+    assert ops.get("open", 0) == 0
+    assert ops["listing"] <= dirs
+    assert ops["stat"] <= 1 + dirs + 2 * ckpts  # the root; each listed directory; each checkpoint's two
+    files = sum(1 for _ in tmp_path.rglob("*"))
+    t.full_scan(deep=True)  # what every reconcile cost before: every entry stat'ed (nothing read again)
+    deep = counter.take()
+    assert deep["stat"] > files and deep.get("open", 0) == 0
+
+
+def test_an_idle_poll_stats_only_the_directories_on_the_way(tmp_path, clock, monkeypatch):
+    t = complete_volume(tmp_path, clock)
+    counter = MetadataCounter(monkeypatch)
+    t.poll()
+    assert counter.take() == {"stat": len(t.dirs)}
+
+
+def test_a_checkpoint_rewritten_in_place_is_looked_at_when_the_reaper_refuses(tmp_path, clock):
+    """A file rewritten in place changes no directory, so a reconcile does not see it; the
+    reaper's re-check does (it walks every entry), and its refusal sends the tracker to look."""
+    t = complete_volume(tmp_path, clock, runs=1, per_run=2)
+    ckpt = tmp_path / "team-0" / "run-0" / "checkpoint-10"
+    with open(ckpt / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", "r+b") as f:
+        f.truncate(100)  # same name, same directory entries
+    t.full_scan()
+    assert states(t)["team-0/run-0/checkpoint-10"] is State.COMPLETE  # not seen: no directory changed
+    t.refused("team-0/run-0/checkpoint-10")
+    assert states(t)["team-0/run-0/checkpoint-10"] is State.WRITING
+
+
+def test_a_refusal_also_looks_at_the_runs_newest_complete_checkpoint(tmp_path, clock):
+    t = complete_volume(tmp_path, clock, runs=1, per_run=3)
+    newest = tmp_path / "team-0" / "run-0" / "checkpoint-30"
+    (newest / "trainer_state.json").write_text("{}")  # rewritten in place: the anchor changed
+    t.refused("team-0/run-0/checkpoint-10")
+    assert states(t)["team-0/run-0/checkpoint-30"] is State.WRITING
+
+
+def test_a_tracker_file_rewritten_beside_complete_checkpoints_is_seen_by_a_reconcile(tmp_path, clock):
+    """Megatron's tracker is rewritten in place in the run directory; the evidence of every
+    checkpoint of the run reads it, so a change to it (here: a job restarted from scratch)
+    makes the reconcile look at them all."""
+    from ckptd.demo import write_zip
+
+    run = tmp_path / "run"
+    for step in (1000, 2000):
+        write_zip(run / f"iter_{step:07d}" / "mp_rank_00" / "model_optim_rng.pt")
+    (run / "latest_checkpointed_iteration.txt").write_text("2000")
+    t = tracker(tmp_path, clock)
+    t.full_scan()
+    t.step(clock.advance(60))
+    assert set(states(t).values()) == {State.COMPLETE}
+    (run / "latest_checkpointed_iteration.txt").write_text("1000")
+    t.full_scan()
+    assert states(t) == {"run/iter_0001000": State.COMPLETE, "run/iter_0002000": State.INCOMPLETE}
+
+
+# --- incomplete and stalled checkpoints: backed-off looks ------------------------------
+
+
+@pytest.fixture
+def crashed(tmp_path, clock, monkeypatch):
+    """A checkpoint whose rank 1 shard was left truncated (a crashed save), incomplete, and a
+    record of every walk of it."""
+    import ckptd.evidence as evidence
+
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
+    shard = ckpt / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.write_bytes(b"\0" * 100)
+    t = tracker(tmp_path, clock)
+    t.full_scan()
+    t.step(clock.advance(60))
+    assert states(t) == {"run/checkpoint-10": State.INCOMPLETE}
+    walks: list[Path] = []
+    real_walk = evidence.walk
+    monkeypatch.setattr(evidence, "walk", lambda p: walks.append(p) or real_walk(p))
+    return t, ckpt, shard, walks
+
+
+def polls_that_walked(t: RootTracker, clock: Clock, walks: list[Path], n: int) -> list[int]:
+    out = []
+    for i in range(1, n + 1):
+        before = len(walks)
+        clock.advance(t.root.poll_interval)
+        t.poll()
+        if len(walks) > before:
+            out.append(i)
+    return out
+
+
+def test_an_unchanged_incomplete_checkpoint_is_looked_at_less_and_less(crashed, clock):
+    t, _, _, walks = crashed
+    assert polls_that_walked(t, clock, walks, 70) == [1, 3, 7, 15, 31, 61]  # spans 1, 2, 4, 8, 16, 30
+    # at most every reconcile_interval (300 s = 30 polls of 10 s)
+    assert t.backoff["run/checkpoint-10"].span == 30
+
+
+def test_a_file_created_in_a_backed_off_checkpoint_is_seen_at_the_next_poll(crashed, clock):
+    t, ckpt, _, walks = crashed
+    polls_that_walked(t, clock, walks, 8)
+    (ckpt / "global_step10" / "zero_pp_rank_2_mp_rank_00_optim_states.pt").write_bytes(b"x")
+    assert polls_that_walked(t, clock, walks, 1) == [1]
+    assert states(t) == {"run/checkpoint-10": State.WRITING}
+
+
+def test_the_failed_file_rewritten_in_place_is_seen_at_the_next_poll(crashed, clock):
+    """A resumed rank rewrites its truncated shard under the same name: no directory changes,
+    but the files that failed their check are stat'ed at every poll."""
+    from ckptd.demo import write_zip
+
+    t, _, shard, walks = crashed
+    polls_that_walked(t, clock, walks, 8)
+    write_zip(shard, 1024)
+    assert polls_that_walked(t, clock, walks, 1) == [1]
+    assert states(t) == {"run/checkpoint-10": State.WRITING}
+    t.step(clock.advance(60))
+    assert states(t) == {"run/checkpoint-10": State.COMPLETE}
+
+
+def test_an_event_or_a_reconcile_looks_at_a_backed_off_checkpoint_at_once(crashed, clock):
+    t, ckpt, _, walks = crashed
+    polls_that_walked(t, clock, walks, 8)
+    n = len(walks)
+    t.hint(str(ckpt / "global_step10" / "x"), clock.t)  # inotify
+    t.step(clock.advance(HINT_DEBOUNCE))
+    assert len(walks) == n + 1
+    t.full_scan()
+    assert len(walks) == n + 2
+
+
+def test_stalled_checkpoints_are_watched(crashed, clock):
+    """Between backed-off looks, an inotify event is what wakes a stalled checkpoint at once."""
+    t, ckpt, _, _ = crashed
+    clock.advance(t.root.stall_after)
+    t.full_scan()
+    assert states(t) == {"run/checkpoint-10": State.STALLED}
+    assert (str(ckpt), True) in t.wanted_watches()

@@ -168,7 +168,7 @@ class Daemon:
         log.info("ready: watching %d root(s)", len(self.roots))
 
     def _runtime(self, root, config: Config) -> RootRuntime:
-        tracker = RootTracker(root, self.clock)
+        tracker = RootTracker(root, self.clock, state_dir=self.config.daemon.state_dir)
         reaper = self._reaper(tracker, config)
         observer, why = choose_observer(root.path, root.observer)
         log.info("%s: observer=%s (%s)", root.path, observer, why)
@@ -374,6 +374,8 @@ class Daemon:
                     log.debug("would %s %s: %s %s", action, c.rel, result.detail, DRY_RUN_NOTE, extra=extra)
                 else:
                     self.counters[str(result.outcome)] += 1
+                    if result.outcome is Outcome.REFUSED:
+                        rt.tracker.refused(c.rel)  # the disk differs from what the plan was made of
                     if rt.outcomes.get(c.rel) != result.detail:  # once per reason, not every pass
                         rt.outcomes[c.rel] = result.detail
                         level = logging.ERROR if result.outcome is Outcome.FAILED else logging.WARNING

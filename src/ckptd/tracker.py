@@ -6,10 +6,21 @@ one, since hints are recorded from the event loop).
 
 Targeted polling: each poll, stat the directories that lead to runs and the
 run directories themselves (re-listing only those whose mtime moved), and
-walk only the checkpoints that are not yet complete. Complete checkpoints
-are looked at again only at reconcile. A whole-volume snapshot (watchdog's
-PollingObserver) would stat every file of every complete checkpoint, every
-cycle.
+walk only the checkpoints that are not yet complete. A whole-volume snapshot
+(watchdog's PollingObserver) would stat every file of every complete
+checkpoint, every cycle.
+
+What a look costs is bounded by what can have changed:
+- A complete checkpoint is walked again at reconcile only when one of its
+  directories changed (a stat each: O(directories), not O(files)), or the run
+  directory's other entries did (markers, trackers), or after a reload. A file
+  rewritten in place changes no directory: the reaper walks every entry again
+  before it acts, and a refusal sends the tracker to look (`refused`).
+- An incomplete or stalled checkpoint (a crashed rank's save, left for good)
+  is walked at every poll only at first: each look that finds it unchanged
+  doubles the polls until the next one, up to `reconcile_interval`. Between
+  looks a poll stats its directories and the files that failed their check;
+  any change there, an inotify event or a reconcile looks at once.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from pathlib import Path
 
 from ckptd.config import Root
 from ckptd.discover import RunDir, find_runs
-from ckptd.layouts import TRASH_DIR
+from ckptd.layouts import MEGATRON_TRACKER, TRASH_DIR
 from ckptd.model import Checkpoint, Run, State
 from ckptd.planner import Scanner
 from ckptd.settle import Settler
@@ -37,6 +48,15 @@ HINT_DEBOUNCE = 0.05  # after an event, look again this much later (coalesces bu
 class RunState:
     dir: RunDir
     checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # by name
+    context: object = None  # what of the run directory its checkpoints' evidence read (`_context`)
+
+
+@dataclass
+class Backoff:
+    """An incomplete or stalled checkpoint's re-looks: every `span` polls, doubling while unchanged."""
+
+    span: int = 1
+    skipped: int = 0
 
 
 @dataclass
@@ -49,24 +69,33 @@ class Changes:
 
 
 class RootTracker:
-    def __init__(self, root: Root, clock: Callable[[], float]):
+    def __init__(self, root: Root, clock: Callable[[], float], *, state_dir: Path | None = None):
         self.root = root
         self.clock = clock  # monotonic
+        self.state_dir = state_dir  # where what was read from files is kept across restarts
         self.settler = Settler(root.quiet_period, root.stall_after)
-        self.scanner = Scanner(root, quiet=self._quiet)
+        self.scanner = Scanner(root, quiet=self._quiet, state_dir=state_dir)
         self.runs: dict[str, RunState] = {}
         self.dirs: dict[str, int] = {}  # every directory listed on the way to runs -> its mtime_ns
         self.hints: dict[str, float] = {}  # checkpoint rel -> when to look again
         self.dirty_dirs: set[str] = set()
+        self.backoff: dict[str, Backoff] = {}  # incomplete and stalled checkpoints, by rel
+        self.deep_next = False  # the next reconcile walks complete checkpoints too (after a reload)
         self.rescans = 0  # targeted rescans after missed events
         self.last_reconcile: float | None = None
 
     def reconfigure(self, root: Root) -> None:
-        """A reloaded config for this root: new scanner (patterns, depth, world sizes), same settler."""
+        """A reloaded config for this root: new scanner (patterns, depth, world sizes), same settler.
+
+        What was read from files stays (it does not depend on the config); the next reconcile
+        walks every checkpoint again, complete ones included (pins, patterns, world sizes).
+        """
         self.root = root
-        self.scanner = Scanner(root, quiet=self._quiet)
+        verdicts = self.scanner.verdicts
+        self.scanner = Scanner(root, quiet=self._quiet, state_dir=self.state_dir, verdicts=verdicts)
         self.settler.quiet_period = root.quiet_period
         self.settler.stall_after = root.stall_after
+        self.deep_next = True
 
     def _quiet(self, rel: str, fingerprint: str):
         return self.settler.observe(rel, fingerprint, self.clock())
@@ -98,16 +127,17 @@ class RootTracker:
     def wanted_watches(self) -> set[tuple[str, bool]]:
         """(path, recursive): the directories on the way to runs, and in-flight checkpoints deeply.
 
-        Not a checkpoint the daemon has never seen change whose files are all older than the
-        quiet period by the wall clock: at start-up that is nearly every checkpoint on the
-        volume (each settles once), most finished long ago, and a deep watch costs a thread
-        and a watch per directory. The wall clock only chooses what to watch, it never
-        completes anything; polls and the look at the quiet period's end cover these.
+        Stalled and incomplete ones too: between their backed-off looks an event is what wakes
+        them at once. Not a checkpoint the daemon has never seen change whose files are all
+        older than the quiet period by the wall clock: at start-up that is nearly every
+        checkpoint on the volume (each settles once), most finished long ago, and a deep watch
+        costs a thread and a watch per directory. The wall clock only chooses what to watch, it
+        never completes anything; polls and the look at the quiet period's end cover these.
         """
         watches = {(str(self._abs(rel)), False) for rel in self.dirs}
         wall = time.time()
         for c in self.in_flight():
-            if c.state is State.STALLED or not c.path.is_dir():
+            if not c.path.is_dir():
                 continue
             if c.state is State.SETTLING and wall - c.newest_mtime > self.root.quiet_period:
                 continue
@@ -146,9 +176,15 @@ class RootTracker:
 
     # --- looking at the disk -------------------------------------------------
 
-    def full_scan(self, changes: Changes | None = None, *, complete_too: bool = True) -> Changes:
-        """Discover every run and look at every checkpoint (reconcile)."""
+    def full_scan(self, changes: Changes | None = None, *, deep: bool = False) -> Changes:
+        """Discover every run and look at every checkpoint (reconcile).
+
+        A complete checkpoint is walked again only if `deep` (or after a reload), if one of its
+        directories changed, or if its run directory's other entries did; else a stat of each
+        of its directories is all it costs. Then what was read is saved to `state_dir`.
+        """
         changes = changes or Changes()
+        deep = deep or self.deep_next
         self.scanner.check_root()
         visited: dict[str, int] = {}
         found = find_runs(
@@ -159,13 +195,17 @@ class RootTracker:
         for rel in [r for r in self.runs if r not in seen]:
             self._drop_run(rel, changes)
         for d in found:
-            self._update_run(d, changes, complete_too=complete_too)
+            self._update_run(d, changes, complete_too=True, deep=deep)
         self.dirty_dirs.clear()
+        self.deep_next = False
         self.last_reconcile = self.clock()
+        self.scanner.verdicts.retain(str(c.path) for c in self.checkpoints())
+        self.scanner.save_verdicts()
         return changes
 
     def poll(self, changes: Changes | None = None) -> Changes:
-        """One targeted polling cycle: re-list moved directories, walk in-flight checkpoints."""
+        """One targeted polling cycle: re-list moved directories, walk in-flight checkpoints
+        (incomplete and stalled ones only when their back-off says, or when a stat shows a change)."""
         changes = changes or Changes()
         for rel, mtime in list(self.dirs.items()):
             try:
@@ -177,7 +217,11 @@ class RootTracker:
         self._relist_dirty(changes)
         # By name: a list of the Checkpoints themselves would keep every replaced one (and its
         # entries) alive until the loop ends; on a large volume that was 170 MiB at the peak.
-        for run, name in [(c.run, c.name) for c in self.in_flight()]:
+        for run, name, rel in [(c.run, c.name, c.rel) for c in self.in_flight()]:
+            b = self.backoff.get(rel)
+            if b is not None and b.skipped + 1 < b.span and self._unchanged(run, name):
+                b.skipped += 1
+                continue
             self._look(run, name, changes)
         return changes
 
@@ -232,7 +276,9 @@ class RootTracker:
                     RunDir(self.root.path, run_rel, r.names, r.candidates), changes, complete_too=False
                 )
 
-    def _update_run(self, run_dir: RunDir, changes: Changes, *, complete_too: bool) -> None:
+    def _update_run(
+        self, run_dir: RunDir, changes: Changes, *, complete_too: bool, deep: bool = False
+    ) -> None:
         rs = self.runs.get(run_dir.rel)
         if rs is None:
             rs = self.runs[run_dir.rel] = RunState(run_dir)
@@ -241,9 +287,17 @@ class RootTracker:
         names = {c.name for c in run_dir.candidates}
         for name in [n for n in rs.checkpoints if n not in names]:
             self._vanish(rs, name, changes)
+        context = self._context(run_dir)
+        if context != rs.context:  # a marker, a tracker, a pin file beside them: look at them all
+            deep = complete_too = rs.context is not None
+            rs.context = context
         for cand in run_dir.candidates:
             old = rs.checkpoints.get(cand.name)
-            if old is None or complete_too or old.state is not State.COMPLETE:
+            if old is None or old.state is not State.COMPLETE:
+                look = True
+            else:
+                look = complete_too and (deep or not self._dirs_unchanged(old))
+            if look:
                 self._record(rs, self.scanner.inspect(run_dir, cand, now=0.0), old, changes, cand.name)
             if old is None:
                 # Look again once its watch exists: writes between this first look and the watch
@@ -259,6 +313,32 @@ class RootTracker:
         fresh = self.scanner.inspect(rs.dir, cand, now=0.0) if cand else None
         self._record(rs, fresh, rs.checkpoints[name], changes, name)
 
+    def _context(self, run_dir: RunDir) -> object:
+        """What of the run directory a checkpoint's evidence reads besides the checkpoint itself:
+        the names that are not checkpoints (NeMo's `-unfinished` markers, pin files beside file
+        checkpoints, Megatron's tracker) and the tracker file's stat (it is rewritten in place)."""
+        others = run_dir.names.difference(c.name for c in run_dir.candidates)
+        if MEGATRON_TRACKER not in others:
+            return others
+        try:
+            st = os.stat(run_dir.path / MEGATRON_TRACKER, follow_symlinks=False)
+        except OSError:
+            return (others, None)
+        return (others, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+
+    def _dirs_unchanged(self, c: Checkpoint) -> bool:
+        return self.scanner.verdicts.dirs_unchanged(str(c.path), c.fingerprint)
+
+    def _unchanged(self, run_rel: str, name: str) -> bool:
+        """For a backed-off checkpoint: its directories, and the files that failed, as at its last look."""
+        rs = self.runs.get(run_rel)
+        c = rs.checkpoints.get(name) if rs is not None else None
+        if c is None:
+            return False
+        path = str(c.path)
+        verdicts = self.scanner.verdicts
+        return verdicts.dirs_unchanged(path, c.fingerprint, verdicts.problems(path), whole=False)
+
     def _record(
         self, rs: RunState, fresh: Checkpoint | None, old: Checkpoint | None, changes: Changes, name: str
     ) -> None:
@@ -270,6 +350,14 @@ class RootTracker:
             stall = self.settler.stall_check(fresh.rel, self.clock())
             if stall is not None:
                 fresh = replace(fresh, checks=(*fresh.checks, stall))
+        if fresh.state in (State.INCOMPLETE, State.STALLED):
+            b = self.backoff.get(fresh.rel)
+            if b is None or old is None or old.fingerprint != fresh.fingerprint:
+                self.backoff[fresh.rel] = Backoff()  # new, or changed: look again at the next poll
+            else:
+                b.span, b.skipped = min(2 * b.span, self._max_span()), 0
+        else:
+            self.backoff.pop(fresh.rel, None)
         rs.checkpoints[name] = fresh
         before = old.state if old is not None else None
         if fresh.state is not before:
@@ -285,10 +373,16 @@ class RootTracker:
             if fresh.state is State.COMPLETE:
                 changes.completed.append(fresh)
 
+    def _max_span(self) -> int:
+        """The most polls between two looks at an unchanged incomplete checkpoint."""
+        return max(1, int(self.root.reconcile_interval // self.root.poll_interval))
+
     def _vanish(self, rs: RunState, name: str, changes: Changes) -> None:
         c = rs.checkpoints.pop(name)
         self.settler.forget(c.rel)
         self.hints.pop(c.rel, None)
+        self.backoff.pop(c.rel, None)
+        self.scanner.verdicts.forget(str(c.path))
         changes.vanished.append(c.rel)
         log.debug("%s: gone", c.rel)
 
@@ -301,6 +395,19 @@ class RootTracker:
         """A checkpoint we changed ourselves (slimmed): take its new form in."""
         run_rel, _, name = rel.rpartition("/")
         self._look(run_rel or ".", name, Changes())
+
+    def refused(self, rel: str) -> None:
+        """The reaper's re-check refused to act on `rel`: what it found differs from what we hold
+        (a file rewritten in place changes no directory, so reconciles do not see it). Look at it,
+        and at its run's newest complete checkpoint (the anchor the re-check also compared)."""
+        run_rel, _, name = rel.rpartition("/")
+        rs = self.runs.get(run_rel or ".")
+        if rs is None:
+            return
+        complete = [c for c in rs.checkpoints.values() if c.state is State.COMPLETE]
+        anchor = max(complete, key=Checkpoint.sort_key).name if complete else None
+        for n in {name, anchor} - {None}:
+            self._look(run_rel or ".", n, Changes())  # type: ignore[arg-type]
 
     def forget(self, rel: str) -> None:
         """A checkpoint the reaper moved to the trash."""

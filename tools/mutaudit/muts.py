@@ -18,6 +18,8 @@ SETS = {
     "settle": [T+"test_tracker.py"],
     "daemon": [T+"test_daemon_async.py", T+"test_tracker.py"],
     "config": [T+"test_config.py", T+"test_slim.py", T+"test_config_fuzz.py"],
+    "verdicts": [T+"test_verdicts.py", T+"test_evidence.py"],
+    "tracker": [T+"test_tracker.py", T+"test_daemon_async.py"],
     # escalation for survivors: every fast file
     "broad": [T+f for f in ("test_reaper.py", "test_hostile.py", "test_evidence.py", "test_policy.py", "test_slim.py",
                             "test_slim_policy.py", "test_tracker.py", "test_daemon_async.py", "test_config.py",
@@ -32,8 +34,48 @@ SETS = {
 }
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
+V, TR, PL, DI = "verdicts.py", "tracker.py", "planner.py", "discover.py"
 
 MUTS = [
+ # --- 0. the verdict cache (verdicts.py): a verdict is used again only for the same file
+ dict(id="V1", what="identity: ctime ignored", tests="verdicts", edits=[(V,
+   "    return (e.dev, e.ino, e.size, e.mtime_ns, e.ctime_ns)", "    return (e.dev, e.ino, e.size, e.mtime_ns, 0)")]),
+ dict(id="V2", what="identity: inode ignored", tests="verdicts", edits=[(V,
+   "    return (e.dev, e.ino, e.size, e.mtime_ns, e.ctime_ns)", "    return (e.dev, 0, e.size, e.mtime_ns, e.ctime_ns)")]),
+ dict(id="V3", what="identity: device ignored", tests="verdicts", edits=[(V,
+   "    return (e.dev, e.ino, e.size, e.mtime_ns, e.ctime_ns)", "    return (0, e.ino, e.size, e.mtime_ns, e.ctime_ns)")]),
+ dict(id="V4", what="racily clean files remembered", tests="verdicts", edits=[(V,
+   "        if self.started_ns - max(entry.mtime_ns, entry.ctime_ns) >= RACY_NS:", "        if True:")]),
+ dict(id="V5", what="an I/O error remembered as 'not a zip' (the old _is_zip)", tests="verdicts", edits=[(E,
+   "    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)\n    try:\n        tail",
+   "    try:\n        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)\n    except OSError:\n"
+   "        return False\n    try:\n        tail")]),
+ dict(id="V6", what="a record not whole taken as whole (absent = intact)", tests="verdicts", edits=[(V,
+   "            if old.whole and old.digest == self.digest:", "            if old.digest == self.digest:")]),
+ dict(id="V7", what="strict: the re-check uses verdicts loaded from disk", tests="verdicts", edits=[(V,
+   "        if old is not None and self._strict and not old.proven:", "        if False:")]),
+ dict(id="V8", what="strict: not entered by reinspect", tests="verdicts", edits=[(PL,
+   "        with self.verdicts.strict():\n            return self.inspect(run_dir, cand, now=now)",
+   "        return self.inspect(run_dir, cand, now=now)")]),
+ dict(id="V9", what="cache checksum not checked", tests="verdicts", edits=[(V,
+   "        if hashlib.blake2b(body, digest_size=16).hexdigest() != checksum:", "        if False:")]),
+ dict(id="V10", what="cache for another root accepted", tests="verdicts", edits=[(V,
+   "        if doc[\"root\"] != str(root):", "        if False:")]),
+ # --- 0b. the tracker's cheap looks (tracker.py): they must still see what changed
+ dict(id="T1", what="reconcile: a complete checkpoint whose directory changed not walked", tests="tracker", edits=[(TR,
+   "                look = complete_too and (deep or not self._dirs_unchanged(old))", "                look = complete_too and deep")]),
+ dict(id="T2", what="directory stamps not compared", tests="tracker", edits=[(V,
+   "            if now != (dev, ino, size, mtime, ctime):", "            if False:")]),
+ dict(id="T3", what="reconcile: the run directory's context (tracker, markers) ignored", tests="tracker", edits=[(TR,
+   "        if context != rs.context:", "        if False:")]),
+ dict(id="T4", what="back-off: the files that failed not stat'ed between looks", tests="tracker", edits=[(TR,
+   "        return verdicts.dirs_unchanged(path, c.fingerprint, verdicts.problems(path), whole=False)",
+   "        return verdicts.dirs_unchanged(path, c.fingerprint, (), whole=False)")]),
+ dict(id="T5", what="a refusal does not send the tracker to look", tests="tracker", edits=[(DM,
+   "                        rt.tracker.refused(c.rel)  # the disk differs from what the plan was made of\n", "")]),
+ dict(id="T6", what="stalled checkpoints not watched", tests="tracker", edits=[(TR,
+   "            if not c.path.is_dir():\n                continue",
+   "            if c.state is State.STALLED or not c.path.is_dir():\n                continue")]),
  # --- 1. reaper re-checks
  dict(id="R1", what="recheck: root mismatch", tests="reaper", edits=[(R,
    "        if planned.root != self.root:\n", "        if False:\n")]),
