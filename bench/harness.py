@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import coldstart, deletion, idle, latency, memory, planning, polling, report, stall
+from bench import coldstart, deletion, idle, latency, memory, metadata, planning, polling, report, stall
 from bench.context import Context
 from bench.measure import REPO, env, hide_torch
 from bench.report import Row, Section
@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "planning": planning.run,
     "deletion": deletion.run,
     "stall": stall.run,
+    "metadata": metadata.run,
 }
 
 

@@ -108,7 +108,7 @@ class Look:
         self.digest = digest
         self.old = old  # the record it may reuse (None: read everything)
         self.started_ns = started_ns  # wall clock before any read: the racy-clean rule's reference
-        self.newest_ns = newest_ns  # the newest mtime or ctime of any entry
+        self.newest_ns = newest_ns  # the newest mtime of any entry
         self.verdicts: dict[Key, Any] = {}
         self.files: dict[Key, tuple[Identity, Any]] = {}
         self.whole = True
@@ -183,7 +183,7 @@ class Verdicts:
         old = self._records.get(key)
         if old is not None and self._strict and not old.proven:
             old = None
-        newest = max(max(e.mtime_ns, e.ctime_ns) for e in entries)
+        newest = max(e.mtime_ns for e in entries)  # (youth only chooses what to keep: mtime will do)
         return Look(key, digest, old, self.clock_ns(), newest)
 
     def end(self, look: Look, entries: list[Entry], fingerprint: str) -> None:
