@@ -464,3 +464,16 @@ def test_stalled_checkpoints_are_watched(crashed, clock):
     t.full_scan()
     assert states(t) == {"run/checkpoint-10": State.STALLED}
     assert (str(ckpt), True) in t.wanted_watches()
+
+
+def test_after_missed_events_a_rescan_finds_every_checkpoint_saved_meanwhile(tmp_path, clock):
+    """An inotify queue overflow drops events; the rescan it triggers (a poll) finds every save."""
+    for r in range(30):
+        hf_deepspeed_checkpoint(tmp_path / f"team{r % 3}" / f"run{r}", 10, world=2)
+    t = tracker(tmp_path, clock)
+    t.full_scan()
+    for r in range(30):  # a storm the daemon heard nothing of
+        hf_deepspeed_checkpoint(tmp_path / f"team{r % 3}" / f"run{r}", 20, world=2)
+    t.rescan_in_flight()
+    assert {rel for rel in states(t) if rel.endswith("checkpoint-20")} == {
+        f"team{r % 3}/run{r}/checkpoint-20" for r in range(30)}

@@ -136,12 +136,18 @@ class RootTracker:
         """
         watches = {(str(self._abs(rel)), False) for rel in self.dirs}
         wall = time.time()
-        for c in self.in_flight():
-            if not c.path.is_dir():
-                continue
-            if c.state is State.SETTLING and wall - c.newest_mtime > self.root.quiet_period:
-                continue
-            watches.add((str(c.path), True))
+        for rs in self.runs.values():
+            dirs: set[str] | None = None  # which of its checkpoints are directories (no stat: listed)
+            for c in rs.checkpoints.values():
+                if c.state is State.COMPLETE:
+                    continue
+                if dirs is None:
+                    dirs = {cand.name for cand in rs.dir.candidates if cand.is_dir}
+                if c.name not in dirs:
+                    continue
+                if c.state is State.SETTLING and wall - c.newest_mtime > self.root.quiet_period:
+                    continue
+                watches.add((str(c.path), True))
         return watches
 
     # --- hints (from inotify, via the loop) --------------------------------

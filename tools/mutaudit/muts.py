@@ -75,8 +75,8 @@ MUTS = [
    "                        rt.tracker.refused(c.rel)  # the disk differs from what the plan was made of\n",
    "                        pass\n")]),
  dict(id="T6", what="stalled checkpoints not watched", tests="tracker", edits=[(TR,
-   "            if not c.path.is_dir():\n                continue",
-   "            if c.state is State.STALLED or not c.path.is_dir():\n                continue")]),
+   "                if c.state is State.COMPLETE:\n                    continue\n                if dirs is None:",
+   "                if c.state in (State.COMPLETE, State.STALLED):\n                    continue\n                if dirs is None:")]),
  # --- 1. reaper re-checks
  dict(id="R1", what="recheck: root mismatch", tests="reaper", edits=[(R,
    "        if planned.root != self.root:\n", "        if False:\n")]),
