@@ -419,9 +419,11 @@ def polls_that_walked(t: RootTracker, clock: Clock, walks: list[Path], n: int) -
 
 def test_an_unchanged_incomplete_checkpoint_is_looked_at_less_and_less(crashed, clock):
     t, _, _, walks = crashed
-    assert polls_that_walked(t, clock, walks, 70) == [1, 3, 7, 15, 31, 61]  # spans 1, 2, 4, 8, 16, 30
-    # at most every reconcile_interval (300 s = 30 polls of 10 s)
-    assert t.backoff["run/checkpoint-10"].span == 30
+    looked = polls_that_walked(t, clock, walks, 800)
+    assert looked[:8] == [1, 3, 7, 15, 31, 63, 127, 255]  # spans 1, 2, 4, ... 128
+    # then at most every 6 reconcile intervals (6 × 300 s = 180 polls of 10 s)
+    assert [b - a for a, b in zip(looked[7:], looked[8:], strict=False)] == [180, 180, 180]
+    assert t.backoff["run/checkpoint-10"].span == 180
 
 
 def test_a_file_created_in_a_backed_off_checkpoint_is_seen_at_the_next_poll(crashed, clock):
@@ -446,15 +448,50 @@ def test_the_failed_file_rewritten_in_place_is_seen_at_the_next_poll(crashed, cl
     assert states(t) == {"run/checkpoint-10": State.COMPLETE}
 
 
-def test_an_event_or_a_reconcile_looks_at_a_backed_off_checkpoint_at_once(crashed, clock):
+def test_an_event_looks_at_a_backed_off_checkpoint_at_once(crashed, clock):
     t, ckpt, _, walks = crashed
     polls_that_walked(t, clock, walks, 8)
     n = len(walks)
     t.hint(str(ckpt / "global_step10" / "x"), clock.t)  # inotify
     t.step(clock.advance(HINT_DEBOUNCE))
     assert len(walks) == n + 1
+
+
+def test_a_reconcile_checks_a_backed_off_checkpoint_as_a_poll_does(crashed, clock):
+    """Unchanged: not walked (its directories and failed files stat'ed); changed: walked; after a
+    reload (a deep reconcile): walked."""
+    t, ckpt, _, walks = crashed
+    polls_that_walked(t, clock, walks, 8)
+    n = len(walks)
     t.full_scan()
+    assert len(walks) == n
+    (ckpt / "global_step10" / "zero_pp_rank_2_mp_rank_00_optim_states.pt").write_bytes(b"x")
+    t.full_scan()
+    assert len(walks) == n + 1
+    t.full_scan(deep=True)
     assert len(walks) == n + 2
+
+
+def test_a_megatron_tracker_written_late_is_seen_at_the_next_poll(tmp_path, clock, monkeypatch):
+    """The tracker is rewritten in place in the run directory: no directory of the checkpoint
+    changes, but a backed-off checkpoint's run context is stat'ed at every poll."""
+    from ckptd.demo import write_zip
+
+    run = tmp_path / "run"
+    write_zip(run / "iter_0001000" / "mp_rank_00" / "model_optim_rng.pt")
+    (run / "latest_checkpointed_iteration.txt").write_text("500")
+    t = tracker(tmp_path, clock)
+    t.full_scan()
+    t.step(clock.advance(60))
+    assert states(t) == {"run/iter_0001000": State.INCOMPLETE}
+    for _ in range(20):
+        clock.advance(10)
+        t.poll()
+    assert t.backoff["run/iter_0001000"].span > 1
+    (run / "latest_checkpointed_iteration.txt").write_text("1000")
+    clock.advance(10)
+    t.poll()
+    assert states(t) == {"run/iter_0001000": State.COMPLETE}
 
 
 def test_stalled_checkpoints_are_watched(crashed, clock):

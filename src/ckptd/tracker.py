@@ -18,9 +18,12 @@ What a look costs is bounded by what can have changed:
   before it acts, and a refusal sends the tracker to look (`refused`).
 - An incomplete or stalled checkpoint (a crashed rank's save, left for good)
   is walked at every poll only at first: each look that finds it unchanged
-  doubles the polls until the next one, up to `reconcile_interval`. Between
-  looks a poll stats its directories and the files that failed their check;
-  any change there, an inotify event or a reconcile looks at once.
+  doubles the polls until the next one, up to BACKOFF_RECONCILES reconcile
+  intervals. Between looks, polls and reconciles alike stat its directories,
+  the files that failed their check and the run's context (a Megatron
+  tracker); any change there, or an inotify event, looks at once. (Every
+  reconcile walking 20 stalled 64-rank checkpoints would cost more than the
+  0.02 % of a core they may add on the M volume: BENCHMARKS.md, 10.)
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ckptd.settle import Settler
 log = logging.getLogger("ckptd.tracker")
 
 HINT_DEBOUNCE = 0.05  # after an event, look again this much later (coalesces bursts)
+BACKOFF_RECONCILES = 6  # an unchanged incomplete checkpoint is walked at least every 6 reconcile intervals
 
 
 @dataclass
@@ -223,12 +227,9 @@ class RootTracker:
         self._relist_dirty(changes)
         # By name: a list of the Checkpoints themselves would keep every replaced one (and its
         # entries) alive until the loop ends; on a large volume that was 170 MiB at the peak.
-        for run, name, rel in [(c.run, c.name, c.rel) for c in self.in_flight()]:
-            b = self.backoff.get(rel)
-            if b is not None and b.skipped + 1 < b.span and self._unchanged(run, name):
-                b.skipped += 1
-                continue
-            self._look(run, name, changes)
+        for run, name in [(c.run, c.name) for c in self.in_flight()]:
+            if self._due(run, name):
+                self._look(run, name, changes)
         return changes
 
     def step(self, now: float) -> Changes:
@@ -299,10 +300,12 @@ class RootTracker:
             rs.context = context
         for cand in run_dir.candidates:
             old = rs.checkpoints.get(cand.name)
-            if old is None or old.state is not State.COMPLETE:
+            if old is None:
                 look = True
-            else:
+            elif old.state is State.COMPLETE:
                 look = complete_too and (deep or not self._dirs_unchanged(old))
+            else:
+                look = deep or self._due(run_dir.rel, cand.name)
             if look:
                 self._record(rs, self.scanner.inspect(run_dir, cand, now=0.0), old, changes, cand.name)
             if old is None:
@@ -335,15 +338,23 @@ class RootTracker:
     def _dirs_unchanged(self, c: Checkpoint) -> bool:
         return self.scanner.verdicts.dirs_unchanged(str(c.path), c.fingerprint)
 
-    def _unchanged(self, run_rel: str, name: str) -> bool:
-        """For a backed-off checkpoint: its directories, and the files that failed, as at its last look."""
+    def _due(self, run_rel: str, name: str) -> bool:
+        """Whether to look at an in-flight checkpoint now: always, unless it is incomplete or stalled
+        and backed off, its back-off not yet run out, and nothing it depends on shows a change:
+        its directories, the files that failed their check, the run directory's context."""
         rs = self.runs.get(run_rel)
         c = rs.checkpoints.get(name) if rs is not None else None
-        if c is None:
-            return False
+        b = self.backoff.get(c.rel) if c is not None else None
+        if c is None or b is None or b.skipped + 1 >= b.span:
+            return True
         path = str(c.path)
         verdicts = self.scanner.verdicts
-        return verdicts.dirs_unchanged(path, c.fingerprint, verdicts.problems(path), whole=False)
+        if not verdicts.dirs_unchanged(path, c.fingerprint, verdicts.problems(path), whole=False):
+            return True
+        if self._context(rs.dir) != rs.context:  # type: ignore[union-attr]
+            return True
+        b.skipped += 1
+        return False
 
     def _record(
         self, rs: RunState, fresh: Checkpoint | None, old: Checkpoint | None, changes: Changes, name: str
@@ -380,8 +391,9 @@ class RootTracker:
                 changes.completed.append(fresh)
 
     def _max_span(self) -> int:
-        """The most polls between two looks at an unchanged incomplete checkpoint."""
-        return max(1, int(self.root.reconcile_interval // self.root.poll_interval))
+        """The most polls between two looks at an unchanged incomplete checkpoint: BACKOFF_RECONCILES
+        reconcile intervals (30 min at the defaults)."""
+        return max(1, int(BACKOFF_RECONCILES * self.root.reconcile_interval // self.root.poll_interval))
 
     def _vanish(self, rs: RunState, name: str, changes: Changes) -> None:
         c = rs.checkpoints.pop(name)
