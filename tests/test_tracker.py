@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import time
@@ -422,7 +423,7 @@ def test_an_unchanged_incomplete_checkpoint_is_looked_at_less_and_less(crashed, 
     looked = polls_that_walked(t, clock, walks, 800)
     assert looked[:8] == [1, 3, 7, 15, 31, 63, 127, 255]  # spans 1, 2, 4, ... 128
     # then at most every 6 reconcile intervals (6 × 300 s = 180 polls of 10 s)
-    assert [b - a for a, b in zip(looked[7:], looked[8:], strict=False)] == [180, 180, 180]
+    assert [b - a for a, b in itertools.pairwise(looked[7:])] == [180, 180, 180]
     assert t.backoff["run/checkpoint-10"].span == 180
 
 
