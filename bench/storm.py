@@ -5,25 +5,28 @@ poll_interval, a retention that keeps everything) watches the M volume plus 100 
 runs, each with one earlier checkpoint (`storm/run-<i>/`). Once it is READY, every
 checkpoint complete and its CPU still, 100 threads released by one barrier each save
 the next checkpoint of their run (8 ranks, every file written and closed, no `utime`),
-and note the monotonic time their last write ended. Overhead = the `complete` line's
-arrival − that end − quiet_period. Meanwhile /proc/<pid> is sampled every 20 ms: its
-threads, its inotify watches (`inotify wd:` lines of its inotify descriptors' fdinfo)
-and RSS. CPU per save = the daemon's CPU from the storm to stillness / 100. A queue
-overflow would show as a "rescanning" warning; a lost checkpoint as a missing
-`complete` line. The storm's runs are removed afterwards.
+in a process of their own, and note the monotonic time their last write ended.
+Overhead = the `complete` line's arrival − that end − quiet_period. Meanwhile
+/proc/<pid> is sampled every 20 ms: its threads, its inotify watches (`inotify wd:`
+lines of its inotify descriptor's fdinfo) and RSS. CPU per save = the daemon's CPU
+from the storm to stillness / 100. A queue overflow would show as a warning; a lost
+checkpoint as a missing `complete` line. The storm's runs are removed afterwards.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from bench.context import Context
 from bench.daemon import KEEP_ALL, DaemonProc, is_complete, settle, until_complete
-from bench.measure import fmt_time, median, percentile
+from bench.measure import check, env, fmt_time, median, percentile, run_child
 from bench.report import Row, Section
 from bench.volume import HOUR, STEP, write_checkpoint
 
@@ -71,10 +74,25 @@ class Sampler(threading.Thread):
         return self.peak
 
 
+def storm(root: Path, runs: int, world: int, shard: int, step: int) -> list[float]:
+    """`runs` threads released by one barrier, each saving `checkpoint-<step>` of its run; the
+    monotonic time each one's last write ended. In a process of its own, as trainers are: the
+    writers' threads do not compete with the harness's log reader for its interpreter."""
+    barrier = threading.Barrier(runs)
+
+    def save(i: int) -> float:
+        barrier.wait()
+        write_checkpoint(root / f"run-{i}", step, world=world, run=i, mtime=None, shard_size=shard)
+        return time.monotonic()
+
+    with ThreadPoolExecutor(runs) as pool:
+        return list(pool.map(save, range(runs)))
+
+
 def run(ctx: Context) -> tuple[list[Row], Section]:
     shape = next((s for s in reversed(ctx.sizes) if s.name in ("M", "T")), ctx.sizes[-1])
     runs, world = (10, 2) if ctx.quick else (100, 8)
-    shard = 4096 if ctx.quick else 256 << 10
+    shard = 4096 if ctx.quick else 64 << 10
     quiet = 0.3 if ctx.quick else 1.0
     v = ctx.volume(shape)
     storm = v.root / "storm"
@@ -83,7 +101,8 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         NAME,
         f"`ckptd run` (inotify, quiet_period {quiet:g} s, default poll_interval) on {shape.name} plus {runs} "
         f"runs with one checkpoint each; {runs} threads released by one barrier each save the next "
-        f"checkpoint of their run ({world} ranks, {shard >> 10} KiB shards, every file written and closed). "
+        f"checkpoint of their run ({world} ranks, {shard >> 10} KiB shards, every file written and closed), "
+        "in a process of their own. "
         "Overhead = `complete` line received − the save's last write − quiet_period (p99 nearest-rank); "
         "threads, inotify watches and RSS sampled from /proc every 20 ms; CPU per save = the daemon's CPU "
         f"from the storm until still, / {runs}. Target: every checkpoint complete, p99 ≤ {TARGET_S:g} s.",
@@ -97,22 +116,16 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         f"world_size = {world}\nquiet_period = '{quiet:g}s'\n[[roots.runs]]\nmatch = 'team-*/*'\n"
         f"world_size = {shape.world}\n[roots.retention]\n{KEEP_ALL}"
     )
-    barrier = threading.Barrier(runs)
-
-    def save(i: int) -> float:
-        barrier.wait()
-        write_checkpoint(storm / f"run-{i}", 2 * STEP, world=world, run=i, mtime=None, shard_size=shard)
-        return time.monotonic()
+    writer = [sys.executable, "-m", "bench.storm", str(storm), *map(str, (runs, world, shard, 2 * STEP))]
 
     try:
-        with DaemonProc(config) as d:
+        with DaemonProc(config, foreground=True) as d:
             until_complete(d, shape.runs * shape.checkpoints + runs, timeout=900)
             before = d.threads()
             sampler = Sampler(d.pid)
             sampler.start()
             start = d.mark()
-            with ThreadPoolExecutor(runs) as pool:
-                ends = list(pool.map(save, range(runs)))
+            ends = json.loads(check(run_child(writer, env=env(torch=False)), "the storm's writers").stdout)
             storm_end = max(ends)
             name = f"checkpoint-{2 * STEP}"
             lines = d.wait_for(lambda ln: is_complete(ln, name), timeout=120, count=runs, start=start)
@@ -126,11 +139,21 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
     if errors:
         raise RuntimeError(f"ckptd run logged errors in the storm: {errors[:3]}")
     by_run = {ln.doc.get("run"): ln for ln in lines}
+    # When each was last seen changing (the start of the quiet period that ended in `complete`).
+    seen, late = [], []
+    for i in range(runs):
+        run_rel, end = f"storm/run-{i}", ends[i]
+        moves = [ln.received for ln in d.lines[start:] if ln.doc.get("run") == run_rel
+                 and ln.doc.get("checkpoint") == name and ln.doc.get("level") == "debug"
+                 and ("new -> " in ln.message or "-> writing" in ln.message)]  # fmt: skip
+        if moves and run_rel in by_run:
+            seen.append(moves[-1] - end)
+            late.append(by_run[run_rel].received - moves[-1] - quiet)
     overheads = [
         by_run[f"storm/run-{i}"].received - ends[i] - quiet for i in range(runs) if f"storm/run-{i}" in by_run
     ]
     cpu = sum(c - before.get(tid, (0.0, 0))[0] for tid, (c, _) in after.items())
-    rescans = [w for w in warnings if "rescanning" in w]
+    rescans = [w for w in warnings if "overflow" in w or "rescanning" in w]
     p50, p99 = median(overheads), percentile(overheads, 99)
     complete = len(overheads)
     case = f"{shape.name} + {runs} runs × {world} ranks at once"
@@ -148,8 +171,15 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         f"{runs} saves of {2 * world + 13} files each, the last write of the slowest "
         f"{fmt_time(storm_end - min(ends))} after the first save's; overhead p50 {fmt_time(p50)}, "
         f"p99 {fmt_time(p99)}, max {fmt_time(max(overheads))}; {fmt_time(cpu)} of daemon CPU in all "
-        f"({fmt_time(cpu / runs)} per save); at the peak {peak['threads']} threads, "
+        f"({fmt_time(cpu / runs)} per save); last seen changing p50 {fmt_time(median(seen))}, max "
+        f"{fmt_time(max(seen))} after the save's last write; complete p50 {fmt_time(median(late))}, max "
+        f"{fmt_time(max(late))} after that quiet period; at the peak {peak['threads']} threads, "
         f"{peak['watches']:,} inotify watches, {peak['rss_kib'] / 1024:.0f} MiB RSS; warnings: "
         f"{len(warnings)} ({'; '.join(warnings[:2]) or 'none'})."
     )
     return rows, section
+
+
+if __name__ == "__main__":  # the writers: python -m bench.storm ROOT RUNS WORLD SHARD_BYTES STEP
+    root, *numbers = sys.argv[1:]
+    print(json.dumps(storm(Path(root), *map(int, numbers))))

@@ -28,7 +28,7 @@ from daemonproc import write_config
 pytestmark = pytest.mark.asyncio
 
 
-async def test_watchdog_paths_reach_the_loop_from_its_thread(tmp_path):
+async def test_inotify_paths_reach_the_loop_on_its_thread(tmp_path):
     loop = asyncio.get_running_loop()
     seen: list[tuple[str, int]] = []
     arrived = asyncio.Event()
@@ -48,19 +48,60 @@ async def test_watchdog_paths_reach_the_loop_from_its_thread(tmp_path):
     assert (str(tmp_path / "checkpoint-1"), threading.get_ident()) in seen  # delivered on the loop's thread
 
 
-async def test_a_queue_overflow_reaches_the_loop(tmp_path):
-    """A real IN_Q_OVERFLOW cannot be produced deterministically here (it needs the kernel queue
-    to fill faster than watchdog's reader drains it), so this calls watchdog's overflow callback
-    on its group, from another thread, as watchdog's reader thread would."""
+async def test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walked_again(tmp_path):
+    """A real IN_Q_OVERFLOW cannot be produced deterministically here (it needs the kernel queue,
+    fs.inotify.max_queued_events, to fill faster than the loop drains it, and that limit is the
+    whole machine's), so the overflow event the kernel would send is fed to the watcher's parser.
+    A directory created meanwhile (its creation event lost with the rest) is watched at the next
+    reconcile."""
+    from ckptd import watch
+
     loop = asyncio.get_running_loop()
     overflowed = asyncio.Event()
-    watcher = Watcher(loop, lambda p: None, overflowed.set)
+    seen: list[str] = []
+    watcher = Watcher(loop, seen.append, overflowed.set)
     watcher.start()
     try:
-        await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
-        [emitter] = watcher._observer.emitters
-        await asyncio.to_thread(emitter._inotify.on_queue_overflow)
+        ckpt = tmp_path / "checkpoint-1"
+        ckpt.mkdir()
+        await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
+        watcher._dispatch(watch.EVENT.pack(-1, watch.IN_Q_OVERFLOW, 0, 0))
         await asyncio.wait_for(overflowed.wait(), 10)
+        lost = ckpt / "global_step1"
+        await asyncio.to_thread(lost.mkdir)
+        await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
+        assert watcher.kernel_watches() == 2
+        await asyncio.to_thread((lost / "shard.pt").write_bytes, b"x")
+        while str(lost / "shard.pt") not in seen:
+            await asyncio.sleep(0.01)  # bounded by the test timeout: the event arrives on the loop
+    finally:
+        await asyncio.to_thread(watcher.stop)
+
+
+async def test_a_directory_created_inside_a_watched_checkpoint_is_watched_at_once(tmp_path):
+    loop = asyncio.get_running_loop()
+    seen: list[str] = []
+    arrived = asyncio.Event()
+
+    def on_path(path: str) -> None:
+        seen.append(path)
+        if path.endswith("shard.pt"):
+            arrived.set()
+
+    await asyncio.to_thread(lambda: None)  # the loop's executor thread, started before counting
+    threads = threading.active_count()
+    watcher = Watcher(loop, on_path, lambda: None)
+    watcher.start()
+    try:
+        ckpt = tmp_path / "checkpoint-1"
+        ckpt.mkdir()
+        await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
+        (ckpt / "global_step1").mkdir()
+        while str(ckpt / "global_step1") not in seen:  # its creation read: now it is watched
+            await asyncio.sleep(0.01)
+        (ckpt / "global_step1" / "shard.pt").write_bytes(b"x")
+        await asyncio.wait_for(arrived.wait(), 10)
+        assert watcher.kernel_watches() == 2 and threading.active_count() == threads  # no thread per watch
     finally:
         await asyncio.to_thread(watcher.stop)
 
@@ -204,7 +245,7 @@ async def test_watches_are_capped_and_in_flight_checkpoints_come_first(tmp_path,
     try:
         await asyncio.to_thread(watcher.reconcile, wanted)
         assert watcher.count() == 3 and watcher.capped
-        assert (str(tmp_path / "d"), True) in watcher._watches
+        assert (str(tmp_path / "d"), True) in watcher._watches  # the in-flight checkpoint first
     finally:
         await asyncio.to_thread(watcher.stop)
 

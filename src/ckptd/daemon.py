@@ -50,6 +50,9 @@ log = logging.getLogger("ckptd.daemon")
 
 SHUTDOWN_TIMEOUT = 10.0
 STATE_MIN_INTERVAL = 1.0
+# Retention (a plan across every root) runs at most this often: in a save storm each tick completes
+# a few checkpoints, and a pass per tick held the filesystem thread from its next looks.
+RETENTION_MIN_INTERVAL = 1.0
 STATE_PREFIX = "daemon."
 
 
@@ -117,6 +120,8 @@ class Daemon:
         self.ready = asyncio.Event()  # set once the first scan is done and READY=1 sent
         self._state_written = -1e9
         self._state_due: float | None = None
+        self._retention_ran = -1e9
+        self._retention_due: float | None = None
         self.metrics: Metrics | None = None  # with [daemon] metrics_listen (metrics.py)
 
     # --- entry point ---------------------------------------------------------
@@ -249,6 +254,8 @@ class Daemon:
         times += [d for rt in self.roots if (d := rt.tracker.next_deadline()) is not None]
         if self._state_due is not None:
             times.append(self._state_due)
+        if self._retention_due is not None:
+            times.append(self._retention_due)
         if self._hints or any(rt.overflowed for rt in self.roots):
             return 0.0
         return max(0.0, min(times, default=now + 60) - now)
@@ -323,7 +330,11 @@ class Daemon:
                 )
             if completed or changes.vanished or step.vanished:
                 retention = True
+        if retention or (self._retention_due is not None and now >= self._retention_due):
+            retention = now - self._retention_ran >= RETENTION_MIN_INTERVAL
+            self._retention_due = None if retention else self._retention_ran + RETENTION_MIN_INTERVAL
         if retention:
+            self._retention_ran = now
             try:
                 self._retention()
             except OSError as exc:  # statvfs, a re-check's walk: skip this pass, the next one retries
