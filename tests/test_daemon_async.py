@@ -384,7 +384,7 @@ async def test_a_standby_decides_but_never_deletes(tmp_path, logs):
     assert logs.messages("deleted ") == [] and not (root / ".ckptd-trash").exists()
 
 
-async def test_the_state_file_shows_each_checkpoints_decision_and_reuses_unchanged_rows(tmp_path):
+async def test_the_state_file_shows_each_checkpoints_decision_and_encodes_unchanged_runs_once(tmp_path):
     root = tmp_path / "vol"
     for step in (1, 2, 3):
         hf_deepspeed_checkpoint(root / "job", step, world=2)
@@ -403,11 +403,15 @@ async def test_the_state_file_shows_each_checkpoints_decision_and_reuses_unchang
     assert [(r["name"], r["state"], r["action"]) for r in first] == [
         ("checkpoint-1", "complete", "delete"), ("checkpoint-2", "complete", "delete"),
         ("checkpoint-3", "complete", "keep")]
-    again = rows()
-    assert all(a is b for a, b in zip(first, again, strict=True))  # unchanged: the same rows
+    encoded = daemon._runs_cache[rt.root.path][1]
+    rt.tracker.poll()  # nothing changed: the runs are not encoded again
+    assert rows() == first and daemon._runs_cache[rt.root.path][1] is encoded
     (root / "job" / "checkpoint-1" / "late.txt").write_text("x")
-    rt.tracker.full_scan()  # a reconcile: looks at complete checkpoints too
+    rt.tracker.full_scan()  # a reconcile: a directory of checkpoint-1 changed, so it is looked at
     assert [r["state"] for r in rows()] == ["writing", "complete", "complete"]
+    daemon._retention()  # checkpoint-1 is not deleted any more: the decision changed too
+    assert [(r["name"], r["action"]) for r in rows()] == [
+        ("checkpoint-1", "keep"), ("checkpoint-2", "delete"), ("checkpoint-3", "keep")]
 
 
 async def test_a_refusal_sends_the_tracker_to_look_at_what_changed_in_place(tmp_path):

@@ -38,7 +38,7 @@ from ckptd.envconfig import effective_config
 from ckptd.errors import ConfigError, RootMissingError
 from ckptd.journal import Journal
 from ckptd.metrics import Metrics
-from ckptd.model import Action, Checkpoint, State
+from ckptd.model import Action
 from ckptd.notify import notify, watchdog_interval
 from ckptd.planner import DiskSpace, decide, disk_space
 from ckptd.policy import Decision
@@ -54,10 +54,6 @@ STATE_MIN_INTERVAL = 1.0
 # a few checkpoints, and a pass per tick held the filesystem thread from its next looks.
 RETENTION_MIN_INTERVAL = 1.0
 STATE_PREFIX = "daemon."
-
-
-# A checkpoint's row in the state file, with the Checkpoint and decision it was made from.
-_StateRow = tuple[Checkpoint, tuple[str, tuple[str, ...]] | None, dict[str, Any]]
 
 
 class RootRuntime:
@@ -108,7 +104,8 @@ class Daemon:
         self.counters = collections.Counter[str]()
         self.started = time.time()
         self._decisions: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}  # by (root, rel)
-        self._state_rows: dict[tuple[str, str], _StateRow] = {}  # see `state`
+        self._decisions_version = 0  # bumped when `_decisions` changes (the state file's cache)
+        self._runs_cache: dict[Path, tuple[tuple[int, int], str]] = {}  # see `_runs_json`
         self._hints: collections.deque[str] = collections.deque()
         self._state_path = config.daemon.state_dir / f"{STATE_PREFIX}{os.getpid()}.json"
         self._watchdog_every = watchdog_interval()
@@ -396,7 +393,9 @@ class Daemon:
                 self._purge(rt)
         # Forget what was said about checkpoints that are gone (a path re-created later is news again).
         current = {(str(d.checkpoint.root), d.checkpoint.rel) for d in plan.decisions}
-        self._decisions = {k: v for k, v in self._decisions.items() if k in current}
+        kept = {k: v for k, v in self._decisions.items() if k in current}
+        if len(kept) != len(self._decisions):
+            self._decisions, self._decisions_version = kept, self._decisions_version + 1
         for rt in self.roots:
             rels = {c.rel for c in rt.tracker.checkpoints()}
             rt.outcomes = {k: v for k, v in rt.outcomes.items() if k in rels}
@@ -409,6 +408,7 @@ class Daemon:
             value = (str(d.action), d.reasons)
             if self._decisions.get(key) != value:
                 self._decisions[key] = value
+                self._decisions_version += 1
                 level = logging.INFO if d.action is Action.DELETE else logging.DEBUG
                 log.log(
                     level,
@@ -496,59 +496,64 @@ class Daemon:
         notify(*fields, f"STATUS={self._status_line()}")
 
     def state(self) -> dict[str, Any]:
+        """The state file's document (what `ckptd status` reads)."""
+        return json.loads(self._state_text())
+
+    def _state_text(self) -> str:
+        """The state file's JSON. Written at every poll for the heartbeat: each root's runs are
+        encoded again only when its tracker or the decisions changed (on the L volume, 6,400
+        checkpoints, encoding them was most of an idle tick)."""
         now_mono = self.clock()
         roots = []
-        # Rebuilt every tick for the heartbeat: each checkpoint's row is reused while its
-        # Checkpoint and decision are the same (most of an idle tick's CPU was this document).
-        rows: dict[tuple[str, str], _StateRow] = {}
         for rt in self.roots:
-            runs = []
             oldest = None
-            root_key = str(rt.root.path)
-            for run in rt.tracker.current_runs():
-                ckpts = []
-                for c in run.checkpoints:
-                    key = (root_key, c.rel)  # not c.path: building 960 Paths was most of this
-                    decided = self._decisions.get(key)
-                    hit = self._state_rows.get(key)
-                    if hit is not None and hit[0] is c and hit[1] == decided:
-                        row = hit[2]  # the same Checkpoint (they are replaced, never changed) and decision
-                    else:
-                        row = {
-                            "name": c.name,
-                            "step": c.step,
-                            "state": str(c.state),
-                            "size_bytes": c.size_bytes,
-                            "action": decided[0] if decided else None,
-                            "reasons": list(decided[1]) if decided else [],
-                        }
-                    rows[key] = (c, decided, row)
-                    ckpts.append(row)
-                    if c.state is not State.COMPLETE:
-                        since = rt.tracker.settler.changed_at(c.rel)
-                        if since is not None:
-                            oldest = max(oldest or 0.0, now_mono - since)
-                runs.append({"run": run.rel, "checkpoints": ckpts})
-            roots.append(
-                {
-                    "path": str(rt.root.path),
-                    "observer": rt.observer,
-                    "leader": rt.leader,
-                    "poll_interval": rt.root.poll_interval,  # `ckptd health` allows 3 of these
-                    "oldest_incomplete_age": oldest,
-                    "runs": runs,
-                }
-            )
-        self._state_rows = rows
-        return {
+            for c in rt.tracker.in_flight():
+                since = rt.tracker.settler.changed_at(c.rel)
+                if since is not None:
+                    oldest = max(oldest or 0.0, now_mono - since)
+            head = {
+                "path": str(rt.root.path),
+                "observer": rt.observer,
+                "leader": rt.leader,
+                "poll_interval": rt.root.poll_interval,  # `ckptd health` allows 3 of these
+                "oldest_incomplete_age": oldest,
+            }
+            roots.append(_json(head)[:-1] + ',"runs":' + self._runs_json(rt) + "}")
+        head = {
             "pid": os.getpid(),
             "version": __version__,
             "heartbeat": time.time(),
             "started": self.started,
             "dry_run": self.dry_run,
             "counters": dict(self.counters),
-            "roots": roots,
         }
+        return _json(head)[:-1] + ',"roots":[' + ",".join(roots) + "]}"
+
+    def _runs_json(self, rt: RootRuntime) -> str:
+        key = (rt.tracker.version, self._decisions_version)
+        hit = self._runs_cache.get(rt.root.path)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        root_key = str(rt.root.path)
+        runs = []
+        for run in rt.tracker.current_runs():
+            ckpts = []
+            for c in run.checkpoints:
+                decided = self._decisions.get((root_key, c.rel))  # not c.path: building Paths was slow
+                ckpts.append(
+                    {
+                        "name": c.name,
+                        "step": c.step,
+                        "state": str(c.state),
+                        "size_bytes": c.size_bytes,
+                        "action": decided[0] if decided else None,
+                        "reasons": list(decided[1]) if decided else [],
+                    }
+                )
+            runs.append({"run": run.rel, "checkpoints": ckpts})
+        text = _json(runs)
+        self._runs_cache[rt.root.path] = (key, text)
+        return text
 
     def _write_state(self, force: bool = False) -> None:
         """Rewrite the state file atomically (readers see the old or the new), at most once a second."""
@@ -559,9 +564,7 @@ class Daemon:
         self._state_written, self._state_due = now, None
         tmp = self._state_path.with_suffix(".tmp")
         try:
-            # Compact: with indent, json falls back to its pure-Python encoder (9 ms a tick on 960
-            # checkpoints, most of the daemon's idle cost; BENCHMARKS.md, idle cost).
-            tmp.write_text(json.dumps(self.state(), separators=(",", ":")))
+            tmp.write_text(self._state_text())
             os.replace(tmp, self._state_path)
             log.debug("state written to %s", self._state_path)
         except OSError as exc:
@@ -648,6 +651,7 @@ class Daemon:
         self.roots = keep
         self.config = new
         self._decisions.clear()
+        self._decisions_version += 1
         self._retention()
         self._sync_watches()
 
@@ -682,6 +686,12 @@ class Daemon:
         if self.journal is not None:
             self.journal.close()
         log.info("stopped")
+
+
+def _json(doc: object) -> str:
+    # Compact: with indent, json falls back to its pure-Python encoder (9 ms a tick on 960
+    # checkpoints; BENCHMARKS.md, idle cost).
+    return json.dumps(doc, separators=(",", ":"))
 
 
 def _log_late_failure(future: asyncio.Future[Any]) -> None:

@@ -88,6 +88,7 @@ class RootTracker:
         # tick asks (what is in flight, the next deadline, what to watch) do not go through every
         # checkpoint of the volume (6,400 on the L volume; the loop asks between every two ticks).
         self.flying: dict[str, Checkpoint] = {}
+        self.version = 0  # bumped when what the state file shows changes (a checkpoint's state or size)
         self.deep_next = False  # the next reconcile walks complete checkpoints too (after a reload)
         self.rescans = 0  # targeted rescans after missed events
         self.last_reconcile: float | None = None
@@ -290,6 +291,7 @@ class RootTracker:
         rs = self.runs.get(run_dir.rel)
         if rs is None:
             rs = self.runs[run_dir.rel] = RunState(run_dir)
+            self.version += 1
             log.debug("%s: new run", run_dir.rel)
         rs.dir = run_dir
         names = {c.name for c in run_dir.candidates}
@@ -377,6 +379,8 @@ class RootTracker:
         else:
             self.backoff.pop(fresh.rel, None)
         rs.checkpoints[name] = fresh
+        if old is None or (old.state, old.size_bytes) != (fresh.state, fresh.size_bytes):
+            self.version += 1
         if fresh.state is State.COMPLETE:
             self.flying.pop(fresh.rel, None)
         else:
@@ -403,6 +407,7 @@ class RootTracker:
     def _vanish(self, rs: RunState, name: str, changes: Changes) -> None:
         c = rs.checkpoints.pop(name)
         self.flying.pop(c.rel, None)
+        self.version += 1
         self.settler.forget(c.rel)
         self.hints.pop(c.rel, None)
         self.backoff.pop(c.rel, None)
@@ -412,6 +417,7 @@ class RootTracker:
 
     def _drop_run(self, rel: str, changes: Changes) -> None:
         rs = self.runs.pop(rel)
+        self.version += 1
         for name in list(rs.checkpoints):
             self._vanish(rs, name, changes)
 
