@@ -285,6 +285,8 @@ def ticked_daemon(cfg: Path, clock) -> tuple[Daemon, object]:
     rt = daemon._runtime(daemon.config.roots[0], daemon.config)
     daemon.roots.append(rt)
     daemon._first_scan()
+    while rt.tracker.unseen:  # the first looks, which the daemon's first ticks after READY take
+        rt.tracker.step(clock())
     return daemon, rt
 
 
@@ -459,6 +461,7 @@ async def test_a_missing_root_does_not_stop_retention_on_the_others(tmp_path):
     for root in daemon.config.roots:
         daemon.roots.append(daemon._runtime(root, daemon.config))
     daemon._first_scan()
+    daemon.roots[0].tracker.step(now[0])  # the first looks, after READY
     now[0] += 2
     daemon.roots[0].tracker.step(now[0])
     b.rmdir()  # unmounted

@@ -85,6 +85,13 @@ def tracker(root: Path, clock: Clock, **kw) -> RootTracker:
     return t
 
 
+def start(t: RootTracker) -> None:
+    """What the daemon does at start-up: the first scan, then (after READY) the first looks."""
+    t.full_scan()
+    while t.unseen:
+        t.step(t.clock())
+
+
 def states(t: RootTracker) -> dict[str, State]:
     return {c.rel: c.state for c in t.checkpoints()}
 
@@ -92,22 +99,31 @@ def states(t: RootTracker) -> dict[str, State]:
 def test_a_checkpoint_completes_one_quiet_period_after_it_stops_changing(tmp_path, clock):
     hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
     t = tracker(tmp_path, clock)
-    t.full_scan()
-    start = clock.t
+    t.full_scan()  # start-up: found, not looked at yet (READY comes before the looks)
+    start_t = clock.t
     assert states(t) == {"run/checkpoint-10": State.SETTLING}
-    assert t.next_deadline() == start + HINT_DEBOUNCE  # a second look, once its watch exists
-    assert t.step(clock.advance(HINT_DEBOUNCE)).completed == []
-    assert t.next_deadline() == start + 60
-    assert t.step(clock.advance(59 - HINT_DEBOUNCE)).completed == []
+    assert t.next_deadline() == start_t  # the first look: at once
+    assert t.step(clock.t).completed == []
+    assert t.next_deadline() == start_t + 60
+    assert t.step(clock.advance(59)).completed == []
     changes = t.step(clock.advance(1))
     assert [c.rel for c in changes.completed] == ["run/checkpoint-10"]
     assert states(t) == {"run/checkpoint-10": State.COMPLETE}
 
 
+def test_a_checkpoint_found_after_start_up_is_looked_at_again_once_watched(tmp_path, clock):
+    t = tracker(tmp_path, clock)
+    start(t)
+    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
+    t.poll()
+    assert states(t) == {"run/checkpoint-10": State.SETTLING}
+    assert t.next_deadline() == clock.t + HINT_DEBOUNCE  # a second look, once its watch exists
+
+
 def test_a_write_moves_it_back_to_writing(tmp_path, clock):
     ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
     t = tracker(tmp_path, clock)
-    t.full_scan()
+    start(t)
     clock.advance(30)
     write_zip(ckpt / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", 5000)
     t.poll()
@@ -119,7 +135,7 @@ def test_a_write_moves_it_back_to_writing(tmp_path, clock):
 def test_a_missing_shard_keeps_it_incomplete_then_stalled(tmp_path, clock):
     hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, skip={"zero_pp_rank_1_mp_rank_00_optim_states.pt"})
     t = tracker(tmp_path, clock, stall_after=3600)
-    t.full_scan()
+    start(t)
     t.step(clock.advance(60))
     assert states(t) == {"run/checkpoint-10": State.INCOMPLETE}
     clock.advance(3600)
@@ -130,7 +146,7 @@ def test_a_missing_shard_keeps_it_incomplete_then_stalled(tmp_path, clock):
 def test_polling_finds_new_runs_and_checkpoints_by_directory_mtime(tmp_path, clock):
     hf_deepspeed_checkpoint(tmp_path / "a", 10, world=2)
     t = tracker(tmp_path, clock)
-    t.full_scan()
+    start(t)
     hf_deepspeed_checkpoint(tmp_path / "team" / "b", 5, world=2)
     hf_deepspeed_checkpoint(tmp_path / "a", 20, world=2)
     t.poll()
@@ -140,7 +156,7 @@ def test_polling_finds_new_runs_and_checkpoints_by_directory_mtime(tmp_path, clo
 def test_polling_does_not_walk_complete_checkpoints(tmp_path, clock, monkeypatch):
     hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
     t = tracker(tmp_path, clock)
-    t.full_scan()
+    start(t)
     t.step(clock.advance(60))
     assert states(t) == {"run/checkpoint-10": State.COMPLETE}
     walked = []
@@ -164,7 +180,7 @@ def test_vanished_checkpoints_are_forgotten(tmp_path, clock):
     ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
     hf_deepspeed_checkpoint(tmp_path / "run", 20, world=2)
     t = tracker(tmp_path, clock)
-    t.full_scan()
+    start(t)
     shutil.rmtree(ckpt)
     changes = t.poll()
     assert changes.vanished == ["run/checkpoint-10"]
@@ -174,7 +190,7 @@ def test_vanished_checkpoints_are_forgotten(tmp_path, clock):
 def test_hints_map_paths_to_checkpoints_runs_and_directories(tmp_path, clock):
     ckpt = hf_deepspeed_checkpoint(tmp_path / "team" / "run", 10, world=2)
     t = tracker(tmp_path, clock)
-    t.full_scan()
+    start(t)
     deadline = t.settler.deadline("team/run/checkpoint-10")
     t.hint(str(ckpt / "global_step10" / "x.pt"), clock.advance(5))
     assert t.settler.deadline("team/run/checkpoint-10") == deadline + 5
@@ -190,7 +206,7 @@ def test_watches_are_narrow(tmp_path, clock):
     hf_deepspeed_checkpoint(tmp_path / "team" / "run", 10, world=2)
     hf_deepspeed_checkpoint(tmp_path / "team" / "run", 20, world=2)
     t = tracker(tmp_path, clock)
-    t.full_scan()
+    start(t)
     t.step(clock.advance(60))
     hf_deepspeed_checkpoint(tmp_path / "team" / "run", 30, world=2)
     t.poll()
@@ -210,12 +226,12 @@ def test_at_start_only_checkpoints_written_lately_are_watched_deeply(tmp_path, c
     age(hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2), time.time() - 3600)
     hf_deepspeed_checkpoint(tmp_path / "run", 20, world=2)  # being written as the daemon starts
     t = tracker(tmp_path, clock)
-    t.full_scan()
+    start(t)
     assert {c.name: c.state for c in t.in_flight()} == {"checkpoint-10": State.SETTLING,
                                                          "checkpoint-20": State.SETTLING}
     assert t.wanted_watches() == {(str(tmp_path), False), (str(tmp_path / "run"), False),
                                   (str(tmp_path / "run" / "checkpoint-20"), True)}
-    # a write into the old one is still seen: by the next poll, as a change of its fingerprint
+    # a write into the old one is still seen: by the next poll, which stats its directories
     (tmp_path / "run" / "checkpoint-10" / "late.txt").write_text("x")
     t.poll()
     assert {c.name: c.state for c in t.in_flight()}["checkpoint-10"] is State.WRITING
@@ -231,7 +247,7 @@ def test_mtimes_far_in_the_past_or_future_do_not_complete_anything_early(tmp_pat
     ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
     age(ckpt, mtime)
     t = tracker(tmp_path, clock)
-    t.full_scan()
+    start(t)
     assert t.step(clock.advance(59.9)).completed == []
     assert [c.rel for c in t.step(clock.advance(0.1)).completed] == ["run/checkpoint-10"]
 
@@ -313,7 +329,7 @@ def complete_volume(root: Path, clock: Clock, runs: int = 3, per_run: int = 4) -
         for i in range(per_run):
             hf_deepspeed_checkpoint(root / f"team-{r % 2}" / f"run-{r}", 10 * (i + 1), world=4)
     t = tracker(root, clock)
-    t.full_scan()
+    start(t)
     t.step(clock.advance(60))
     assert set(states(t).values()) == {State.COMPLETE}
     return t
@@ -377,7 +393,7 @@ def test_a_tracker_file_rewritten_beside_complete_checkpoints_is_seen_by_a_recon
         write_zip(run / f"iter_{step:07d}" / "mp_rank_00" / "model_optim_rng.pt")
     (run / "latest_checkpointed_iteration.txt").write_text("2000")
     t = tracker(tmp_path, clock)
-    t.full_scan()
+    start(t)
     t.step(clock.advance(60))
     assert set(states(t).values()) == {State.COMPLETE}
     (run / "latest_checkpointed_iteration.txt").write_text("1000")
@@ -398,7 +414,7 @@ def crashed(tmp_path, clock, monkeypatch):
     shard = ckpt / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     shard.write_bytes(b"\0" * 100)
     t = tracker(tmp_path, clock)
-    t.full_scan()
+    start(t)
     t.step(clock.advance(60))
     assert states(t) == {"run/checkpoint-10": State.INCOMPLETE}
     walks: list[Path] = []
@@ -482,7 +498,7 @@ def test_a_megatron_tracker_written_late_is_seen_at_the_next_poll(tmp_path, cloc
     write_zip(run / "iter_0001000" / "mp_rank_00" / "model_optim_rng.pt")
     (run / "latest_checkpointed_iteration.txt").write_text("500")
     t = tracker(tmp_path, clock)
-    t.full_scan()
+    start(t)
     t.step(clock.advance(60))
     assert states(t) == {"run/iter_0001000": State.INCOMPLETE}
     for _ in range(20):
@@ -509,9 +525,90 @@ def test_after_missed_events_a_rescan_finds_every_checkpoint_saved_meanwhile(tmp
     for r in range(30):
         hf_deepspeed_checkpoint(tmp_path / f"team{r % 3}" / f"run{r}", 10, world=2)
     t = tracker(tmp_path, clock)
-    t.full_scan()
+    start(t)
     for r in range(30):  # a storm the daemon heard nothing of
         hf_deepspeed_checkpoint(tmp_path / f"team{r % 3}" / f"run{r}", 20, world=2)
     t.rescan_in_flight()
     assert {rel for rel in states(t) if rel.endswith("checkpoint-20")} == {
         f"team{r % 3}/run{r}/checkpoint-20" for r in range(30)}
+
+
+
+# --- start-up: READY before every file is looked at ------------------------------------------
+
+
+def test_an_error_in_the_first_looks_leaves_the_checkpoint_to_look_at(tmp_path, clock, monkeypatch):
+    import errno
+
+    import ckptd.evidence as evidence
+
+    hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
+    t = tracker(tmp_path, clock)
+    t.full_scan()
+    real_walk = evidence.walk
+
+    def failing(path):
+        raise OSError(errno.ESTALE, "Stale file handle")
+
+    monkeypatch.setattr(evidence, "walk", failing)
+    with pytest.raises(OSError):
+        t.step(clock.t)
+    monkeypatch.setattr(evidence, "walk", real_walk)
+    assert list(t.unseen) == ["run/checkpoint-10"]
+    t.step(clock.t)
+    assert not t.unseen and t.runs["run"].checkpoints["checkpoint-10"].fingerprint
+
+
+def restarted(root: Path, state: Path, clock: Clock) -> RootTracker:
+    t = RootTracker(Root(path=root, quiet_period=60, world_size=2), clock, state_dir=state)
+    t.scanner.verdicts.clock_ns = lambda: time.time_ns() + 10 * RACY_NS
+    return t
+
+
+def test_a_restart_walks_nothing_before_ready_and_completes_after_one_look(tmp_path, clock, monkeypatch):
+    """With what the last process saved, the start-up scan stats directories only; each checkpoint
+    is settling until its quiet period ends, when it is walked in full (its files read from the
+    saved verdicts: nothing opened) and found complete."""
+    import ckptd.evidence as evidence
+
+    for step in (10, 20):  # saved an hour ago (a checkpoint written lately is looked at once watched)
+        hf_deepspeed_checkpoint(tmp_path / "vol" / "run", step, world=2, mtime=time.time() - 3600)
+    state = tmp_path / "state"
+    state.mkdir()
+    first = restarted(tmp_path / "vol", state, clock)
+    start(first)
+    first.step(clock.advance(60))
+    first.full_scan()  # a reconcile saves what was proven
+    walks: list[Path] = []
+    real_walk = evidence.walk
+    monkeypatch.setattr(evidence, "walk", lambda p: walks.append(p) or real_walk(p))
+    t = restarted(tmp_path / "vol", state, clock)
+    counter = MetadataCounter(monkeypatch)
+    t.full_scan()
+    assert walks == [] and not t.unseen
+    assert set(states(t).values()) == {State.SETTLING}
+    assert counter.take() == {"stat": 7, "listing": 2}  # root, run; two directories per checkpoint
+    t.step(clock.advance(59))
+    assert walks == []
+    changes = t.step(clock.advance(1))
+    assert sorted(c.name for c in changes.completed) == ["checkpoint-10", "checkpoint-20"]
+    assert len(walks) == 2 and counter.take().get("open", 0) == 0
+
+
+def test_a_restored_checkpoint_changed_in_place_is_not_complete_after_its_look(tmp_path, clock):
+    """Restored by its directories' stamps, a checkpoint whose file was rewritten in place while
+    no ckptd ran is settling; the look at its quiet period's end sees the change."""
+    ckpt = hf_deepspeed_checkpoint(tmp_path / "vol" / "run", 10, world=2)
+    state = tmp_path / "state"
+    state.mkdir()
+    first = restarted(tmp_path / "vol", state, clock)
+    start(first)
+    first.step(clock.advance(60))
+    first.full_scan()
+    with open(ckpt / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt", "r+b") as f:
+        f.truncate(100)
+    t = restarted(tmp_path / "vol", state, clock)
+    t.full_scan()
+    assert states(t) == {"run/checkpoint-10": State.SETTLING}
+    assert t.step(clock.advance(60)).completed == []
+    assert states(t) == {"run/checkpoint-10": State.WRITING}

@@ -136,16 +136,26 @@ def test_an_unreadable_trainer_state_is_not_remembered(tmp_path, monkeypatch):
 # --- one process: an unchanged checkpoint is read once ---------------------------
 
 
+def looked(s: Scanner, rel: str = "run/checkpoint-10"):
+    """One checkpoint looked at in full (walked and inspected), as the daemon's looks are."""
+    from ckptd.discover import find_run
+
+    run_rel, _, name = rel.rpartition("/")
+    run_dir = find_run(s.root.path, run_rel, patterns=s.patterns)
+    cand = next(c for c in run_dir.candidates if c.name == name)
+    return s.inspect(run_dir, cand, now=time.time() + 3600)
+
+
 def test_an_unchanged_checkpoint_is_read_once_and_a_changed_file_again(tmp_path, reads):
     ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
     s = scanner(tmp_path)
-    assert by_rel(s)["run/checkpoint-10"].state is State.COMPLETE
+    assert looked(s).state is State.COMPLETE
     first = len(reads)
     assert first > 5
-    by_rel(s)
+    looked(s)
     assert len(reads) == first  # nothing read again
     (ckpt / SHARD).write_bytes(b"\0" * 100)  # a shard rewritten, truncated: not a zip
-    assert by_rel(s)["run/checkpoint-10"].state is State.INCOMPLETE
+    assert looked(s).state is State.INCOMPLETE
     assert reads[first:] == [str(ckpt / SHARD)]  # only the changed file read again
 
 
@@ -190,14 +200,55 @@ def test_no_state_dir_no_cache_and_none_created(tmp_path):
 
 
 def test_a_file_changed_while_no_ckptd_ran_is_read_again(tmp_path, reads):
+    """Replaced (a new file renamed over it, its directory changed): restored no more, read again.
+    Rewritten in place (no directory changed): `plan` restores what was saved (it stats
+    directories, not files), but a full look, as the daemon's and the reaper's are, reads it."""
     ckpt = hf_deepspeed_checkpoint(tmp_path / "vol" / "run", 10, world=2)
+    other = hf_deepspeed_checkpoint(tmp_path / "vol" / "run", 20, world=2)
     state = tmp_path / "state"
     state.mkdir()
     by_rel(scanner(tmp_path / "vol", state))
-    (ckpt / SHARD).write_bytes(b"\0" * 100)  # truncated between two processes
+    (ckpt / "global_step10" / "new.tmp").write_bytes(b"\0" * 100)
+    os.replace(ckpt / "global_step10" / "new.tmp", ckpt / SHARD)  # truncated, by rename
+    shard20 = other / SHARD.replace("10", "20")
+    with open(shard20, "r+b") as f:
+        f.truncate(100)  # truncated in place
     n = len(reads)
-    assert by_rel(scanner(tmp_path / "vol", state))["run/checkpoint-10"].state is State.INCOMPLETE
+    again = scanner(tmp_path / "vol", state)
+    found = by_rel(again)
+    assert found["run/checkpoint-10"].state is State.INCOMPLETE
     assert str(ckpt / SHARD) in reads[n:]
+    assert found["run/checkpoint-20"].state is State.COMPLETE  # restored: as saved
+    assert looked(again, "run/checkpoint-20").state is State.INCOMPLETE  # a full look reads it again
+
+
+def test_a_saved_checkpoint_is_restored_by_stats_of_its_directories_alone(tmp_path, monkeypatch):
+    """What `plan` on an unchanged volume costs with the cache: no walk, no read; and what the
+    restore depends on: its directories, the config for its run, its run directory's entries."""
+    from ckptd import evidence
+
+    for step in (10, 20):
+        hf_deepspeed_checkpoint(tmp_path / "vol" / "run", step, world=2, losses={10: 0.5, 20: 0.4})
+    state = tmp_path / "state"
+    state.mkdir()
+    first = by_rel(scanner(tmp_path / "vol", state))
+    walks: list[Path] = []
+    real_walk = evidence.walk
+    monkeypatch.setattr(evidence, "walk", lambda p: walks.append(p) or real_walk(p))
+    second = by_rel(scanner(tmp_path / "vol", state))
+    assert walks == []
+    assert {k: (c.state, c.fingerprint, c.checks, c.trainer_state, c.slim, c.size_bytes)
+            for k, c in second.items()} == {
+        k: (c.state, c.fingerprint, c.checks, c.trainer_state, c.slim, c.size_bytes) for k, c in first.items()}
+    (tmp_path / "vol" / "run" / "notes.txt").write_text("x")  # the run directory's context changed
+    by_rel(scanner(tmp_path / "vol", state))
+    assert len(walks) == 2
+    walks.clear()
+    v = Verdicts(clock_ns=later)
+    v.load(cache_path(state, tmp_path / "vol"), tmp_path / "vol")
+    other = Scanner(Root(path=tmp_path / "vol", quiet_period=60, world_size=3), state_dir=state, verdicts=v)
+    by_rel(other)  # another world_size for its runs: the census may differ, so look again
+    assert len(walks) == 2
 
 
 @pytest.mark.parametrize(
@@ -237,17 +288,24 @@ def test_a_cache_written_for_another_root_is_ignored(tmp_path):
     assert len(v) == 0
 
 
-def lying_cache(state: Path, root: Path, ckpt: Path, *, checksum: bool = True) -> None:
+def lying_cache(state: Path, root: Path, ckpt: Path, *, checksum: bool = True, lie: str = "verdicts") -> None:
     """Rewrite the cache so that it says the truncated shard of `ckpt` is intact: what a cache
-    written by a buggy or tampered ckptd could say. The checksum is made to match, or not."""
+    written by a buggy or tampered ckptd could say. The checksum is made to match, or not.
+    `lie`: "verdicts" (the shard's problem dropped, and the saved checkpoint, so a look uses
+    the verdicts) or "checkpoint" (the saved checkpoint's failing check made to pass)."""
     import hashlib
 
     path = cache_path(state, root)
     head, _, body = path.read_bytes().partition(b"\n")
     doc = json.loads(body)
     rel = str(ckpt.relative_to(root))
-    digest, verdicts = doc["records"][rel]
-    doc["records"][rel] = [digest, [v for v in verdicts if v[0] != FILE]]
+    digest, verdicts, *saved = doc["records"][rel]
+    if lie == "verdicts":
+        doc["records"][rel] = [digest, [v for v in verdicts if v[0] != FILE]]
+    else:
+        for check in saved[0]["checks"]:
+            check[1] = "passed"
+        doc["records"][rel] = [digest, verdicts, *saved]
     fmt, version, logic, old_sum = head.decode().split(" ")
     body = json.dumps(doc).encode()
     new_sum = hashlib.blake2b(body, digest_size=16).hexdigest() if checksum else old_sum
@@ -269,22 +327,27 @@ def test_a_cache_edited_without_its_checksum_is_ignored(tmp_path):
 
 def test_the_reapers_recheck_never_rests_on_the_cache(tmp_path):
     """A cache that lies (a truncated shard said intact) fools `plan`'s report, by design (it is
-    what it remembers), but never the re-check the reaper makes before it acts."""
+    what it remembers), but never the re-check the reaper makes before it acts. The lie is in
+    the verdicts (the saved checkpoint is dropped, so the look uses them), then in the saved
+    checkpoint itself (restored as it is)."""
     root = tmp_path / "vol"
     ckpt = hf_deepspeed_checkpoint(root / "run", 10, world=2, skip={SHARD.split("/")[1]})
     (ckpt / SHARD).write_bytes(b"\0" * 100)
     state = tmp_path / "state"
     state.mkdir()
     assert by_rel(scanner(root, state))["run/checkpoint-10"].state is State.INCOMPLETE
-    lying_cache(state, root, ckpt)
-    s = scanner(root, state)
-    assert by_rel(s)["run/checkpoint-10"].state is State.COMPLETE  # the lie, as plan would show it
-    fresh = s.reinspect("run", "checkpoint-10", now=time.time() + 3600)
-    assert fresh.state is State.INCOMPLETE
-    assert f"{SHARD.split('/')[1]} is not a complete zip archive" in str(fresh.checks)
+    for lie in ("verdicts", "checkpoint"):
+        by_rel(scanner(root, state))  # the truthful cache, written again
+        lying_cache(state, root, ckpt, lie=lie)
+        s = scanner(root, state)
+        assert by_rel(s)["run/checkpoint-10"].state is State.COMPLETE  # the lie, as plan would show it
+        fresh = s.reinspect("run", "checkpoint-10", now=time.time() + 3600)
+        assert fresh.state is State.INCOMPLETE
+        assert f"{SHARD.split('/')[1]} is not a complete zip archive" in str(fresh.checks)
 
 
-def test_prune_with_a_lying_cache_deletes_nothing_it_must_not(tmp_path):
+@pytest.mark.parametrize("lie", ["verdicts", "checkpoint"])
+def test_prune_with_a_lying_cache_deletes_nothing_it_must_not(tmp_path, lie):
     """End to end: the lie makes the truncated newest checkpoint look complete, so the plan deletes
     the older one; the reaper's re-check of the anchor (read afresh) refuses."""
     from conftest import run_ckptd
@@ -304,7 +367,7 @@ def test_prune_with_a_lying_cache_deletes_nothing_it_must_not(tmp_path):
         "[roots.retention]\nkeep_last = 1\nkeep_best = 0\n"
     )
     by_rel(scanner(root, state))
-    lying_cache(state, root, ckpt)
+    lying_cache(state, root, ckpt, lie=lie)
     plan = run_ckptd("plan", "-c", config, "--json")
     assert plan.returncode == 0, plan.stderr
     actions = {c["path"].rsplit("/", 1)[1]: c["action"] for c in json.loads(plan.stdout)["checkpoints"]}

@@ -7,11 +7,12 @@ asks the filesystem how much space is free, and hands all of that to
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckptd import policy
@@ -19,8 +20,8 @@ from ckptd.config import Root
 from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError
 from ckptd.evidence import Inspector, QuietJudge, RunContext
-from ckptd.layouts import Candidate, compile_pattern
-from ckptd.model import Check, Checkpoint, Run, Verdict
+from ckptd.layouts import MEGATRON_TRACKER, Candidate, compile_pattern
+from ckptd.model import QUIET, Check, Checkpoint, Run, Verdict
 from ckptd.policy import Decision, Plan
 from ckptd.verdicts import Verdicts, cache_path
 
@@ -66,6 +67,7 @@ class Scanner:
         self.inspector = Inspector(
             quiet_period=root.quiet_period, mp_world_size=root.mp_world_size, verdicts=verdicts
         )
+        self._context: tuple[RunDir, str] | None = None  # the last run's `_context_key`
 
     @property
     def verdicts(self) -> Verdicts:
@@ -81,7 +83,8 @@ class Scanner:
             raise RootMissingError(f"root {self.root.path} does not exist or is not a directory")
 
     def runs(self, *, now: float) -> list[Run]:
-        """Every run of the root, each checkpoint inspected; what was read is saved (`save_verdicts`)."""
+        """Every run of the root, each checkpoint inspected (or restored, `restore`); what was read
+        is saved (`save_verdicts`)."""
         self.check_root()
         dirs = find_runs(self.root.path, max_depth=self.root.max_depth, patterns=self.patterns)
         runs = [self.inspect_run(d, now=now) for d in dirs]
@@ -90,14 +93,54 @@ class Scanner:
         return runs
 
     def inspect_run(self, run_dir: RunDir, *, now: float) -> Run:
-        ckpts = [c for cand in run_dir.candidates if (c := self.inspect(run_dir, cand, now=now)) is not None]
+        ckpts = []
+        for cand in run_dir.candidates:
+            c = self.restore(run_dir, cand, now=now) or self.inspect(run_dir, cand, now=now)
+            if c is not None:
+                ckpts.append(c)
         return Run(self.root.path, run_dir.rel, tuple(sorted(ckpts, key=Checkpoint.sort_key)))
+
+    def restore(self, run_dir: RunDir, cand: Candidate, *, now: float) -> Checkpoint | None:
+        """The checkpoint as an earlier look (saved in state_dir) found it, if none of its
+        directories changed since (a stat each), nor its run directory's context, nor the config
+        its evidence depended on; else None (inspect it).
+
+        Its quiet check is judged afresh: by the settler, for the daemon, which then walks it in
+        full when its quiet period ends before it can count as complete; by the wall clock
+        against the saved newest mtime, for `plan` and `prune`. A file rewritten in place changes
+        no directory: what `plan` reports may then be out of date, and the reaper's re-check,
+        which walks and reads everything itself, refuses to act on it.
+        """
+        path = run_dir.path / cand.name
+        saved = self.verdicts.restorable(str(path), self._context_key(run_dir))
+        if saved is None:
+            return None
+        c = replace(saved, root=self.root.path, run=run_dir.rel, name=cand.name, step=cand.step,
+                    layout=cand.layout)  # fmt: skip
+        rel = cand.name if run_dir.rel == "." else f"{run_dir.rel}/{cand.name}"
+        if self.quiet is not None:
+            quiet = self.quiet(rel, c.fingerprint)
+        else:
+            quiet = self.inspector._quiet(int(c.newest_mtime * 1e9), now)
+        return replace(c, checks=(quiet, *(k for k in c.checks if k.name != QUIET)))
+
+    def _context_key(self, run_dir: RunDir) -> str:
+        """What a saved checkpoint's evidence depended on besides its own files: the config that
+        applies to its run, and its run directory's context (`run_context`)."""
+        if self._context is not None and self._context[0] is run_dir:
+            return self._context[1]  # a run's checkpoints are looked at one after another
+        retention, world = self.root.retention_for(run_dir.rel)
+        key = (world, self.root.mp_world_size, sorted(retention.pins), retention.slim_files)
+        text = repr((key, run_context(run_dir))).encode("utf-8", "surrogateescape")
+        digest = hashlib.blake2b(text, digest_size=16).hexdigest()
+        self._context = (run_dir, digest)
+        return digest
 
     def inspect(self, run_dir: RunDir, cand: Candidate, *, now: float) -> Checkpoint | None:
         """One checkpoint's evidence; None if it vanished while we looked (not ours to decide about)."""
         retention, world = self.root.retention_for(run_dir.rel)
         try:
-            return self.inspector.inspect(
+            found = self.inspector.inspect(
                 self.root.path,
                 run_dir.rel,
                 RunContext(run_dir.path, run_dir.names),
@@ -108,6 +151,8 @@ class Scanner:
                 quiet=self.quiet,
                 slim_files=retention.slim_files,
             )
+            self.verdicts.keep_checkpoint(str(run_dir.path / cand.name), found, self._context_key(run_dir))
+            return found
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError:
@@ -130,6 +175,20 @@ class Scanner:
             return None
         with self.verdicts.strict():
             return self.inspect(run_dir, cand, now=now)
+
+
+def run_context(run_dir: RunDir) -> object:
+    """What of the run directory a checkpoint's evidence reads besides the checkpoint itself: the
+    names that are not checkpoints (NeMo's `-unfinished` markers, pin files beside file
+    checkpoints, Megatron's tracker) and the tracker file's stat (it is rewritten in place)."""
+    others = tuple(sorted(run_dir.names.difference(c.name for c in run_dir.candidates)))
+    if MEGATRON_TRACKER not in others:
+        return others
+    try:
+        st = os.stat(run_dir.path / MEGATRON_TRACKER, follow_symlinks=False)
+    except OSError:
+        return (others, None)
+    return (others, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
 
 
 def decide(

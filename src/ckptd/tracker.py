@@ -28,6 +28,7 @@ What a look costs is bounded by what can have changed:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -37,14 +38,15 @@ from pathlib import Path
 
 from ckptd.config import Root
 from ckptd.discover import RunDir, find_runs
-from ckptd.layouts import MEGATRON_TRACKER, TRASH_DIR
-from ckptd.model import Checkpoint, Run, State
-from ckptd.planner import Scanner
+from ckptd.layouts import TRASH_DIR, Candidate
+from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
+from ckptd.planner import Scanner, run_context
 from ckptd.settle import Settler
 
 log = logging.getLogger("ckptd.tracker")
 
 HINT_DEBOUNCE = 0.05  # after an event, look again this much later (coalesces bursts)
+UNSEEN_BUDGET = 0.2  # seconds a step spends on checkpoints not looked at since start-up
 BACKOFF_RECONCILES = 6  # an unchanged incomplete checkpoint is walked at least every 6 reconcile intervals
 
 
@@ -89,6 +91,7 @@ class RootTracker:
         # checkpoint of the volume (6,400 on the L volume; the loop asks between every two ticks).
         self.flying: dict[str, Checkpoint] = {}
         self.version = 0  # bumped when what the state file shows changes (a checkpoint's state or size)
+        self.unseen: collections.deque[str] = collections.deque()  # found at start-up, not looked at yet
         self.deep_next = False  # the next reconcile walks complete checkpoints too (after a reload)
         self.rescans = 0  # targeted rescans after missed events
         self.last_reconcile: float | None = None
@@ -126,6 +129,8 @@ class RootTracker:
     def next_deadline(self) -> float | None:
         """The earliest time something here needs looking at again."""
         times = list(self.hints.values())
+        if self.unseen:
+            times.append(self.clock())
         for c in self.in_flight():
             if c.state in (State.WRITING, State.SETTLING):
                 d = self.settler.deadline(c.rel)
@@ -229,15 +234,29 @@ class RootTracker:
         self._relist_dirty(changes)
         # By name: a list of the Checkpoints themselves would keep every replaced one (and its
         # entries) alive until the loop ends; on a large volume that was 170 MiB at the peak.
-        for run, name in [(c.run, c.name) for c in self.in_flight()]:
-            if self._due(run, name):
-                self._look(run, name, changes)
+        wall = time.time()
+        for c in self.in_flight():
+            if not c.fingerprint:
+                continue  # not looked at yet since start-up: `step` does, a few at a time
+            if (
+                c.state is State.SETTLING
+                and wall - c.newest_mtime > self.root.quiet_period
+                and self._dirs_unchanged(c, whole=False)
+            ):
+                continue  # written long ago, its directories unchanged: its quiet period's end looks
+            if self._due(c.run, c.name):
+                self._look(c.run, c.name, changes)
         return changes
 
     def step(self, now: float) -> Changes:
-        """Act on hints and deadlines that are due."""
+        """Act on hints and deadlines that are due; look at some of the checkpoints not yet seen."""
         changes = Changes()
         self._relist_dirty(changes)
+        budget = time.monotonic() + UNSEEN_BUDGET
+        while self.unseen and time.monotonic() < budget:  # a few at a time: events are not kept waiting
+            run_rel, _, name = self.unseen[0].rpartition("/")
+            self._look(run_rel or ".", name, changes)  # (an OSError leaves it in the queue)
+            self.unseen.popleft()
         due = {k for k, t in self.hints.items() if t <= now}
         for c in self.in_flight():
             d = self.settler.deadline(c.rel)
@@ -301,8 +320,12 @@ class RootTracker:
         if context != rs.context:  # a marker, a tracker, a pin file beside them: look at them all
             deep = complete_too = rs.context is not None
             rs.context = context
+        starting = self.last_reconcile is None
         for cand in run_dir.candidates:
             old = rs.checkpoints.get(cand.name)
+            if old is None and starting:
+                self._first_sight(rs, run_dir, cand, changes)
+                continue
             if old is None:
                 look = True
             elif old.state is State.COMPLETE:
@@ -317,6 +340,23 @@ class RootTracker:
                 key = cand.name if run_dir.rel == "." else f"{run_dir.rel}/{cand.name}"
                 self.hints[key] = self.clock() + HINT_DEBOUNCE
 
+    def _first_sight(self, rs: RunState, run_dir: RunDir, cand: Candidate, changes: Changes) -> None:
+        """At start-up, not a look at every file of the volume before READY: a checkpoint as it was
+        saved in state_dir, if its directories are unchanged (settling; walked in full when its
+        quiet period ends, as any checkpoint is before it counts as complete), else a placeholder
+        looked at after READY, a few at a time (`unseen`). Nothing is complete before its look."""
+        key = cand.name if run_dir.rel == "." else f"{run_dir.rel}/{cand.name}"
+        restored = self.scanner.restore(run_dir, cand, now=0.0)
+        if restored is not None:
+            self._record(rs, restored, None, changes, cand.name)
+            if time.time() - restored.newest_mtime <= self.root.quiet_period:
+                self.hints[key] = self.clock() + HINT_DEBOUNCE  # being written: look once watched
+            return
+        unseen = Check(QUIET, Verdict.UNKNOWN, "settling: not looked at yet (ckptd just started)")
+        placeholder = Checkpoint(self.root.path, run_dir.rel, cand.name, cand.step, cand.layout, (unseen,))
+        self._record(rs, placeholder, None, changes, cand.name)
+        self.unseen.append(key)
+
     def _look(self, run_rel: str, name: str, changes: Changes) -> None:
         rs = self.runs.get(run_rel)
         if rs is None or name not in rs.checkpoints:
@@ -326,20 +366,10 @@ class RootTracker:
         self._record(rs, fresh, rs.checkpoints[name], changes, name)
 
     def _context(self, run_dir: RunDir) -> object:
-        """What of the run directory a checkpoint's evidence reads besides the checkpoint itself:
-        the names that are not checkpoints (NeMo's `-unfinished` markers, pin files beside file
-        checkpoints, Megatron's tracker) and the tracker file's stat (it is rewritten in place)."""
-        others = run_dir.names.difference(c.name for c in run_dir.candidates)
-        if MEGATRON_TRACKER not in others:
-            return others
-        try:
-            st = os.stat(run_dir.path / MEGATRON_TRACKER, follow_symlinks=False)
-        except OSError:
-            return (others, None)
-        return (others, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        return run_context(run_dir)
 
-    def _dirs_unchanged(self, c: Checkpoint) -> bool:
-        return self.scanner.verdicts.dirs_unchanged(str(c.path), c.fingerprint)
+    def _dirs_unchanged(self, c: Checkpoint, *, whole: bool = True) -> bool:
+        return self.scanner.verdicts.dirs_unchanged(str(c.path), c.fingerprint, whole=whole)
 
     def _due(self, run_rel: str, name: str) -> bool:
         """Whether to look at an in-flight checkpoint now: always, unless it is incomplete or stalled

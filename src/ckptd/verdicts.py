@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptd import __version__
-from ckptd.model import Check, TrainerState, Verdict
+from ckptd.model import QUIET, STALL, Check, Checkpoint, Slimming, TrainerState, Verdict
 
 if TYPE_CHECKING:
     from ckptd.evidence import Entry
@@ -76,7 +76,9 @@ def identity(e: Entry) -> Identity:
 class Record:
     """The verdicts of one look at one checkpoint."""
 
-    __slots__ = ("digest", "dirs", "files", "fingerprint", "proven", "verdicts", "whole")
+    __slots__ = (
+        "checkpoint", "context", "digest", "dirs", "files", "fingerprint", "proven", "verdicts", "whole",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -96,6 +98,8 @@ class Record:
         self.files = files  # per-file, while young: (kind, rel) -> (identity, verdict)
         self.fingerprint = fingerprint  # the checkpoint's fingerprint at that look (evidence.fingerprint)
         self.dirs = dirs  # its directories' stamps at that look: see `Verdicts.dirs_unchanged`
+        self.checkpoint: Checkpoint | None = None  # what that look made of it (`keep_checkpoint`)
+        self.context = ""  # what else it depended on (the config, its run directory): `restorable`
 
 
 class Look:
@@ -243,6 +247,26 @@ class Verdicts:
                 return False
         return True
 
+    def keep_checkpoint(self, path: str, checkpoint: Checkpoint, context: str) -> None:
+        """What the look just ended made of the checkpoint at `path` (saved with its verdicts)."""
+        rec = self._records.get(path)
+        if rec is not None and rec.fingerprint == checkpoint.fingerprint:
+            if rec.checkpoint is None or rec.context != context:
+                self.dirty = True
+            rec.checkpoint, rec.context = checkpoint, context
+
+    def restorable(self, path: str, context: str) -> Checkpoint | None:
+        """The checkpoint at `path` as a whole earlier look found it, if its directories, and
+        what else it depended on (`context`), are as they were then (a stat per directory)."""
+        rec = self._records.get(path)
+        if rec is None or rec.checkpoint is None or rec.context != context:
+            return None
+        if self._strict and not rec.proven:
+            return None
+        if not self.dirs_unchanged(path, rec.fingerprint):
+            return None
+        return rec.checkpoint
+
     def problems(self, path: str) -> list[str]:
         """The files of the checkpoint at `path` whose last verdict was a problem."""
         rec = self._records.get(path)
@@ -341,7 +365,11 @@ class Verdicts:
                 encoded = _encode_verdict(kind, value, rows, table)
                 if encoded is not None:
                     verdicts.append([kind, rel, encoded])
-            out[key[len(prefix) :]] = [rec.digest.hex(), verdicts]
+            saved: list[Any] = [rec.digest.hex(), verdicts]
+            summary = _encode_checkpoint(rec)
+            if summary is not None:
+                saved.append(summary)
+            out[key[len(prefix) :]] = saved
         body = json.dumps({"root": str(root), "rows": table, "records": out}, separators=(",", ":")).encode()
         head = f"{FORMAT} {VERSION} {logic_version()} {hashlib.blake2b(body, digest_size=16).hexdigest()}\n"
         return head.encode() + body
@@ -361,11 +389,13 @@ class Verdicts:
         table = [self._row(int(step), row) for step, row in doc["rows"]]
         prefix = str(root).rstrip("/") + "/"
         records: dict[str, Record] = {}
-        for rel, (digest, verdicts) in doc["records"].items():
+        for rel, (digest, verdicts, *summary) in doc["records"].items():
             if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):
                 raise ValueError(f"bad checkpoint path {rel!r}")
             decoded = {(str(kind), str(r)): _decode_verdict(kind, v, table) for kind, r, v in verdicts}
-            records[prefix + rel] = Record(bytes.fromhex(digest), decoded, whole=True, proven=False)
+            rec = records[prefix + rel] = Record(bytes.fromhex(digest), decoded, whole=True, proven=False)
+            if summary:
+                _decode_checkpoint(rec, summary[0])
         return records
 
     def _row(self, step: int, row: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -375,6 +405,54 @@ class Verdicts:
             return step, self._rows.setdefault((step, tuple(row.items())), row)
         except TypeError:
             return step, row
+
+
+def _encode_checkpoint(rec: Record) -> dict[str, Any] | None:
+    """What `restorable` needs to give back the checkpoint without walking it, or None."""
+    c = rec.checkpoint
+    if c is None or not rec.dirs:
+        return None
+    ts = rec.verdicts.get((TRAINER_STATE, "trainer_state.json"))
+    if c.trainer_state is not None and (ts is None or ts[1] is not c.trainer_state):
+        return None  # its trainer state is not among the verdicts (or not this one)
+    if ts is not None and ts[1] is not None and len(ts[1].history) > MAX_PERSISTED_HISTORY:
+        return None
+    s = c.slim
+    return {
+        "fp": c.fingerprint,
+        "size": c.size_bytes,
+        "newest": c.newest_mtime,
+        "pinned": c.pinned,
+        "ts": c.trainer_state is not None,
+        "checks": [[k.name, k.verdict.value, k.detail] for k in c.checks if k.name not in (QUIET, STALL)],
+        "slim": [s.slimmed, [list(r) for r in s.removable], s.weights, s.source, s.blocker],
+        "ctx": rec.context,
+        "dirs": [list(d) for d in rec.dirs],
+    }
+
+
+def _decode_checkpoint(rec: Record, doc: dict[str, Any]) -> None:
+    ts = rec.verdicts.get((TRAINER_STATE, "trainer_state.json"))
+    if doc["ts"] and (ts is None or ts[1] is None):
+        return
+    slimmed, removable, weights, source, blocker = doc["slim"]
+    rec.fingerprint = str(doc["fp"])
+    rec.dirs = tuple((str(d[0]), *map(int, d[1:6])) for d in doc["dirs"])  # type: ignore[misc]
+    rec.context = str(doc["ctx"])
+    rec.checkpoint = Checkpoint(
+        root=Path("/"),
+        run=".",
+        name="",
+        step=0,
+        layout="",  # the caller's: `Scanner.restore`
+        checks=tuple(Check(str(n), Verdict(v), str(d)) for n, v, d in doc["checks"]),
+        size_bytes=int(doc["size"]),
+        newest_mtime=float(doc["newest"]),
+        fingerprint=rec.fingerprint,
+        pinned=bool(doc["pinned"]),
+        trainer_state=ts[1] if doc["ts"] else None,  # type: ignore[index]
+        slim=Slimming(bool(slimmed), tuple((str(p), int(n)) for p, n in removable), weights, source, blocker),
+    )
 
 
 def _stamps(entries: list[Entry]) -> tuple[Stamp, ...]:
