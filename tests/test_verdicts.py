@@ -376,3 +376,29 @@ def test_prune_with_a_lying_cache_deletes_nothing_it_must_not(tmp_path, lie):
     assert pruned.returncode == 0, pruned.stderr
     assert "refused" in pruned.stdout and "checkpoint-20" in pruned.stdout
     assert sorted(os.listdir(root / "run")) == ["checkpoint-10", "checkpoint-20"]
+
+
+def test_a_runs_checkpoints_share_one_log_history(tmp_path):
+    """Memory: each checkpoint's trainer_state.json logs the run's history up to its step; it is kept
+    once per run, each checkpoint's a view of its first steps. A run restarted with another
+    history keeps its own."""
+    from ckptd.verdicts import SharedHistory
+
+    losses = {10: 0.5, 20: 0.4, 30: 0.3}
+    for step in (30, 10, 20):  # looked at in any order
+        hf_deepspeed_checkpoint(tmp_path / "run", step, world=2, losses=losses)
+    hf_deepspeed_checkpoint(tmp_path / "run", 40, world=2, losses={10: 0.9, 40: 0.2})  # restarted
+    s = scanner(tmp_path)
+    found = {c.name: c.trainer_state.history for c in by_rel(s).values()}
+    assert {name: dict(h) for name, h in found.items()} == {
+        "checkpoint-10": {10: {"step": 10, "eval_loss": 0.5, "epoch": 0.01}},
+        "checkpoint-20": {10: {"step": 10, "eval_loss": 0.5, "epoch": 0.01},
+                          20: {"step": 20, "eval_loss": 0.4, "epoch": 0.02}},
+        "checkpoint-30": {s: {"step": s, "eval_loss": v, "epoch": s / 1000} for s, v in losses.items()},
+        "checkpoint-40": {10: {"step": 10, "eval_loss": 0.9, "epoch": 0.01},
+                          40: {"step": 40, "eval_loss": 0.2, "epoch": 0.04}},
+    }
+    shared = [found[f"checkpoint-{s}"] for s in (10, 20, 30)]
+    assert all(isinstance(h, SharedHistory) for h in shared) and not isinstance(found["checkpoint-40"], SharedHistory)
+    assert shared[0][10] is shared[2][10]  # one row, not one per checkpoint
+    assert 20 not in shared[0] and shared[0].get(30) is None and len(shared[1]) == 2

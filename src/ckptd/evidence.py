@@ -276,7 +276,7 @@ class Inspector:
 
         def read() -> tuple[Check, TrainerState | None]:
             check, ts = _trainer_state(path, files)
-            return check, (self.verdicts.share_rows(ts) if ts is not None else None)
+            return check, (self.verdicts.share_history(ts, str(path.parent)) if ts is not None else None)
 
         try:
             return self._remembered(verdicts_.TRAINER_STATE, entry, read)  # type: ignore[return-value]

@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -164,8 +165,7 @@ class Verdicts:
         self._strict = 0
         self.dirty = False  # records changed since the last save
         self.loaded = 0  # records read from disk at start
-        self._rows: dict[tuple[int, tuple[tuple[str, Any], ...]], dict[str, Any]] = {}
-        self._rows_kept = 0
+        self._histories: dict[str, _RunHistory] = {}  # by run directory: see `share_history`
 
     def __len__(self) -> int:
         return len(self._records)
@@ -286,35 +286,36 @@ class Verdicts:
             del self._records[k]
         if gone:
             self.dirty = True
-        if len(self._rows) > 2 * max(self._rows_kept, 1024):
-            self._rebuild_rows()
+            runs = {k.rpartition("/")[0] for k in keep}
+            self._histories = {k: h for k, h in self._histories.items() if k in runs}
 
-    # --- trainer states: one dict per logged step, shared --------------------------
+    # --- trainer states: one log history per run ------------------------------------
 
-    def share_rows(self, ts: TrainerState) -> TrainerState:
-        """`ts` with each log-history row that another checkpoint's history holds too taken from
-        there: a run's checkpoints log the same history up to their step, and each kept its
-        own copy (on the 960 checkpoints of the M volume, 29k rows; on 6,400, 323k)."""
-        rows = self._rows
-        history: dict[int, Any] = {}
-        for step, row in ts.history.items():
-            try:
-                key = (step, tuple(row.items()))
-                history[step] = rows.setdefault(key, row)
-            except TypeError:  # a value that cannot be hashed (a list): kept as it is
-                history[step] = row
+    def share_history(self, ts: TrainerState, run: str) -> TrainerState:
+        """`ts` with its log history kept once per run: each checkpoint of a run logs the same
+        history up to its own step, and each used to keep a copy of it (the 6,400 checkpoints of
+        the L volume held 323k steps between them, most of the daemon's memory there)."""
+        history = self._history(run, list(ts.history.items()))
         return TrainerState(ts.global_step, ts.best_model_checkpoint, ts.best_metric, history)
 
-    def _rebuild_rows(self) -> None:
-        """Forget rows no record refers to any more (the checkpoints that held them are gone)."""
-        live = {
-            id(row)
-            for rec in self._records.values()
-            if (found := rec.verdicts.get((TRAINER_STATE, "trainer_state.json"))) and found[1] is not None
-            for row in found[1].history.values()
-        }
-        self._rows = {k: row for k, row in self._rows.items() if id(row) in live}
-        self._rows_kept = len(self._rows)
+    def _history(self, run: str, items: list[tuple[int, Any]]) -> Mapping[int, Any]:
+        """A view of the run's history when `items` are its first steps (extending it if they go
+        further); else `items` as a dict of their own (a run restarted with another history)."""
+        h = self._histories.get(run)
+        if h is None:
+            h = self._histories[run] = _RunHistory()
+        steps, index = h.steps, h.index
+        known = len(steps)
+        for i, (step, row) in enumerate(items[:known]):
+            if steps[i] != step or index[step][1] != row:
+                return dict(items)
+        more = items[known:]
+        if any(step in index for step, _ in more) or len({step for step, _ in more}) != len(more):
+            return dict(items)
+        for step, row in more:
+            index[step] = (len(steps), row)
+            steps.append(step)
+        return SharedHistory(h, len(items))
 
     # --- on disk -----------------------------------------------------------------
 
@@ -386,25 +387,65 @@ class Verdicts:
         doc = json.loads(body)
         if doc["root"] != str(root):
             raise ValueError(f"written for root {doc['root']!r}")
-        table = [self._row(int(step), row) for step, row in doc["rows"]]
+        table = [(int(step), _row(row)) for step, row in doc["rows"]]
         prefix = str(root).rstrip("/") + "/"
         records: dict[str, Record] = {}
         for rel, (digest, verdicts, *summary) in doc["records"].items():
             if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):
                 raise ValueError(f"bad checkpoint path {rel!r}")
-            decoded = {(str(kind), str(r)): _decode_verdict(kind, v, table) for kind, r, v in verdicts}
+            run = (prefix + rel).rpartition("/")[0]
+
+            def history(items: list[tuple[int, Any]], run: str = run) -> Mapping[int, Any]:
+                return self._history(run, items)
+
+            decoded = {
+                (str(kind), str(r)): _decode_verdict(kind, v, table, history) for kind, r, v in verdicts
+            }
             rec = records[prefix + rel] = Record(bytes.fromhex(digest), decoded, whole=True, proven=False)
             if summary:
                 _decode_checkpoint(rec, summary[0])
         return records
 
-    def _row(self, step: int, row: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        if not isinstance(row, dict):
-            raise TypeError("a history row is not an object")
-        try:
-            return step, self._rows.setdefault((step, tuple(row.items())), row)
-        except TypeError:
-            return step, row
+
+def _row(row: Any) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise TypeError("a history row is not an object")
+    return row
+
+
+class _RunHistory:
+    """One run's log history, step by step in the order logged: what its checkpoints share."""
+
+    __slots__ = ("index", "steps")
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.index: dict[int, tuple[int, Any]] = {}  # step -> (its place in `steps`, its row)
+
+
+class SharedHistory(Mapping[int, Any]):
+    """A checkpoint's log history: the first `n` steps of its run's (`_RunHistory`)."""
+
+    __slots__ = ("_h", "_n")
+
+    def __init__(self, h: _RunHistory, n: int):
+        self._h = h
+        self._n = n
+
+    def __getitem__(self, step: int) -> Any:
+        at, row = self._h.index[step]
+        if at >= self._n:
+            raise KeyError(step)
+        return row
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._h.steps, self._n)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __repr__(self) -> str:
+        return f"SharedHistory({dict(self)!r})"
 
 
 def _encode_checkpoint(rec: Record) -> dict[str, Any] | None:
@@ -492,7 +533,12 @@ def _encode_verdict(kind: str, value: Any, rows: dict[int, int], table: list[lis
     return None
 
 
-def _decode_verdict(kind: str, value: Any, table: list[tuple[int, dict[str, Any]]]) -> Any:
+def _decode_verdict(
+    kind: str,
+    value: Any,
+    table: list[tuple[int, dict[str, Any]]],
+    history: Callable[[list[tuple[int, Any]]], Mapping[int, Any]],
+) -> Any:
     from ckptd.dsmeta import WorldSizes
 
     if kind == FILE:
@@ -508,7 +554,7 @@ def _decode_verdict(kind: str, value: Any, table: list[tuple[int, dict[str, Any]
         ts = None
         if "ts" in value:
             global_step, best, best_metric, refs = value["ts"]
-            ts = TrainerState(global_step, best, best_metric, dict(table[i] for i in refs))
+            ts = TrainerState(global_step, best, best_metric, history([table[i] for i in refs]))
         return (check, ts)
     raise ValueError(f"unknown verdict kind {kind!r}")
 
