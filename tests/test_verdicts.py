@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -255,7 +256,7 @@ def test_a_saved_checkpoint_is_restored_by_stats_of_its_directories_alone(tmp_pa
     "damage",
     [
         lambda b: b[: len(b) // 2],  # torn write
-        lambda b: b.replace(b'"records"', b'"recordz"'),  # a flipped byte: the checksum says so
+        lambda b: b[:-100] + bytes([b[-100] ^ 1]) + b[-99:],  # a flipped bit: the checksum says so
         lambda b: b"garbage\n" + b,
         lambda b: b"",
         lambda b: b.replace(b"ckptd-verdicts 1 ", b"ckptd-verdicts 999 "),  # a newer format
@@ -297,7 +298,7 @@ def lying_cache(state: Path, root: Path, ckpt: Path, *, checksum: bool = True, l
 
     path = cache_path(state, root)
     head, _, body = path.read_bytes().partition(b"\n")
-    doc = json.loads(body)
+    doc = json.loads(zlib.decompress(body))
     rel = str(ckpt.relative_to(root))
     digest, verdicts, *saved = doc["records"][rel]
     if lie == "verdicts":
@@ -307,7 +308,7 @@ def lying_cache(state: Path, root: Path, ckpt: Path, *, checksum: bool = True, l
             check[1] = "passed"
         doc["records"][rel] = [digest, verdicts, *saved]
     fmt, version, logic, old_sum = head.decode().split(" ")
-    body = json.dumps(doc).encode()
+    body = zlib.compress(json.dumps(doc).encode())
     new_sum = hashlib.blake2b(body, digest_size=16).hexdigest() if checksum else old_sum
     path.write_bytes(f"{fmt} {version} {logic} {new_sum}\n".encode() + body)
 

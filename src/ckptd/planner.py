@@ -151,6 +151,7 @@ class Scanner:
                 quiet=self.quiet,
                 slim_files=retention.slim_files,
             )
+            found = replace(found, checks=self.verdicts.share_checks(found.checks))  # memory
             self.verdicts.keep_checkpoint(str(run_dir.path / cand.name), found, self._context_key(run_dir))
             return found
         except (FileNotFoundError, NotADirectoryError):
