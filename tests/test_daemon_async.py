@@ -468,3 +468,28 @@ async def test_a_missing_root_does_not_stop_retention_on_the_others(tmp_path):
     daemon._retention()
     actions = [r["action"] for r in daemon.state()["roots"][0]["runs"][0]["checkpoints"]]
     assert actions == ["delete", "delete", "keep"]
+
+
+async def test_a_stop_saves_what_was_proven_for_the_next_start(tmp_path, monkeypatch, logs):
+    """Reconciles save every 5 min; a stop saves what was proven since, so that the next start
+    restores it (the racy-clean margin is set to 0 here: the test's files are a moment old)."""
+    from ckptd import verdicts
+
+    monkeypatch.setattr(verdicts, "RACY_NS", 0)
+    root = tmp_path / "vol"
+    (root / "job").mkdir(parents=True)
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
+                       root_extra="world_size = 2\nquiet_period = '0.2s'", retention="keep_last = 5")
+    daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
+    task = asyncio.create_task(daemon.serve())
+    try:
+        await asyncio.wait_for(daemon.ready.wait(), 30)
+        await asyncio.to_thread(hf_deepspeed_checkpoint, root / "job", 1, world=2)  # after start-up
+        await logs.wait("job/checkpoint-1: complete")
+    finally:
+        daemon.request_stop("test")
+        await asyncio.wait_for(task, 30)
+    saved = verdicts.Verdicts()
+    saved.load(verdicts.cache_path(tmp_path / "state", root), root)
+    assert saved.restorable(str(root / "job" / "checkpoint-1"), "") is None  # (another context: no)
+    assert len(saved) == 1 and saved._records[str(root / "job" / "checkpoint-1")].checkpoint is not None

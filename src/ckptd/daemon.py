@@ -49,6 +49,7 @@ from ckptd.watch import Watcher, choose_observer
 log = logging.getLogger("ckptd.daemon")
 
 SHUTDOWN_TIMEOUT = 10.0
+SAVE_TIMEOUT = 3.0  # at a stop, for the verdicts proven since the last save (verdicts.py)
 STATE_MIN_INTERVAL = 1.0
 # Retention (a plan across every root) runs at most this often: in a save storm each tick completes
 # a few checkpoints, and a pass per tick held the filesystem thread from its next looks.
@@ -655,6 +656,10 @@ class Daemon:
         self._retention()
         self._sync_watches()
 
+    def _save_verdicts(self) -> None:
+        for rt in self.roots:
+            rt.tracker.scanner.save_verdicts()
+
     async def shutdown(self) -> None:
         notify("STOPPING=1")
         self._purge_stop = True
@@ -665,6 +670,10 @@ class Daemon:
             await loop.run_in_executor(None, self.watcher.stop)
         if self.metrics is not None:
             await loop.run_in_executor(None, self.metrics.stop)
+        try:  # what was proven since the last reconcile, for the next start (not if the thread hangs)
+            await asyncio.wait_for(self._on_fs(self._save_verdicts), SAVE_TIMEOUT)
+        except TimeoutError:
+            pass
         self._fs.shutdown(wait=False, cancel_futures=True)
         self._purger.shutdown(wait=False, cancel_futures=True)
         done = await loop.run_in_executor(None, _join_executors, [self._fs, self._purger], SHUTDOWN_TIMEOUT)

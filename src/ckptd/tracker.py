@@ -253,10 +253,13 @@ class RootTracker:
         changes = Changes()
         self._relist_dirty(changes)
         budget = time.monotonic() + UNSEEN_BUDGET
+        starting = bool(self.unseen)
         while self.unseen and time.monotonic() < budget:  # a few at a time: events are not kept waiting
             run_rel, _, name = self.unseen[0].rpartition("/")
             self._look(run_rel or ".", name, changes)  # (an OSError leaves it in the queue)
             self.unseen.popleft()
+        if starting and not self.unseen:
+            self.scanner.save_verdicts()  # the start-up's looks, for the next start
         due = {k for k, t in self.hints.items() if t <= now}
         for c in self.in_flight():
             d = self.settler.deadline(c.rel)
