@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import itertools
 import json
 import logging
@@ -365,25 +366,34 @@ class Verdicts:
                 tmp.unlink()
 
     def _encode(self, root: Path) -> bytes:
+        """The file: a head line, then zlib of a JSON line (the root, the history rows) and a JSON
+        line per checkpoint. A line at a time: the L volume's 22 MB of JSON is never one object."""
         prefix = str(root).rstrip("/") + "/"
+        saved = [(key, rec) for key, rec in self._records.items() if rec.whole and key.startswith(prefix)]
         rows: dict[int, int] = {}  # id(row) -> index in `table`
         table: list[list[Any]] = []
-        out: dict[str, Any] = {}
-        for key, rec in self._records.items():
-            if not rec.whole or not key.startswith(prefix):
-                continue
+        for _, rec in saved:
+            found = rec.verdicts.get((TRAINER_STATE, "trainer_state.json"))
+            if found is not None and found[1] is not None and len(found[1].history) <= MAX_PERSISTED_HISTORY:
+                for step, row in found[1].history.items():
+                    if id(row) not in rows:
+                        rows[id(row)] = len(table)
+                        table.append([step, row])
+        z = zlib.compressobj(1)  # 22 MB of JSON on the L volume: 1.9 MB, 0.1 s
+        chunks = [z.compress(_line({"root": str(root), "rows": table}))]
+        for key, rec in saved:
             verdicts = []
             for (kind, rel), value in rec.verdicts.items():
                 encoded = _encode_verdict(kind, value, rows, table)
                 if encoded is not None:
                     verdicts.append([kind, rel, encoded])
-            saved: list[Any] = [rec.digest.hex(), verdicts]
+            line: list[Any] = [key[len(prefix) :], rec.digest.hex(), verdicts]
             summary = _encode_checkpoint(rec)
             if summary is not None:
-                saved.append(summary)
-            out[key[len(prefix) :]] = saved
-        doc = json.dumps({"root": str(root), "rows": table, "records": out}, separators=(",", ":"))
-        body = zlib.compress(doc.encode(), 1)  # 22 MB of JSON on the L volume: 1.9 MB, 0.1 s
+                line.append(summary)
+            chunks.append(z.compress(_line(line)))
+        chunks.append(z.flush())
+        body = b"".join(chunks)
         head = f"{FORMAT} {VERSION} {logic_version()} {hashlib.blake2b(body, digest_size=16).hexdigest()}\n"
         return head.encode() + body
 
@@ -397,15 +407,17 @@ class Verdicts:
         if hashlib.blake2b(body, digest_size=16).hexdigest() != checksum:
             raise ValueError("checksum mismatch (a torn or damaged write)")
         try:
-            doc = json.loads(zlib.decompress(body))
+            lines = io.BytesIO(zlib.decompress(body))
         except zlib.error as exc:
             raise ValueError(f"not compressed as written: {exc}") from None
+        doc = json.loads(lines.readline())
         if doc["root"] != str(root):
             raise ValueError(f"written for root {doc['root']!r}")
         table = [(int(step), _row(row)) for step, row in doc["rows"]]
         prefix = str(root).rstrip("/") + "/"
         records: dict[str, Record] = {}
-        for rel, (digest, verdicts, *summary) in doc["records"].items():
+        for raw in lines:  # a line at a time: its objects are made and kept, or freed, one by one
+            rel, digest, verdicts, *summary = json.loads(raw)
             if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):
                 raise ValueError(f"bad checkpoint path {rel!r}")
             run = (prefix + rel).rpartition("/")[0]
@@ -420,6 +432,10 @@ class Verdicts:
             if summary:
                 _decode_checkpoint(rec, summary[0], lambda c: self.share_checks((c,))[0])
         return records
+
+
+def _line(doc: object) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
 def _row(row: Any) -> dict[str, Any]:
