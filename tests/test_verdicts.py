@@ -404,3 +404,104 @@ def test_a_runs_checkpoints_share_one_log_history(tmp_path):
     assert all(isinstance(h, SharedHistory) for h in shared) and not isinstance(found["checkpoint-40"], SharedHistory)
     assert shared[0][10] is shared[2][10]  # one row, not one per checkpoint
     assert 20 not in shared[0] and shared[0].get(30) is None and len(shared[1]) == 2
+
+
+# --- what a restore and a re-check may rest on (deletion safety, after the merge with issue 11/12) ---
+
+
+def plain_scanner(root: Path, state: Path) -> Scanner:
+    """No world size configured: the Trainer's DDP census counts ranks (`Checkpoint.ranks`)."""
+    v = Verdicts(clock_ns=later)
+    v.load(cache_path(state, root), root)
+    return Scanner(Root(path=root, quiet_period=60), state_dir=state, verdicts=v)
+
+
+def test_world_sizes_keep_every_field_through_the_cache():
+    """`WorldSizes.shards` and `.bf16` decide whether optimizer shards are demanded at all (a
+    ds_config saved as a path says no stage). Dropped on disk, a restart's census of an unchanged
+    checkpoint with a missing shard demanded none: incomplete became complete."""
+    import dataclasses
+
+    from ckptd.verdicts import WORLD, _decode_verdict, _encode_verdict
+
+    ws = dsmeta.WorldSizes(dp=4, mp=1, stage=None, source="model states", shards=True, bf16=True)
+    encoded = json.loads(json.dumps(_encode_verdict(WORLD, ws, {}, [])))
+    back = _decode_verdict(WORLD, encoded, [], dict)
+    assert dataclasses.asdict(back) == dataclasses.asdict(ws)
+
+
+def test_a_restored_checkpoint_is_the_looked_at_one_in_every_field(tmp_path):
+    """Every field evidence computes survives a restart: written_at orders the 'written last'
+    anchor, saved_at and ranks feed the sibling rank census, mounts are never deleted, metrics
+    rank keep_best. Only the quiet check is judged afresh."""
+    import dataclasses
+
+    from test_evidence import ddp_checkpoint
+
+    root = tmp_path / "vol"
+    ddp_checkpoint(root / "run", 100, 8, time.time() - 7200)
+    ddp_checkpoint(root / "run", 200, 8, time.time() - 3600)
+    state = tmp_path / "state"
+    state.mkdir()
+    first = by_rel(plain_scanner(root, state))
+    second = by_rel(plain_scanner(root, state))
+    assert second.keys() == first.keys()
+    for rel, c in first.items():
+        assert c.ranks == 8 and c.written_at > 0 and c.saved_at > 0
+        for f in dataclasses.fields(c):
+            a, b = getattr(c, f.name), getattr(second[rel], f.name)
+            if f.name == "checks":
+                a, b = ([k for k in x if k.name != "quiet"] for x in (a, b))
+            assert a == b, (rel, f.name)
+
+
+def test_a_restart_keeps_the_sibling_rank_census(tmp_path):
+    """Rank 7 of a DDP job never wrote its rng_state: only the run's earlier checkpoint (8 ranks)
+    shows it. Restored without its rank count and save time, the census was skipped, and the
+    short checkpoint became the run's newest complete one (keep_last=1: the last loadable goes)."""
+    from test_evidence import ddp_checkpoint
+
+    root = tmp_path / "vol"
+    ddp_checkpoint(root / "run", 100, 8, time.time() - 7200)
+    ddp_checkpoint(root / "run", 200, 7, time.time() - 3600)
+    state = tmp_path / "state"
+    state.mkdir()
+    assert by_rel(plain_scanner(root, state))["run/checkpoint-200"].state is State.INCOMPLETE
+    s = plain_scanner(root, state)
+    assert s.verdicts.loaded == 2  # (restored, not looked at)
+    assert by_rel(s)["run/checkpoint-200"].state is State.INCOMPLETE
+
+
+def test_the_recheck_reads_every_file_even_what_this_process_read(tmp_path, reads):
+    """The reaper's re-check consults no remembered verdict, its own process's included: a file
+    rewritten in place within one timestamp tick keeps its identity (a volume whose clock lags
+    ours defeats the racy-clean rule), and a deletion rests on what the files say now."""
+    root = tmp_path / "vol"
+    ckpt = hf_deepspeed_checkpoint(root / "run", 10, world=2)
+    s = scanner(root)
+    by_rel(s)
+    torch_files = {str(p) for p in ckpt.rglob("*.pt*")}
+    del reads[:]
+    s.reinspect("run", "checkpoint-10", now=time.time() + 3600)
+    assert torch_files <= set(reads)
+    n = len(reads)
+    by_rel(s)  # outside the re-check, the remembered verdicts serve
+    assert not torch_files & set(reads[n:])
+
+
+def test_a_cache_from_other_checks_or_layouts_is_ignored(tmp_path, monkeypatch):
+    """The cache is versioned by the code its verdicts and restored checkpoints came from: the
+    checks (evidence, dsmeta, slim), and since the merge also layouts (commit files, markers),
+    fwmetrics, mounts, config (patterns) and planner (the restore)."""
+    from ckptd import fwmetrics, layouts, mounts, planner, verdicts
+
+    monkeypatch.setattr(verdicts, "_LOGIC", None)
+    before = verdicts.logic_version()
+    for module in (layouts, fwmetrics, mounts, planner):
+        copy = tmp_path / Path(module.__file__).name
+        copy.write_bytes(Path(module.__file__).read_bytes() + b"\n# another version\n")
+        monkeypatch.setattr(module, "__file__", str(copy))
+        monkeypatch.setattr(verdicts, "_LOGIC", None)
+        assert verdicts.logic_version() != before, module.__name__
+        monkeypatch.undo()
+        monkeypatch.setattr(verdicts, "_LOGIC", None)

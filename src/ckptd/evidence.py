@@ -996,10 +996,7 @@ def tar_problem(path: Path, size: int) -> str | None:
     within the file, and the archive must end in tar's end-of-archive zero blocks. A gzip-compressed
     one (older NeMo) cannot be checked without reading it all, and is said so.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError as exc:
-        return f"unreadable: {exc.strerror}"
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)  # an OSError is not a verdict
     try:
         if os.pread(fd, 2, 0) == b"\x1f\x8b":
             return None  # gzip: its end cannot be checked cheaply; NeMo writes plain tar since 1.x
@@ -1025,7 +1022,7 @@ def tar_problem(path: Path, size: int) -> str | None:
             if offset > size:
                 return "a member runs past the end of the file (truncated?)"
         return f"more than {MAX_TAR_MEMBERS} members: not checked further"
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # an OSError passes through: not remembered (verdicts.py)
         return f"unreadable: {exc}"
     finally:
         os.close(fd)

@@ -14,7 +14,7 @@ is read again.
   rule): anything written after our read then has a later ctime. ctime cannot be
   set by `utime` or a copy that preserves times. Where the volume's clock lags
   ours by more than RACY_NS (a skewed NFS server), this rule is weaker; the
-  reaper's own re-check never relies on remembered verdicts from disk (below).
+  reaper's own re-check never relies on remembered verdicts at all (below).
 - **An I/O error is not a verdict.** A reader that raised OSError leaves nothing
   behind (its look says "could not be read", and the next look reads again).
 - **Per checkpoint, not per file.** A checkpoint's record holds a digest of
@@ -31,13 +31,21 @@ is read again.
   produce the verdicts (any change to them discards the file), checksummed,
   and ignored whole when unreadable, corrupt or for another root.
 - **Strict** (`with verdicts.strict():`): the reaper's re-check just before it
-  deletes uses only what this process read itself, never a record loaded from
-  disk: a deletion never rests on a file written by an earlier process.
+  deletes reads every file again and uses no remembered verdict, neither a record
+  loaded from disk nor this process's own (a file rewritten in place within one
+  tick of a lagging volume clock keeps its identity): a deletion rests on what the
+  files say now, never on this cache.
+- **Versioned by code**: the logic digest covers every module a look or a restore
+  depends on (evidence, dsmeta, model, slim, layouts, fwmetrics, mounts, config,
+  planner, this one); a restored checkpoint carries every field evidence computes
+  (save times, rank count, mount points, metrics) so that the sibling census and
+  the anchors see what a fresh look would.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import itertools
@@ -51,7 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptd import __version__
-from ckptd.model import QUIET, STALL, Check, Checkpoint, Slimming, TrainerState, Verdict
+from ckptd.model import QUIET, STALL, Check, Checkpoint, Reading, Slimming, TrainerState, Verdict
 
 if TYPE_CHECKING:
     from ckptd.evidence import Entry
@@ -187,9 +195,10 @@ class Verdicts:
     def begin(self, key: str, entries: list[Entry]) -> Look:
         rows = sorted((e.rel, e.kind, e.dev, e.ino, e.size, e.mtime_ns, e.ctime_ns) for e in entries)
         digest = hashlib.blake2b(repr(rows).encode("utf-8", "surrogateescape"), digest_size=16).digest()
-        old = self._records.get(key)
-        if old is not None and self._strict and not old.proven:
-            old = None
+        # Strict (the reaper's re-check): nothing remembered is used, not even this process's own
+        # reads: a file rewritten in place within one timestamp tick of a volume whose clock lags
+        # ours keeps its whole identity, and a deletion must rest on what the files say now.
+        old = None if self._strict else self._records.get(key)
         newest = max(e.mtime_ns for e in entries)  # (youth only chooses what to keep: mtime will do)
         return Look(key, digest, old, self.clock_ns(), newest)
 
@@ -264,8 +273,8 @@ class Verdicts:
         rec = self._records.get(path)
         if rec is None or rec.checkpoint is None or rec.context != context:
             return None
-        if self._strict and not rec.proven:
-            return None
+        if self._strict:
+            return None  # the re-check walks and reads everything itself
         if not self.dirs_unchanged(path, rec.fingerprint):
             return None
         return rec.checkpoint
@@ -498,6 +507,12 @@ def _encode_checkpoint(rec: Record) -> dict[str, Any] | None:
         "ts": c.trainer_state is not None,
         "checks": [[k.name, k.verdict.value, k.detail] for k in c.checks if k.name not in (QUIET, STALL)],
         "slim": [s.slimmed, [list(r) for r in s.removable], s.weights, s.source, s.blocker],
+        "saved_at": c.saved_at,
+        "written_at": c.written_at,
+        "mounts": list(c.mounts),
+        "ranks": c.ranks,
+        "metrics": [[n, r.value, r.source] for n, r in c.metrics],
+        "metric_problem": c.metric_problem,
         "ctx": rec.context,
         "dirs": [list(d) for d in rec.dirs],
     }
@@ -524,12 +539,22 @@ def _decode_checkpoint(rec: Record, doc: dict[str, Any], share: Callable[[Check]
         pinned=bool(doc["pinned"]),
         trainer_state=ts[1] if doc["ts"] else None,  # type: ignore[index]
         slim=Slimming(bool(slimmed), tuple((str(p), int(n)) for p, n in removable), weights, source, blocker),
+        saved_at=float(doc["saved_at"]),
+        written_at=float(doc["written_at"]),
+        mounts=tuple(str(m) for m in doc["mounts"]),
+        ranks=None if doc["ranks"] is None else int(doc["ranks"]),
+        metrics=tuple(
+            (str(n), Reading(v if isinstance(v, str) else float(v), str(src))) for n, v, src in doc["metrics"]
+        ),
+        metric_problem=None if doc["metric_problem"] is None else str(doc["metric_problem"]),
     )
 
 
 def _stamps(entries: list[Entry]) -> tuple[Stamp, ...]:
     return tuple(
-        (e.rel, e.dev, e.ino, e.size, e.mtime_ns, e.ctime_ns) for e in entries if e.kind == "d" or not e.rel
+        (e.rel, e.dev, e.ino, e.size, e.mtime_ns, e.ctime_ns)
+        for e in entries
+        if e.kind in ("d", "m") or not e.rel  # "m": a mount point (unmounted, it stats otherwise)
     )
 
 
@@ -544,7 +569,7 @@ def _encode_verdict(kind: str, value: Any, rows: dict[int, int], table: list[lis
         return value if isinstance(value, str) else None
     if kind == WORLD:
         if isinstance(value, WorldSizes):
-            return {"dp": value.dp, "mp": value.mp, "stage": value.stage, "source": value.source}
+            return dataclasses.asdict(value)  # every field: a census depends on each (shards, bf16)
         return value if isinstance(value, str) else None
     if kind == TRAINER_STATE:
         check, ts = value
@@ -579,7 +604,10 @@ def _decode_verdict(
     if kind == WORLD:
         if isinstance(value, str):
             return value
-        return WorldSizes(int(value["dp"]), int(value["mp"]), value["stage"], str(value["source"]))
+        names = {f.name for f in dataclasses.fields(WorldSizes)}
+        if set(value) != names:  # written with other fields: not this version's verdict
+            raise ValueError(f"world sizes with fields {sorted(value)}")
+        return WorldSizes(**value)
     if kind == TRAINER_STATE:
         check = Check(str(value["name"]), Verdict(value["verdict"]), str(value["detail"]))
         ts = None
@@ -597,10 +625,12 @@ def logic_version() -> str:
     """A digest of the code that produces and encodes verdicts: any change to it discards saved ones."""
     global _LOGIC
     if _LOGIC is None:
-        from ckptd import dsmeta, evidence, model, slim
+        from ckptd import config, dsmeta, evidence, fwmetrics, layouts, model, mounts, planner, slim
 
         h = hashlib.blake2b(__version__.encode(), digest_size=8)
-        for module in (evidence, dsmeta, model, slim):
+        # Every module whose code decides what a look finds or what a restore gives back: the
+        # checks, the layouts they follow, metrics, mount points, patterns, the restore itself.
+        for module in (evidence, dsmeta, model, slim, layouts, fwmetrics, mounts, config, planner):
             try:
                 h.update(Path(module.__file__ or "").read_bytes())
             except OSError:
