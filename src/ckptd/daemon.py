@@ -120,6 +120,7 @@ class Daemon:
         self._said_states: dict[tuple[str, str], State] = {}
         self._said_actions: dict[tuple[str, str], str] = {}
         self._start_notes: list[str] = []  # what the first scan found, said after "ready"
+        self._preview_due = False  # `_as_plan_sees_it`, said once the start-up's looks are done
         self._decisions_version = 0  # bumped when `_decisions` changes (the state file's cache)
         self._runs_cache: dict[Path, tuple[tuple[int, int], str]] = {}  # see `_runs_json`
         self._hints: collections.deque[str] = collections.deque()
@@ -185,7 +186,7 @@ class Daemon:
             return
         self._report("READY=1")
         self.ready.set()
-        for line in self._start_notes:  # "ready: ...", then what `plan` would show meanwhile
+        for line in self._start_notes:  # "ready: ..."; what `plan` would show follows (`_tick`)
             log.info("%s", line)
 
     def _runtime(self, root, config: Config) -> RootRuntime:
@@ -248,7 +249,8 @@ class Daemon:
         self._said_states = {
             (str(rt.root.path), c.rel): c.state for rt in self.roots for c in rt.tracker.checkpoints()
         }
-        self._start_notes = [self._what_comes_next(), *self._as_plan_sees_it()]
+        self._start_notes = [self._what_comes_next()]
+        self._preview_due = True  # what `plan` would show, once every checkpoint found was looked at
         self._sync_watches()
         self._sample_metrics()
         self._write_state(force=True)
@@ -263,19 +265,24 @@ class Daemon:
         periods = sorted({rt.root.quiet_period for rt in self.roots}) or [0.0]
         quiet = " to ".join(dict.fromkeys(format_duration(p) for p in (periods[0], periods[-1])))
         head = f"ready: watching {len(self.roots)} root(s)"
-        waiting = [
-            d
-            for rt in self.roots
-            for c in rt.tracker.in_flight()
-            if c.state in IN_FLIGHT and (d := rt.tracker.settler.deadline(c.rel)) is not None
-        ]
+        now = self.clock()
+        waiting = []
+        for rt in self.roots:
+            for c in rt.tracker.in_flight():
+                d = rt.tracker.settler.deadline(c.rel)
+                if d is None and not c.fingerprint:
+                    # Found at start-up, not looked at yet (READY comes first): it settles from its
+                    # first look, a quiet period from now at the soonest.
+                    d = now + rt.root.quiet_period
+                if c.state in IN_FLIGHT and d is not None:
+                    waiting.append(d)
         dry = "; dry run: nothing will be deleted" if self.dry_run else ""
         if not waiting:
             return (
                 f"{head}, no checkpoint in flight: a new one is decided once ckptd has seen it "
                 f"unchanged for quiet_period ({quiet}){dry}"
             )
-        first = min(waiting) - self.clock()
+        first = min(waiting) - now
         at = time.strftime("%H:%M:%S", time.localtime(time.time() + first))
         return (
             f"{head}, {len(waiting)} checkpoint(s) settling: ckptd decides about a checkpoint once it "
@@ -457,6 +464,11 @@ class Daemon:
             if completed or changes.vanished or step.vanished:
                 retention = True
             changed = changed or retention or bool(changes.transitions or step.transitions)
+        if self._preview_due and not any(rt.tracker.unseen for rt in self.roots):
+            # READY came before the looks (tracker.py, `unseen`): the preview waits for them.
+            self._preview_due = False
+            for line in self._as_plan_sees_it():
+                log.info("%s", line)
         if self._lead_gained:
             self._lead_gained, retention = False, True
         if changed:
