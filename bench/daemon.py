@@ -68,7 +68,9 @@ class DaemonProc:
     def __init__(self, config: Path, *, foreground: bool = False):
         argv = [sys.executable, "-m", "ckptd", "run", "--log-format", "json", "-c", str(config)]
         if foreground:
-            argv.append("--foreground")  # every state change, at debug level
+            # every state change, at debug level (-v since `--foreground` says only what a person
+            # watching wants at info)
+            argv += ["--foreground", "-v"]
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,

@@ -18,7 +18,20 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import coldstart, deletion, idle, latency, memory, planning, polling, report, stall
+from bench import (
+    coldstart,
+    deletion,
+    idle,
+    latency,
+    memory,
+    metadata,
+    planning,
+    polling,
+    report,
+    stall,
+    stalled,
+    storm,
+)
 from bench.context import Context
 from bench.measure import REPO, env, hide_torch
 from bench.report import Row, Section
@@ -34,6 +47,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "planning": planning.run,
     "deletion": deletion.run,
     "stall": stall.run,
+    "metadata": metadata.run,
+    "stalled": stalled.run,
+    "storm": storm.run,
 }
 
 

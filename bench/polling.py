@@ -75,9 +75,9 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
             note = (
                 f"{fmt_time(ours)} per poll is {cheaper:.3g}× cheaper than watchdog's {fmt_time(base)}; the "
                 f"target is {TARGET:g}×. Of it, picking out the in-flight checkpoints "
-                f"(`RootTracker.in_flight()`, re-deriving `Checkpoint.state` for all {tr['checkpoints']:,}) "
-                f"takes {fmt_time(median(tr['in_flight_query_cpu_s']))}: a set of in-flight names kept by "
-                "`_record` would leave the stats alone."
+                f"(`RootTracker.in_flight()`, kept as they change) takes "
+                f"{fmt_time(median(tr['in_flight_query_cpu_s']))}; the rest is a stat per directory on "
+                "the way to runs."
             )
         rows.append(
             Row(
@@ -112,15 +112,17 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         section.details.append(
             f"{shape.name}: ckptd poll {fmt_time(ours)} CPU (median of {k}; "
             f"{fmt_time(min(tr['cycle_cpu_s']))}–{fmt_time(max(tr['cycle_cpu_s']))}), "
-            f"{_calls(tr['calls_per_cycle'])}: one stat for each of the {tr['dirs_polled']} directories on "
-            f"the way to runs, nothing below them; of it, `in_flight()` over {tr['checkpoints']:,} complete "
-            f"checkpoints {fmt_time(median(tr['in_flight_query_cpu_s']))}. With {len(tr['in_flight'])} "
+            f"{_calls(tr['calls_per_cycle'])}: one stat for each of the {tr['dirs_polled']} directories "
+            "on the way to runs, nothing below them; of it, `in_flight()` (an index kept as checkpoints "
+            f"change, {tr['checkpoints']:,} complete) {fmt_time(median(tr['in_flight_query_cpu_s']))}. "
+            f"With {len(tr['in_flight'])} "
             f"checkpoints in flight ({tr['in_flight_files']} files, the next save of {len(tr['in_flight'])} "
             f"runs) {fmt_time(busy)} per poll ({_calls(tr['in_flight_calls_per_cycle'])}: each walked, its "
             f"torch files' zip directories read and trainer_state.json parsed); the poll that first found "
-            f"them {fmt_time(tr['first_look_cpu_s'])}. The start-up scan took "
-            f"{fmt_time(tr['first_scan_cpu_s'])} CPU and a reconcile (every checkpoint looked at again, "
-            "every reconcile_interval) "
+            f"them {fmt_time(tr['first_look_cpu_s'])}. At start-up, the first look at every checkpoint "
+            f"took {fmt_time(tr['first_scan_cpu_s'])} CPU and the looks when their quiet periods ended "
+            f"(each walked again, nothing read again) {fmt_time(tr['quiet_looks_cpu_s'])}; a reconcile "
+            "(every reconcile_interval: each complete checkpoint's directories stat'ed, none walked) "
             f"{fmt_time(tr['reconcile_cpu_s'])}; the poller holds {tr['rss_kib'] / 1024:.0f} MiB RSS."
         )
     return rows, section

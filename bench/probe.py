@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -106,11 +107,11 @@ def scan(config_path: Path, reps: int) -> dict:
 class _CountedEntry:
     """An `os.DirEntry` whose `stat()` is counted: each is an lstat/stat system call."""
 
-    __slots__ = ("_counts", "_entry")
+    __slots__ = ("_count", "_entry")
 
-    def __init__(self, entry: os.DirEntry[str], counts: Counter[str]):
+    def __init__(self, entry: os.DirEntry[str], count: Callable[[str, object], None]):
         self._entry = entry
-        self._counts = counts
+        self._count = count
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._entry, name)
@@ -119,14 +120,14 @@ class _CountedEntry:
         return self._entry.path
 
     def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
-        self._counts["stat"] += 1
+        self._count("stat", self._entry.path)
         return self._entry.stat(follow_symlinks=follow_symlinks)
 
 
 class _CountedScandir:
-    def __init__(self, it: Iterator[os.DirEntry[str]], counts: Counter[str]):
+    def __init__(self, it: Iterator[os.DirEntry[str]], count: Callable[[str, object], None]):
         self._it = it
-        self._counts = counts
+        self._count = count
 
     def __enter__(self) -> _CountedScandir:
         return self
@@ -135,37 +136,64 @@ class _CountedScandir:
         self.close()
 
     def __iter__(self) -> Iterator[_CountedEntry]:
-        return (_CountedEntry(e, self._counts) for e in self._it)
+        return (_CountedEntry(e, self._count) for e in self._it)
 
     def close(self) -> None:
         self._it.close()  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
-def counting_io(counts: Counter[str]) -> Iterator[None]:
-    """Count stat calls (os.stat, os.lstat, DirEntry.stat), listings (os.scandir) and opens, in `counts`."""
-    real = {"stat": os.stat, "lstat": os.lstat, "scandir": os.scandir, "open": builtins.open}
+def counting_io(counts: Counter[str], root: Path | None = None) -> Iterator[None]:
+    """Count metadata operations in `counts`: stat calls (os.stat, os.lstat, DirEntry.stat),
+    directory listings (os.scandir, os.listdir) and opens (os.open, open). With `root`, only
+    those on paths below it (the volume); the rest under "other:<kind>" (the state file...).
+
+    Python-level: what ckptd asks for, call by call. `strace` (the metadata benchmark checks
+    one against the other) sees the system calls themselves.
+    """
+    real = {"stat": os.stat, "lstat": os.lstat, "scandir": os.scandir, "listdir": os.listdir,
+            "os.open": os.open, "open": builtins.open}  # fmt: skip
+    prefix = None if root is None else str(root).rstrip("/") + "/"
+
+    def count(kind: str, path: object) -> None:
+        if prefix is None or isinstance(path, int):
+            counts[kind] += 1
+            return
+        p = os.fspath(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
+        p = os.fsdecode(p)
+        counts[kind if (p + "/").startswith(prefix) else f"other:{kind}"] += 1
 
     def counted(kind: str, fn: Callable[..., object]) -> Callable[..., object]:
-        def wrapper(*args: object, **kwargs: object) -> object:
-            counts[kind] += 1
-            return fn(*args, **kwargs)
+        def wrapper(path: object = ".", *args: object, **kwargs: object) -> object:
+            count(kind, path)
+            return fn(path, *args, **kwargs)
 
         return wrapper
 
     def scandir(path: object = ".") -> _CountedScandir:
-        counts["listing"] += 1
-        return _CountedScandir(real["scandir"](path), counts)  # type: ignore[arg-type]
+        count("listing", path)
+        return _CountedScandir(real["scandir"](path), count)  # type: ignore[arg-type]
 
     os.stat = counted("stat", real["stat"])  # type: ignore[assignment]
     os.lstat = counted("stat", real["lstat"])  # type: ignore[assignment]
     os.scandir = scandir  # type: ignore[assignment]
-    builtins.open = counted("open", real["open"])  # type: ignore[assignment]
+    os.listdir = counted("listing", real["listdir"])  # type: ignore[assignment]
+    os.open = counted("open", real["os.open"])  # type: ignore[assignment]
+    builtins.open = io.open = counted("open", real["open"])  # type: ignore[assignment]  # (pathlib, zipfile: io.open)
     try:
         yield
     finally:
-        os.stat, os.lstat, os.scandir = real["stat"], real["lstat"], real["scandir"]  # type: ignore[assignment]
-        builtins.open = real["open"]  # type: ignore[assignment]
+        os.stat, os.lstat = real["stat"], real["lstat"]  # type: ignore[assignment]
+        os.scandir, os.listdir = real["scandir"], real["listdir"]  # type: ignore[assignment]
+        os.open, builtins.open, io.open = real["os.open"], real["open"], real["open"]  # type: ignore[assignment]
+
+
+def start(tracker: object) -> None:
+    """What `ckptd run` does at start-up, all at once: the first scan (runs and checkpoints found,
+    READY), then the first look at each checkpoint (the daemon's first steps, a few at a time)."""
+    tracker.full_scan()  # type: ignore[attr-defined]
+    while tracker.unseen:  # type: ignore[attr-defined]
+        tracker.step(tracker.clock())  # type: ignore[attr-defined]
 
 
 def tracker_cycles(config_path: Path, cycles: int, in_flight: int) -> dict:
@@ -183,11 +211,12 @@ def tracker_cycles(config_path: Path, cycles: int, in_flight: int) -> dict:
         fn()
         return time.process_time() - c
 
-    first_scan = cpu(tracker.full_scan)  # every checkpoint seen once: settling
+    first_scan = cpu(lambda: start(tracker))  # every checkpoint seen once: settling
     clock[0] += root.quiet_period + 1
-    reconcile = cpu(tracker.full_scan)  # seen again, unchanged for quiet_period: complete
+    quiet_looks = cpu(lambda: tracker.step(clock[0]))  # seen again, unchanged for quiet_period: complete
     states = Counter(str(c.state) for c in tracker.checkpoints())
     assert set(states) == {str(State.COMPLETE)}, states
+    reconcile = cpu(tracker.full_scan)  # a reconcile: each complete checkpoint's directories stat'ed
 
     def measure() -> tuple[list[float], dict[str, int], int]:
         times = [cpu(tracker.poll) for _ in range(cycles)]
@@ -220,6 +249,7 @@ def tracker_cycles(config_path: Path, cycles: int, in_flight: int) -> dict:
         "checkpoints": sum(states.values()),
         "dirs_polled": len(tracker.dirs),
         "first_scan_cpu_s": first_scan,
+        "quiet_looks_cpu_s": quiet_looks,
         "reconcile_cpu_s": reconcile,
         "cycle_cpu_s": idle_cpu,
         "calls_per_cycle": idle_counts,
@@ -298,6 +328,125 @@ def daemon_ticks(config_path: Path, ticks: int) -> dict:
     return out
 
 
+def idle_hours(config_path: Path, *, warmup: float, hours: float, count: bool, backoff: bool) -> dict:
+    """The daemon's filesystem thread through idle hours, on a fake monotonic clock.
+
+    `Daemon._tick` is driven as `main_loop` would drive it (the clock jumps to the next
+    deadline instead of sleeping): polls every poll_interval, reconciles every
+    reconcile_interval, the state file at every poll. After `warmup` hours (caches warm,
+    back-offs settled), `hours` more are measured: thread CPU, or (with `count`) the metadata
+    operations on each root, and the CPU each root's tracker took (poll, reconcile, step).
+    `backoff=False` looks at incomplete checkpoints at every poll, as before back-off existed.
+    """
+    from ckptd.config import load_config
+    from ckptd.daemon import Daemon
+    from ckptd.tracker import RootTracker
+
+    if not backoff:
+        RootTracker._max_span = lambda self: 1  # type: ignore[method-assign]
+    config = load_config(config_path)
+    config.daemon.state_dir.mkdir(parents=True, exist_ok=True)
+    clock = [1000.0]
+    daemon = Daemon(config, dry_run=True, clock=lambda: clock[0], install_signals=False)
+    daemon.watcher = None
+    for root in config.roots:
+        daemon.roots.append(daemon._runtime(root, config))
+    c0 = time.thread_time()
+    daemon._first_scan()
+    first_scan_s = time.thread_time() - c0
+    per_root: dict[str, float] = Counter()
+    for rt in daemon.roots:
+        tracker, key = rt.tracker, str(rt.root.path)
+        for name in ("poll", "full_scan", "step"):
+            fn = getattr(tracker, name)
+
+            def timed(*a: object, _fn: Callable[..., object] = fn, _key: str = key, **kw: object) -> object:
+                t = time.thread_time()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    per_root[_key] += time.thread_time() - t
+
+            setattr(tracker, name, timed)
+
+    def run(seconds: float) -> dict[str, int]:
+        ticks = polls = reconciles = 0
+        end = clock[0] + seconds
+        while True:
+            clock[0] += daemon._next_timeout()
+            if clock[0] > end:
+                clock[0] = end
+                return {"ticks": ticks, "polls": polls, "reconciles": reconciles}
+            polls += sum(clock[0] >= rt.next_poll for rt in daemon.roots)
+            reconciles += sum(clock[0] >= rt.next_reconcile for rt in daemon.roots)
+            daemon._tick()
+            ticks += 1
+
+    run(warmup * 3600)
+    per_root.clear()
+    counts: dict[str, Counter[str]] = {str(rt.root.path): Counter() for rt in daemon.roots}
+    c0 = time.thread_time()
+    with contextlib.ExitStack() as stack:
+        if count:
+            for rt in daemon.roots:
+                stack.enter_context(counting_io(counts[str(rt.root.path)], rt.root.path))
+        done = run(hours * 3600)
+    cpu = time.thread_time() - c0
+    states = Counter(str(c.state) for rt in daemon.roots for c in rt.tracker.checkpoints())
+    return {
+        "hours": hours,
+        "cpu_s": cpu,
+        "first_scan_cpu_s": first_scan_s,
+        "per_root_cpu_s": dict(per_root),
+        "ops": {k: dict(v) for k, v in counts.items()},
+        "states": dict(states),
+        "rss_kib": proc_status_kib("VmRSS"),
+        **done,
+    }
+
+
+MARKER = "/ckptd-bench-marker"  # stat'ed (it does not exist) between phases, for strace to see
+
+
+def mark(name: str) -> None:
+    with contextlib.suppress(OSError):
+        os.stat(f"{MARKER}-{name}")
+
+
+def one_reconcile(config_path: Path, *, deep: bool = True) -> dict:
+    """The metadata operations of one reconcile (once every checkpoint is complete), of an idle
+    poll, and of a reconcile that walks every checkpoint (what each one cost before). Each phase
+    runs once plain between two markers (`mark`: for `strace` to count the system calls), once
+    timed, once through the counting wrappers."""
+    from ckptd.config import load_config
+    from ckptd.tracker import RootTracker
+
+    root = load_config(config_path).roots[0]
+    clock = [1000.0]
+    tracker = RootTracker(root, lambda: clock[0])
+    start(tracker)
+    clock[0] += root.quiet_period + 1
+    tracker.step(clock[0])  # each one's quiet period over: complete
+    out: dict[str, object] = {"checkpoints": len(tracker.checkpoints()), "dirs": len(tracker.dirs)}
+    phases: list[tuple[str, Callable[[], object]]] = [
+        ("reconcile", tracker.full_scan),
+        ("poll", tracker.poll),
+    ]
+    if deep:
+        phases.append(("deep_reconcile", lambda: tracker.full_scan(deep=True)))
+    for name, fn in phases:
+        mark(f"{name}-begin")
+        fn()
+        mark(f"{name}-end")
+        counts: Counter[str] = Counter()
+        with counting_io(counts, root.path):
+            fn()
+        c0 = time.thread_time()
+        fn()
+        out[name] = {"ops": dict(counts), "cpu_s": time.thread_time() - c0}
+    return out
+
+
 def watchdog_cycles(root: Path, cycles: int) -> dict:
     from watchdog.utils.dirsnapshot import DirectorySnapshot, DirectorySnapshotDiff
 
@@ -359,8 +508,22 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("tick")
     k.add_argument("config", type=Path)
     k.add_argument("--ticks", type=int, default=5)
+    h = sub.add_parser("hours")
+    h.add_argument("config", type=Path)
+    h.add_argument("--warmup", type=float, default=1.0)
+    h.add_argument("--hours", type=float, default=1.0)
+    h.add_argument("--count", action="store_true")
+    h.add_argument("--no-backoff", action="store_true")
+    r = sub.add_parser("reconcile")
+    r.add_argument("config", type=Path)
+    r.add_argument("--no-deep", action="store_true")
     args = p.parse_args(argv)
-    if args.kind == "tick":
+    if args.kind == "hours":
+        doc = idle_hours(args.config, warmup=args.warmup, hours=args.hours, count=args.count,
+                         backoff=not args.no_backoff)  # fmt: skip
+    elif args.kind == "reconcile":
+        doc = one_reconcile(args.config, deep=not args.no_deep)
+    elif args.kind == "tick":
         doc = daemon_ticks(args.config, args.ticks)
     elif args.kind == "scan":
         doc = scan(args.config, args.reps)

@@ -18,6 +18,9 @@ BENCHMARKS = (
     "6. planning",
     "7. deletion",
     "8. training-loop stall",
+    "9. metadata load",
+    "10. stalled checkpoints",
+    "11. save storm",
 )
 
 

@@ -28,7 +28,7 @@ from daemonproc import write_config
 pytestmark = pytest.mark.asyncio
 
 
-async def test_watchdog_paths_reach_the_loop_from_its_thread(tmp_path):
+async def test_inotify_paths_reach_the_loop_on_its_thread(tmp_path):
     loop = asyncio.get_running_loop()
     seen: list[tuple[str, int]] = []
     arrived = asyncio.Event()
@@ -48,19 +48,60 @@ async def test_watchdog_paths_reach_the_loop_from_its_thread(tmp_path):
     assert (str(tmp_path / "checkpoint-1"), threading.get_ident()) in seen  # delivered on the loop's thread
 
 
-async def test_a_queue_overflow_reaches_the_loop(tmp_path):
-    """A real IN_Q_OVERFLOW cannot be produced deterministically here (it needs the kernel queue
-    to fill faster than watchdog's reader drains it), so this calls watchdog's overflow callback
-    on its group, from another thread, as watchdog's reader thread would."""
+async def test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walked_again(tmp_path):
+    """A real IN_Q_OVERFLOW cannot be produced deterministically here (it needs the kernel queue,
+    fs.inotify.max_queued_events, to fill faster than the loop drains it, and that limit is the
+    whole machine's), so the overflow event the kernel would send is fed to the watcher's parser.
+    A directory created meanwhile (its creation event lost with the rest) is watched at the next
+    reconcile."""
+    from ckptd import watch
+
     loop = asyncio.get_running_loop()
     overflowed = asyncio.Event()
-    watcher = Watcher(loop, lambda p: None, overflowed.set)
+    seen: list[str] = []
+    watcher = Watcher(loop, seen.append, overflowed.set)
     watcher.start()
     try:
-        await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
-        [emitter] = watcher._observer.emitters
-        await asyncio.to_thread(emitter._inotify.on_queue_overflow)
+        ckpt = tmp_path / "checkpoint-1"
+        ckpt.mkdir()
+        await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
+        watcher._dispatch(watch.EVENT.pack(-1, watch.IN_Q_OVERFLOW, 0, 0))
         await asyncio.wait_for(overflowed.wait(), 10)
+        lost = ckpt / "global_step1"
+        await asyncio.to_thread(lost.mkdir)
+        await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
+        assert watcher.kernel_watches() == 2
+        await asyncio.to_thread((lost / "shard.pt").write_bytes, b"x")
+        while str(lost / "shard.pt") not in seen:
+            await asyncio.sleep(0.01)  # bounded by the test timeout: the event arrives on the loop
+    finally:
+        await asyncio.to_thread(watcher.stop)
+
+
+async def test_a_directory_created_inside_a_watched_checkpoint_is_watched_at_once(tmp_path):
+    loop = asyncio.get_running_loop()
+    seen: list[str] = []
+    arrived = asyncio.Event()
+
+    def on_path(path: str) -> None:
+        seen.append(path)
+        if path.endswith("shard.pt"):
+            arrived.set()
+
+    await asyncio.to_thread(lambda: None)  # the loop's executor thread, started before counting
+    threads = threading.active_count()
+    watcher = Watcher(loop, on_path, lambda: None)
+    watcher.start()
+    try:
+        ckpt = tmp_path / "checkpoint-1"
+        ckpt.mkdir()
+        await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
+        (ckpt / "global_step1").mkdir()
+        while str(ckpt / "global_step1") not in seen:  # its creation read: now it is watched
+            await asyncio.sleep(0.01)
+        (ckpt / "global_step1" / "shard.pt").write_bytes(b"x")
+        await asyncio.wait_for(arrived.wait(), 10)
+        assert watcher.kernel_watches() == 2 and threading.active_count() == threads  # no thread per watch
     finally:
         await asyncio.to_thread(watcher.stop)
 
@@ -204,7 +245,7 @@ async def test_watches_are_capped_and_in_flight_checkpoints_come_first(tmp_path,
     try:
         await asyncio.to_thread(watcher.reconcile, wanted)
         assert watcher.count() == 3 and watcher.capped
-        assert (str(tmp_path / "d"), True) in watcher._watches
+        assert (str(tmp_path / "d"), True) in watcher._watches  # the in-flight checkpoint first
     finally:
         await asyncio.to_thread(watcher.stop)
 
@@ -244,6 +285,8 @@ def ticked_daemon(cfg: Path, clock) -> tuple[Daemon, object]:
     rt = daemon._runtime(daemon.config.roots[0], daemon.config)
     daemon.roots.append(rt)
     daemon._first_scan()
+    while rt.tracker.unseen:  # the first looks, which the daemon's first ticks after READY take
+        rt.tracker.step(clock())
     return daemon, rt
 
 
@@ -343,7 +386,7 @@ async def test_a_standby_decides_but_never_deletes(tmp_path, logs):
     assert logs.messages("deleted ") == [] and not (root / ".ckptd-trash").exists()
 
 
-async def test_the_state_file_shows_each_checkpoints_decision_and_reuses_unchanged_rows(tmp_path):
+async def test_the_state_file_shows_each_checkpoints_decision_and_encodes_unchanged_runs_once(tmp_path):
     root = tmp_path / "vol"
     for step in (1, 2, 3):
         hf_deepspeed_checkpoint(root / "job", step, world=2)
@@ -362,11 +405,43 @@ async def test_the_state_file_shows_each_checkpoints_decision_and_reuses_unchang
     assert [(r["name"], r["state"], r["action"]) for r in first] == [
         ("checkpoint-1", "complete", "delete"), ("checkpoint-2", "complete", "delete"),
         ("checkpoint-3", "complete", "keep")]
-    again = rows()
-    assert all(a is b for a, b in zip(first, again, strict=True))  # unchanged: the same rows
+    encoded = daemon._runs_cache[rt.root.path][1]
+    rt.tracker.poll()  # nothing changed: the runs are not encoded again
+    assert rows() == first and daemon._runs_cache[rt.root.path][1] is encoded
     (root / "job" / "checkpoint-1" / "late.txt").write_text("x")
-    rt.tracker.full_scan()  # a reconcile: looks at complete checkpoints too
+    rt.tracker.full_scan()  # a reconcile: a directory of checkpoint-1 changed, so it is looked at
     assert [r["state"] for r in rows()] == ["writing", "complete", "complete"]
+    daemon._retention()  # checkpoint-1 is not deleted any more: the decision changed too
+    assert [(r["name"], r["action"]) for r in rows()] == [
+        ("checkpoint-1", "keep"), ("checkpoint-2", "delete"), ("checkpoint-3", "keep")]
+
+
+async def test_a_refusal_sends_the_tracker_to_look_at_what_changed_in_place(tmp_path):
+    """A reconcile does not walk an unchanged complete checkpoint (only its directories are
+    stat'ed), so a file rewritten in place goes unseen until the reaper's re-check finds it and
+    refuses; the refusal makes the tracker look again, and the plan follows the disk."""
+    import time
+
+    from ckptd.verdicts import RACY_NS
+
+    root = tmp_path / "vol"
+    for step in (1, 2):
+        hf_deepspeed_checkpoint(root / "job", step, world=2)
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state", root_extra="quiet_period = '1s'",
+                       retention="keep_last = 1\nkeep_best = 0")
+    now = [1000.0]
+    daemon, rt = ticked_daemon(cfg, lambda: now[0])
+    rt.tracker.scanner.verdicts.clock_ns = lambda: time.time_ns() + 10 * RACY_NS  # the files count as old
+    now[0] += 2
+    rt.tracker.step(now[0])
+    assert {c.name: str(c.state) for c in rt.tracker.checkpoints()} == {
+        "checkpoint-1": "complete", "checkpoint-2": "complete"}
+    (root / "job" / "checkpoint-2" / "trainer_state.json").write_text("{}")  # the anchor, in place
+    rt.tracker.full_scan()
+    assert str(rt.tracker.runs["job"].checkpoints["checkpoint-2"].state) == "complete"  # unseen
+    daemon._retention()  # decides to delete checkpoint-1; the re-check finds the anchor changed
+    # changed: its quiet period starts again (the re-check's look saw the change first)
+    assert str(rt.tracker.runs["job"].checkpoints["checkpoint-2"].state) == "settling"
 
 
 async def test_a_missing_root_does_not_stop_retention_on_the_others(tmp_path):
@@ -386,9 +461,35 @@ async def test_a_missing_root_does_not_stop_retention_on_the_others(tmp_path):
     for root in daemon.config.roots:
         daemon.roots.append(daemon._runtime(root, daemon.config))
     daemon._first_scan()
+    daemon.roots[0].tracker.step(now[0])  # the first looks, after READY
     now[0] += 2
     daemon.roots[0].tracker.step(now[0])
     b.rmdir()  # unmounted
     daemon._retention()
     actions = [r["action"] for r in daemon.state()["roots"][0]["runs"][0]["checkpoints"]]
     assert actions == ["delete", "delete", "keep"]
+
+
+async def test_a_stop_saves_what_was_proven_for_the_next_start(tmp_path, monkeypatch, logs):
+    """Reconciles save every 5 min; a stop saves what was proven since, so that the next start
+    restores it (the racy-clean margin is set to 0 here: the test's files are a moment old)."""
+    from ckptd import verdicts
+
+    monkeypatch.setattr(verdicts, "RACY_NS", 0)
+    root = tmp_path / "vol"
+    (root / "job").mkdir(parents=True)
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
+                       root_extra="world_size = 2\nquiet_period = '0.2s'", retention="keep_last = 5")
+    daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
+    task = asyncio.create_task(daemon.serve())
+    try:
+        await asyncio.wait_for(daemon.ready.wait(), 30)
+        await asyncio.to_thread(hf_deepspeed_checkpoint, root / "job", 1, world=2)  # after start-up
+        await logs.wait("job/checkpoint-1: complete")
+    finally:
+        daemon.request_stop("test")
+        await asyncio.wait_for(task, 30)
+    saved = verdicts.Verdicts()
+    saved.load(verdicts.cache_path(tmp_path / "state", root), root)
+    assert saved.restorable(str(root / "job" / "checkpoint-1"), "") is None  # (another context: no)
+    assert len(saved) == 1 and saved._records[str(root / "job" / "checkpoint-1")].checkpoint is not None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from ckptd.discover import find_runs
 from ckptd.evidence import Inspector, RunContext, safetensors_problem
 from ckptd.model import State, Verdict
 from ckptd.planner import Scanner
+from ckptd.verdicts import RACY_NS, Verdicts
 
 NOW = 1_800_000_000.0
 OLD = NOW - 3600
@@ -28,6 +30,15 @@ def scan(root: Path, **root_kw) -> dict[str, object]:
     """Every checkpoint under `root`, by its path relative to the root."""
     runs = Scanner(Root(path=root, **root_kw)).runs(now=NOW)
     return {c.rel: c for run in runs for c in run.checkpoints}
+
+
+def later_inspector() -> Inspector:
+    """An inspector whose looks come well after the files were last written (by the wall clock
+    its verdicts cache reads): what it reads is remembered (verdicts.RACY_NS)."""
+    def later() -> int:  # the test files' mtimes are around NOW, their ctimes the real now
+        return max(int(NOW * 1e9), time.time_ns()) + 5 * RACY_NS
+
+    return Inspector(quiet_period=60, verdicts=Verdicts(clock_ns=later))
 
 
 def checks(ckpt) -> dict[str, tuple[Verdict, str]]:
@@ -425,7 +436,7 @@ def test_pins(tmp_path):
 
 def test_world_size_cache_is_keyed_by_file_identity(tmp_path, monkeypatch):
     """Re-inspecting an unchanged checkpoint does not read its metadata again."""
-    inspector = Inspector(quiet_period=60)
+    inspector = later_inspector()
     ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
     cand = layouts.recognise_by_name(ckpt.name, True)
     ctx = RunContext(tmp_path / "run", frozenset(os.listdir(tmp_path / "run")))
@@ -446,7 +457,7 @@ def test_world_size_cache_is_keyed_by_file_identity(tmp_path, monkeypatch):
 def test_trainer_state_is_parsed_again_only_when_it_changed(tmp_path, monkeypatch):
     from ckptd import evidence
 
-    inspector = Inspector(quiet_period=60)
+    inspector = later_inspector()
     ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, losses={10: 0.5}, mtime=OLD)
     cand = layouts.recognise_by_name(ckpt.name, True)
     ctx = RunContext(tmp_path / "run", frozenset(os.listdir(tmp_path / "run")))

@@ -65,3 +65,43 @@ def test_many_runs_saving_concurrently(tmp_path, runs, world, saves, mode):
         run = root / f"team{r % 5}" / f"run{r}"
         assert sorted(p.name for p in run.iterdir()) == [f"checkpoint-{steps[0]}", last]
     assert rss < 200, f"daemon RSS {rss:.0f} MiB"
+
+
+def test_a_save_storm_every_checkpoint_completes(tmp_path):
+    """A synchronized sweep: every run saves at the same moment (one barrier), with inotify; every
+    checkpoint is declared complete, none lost to an overflow or a watch not yet in place."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptd.demo import hf_deepspeed_checkpoint
+
+    runs, world = 24, 2
+    root = tmp_path / "vol"
+    for r in range(runs):
+        hf_deepspeed_checkpoint(root / f"team{r % 3}" / f"run{r}", 10, world=world, mtime=time.time() - 3600)
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
+                       root_extra=f"quiet_period = '0.5s'\nworld_size = {world}\nobserver = 'inotify'",
+                       retention="keep_last = 100")
+
+    def complete(step):
+        return lambda line: line.get("checkpoint") == f"checkpoint-{step}" and line.get("state") == "complete"
+
+    barrier = threading.Barrier(runs)
+
+    def save(r: int) -> None:
+        barrier.wait()
+        hf_deepspeed_checkpoint(root / f"team{r % 3}" / f"run{r}", 20, world=world)
+
+    with DaemonProc("-c", cfg) as daemon:
+        daemon.wait_message("ready")
+        daemon.wait_for(lambda line: complete(10)(line) and line.get("level") == "info", count=runs, timeout=60)
+        start = daemon.mark()
+        with ThreadPoolExecutor(runs) as pool:
+            list(pool.map(save, range(runs)))
+        daemon.wait_for(lambda line: complete(20)(line) and line.get("level") == "info", count=runs,
+                        timeout=60, start=start)
+        seen = {line["run"] for line in daemon.lines[start:] if complete(20)(line)}
+        warnings = [line["message"] for line in daemon.lines if line.get("level") in ("warning", "error")]
+    assert seen == {f"team{r % 3}/run{r}" for r in range(runs)}
+    assert warnings == []

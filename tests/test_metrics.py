@@ -109,7 +109,9 @@ def test_metrics_after_a_prune(pruned):
     assert states == {"writing": 0, "settling": 0, "complete": 1, "incomplete": 0, "stalled": 0}
     # only checkpoint-3 was seen appearing; 1 and 2 were on disk before the daemon started
     assert m[("ckptd_checkpoint_completion_seconds_count", frozenset())] == 1
-    assert 0.2 <= m[("ckptd_checkpoint_completion_seconds_sum", frozenset())] < 30
+    # Both ends are sampled at the end of a tick: the first sighting's tick may have had more work
+    # after its look (a watch added) than the completing one, so a little under quiet_period is fine.
+    assert 0.15 <= m[("ckptd_checkpoint_completion_seconds_sum", frozenset())] < 30
     assert m[("ckptd_checkpoint_completion_seconds_bucket", frozenset({"le": "1.0"}.items()))] == 1
     assert at_root("ckptd_oldest_incomplete_checkpoint_age_seconds") == 0
     assert at_root("ckptd_rescans_total") == 0

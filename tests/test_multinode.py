@@ -52,8 +52,8 @@ def trashed(state_dir: Path) -> list[tuple[str, float]]:
 
 
 def logged_at(line: dict) -> float:
-    """A JSON log line's time (cli.JsonFormatter: local time, milliseconds)."""
-    return datetime.strptime(line["time"], "%Y-%m-%dT%H:%M:%S.%f").timestamp()
+    """A JSON log line's time (cli.JsonFormatter: ISO 8601 with its offset, "Z" for UTC, milliseconds)."""
+    return datetime.fromisoformat(line["time"]).timestamp()
 
 
 def ckpts(root: Path, *steps: int) -> None:

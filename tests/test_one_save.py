@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_tracker import start, tracker
 
 from ckptd import evidence, layouts
 from ckptd.config import Retention, Root
@@ -30,7 +31,7 @@ from ckptd.demo import age, hf_deepspeed_checkpoint, write_model_states, write_z
 from ckptd.model import Action, State, Verdict
 from ckptd.planner import Scanner, decide
 from ckptd.policy import anchors, decide_run
-from ckptd.tracker import HINT_DEBOUNCE, RootTracker
+from ckptd.tracker import HINT_DEBOUNCE
 
 from conftest import run_ckptd
 from fwfixtures import copy_volume
@@ -254,12 +255,12 @@ def test_the_tracker_takes_a_settled_checkpoint_re_saved_in_place_back_to_in_fli
     the reaper refusing one that changed): then a re-save in place is in flight until it ends."""
     ck = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=time.time() - 86400)
     clock = Clock()
-    t = RootTracker(Root(path=tmp_path, quiet_period=60, world_size=2), clock)
-    t.full_scan()
+    t = tracker(tmp_path, clock)
+    start(t)  # the first scan, then the first looks (after READY)
     t.step(clock.advance(60))
     assert [c.state for c in t.checkpoints()] == [State.COMPLETE]
     resave(ck, ["global_step10/mp_rank_00_model_states.pt", "latest"], when=time.time() - 1)
-    t.look_again("run/checkpoint-10")  # what the daemon does when the reaper refuses it
+    t.refused("run/checkpoint-10")  # what the daemon does when the reaper refuses it
     assert [c.state for c in t.checkpoints()] == [State.WRITING]
     t.step(clock.advance(60))
     assert [c.state for c in t.checkpoints()] == [State.INCOMPLETE]  # quiet, but two saves
@@ -376,6 +377,8 @@ async def test_a_deletion_refused_because_it_changed_takes_the_checkpoint_back_t
     rt = daemon._runtime(daemon.config.roots[0], daemon.config)
     daemon.roots.append(rt)
     daemon._first_scan()
+    while rt.tracker.unseen:  # the first looks, after READY
+        rt.tracker.step(now[0])
     now[0] += 2
     rt.tracker.step(now[0])
 

@@ -324,7 +324,9 @@ def check_state_dir(config: Config) -> str | None:
 
 
 def scan_all(config: Config, now: float) -> tuple[dict[Path, Scanner], Plan]:
-    scanners = {root.path: Scanner(root) for root in config.roots}
+    # What was read from files is kept in state_dir when it exists (verdicts.py): the volume
+    # itself is only read.
+    scanners = {root.path: Scanner(root, state_dir=config.daemon.state_dir) for root in config.roots}
     roots = [(root, scanners[root.path].runs(now=now)) for root in config.roots]
     return scanners, decide(roots)
 
@@ -425,7 +427,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 status = max(status, EX_TEMPFAIL)
                 continue
         try:
-            scanner = Scanner(root)
+            scanner = Scanner(root, state_dir=config.daemon.state_dir)
             reaper = Reaper(
                 scanner,
                 journal,

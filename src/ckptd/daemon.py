@@ -56,12 +56,12 @@ from ckptd.watch import Watcher, choose_observer
 log = logging.getLogger("ckptd.daemon")
 
 SHUTDOWN_TIMEOUT = 10.0
+SAVE_TIMEOUT = 3.0  # at a stop, for the verdicts proven since the last save (verdicts.py)
 STATE_MIN_INTERVAL = 1.0
+# Retention (a plan across every root) runs at most this often: in a save storm each tick completes
+# a few checkpoints, and a pass per tick held the filesystem thread from its next looks.
+RETENTION_MIN_INTERVAL = 1.0
 STATE_PREFIX = "daemon."
-
-
-# A checkpoint's row in the state file, with the Checkpoint and decision it was made from.
-_StateRow = tuple[Checkpoint, tuple[str, tuple[str, ...]] | None, dict[str, Any]]
 
 
 class RootRuntime:
@@ -144,7 +144,9 @@ class Daemon:
         self._said_states: dict[tuple[str, str], State] = {}
         self._said_actions: dict[tuple[str, str], str] = {}
         self._start_notes: list[str] = []  # what the first scan found, said after "ready"
-        self._state_rows: dict[tuple[str, str], _StateRow] = {}  # see `state`
+        self._preview_due = False  # `_as_plan_sees_it`, said once the start-up's looks are done
+        self._decisions_version = 0  # bumped when `_decisions` changes (the state file's cache)
+        self._runs_cache: dict[Path, tuple[tuple[int, int], str]] = {}  # see `_runs_json`
         self._hints: collections.deque[str] = collections.deque()
         self._state_path = config.daemon.state_dir / f"{STATE_PREFIX}{os.getpid()}.json"
         self._watchdog_every = watchdog_interval()
@@ -157,6 +159,8 @@ class Daemon:
         self._state_written = -1e9
         self._state_due: float | None = None
         self._lead_gained = False  # a root's lead was taken: run retention now, not at the next event
+        self._retention_ran = -1e9
+        self._retention_due: float | None = None
         self.metrics: Metrics | None = None  # with [daemon] metrics_listen (metrics.py)
         self._consolidation: _ConsolidationJob | None = None  # running; the fs thread's alone
         self._consolidated = collections.deque[_ConsolidationJob]()  # finished, for the fs thread
@@ -210,13 +214,13 @@ class Daemon:
             return
         self._report("READY=1")
         self.ready.set()
-        for line in self._start_notes:  # "ready: ...", then what `plan` would show meanwhile
+        for line in self._start_notes:  # "ready: ..."; what `plan` would show follows (`_tick`)
             log.info("%s", line)
 
     def _runtime(self, root, config: Config) -> RootRuntime:
         mounts = read_mounts()
         effective, cache = self._effective_root(root, mounts)
-        tracker = RootTracker(effective, self.clock)
+        tracker = RootTracker(effective, self.clock, state_dir=self.config.daemon.state_dir)
         reaper = self._reaper(tracker, config)
         observer, why = choose_observer(root.path, root.observer)
         log.info("%s: observer=%s (%s)", root.path, observer, why, extra={"root": str(root.path)})
@@ -273,7 +277,8 @@ class Daemon:
         self._said_states = {
             (str(rt.root.path), c.rel): c.state for rt in self.roots for c in rt.tracker.checkpoints()
         }
-        self._start_notes = [self._what_comes_next(), *self._as_plan_sees_it()]
+        self._start_notes = [self._what_comes_next()]
+        self._preview_due = True  # what `plan` would show, once every checkpoint found was looked at
         self._sync_watches()
         self._sample_metrics()
         self._write_state(force=True)
@@ -288,19 +293,24 @@ class Daemon:
         periods = sorted({rt.root.quiet_period for rt in self.roots}) or [0.0]
         quiet = " to ".join(dict.fromkeys(format_duration(p) for p in (periods[0], periods[-1])))
         head = f"ready: watching {len(self.roots)} root(s)"
-        waiting = [
-            d
-            for rt in self.roots
-            for c in rt.tracker.in_flight()
-            if c.state in IN_FLIGHT and (d := rt.tracker.settler.deadline(c.rel)) is not None
-        ]
+        now = self.clock()
+        waiting = []
+        for rt in self.roots:
+            for c in rt.tracker.in_flight():
+                d = rt.tracker.settler.deadline(c.rel)
+                if d is None and not c.fingerprint:
+                    # Found at start-up, not looked at yet (READY comes first): it settles from its
+                    # first look, a quiet period from now at the soonest.
+                    d = now + rt.root.quiet_period
+                if c.state in IN_FLIGHT and d is not None:
+                    waiting.append(d)
         dry = "; dry run: nothing will be deleted" if self.dry_run else ""
         if not waiting:
             return (
                 f"{head}, no checkpoint in flight: a new one is decided once ckptd has seen it "
                 f"unchanged for quiet_period ({quiet}){dry}"
             )
-        first = min(waiting) - self.clock()
+        first = min(waiting) - now
         at = time.strftime("%H:%M:%S", time.localtime(time.time() + first))
         return (
             f"{head}, {len(waiting)} checkpoint(s) settling: ckptd decides about a checkpoint once it "
@@ -412,6 +422,8 @@ class Daemon:
         times += [d for rt in self.roots if (d := rt.tracker.next_deadline()) is not None]
         if self._state_due is not None:
             times.append(self._state_due)
+        if self._retention_due is not None:
+            times.append(self._retention_due)
         if self._hints or any(rt.overflowed for rt in self.roots):
             return 0.0
         return max(0.0, min(times, default=now + 60) - now)
@@ -484,11 +496,20 @@ class Daemon:
             if completed or changes.vanished or step.vanished:
                 retention = True
             changed = changed or retention or bool(changes.transitions or step.transitions)
+        if self._preview_due and not any(rt.tracker.unseen for rt in self.roots):
+            # READY came before the looks (tracker.py, `unseen`): the preview waits for them.
+            self._preview_due = False
+            for line in self._as_plan_sees_it():
+                log.info("%s", line)
         if self._lead_gained:
             self._lead_gained, retention = False, True
         if changed:
             self._say_state_changes()
+        if retention or (self._retention_due is not None and now >= self._retention_due):
+            retention = now - self._retention_ran >= RETENTION_MIN_INTERVAL
+            self._retention_due = None if retention else self._retention_ran + RETENTION_MIN_INTERVAL
         if retention:
+            self._retention_ran = now
             try:
                 self._retention()
             except OSError as exc:  # statvfs, a re-check's walk: skip this pass, the next one retries
@@ -584,8 +605,8 @@ class Daemon:
                     self.counters[str(result.outcome)] += 1
                     if result.outcome is Outcome.REFUSED:
                         # Changed since the tracker settled it (a re-save in place, say): complete
-                        # checkpoints are walked again only at reconcile, so look now.
-                        rt.tracker.look_again(c.rel)
+                        # checkpoints are walked again only at reconcile, so look now (and at its anchor).
+                        rt.tracker.refused(c.rel)  # the disk differs from what the plan was made of
                     if rt.outcomes.get(c.rel) != result.detail:  # once per reason, not every pass
                         rt.outcomes[c.rel] = result.detail
                         level = logging.ERROR if result.outcome is Outcome.FAILED else logging.WARNING
@@ -596,7 +617,9 @@ class Daemon:
         self._schedule_consolidation(plan.decisions, waiting)
         # Forget what was said about checkpoints that are gone (a path re-created later is news again).
         current = {(str(d.checkpoint.root), d.checkpoint.rel) for d in plan.decisions}
-        self._decisions = {k: v for k, v in self._decisions.items() if k in current}
+        kept = {k: v for k, v in self._decisions.items() if k in current}
+        if len(kept) != len(self._decisions):
+            self._decisions, self._decisions_version = kept, self._decisions_version + 1
         self._said_actions = {k: v for k, v in self._said_actions.items() if k in current}
         for rt in self.roots:
             rels = {c.rel for c in rt.tracker.checkpoints()}
@@ -733,7 +756,9 @@ class Daemon:
             key = (str(c.root), c.rel)
             value = (str(d.action), d.reasons)
             changed = self._decisions.get(key) != value
-            self._decisions[key] = value
+            if changed:
+                self._decisions[key] = value
+                self._decisions_version += 1
             acting = d.action is not Action.KEEP
             news = (
                 c.state is State.COMPLETE
@@ -833,70 +858,75 @@ class Daemon:
         notify(*fields, f"STATUS={self._status_line()}")
 
     def state(self) -> dict[str, Any]:
+        """The state file's document (what `ckptd status` reads)."""
+        return json.loads(self._state_text())
+
+    def _state_text(self) -> str:
+        """The state file's JSON. Written at every poll for the heartbeat: each root's runs are
+        encoded again only when its tracker or the decisions changed (on the L volume, 6,400
+        checkpoints, encoding them was most of an idle tick)."""
         now_mono = self.clock()
         roots = []
-        # Rebuilt every tick for the heartbeat: each checkpoint's row is reused while its
-        # Checkpoint and decision are the same (most of an idle tick's CPU was this document).
-        rows: dict[tuple[str, str], _StateRow] = {}
         for rt in self.roots:
-            runs = []
             oldest = None
-            root_key = str(rt.root.path)
-            for run in rt.tracker.current_runs():
-                ckpts = []
-                for c in run.checkpoints:
-                    key = (root_key, c.rel)  # not c.path: building 960 Paths was most of this
-                    decided = self._decisions.get(key)
-                    hit = self._state_rows.get(key)
-                    if hit is not None and hit[0] is c and hit[1] == decided:
-                        row = hit[2]  # the same Checkpoint (they are replaced, never changed) and decision
-                    else:
-                        if c.state is not State.COMPLETE:
-                            # Never deleted, whatever retention said when it last ran (it runs when
-                            # checkpoints complete or vanish: its reason may be an earlier state's).
-                            action, reasons = "keep", [f"{c.state}, never deleted: {_first_failed(c)}"]
-                        else:
-                            action, reasons = (decided[0], list(decided[1])) if decided else (None, [])
-                        row = {
-                            "name": c.name,
-                            "step": c.step,
-                            "state": str(c.state),
-                            "size_bytes": c.size_bytes,
-                            "action": action,
-                            "reasons": reasons,
-                        }
-                    rows[key] = (c, decided, row)
-                    ckpts.append(row)
-                    if c.state is not State.COMPLETE:
-                        since = rt.tracker.settler.changed_at(c.rel)
-                        if since is not None:
-                            oldest = max(oldest or 0.0, now_mono - since)
-                runs.append({"run": run.rel, "checkpoints": ckpts})
-            roots.append(
-                {
-                    "path": str(rt.root.path),
-                    "observer": rt.observer,
-                    "role": rt.role(self.dry_run),  # leader, standby or dry-run
-                    "leader": rt.leader,
-                    "leadership": rt.lead.status(),
-                    "quiet_period": rt.configured_quiet,
-                    "effective_quiet_period": rt.root.quiet_period,  # with the attribute cache's
-                    "attribute_cache": rt.cache.detail if rt.cache is not None else None,
-                    "poll_interval": rt.root.poll_interval,  # `ckptd health` allows 3 of these
-                    "oldest_incomplete_age": oldest,
-                    "runs": runs,
-                }
-            )
-        self._state_rows = rows
-        return {
+            for c in rt.tracker.in_flight():
+                since = rt.tracker.settler.changed_at(c.rel)
+                if since is not None:
+                    oldest = max(oldest or 0.0, now_mono - since)
+            head = {
+                "path": str(rt.root.path),
+                "observer": rt.observer,
+                "role": rt.role(self.dry_run),  # leader, standby or dry-run
+                "leader": rt.leader,
+                "leadership": rt.lead.status(),
+                "quiet_period": rt.configured_quiet,
+                "effective_quiet_period": rt.root.quiet_period,  # with the attribute cache's
+                "attribute_cache": rt.cache.detail if rt.cache is not None else None,
+                "poll_interval": rt.root.poll_interval,  # `ckptd health` allows 3 of these
+                "oldest_incomplete_age": oldest,
+            }
+            roots.append(_json(head)[:-1] + ',"runs":' + self._runs_json(rt) + "}")
+        head = {
             "pid": os.getpid(),
             "version": __version__,
             "heartbeat": time.time(),
             "started": self.started,
             "dry_run": self.dry_run,
             "counters": dict(self.counters),
-            "roots": roots,
         }
+        return _json(head)[:-1] + ',"roots":[' + ",".join(roots) + "]}"
+
+    def _runs_json(self, rt: RootRuntime) -> str:
+        key = (rt.tracker.version, self._decisions_version)
+        hit = self._runs_cache.get(rt.root.path)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        root_key = str(rt.root.path)
+        runs = []
+        for run in rt.tracker.current_runs():
+            ckpts = []
+            for c in run.checkpoints:
+                decided = self._decisions.get((root_key, c.rel))  # not c.path: building Paths was slow
+                if c.state is not State.COMPLETE:
+                    # Never deleted, whatever retention said when it last ran (it runs when
+                    # checkpoints complete or vanish: its reason may be an earlier state's).
+                    action, reasons = "keep", [f"{c.state}, never deleted: {_first_failed(c)}"]
+                else:
+                    action, reasons = (decided[0], list(decided[1])) if decided else (None, [])
+                ckpts.append(
+                    {
+                        "name": c.name,
+                        "step": c.step,
+                        "state": str(c.state),
+                        "size_bytes": c.size_bytes,
+                        "action": action,
+                        "reasons": reasons,
+                    }
+                )
+            runs.append({"run": run.rel, "checkpoints": ckpts})
+        text = _json(runs)
+        self._runs_cache[rt.root.path] = (key, text)
+        return text
 
     def _write_state(self, force: bool = False) -> None:
         """Rewrite the state file atomically (readers see the old or the new), at most once a second."""
@@ -907,9 +937,7 @@ class Daemon:
         self._state_written, self._state_due = now, None
         tmp = self._state_path.with_suffix(".tmp")
         try:
-            # Compact: with indent, json falls back to its pure-Python encoder (9 ms a tick on 960
-            # checkpoints, most of the daemon's idle cost; BENCHMARKS.md, idle cost).
-            tmp.write_text(json.dumps(self.state(), separators=(",", ":")))
+            tmp.write_text(self._state_text())
             os.replace(tmp, self._state_path)
             log.debug("state written to %s", self._state_path)
         except OSError as exc:
@@ -1016,8 +1044,13 @@ class Daemon:
         self.config = new
         self._decisions.clear()
         self._consolidation_failed.clear()  # a new timeout or setting may let them through
+        self._decisions_version += 1
         self._retention()
         self._sync_watches()
+
+    def _save_verdicts(self) -> None:
+        for rt in self.roots:
+            rt.tracker.scanner.save_verdicts()
 
     async def shutdown(self) -> None:
         notify("STOPPING=1")
@@ -1033,6 +1066,10 @@ class Daemon:
         if job is not None:  # its child is killed; its work directory goes to the trash at the next start
             job.stopping = "the daemon is stopping"
             job.run.cancel("stopped: the daemon is stopping")
+        try:  # what was proven since the last reconcile, for the next start (not if the thread hangs)
+            await asyncio.wait_for(self._on_fs(self._save_verdicts), SAVE_TIMEOUT)
+        except TimeoutError:
+            pass
         self._fs.shutdown(wait=False, cancel_futures=True)
         self._purger.shutdown(wait=False, cancel_futures=True)
         self._consolidator.shutdown(wait=False, cancel_futures=True)
@@ -1082,13 +1119,19 @@ def _by_file_times(c: Checkpoint, quiet_period: float, wall: float) -> Checkpoin
     For the start-up preview only. The daemon itself settles a checkpoint on what it has
     watched, on the monotonic clock (settle.py); a settling checkpoint is judged here.
     """
-    if c.state is not State.SETTLING:
-        return c
+    if c.state is not State.SETTLING or not c.fingerprint:
+        return c  # (no fingerprint: found at start-up, not looked at yet; its mtimes are not known)
     age = wall - c.newest_mtime
     verdict = Verdict.PASSED if age >= quiet_period else Verdict.FAILED  # a future mtime: not quiet
     detail = f"by file times: last change {format_age(age)} ago"
     checks = tuple(replace(k, verdict=verdict, detail=detail) if k.name == QUIET else k for k in c.checks)
     return replace(c, checks=checks)
+
+
+def _json(doc: object) -> str:
+    # Compact: with indent, json falls back to its pure-Python encoder (9 ms a tick on 960
+    # checkpoints; BENCHMARKS.md, idle cost).
+    return json.dumps(doc, separators=(",", ":"))
 
 
 def _log_late_failure(future: asyncio.Future[Any]) -> None:

@@ -67,18 +67,23 @@ def find_runs(
     framework-made directories count against `max_depth` like any other.
     """
     runs: list[RunDir] = []
-    stack: list[tuple[str, str, int, list[os.DirEntry[str]] | None]] = [(str(root), ".", 0, None)]
+    # (path, rel, depth, its entries if listed already, its mtime just before that listing)
+    stack: list[tuple[str, str, int, list[os.DirEntry[str]] | None, int | None]] = [
+        (str(root), ".", 0, None, None)
+    ]
     while stack:
-        path, rel, depth, entries = stack.pop()
-        if visited is not None:
-            try:
-                visited[rel] = os.stat(path, follow_symlinks=False).st_mtime_ns
-            except OSError:
-                continue
-        if entries is None or visited is not None:
+        path, rel, depth, entries, mtime = stack.pop()
+        if entries is None or (visited is not None and mtime is None):
+            if visited is not None:
+                try:
+                    mtime = os.stat(path, follow_symlinks=False).st_mtime_ns
+                except OSError:
+                    continue
             entries = _list(path)
             if entries is None:
                 continue
+        if visited is not None:
+            visited[rel] = mtime  # type: ignore[assignment]
         candidates: list[Candidate] = []
         for e in entries:
             if e.name in (layouts.TRASH_DIR, layouts.LEASE_DIR) or e.is_symlink():
@@ -88,11 +93,19 @@ def find_runs(
             except OSError:
                 continue
             children: list[os.DirEntry[str]] | None = None
+            children_mtime: int | None = None
 
             def names(e: os.DirEntry[str] = e) -> list[str]:
-                nonlocal children
-                children = _list(e.path) or []
-                return [c.name for c in children]
+                # Listed once: recognising a directory needs its entries, and so does descending
+                # into it (with its mtime taken first, for targeted polling).
+                nonlocal children, children_mtime
+                if visited is not None:
+                    try:
+                        children_mtime = os.stat(e.path, follow_symlinks=False).st_mtime_ns
+                    except OSError:
+                        return []
+                children = _list(e.path)
+                return [c.name for c in children or ()]
 
             cand = layouts.recognise(e.name, is_dir, names, patterns)
             if cand is not None:
@@ -101,7 +114,7 @@ def find_runs(
                 free = framework_dirs and layouts.is_framework_dir(e.name)
                 if depth < max_depth or free:
                     sub_rel = e.name if rel == "." else f"{rel}/{e.name}"
-                    stack.append((e.path, sub_rel, depth if free else depth + 1, children))
+                    stack.append((e.path, sub_rel, depth if free else depth + 1, children, children_mtime))
         if candidates:
             runs.append(
                 RunDir(root, rel, frozenset(e.name for e in entries), tuple(sorted(candidates, key=_order)))

@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckptd import dsmeta, fwmetrics, layouts, mounts, slim, volread
+from ckptd import verdicts as verdicts_
 from ckptd.config import Pattern, format_age, format_duration, format_size, path_matches
 from ckptd.layouts import Candidate
 from ckptd.model import (
@@ -80,6 +81,11 @@ class Entry:
     kind: str  # "d", "f", "l" (symlink, never followed), "m" (a mount point, never entered), "o"
     size: int
     mtime_ns: int
+    # The rest of the file's identity, for remembering what was read from it (verdicts.py):
+    # not part of the fingerprint.
+    ctime_ns: int = 0
+    ino: int = 0
+    dev: int = 0
 
 
 MAX_WALK_DEPTH = 256
@@ -104,10 +110,10 @@ def walk(path: Path) -> list[Entry]:
     paths too long to name) raises TooDeep with what was seen.
     """
     st = os.lstat(path)
-    out = [Entry("", _kind(st.st_mode), st.st_size, st.st_mtime_ns)]
+    out = [Entry("", _kind(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)]
     if not stat.S_ISDIR(st.st_mode):
         return out
-    stack = [("", path, 0)]
+    stack: list[tuple[str, str | Path, int]] = [("", path, 0)]
     while stack:
         rel, d, depth = stack.pop()
         if depth >= MAX_WALK_DEPTH:
@@ -130,9 +136,11 @@ def walk(path: Path) -> list[Entry]:
                         raise TooDeep(out, f"paths too long to walk at {rel[:80]}...") from None
                     raise
                 erel = f"{rel}/{e.name}" if rel else e.name
-                out.append(Entry(erel, kind, est.st_size, est.st_mtime_ns))
+                out.append(
+                    Entry(erel, kind, est.st_size, est.st_mtime_ns, est.st_ctime_ns, est.st_ino, est.st_dev)
+                )
                 if kind == "d":
-                    stack.append((erel, Path(e.path), depth + 1))
+                    stack.append((erel, e.path, depth + 1))
     return out
 
 
@@ -168,19 +176,18 @@ class RunContext:
 class Inspector:
     """Gathers the evidence for checkpoints.
 
-    Holds a cache of DeepSpeed world sizes keyed by (file, size, mtime), so
-    re-inspecting an unchanged checkpoint does not load torch files again.
+    What it reads from files (integrity, DeepSpeed world sizes, trainer_state.json)
+    is remembered in `verdicts` while each file's identity stays the same
+    (verdicts.py), so re-inspecting an unchanged checkpoint opens no file.
     """
 
-    def __init__(self, *, quiet_period: float, mp_world_size: int = 1):
+    def __init__(
+        self, *, quiet_period: float, mp_world_size: int = 1, verdicts: verdicts_.Verdicts | None = None
+    ):
         self.quiet_period = quiet_period
         self.mp_world_size = mp_world_size
-        self._world_cache: dict[tuple[str, int, int], dsmeta.WorldSizes | str] = {}
-        self._file_cache: dict[tuple[str, int, int], str | None] = {}
-        # The last parse of each trainer_state.json, with the (size, mtime) it was parsed at:
-        # an in-flight checkpoint is looked at every poll, and a long run's log history takes
-        # tens of milliseconds to parse.
-        self._ts_cache: dict[str, tuple[tuple[int, int], tuple[Check, TrainerState | None]]] = {}
+        self.verdicts = verdicts if verdicts is not None else verdicts_.Verdicts()
+        self._look: verdicts_.Look | None = None  # the inspection in progress
         self.ckpt_scores = fwmetrics.CkptScores()  # Lightning's ModelCheckpoint scores (torch)
         self._weights = WeightsReader()  # the dtypes of the weights a slim would keep
 
@@ -223,6 +230,7 @@ class Inspector:
         trainer_state: TrainerState | None = None
         rel = cand.name if run_rel == "." else f"{run_rel}/{cand.name}"
         digest = fingerprint(entries)
+        self._look = self.verdicts.begin(str(path), entries)
         marker = read_slim_marker(path, files) if cand.is_dir else None
         removed = frozenset(p for p, _ in marker.removed) if isinstance(marker, slim.Marker) else frozenset()
 
@@ -301,6 +309,7 @@ class Inspector:
         holds = layouts.held(cand.layout, files, dirs) if cand.is_dir else []
         if mounts.is_mount_root(path):
             inside = ("", *inside)
+        self.verdicts.end(self._look, entries, digest)
         return Checkpoint(
             root=root,
             run=run_rel,
@@ -349,28 +358,37 @@ class Inspector:
 
     # --- checks ----------------------------------------------------------
 
+    def _remembered(self, kind: str, entry: Entry, read: Callable[[], object]) -> object:
+        """`read()`'s verdict on `entry`, or the one remembered for a file of the same identity."""
+        if self._look is None:
+            return read()
+        return self._look.verdict(kind, entry, read)
+
     def _file_problem(self, path: Path, e: Entry) -> str | None:
-        """`file_problem`, remembered per (path, size, mtime): an unchanged file is read once."""
-        key = (str(path), e.size, e.mtime_ns)
-        if key not in self._file_cache:
-            if len(self._file_cache) > 200_000:  # files rewritten leave stale keys behind
-                self._file_cache.clear()
-            self._file_cache[key] = file_problem(path, e)
-        return self._file_cache[key]
+        """`file_problem`, remembered while the file is the same: an unchanged file is read once.
+
+        A read that failed (an I/O error) is a problem this time and not remembered.
+        """
+        try:
+            return self._remembered(verdicts_.FILE, e, lambda: file_problem(path, e))  # type: ignore[return-value]
+        except OSError as exc:
+            return f" could not be read: {exc.strerror or exc}"
 
     def _trainer_state(self, path: Path, files: dict[str, Entry]) -> tuple[Check, TrainerState | None]:
+        """Parsed again only when the file changed: an in-flight checkpoint is looked at every poll,
+        and a long run's log history takes tens of milliseconds to parse."""
         entry = files.get(TRAINER_STATE)
-        if entry is None:
+        if entry is None or entry.kind != "f":
             return _trainer_state(path, files)
-        key, stamp = str(path / TRAINER_STATE), (entry.size, entry.mtime_ns)
-        cached = self._ts_cache.get(key)
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
-        if len(self._ts_cache) > 4096:  # checkpoints deleted leave their keys behind
-            self._ts_cache.clear()
-        result = _trainer_state(path, files)
-        self._ts_cache[key] = (stamp, result)
-        return result
+
+        def read() -> tuple[Check, TrainerState | None]:
+            check, ts = _trainer_state(path, files)
+            return check, (self.verdicts.share_history(ts, str(path.parent)) if ts is not None else None)
+
+        try:
+            return self._remembered(verdicts_.TRAINER_STATE, entry, read)  # type: ignore[return-value]
+        except OSError as exc:  # not remembered: read again next time
+            return Check(TRAINER_STATE, FAILED, f"unreadable: {type(exc).__name__}: {exc}"), None
 
     def _quiet(self, newest_ns: int, now: float) -> Check:
         age = now - newest_ns / 1e9
@@ -389,15 +407,14 @@ class Inspector:
         rel = f"{gs}/{name}" if gs else name
         entry = files.get(rel)
         if entry is not None:
-            key = (str(ckpt / rel), entry.size, entry.mtime_ns)
-            if len(self._world_cache) > 4096:  # files being rewritten leave stale keys behind
-                self._world_cache.clear()
-            if key not in self._world_cache:
+
+            def read() -> dsmeta.WorldSizes | str:
                 try:
-                    self._world_cache[key] = dsmeta.read_world_sizes(ckpt / rel)
+                    return dsmeta.read_world_sizes(ckpt / rel)
                 except dsmeta.MetadataUnavailable as exc:
-                    self._world_cache[key] = str(exc)
-            found = self._world_cache[key]
+                    return str(exc)
+
+            found = self._remembered(verdicts_.WORLD, entry, read)  # an OSError: the volume is failing
             if isinstance(found, dsmeta.WorldSizes):
                 return found
             why = found
@@ -767,10 +784,11 @@ def _trainer_state(path: Path, files: dict[str, Entry]) -> tuple[Check, TrainerS
         return Check(TRAINER_STATE, FAILED, "missing (the Trainer writes it last)"), None
     if entry.size > MAX_TRAINER_STATE_BYTES:
         return Check(TRAINER_STATE, FAILED, f"{entry.size} bytes: larger than this tool will parse"), None
+    with volread.open_file(path / TRAINER_STATE) as f:  # an OSError is not a verdict: the caller's to handle
+        raw = f.read(MAX_TRAINER_STATE_BYTES + 1)
     try:
-        with volread.open_file(path / TRAINER_STATE) as f:
-            data = json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1))
-    except (OSError, ValueError, RecursionError) as exc:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
         return Check(TRAINER_STATE, FAILED, f"unreadable: {type(exc).__name__}: {exc}"), None
     if not isinstance(data, dict):
         return Check(TRAINER_STATE, FAILED, "not a JSON object"), None
@@ -1195,15 +1213,15 @@ def _is_zip(path: Path, size: int) -> bool:
     directory it points at must end exactly where the record (or torch's zip64 record,
     which it writes even for small files) begins, and an entry must start there. Three
     preads for a torch.save file.
+    An OSError is not a verdict: it passes through, so that it is not remembered.
     """
+    fd = volread.open_regular(path)
     try:
-        fd = volread.open_regular(path)
-        try:
-            return _zip_directory_ok(fd, size)
-        finally:
-            os.close(fd)
-    except (OSError, struct.error):
+        return _zip_directory_ok(fd, size)
+    except struct.error:
         return False
+    finally:
+        os.close(fd)
 
 
 def _zip_directory_ok(fd: int, size: int) -> bool:
@@ -1253,10 +1271,7 @@ def tar_problem(path: Path, size: int) -> str | None:
     within the file, and the archive must end in tar's end-of-archive zero blocks. A gzip-compressed
     one (older NeMo) cannot be checked without reading it all, and is said so.
     """
-    try:
-        fd = volread.open_regular(path)
-    except OSError as exc:
-        return f"unreadable: {exc.strerror}"
+    fd = volread.open_regular(path)  # an OSError is not a verdict (NotRegularFile: never read)
     try:
         if os.pread(fd, 2, 0) == b"\x1f\x8b":
             return None  # gzip: its end cannot be checked cheaply; NeMo writes plain tar since 1.x
@@ -1282,7 +1297,7 @@ def tar_problem(path: Path, size: int) -> str | None:
             if offset > size:
                 return "a member runs past the end of the file (truncated?)"
         return f"more than {MAX_TAR_MEMBERS} members: not checked further"
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # an OSError passes through: not remembered (verdicts.py)
         return f"unreadable: {exc}"
     finally:
         os.close(fd)
@@ -1300,7 +1315,7 @@ def safetensors_problem(path: Path, size: int) -> str | None:
             if n > MAX_SAFETENSORS_HEADER:
                 return f"header length {n} is larger than this tool will parse"
             header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error, RecursionError) as exc:
+    except (ValueError, struct.error, RecursionError) as exc:  # an OSError passes through: not a verdict
         return f"unreadable header: {exc}"
     if not isinstance(header, dict):
         return "header is not a JSON object"

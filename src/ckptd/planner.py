@@ -7,6 +7,7 @@ asks the filesystem how much space is free, and hands all of that to
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections import defaultdict
@@ -27,9 +28,10 @@ from ckptd.evidence import (
     resume_pointers,
     with_sibling_census,
 )
-from ckptd.layouts import Candidate, compile_pattern, is_rank_dir
-from ckptd.model import Check, Checkpoint, Run, State, Verdict
+from ckptd.layouts import MEGATRON_TRACKER, Candidate, compile_pattern, is_rank_dir
+from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
 from ckptd.policy import Decision, Plan
+from ckptd.verdicts import Verdicts, cache_path
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +48,61 @@ def disk_space(path: Path) -> DiskSpace:
 
 
 class Scanner:
-    """Inspects the runs of one root. Keeps its inspector's cache between scans."""
+    """Inspects the runs of one root. Keeps what its inspector read (`verdicts.py`) between scans.
 
-    def __init__(self, root: Root, quiet: QuietJudge | None = None):
+    With a `state_dir` that exists, what was read is also kept there across processes: loaded
+    here, saved by `save_verdicts` (after `runs`, and by the daemon's tracker after each full
+    scan). The state_dir is not created for this: `ckptd plan` stays free of side effects on a
+    machine where no ckptd ever ran.
+    """
+
+    def __init__(
+        self,
+        root: Root,
+        quiet: QuietJudge | None = None,
+        *,
+        state_dir: Path | None = None,
+        verdicts: Verdicts | None = None,
+    ):
         self.root = root
         self.quiet = quiet  # the daemon's settler; None: compare mtimes with the wall clock
         self.patterns = [compile_pattern(p.name) for p in root.patterns]
-        self.inspector = Inspector(quiet_period=root.quiet_period, mp_world_size=root.mp_world_size)
+        self.verdict_file = cache_path(state_dir, root.path) if state_dir is not None else None
+        if verdicts is None:
+            verdicts = Verdicts()
+            if self.verdict_file is not None:
+                verdicts.load(self.verdict_file, root.path)
+        self.inspector = Inspector(
+            quiet_period=root.quiet_period, mp_world_size=root.mp_world_size, verdicts=verdicts
+        )
+        self._context: tuple[RunDir, str] | None = None  # the last run's `_context_key`
+        # The config a saved checkpoint's evidence may have depended on, beyond its run's
+        # retention (`_context_key`): patterns (their evidence rules), world sizes, the root.
+        self._config_key = repr((str(root.path), root.patterns, root.world_size, root.mp_world_size))
+
+    @property
+    def verdicts(self) -> Verdicts:
+        return self.inspector.verdicts
+
+    def save_verdicts(self) -> None:
+        """Write what was proven to `state_dir`, if there is one and anything changed."""
+        if self.verdict_file is not None and self.verdicts.dirty and self.verdict_file.parent.is_dir():
+            self.verdicts.save(self.verdict_file, self.root.path)
 
     def check_root(self) -> None:
         if not self.root.path.is_dir():
             raise RootMissingError(f"root {self.root.path} does not exist or is not a directory")
 
     def runs(self, *, now: float) -> list[Run]:
+        """Every run of the root, each checkpoint inspected (or restored, `restore`); what was read
+        is saved (`save_verdicts`)."""
         self.check_root()
         dirs = find_runs(self.root.path, max_depth=self.root.max_depth, patterns=self.patterns)
-        return [self.inspect_run(d, now=now) for d in self.in_scope(dirs)]
+        runs = [self.inspect_run(d, now=now) for d in self.in_scope(dirs)]
+        if not self.root.scope:  # restricted to subtrees: the others' records stay
+            self.verdicts.retain(str(c.path) for r in runs for c in r.checkpoints)
+        self.save_verdicts()
+        return runs
 
     def in_scope(self, dirs: list[RunDir]) -> list[RunDir]:
         """The runs within the subtrees a command was restricted to (`Root.scope`), found by a
@@ -94,16 +135,58 @@ class Scanner:
         return kept
 
     def inspect_run(self, run_dir: RunDir, *, now: float) -> Run:
-        ckpts = [c for cand in run_dir.candidates if (c := self.inspect(run_dir, cand, now=now)) is not None]
+        ckpts = []
+        for cand in run_dir.candidates:
+            c = self.restore(run_dir, cand, now=now) or self.inspect(run_dir, cand, now=now)
+            if c is not None:
+                ckpts.append(c)
         ckpts = with_sibling_census(ckpts)
         resume = resume_pointers(run_dir.path, run_dir.names)
         return Run(self.root.path, run_dir.rel, tuple(sorted(ckpts, key=Checkpoint.sort_key)), resume)
+
+    def restore(self, run_dir: RunDir, cand: Candidate, *, now: float) -> Checkpoint | None:
+        """The checkpoint as an earlier look (saved in state_dir) found it, if none of its
+        directories changed since (a stat each), nor its run directory's context, nor the config
+        its evidence depended on; else None (inspect it).
+
+        Its quiet check is judged afresh: by the settler, for the daemon, which then walks it in
+        full when its quiet period ends before it can count as complete; by the wall clock
+        against the saved newest mtime, for `plan` and `prune`. A file rewritten in place changes
+        no directory: what `plan` reports may then be out of date, and the reaper's re-check,
+        which walks and reads everything itself, refuses to act on it.
+        """
+        path = run_dir.path / cand.name
+        saved = self.verdicts.restorable(str(path), self._context_key(run_dir))
+        if saved is None:
+            return None
+        c = replace(saved, root=self.root.path, run=run_dir.rel, name=cand.name, step=cand.step,
+                    layout=cand.layout, unit=cand.unit)  # fmt: skip
+        rel = cand.name if run_dir.rel == "." else f"{run_dir.rel}/{cand.name}"
+        if self.quiet is not None:
+            quiet = self.quiet(rel, c.fingerprint, int(c.newest_mtime * 1e9))
+        else:
+            quiet = self.inspector._quiet(int(c.newest_mtime * 1e9), now)
+        return replace(c, checks=(quiet, *(k for k in c.checks if k.name != QUIET)))
+
+    def _context_key(self, run_dir: RunDir) -> str:
+        """What a saved checkpoint's evidence depended on besides its own files: the config that
+        applies to its run, and its run directory's context (`run_context`)."""
+        if self._context is not None and self._context[0] is run_dir:
+            return self._context[1]  # a run's checkpoints are looked at one after another
+        retention, world = self.root.retention_for(run_dir.rel)
+        metric = retention.metric if retention.keep_best or retention.keep_total is not None else None
+        slim_weights = retention.slim_weights if retention.keep_full_last is not None else None
+        key = (self._config_key, world, sorted(retention.pins), retention.slim_files, metric, slim_weights)
+        text = repr((key, run_context(run_dir))).encode("utf-8", "surrogateescape")
+        digest = hashlib.blake2b(text, digest_size=16).hexdigest()
+        self._context = (run_dir, digest)
+        return digest
 
     def inspect(self, run_dir: RunDir, cand: Candidate, *, now: float) -> Checkpoint | None:
         """One checkpoint's evidence; None if it vanished while we looked (not ours to decide about)."""
         retention, world = self.root.retention_for(run_dir.rel)
         try:
-            return self.inspector.inspect(
+            found = self.inspector.inspect(
                 self.root.path,
                 run_dir.rel,
                 RunContext(run_dir.path, run_dir.names),
@@ -117,6 +200,9 @@ class Scanner:
                 metric=retention.metric if retention.keep_best or retention.keep_total is not None else None,
                 slim_weights=retention.slim_weights if retention.keep_full_last is not None else None,
             )
+            found = replace(found, checks=self.verdicts.share_checks(found.checks))  # memory
+            self.verdicts.keep_checkpoint(str(run_dir.path / cand.name), found, self._context_key(run_dir))
+            return found
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError:
@@ -127,12 +213,32 @@ class Scanner:
             return Checkpoint(self.root.path, run_dir.rel, cand.name, cand.step, cand.layout, (why,))
 
     def reinspect(self, run_rel: str, name: str, *, now: float) -> Checkpoint | None:
-        """One checkpoint, looked at afresh: None if it is gone or no longer recognised."""
+        """One checkpoint, looked at afresh: None if it is gone or no longer recognised.
+
+        For the reaper's re-check just before it acts: every entry is walked and stat'ed again,
+        and a file is read again unless this process itself read it at the same identity; a
+        verdict loaded from `state_dir` is never used here (`Verdicts.strict`).
+        """
         run_dir = find_run(self.root.path, run_rel, patterns=self.patterns)
         cand = next((c for c in run_dir.candidates if c.name == name), None) if run_dir else None
         if run_dir is None or cand is None:
             return None
-        return self.inspect(run_dir, cand, now=now)
+        with self.verdicts.strict():
+            return self.inspect(run_dir, cand, now=now)
+
+
+def run_context(run_dir: RunDir) -> object:
+    """What of the run directory a checkpoint's evidence reads besides the checkpoint itself: the
+    names that are not checkpoints (NeMo's `-unfinished` markers, pin files beside file
+    checkpoints, Megatron's tracker) and the tracker file's stat (it is rewritten in place)."""
+    others = tuple(sorted(run_dir.names.difference(c.name for c in run_dir.candidates)))
+    if MEGATRON_TRACKER not in others:
+        return others
+    try:
+        st = os.stat(run_dir.path / MEGATRON_TRACKER, follow_symlinks=False)
+    except OSError:
+        return (others, None)
+    return (others, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
 
 
 MODEL_PARALLEL = "NeMo's model-parallel ranks"

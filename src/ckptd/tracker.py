@@ -6,14 +6,29 @@ one, since hints are recorded from the event loop).
 
 Targeted polling: each poll, stat the directories that lead to runs and the
 run directories themselves (re-listing only those whose mtime moved), and
-walk only the checkpoints that are not yet complete. Complete checkpoints
-are looked at again only at reconcile. A whole-volume snapshot (watchdog's
-PollingObserver) would stat every file of every complete checkpoint, every
-cycle.
+walk only the checkpoints that are not yet complete. A whole-volume snapshot
+(watchdog's PollingObserver) would stat every file of every complete
+checkpoint, every cycle.
+
+What a look costs is bounded by what can have changed:
+- A complete checkpoint is walked again at reconcile only when one of its
+  directories changed (a stat each: O(directories), not O(files)), or the run
+  directory's other entries did (markers, trackers), or after a reload. A file
+  rewritten in place changes no directory: the reaper walks every entry again
+  before it acts, and a refusal sends the tracker to look (`refused`).
+- An incomplete or stalled checkpoint (a crashed rank's save, left for good)
+  is walked at every poll only at first: each look that finds it unchanged
+  doubles the polls until the next one, up to BACKOFF_RECONCILES reconcile
+  intervals. Between looks, polls and reconciles alike stat its directories,
+  the files that failed their check and the run's context (a Megatron
+  tracker); any change there, or an inotify event, looks at once. (Every
+  reconcile walking 20 stalled 64-rank checkpoints would cost more than the
+  0.02 % of a core they may add on the M volume: BENCHMARKS.md, 10.)
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -24,20 +39,31 @@ from pathlib import Path
 from ckptd.config import Root
 from ckptd.discover import RunDir, depth_of, find_runs
 from ckptd.evidence import against_siblings, resume_pointers
-from ckptd.layouts import TRASH_DIR
+from ckptd.layouts import TRASH_DIR, Candidate
 from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
-from ckptd.planner import Scanner
+from ckptd.planner import Scanner, run_context
 from ckptd.settle import Settler
 
 log = logging.getLogger("ckptd.tracker")
 
 HINT_DEBOUNCE = 0.05  # after an event, look again this much later (coalesces bursts)
+UNSEEN_BUDGET = 0.2  # seconds a step spends on checkpoints not looked at since start-up
+BACKOFF_RECONCILES = 6  # an unchanged incomplete checkpoint is walked at least every 6 reconcile intervals
 
 
 @dataclass
 class RunState:
     dir: RunDir
     checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # by name
+    context: object = None  # what of the run directory its checkpoints' evidence read (`_context`)
+
+
+@dataclass
+class Backoff:
+    """An incomplete or stalled checkpoint's re-looks: every `span` polls, doubling while unchanged."""
+
+    span: int = 1
+    skipped: int = 0
 
 
 @dataclass
@@ -50,26 +76,48 @@ class Changes:
 
 
 class RootTracker:
-    def __init__(self, root: Root, clock: Callable[[], float], wall: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        root: Root,
+        clock: Callable[[], float],
+        wall: Callable[[], float] = time.time,
+        *,
+        state_dir: Path | None = None,
+    ):
         self.root = root
         self.clock = clock  # monotonic
         self.wall = wall  # only ever holds a checkpoint back (a future mtime), never completes it
         self.not_before: dict[str, float] = {}  # checkpoint rel -> monotonic time its mtimes are past
+        self.state_dir = state_dir  # where what was read from files is kept across restarts
         self.settler = Settler(root.quiet_period, root.stall_after)
-        self.scanner = Scanner(root, quiet=self._quiet)
+        self.scanner = Scanner(root, quiet=self._quiet, state_dir=state_dir)
         self.runs: dict[str, RunState] = {}
         self.dirs: dict[str, int] = {}  # every directory listed on the way to runs -> its mtime_ns
         self.hints: dict[str, float] = {}  # checkpoint rel -> when to look again
         self.dirty_dirs: set[str] = set()
+        self.backoff: dict[str, Backoff] = {}  # incomplete and stalled checkpoints, by rel
+        # Every checkpoint not complete, by rel: kept as they change, so that the questions each
+        # tick asks (what is in flight, the next deadline, what to watch) do not go through every
+        # checkpoint of the volume (6,400 on the L volume; the loop asks between every two ticks).
+        self.flying: dict[str, Checkpoint] = {}
+        self.version = 0  # bumped when what the state file shows changes (a checkpoint's state or size)
+        self.unseen: collections.deque[str] = collections.deque()  # found at start-up, not looked at yet
+        self.deep_next = False  # the next reconcile walks complete checkpoints too (after a reload)
         self.rescans = 0  # targeted rescans after missed events
         self.last_reconcile: float | None = None
 
     def reconfigure(self, root: Root) -> None:
-        """A reloaded config for this root: new scanner (patterns, depth, world sizes), same settler."""
+        """A reloaded config for this root: new scanner (patterns, depth, world sizes), same settler.
+
+        What was read from files stays (it does not depend on the config); the next reconcile
+        walks every checkpoint again, complete ones included (pins, patterns, world sizes).
+        """
         self.root = root
-        self.scanner = Scanner(root, quiet=self._quiet)
+        verdicts = self.scanner.verdicts
+        self.scanner = Scanner(root, quiet=self._quiet, state_dir=self.state_dir, verdicts=verdicts)
         self.settler.quiet_period = root.quiet_period
         self.settler.stall_after = root.stall_after
+        self.deep_next = True
 
     def _quiet(self, rel: str, fingerprint: str, newest_ns: int) -> Check:
         """The settler's verdict (monotonic time), unless an mtime lies in the future.
@@ -113,11 +161,13 @@ class RootTracker:
         ]
 
     def in_flight(self) -> list[Checkpoint]:
-        return [c for c in self.checkpoints() if c.state is not State.COMPLETE]
+        return list(self.flying.values())
 
     def next_deadline(self) -> float | None:
         """The earliest time something here needs looking at again."""
         times = list(self.hints.values())
+        if self.unseen:
+            times.append(self.clock())
         for c in self.in_flight():
             if c.state in (State.WRITING, State.SETTLING):
                 d = self._deadline(c.rel)
@@ -128,20 +178,24 @@ class RootTracker:
     def wanted_watches(self) -> set[tuple[str, bool]]:
         """(path, recursive): the directories on the way to runs, and in-flight checkpoints deeply.
 
-        Not a checkpoint the daemon has never seen change whose files are all older than the
-        quiet period by the wall clock: at start-up that is nearly every checkpoint on the
-        volume (each settles once), most finished long ago, and a deep watch costs a thread
-        and a watch per directory. The wall clock only chooses what to watch, it never
-        completes anything; polls and the look at the quiet period's end cover these.
+        Stalled and incomplete ones too: between their backed-off looks an event is what wakes
+        them at once. Not a checkpoint the daemon has never seen change whose files are all
+        older than the quiet period by the wall clock: at start-up that is nearly every
+        checkpoint on the volume (each settles once), most finished long ago, and a deep watch
+        costs a thread and a watch per directory. The wall clock only chooses what to watch, it
+        never completes anything; polls and the look at the quiet period's end cover these.
         """
         watches = {(str(self._abs(rel)), False) for rel in self.dirs}
         wall = time.time()
-        for c in self.in_flight():
-            if c.state is State.STALLED or not c.path.is_dir():
-                continue
+        dirs: dict[str, set[str]] = {}  # per run, which of its checkpoints are directories (listed: no stat)
+        for c in self.flying.values():
             if c.state is State.SETTLING and wall - c.newest_mtime > self.root.quiet_period:
                 continue
-            watches.add((str(c.path), True))
+            if c.run not in dirs:
+                rs = self.runs.get(c.run)
+                dirs[c.run] = {cand.name for cand in rs.dir.candidates if cand.is_dir} if rs else set()
+            if c.name in dirs[c.run]:
+                watches.add((str(c.path), True))
         return watches
 
     # --- hints (from inotify, via the loop) --------------------------------
@@ -176,9 +230,15 @@ class RootTracker:
 
     # --- looking at the disk -------------------------------------------------
 
-    def full_scan(self, changes: Changes | None = None, *, complete_too: bool = True) -> Changes:
-        """Discover every run and look at every checkpoint (reconcile)."""
+    def full_scan(self, changes: Changes | None = None, *, deep: bool = False) -> Changes:
+        """Discover every run and look at every checkpoint (reconcile).
+
+        A complete checkpoint is walked again only if `deep` (or after a reload), if one of its
+        directories changed, or if its run directory's other entries did; else a stat of each
+        of its directories is all it costs. Then what was read is saved to `state_dir`.
+        """
         changes = changes or Changes()
+        deep = deep or self.deep_next
         self.scanner.check_root()
         visited: dict[str, int] = {}
         found = find_runs(
@@ -190,13 +250,17 @@ class RootTracker:
         for rel in [r for r in self.runs if r not in seen]:
             self._drop_run(rel, changes)
         for d in found:
-            self._update_run(d, changes, complete_too=complete_too)
+            self._update_run(d, changes, complete_too=True, deep=deep)
         self.dirty_dirs.clear()
+        self.deep_next = False
         self.last_reconcile = self.clock()
+        self.scanner.verdicts.retain(str(c.path) for c in self.checkpoints())
+        self.scanner.save_verdicts()
         return changes
 
     def poll(self, changes: Changes | None = None) -> Changes:
-        """One targeted polling cycle: re-list moved directories, walk in-flight checkpoints."""
+        """One targeted polling cycle: re-list moved directories, walk in-flight checkpoints
+        (incomplete and stalled ones only when their back-off says, or when a stat shows a change)."""
         changes = changes or Changes()
         for rel, mtime in list(self.dirs.items()):
             try:
@@ -208,14 +272,32 @@ class RootTracker:
         self._relist_dirty(changes)
         # By name: a list of the Checkpoints themselves would keep every replaced one (and its
         # entries) alive until the loop ends; on a large volume that was 170 MiB at the peak.
-        for run, name in [(c.run, c.name) for c in self.in_flight()]:
-            self._look(run, name, changes)
+        wall = time.time()
+        for c in self.in_flight():
+            if not c.fingerprint:
+                continue  # not looked at yet since start-up: `step` does, a few at a time
+            if (
+                c.state is State.SETTLING
+                and wall - c.newest_mtime > self.root.quiet_period
+                and self._dirs_unchanged(c, whole=False)
+            ):
+                continue  # written long ago, its directories unchanged: its quiet period's end looks
+            if self._due(c.run, c.name):
+                self._look(c.run, c.name, changes)
         return changes
 
     def step(self, now: float) -> Changes:
-        """Act on hints and deadlines that are due."""
+        """Act on hints and deadlines that are due; look at some of the checkpoints not yet seen."""
         changes = Changes()
         self._relist_dirty(changes)
+        budget = time.monotonic() + UNSEEN_BUDGET
+        starting = bool(self.unseen)
+        while self.unseen and time.monotonic() < budget:  # a few at a time: events are not kept waiting
+            run_rel, _, name = self.unseen[0].rpartition("/")
+            self._look(run_rel or ".", name, changes)  # (an OSError leaves it in the queue)
+            self.unseen.popleft()
+        if starting and not self.unseen:
+            self.scanner.save_verdicts()  # the start-up's looks, for the next start
         due = {k for k, t in self.hints.items() if t <= now}
         for c in self.in_flight():
             d = self._deadline(c.rel)
@@ -263,24 +345,58 @@ class RootTracker:
                     RunDir(self.root.path, run_rel, r.names, r.candidates), changes, complete_too=False
                 )
 
-    def _update_run(self, run_dir: RunDir, changes: Changes, *, complete_too: bool) -> None:
+    def _update_run(
+        self, run_dir: RunDir, changes: Changes, *, complete_too: bool, deep: bool = False
+    ) -> None:
         rs = self.runs.get(run_dir.rel)
         if rs is None:
             rs = self.runs[run_dir.rel] = RunState(run_dir)
+            self.version += 1
             log.debug("%s: new run", run_dir.rel)
         rs.dir = run_dir
         names = {c.name for c in run_dir.candidates}
         for name in [n for n in rs.checkpoints if n not in names]:
             self._vanish(rs, name, changes)
+        context = self._context(run_dir)
+        if context != rs.context:  # a marker, a tracker, a pin file beside them: look at them all
+            deep = complete_too = rs.context is not None
+            rs.context = context
+        starting = self.last_reconcile is None
         for cand in run_dir.candidates:
             old = rs.checkpoints.get(cand.name)
-            if old is None or complete_too or old.state is not State.COMPLETE:
+            if old is None and starting:
+                self._first_sight(rs, run_dir, cand, changes)
+                continue
+            if old is None:
+                look = True
+            elif old.state is State.COMPLETE:
+                look = complete_too and (deep or not self._dirs_unchanged(old))
+            else:
+                look = deep or self._due(run_dir.rel, cand.name)
+            if look:
                 self._record(rs, self.scanner.inspect(run_dir, cand, now=0.0), old, changes, cand.name)
             if old is None:
                 # Look again once its watch exists: writes between this first look and the watch
                 # send no event, and would otherwise wait for the next poll (BENCHMARKS.md, latency).
                 key = cand.name if run_dir.rel == "." else f"{run_dir.rel}/{cand.name}"
                 self.hints[key] = self.clock() + HINT_DEBOUNCE
+
+    def _first_sight(self, rs: RunState, run_dir: RunDir, cand: Candidate, changes: Changes) -> None:
+        """At start-up, not a look at every file of the volume before READY: a checkpoint as it was
+        saved in state_dir, if its directories are unchanged (settling; walked in full when its
+        quiet period ends, as any checkpoint is before it counts as complete), else a placeholder
+        looked at after READY, a few at a time (`unseen`). Nothing is complete before its look."""
+        key = cand.name if run_dir.rel == "." else f"{run_dir.rel}/{cand.name}"
+        restored = self.scanner.restore(run_dir, cand, now=0.0)
+        if restored is not None:
+            self._record(rs, restored, None, changes, cand.name)
+            if time.time() - restored.newest_mtime <= self.root.quiet_period:
+                self.hints[key] = self.clock() + HINT_DEBOUNCE  # being written: look once watched
+            return
+        unseen = Check(QUIET, Verdict.UNKNOWN, "settling: not looked at yet (ckptd just started)")
+        placeholder = Checkpoint(self.root.path, run_dir.rel, cand.name, cand.step, cand.layout, (unseen,))
+        self._record(rs, placeholder, None, changes, cand.name)
+        self.unseen.append(key)
 
     def _look(self, run_rel: str, name: str, changes: Changes) -> None:
         rs = self.runs.get(run_rel)
@@ -289,6 +405,30 @@ class RootTracker:
         cand = next((c for c in rs.dir.candidates if c.name == name), None)
         fresh = self.scanner.inspect(rs.dir, cand, now=0.0) if cand else None
         self._record(rs, fresh, rs.checkpoints[name], changes, name)
+
+    def _context(self, run_dir: RunDir) -> object:
+        return run_context(run_dir)
+
+    def _dirs_unchanged(self, c: Checkpoint, *, whole: bool = True) -> bool:
+        return self.scanner.verdicts.dirs_unchanged(str(c.path), c.fingerprint, whole=whole)
+
+    def _due(self, run_rel: str, name: str) -> bool:
+        """Whether to look at an in-flight checkpoint now: always, unless it is incomplete or stalled
+        and backed off, its back-off not yet run out, and nothing it depends on shows a change:
+        its directories, the files that failed their check, the run directory's context."""
+        rs = self.runs.get(run_rel)
+        c = rs.checkpoints.get(name) if rs is not None else None
+        b = self.backoff.get(c.rel) if c is not None else None
+        if c is None or b is None or b.skipped + 1 >= b.span:
+            return True
+        path = str(c.path)
+        verdicts = self.scanner.verdicts
+        if not verdicts.dirs_unchanged(path, c.fingerprint, verdicts.problems(path), whole=False):
+            return True
+        if self._context(rs.dir) != rs.context:  # type: ignore[union-attr]
+            return True
+        b.skipped += 1
+        return False
 
     def _record(
         self, rs: RunState, fresh: Checkpoint | None, old: Checkpoint | None, changes: Changes, name: str
@@ -302,7 +442,21 @@ class RootTracker:
             stall = self.settler.stall_check(fresh.rel, self.clock())
             if stall is not None:
                 fresh = replace(fresh, checks=(*fresh.checks, stall))
+        if fresh.state in (State.INCOMPLETE, State.STALLED):
+            b = self.backoff.get(fresh.rel)
+            if b is None or old is None or old.fingerprint != fresh.fingerprint:
+                self.backoff[fresh.rel] = Backoff()  # new, or changed: look again at the next poll
+            else:
+                b.span, b.skipped = min(2 * b.span, self._max_span()), 0
+        else:
+            self.backoff.pop(fresh.rel, None)
         rs.checkpoints[name] = fresh
+        if old is None or (old.state, old.size_bytes) != (fresh.state, fresh.size_bytes):
+            self.version += 1
+        if fresh.state is State.COMPLETE:
+            self.flying.pop(fresh.rel, None)
+        else:
+            self.flying[fresh.rel] = fresh
         before = old.state if old is not None else None
         if fresh.state is not before:
             changes.transitions += 1
@@ -317,16 +471,26 @@ class RootTracker:
             if fresh.state is State.COMPLETE:
                 changes.completed.append(fresh)
 
+    def _max_span(self) -> int:
+        """The most polls between two looks at an unchanged incomplete checkpoint: BACKOFF_RECONCILES
+        reconcile intervals (30 min at the defaults)."""
+        return max(1, int(BACKOFF_RECONCILES * self.root.reconcile_interval // self.root.poll_interval))
+
     def _vanish(self, rs: RunState, name: str, changes: Changes) -> None:
         c = rs.checkpoints.pop(name)
+        self.flying.pop(c.rel, None)
+        self.version += 1
         self.settler.forget(c.rel)
         self.not_before.pop(c.rel, None)
         self.hints.pop(c.rel, None)
+        self.backoff.pop(c.rel, None)
+        self.scanner.verdicts.forget(str(c.path))
         changes.vanished.append(c.rel)
         log.debug("%s: gone", c.rel)
 
     def _drop_run(self, rel: str, changes: Changes) -> None:
         rs = self.runs.pop(rel)
+        self.version += 1
         for name in list(rs.checkpoints):
             self._vanish(rs, name, changes)
 
@@ -334,6 +498,19 @@ class RootTracker:
         """A checkpoint we changed ourselves (slimmed): take its new form in."""
         run_rel, _, name = rel.rpartition("/")
         self._look(run_rel or ".", name, Changes())
+
+    def refused(self, rel: str) -> None:
+        """The reaper's re-check refused to act on `rel`: what it found differs from what we hold
+        (a file rewritten in place changes no directory, so reconciles do not see it). Look at it,
+        and at its run's newest complete checkpoint (the anchor the re-check also compared)."""
+        run_rel, _, name = rel.rpartition("/")
+        rs = self.runs.get(run_rel or ".")
+        if rs is None:
+            return
+        complete = [c for c in rs.checkpoints.values() if c.state is State.COMPLETE]
+        anchor = max(complete, key=Checkpoint.sort_key).name if complete else None
+        for n in {name, anchor} - {None}:
+            self._look(run_rel or ".", n, Changes())  # type: ignore[arg-type]
 
     def forget(self, rel: str) -> None:
         """A checkpoint the reaper moved to the trash."""
