@@ -233,8 +233,6 @@ def test_configured_roots_overlapping_through_a_bind_mount_are_refused(tmp_path,
 
 @pytest.mark.deepspeed
 @no_deepspeed
-@pytest.mark.xfail(strict=True, reason="red team 2: a Lightning DeepSpeed checkpoint directory missing a "
-                                       "rank's shard is complete, and the last whole one is deleted")
 def test_a_lightning_deepspeed_checkpoint_missing_a_shard_is_not_complete(zero3_bf16_bare, tmp_path):
     """Lightning's DeepSpeedStrategy saves each checkpoint as a *directory* named like the file
     (`epoch=1-step=20.ckpt/`): `deepspeed_engine.save_checkpoint(filepath, tag="checkpoint")`, so
@@ -322,8 +320,6 @@ t.fit(M(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.rand
 """
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2: the target of Lightning's last.ckpt link (what "
-                                       "ckpt_path='last' loads) is deleted")
 def test_the_target_of_lightnings_last_link_is_kept(tmp_path):
     """Lightning's ModelCheckpoint(save_last="link") makes last.ckpt a symlink to the file it saved
     last, instead of a copy (lightning/pytorch/callbacks/model_checkpoint.py _save_last_checkpoint,

@@ -251,6 +251,10 @@ class Inspector:
             checks.append(_torchtitan(path, files))
         elif cand.layout == layouts.NEMO:
             checks.append(_nemo_unfinished(run, cand))
+            # Lightning's DeepSpeedStrategy: a directory named like the file, the shards in its tag
+            # directory `checkpoint/` (save_checkpoint(filepath, tag="checkpoint")): their census.
+            for d in _deepspeed_tag_dirs(files):
+                checks.append(self._deepspeed(path, d, files, world_size, removed)[0])
             for d in ("", "weights"):  # NeMo 1 torch_dist: the files at the top; NeMo 2: in weights/
                 if _is_megatron_core(files, d):
                     checks.append(_megatron_core(path, files, d))
@@ -577,7 +581,7 @@ def _tags(layout: str, files: dict[str, Entry]) -> list[str]:
         return _global_step_dirs(files)
     if layout == layouts.DEEPSPEED:
         return [""]
-    if layout == layouts.ACCELERATE:
+    if layout in (layouts.ACCELERATE, layouts.NEMO):  # NEMO: Lightning's DeepSpeed `<name>.ckpt/checkpoint/`
         return _deepspeed_tag_dirs(files)
     return []
 
@@ -946,6 +950,34 @@ def resume_pointers(run_path: Path, names: Collection[str]) -> dict[str, str]:
             continue
         for name in pointer_target(run_path, pointer, text):
             found.setdefault(name, label)
+    for name, why in last_link_targets(run_path, names).items():
+        found.setdefault(name, why)
+    return found
+
+
+def last_link_targets(run_path: Path, names: Collection[str]) -> dict[str, str]:
+    """The checkpoints a `*last*` symlink of the run names: Lightning's `last.ckpt` with
+    save_last="link" (a link to the file it saved last, what ckpt_path="last" loads), NeMo's
+    `-last` links. Deleting the target leaves the link dangling and the resume with nothing to
+    load, so it is kept like what a resume pointer names. The link is read with os.readlink and
+    resolved as `pointer_target` resolves a pointer: only entries of this run are named. A link
+    whose target cannot be read may name any checkpoint here: every one is named by it."""
+    found: dict[str, str] = {}
+    for link in sorted(n for n in names if "last" in n.lower()):
+        try:
+            text = os.readlink(run_path / link)
+        except FileNotFoundError:
+            continue  # gone since the listing
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                continue  # not a symlink: a copy, not a pointer
+            why = f"{link} (a symlink whose target cannot be read: {exc.strerror or exc}; it may name any checkpoint)"
+            for other in names:
+                found.setdefault(other, why)
+            continue
+        for name in pointer_target(run_path, link, text):
+            if name != link:
+                found.setdefault(name, f"{link} (a symlink to it)")
     return found
 
 

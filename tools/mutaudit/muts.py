@@ -607,6 +607,16 @@ MUTS = [
  dict(id="MP7", what="NeMo's FSDP shard directories are rank directories too", tests="held", edits=[(L,
    "(?:_fsdp_shard_\\d+)?|tp_rank_\\d+_pp_rank_\\d+|fsdp_shard_\\d+\")", "|tp_rank_\\d+_pp_rank_\\d+\")")]),
 
+ # --- red team 2, fixB: link targets, Lightning DeepSpeed census, DCP runs held inside, Lightning FSDP
+ dict(id="RB1", what="the target of a *last* symlink (Lightning's last.ckpt, save_last='link') is kept",
+   tests=[T+"test_redteam2.py::test_the_target_of_lightnings_last_link_is_kept"], edits=[(E,
+   "    for name, why in last_link_targets(run_path, names).items():\n        found.setdefault(name, why)\n", "")]),
+
+ dict(id="RB2", what="Lightning's DeepSpeed checkpoint directory (<name>.ckpt/checkpoint/) gets the shard census",
+   tests=[T+"test_redteam2.py::test_a_lightning_deepspeed_checkpoint_missing_a_shard_is_not_complete"], edits=[(E,
+   "            for d in _deepspeed_tag_dirs(files):\n                checks.append(self._deepspeed(path, d, files, world_size, removed)[0])\n            for d in (\"\", \"weights\"):",
+   "            for d in (\"\", \"weights\"):")]),
+
  # --- the red team's classes (tests/test_redteam.py, tests/test_redteam_classes.py)
  dict(id="RT1", what="a resume pointer spelled as a path ('global_step10/') is followed", tests="rtclasses", edits=[(E,
    "    if not text:\n        return set()\n    joined", "    if not text or \"/\" in text:\n        return set()\n    joined")]),
