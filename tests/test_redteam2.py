@@ -145,8 +145,6 @@ def dcp_save(path: Path, step: int) -> None:
     assert (path / ".metadata").is_file()
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2: a run of DCP saves inside a checkpoint is taken for "
-                                       "its parts, and deleted with it")
 def test_a_dcp_run_written_inside_a_checkpoint_is_not_deleted_with_it(tmp_path):
     """The red team's item 2 again, with torch.distributed.checkpoint: a fine-tuning script given
     `--output_dir out/checkpoint-500` (the checkpoint it starts from) saves its own steps there

@@ -971,7 +971,7 @@ def last_link_targets(run_path: Path, names: Collection[str]) -> dict[str, str]:
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 continue  # not a symlink: a copy, not a pointer
-            why = f"{link} (a symlink whose target cannot be read: {exc.strerror or exc}; it may name any checkpoint)"
+            why = f"{link} (a symlink that cannot be read: {exc.strerror or exc}; it may name any of them)"
             for other in names:
                 found.setdefault(other, why)
             continue

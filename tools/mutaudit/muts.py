@@ -617,6 +617,14 @@ MUTS = [
    "            for d in _deepspeed_tag_dirs(files):\n                checks.append(self._deepspeed(path, d, files, world_size, removed)[0])\n            for d in (\"\", \"weights\"):",
    "            for d in (\"\", \"weights\"):")]),
 
+ dict(id="RB3", what="a DCP directory inside a checkpoint named as a run's save (step_10/) is a held run",
+   tests=[T+"test_held_runs.py::test_what_a_checkpoint_directory_holds_that_is_not_its_own", T+"test_redteam2.py::test_a_dcp_run_written_inside_a_checkpoint_is_not_deleted_with_it"],
+   edits=[(L, "    if _DCP_SAVE_NAME.fullmatch(name):\n        return True\n", "")]),
+ dict(id="RB4", what="DCP directories numbered alike inside a checkpoint (save_1/, save_2/) are a held run",
+   tests=[T+"test_held_runs.py::test_what_a_checkpoint_directory_holds_that_is_not_its_own"], edits=[(L, "    return own is not None and any(s != name and stem(s) == own for s in sibling_dirs)",
+   "    return False")]),
+ dict(id="RB5", what="FSDP's numbered DCP parts (pytorch_model_fsdp_0/, optimizer_1/) are a checkpoint's own parts",
+   tests=[T+"test_held_runs.py::test_what_a_checkpoint_directory_holds_that_is_not_its_own"], edits=[(L, "    if _DCP_PART.fullmatch(name):\n        return False\n", "")]),
  # --- the red team's classes (tests/test_redteam.py, tests/test_redteam_classes.py)
  dict(id="RT1", what="a resume pointer spelled as a path ('global_step10/') is followed", tests="rtclasses", edits=[(E,
    "    if not text:\n        return set()\n    joined", "    if not text or \"/\" in text:\n        return set()\n    joined")]),
