@@ -266,8 +266,6 @@ def test_a_lightning_deepspeed_checkpoint_missing_a_shard_is_not_complete(zero3_
 # --- near-miss: Lightning's FSDP sharded checkpoints are megatron-core ones missing metadata.json -
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2 (near-miss): Lightning's FSDP sharded checkpoint "
-                                       "directories are never complete (megatron-core metadata.json missing)")
 def test_lightning_fsdp_sharded_checkpoints_can_be_complete(tmp_path):
     """Lightning's FSDPStrategy with state_dict_type="sharded" saves each checkpoint as a directory
     named like the file (`epoch=0-step=100.ckpt/`): torch.distributed.checkpoint's files, then
@@ -293,6 +291,24 @@ def test_lightning_fsdp_sharded_checkpoints_can_be_complete(tmp_path):
     proc = run_ckptd("plan", "-c", cfg)
     rows = [line for line in proc.stdout.splitlines() if ".ckpt" in line]
     assert len(rows) == 2 and all(" complete " in r for r in rows), proc.stdout
+
+
+def test_a_lightning_fsdp_sharded_checkpoint_without_dcp_metadata_is_not_complete(tmp_path):
+    """The other side of the one above: Lightning's FSDP checkpoint directory is complete by DCP's
+    evidence, so without `.metadata` (the coordinator's, written after every rank's data) it is
+    not, `meta.pt` or not. Real DCP files and meta.pt; `.metadata` removed by hand (a state no
+    save leaves, meta.pt being written after it: the check must not lean on meta.pt alone)."""
+    root = tmp_path / "vol"
+    ckpts = root / "run" / "checkpoints"
+    d = ckpts / "epoch=0-step=100.ckpt"
+    dcp_save(d, 100)
+    code = "import sys, torch; torch.save({'epoch': 0, 'global_step': 100}, sys.argv[1])"
+    subprocess.run([sys.executable, "-c", code, str(d / "meta.pt")], check=True, timeout=120)
+    (d / ".metadata").unlink()
+    age(root, OLD)
+    proc = run_ckptd("plan", "-c", config(tmp_path, root, keep_last=1, keep_best=0))
+    row = next(line for line in proc.stdout.splitlines() if "step=100" in line)
+    assert " complete " not in row and ".metadata missing" in proc.stdout, proc.stdout
 
 
 # --- 5. Lightning's last.ckpt as a link: its target is what ckpt_path="last" loads ---------------

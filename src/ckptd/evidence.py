@@ -255,7 +255,10 @@ class Inspector:
             # directory `checkpoint/` (save_checkpoint(filepath, tag="checkpoint")): their census.
             for d in _deepspeed_tag_dirs(files):
                 checks.append(self._deepspeed(path, d, files, world_size, removed)[0])
-            for d in ("", "weights"):  # NeMo 1 torch_dist: the files at the top; NeMo 2: in weights/
+            lightning_fsdp = _is_lightning_fsdp(cand, files)  # DCP's files, Lightning's meta.pt
+            if lightning_fsdp:
+                checks.append(_lightning_fsdp(files))
+            for d in () if lightning_fsdp else ("", "weights"):  # NeMo 1 torch_dist: top; NeMo 2: weights/
                 if _is_megatron_core(files, d):
                     checks.append(_megatron_core(path, files, d))
         elif cand.layout == layouts.LIGHTNING:
@@ -1097,6 +1100,31 @@ def _is_megatron_core(files: dict[str, Entry], d: str) -> bool:
     return any(f"{prefix}{n}" in files for n in _MEGATRON_CORE_FILES) or any(
         rel.startswith(prefix) and "/" not in rel[len(prefix) :] and rel.endswith(".distcp") for rel in files
     )
+
+
+LIGHTNING_FSDP_META = "meta.pt"
+
+
+def _is_lightning_fsdp(cand: Candidate, files: dict[str, Entry]) -> bool:
+    """Whether a `.ckpt` directory is Lightning FSDPStrategy's sharded checkpoint: DCP's files, then
+    rank 0's `meta.pt` (lightning/pytorch/strategies/fsdp.py save_checkpoint), and none of
+    megatron-core's own files (common.pt, written first; metadata.json)."""
+    return (
+        cand.name.endswith(".ckpt")
+        and LIGHTNING_FSDP_META in files
+        and not any(n in files for n in ("common.pt", MEGATRON_CORE_METADATA))
+    )
+
+
+def _lightning_fsdp(files: dict[str, Entry]) -> Check:
+    """Lightning's FSDP sharded checkpoint is whole once DCP's `.metadata` (the coordinator writes it
+    after every rank's data) and `meta.pt` (rank 0 writes it after the DCP save returns) are there."""
+    name = "lightning fsdp (dcp .metadata, meta.pt)"
+    if ".metadata" not in files:
+        return Check(name, FAILED, "dcp .metadata missing (the coordinator writes it after every rank)")
+    if files[LIGHTNING_FSDP_META].kind != "f":
+        return Check(name, FAILED, f"{LIGHTNING_FSDP_META} is not a file")
+    return Check(name, PASSED, f".metadata and {LIGHTNING_FSDP_META} present (written after DCP's save)")
 
 
 def _megatron_core(path: Path, files: dict[str, Entry], d: str) -> Check:
