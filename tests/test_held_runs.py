@@ -64,6 +64,9 @@ def tree(*rels: str) -> tuple[list[str], list[str]]:
         (layouts.HF, tree("global_step500/", "global_step500/mp_rank_00_model_states.pt", "trainer_state.json"), []),
         (layouts.HF, tree("pytorch_model_fsdp_0/", "pytorch_model_fsdp_0/.metadata",
                           "pytorch_model_fsdp_0/__0_0.distcp"), []),  # FSDP's DCP directory
+        (layouts.HF, tree("pytorch_model_fsdp_0/", "pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_1/",
+                          "pytorch_model_fsdp_1/.metadata", "optimizer_0/", "optimizer_0/.metadata", "optimizer_1/",
+                          "optimizer_1/.metadata"), []),  # accelerate's FSDP: one per model and optimizer
         (layouts.ORBAX, tree("default/", "default/commit_success.txt", "params_1/", "params_1/commit_success.txt",
                              "_CHECKPOINT_METADATA"), []),  # items, commit-file mode
         (layouts.MEGATRON, tree("mp_rank_00/", "mp_rank_00/model_optim_rng.pt"), []),
@@ -78,6 +81,9 @@ def tree(*rels: str) -> tuple[list[str], list[str]]:
         (layouts.DEEPSPEED, tree("global_step5/"), ["global_step5"]),
         (layouts.HF, tree("sub/", "sub/iter_0000100/"), ["sub/iter_0000100"]),
         (layouts.HF, tree("sub/", "sub/step_3/", "sub/step_3/optimizer.bin"), ["sub/step_3"]),  # accelerate
+        (layouts.HF, tree("step_10/", "step_10/.metadata", "step_10/__0_0.distcp"), ["step_10"]),  # dcp.save's run
+        (layouts.HF, tree("save_1/", "save_1/.metadata", "save_2/", "save_2/.metadata", "eval/", "eval/.metadata"),
+         ["save_1", "save_2"]),  # DCP saves numbered alike: a run; `eval/` alone: a part
         # pins below its top
         (layouts.HF, tree("global_step500/", "global_step500/.ckptd-keep"), ["global_step500/.ckptd-keep"]),
         (layouts.HF, tree("model.ckpt.ckptd-keep"), ["model.ckpt.ckptd-keep"]),

@@ -408,3 +408,16 @@ def test_a_resume_pointer_rolled_back_after_the_plan_is_honoured(tmp_path):
         Outcome.REFUSED, "named by DeepSpeed's latest: the framework resumes from it")
     assert results[30].outcome is Outcome.TRASHED
     assert sorted(os.listdir(run)) == ["global_step10", "global_step20", "global_step40", "latest"]
+
+
+def test_a_last_link_made_after_the_plan_is_honoured(volume, tmp_path):
+    """A `*last*` symlink names what a resume from 'last' loads (Lightning's last.ckpt with
+    save_last="link", NeMo's -last links): pointed at a planned deletion after the plan, the
+    re-check reads it and refuses. A hand-made link to the demo's Trainer checkpoints: the
+    re-check reads links by name, whatever wrote them."""
+    reaper, plan, _ = make(volume, tmp_path)
+    os.symlink("checkpoint-20", volume / "run" / "model-last")
+    results = {r.decision.checkpoint.step: r for r in reaper.execute(plan.decisions)}
+    assert (results[20].outcome, results[20].detail) == (
+        Outcome.REFUSED, "named by model-last (a symlink to it): the framework resumes from it")
+    assert results[10].outcome is Outcome.TRASHED and results[30].outcome is Outcome.TRASHED

@@ -145,8 +145,6 @@ def dcp_save(path: Path, step: int) -> None:
     assert (path / ".metadata").is_file()
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2: a run of DCP saves inside a checkpoint is taken for "
-                                       "its parts, and deleted with it")
 def test_a_dcp_run_written_inside_a_checkpoint_is_not_deleted_with_it(tmp_path):
     """The red team's item 2 again, with torch.distributed.checkpoint: a fine-tuning script given
     `--output_dir out/checkpoint-500` (the checkpoint it starts from) saves its own steps there
@@ -233,8 +231,6 @@ def test_configured_roots_overlapping_through_a_bind_mount_are_refused(tmp_path,
 
 @pytest.mark.deepspeed
 @no_deepspeed
-@pytest.mark.xfail(strict=True, reason="red team 2: a Lightning DeepSpeed checkpoint directory missing a "
-                                       "rank's shard is complete, and the last whole one is deleted")
 def test_a_lightning_deepspeed_checkpoint_missing_a_shard_is_not_complete(zero3_bf16_bare, tmp_path):
     """Lightning's DeepSpeedStrategy saves each checkpoint as a *directory* named like the file
     (`epoch=1-step=20.ckpt/`): `deepspeed_engine.save_checkpoint(filepath, tag="checkpoint")`, so
@@ -270,8 +266,6 @@ def test_a_lightning_deepspeed_checkpoint_missing_a_shard_is_not_complete(zero3_
 # --- near-miss: Lightning's FSDP sharded checkpoints are megatron-core ones missing metadata.json -
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2 (near-miss): Lightning's FSDP sharded checkpoint "
-                                       "directories are never complete (megatron-core metadata.json missing)")
 def test_lightning_fsdp_sharded_checkpoints_can_be_complete(tmp_path):
     """Lightning's FSDPStrategy with state_dict_type="sharded" saves each checkpoint as a directory
     named like the file (`epoch=0-step=100.ckpt/`): torch.distributed.checkpoint's files, then
@@ -299,6 +293,24 @@ def test_lightning_fsdp_sharded_checkpoints_can_be_complete(tmp_path):
     assert len(rows) == 2 and all(" complete " in r for r in rows), proc.stdout
 
 
+def test_a_lightning_fsdp_sharded_checkpoint_without_dcp_metadata_is_not_complete(tmp_path):
+    """The other side of the one above: Lightning's FSDP checkpoint directory is complete by DCP's
+    evidence, so without `.metadata` (the coordinator's, written after every rank's data) it is
+    not, `meta.pt` or not. Real DCP files and meta.pt; `.metadata` removed by hand (a state no
+    save leaves, meta.pt being written after it: the check must not lean on meta.pt alone)."""
+    root = tmp_path / "vol"
+    ckpts = root / "run" / "checkpoints"
+    d = ckpts / "epoch=0-step=100.ckpt"
+    dcp_save(d, 100)
+    code = "import sys, torch; torch.save({'epoch': 0, 'global_step': 100}, sys.argv[1])"
+    subprocess.run([sys.executable, "-c", code, str(d / "meta.pt")], check=True, timeout=120)
+    (d / ".metadata").unlink()
+    age(root, OLD)
+    proc = run_ckptd("plan", "-c", config(tmp_path, root, keep_last=1, keep_best=0))
+    row = next(line for line in proc.stdout.splitlines() if "step=100" in line)
+    assert " complete " not in row and ".metadata missing" in proc.stdout, proc.stdout
+
+
 # --- 5. Lightning's last.ckpt as a link: its target is what ckpt_path="last" loads ---------------
 
 _LIGHTNING_LINK_JOB = """
@@ -322,8 +334,6 @@ t.fit(M(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.rand
 """
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2: the target of Lightning's last.ckpt link (what "
-                                       "ckpt_path='last' loads) is deleted")
 def test_the_target_of_lightnings_last_link_is_kept(tmp_path):
     """Lightning's ModelCheckpoint(save_last="link") makes last.ckpt a symlink to the file it saved
     last, instead of a copy (lightning/pytorch/callbacks/model_checkpoint.py _save_last_checkpoint,

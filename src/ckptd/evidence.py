@@ -259,7 +259,14 @@ class Inspector:
             checks.append(_torchtitan(path, files))
         elif cand.layout == layouts.NEMO:
             checks.append(_nemo_unfinished(run, cand))
-            for d in ("", "weights"):  # NeMo 1 torch_dist: the files at the top; NeMo 2: in weights/
+            # Lightning's DeepSpeedStrategy: a directory named like the file, the shards in its tag
+            # directory `checkpoint/` (save_checkpoint(filepath, tag="checkpoint")): their census.
+            for d in _deepspeed_tag_dirs(files):
+                checks.append(self._deepspeed(path, d, files, world_size, removed)[0])
+            lightning_fsdp = _is_lightning_fsdp(cand, files)  # DCP's files, Lightning's meta.pt
+            if lightning_fsdp:
+                checks.append(_lightning_fsdp(files))
+            for d in () if lightning_fsdp else ("", "weights"):  # NeMo 1 torch_dist: top; NeMo 2: weights/
                 if _is_megatron_core(files, d):
                     checks.append(_megatron_core(path, files, d))
         elif cand.layout == layouts.LIGHTNING:
@@ -594,7 +601,7 @@ def _tags(layout: str, files: dict[str, Entry]) -> list[str]:
         return _global_step_dirs(files)
     if layout == layouts.DEEPSPEED:
         return [""]
-    if layout == layouts.ACCELERATE:
+    if layout in (layouts.ACCELERATE, layouts.NEMO):  # NEMO: Lightning's DeepSpeed `<name>.ckpt/checkpoint/`
         return _deepspeed_tag_dirs(files)
     return []
 
@@ -964,6 +971,34 @@ def resume_pointers(run_path: Path, names: Collection[str]) -> dict[str, str]:
             continue
         for name in pointer_target(run_path, pointer, text):
             found.setdefault(name, label)
+    for name, why in last_link_targets(run_path, names).items():
+        found.setdefault(name, why)
+    return found
+
+
+def last_link_targets(run_path: Path, names: Collection[str]) -> dict[str, str]:
+    """The checkpoints a `*last*` symlink of the run names: Lightning's `last.ckpt` with
+    save_last="link" (a link to the file it saved last, what ckpt_path="last" loads), NeMo's
+    `-last` links. Deleting the target leaves the link dangling and the resume with nothing to
+    load, so it is kept like what a resume pointer names. The link is read with os.readlink and
+    resolved as `pointer_target` resolves a pointer: only entries of this run are named. A link
+    whose target cannot be read may name any checkpoint here: every one is named by it."""
+    found: dict[str, str] = {}
+    for link in sorted(n for n in names if "last" in n.lower()):
+        try:
+            text = os.readlink(run_path / link)
+        except FileNotFoundError:
+            continue  # gone since the listing
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                continue  # not a symlink: a copy, not a pointer
+            why = f"{link} (a symlink that cannot be read: {exc.strerror or exc}; it may name any of them)"
+            for other in names:
+                found.setdefault(other, why)
+            continue
+        for name in pointer_target(run_path, link, text):
+            if name != link:
+                found.setdefault(name, f"{link} (a symlink to it)")
     return found
 
 
@@ -1083,6 +1118,31 @@ def _is_megatron_core(files: dict[str, Entry], d: str) -> bool:
     return any(f"{prefix}{n}" in files for n in _MEGATRON_CORE_FILES) or any(
         rel.startswith(prefix) and "/" not in rel[len(prefix) :] and rel.endswith(".distcp") for rel in files
     )
+
+
+LIGHTNING_FSDP_META = "meta.pt"
+
+
+def _is_lightning_fsdp(cand: Candidate, files: dict[str, Entry]) -> bool:
+    """Whether a `.ckpt` directory is Lightning FSDPStrategy's sharded checkpoint: DCP's files, then
+    rank 0's `meta.pt` (lightning/pytorch/strategies/fsdp.py save_checkpoint), and none of
+    megatron-core's own files (common.pt, written first; metadata.json)."""
+    return (
+        cand.name.endswith(".ckpt")
+        and LIGHTNING_FSDP_META in files
+        and not any(n in files for n in ("common.pt", MEGATRON_CORE_METADATA))
+    )
+
+
+def _lightning_fsdp(files: dict[str, Entry]) -> Check:
+    """Lightning's FSDP sharded checkpoint is whole once DCP's `.metadata` (the coordinator writes it
+    after every rank's data) and `meta.pt` (rank 0 writes it after the DCP save returns) are there."""
+    name = "lightning fsdp (dcp .metadata, meta.pt)"
+    if ".metadata" not in files:
+        return Check(name, FAILED, "dcp .metadata missing (the coordinator writes it after every rank)")
+    if files[LIGHTNING_FSDP_META].kind != "f":
+        return Check(name, FAILED, f"{LIGHTNING_FSDP_META} is not a file")
+    return Check(name, PASSED, f".metadata and {LIGHTNING_FSDP_META} present (written after DCP's save)")
 
 
 def _megatron_core(path: Path, files: dict[str, Entry], d: str) -> Check:

@@ -192,6 +192,30 @@ def recognise_by_contents(name: str, children: Collection[str]) -> Candidate | N
 
 
 _HELD_FILES = (".ckpt", ".nemo", PIN_FILE)  # files that may be held: Lightning's and NeMo's, pins
+# Numbered DCP directories frameworks put inside a checkpoint as its parts: FSDP's under the
+# Trainer and accelerate (`pytorch_model_fsdp_<i>/`, `optimizer_<i>/`: one per model or optimizer,
+# accelerate's save_fsdp_model, save_fsdp_optimizer). Unnumbered ones (NeMo 2's `weights/`) are parts.
+_DCP_PART = re.compile(r"(?:pytorch_model|model|optimizer|optim|scheduler)(?:_fsdp)?(?:_\d+)?")
+# A DCP directory named as a save of a run is one (`step_10/`, `step-10`, `iter_100`, `20`): a
+# script given the checkpoint as its output directory saved there, and that run is kept whole.
+_DCP_SAVE_NAME = re.compile(r"(?:.*[_-])?(?:steps?|iter|iteration|global_step|checkpoint|ckpt|epoch)[_=-]?\d+"
+                            r"|\d+")
+
+
+def _dcp_is_a_run_save(name: str, sibling_dirs: Collection[str]) -> bool:
+    """Whether a DCP directory inside a checkpoint is a save of a run held there, not its part:
+    named as a save, or one of several directories numbered alike (`save_10/`, `save_20/`)."""
+    if _DCP_PART.fullmatch(name):
+        return False
+    if _DCP_SAVE_NAME.fullmatch(name):
+        return True
+
+    def stem(n: str) -> str | None:
+        m = _LAST_INT.search(n)
+        return None if m is None else f"{n[: m.start()]}#{n[m.end() :]}"
+
+    own = stem(name)
+    return own is not None and any(s != name and stem(s) == own for s in sibling_dirs)
 
 
 def held(layout: str, rels: Collection[str], dirs: Collection[str]) -> list[str]:
@@ -206,9 +230,10 @@ def held(layout: str, rels: Collection[str], dirs: Collection[str]) -> list[str]
 
     Its own parts are not counted: a DeepSpeed tag directory (`global_stepN/`) directly in a
     Trainer, accelerate or Lightning checkpoint, Orbax's items directly in a step, and
-    torch.distributed.checkpoint directories anywhere (FSDP's `pytorch_model_fsdp_0/`, NeMo's
-    `weights/`: the evidence demands their `.metadata` as parts). Parts of a held checkpoint
-    are not listed again.
+    torch.distributed.checkpoint directories (FSDP's `pytorch_model_fsdp_0/`, NeMo's `weights/`:
+    the evidence demands their `.metadata` as parts), unless named as a run's saves (`step_10/`,
+    or several numbered alike: `_dcp_is_a_run_save`). Parts of a held checkpoint are not listed
+    again.
     """
     items = sorted([(d, True) for d in dirs if d] + [(f, False) for f in rels if f.endswith(_HELD_FILES)])
     kids: dict[str, list[str]] | None = None
@@ -222,6 +247,11 @@ def held(layout: str, rels: Collection[str], dirs: Collection[str]) -> list[str]
                     parent, _, name = r.rpartition("/")
                     kids.setdefault(parent, []).append(name)
         return kids.get(rel, [])
+
+    dir_set = set(dirs)
+
+    def dir_names(parent: str) -> set[str]:
+        return {c for c in children(parent) if (f"{parent}/{c}" if parent else c) in dir_set}
 
     found: list[str] = []
     seen: set[str] = set()
@@ -245,8 +275,10 @@ def held(layout: str, rels: Collection[str], dirs: Collection[str]) -> list[str]
             found.append(rel)  # a nested run's last.ckpt: what its resume loads
             seen.add(rel)
             continue
-        if cand is None or cand.layout == DCP:
+        if cand is None:
             continue
+        if cand.layout == DCP and not _dcp_is_a_run_save(name, dir_names(parent)):
+            continue  # its own part (FSDP's pytorch_model_fsdp_0/), whose .metadata the evidence demands
         if not parent and layout == ORBAX and cand.layout == ORBAX and not cand.in_progress:
             continue  # an Orbax item (its own commit_success.txt, in commit-file mode)
         found.append(rel)

@@ -665,6 +665,32 @@ MUTS = [
  dict(id="MP7", what="NeMo's FSDP shard directories are rank directories too", tests="held", edits=[(L,
    "(?:_fsdp_shard_\\d+)?|tp_rank_\\d+_pp_rank_\\d+|fsdp_shard_\\d+\")", "|tp_rank_\\d+_pp_rank_\\d+\")")]),
 
+ # --- red team 2, fixB: link targets, Lightning DeepSpeed census, DCP runs held inside, Lightning FSDP
+ dict(id="RB1", what="the target of a *last* symlink (Lightning's last.ckpt, save_last='link') is kept",
+   tests=[T+"test_reaper.py::test_a_last_link_made_after_the_plan_is_honoured",
+          T+"test_redteam2.py::test_the_target_of_lightnings_last_link_is_kept"], edits=[(E,
+   "    for name, why in last_link_targets(run_path, names).items():\n        found.setdefault(name, why)\n", "")]),
+
+ dict(id="RB2", what="Lightning's DeepSpeed checkpoint directory (<name>.ckpt/checkpoint/) gets the shard census",
+   tests=[T+"test_redteam2.py::test_a_lightning_deepspeed_checkpoint_missing_a_shard_is_not_complete"], edits=[(E,
+   "            for d in _deepspeed_tag_dirs(files):\n                checks.append(self._deepspeed(path, d, files, world_size, removed)[0])\n            lightning_fsdp =",
+   "            lightning_fsdp =")]),
+
+ dict(id="RB3", what="a DCP directory inside a checkpoint named as a run's save (step_10/) is a held run",
+   tests=[T+"test_held_runs.py::test_what_a_checkpoint_directory_holds_that_is_not_its_own", T+"test_redteam2.py::test_a_dcp_run_written_inside_a_checkpoint_is_not_deleted_with_it"],
+   edits=[(L, "    if _DCP_SAVE_NAME.fullmatch(name):\n        return True\n", "")]),
+ dict(id="RB4", what="DCP directories numbered alike inside a checkpoint (save_1/, save_2/) are a held run",
+   tests=[T+"test_held_runs.py::test_what_a_checkpoint_directory_holds_that_is_not_its_own"], edits=[(L, "    return own is not None and any(s != name and stem(s) == own for s in sibling_dirs)",
+   "    return False")]),
+ dict(id="RB5", what="FSDP's numbered DCP parts (pytorch_model_fsdp_0/, optimizer_1/) are a checkpoint's own parts",
+   tests=[T+"test_held_runs.py::test_what_a_checkpoint_directory_holds_that_is_not_its_own"], edits=[(L, "    if _DCP_PART.fullmatch(name):\n        return False\n", "")]),
+ dict(id="RB6", what="Lightning's FSDP sharded checkpoint directory is judged by DCP's evidence, not megatron-core's",
+   tests=[T+"test_redteam2.py::test_lightning_fsdp_sharded_checkpoints_can_be_complete"], edits=[(E,
+   "            lightning_fsdp = _is_lightning_fsdp(cand, files)", "            lightning_fsdp = False")]),
+ dict(id="RB7", what="Lightning's FSDP sharded checkpoint needs DCP's .metadata", edits=[(E,
+   "    if \".metadata\" not in files:\n        return Check(name, FAILED, \"dcp .metadata missing",
+   "    if False:\n        return Check(name, FAILED, \"dcp .metadata missing")],
+   tests=[T+"test_redteam2.py::test_a_lightning_fsdp_sharded_checkpoint_without_dcp_metadata_is_not_complete"]),
  # --- the red team's classes (tests/test_redteam.py, tests/test_redteam_classes.py)
  dict(id="RT1", what="a resume pointer spelled as a path ('global_step10/') is followed", tests="rtclasses", edits=[(E,
    "    if not text:\n        return set()\n    joined", "    if not text or \"/\" in text:\n        return set()\n    joined")]),
