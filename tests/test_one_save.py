@@ -328,6 +328,103 @@ def test_keep_within_and_keep_total_order_by_the_save_not_by_later_files(tmp_pat
     assert not any(why.startswith("keep_total") for why in total["checkpoint-100"])
 
 
+def sed_i(path: Path, when: float) -> None:
+    """Rewrite `path` as `sed -i` does (a new file renamed over the old one), at `when`."""
+    fixed = path.parent / ".sedXYZ"
+    fixed.write_bytes(path.read_bytes())
+    os.replace(fixed, path)
+    os.utime(path, (when, when))
+
+
+def test_trainer_state_rewritten_after_the_save_does_not_move_its_save_time(tmp_path):
+    """Red team 2, item 6: the Trainer writes trainer_state.json right after the rest of its save
+    (rng states, `latest`, the global_step shards). Within `SAVE_SPAN` of them it is the save's
+    end; much newer (paths fixed with sed -i after a move), it was rewritten later and only
+    `touched_at` counts it. A checkpoint with none of the files written before it: it counts."""
+    ck = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
+    sed_i(ck / "trainer_state.json", OLD + evidence.SAVE_SPAN)  # a slow save: still this save's end
+    c = scan(tmp_path, world_size=2)["run/checkpoint-10"]
+    assert (c.written_at, c.touched_at) == (OLD + evidence.SAVE_SPAN, OLD + evidence.SAVE_SPAN)
+    sed_i(ck / "trainer_state.json", NOW - 100)
+    c = scan(tmp_path, world_size=2)["run/checkpoint-10"]
+    assert (c.saved_at, c.written_at, c.touched_at) == (OLD, OLD, NOW - 100)
+    assert c.state is State.COMPLETE
+    bare_ck = tmp_path / "run" / "checkpoint-20"  # the weights and trainer_state.json only: no order
+    bare_ck.mkdir()
+    write_zip(bare_ck / "pytorch_model.bin", 32)
+    (bare_ck / "trainer_state.json").write_text((ck / "trainer_state.json").read_text())
+    age(bare_ck, OLD)
+    sed_i(bare_ck / "trainer_state.json", NOW - 100)
+    assert scan(tmp_path, world_size=2)["run/checkpoint-20"].written_at == NOW - 100
+
+
+def test_megatron_metadata_json_rewritten_after_the_save_does_not_move_its_save_time(tmp_path):
+    """Hand-made (megatron-core cannot save on a CPU torch): megatron-core writes metadata.json after
+    common.pt and the shards; a path or backend fixed in it later is not a save. Likewise DCP's
+    .metadata beside them."""
+    d = tmp_path / "gpt" / "iter_0000100"
+    write_zip(d / "common.pt")
+    (d / "__0_0.distcp").write_bytes(b"s")
+    (d / ".metadata").write_bytes(b"m")
+    (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (tmp_path / "gpt" / "latest_checkpointed_iteration.txt").write_text("100")
+    age(tmp_path, OLD)
+    sed_i(d / "metadata.json", NOW - 100)
+    c = scan(tmp_path)["gpt/iter_0000100"]
+    assert c.state is State.COMPLETE
+    assert (c.written_at, c.touched_at) == (OLD, NOW - 100)
+    sed_i(d / ".metadata", NOW - 50)
+    c = scan(tmp_path)["gpt/iter_0000100"]
+    assert (c.written_at, c.touched_at) == (OLD, NOW - 50)
+
+
+@pytest.mark.frameworks
+def test_a_dcp_metadata_rewritten_after_the_save_does_not_move_its_save_time(dcp_volume, tmp_path):
+    """Real torchtitan/DCP steps (fwgen, 2 ranks): the coordinator writes .metadata after every
+    rank's data; rewritten a day later, it does not make step-10 the newest save."""
+    run = tmp_path / "vol" / "titan-a"
+    shutil.copytree(dcp_volume["out_dir"] / "titan-a", run)
+    step = run / "checkpoint" / "step-10"
+    age(step, OLD)
+    age(run / "checkpoint" / "step-20", OLD + 60)
+    sed_i(step / ".metadata", NOW - 100)
+    found = scan(tmp_path / "vol")
+    c = found["titan-a/checkpoint/step-10"]
+    assert c.state is State.COMPLETE
+    assert (c.written_at, c.touched_at) == (OLD, NOW - 100)
+    assert found["titan-a/checkpoint/step-20"].written_at == OLD + 60
+
+
+@pytest.mark.frameworks
+def test_accelerate_random_states_rewritten_after_the_save_do_not_move_its_save_time(
+        accelerate_volume, tmp_path):
+    """Real accelerate save_state() directories (fwgen, 2 processes): each process writes its
+    random_states_<i>.pkl last; rewritten later (a script re-pickling them), they are no save."""
+    run = tmp_path / "vol" / "steps"
+    shutil.copytree(accelerate_volume["out_dir"] / "steps", run)
+    step = run / "step_20"
+    age(step, OLD)
+    sed_i(step / "random_states_0.pkl", NOW - 100)
+    sed_i(step / "random_states_1.pkl", NOW - 90)
+    c = scan(tmp_path / "vol")["steps/step_20"]
+    assert c.state is State.COMPLETE
+    assert (c.written_at, c.touched_at) == (OLD, NOW - 90)
+
+
+@pytest.mark.frameworks
+def test_an_orbax_commit_file_rewritten_after_the_save_does_not_move_its_save_time(orbax_volume, tmp_path):
+    """Real Orbax steps (fwgen): Orbax writes commit_success.txt right after it updates
+    _CHECKPOINT_METADATA with the commit time; a commit file written again later is no save."""
+    root = copy_volume(orbax_volume, tmp_path / "vol")
+    step = root / "default" / "1"
+    assert (step / layouts.ORBAX_COMMIT).is_file()
+    age(step, OLD)
+    sed_i(step / layouts.ORBAX_COMMIT, NOW - 100)
+    c = scan(root)["default/1"]
+    assert c.state is State.COMPLETE
+    assert (c.written_at, c.touched_at) == (OLD, NOW - 100)
+
+
 @pytest.mark.frameworks
 def test_an_orbax_step_given_a_file_later_keeps_its_save_time(orbax_volume, tmp_path, state_env):
     """Real Orbax steps (fwgen): a results file written into step 1 after step 2 was saved. Orbax's

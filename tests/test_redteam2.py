@@ -389,8 +389,6 @@ def test_a_prune_with_another_state_dir_waits_for_the_daemon_leading_the_root(tm
 # --- 6. Rewriting trainer_state.json in every checkpoint moves every save time ------------------
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2: a script rewriting trainer_state.json in each checkpoint "
-                                       "(sed -i after a move) takes the resumed job's newest save off its anchor")
 def test_trainer_state_rewritten_in_place_does_not_unprotect_the_newest_save(tmp_path):
     """Red team item 7 with a file the Trainer does save. A run resumed from checkpoint-3000 (4000
     and 5000 diverged) saved checkpoint-3500: 'written last', kept. Then the run is moved

@@ -521,7 +521,9 @@ def _save_times(
     to the checkpoint after its save (an evaluation's results.json, a zero_to_fp32 conversion):
     an old checkpoint given a new file is not the run's newest save (red team, item 7). Where
     the layout's own files cannot be told (`save_files` has none for it), every file counts.
-    A checkpoint with no such file (an empty directory) falls back to its newest mtime.
+    A checkpoint with no such file (an empty directory) falls back to its newest mtime. Nor does
+    a file the framework writes last in its save, rewritten later (`_not_rewritten`: sed -i over
+    trainer_state.json after a move), move `written_at`; `touched_at` counts it.
     """
     own = slim.ckptd_files(marker if isinstance(marker, slim.Marker) else None) | {layouts.PIN_FILE}
     if consolidated is not None:  # fp32/ consolidated before the slim that will record it
@@ -529,7 +531,8 @@ def _save_times(
     theirs = [e for e in entries if e.kind == "f" and e.rel not in own and not slim.in_work_dir(e.rel)]
     if not theirs:
         return newest_ns / 1e9, newest_ns / 1e9, newest_ns / 1e9
-    saved = [e.mtime_ns for e in theirs if save_files(layout, e.rel)] or [e.mtime_ns for e in theirs]
+    saved = _not_rewritten([e for e in theirs if save_files(layout, e.rel)], layout)
+    saved = [e.mtime_ns for e in saved] or [e.mtime_ns for e in theirs]
     return min(e.mtime_ns for e in theirs) / 1e9, max(saved) / 1e9, max(e.mtime_ns for e in theirs) / 1e9
 
 
@@ -555,6 +558,50 @@ _MEGATRON_FILE = re.compile(
 
 def _before_trainer_state(rel: str) -> bool:
     return rel in _BEFORE_TRAINER_STATE or bool(_GLOBAL_STEP_FILE.fullmatch(rel))
+
+
+# A save's last-written files rewritten after it (red team 2, item 6): a script fixing paths in every
+# trainer_state.json after a move (sed -i writes a new file) gives each the time of the fix, in
+# shell order, and the old checkpoint fixed last would be the run's newest save. The framework
+# writes such a file right after the others of its save (`_written_before`), in the same process:
+# seconds after them, minutes at most on a slow filesystem. One much newer than all of them was
+# rewritten later, and its mtime does not say when the save ended. The bound is `SAVE_SPAN`, the
+# most one save's files are apart in `one_save`: a real save is never excluded, and a rewrite
+# within it moves `written_at` by no more than a save can take.
+def _written_before(layout: str, rel: str) -> Callable[[str], bool] | None:
+    """The files the framework writes before `rel` in one save, if it writes `rel` last; else None."""
+    if layout == layouts.HF and rel == TRAINER_STATE:
+        return _before_trainer_state
+    if layout == layouts.ACCELERATE and _RANDOM_STATES.fullmatch(rel):
+        return _before_random_states
+    if layout == layouts.ORBAX and rel == layouts.ORBAX_COMMIT:
+        return lambda other: other == layouts.ORBAX_METADATA  # orbax atomicity: metadata, then commit
+    d, _, name = rel.rpartition("/")
+    if (layout in (layouts.DCP, layouts.TORCHTITAN) and name == ".metadata") or (
+        layout == layouts.MEGATRON and name in _WRITTEN_LAST
+    ):
+        here = f"{d}/" if d else ""
+        return lambda other: (
+            other.startswith(here)
+            and "/" not in other[len(here) :]
+            and (other.endswith(".distcp") or other.endswith("common.pt"))
+        )
+    return None
+
+
+_RANDOM_STATES = re.compile(r"random_states_\d+\.pkl")
+
+
+def _not_rewritten(saved: list[Entry], layout: str) -> list[Entry]:
+    """`saved` less each last-written file more than `SAVE_SPAN` newer than every file its framework
+    writes before it (`_written_before`). Kept where none of those is there: nothing to tell by."""
+    kept = []
+    for e in saved:
+        before = _written_before(layout, e.rel)
+        ahead = [o.mtime_ns for o in saved if o is not e and before(o.rel)] if before is not None else []
+        if not ahead or e.mtime_ns - max(ahead) <= SAVE_SPAN * 1e9:
+            kept.append(e)
+    return kept
 
 
 def save_files(layout: str, rel: str) -> bool:
