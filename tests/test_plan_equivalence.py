@@ -28,3 +28,18 @@ def test_plans_are_unchanged(case):
     assert got["warnings"] == want["warnings"]
     for g, w in zip(got["decisions"], want["decisions"], strict=True):
         assert g == w
+
+
+def test_a_decision_holds_every_field_its_init_is_given():
+    """`Decision.__init__` is written out (one setattr instead of six): it sets every field, in order."""
+    from dataclasses import fields, replace
+
+    from ckptd.model import Action
+    from ckptd.policy import Decision
+
+    c = SCENARIOS[0][1][0][1][0].checkpoints[0]
+    d = Decision(c, Action.KEEP, ("x",), True, 0.5, "trainer_state")
+    assert list(vars(d)) == [f.name for f in fields(Decision)]
+    assert [getattr(d, f.name) for f in fields(Decision)] == [c, Action.KEEP, ("x",), True, 0.5, "trainer_state"]
+    assert replace(d, action=Action.DELETE) == Decision(c, Action.DELETE, ("x",), True, 0.5, "trainer_state")
+    assert Decision(c, Action.KEEP, ()) == Decision(c, Action.KEEP, (), False, None, None)

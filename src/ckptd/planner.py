@@ -208,19 +208,25 @@ def decide(
             retention, _ = root.retention_for(run.rel)
             ds = policy.decide_run(run, retention)
             warnings += policy.metric_warnings(run, retention, ds)
-            alone = [c for c in run.checkpoints if c.state is State.COMPLETE and on_quiet_alone(c)]
-            if alone:
-                warnings.append(
-                    f"{run.path}: {len(alone)} checkpoint(s) complete on quiet alone: nothing in them "
-                    "proves a save finished; name the evidence in the pattern (require = [...], ranks = ...)"
-                )
-            for c in run.checkpoints:
+            alone = 0
+            held: list[str] = []
+            mixed: list[str] = []
+            for c in run.checkpoints:  # one pass: every checkpoint of every run
+                if c.state is State.COMPLETE and on_quiet_alone(c):
+                    alone += 1
                 if c.holds:
-                    warnings.append(
+                    held.append(
                         f"{c.path}: {policy.held_reason(c)}: kept whole, and nothing inside it is managed "
                         "(move that run out of the checkpoint to manage it)"
                     )
-            mixed = [c.name for c in run.checkpoints if mixed_save(c)]
+                if mixed_save(c):
+                    mixed.append(c.name)
+            if alone:
+                warnings.append(
+                    f"{run.path}: {alone} checkpoint(s) complete on quiet alone: nothing in them "
+                    "proves a save finished; name the evidence in the pattern (require = [...], ranks = ...)"
+                )
+            warnings += held
             if len(mixed) > 1:  # a job re-saves one checkpoint at a time
                 shown = ", ".join(mixed[:3]) + (f" and {len(mixed) - 3} more" if len(mixed) > 3 else "")
                 warnings.append(
@@ -248,7 +254,15 @@ def decide(
         disk = space(dev_roots[0].path)
         floors = [r.retention.min_free for r in dev_roots if r.retention.min_free is not None]
         floor = max(floors, key=lambda f: f.required(disk.total))
-        idx = [i for i, d in enumerate(decisions) if d.checkpoint.root in paths]
+        on_device: dict[int, bool] = {}  # by id of a checkpoint's root: its runs' checkpoints share one Path
+        idx = []
+        for i, d in enumerate(decisions):
+            where = d.checkpoint.root
+            hit = on_device.get(id(where))
+            if hit is None:
+                hit = on_device[id(where)] = where in paths
+            if hit:
+                idx.append(i)
         where = ", ".join(sorted(str(p) for p in paths))
         updated, w = policy.enforce_min_free(
             [decisions[i] for i in idx], free=disk.free, total=disk.total, floor=floor, where=where
