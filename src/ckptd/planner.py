@@ -202,8 +202,9 @@ def decide(
     decisions: list[Decision] = []
     warnings: list[str] = []
     for root, runs in roots:
-        rels = [c.rel for run in runs for c in run.checkpoints]
-        warnings += unmatched_paths(root, rels, [r.rel for r in runs])
+        if not root.scope and (root.retention.pins or root.runs):  # else it has nothing to say
+            rels = [c.rel for run in runs for c in run.checkpoints]
+            warnings += unmatched_paths(root, rels, [r.rel for r in runs])
         for run in with_whole_steps(runs):
             retention, _ = root.retention_for(run.rel)
             ds = policy.decide_run(run, retention)
@@ -212,15 +213,17 @@ def decide(
             held: list[str] = []
             mixed: list[str] = []
             for c in run.checkpoints:  # one pass: every checkpoint of every run
-                if c.state is State.COMPLETE and on_quiet_alone(c):
-                    alone += 1
+                # A checkpoint with files from two saves has a failed check: never complete.
+                if c.state is State.COMPLETE:
+                    if on_quiet_alone(c):
+                        alone += 1
+                elif mixed_save(c):
+                    mixed.append(c.name)
                 if c.holds:
                     held.append(
                         f"{c.path}: {policy.held_reason(c)}: kept whole, and nothing inside it is managed "
                         "(move that run out of the checkpoint to manage it)"
                     )
-                if mixed_save(c):
-                    mixed.append(c.name)
             if alone:
                 warnings.append(
                     f"{run.path}: {alone} checkpoint(s) complete on quiet alone: nothing in them "
@@ -267,7 +270,10 @@ def decide(
         updated, w = policy.enforce_min_free(
             [decisions[i] for i in idx], free=disk.free, total=disk.total, floor=floor, where=where
         )
-        for i, d in zip(idx, updated, strict=True):
-            decisions[i] = d
+        if len(idx) == len(decisions):  # one filesystem: every decision
+            decisions = updated
+        else:
+            for i, d in zip(idx, updated, strict=True):
+                decisions[i] = d
         warnings += w
     return Plan(tuple(decisions), tuple(warnings))

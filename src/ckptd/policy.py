@@ -31,6 +31,8 @@ delete whole checkpoints and never slim on their own.
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -125,25 +127,25 @@ def anchors(ckpts: Iterable[Checkpoint]) -> list[tuple[Checkpoint, str]]:
     (`evidence.save_files`); in doubt, the checkpoint written last counting every file
     (`touched_at`) is kept as well: one more anchor, never one fewer.
     """
-    return _anchors(ckpts)[0]
+    return _anchors([c for c in ckpts if c.state is State.COMPLETE])[0]
 
 
-def _anchors(ckpts: Iterable[Checkpoint]) -> tuple[list[tuple[Checkpoint, str]], list[Checkpoint]]:
-    """`anchors`, and the newest full ones alone (by step, by time, counting added files): what
-    `anchors` of the run's full checkpoints would name. One pass over the checkpoints: planning
-    asks for both, for every run."""
-    complete = [c for c in ckpts if c.state is State.COMPLETE]
+def _anchors(complete: list[Checkpoint]) -> tuple[list[tuple[Checkpoint, str]], list[Checkpoint]]:
+    """`anchors` of a run's complete checkpoints, and its newest full ones alone (by step, by
+    time, counting added files): what `anchors` of the run's full checkpoints would name. Planning
+    asks for both, for every run: one look at each pool."""
     full = [c for c in complete if not c.slim.slimmed]
+    newest_complete = _newest(complete) if complete else None
+    # With nothing slimmed the full ones are the complete ones: the same newest.
+    newest_full = newest_complete if len(full) == len(complete) else (_newest(full) if full else None)
     found: list[tuple[Checkpoint, str]] = []
     pools = (
-        (complete, "newest complete", "written last (newest complete by time)"),
-        (full, "newest full (resumable)", "written last of the full ones (resumable)"),
+        (newest_complete, "newest complete", "written last (newest complete by time)"),
+        (newest_full, "newest full (resumable)", "written last of the full ones (resumable)"),
     )
-    newest_full: list[Checkpoint] = []
-    for pool, by_step_why, by_time_why in pools:
-        if not pool:
+    for newest, by_step_why, by_time_why in pools:
+        if newest is None:
             continue
-        newest = _newest(pool)
         by_step, by_time, by_touch = newest
         touched_why = f"{by_time_why.partition(' (')[0]} counting files added after its save (kept in doubt)"
         by_step_why += ordered_by(by_step)
@@ -151,9 +153,7 @@ def _anchors(ckpts: Iterable[Checkpoint]) -> tuple[list[tuple[Checkpoint, str]],
         for c, why in candidates:
             if all(c is not a for a, _ in found):
                 found.append((c, why))
-        if pool is full:
-            newest_full = list(newest)
-    return found, newest_full
+    return found, list(newest_full or ())
 
 
 def _newest(pool: list[Checkpoint]) -> tuple[Checkpoint, Checkpoint, Checkpoint]:
@@ -210,7 +210,7 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
         if protect:
             protected.add(id(c))
 
-    anchored, newest_full = _anchors(ckpts)
+    anchored, newest_full = _anchors(complete)
     for c, why in anchored:
         kept(c, why, protect=True)
     values: dict[int, float | str | None] = {}
@@ -219,25 +219,19 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
             readings[id(c)] = found
             values[id(c)] = found.value if found is not None else None
 
-    def metric(c: Checkpoint) -> float | str | None:
-        return values.get(id(c))
-
     counted: set[int] = set()  # what keep_total keeps
     if r.keep_total is not None:
-        counted = _keep_total(run, complete, r, metric, readings, kept)
+        counted = _keep_total(run, complete, r, values, readings, kept)
     elif r.keep_last > 1:
         for i, c in enumerate(reversed(complete[-r.keep_last : -1]), start=2):
             kept(c, f"keep_last={r.keep_last} (#{i} newest{ordered_by(c)})")
 
+    missing = ""  # keep_missing_metric's reason, when it applies
     if r.keep_total is None and r.keep_best and r.metric:
-        for c, value in _best(complete, metric, r)[: r.keep_best]:
+        for c, value in _best(complete, values, r, r.keep_best):
             kept(c, f"best {r.metric}={_fmt(value)} ({r.mode})", protect=True)
         if r.keep_missing_metric:
             missing = f"no usable {r.metric} logged (keep_missing_metric)"
-            for c in complete:
-                value = values.get(id(c))
-                if value is None or isinstance(value, str):
-                    keep[id(c)].append(missing)
     elif r.keep_total is None and r.keep_best:
         ts = run.trainer_state()
         for c in complete:
@@ -247,23 +241,29 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
                 value = f" (best_metric={_fmt(ts.best_metric)})" if ts.best_metric is not None else ""
                 kept(c, f"trainer's best_model_checkpoint{value}", protect=True)
 
-    if r.keep_every_steps:  # steps only: an epoch or a save count is not one
-        every = f"keep_every_steps={r.keep_every_steps}"
-        for c in complete:
-            if c.unit == "step" and c.step % r.keep_every_steps == 0:
-                keep[id(c)].append(every)
-
-    if r.keep_within is not None and complete:
-        # From when the run's newest save *began*: touching one file of an old checkpoint (or
-        # pinning it) cannot move the window and drop what it kept a moment before.
+    every_steps = r.keep_every_steps  # steps only: an epoch or a save count is not one
+    every = f"keep_every_steps={every_steps}"
+    # From when the run's newest save *began*: touching one file of an old checkpoint (or
+    # pinning it) cannot move the window and drop what it kept a moment before.
+    window = r.keep_within if complete else None
+    if window is not None:
         start = max(c.saved_at for c in complete)
-        within = f"within keep_within={format_duration(r.keep_within)} of the run's newest"
-        for c in complete:
-            if start - c.written_at <= r.keep_within:
-                keep[id(c)].append(within)
+        within = f"within keep_within={format_duration(window)} of the run's newest"
 
+    # The rules that look at one checkpoint at a time, in one pass, each checkpoint's reasons in
+    # the rules' order: a missing metric, keep_every_steps, keep_within, then what is always kept.
     resume = run.resume
     for c in ckpts:
+        reasons = keep[id(c)]
+        if c.state is State.COMPLETE:
+            if missing:
+                value = values.get(id(c))
+                if value is None or isinstance(value, str):
+                    reasons.append(missing)
+            if every_steps and c.unit == "step" and c.step % every_steps == 0:
+                reasons.append(every)
+            if window is not None and start - c.written_at <= window:
+                reasons.append(within)
         if c.pinned:
             kept(c, "pinned", protect=True)
         if resume and c.name in resume:
@@ -321,13 +321,18 @@ def held_reason(c: Checkpoint) -> str:
 
 
 def _best(
-    complete: list[Checkpoint], metric: Callable[[Checkpoint], float | str | None], r: Retention
+    complete: list[Checkpoint], values: dict[int, float | str | None], r: Retention, n: int
 ) -> list[tuple[Checkpoint, float]]:
-    """The complete checkpoints with a comparable value, best first; ties go to the newer
-    checkpoint (it saw more training for the same score)."""
+    """The `n` best complete checkpoints with a comparable value (by id in `values`), best first;
+    ties go to the newer checkpoint (it saw more training for the same score), then to the
+    earlier in `complete` (as a stable sort of them all by (value, newer) would order them)."""
     sign = 1.0 if r.mode == "min" else -1.0
-    rankable = [(c, v) for c in complete if is_rankable(v := metric(c))]
-    return sorted(rankable, key=lambda cv: (sign * cv[1], -cv[0].step))  # type: ignore[operator]
+    rankable = [
+        (sign * v, -c.step, i, c, v)
+        for i, c in enumerate(complete)
+        if isinstance(v := values.get(id(c)), float) and math.isfinite(v)  # is_rankable
+    ]
+    return [(c, v) for _, _, _, c, v in heapq.nsmallest(n, rankable)]  # sorted(rankable)[:n]
 
 
 def trainer_order(complete: list[Checkpoint]) -> list[Checkpoint]:
@@ -345,7 +350,7 @@ def _keep_total(
     run: Run,
     complete: list[Checkpoint],
     r: Retention,
-    metric: Callable[[Checkpoint], float | str | None],
+    values: dict[int, float | str | None],
     readings: dict[int, Reading | None],
     kept: Callable[..., None],
 ) -> set[int]:
@@ -366,7 +371,7 @@ def _keep_total(
     best: Checkpoint | None = None
     best_names: set[str] = set()
     if r.metric:
-        ranked = _best(complete, metric, r)
+        ranked = _best(complete, values, r, 1)
         if ranked:
             best, value = ranked[0]
             best_names.add(best.name)
@@ -435,8 +440,8 @@ def metric_warnings(run: Run, r: Retention, decisions: Sequence[Decision] | None
         none = f"is logged for none of its checkpoints{unread_note}"
         return [f"{run.path}: metric {r.metric!r}{mapped} {none}: {then}"]
     out = []
-    by_source = Counter(found)
-    if len(by_source) > 1:
+    if len(set(found)) > 1:  # counted only then: one source is the rule
+        by_source = Counter(found)
         counts = ", ".join(f"{s} ({n})" for s, n in sorted(by_source.items()))
         out.append(
             f"{run.path}: metric {r.metric!r} comes from more than one source: {counts}; a file name's "
@@ -519,7 +524,7 @@ def enforce_max_size(decisions: list[Decision], max_size: int) -> tuple[list[Dec
 
     A checkpoint planned for slimming counts with what slimming leaves of it.
     """
-    total = sum(d.checkpoint.size_bytes - d.bytes_freed for d in decisions if d.action is not Action.DELETE)
+    total = sum(_kept_bytes(d) for d in decisions if d.action is not Action.DELETE)
     if total <= max_size or not decisions:
         return decisions, []
     c = decisions[0].checkpoint
@@ -537,7 +542,7 @@ def enforce_min_free(
     space already freed by planned deletions and slims counts.
     """
     required = floor.required(total)
-    expected = free + sum(d.bytes_freed for d in decisions)
+    expected = free + sum(d.bytes_freed for d in decisions if d.action is not Action.KEEP)  # a keep frees 0
     if expected >= required:
         return list(decisions), []
     reason = f"min_free={floor} not met on {where} ({format_size(free)} free)"
@@ -554,11 +559,15 @@ def _take_oldest(
     missed anyway, with checkpoints lost for nothing; the operator has to act either way.
     """
     # (written_at, rel, index): the index keeps equal times and paths in the decisions' order.
+    keep_, slim_, complete = Action.KEEP, Action.SLIM, State.COMPLETE
     keyed = sorted(
-        (d.checkpoint.written_at, d.checkpoint.rel, i) for i, d in enumerate(decisions) if _budget_may_take(d)
+        (c.written_at, c.rel, i)
+        for i, d in enumerate(decisions)
+        # What a budget may take: kept or slimmed, unprotected, complete (asked of every decision)
+        if d.action in (keep_, slim_) and not d.protected and (c := d.checkpoint).state is complete
     )
     order = [i for _, _, i in keyed]
-    gains = {i: decisions[i].checkpoint.size_bytes - decisions[i].bytes_freed for i in order}
+    gains = {i: _kept_bytes(decisions[i]) for i in order}
     available = sum(gains.values())
     if available < needed:
         return decisions, [
@@ -577,8 +586,10 @@ def _take_oldest(
     return out, []
 
 
-def _budget_may_take(d: Decision) -> bool:
-    return d.action in (Action.KEEP, Action.SLIM) and not d.protected and d.checkpoint.state is State.COMPLETE
+def _kept_bytes(d: Decision) -> int:
+    """What a kept or slimmed checkpoint still holds after its decision: what deleting it frees."""
+    c = d.checkpoint
+    return c.size_bytes - c.slim.removable_bytes if d.action is Action.SLIM else c.size_bytes
 
 
 def _first_problem(c: Checkpoint) -> str:
