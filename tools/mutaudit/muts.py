@@ -573,7 +573,7 @@ MUTS = [
  dict(id="S2p", what="consolidate inline: the resume pointer re-read after consolidating", tests=[T+"test_redteam.py::test_latest_rolled_back_during_consolidation_stops_the_slim"], edits=[(R,
    "        if why is None:\n            why = self._pointer_problem(c)\n", "")]),
  dict(id="P1k", what="a resume pointer's checkpoint is never slimmed", tests=[T+"test_policy.py::test_the_checkpoint_a_resume_pointer_names_is_never_slimmed"], edits=[(P,
-   "        full_anchors |= {id(c) for c in ckpts if c.name in resume}\n", "")]),
+   "        full_anchors |= {id(c) for c in ckpts if c.name in resume}\n", "        pass\n")]),
  dict(id="HR1", what="a checkpoint holding a run of its own is kept, protected", tests="held", edits=[(P,
    "        if c.holds:\n            kept(", "        if False:\n            kept(")]),
  dict(id="HR2", what="recheck: a checkpoint holding a run of its own is refused", tests="held", edits=[(R,
