@@ -139,21 +139,30 @@ def _anchors(complete: list[Checkpoint]) -> tuple[list[tuple[Checkpoint, str]], 
     # With nothing slimmed the full ones are the complete ones: the same newest.
     newest_full = newest_complete if len(full) == len(complete) else (_newest(full) if full else None)
     found: list[tuple[Checkpoint, str]] = []
-    pools = (
-        (newest_complete, "newest complete", "written last (newest complete by time)"),
-        (newest_full, "newest full (resumable)", "written last of the full ones (resumable)"),
-    )
-    for newest, by_step_why, by_time_why in pools:
+    pools = zip((newest_complete, newest_full), _ANCHOR_WHY, strict=True)
+    for newest, (by_step_why, by_time_why, touched_why) in pools:
         if newest is None:
             continue
         by_step, by_time, by_touch = newest
-        touched_why = f"{by_time_why.partition(' (')[0]} counting files added after its save (kept in doubt)"
         by_step_why += ordered_by(by_step)
         candidates = ((by_step, by_step_why), (by_time, by_time_why), (by_touch, touched_why))
         for c, why in candidates:
             if all(c is not a for a, _ in found):
                 found.append((c, why))
     return found, list(newest_full or ())
+
+
+def _anchor_why(by_step_why: str, by_time_why: str) -> tuple[str, str, str]:
+    touched_why = f"{by_time_why.partition(' (')[0]} counting files added after its save (kept in doubt)"
+    return by_step_why, by_time_why, touched_why
+
+
+# Why each anchor is kept (by step, by time, counting files added after the save): of the complete
+# checkpoints, then of the full ones.
+_ANCHOR_WHY = (
+    _anchor_why("newest complete", "written last (newest complete by time)"),
+    _anchor_why("newest full (resumable)", "written last of the full ones (resumable)"),
+)
 
 
 def _newest(pool: list[Checkpoint]) -> tuple[Checkpoint, Checkpoint, Checkpoint]:
@@ -200,7 +209,8 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
     lists, and what a reason says about the rules is formatted once per run, not per checkpoint.
     """
     ckpts = sorted(run.checkpoints, key=_SORT_KEY)
-    complete = [c for c in ckpts if c.state is State.COMPLETE]
+    complete_ = State.COMPLETE  # a local: an enum member is a slow attribute in Python 3.11
+    complete = [c for c in ckpts if c.state is complete_]
     keep: dict[int, list[str]] = {id(c): [] for c in ckpts}
     protected: set[int] = set()
     readings: dict[int, Reading | None] = {}
@@ -242,7 +252,7 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
                 kept(c, f"trainer's best_model_checkpoint{value}", protect=True)
 
     every_steps = r.keep_every_steps  # steps only: an epoch or a save count is not one
-    every = f"keep_every_steps={every_steps}"
+    every = f"keep_every_steps={every_steps}" if every_steps else ""
     # From when the run's newest save *began*: touching one file of an old checkpoint (or
     # pinning it) cannot move the window and drop what it kept a moment before.
     window = r.keep_within if complete else None
@@ -255,7 +265,7 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
     resume = run.resume
     for c in ckpts:
         reasons = keep[id(c)]
-        if c.state is State.COMPLETE:
+        if c.state is complete_:
             if missing:
                 value = values.get(id(c))
                 if value is None or isinstance(value, str):
@@ -273,7 +283,7 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
             kept(c, f"holds a mount point ({where}): another filesystem is never deleted", protect=True)
         if c.holds:
             kept(c, f"{held_reason(c)}: never deleted as one checkpoint", protect=True)
-        if c.state is not State.COMPLETE:
+        if c.state is not complete_:
             kept(c, f"{c.state}, never deleted: {_first_problem(c)}", protect=True)
 
     if r.keep_total is not None:  # what the Trainer's rotation would have deleted, and ckptd keeps
@@ -288,7 +298,7 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
     slims = _slims(ckpts, full_anchors=full_anchors, keep=keep, r=r) if r.keep_full_last is not None or any(
         c.slim.slimmed for c in ckpts
     ) else {}
-    outside = f"outside {r.describe()}"
+    outside = _outside(r)
     decisions = []
     append = decisions.append
     keep_, delete, slim_ = Action.KEEP, Action.DELETE, Action.SLIM
@@ -306,6 +316,20 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
             note = f" ({r.metric}={_fmt(value)} is not comparable)" if incomparable else ""
             append(Decision(c, delete, (outside + note,), False, value, source))
     return decisions
+
+
+_OUTSIDE: dict[int, tuple[Retention, str]] = {}  # by id: the retention (kept alive), its delete reason
+
+
+def _outside(r: Retention) -> str:
+    """`outside {r.describe()}`, the reason a checkpoint no rule keeps is deleted, once per retention
+    (frozen) rather than once per run: a plan of 1,000 runs asks for it 1,000 times."""
+    hit = _OUTSIDE.get(id(r))
+    if hit is None or hit[0] is not r:
+        if len(_OUTSIDE) >= 64:  # run rules make a retention per run and plan
+            _OUTSIDE.clear()
+        hit = _OUTSIDE[id(r)] = (r, f"outside {r.describe()}")
+    return hit[1]
 
 
 # Checkpoint.sort_key, in C: (step, written_at, name).

@@ -170,7 +170,7 @@ MUTS = [
  dict(id="P1j", what="metric named as the Trainer maps it", tests="policy", edits=[("model.py",
    "    return name if name.startswith(\"eval_\") else f\"eval_{name}\"", "    return name")]),
  dict(id="P2", what="incomplete/writing never deleted", tests="policy", edits=[(P,
-   "        if c.state is not State.COMPLETE:\n            kept(c,", "        if False:\n            kept(c,")]),
+   "        if c.state is not complete_:\n            kept(c,", "        if False:\n            kept(c,")]),
  dict(id="P2b", what="incomplete/writing protected (protect flag)", tests="policy", edits=[(P,
    "            kept(c, f\"{c.state}, never deleted: {_first_problem(c)}\", protect=True)",
    "            kept(c, f\"{c.state}, never deleted: {_first_problem(c)}\")")]),
