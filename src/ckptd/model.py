@@ -257,10 +257,15 @@ class Run:
                 own = c.trainer_state.history if c.trainer_state is not None else None
                 entry = own.get(c.step) if own else None
             if entry and key in entry:
-                out.append(Reading(as_metric(entry[key]), TRAINER_STATE))
+                value = entry[key]
+                value = value if type(value) is float else as_metric(value)  # as_metric: a float is itself
+                out.append(_new_tuple(Reading, (value, TRAINER_STATE)))
             else:
                 out.append(c.own_metric(name) if c.metrics else None)
         return out
+
+
+_new_tuple = tuple.__new__  # Reading(value, source) without its Python-level __new__: one per checkpoint
 
 
 def trainer_metric(name: str) -> str:

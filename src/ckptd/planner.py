@@ -257,15 +257,13 @@ def decide(
         disk = space(dev_roots[0].path)
         floors = [r.retention.min_free for r in dev_roots if r.retention.min_free is not None]
         floor = max(floors, key=lambda f: f.required(disk.total))
-        on_device: dict[int, bool] = {}  # by id of a checkpoint's root: its runs' checkpoints share one Path
-        idx = []
-        for i, d in enumerate(decisions):
-            where = d.checkpoint.root
-            hit = on_device.get(id(where))
-            if hit is None:
-                hit = on_device[id(where)] = where in paths
-            if hit:
-                idx.append(i)
+        # The checkpoints' roots, by identity (a run's checkpoints share one Path): most often all
+        # of them are on this filesystem, and every decision is.
+        seen = {id(d.checkpoint.root): d.checkpoint.root for d in decisions}
+        if all(p in paths for p in seen.values()):
+            idx = list(range(len(decisions)))
+        else:
+            idx = [i for i, d in enumerate(decisions) if d.checkpoint.root in paths]
         where = ", ".join(sorted(str(p) for p in paths))
         updated, w = policy.enforce_min_free(
             [decisions[i] for i in idx], free=disk.free, total=disk.total, floor=floor, where=where
