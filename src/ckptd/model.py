@@ -251,17 +251,21 @@ class Run:
         newest = self._newest_trainer_state
         newest_history = newest.history if newest is not None else None
         out: list[Reading | None] = []
-        for c in ckpts:
-            found = None
-            for history in (newest_history, c.trainer_state.history if c.trainer_state is not None else None):
-                entry = history.get(c.step) if history else None
-                if entry and key in entry:
-                    found = Reading(as_metric(entry[key]), TRAINER_STATE)
-                    break
-            if found is None and c.metrics:
-                found = c.own_metric(name)
-            out.append(found)
+        for c in ckpts:  # the newest history, the checkpoint's own, what it carries: as `reading`
+            entry = newest_history.get(c.step) if newest_history else None
+            if not (entry and key in entry):
+                own = c.trainer_state.history if c.trainer_state is not None else None
+                entry = own.get(c.step) if own else None
+            if entry and key in entry:
+                value = entry[key]
+                value = value if type(value) is float else as_metric(value)  # as_metric: a float is itself
+                out.append(_new_tuple(Reading, (value, TRAINER_STATE)))
+            else:
+                out.append(c.own_metric(name) if c.metrics else None)
         return out
+
+
+_new_tuple = tuple.__new__  # Reading(value, source) without its Python-level __new__: one per checkpoint
 
 
 def trainer_metric(name: str) -> str:
@@ -271,6 +275,8 @@ def trainer_metric(name: str) -> str:
 
 
 def as_metric(value: object) -> float | str:
+    if type(value) is float:  # the common case, first: float(value) is value itself
+        return value
     if isinstance(value, bool):
         return str(value)
     if isinstance(value, int | float):

@@ -308,25 +308,34 @@ def decide(
     decisions: list[Decision] = []
     warnings: list[str] = []
     for root, runs in roots:
-        rels = [c.rel for run in runs for c in run.checkpoints]
-        warnings += unmatched_paths(root, rels, [r.rel for r in runs])
+        if not root.scope and (root.retention.pins or root.runs):  # else it has nothing to say
+            rels = [c.rel for run in runs for c in run.checkpoints]
+            warnings += unmatched_paths(root, rels, [r.rel for r in runs])
         for run in with_whole_steps(runs):
             retention, _ = root.retention_for(run.rel)
             ds = policy.decide_run(run, retention)
             warnings += policy.metric_warnings(run, retention, ds)
-            alone = [c for c in run.checkpoints if c.state is State.COMPLETE and on_quiet_alone(c)]
-            if alone:
-                warnings.append(
-                    f"{run.path}: {len(alone)} checkpoint(s) complete on quiet alone: nothing in them "
-                    "proves a save finished; name the evidence in the pattern (require = [...], ranks = ...)"
-                )
-            for c in run.checkpoints:
+            alone = 0
+            held: list[str] = []
+            mixed: list[str] = []
+            for c in run.checkpoints:  # one pass: every checkpoint of every run
+                # A checkpoint with files from two saves has a failed check: never complete.
+                if c.state is State.COMPLETE:
+                    if on_quiet_alone(c):
+                        alone += 1
+                elif mixed_save(c):
+                    mixed.append(c.name)
                 if c.holds:
-                    warnings.append(
+                    held.append(
                         f"{c.path}: {policy.held_reason(c)}: kept whole, and nothing inside it is managed "
                         "(move that run out of the checkpoint to manage it)"
                     )
-            mixed = [c.name for c in run.checkpoints if mixed_save(c)]
+            if alone:
+                warnings.append(
+                    f"{run.path}: {alone} checkpoint(s) complete on quiet alone: nothing in them "
+                    "proves a save finished; name the evidence in the pattern (require = [...], ranks = ...)"
+                )
+            warnings += held
             if len(mixed) > 1:  # a job re-saves one checkpoint at a time
                 shown = ", ".join(mixed[:3]) + (f" and {len(mixed) - 3} more" if len(mixed) > 3 else "")
                 warnings.append(
@@ -354,12 +363,21 @@ def decide(
         disk = space(dev_roots[0].path)
         floors = [r.retention.min_free for r in dev_roots if r.retention.min_free is not None]
         floor = max(floors, key=lambda f: f.required(disk.total))
-        idx = [i for i, d in enumerate(decisions) if d.checkpoint.root in paths]
+        # The checkpoints' roots, by identity (a run's checkpoints share one Path): most often all
+        # of them are on this filesystem, and every decision is.
+        seen = {id(d.checkpoint.root): d.checkpoint.root for d in decisions}
+        if all(p in paths for p in seen.values()):
+            idx = list(range(len(decisions)))
+        else:
+            idx = [i for i, d in enumerate(decisions) if d.checkpoint.root in paths]
         where = ", ".join(sorted(str(p) for p in paths))
         updated, w = policy.enforce_min_free(
             [decisions[i] for i in idx], free=disk.free, total=disk.total, floor=floor, where=where
         )
-        for i, d in zip(idx, updated, strict=True):
-            decisions[i] = d
+        if len(idx) == len(decisions):  # one filesystem: every decision
+            decisions = updated
+        else:
+            for i, d in zip(idx, updated, strict=True):
+                decisions[i] = d
         warnings += w
     return Plan(tuple(decisions), tuple(warnings))

@@ -31,9 +31,12 @@ delete whole checkpoints and never slim on their own.
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from operator import attrgetter
 
 from ckptd.config import FreeSpace, Retention, format_duration, format_size
 from ckptd.layouts import PIN_FILE
@@ -50,7 +53,7 @@ from ckptd.model import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Decision:
     checkpoint: Checkpoint
     action: Action
@@ -58,6 +61,27 @@ class Decision:
     protected: bool = False  # budgets may not delete it
     metric: float | str | None = None
     metric_source: str | None = None  # where `metric` was read (model.TRAINER_STATE, FILE_NAME, ...)
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        action: Action,
+        reasons: tuple[str, ...],
+        protected: bool = False,
+        metric: float | str | None = None,
+        metric_source: str | None = None,
+    ) -> None:
+        # The dataclass's own __init__, with one object.__setattr__ where a frozen one makes six: a
+        # plan makes a Decision for every checkpoint, and a budget another for each it deletes.
+        # Every field, in order (test_plan_equivalence checks these names are the fields).
+        _set_attr(self, "__dict__", {
+            "checkpoint": checkpoint,
+            "action": action,
+            "reasons": reasons,
+            "protected": protected,
+            "metric": metric,
+            "metric_source": metric_source,
+        })
 
     @property
     def bytes_freed(self) -> int:
@@ -74,6 +98,9 @@ class Decision:
     def line(self) -> str:
         """`delete run42/checkpoint-1200: outside keep_last=2 and keep_best=1 (eval_loss, min)`."""
         return f"{self.action} {self.checkpoint.rel}: {'; '.join(self.reasons)}"
+
+
+_set_attr = object.__setattr__
 
 
 @dataclass(frozen=True)
@@ -100,25 +127,55 @@ def anchors(ckpts: Iterable[Checkpoint]) -> list[tuple[Checkpoint, str]]:
     (`evidence.save_files`); in doubt, the checkpoint written last counting every file
     (`touched_at`) is kept as well: one more anchor, never one fewer.
     """
-    complete = [c for c in ckpts if c.state is State.COMPLETE]
-    full = [c for c in complete if not c.slimmed]
+    return _anchors([c for c in ckpts if c.state is State.COMPLETE])[0]
+
+
+def _anchors(complete: list[Checkpoint]) -> tuple[list[tuple[Checkpoint, str]], list[Checkpoint]]:
+    """`anchors` of a run's complete checkpoints, and its newest full ones alone (by step, by
+    time, counting added files): what `anchors` of the run's full checkpoints would name. Planning
+    asks for both, for every run: one look at each pool."""
+    full = [c for c in complete if not c.slim.slimmed]
+    newest_complete = _newest(complete) if complete else None
+    # With nothing slimmed the full ones are the complete ones: the same newest.
+    newest_full = newest_complete if len(full) == len(complete) else (_newest(full) if full else None)
     found: list[tuple[Checkpoint, str]] = []
-    pools = (
-        (complete, "newest complete", "written last (newest complete by time)"),
-        (full, "newest full (resumable)", "written last of the full ones (resumable)"),
-    )
-    for pool, by_step_why, by_time_why in pools:
-        if not pool:
+    pools = zip((newest_complete, newest_full), _ANCHOR_WHY, strict=True)
+    for newest, (by_step_why, by_time_why, touched_why) in pools:
+        if newest is None:
             continue
-        by_step, by_time = max(pool, key=Checkpoint.sort_key), max(pool, key=_written_key)
-        by_touch = max(pool, key=_touched_key)
-        touched_why = f"{by_time_why.partition(' (')[0]} counting files added after its save (kept in doubt)"
+        by_step, by_time, by_touch = newest
         by_step_why += ordered_by(by_step)
         candidates = ((by_step, by_step_why), (by_time, by_time_why), (by_touch, touched_why))
         for c, why in candidates:
             if all(c is not a for a, _ in found):
                 found.append((c, why))
-    return found
+    return found, list(newest_full or ())
+
+
+def _anchor_why(by_step_why: str, by_time_why: str) -> tuple[str, str, str]:
+    touched_why = f"{by_time_why.partition(' (')[0]} counting files added after its save (kept in doubt)"
+    return by_step_why, by_time_why, touched_why
+
+
+# Why each anchor is kept (by step, by time, counting files added after the save): of the complete
+# checkpoints, then of the full ones.
+_ANCHOR_WHY = (
+    _anchor_why("newest complete", "written last (newest complete by time)"),
+    _anchor_why("newest full (resumable)", "written last of the full ones (resumable)"),
+)
+
+
+def _newest(pool: list[Checkpoint]) -> tuple[Checkpoint, Checkpoint, Checkpoint]:
+    """The pool's greatest by `Checkpoint.sort_key`, `_written_key` and `_touched_key`, the first
+    of equals as `max` takes it: the first two with keys in C, the third in one loop."""
+    by_step, by_time = max(pool, key=_SORT_KEY), max(pool, key=_WRITTEN_KEY)
+    by_touch = first = pool[0]
+    touch_key = (max(first.touched_at, first.written_at), first.step, first.name)
+    for c in pool:
+        touched, written = c.touched_at, c.written_at
+        if (k := (touched if touched > written else written, c.step, c.name)) > touch_key:
+            by_touch, touch_key = c, k
+    return by_step, by_time, by_touch
 
 
 def ordered_by(c: Checkpoint) -> str:
@@ -139,9 +196,14 @@ def _touched_key(c: Checkpoint) -> tuple[float, int, str]:
 
 
 def decide_run(run: Run, r: Retention) -> list[Decision]:
-    """Keep, slim or delete each checkpoint of one run, oldest first, each with its reasons."""
-    ckpts = sorted(run.checkpoints, key=Checkpoint.sort_key)
-    complete = [c for c in ckpts if c.state is State.COMPLETE]
+    """Keep, slim or delete each checkpoint of one run, oldest first, each with its reasons.
+
+    Planning decides for every checkpoint of every run: the passes below are plain loops over
+    lists, and what a reason says about the rules is formatted once per run, not per checkpoint.
+    """
+    ckpts = sorted(run.checkpoints, key=_SORT_KEY)
+    complete_ = State.COMPLETE  # a local: an enum member is a slow attribute in Python 3.11
+    complete = [c for c in ckpts if c.state is complete_]
     keep: dict[int, list[str]] = {id(c): [] for c in ckpts}
     protected: set[int] = set()
     readings: dict[int, Reading | None] = {}
@@ -151,7 +213,7 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
         if protect:
             protected.add(id(c))
 
-    anchored = anchors(ckpts)
+    anchored, newest_full = _anchors(complete)
     for c, why in anchored:
         kept(c, why, protect=True)
     values: dict[int, float | str | None] = {}
@@ -160,23 +222,19 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
             readings[id(c)] = found
             values[id(c)] = found.value if found is not None else None
 
-    def metric(c: Checkpoint) -> float | str | None:
-        return values.get(id(c))
-
     counted: set[int] = set()  # what keep_total keeps
     if r.keep_total is not None:
-        counted = _keep_total(run, complete, r, metric, readings, kept)
+        counted = _keep_total(run, complete, r, values, readings, kept)
     elif r.keep_last > 1:
         for i, c in enumerate(reversed(complete[-r.keep_last : -1]), start=2):
             kept(c, f"keep_last={r.keep_last} (#{i} newest{ordered_by(c)})")
 
+    missing = ""  # keep_missing_metric's reason, when it applies
     if r.keep_total is None and r.keep_best and r.metric:
-        for c, value in _best(complete, metric, r)[: r.keep_best]:
+        for c, value in _best(complete, values, r, r.keep_best):
             kept(c, f"best {r.metric}={_fmt(value)} ({r.mode})", protect=True)
         if r.keep_missing_metric:
-            for c in complete:
-                if metric(c) is None or isinstance(metric(c), str):
-                    kept(c, f"no usable {r.metric} logged (keep_missing_metric)")
+            missing = f"no usable {r.metric} logged (keep_missing_metric)"
     elif r.keep_total is None and r.keep_best:
         ts = run.trainer_state()
         for c in complete:
@@ -186,30 +244,39 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
                 value = f" (best_metric={_fmt(ts.best_metric)})" if ts.best_metric is not None else ""
                 kept(c, f"trainer's best_model_checkpoint{value}", protect=True)
 
-    if r.keep_every_steps:  # steps only: an epoch or a save count is not one
-        for c in complete:
-            if c.unit == "step" and c.step % r.keep_every_steps == 0:
-                kept(c, f"keep_every_steps={r.keep_every_steps}")
-
-    if r.keep_within is not None and complete:
-        # From when the run's newest save *began*: touching one file of an old checkpoint (or
-        # pinning it) cannot move the window and drop what it kept a moment before.
+    every_steps = r.keep_every_steps  # steps only: an epoch or a save count is not one
+    every = f"keep_every_steps={every_steps}" if every_steps else ""
+    # From when the run's newest save *began*: touching one file of an old checkpoint (or
+    # pinning it) cannot move the window and drop what it kept a moment before.
+    window = r.keep_within if complete else None
+    if window is not None:
         start = max(c.saved_at for c in complete)
-        for c in complete:
-            if start - c.written_at <= r.keep_within:
-                kept(c, f"within keep_within={format_duration(r.keep_within)} of the run's newest")
+        within = f"within keep_within={format_duration(window)} of the run's newest"
 
+    # The rules that look at one checkpoint at a time, in one pass, each checkpoint's reasons in
+    # the rules' order: a missing metric, keep_every_steps, keep_within, then what is always kept.
+    resume = run.resume
     for c in ckpts:
+        reasons = keep[id(c)]
+        if c.state is complete_:
+            if missing:
+                value = values.get(id(c))
+                if value is None or isinstance(value, str):
+                    reasons.append(missing)
+            if every_steps and c.unit == "step" and c.step % every_steps == 0:
+                reasons.append(every)
+            if window is not None and start - c.written_at <= window:
+                reasons.append(within)
         if c.pinned:
             kept(c, "pinned", protect=True)
-        if c.name in run.resume:
-            kept(c, f"named by {run.resume[c.name]}: the framework resumes from it", protect=True)
+        if resume and c.name in resume:
+            kept(c, f"named by {resume[c.name]}: the framework resumes from it", protect=True)
         if c.mounts:
             where = ", ".join(m or "itself" for m in c.mounts[:3])
             kept(c, f"holds a mount point ({where}): another filesystem is never deleted", protect=True)
         if c.holds:
             kept(c, f"{held_reason(c)}: never deleted as one checkpoint", protect=True)
-        if c.state is not State.COMPLETE:
+        if c.state is not complete_:
             kept(c, f"{c.state}, never deleted: {_first_problem(c)}", protect=True)
 
     if r.keep_total is not None:  # what the Trainer's rotation would have deleted, and ckptd keeps
@@ -217,25 +284,50 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
             if id(c) in protected and id(c) not in counted:
                 kept(c, f"over keep_total={r.keep_total}: always kept")
 
-    full_anchors = {id(c) for c, _ in anchors(c for c in ckpts if not c.slimmed)}
+    full_anchors = {id(c) for c in newest_full}
     # What the framework's resume pointer names is resumed from with its optimizer state: never slimmed.
-    full_anchors |= {id(c) for c in ckpts if c.name in run.resume}
-    slims = _slims(ckpts, full_anchors=full_anchors, keep=keep, r=r)
-    outside = f"outside {r.describe()}"
+    if resume:
+        full_anchors |= {id(c) for c in ckpts if c.name in resume}
+    slims = _slims(ckpts, full_anchors=full_anchors, keep=keep, r=r) if r.keep_full_last is not None or any(
+        c.slim.slimmed for c in ckpts
+    ) else {}
+    outside = _outside(r)
     decisions = []
+    append = decisions.append
+    keep_, delete, slim_ = Action.KEEP, Action.DELETE, Action.SLIM
     for c in ckpts:
-        reasons = keep[id(c)]
-        found = readings.get(id(c))
+        i = id(c)
+        reasons = keep[i]
+        found = readings.get(i)
         value, source = (found.value, found.source) if found is not None else (None, None)
-        if id(c) in slims:
-            decisions.append(Decision(c, Action.SLIM, (slims[id(c)],), id(c) in protected, value, source))
+        if slims and i in slims:
+            append(Decision(c, slim_, (slims[i],), i in protected, value, source))
         elif reasons:
-            decisions.append(Decision(c, Action.KEEP, tuple(reasons), id(c) in protected, value, source))
+            append(Decision(c, keep_, tuple(reasons), i in protected, value, source))
         else:
             incomparable = isinstance(value, float) and not is_rankable(value)
             note = f" ({r.metric}={_fmt(value)} is not comparable)" if incomparable else ""
-            decisions.append(Decision(c, Action.DELETE, (outside + note,), False, value, source))
+            append(Decision(c, delete, (outside + note,), False, value, source))
     return decisions
+
+
+_OUTSIDE: dict[int, tuple[Retention, str]] = {}  # by id: the retention (kept alive), its delete reason
+
+
+def _outside(r: Retention) -> str:
+    """`outside {r.describe()}`, the reason a checkpoint no rule keeps is deleted, once per retention
+    (frozen) rather than once per run: a plan of 1,000 runs asks for it 1,000 times."""
+    hit = _OUTSIDE.get(id(r))
+    if hit is None or hit[0] is not r:
+        if len(_OUTSIDE) >= 64:  # run rules make a retention per run and plan
+            _OUTSIDE.clear()
+        hit = _OUTSIDE[id(r)] = (r, f"outside {r.describe()}")
+    return hit[1]
+
+
+# Checkpoint.sort_key and _written_key, in C: (step, written_at, name), (written_at, step, name).
+_SORT_KEY = attrgetter("step", "written_at", "name")
+_WRITTEN_KEY = attrgetter("written_at", "step", "name")
 
 
 def held_reason(c: Checkpoint) -> str:
@@ -247,13 +339,18 @@ def held_reason(c: Checkpoint) -> str:
 
 
 def _best(
-    complete: list[Checkpoint], metric: Callable[[Checkpoint], float | str | None], r: Retention
+    complete: list[Checkpoint], values: dict[int, float | str | None], r: Retention, n: int
 ) -> list[tuple[Checkpoint, float]]:
-    """The complete checkpoints with a comparable value, best first; ties go to the newer
-    checkpoint (it saw more training for the same score)."""
+    """The `n` best complete checkpoints with a comparable value (by id in `values`), best first;
+    ties go to the newer checkpoint (it saw more training for the same score), then to the
+    earlier in `complete` (as a stable sort of them all by (value, newer) would order them)."""
     sign = 1.0 if r.mode == "min" else -1.0
-    rankable = [(c, v) for c in complete if is_rankable(v := metric(c))]
-    return sorted(rankable, key=lambda cv: (sign * cv[1], -cv[0].step))  # type: ignore[operator]
+    rankable = [
+        (sign * v, -c.step, i, c, v)
+        for i, c in enumerate(complete)
+        if isinstance(v := values.get(id(c)), float) and math.isfinite(v)  # is_rankable
+    ]
+    return [(c, v) for _, _, _, c, v in heapq.nsmallest(n, rankable)]  # sorted(rankable)[:n]
 
 
 def trainer_order(complete: list[Checkpoint]) -> list[Checkpoint]:
@@ -271,7 +368,7 @@ def _keep_total(
     run: Run,
     complete: list[Checkpoint],
     r: Retention,
-    metric: Callable[[Checkpoint], float | str | None],
+    values: dict[int, float | str | None],
     readings: dict[int, Reading | None],
     kept: Callable[..., None],
 ) -> set[int]:
@@ -292,7 +389,7 @@ def _keep_total(
     best: Checkpoint | None = None
     best_names: set[str] = set()
     if r.metric:
-        ranked = _best(complete, metric, r)
+        ranked = _best(complete, values, r, 1)
         if ranked:
             best, value = ranked[0]
             best_names.add(best.name)
@@ -361,8 +458,8 @@ def metric_warnings(run: Run, r: Retention, decisions: Sequence[Decision] | None
         none = f"is logged for none of its checkpoints{unread_note}"
         return [f"{run.path}: metric {r.metric!r}{mapped} {none}: {then}"]
     out = []
-    by_source = Counter(found)
-    if len(by_source) > 1:
+    if len(set(found)) > 1:  # counted only then: one source is the rule
+        by_source = Counter(found)
         counts = ", ".join(f"{s} ({n})" for s, n in sorted(by_source.items()))
         out.append(
             f"{run.path}: metric {r.metric!r} comes from more than one source: {counts}; a file name's "
@@ -445,7 +542,7 @@ def enforce_max_size(decisions: list[Decision], max_size: int) -> tuple[list[Dec
 
     A checkpoint planned for slimming counts with what slimming leaves of it.
     """
-    total = sum(d.checkpoint.size_bytes - d.bytes_freed for d in decisions if d.action is not Action.DELETE)
+    total = sum(_kept_bytes(d) for d in decisions if d.action is not Action.DELETE)
     if total <= max_size or not decisions:
         return decisions, []
     c = decisions[0].checkpoint
@@ -463,7 +560,7 @@ def enforce_min_free(
     space already freed by planned deletions and slims counts.
     """
     required = floor.required(total)
-    expected = free + sum(d.bytes_freed for d in decisions)
+    expected = free + sum(d.bytes_freed for d in decisions if d.action is not Action.KEEP)  # a keep frees 0
     if expected >= required:
         return list(decisions), []
     reason = f"min_free={floor} not met on {where} ({format_size(free)} free)"
@@ -479,11 +576,16 @@ def _take_oldest(
     less than `needed`, it takes none and says so. Deleting them all would leave the budget
     missed anyway, with checkpoints lost for nothing; the operator has to act either way.
     """
-    order = sorted(
-        (i for i, d in enumerate(decisions) if _budget_may_take(d)),
-        key=lambda i: (decisions[i].checkpoint.written_at, decisions[i].checkpoint.rel),
+    # (written_at, rel, index): the index keeps equal times and paths in the decisions' order.
+    keep_, slim_, complete = Action.KEEP, Action.SLIM, State.COMPLETE
+    keyed = sorted(
+        (c.written_at, c.rel, i)
+        for i, d in enumerate(decisions)
+        # What a budget may take: kept or slimmed, unprotected, complete (asked of every decision)
+        if d.action in (keep_, slim_) and not d.protected and (c := d.checkpoint).state is complete
     )
-    gains = {i: decisions[i].checkpoint.size_bytes - decisions[i].bytes_freed for i in order}
+    order = [i for _, _, i in keyed]
+    gains = {i: _kept_bytes(decisions[i]) for i in order}
     available = sum(gains.values())
     if available < needed:
         return decisions, [
@@ -496,13 +598,16 @@ def _take_oldest(
     for i in order:
         if needed <= 0:
             break
-        out[i] = replace(out[i], action=Action.DELETE, reasons=(reason,))
+        d = out[i]  # dataclasses.replace(d, action=DELETE, reasons=(reason,)), at a fifth of its cost
+        out[i] = Decision(d.checkpoint, Action.DELETE, (reason,), d.protected, d.metric, d.metric_source)
         needed -= gains[i]
     return out, []
 
 
-def _budget_may_take(d: Decision) -> bool:
-    return d.action in (Action.KEEP, Action.SLIM) and not d.protected and d.checkpoint.state is State.COMPLETE
+def _kept_bytes(d: Decision) -> int:
+    """What a kept or slimmed checkpoint still holds after its decision: what deleting it frees."""
+    c = d.checkpoint
+    return c.size_bytes - c.slim.removable_bytes if d.action is Action.SLIM else c.size_bytes
 
 
 def _first_problem(c: Checkpoint) -> str:
