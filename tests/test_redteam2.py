@@ -80,8 +80,6 @@ def mount(tmp_path):
 # --- 1. The configured root reached through a bind mount is a root of its own -----------------
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2: a ROOT that is the configured root through a bind "
-                                       "mount gets the built-in defaults, its pins dropped")
 @pytest.mark.parametrize("which", ["the root", "a run's parent inside it"])
 def test_a_root_reached_through_a_bind_mount_keeps_its_pins(tmp_path, mount, which):
     """The config's root is /vol with `pins = ['team/run/checkpoint-1']`; the same volume is
@@ -199,8 +197,6 @@ def test_an_absolute_pin_through_a_symlink_to_the_root_pins(tmp_path):
     assert "pinned" in row, row
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2: two configured roots that overlap through a bind mount "
-                                       "are accepted, and one deletes what the other pins")
 def test_configured_roots_overlapping_through_a_bind_mount_are_refused(tmp_path, mount):
     """Roots that overlap as written (`/vol` and `/vol/team`) are a config error (78: 'overlaps').
     The same overlap through a bind mount (team-a's directory also mounted at /mnt/team, as the
@@ -224,6 +220,7 @@ def test_configured_roots_overlapping_through_a_bind_mount_are_refused(tmp_path,
     )
     proc = run_ckptd("prune", "-c", cfg)
     if proc.returncode == 78:  # refused, as the lexical overlap is: the fix
+        assert "overlaps" in proc.stderr and str(other) in proc.stderr and str(root) in proc.stderr, proc.stderr
         return
     assert (run / "checkpoint-1").is_dir(), "checkpoint-1, pinned by /vol's retention, was deleted through /mnt"
 

@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from ckptd import mounts
 from ckptd.errors import ConfigError
 from ckptd.slim import DEFAULT_SLIM_FILES
 
@@ -577,14 +578,20 @@ class Config(_Strict):
     @classmethod
     def _disjoint_roots(cls, roots: tuple[Root, ...]) -> tuple[Root, ...]:
         # Nested roots would see the same runs twice, with two policies.
-        real = [Path(os.path.realpath(r.path)) for r in roots]  # /mnt/data -> /data and /data/team overlap
+        # By path (/mnt/data -> /data and /data/team overlap), and, where the roots exist, by
+        # directory identity and the mount table: /mnt bind-mounted from /data/team (red team 2).
+        table = mounts.read_mounts() if len(roots) > 1 else []
         for j, b in enumerate(roots):
             for i, a in enumerate(roots[:j]):
-                if real[i].is_relative_to(real[j]) or real[j].is_relative_to(real[i]):
+                if _overlap(str(a.path), str(b.path), table):
                     raise ValueError(
                         f"roots[{j}].path {str(b.path)!r} overlaps roots[{i}].path {str(a.path)!r}"
                     )
         return roots
+
+
+def _overlap(a: str, b: str, table: list[mounts.Mount]) -> bool:
+    return mounts.located_in(a, b, table) is not None or mounts.located_in(b, a, table) is not None
 
 
 # --- loading -------------------------------------------------------------

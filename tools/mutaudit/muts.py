@@ -409,9 +409,19 @@ MUTS = [
    "        return Check(f\"requires {glob}\", FAILED, \"no such file\")", "        return Check(f\"requires {glob}\", PASSED, \"no such file\")")]),
  # --- issue 11: a ROOT spelled otherwise is the configured root
  dict(id="C9", what="ROOT inside a configured root is that root", tests=[T+"test_root_spelling.py"], edits=[("envconfig.py",
-   "        owner = next(((r, t) for r, t in configured if _within(real, r)), None)", "        owner = None")]),
+   "        owner = _owner(real, configured, mount_table)", "        owner = None")]),
  dict(id="C9b", what="ROOT holding a configured root refused", tests=[T+"test_root_spelling.py"], edits=[("envconfig.py",
    "            if held is not None:", "            if False:")]),
+ # --- red team 2: a root (or ROOT) reached through a bind mount is the same root
+ dict(id="C9e", what="a ROOT that is a configured root by directory identity (bind mount) is that root",
+   tests=[T+"test_redteam2.py::test_a_root_reached_through_a_bind_mount_keeps_its_pins"], edits=[("mounts.py",
+   "        if identity(here) == top_id:", "        if False:")]),
+ dict(id="C9f", what="configured roots overlapping through a bind mount of a directory inside one refused",
+   tests=[T+"test_redteam2.py::test_configured_roots_overlapping_through_a_bind_mount_are_refused"], edits=[
+   ("mounts.py", "    return rel if identity(os.path.join(real_top, rel)) == own else None", "    return None")]),
+ dict(id="C9g", what="configured roots overlap by identity, not only by path", tests=[
+   T+"test_redteam2.py::test_configured_roots_overlapping_through_a_bind_mount_are_refused"], edits=[("config.py",
+   "                if _overlap(str(a.path), str(b.path), table):", "                if False and _overlap(str(a.path), str(b.path), table):")]),
  dict(id="C9c", what="a scope inside a run refused", tests=[T+"test_root_spelling.py"], edits=[("planner.py",
    "            if inside is not None:", "            if False:")]),
  dict(id="C9d", what="min_free not applied to a subtree", tests=[T+"test_root_spelling.py"], edits=[("planner.py",
