@@ -173,8 +173,6 @@ def test_a_dcp_run_written_inside_a_checkpoint_is_not_deleted_with_it(tmp_path):
 # --- near-miss: a pin spelled through a symlink to the root is refused as "never matches" ------
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2 (near-miss): an absolute pin through a symlinked "
-                                       "spelling of the root is a config error")
 def test_an_absolute_pin_through_a_symlink_to_the_root_pins(tmp_path):
     """The root is configured as its real path, /data/vol; users know it by the symlink the
     cluster provides, /vol -> /data/vol, and pin `/vol/team/run/checkpoint-1`. ckptd compares

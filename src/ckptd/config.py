@@ -400,11 +400,24 @@ def relative_spelling(spelling: str, root: Path, key: str) -> str:
                 text = text[len(top.rstrip("/")) + 1 :]
                 break
         else:
-            raise ValueError(f"{key}: {spelling!r} is not under the root {root}: it would never match")
+            resolved = _resolved_under(text, root)
+            if resolved is None:
+                raise ValueError(f"{key}: {spelling!r} is not under the root {root}: it would never match")
+            text = resolved
     out = os.path.normpath(text)
     if out == ".." or out.startswith("../"):
         raise ValueError(f"{key}: {spelling!r} climbs out of the root: it would never match")
     return out
+
+
+def _resolved_under(path: str, root: Path) -> str | None:
+    """An absolute spelling's place under `root` by what its directory resolves to: a symlink to
+    the root (/vol -> /data/vol, the root configured as /data/vol; red team 2), or, where it
+    exists, a bind mount of it (`mounts.located_in`). Its last component is kept as written
+    (a pin names the checkpoint, not what a link of that name points to)."""
+    head, name = os.path.split(path)
+    rel = mounts.located_in(head, root)
+    return None if rel is None else os.path.normpath(os.path.join(rel, name))
 
 
 def path_matches(rel: str, spelling: str) -> bool:

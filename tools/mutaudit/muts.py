@@ -422,6 +422,9 @@ MUTS = [
  dict(id="C9g", what="configured roots overlap by identity, not only by path", tests=[
    T+"test_redteam2.py::test_configured_roots_overlapping_through_a_bind_mount_are_refused"], edits=[("config.py",
    "                if _overlap(str(a.path), str(b.path), table):", "                if False and _overlap(str(a.path), str(b.path), table):")]),
+ dict(id="C9h", what="an absolute pin through a symlink to the root pins (resolved, not refused)", tests=[
+   T+"test_redteam2.py::test_an_absolute_pin_through_a_symlink_to_the_root_pins"], edits=[("config.py",
+   "    rel = mounts.located_in(head, root)\n", "    rel = None\n")]),
  dict(id="C9c", what="a scope inside a run refused", tests=[T+"test_root_spelling.py"], edits=[("planner.py",
    "            if inside is not None:", "            if False:")]),
  dict(id="C9d", what="min_free not applied to a subtree", tests=[T+"test_root_spelling.py"], edits=[("planner.py",
