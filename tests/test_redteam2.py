@@ -103,6 +103,28 @@ def test_a_root_reached_through_a_bind_mount_keeps_its_pins(tmp_path, mount, whi
     assert (run / "checkpoint-1").is_dir(), "the pinned checkpoint-1 was deleted through the bind mount's path"
 
 
+def test_located_in_sees_a_bind_mount_by_identity_and_by_the_mount_table(tmp_path, mount):
+    """The two ways `mounts.located_in` sees a bind mount: walking up to the root's identity
+    (works without the mount table: /proc unreadable) and, for a bind of a directory inside the
+    root, the mount table (confirmed by identity). A directory elsewhere is in neither."""
+    from ckptd.mounts import located_in, read_mounts
+
+    root = tmp_path / "vol"
+    (root / "team" / "run").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    whole, part = tmp_path / "mnt", tmp_path / "mnt-team"
+    whole.mkdir()
+    part.mkdir()
+    mount("--bind", root, whole)
+    mount("--bind", root / "team", part)
+    assert located_in(whole / "team" / "run", root, []) == "team/run"
+    assert located_in(whole, root, []) == "."
+    assert located_in(part / "run", root, read_mounts()) == "team/run"
+    assert located_in(part / "run", root, []) is None  # no table: a bind of a subdirectory is not seen
+    assert located_in(tmp_path / "elsewhere", root, read_mounts()) is None
+    assert located_in(root, part, read_mounts()) is None  # the root holds the bind, it is not inside it
+
+
 # --- 2. DeepSpeed's `latest` holding an absolute path as the trainer's node mounts the volume --
 
 

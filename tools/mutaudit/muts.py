@@ -414,7 +414,7 @@ MUTS = [
    "            if held is not None:", "            if False:")]),
  # --- red team 2: a root (or ROOT) reached through a bind mount is the same root
  dict(id="C9e", what="a ROOT that is a configured root by directory identity (bind mount) is that root",
-   tests=[T+"test_redteam2.py::test_a_root_reached_through_a_bind_mount_keeps_its_pins"], edits=[("mounts.py",
+   tests=[T+"test_redteam2.py::test_located_in_sees_a_bind_mount_by_identity_and_by_the_mount_table"], edits=[("mounts.py",
    "        if identity(here) == top_id:", "        if False:")]),
  dict(id="C9f", what="configured roots overlapping through a bind mount of a directory inside one refused",
    tests=[T+"test_redteam2.py::test_configured_roots_overlapping_through_a_bind_mount_are_refused"], edits=[
