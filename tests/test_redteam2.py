@@ -128,8 +128,6 @@ def test_located_in_sees_a_bind_mount_by_identity_and_by_the_mount_table(tmp_pat
 # --- 2. DeepSpeed's `latest` holding an absolute path as the trainer's node mounts the volume --
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2: an absolute `latest` spelled through another mount "
-                                       "point names nothing, and its checkpoint is deleted")
 def test_an_absolute_latest_through_another_mount_point_is_kept(tmp_path):
     """A user rolls a DeepSpeed run back by writing the tag's absolute path into `latest`, as the
     training node mounts the volume: /data/ckpt/run/global_step10. DeepSpeed's load_checkpoint
