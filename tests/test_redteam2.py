@@ -366,8 +366,6 @@ def test_the_target_of_lightnings_last_link_is_kept(tmp_path):
 # --- near-miss: a prune with another state_dir deletes beside the daemon that leads the root -----
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2 (near-miss): on a local filesystem the root's lock lives "
-                                       "in state_dir: a prune with another state_dir deletes beside the daemon")
 def test_a_prune_with_another_state_dir_waits_for_the_daemon_leading_the_root(tmp_path):
     """README: one deleter per root; `prune` takes the same lock as the daemon and exits 75 while a
     live ckptd holds it. With `leadership = "auto"` on a local filesystem the lock is
