@@ -80,8 +80,6 @@ def mount(tmp_path):
 # --- 1. The configured root reached through a bind mount is a root of its own -----------------
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2: a ROOT that is the configured root through a bind "
-                                       "mount gets the built-in defaults, its pins dropped")
 @pytest.mark.parametrize("which", ["the root", "a run's parent inside it"])
 def test_a_root_reached_through_a_bind_mount_keeps_its_pins(tmp_path, mount, which):
     """The config's root is /vol with `pins = ['team/run/checkpoint-1']`; the same volume is
@@ -105,11 +103,31 @@ def test_a_root_reached_through_a_bind_mount_keeps_its_pins(tmp_path, mount, whi
     assert (run / "checkpoint-1").is_dir(), "the pinned checkpoint-1 was deleted through the bind mount's path"
 
 
+def test_located_in_sees_a_bind_mount_by_identity_and_by_the_mount_table(tmp_path, mount):
+    """The two ways `mounts.located_in` sees a bind mount: walking up to the root's identity
+    (works without the mount table: /proc unreadable) and, for a bind of a directory inside the
+    root, the mount table (confirmed by identity). A directory elsewhere is in neither."""
+    from ckptd.mounts import located_in, read_mounts
+
+    root = tmp_path / "vol"
+    (root / "team" / "run").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    whole, part = tmp_path / "mnt", tmp_path / "mnt-team"
+    whole.mkdir()
+    part.mkdir()
+    mount("--bind", root, whole)
+    mount("--bind", root / "team", part)
+    assert located_in(whole / "team" / "run", root, []) == "team/run"
+    assert located_in(whole, root, []) == "."
+    assert located_in(part / "run", root, read_mounts()) == "team/run"
+    assert located_in(part / "run", root, []) is None  # no table: a bind of a subdirectory is not seen
+    assert located_in(tmp_path / "elsewhere", root, read_mounts()) is None
+    assert located_in(root, part, read_mounts()) is None  # the root holds the bind, it is not inside it
+
+
 # --- 2. DeepSpeed's `latest` holding an absolute path as the trainer's node mounts the volume --
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2: an absolute `latest` spelled through another mount "
-                                       "point names nothing, and its checkpoint is deleted")
 def test_an_absolute_latest_through_another_mount_point_is_kept(tmp_path):
     """A user rolls a DeepSpeed run back by writing the tag's absolute path into `latest`, as the
     training node mounts the volume: /data/ckpt/run/global_step10. DeepSpeed's load_checkpoint
@@ -173,8 +191,6 @@ def test_a_dcp_run_written_inside_a_checkpoint_is_not_deleted_with_it(tmp_path):
 # --- near-miss: a pin spelled through a symlink to the root is refused as "never matches" ------
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2 (near-miss): an absolute pin through a symlinked "
-                                       "spelling of the root is a config error")
 def test_an_absolute_pin_through_a_symlink_to_the_root_pins(tmp_path):
     """The root is configured as its real path, /data/vol; users know it by the symlink the
     cluster provides, /vol -> /data/vol, and pin `/vol/team/run/checkpoint-1`. ckptd compares
@@ -197,8 +213,6 @@ def test_an_absolute_pin_through_a_symlink_to_the_root_pins(tmp_path):
     assert "pinned" in row, row
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2: two configured roots that overlap through a bind mount "
-                                       "are accepted, and one deletes what the other pins")
 def test_configured_roots_overlapping_through_a_bind_mount_are_refused(tmp_path, mount):
     """Roots that overlap as written (`/vol` and `/vol/team`) are a config error (78: 'overlaps').
     The same overlap through a bind mount (team-a's directory also mounted at /mnt/team, as the
@@ -222,6 +236,7 @@ def test_configured_roots_overlapping_through_a_bind_mount_are_refused(tmp_path,
     )
     proc = run_ckptd("prune", "-c", cfg)
     if proc.returncode == 78:  # refused, as the lexical overlap is: the fix
+        assert "overlaps" in proc.stderr and str(other) in proc.stderr and str(root) in proc.stderr, proc.stderr
         return
     assert (run / "checkpoint-1").is_dir(), "checkpoint-1, pinned by /vol's retention, was deleted through /mnt"
 
@@ -361,8 +376,6 @@ def test_the_target_of_lightnings_last_link_is_kept(tmp_path):
 # --- near-miss: a prune with another state_dir deletes beside the daemon that leads the root -----
 
 
-@pytest.mark.xfail(strict=True, reason="red team 2 (near-miss): on a local filesystem the root's lock lives "
-                                       "in state_dir: a prune with another state_dir deletes beside the daemon")
 def test_a_prune_with_another_state_dir_waits_for_the_daemon_leading_the_root(tmp_path):
     """README: one deleter per root; `prune` takes the same lock as the daemon and exits 75 while a
     live ckptd holds it. With `leadership = "auto"` on a local filesystem the lock is

@@ -67,7 +67,6 @@ def config_file(tmp_path: Path, root: Path, body: str = "", retention: str = "ke
         ("{run}/global_step10/", {"global_step10"}),
         ("../run/global_step10", {"global_step10"}),
         ("checkpoint-10/global_step10", {"checkpoint-10"}),  # below a child: the child is what loads
-        ("/elsewhere/global_step10", set()),  # outside the run: names nothing here
         ("../other/global_step10", set()),
         ("", set()),
         (".", set()),
@@ -79,6 +78,27 @@ def test_deepspeed_latest_names_what_deepspeed_loads(tmp_path, text, named):
     run.mkdir()
     (run / "latest").write_text(text.format(run=run))
     assert set(resume_pointers(run, ["latest"])) == named
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("{other}/global_step10", set()),  # a directory of its own elsewhere: DeepSpeed loads that
+        ("/elsewhere/global_step10", {"global_step10"}),  # another host's mount path: its last component
+        ("/elsewhere/global_step10/", {"global_step10"}),
+        ("/elsewhere/global_step99", {"global_step10", "global_step20", "latest"}),  # cannot tell: all
+    ],
+)
+def test_an_absolute_latest_outside_the_run_as_seen_here(tmp_path, text, named):
+    """Red team 2: an absolute `latest` as another host mounts the volume. Not seen here, its last
+    component names the run's checkpoint of that name; naming none, it cannot be told and keeps
+    every checkpoint of the run (as an unreadable one); an existing directory elsewhere names nothing."""
+    run = tmp_path / "run"
+    for name in ("global_step10", "global_step20"):
+        (run / name).mkdir(parents=True)
+    (tmp_path / "other" / "global_step10").mkdir(parents=True)
+    (run / "latest").write_text(text.format(other=tmp_path / "other"))
+    assert set(resume_pointers(run, os.listdir(run))) == named
 
 
 def test_deepspeed_latest_through_a_symlinked_spelling_of_the_run(tmp_path):

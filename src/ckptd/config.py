@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from ckptd import mounts
 from ckptd.errors import ConfigError
 from ckptd.slim import DEFAULT_SLIM_FILES
 
@@ -399,11 +400,24 @@ def relative_spelling(spelling: str, root: Path, key: str) -> str:
                 text = text[len(top.rstrip("/")) + 1 :]
                 break
         else:
-            raise ValueError(f"{key}: {spelling!r} is not under the root {root}: it would never match")
+            resolved = _resolved_under(text, root)
+            if resolved is None:
+                raise ValueError(f"{key}: {spelling!r} is not under the root {root}: it would never match")
+            text = resolved
     out = os.path.normpath(text)
     if out == ".." or out.startswith("../"):
         raise ValueError(f"{key}: {spelling!r} climbs out of the root: it would never match")
     return out
+
+
+def _resolved_under(path: str, root: Path) -> str | None:
+    """An absolute spelling's place under `root` by what its directory resolves to: a symlink to
+    the root (/vol -> /data/vol, the root configured as /data/vol; red team 2), or, where it
+    exists, a bind mount of it (`mounts.located_in`). Its last component is kept as written
+    (a pin names the checkpoint, not what a link of that name points to)."""
+    head, name = os.path.split(path)
+    rel = mounts.located_in(head, root)
+    return None if rel is None else os.path.normpath(os.path.join(rel, name))
 
 
 def path_matches(rel: str, spelling: str) -> bool:
@@ -577,14 +591,20 @@ class Config(_Strict):
     @classmethod
     def _disjoint_roots(cls, roots: tuple[Root, ...]) -> tuple[Root, ...]:
         # Nested roots would see the same runs twice, with two policies.
-        real = [Path(os.path.realpath(r.path)) for r in roots]  # /mnt/data -> /data and /data/team overlap
+        # By path (/mnt/data -> /data and /data/team overlap), and, where the roots exist, by
+        # directory identity and the mount table: /mnt bind-mounted from /data/team (red team 2).
+        table = mounts.read_mounts() if len(roots) > 1 else []
         for j, b in enumerate(roots):
             for i, a in enumerate(roots[:j]):
-                if real[i].is_relative_to(real[j]) or real[j].is_relative_to(real[i]):
+                if _overlap(str(a.path), str(b.path), table):
                     raise ValueError(
                         f"roots[{j}].path {str(b.path)!r} overlaps roots[{i}].path {str(a.path)!r}"
                     )
         return roots
+
+
+def _overlap(a: str, b: str, table: list[mounts.Mount]) -> bool:
+    return mounts.located_in(a, b, table) is not None or mounts.located_in(b, a, table) is not None
 
 
 # --- loading -------------------------------------------------------------

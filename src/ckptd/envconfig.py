@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ckptd import mounts
 from ckptd.config import Config, _loc, _message, read_toml
 from ckptd.errors import ConfigError, UsageError
 
@@ -147,20 +148,24 @@ def _pick_roots(data: Mapping[str, Any], paths: list[str]) -> tuple[list[Any], l
     Given the built-in defaults instead, pins were ignored and a second lock let it run beside
     the daemon (issue 11, item 5). A path that holds a configured root is refused: the
     defaults would apply to that root's runs. Any other path gets the defaults.
+    The same goes for a path that is a configured root (or lies in it) by directory identity,
+    not by name: a bind mount of the root, or of a directory above it (red team 2).
     """
     configured: list[tuple[str, dict[str, Any]]] = []
     for table in _tables(data, "roots"):
         if isinstance(table.get("path"), str) and os.path.isabs(table["path"]):
             configured.append((os.path.realpath(table["path"]), table))
+    mount_table = mounts.read_mounts() if configured else []
     picked: list[tuple[dict[str, Any], set[str]]] = []
     for p in paths:
         if not os.path.isabs(p):
             picked.append(({"path": p}, set()))  # validation says it must be absolute
             continue
         real = os.path.realpath(p)
-        owner = next(((r, t) for r, t in configured if _within(real, r)), None)
+        owner = _owner(real, configured, mount_table)
         if owner is None:
-            held = next((t["path"] for r, t in configured if _within(r, real) and r != real), None)
+            inside = ((t["path"], mounts.located_in(r, real, mount_table)) for r, t in configured)
+            held = next((path for path, rel in inside if rel not in (None, ".")), None)
             if held is not None:
                 raise UsageError(
                     f"{p} holds the configured root {held}: name that root (or a directory in it) so that "
@@ -168,18 +173,26 @@ def _pick_roots(data: Mapping[str, Any], paths: list[str]) -> tuple[list[Any], l
                 )
             picked.append(({"path": p}, set()))
             continue
-        real_root, table = owner
+        rel, table = owner
         entry = next((e for e in picked if e[0] is table), None)
         if entry is None:
             entry = (table, set())
             picked.append(entry)
-        entry[1].add(os.path.relpath(real, real_root))
+        entry[1].add(rel)
     tables = [dict(t) for t, _ in picked]
     return tables, [() if "." in subs or not subs else tuple(sorted(subs)) for _, subs in picked]
 
 
-def _within(path: str, top: str) -> bool:
-    return path == top or path.startswith(top.rstrip("/") + "/")
+def _owner(
+    real: str, configured: list[tuple[str, dict[str, Any]]], table: list[mounts.Mount]
+) -> tuple[str, dict[str, Any]] | None:
+    """(where `real` lies in it, its table) for the first configured root holding `real`: by
+    path, or by directory identity (a bind mount), as `mounts.located_in` tells."""
+    for real_root, t in configured:
+        rel = mounts.located_in(real, real_root, table)
+        if rel is not None:
+            return rel, t
+    return None
 
 
 def _table(data: dict[str, Any], key: str) -> dict[str, Any]:

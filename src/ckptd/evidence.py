@@ -1022,8 +1022,11 @@ def resume_pointers(run_path: Path, names: Collection[str]) -> dict[str, str]:
             for name in names:
                 found.setdefault(name, why)
             continue
-        for name in pointer_target(run_path, pointer, text):
-            found.setdefault(name, label)
+        named, why = pointer_target(run_path, pointer, text), label
+        if not named and pointer == DEEPSPEED_LATEST and os.path.isabs(text):
+            named, why = _absolute_elsewhere(run_path, text, names, label)
+        for name in named:
+            found.setdefault(name, why)
     for name, why in last_link_targets(run_path, names).items():
         found.setdefault(name, why)
     return found
@@ -1053,6 +1056,28 @@ def last_link_targets(run_path: Path, names: Collection[str]) -> dict[str, str]:
             if name != link:
                 found.setdefault(name, f"{link} (a symlink to it)")
     return found
+
+
+def _absolute_elsewhere(
+    run_path: Path, text: str, names: Collection[str], label: str
+) -> tuple[set[str], str]:
+    """What an absolute `latest` that does not resolve inside the run names here. Another host
+    may mount the volume at another path (the trainer's node writes /data/ckpt/run/global_step10,
+    this one sees /vol/run; red team 2): through a mount of the same directory seen here (a bind
+    mount: `mounts.located_in`), the run's entry it lies in; an existing directory elsewhere, not
+    this run's, nothing here; otherwise a last component naming one of the run's entries names it,
+    and any other cannot be told: it may name any checkpoint here, as an unreadable pointer."""
+    target = os.path.normpath(text)
+    rel = mounts.located_in(target, run_path)
+    if rel is not None:
+        return ({rel.split("/", 1)[0]} if rel != "." else set()), label
+    if os.path.isdir(target):
+        return set(), label  # a directory of its own, elsewhere: DeepSpeed loads that, not ours
+    name = os.path.basename(target)
+    if name in names and name != DEEPSPEED_LATEST:
+        return {name}, f"{label} (an absolute path not seen here, taken to name its last component {name})"
+    why = f"{label} ({target[:200]!r} is not seen here; it may name any checkpoint here)"
+    return set(names), why
 
 
 def read_pointer(path: Path) -> str:

@@ -296,3 +296,56 @@ def quiet_for(
             f"quiet_period {quiet_period:g}s is watched as {effective:g}s"
         )
     return effective, cache, None
+
+
+# --- where one path lies in another, by the kernel's measure ---------------------------------
+
+
+def identity(path: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """A directory's (st_dev, st_ino), following links; None where it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _in_filesystem(real: str, mounts: Sequence[Mount]) -> tuple[str, str] | None:
+    """(device, the path inside its filesystem) of a resolved path, from the mount table."""
+    m = mount_of(real, mounts)
+    if m is None:
+        return None
+    return m.device, os.path.normpath(os.path.join(m.root, os.path.relpath(real, m.point)))
+
+
+def located_in(
+    path: str | os.PathLike[str], top: str | os.PathLike[str], mounts: Sequence[Mount] | None = None
+) -> str | None:
+    """Where `path` lies inside `top`, relative to it ("." for `top` itself), or None where it
+    does not (or where either cannot be seen).
+
+    By the resolved paths first (symlinks, `..`); then by directory identity, walking up from
+    `path`'s real path to a directory with `top`'s (st_dev, st_ino): `path` reached through a
+    bind mount of `top` or of a directory above it; then by the mount table: the same filesystem,
+    `path`'s directory in it under `top`'s (a bind mount of a directory inside `top`), confirmed
+    by identity. Red team 2: /mnt, a bind mount of the root /vol, was taken for another root."""
+    real, real_top = os.path.realpath(path), os.path.realpath(top)
+    if _under(real, real_top):
+        return os.path.relpath(real, real_top)
+    top_id, own = identity(real_top), identity(real)
+    if top_id is None or own is None:
+        return None
+    here = real
+    while True:
+        if identity(here) == top_id:
+            return os.path.relpath(real, here)
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    table = read_mounts() if mounts is None else mounts
+    a, b = _in_filesystem(real, table), _in_filesystem(real_top, table)
+    if a is None or b is None or a[0] != b[0] or not _under(a[1], b[1]):
+        return None
+    rel = os.path.relpath(a[1], b[1])
+    return rel if identity(os.path.join(real_top, rel)) == own else None

@@ -1034,17 +1034,28 @@ class LockHeld(Exception):
     pass
 
 
-class RootLock:
-    """One deleter per root: an exclusive flock on a file in `state_dir`, keyed by the root.
+ROOT_LOCK = "local.lock"  # in <root>/.ckptd/: the lock every ckptd on this host deleting in the root takes
 
-    The kernel releases it when the holder exits, however it exits.
+
+class RootLock:
+    """One deleter per root: an exclusive flock on a file in `state_dir`, keyed by the root, and
+    one on `<root>/.ckptd/local.lock`, the root's own.
+
+    The first alone let a prune with another state_dir (a user's cron, a sidecar with its own
+    state volume) delete beside the daemon leading the root (red team 2): the second is the same
+    file for every ckptd on this host, whatever its state_dir or its spelling of the root. It is
+    taken where it can be: a root where it cannot be created (read-only, not ours to write) has
+    the state_dir lock alone, as before. The kernel releases both when the holder exits,
+    however it exits.
     """
 
     def __init__(self, state_dir: Path, root: Path):
         digest = hashlib.sha256(os.fsencode(os.path.realpath(root))).hexdigest()[:16]
         self.path = state_dir / "locks" / f"{digest}.lock"
         self.root = root
+        self.root_path = root / layouts.LEASE_DIR / ROOT_LOCK
         self._fd: int | None = None
+        self._root_fd: int | None = None
 
     def acquire(self, *, blocking: bool = False) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -1054,15 +1065,57 @@ class RootLock:
         except BlockingIOError:
             os.close(fd)
             raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.path})") from None
+        try:
+            root_fd = self._root_lock(blocking)
+        except BaseException:
+            os.close(fd)
+            raise
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {self.root}\n".encode(errors="surrogateescape"))
-        self._fd = fd
+        self._fd, self._root_fd = fd, root_fd
+
+    def _root_lock(self, blocking: bool) -> int | None:
+        """The flock on `<root>/.ckptd/local.lock` (None where it cannot be had: see the class).
+        Opened without following a symlink planted for `.ckptd` or the lock."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(layouts.LEASE_DIR, 0o755, dir_fd=root_fd)
+                dir_fd = os.open(layouts.LEASE_DIR, flags, dir_fd=root_fd)
+            finally:
+                os.close(root_fd)
+            try:
+                fd = os.open(ROOT_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                             0o644, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            log.debug("%s: no lock in the root itself (%s): the state_dir lock alone", self.root, exc)
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                return None
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.root_path})") from None
+        except OSError as exc:
+            os.close(fd)
+            log.debug("%s: cannot lock %s (%s): the state_dir lock alone", self.root, self.root_path, exc)
+            return None
+        return fd
 
     @property
     def held(self) -> bool:
         return self._fd is not None
 
     def release(self) -> None:
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
