@@ -1,8 +1,8 @@
 """Red team, second round: reproductions of ways to make ckptd delete what its promise protects.
 
-Each test drives the real CLI (`ckptd plan`/`prune` as subprocesses) on real files, and is marked
-`xfail(strict=True)` while the hole it reproduces is open: it fails on the code it was written
-against, and passes (turning the xfail into an error) once the hole is fixed; then drop the mark.
+Each test drives the real CLI (`ckptd plan`/`prune` as subprocesses) on real files. Each failed on
+the code it was written against (ef2812c), marked `xfail(strict=True)` while its hole was open;
+every hole is fixed now, and the test keeps the fix.
 Hand-made look-alikes (ckptd.demo's DeepSpeed stand-ins) only where the state needs no framework
 to show the hole, and the test says so.
 """
