@@ -255,7 +255,7 @@ class Reaper:
         ]
         return results
 
-    # --- acting ----------------------------------------------------------
+    # --- trashing: a checkpoint renamed into the trash ------------------------
 
     def trash_one(self, decision: Decision, anchors: Anchors) -> Result:
         """Re-check, then rename the checkpoint into the trash (or say what it would do).
@@ -313,6 +313,8 @@ class Reaper:
             os.close(run_fd)
         self._record("trashed", trash=str(self.trash / target), **fields)
         return Result(decision, Outcome.TRASHED, f"moved to {TRASH_DIR}/{target}", self.trash / target)
+
+    # --- slimming: its optimizer state into the trash, its weights kept ----------
 
     def slim_one(self, decision: Decision, anchors: Anchors, *, consolidate: bool = True) -> Result:
         """Re-check, consolidate fp32 weights if it has none, then move its optimizer files into the trash.
@@ -447,6 +449,41 @@ class Reaper:
         where = target.relative_to(self.root)
         detail = f"{done}moved {len(moved)} optimizer files ({format_size(freed)}) to {where}"
         return Result(decision, Outcome.SLIMMED, detail, target, freed)
+
+    def _write_marker(
+        self, c: Checkpoint, state: str, removed: list[tuple[str, int]], weights: dict, decision: Decision
+    ) -> None:
+        """Atomically: a temp file, fsynced, renamed over the marker, the directory fsynced."""
+        doc = slim.marker_document(
+            state=state, time=self.clock(), removed=removed, weights=weights, reasons=decision.reasons
+        )
+        tmp = f"{slim.MARKER}.tmp"
+        ckpt_fd = open_dir_nofollow(self.root, c.rel)  # no symlink on the way, none under the temp name
+        try:
+            _unlink_at(tmp, ckpt_fd)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o644, dir_fd=ckpt_fd)
+            try:
+                os.write(fd, (json.dumps(doc, indent=2) + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, slim.MARKER, src_dir_fd=ckpt_fd, dst_dir_fd=ckpt_fd)
+            os.fsync(ckpt_fd)
+        finally:
+            os.close(ckpt_fd)
+
+    def _consolidated_weights(self, c: Checkpoint, cw: ConsolidatedWeights) -> dict:
+        """The marker's account of fp32 weights consolidated earlier: their index, hashed now."""
+        ckpt_fd = open_dir_nofollow(self.root, f"{c.rel}/{slim.WEIGHTS_DIR}")
+        try:
+            fd = os.open(slim.INDEX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ckpt_fd)
+        finally:
+            os.close(ckpt_fd)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+        digest = hashlib.sha256(data).hexdigest()
+        return _weights_record(cw.index, len(data), digest, cw.source, cw.files, cw.tool)
 
     # --- consolidation: it only adds fp32/ to a checkpoint ----------------------------
 
@@ -648,18 +685,6 @@ class Reaper:
             return "the consolidated files are not the ones that were verified"
         return self._fenced()  # a ckptd that lost the lead adds nothing to a checkpoint either
 
-    def _consolidated_weights(self, c: Checkpoint, cw: ConsolidatedWeights) -> dict:
-        """The marker's account of fp32 weights consolidated earlier: their index, hashed now."""
-        ckpt_fd = open_dir_nofollow(self.root, f"{c.rel}/{slim.WEIGHTS_DIR}")
-        try:
-            fd = os.open(slim.INDEX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ckpt_fd)
-        finally:
-            os.close(ckpt_fd)
-        with os.fdopen(fd, "rb") as f:
-            data = f.read()
-        digest = hashlib.sha256(data).hexdigest()
-        return _weights_record(cw.index, len(data), digest, cw.source, cw.files, cw.tool)
-
     def _discard(self, name: str) -> int:
         """Move a work directory (ours) into the trash, for `purge`. 1 if it moved."""
         try:
@@ -693,28 +718,7 @@ class Reaper:
         finally:
             os.close(root_fd)
 
-    def _write_marker(
-        self, c: Checkpoint, state: str, removed: list[tuple[str, int]], weights: dict, decision: Decision
-    ) -> None:
-        """Atomically: a temp file, fsynced, renamed over the marker, the directory fsynced."""
-        doc = slim.marker_document(
-            state=state, time=self.clock(), removed=removed, weights=weights, reasons=decision.reasons
-        )
-        tmp = f"{slim.MARKER}.tmp"
-        ckpt_fd = open_dir_nofollow(self.root, c.rel)  # no symlink on the way, none under the temp name
-        try:
-            _unlink_at(tmp, ckpt_fd)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags, 0o644, dir_fd=ckpt_fd)
-            try:
-                os.write(fd, (json.dumps(doc, indent=2) + "\n").encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, slim.MARKER, src_dir_fd=ckpt_fd, dst_dir_fd=ckpt_fd)
-            os.fsync(ckpt_fd)
-        finally:
-            os.close(ckpt_fd)
+    # --- purging: the trash emptied, never across a filesystem -----------------
 
     def _ensure_trash(self) -> None:
         os.close(self._open_trash())
@@ -792,6 +796,8 @@ class Reaper:
             raise
         finally:
             os.close(root_fd)
+
+    # --- the journal ---------------------------------------------------------
 
     def _fields(self, decision: Decision, nbytes: int, **extra: object) -> dict[str, object]:
         """What every journal record about a decision carries."""
