@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import time
 import zlib
 from pathlib import Path
@@ -495,15 +496,17 @@ def test_a_cache_from_other_checks_or_layouts_is_ignored(tmp_path, monkeypatch):
     """The cache is versioned by the code its verdicts and restored checkpoints came from: the
     checks (evidence, dsmeta, slim), and since the merge also layouts (commit files, markers),
     fwmetrics, mounts, config (patterns) and planner (the restore)."""
-    from ckptd import fwmetrics, layouts, mounts, planner, verdicts
+    from ckptd import verdicts
 
     monkeypatch.setattr(verdicts, "_LOGIC", None)
     before = verdicts.logic_version()
-    for module in (layouts, fwmetrics, mounts, planner):
-        copy = tmp_path / Path(module.__file__).name
-        copy.write_bytes(Path(module.__file__).read_bytes() + b"\n# another version\n")
-        monkeypatch.setattr(module, "__file__", str(copy))
+    for name in ("layouts", "fwmetrics", "mounts", "planner", "volread", "weights"):
+        code = tmp_path / name
+        shutil.copytree(verdicts._CODE_DIR, code, ignore=shutil.ignore_patterns("__pycache__"))
+        with open(code / f"{name}.py", "a") as f:
+            f.write("\n# another version\n")
+        monkeypatch.setattr(verdicts, "_CODE_DIR", code)
         monkeypatch.setattr(verdicts, "_LOGIC", None)
-        assert verdicts.logic_version() != before, module.__name__
+        assert verdicts.logic_version() != before, name
         monkeypatch.undo()
         monkeypatch.setattr(verdicts, "_LOGIC", None)

@@ -45,12 +45,13 @@ from ckptd import dsmeta, fwmetrics, layouts, mounts, slim, volread
 from ckptd import verdicts as verdicts_
 from ckptd.config import Pattern, format_age, format_duration, format_size, path_matches
 from ckptd.layouts import Candidate
-from ckptd.model import (
+from ckptd.model import (  # Entry: re-exported, it is evidence's word
     CKPT_STATE,
     QUIET,
     Check,
     Checkpoint,
     ConsolidatedWeights,
+    Entry,
     Reading,
     Slimming,
     State,
@@ -71,21 +72,6 @@ _ZERO3_MODEL = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 _RNG = re.compile(r"rng_state_(\d+)\.pth")
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One thing inside a checkpoint, as lstat saw it."""
-
-    rel: str  # relative to the checkpoint; "" for the checkpoint itself
-    kind: str  # "d", "f", "l" (symlink, never followed), "m" (a mount point, never entered), "o"
-    size: int
-    mtime_ns: int
-    # The rest of the file's identity, for remembering what was read from it (verdicts.py):
-    # not part of the fingerprint.
-    ctime_ns: int = 0
-    ino: int = 0
-    dev: int = 0
 
 
 MAX_WALK_DEPTH = 256

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptd.config import parse_listen
 from ckptd.errors import ConfigError, IOFault
@@ -35,7 +35,17 @@ from ckptd.model import State
 from ckptd.planner import disk_space
 
 if TYPE_CHECKING:
-    from ckptd.daemon import RootRuntime
+    from ckptd.config import Root
+    from ckptd.tracker import RootTracker
+
+
+class RootView(Protocol):
+    """What a root's metrics are read from: the daemon's `RootRuntime`, named here by what it
+    has, so that metrics never imports the daemon (which imports metrics)."""
+
+    root: Root
+    tracker: RootTracker
+    leader: bool
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +123,7 @@ class Metrics:
 
     # --- fed by the daemon, on its filesystem thread ----------------------------
 
-    def sample(self, roots: Iterable[RootRuntime], now: float) -> None:
+    def sample(self, roots: Iterable[RootView], now: float) -> None:
         """Take a snapshot after a step; observe completion latencies. `now`: monotonic seconds."""
         wall = time.time()
         samples = []

@@ -14,6 +14,22 @@ from pathlib import Path
 from typing import NamedTuple
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One thing inside a checkpoint, as lstat saw it (`evidence.walk`). Here, below evidence,
+    slim, weights and verdicts, so that each can name it without importing evidence."""
+
+    rel: str  # relative to the checkpoint; "" for the checkpoint itself
+    kind: str  # "d", "f", "l" (symlink, never followed), "m" (a mount point, never entered), "o"
+    size: int
+    mtime_ns: int
+    # The rest of the file's identity, for remembering what was read from it (verdicts.py):
+    # not part of the fingerprint.
+    ctime_ns: int = 0
+    ino: int = 0
+    dev: int = 0
+
+
 class State(StrEnum):
     COMPLETE = "complete"  # every check that applies passed
     INCOMPLETE = "incomplete"  # quiet, but some evidence is missing or unreadable
@@ -104,6 +120,21 @@ class ConsolidatedWeights:
     source_fingerprint: str  # of that tag's model-states and optimizer files then (`slim.source_fingerprint`)
     files: tuple[tuple[str, int, str], ...]  # (path, bytes, sha256) of each shard, relative to the checkpoint
     tool: str = ""
+
+
+# Dtypes, for each weights file: the safetensors names of its floating-point tensors (integer
+# and bool buffers say nothing about precision), or a string saying why they are not known.
+Dtypes = frozenset[str] | str
+
+
+@dataclass(frozen=True)
+class WeightsSeen:
+    """The weights files of one checkpoint, as their headers describe them (`weights.py`)."""
+
+    dtypes: Mapping[str, Dtypes]  # top-level weights file (slim.WEIGHTS_FILES) -> dtypes or why unknown
+    consolidated: ConsolidatedWeights | str | None = (
+        None  # fp32/ by ckptd: its record, why unusable, or absent
+    )
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,7 @@ from ckptd import layouts
 from ckptd.model import ConsolidatedWeights, Slimming
 
 if TYPE_CHECKING:
-    from ckptd.evidence import Entry
-    from ckptd.weights import WeightsSeen
+    from ckptd.model import Entry, WeightsSeen
 
 MARKER = ".ckptd-slim.json"
 MARKER_VERSION = 1

@@ -72,7 +72,7 @@ from ckptd.model import (
 )
 
 if TYPE_CHECKING:
-    from ckptd.evidence import Entry
+    from ckptd.model import Entry
 
 log = logging.getLogger(__name__)
 
@@ -645,34 +645,26 @@ def _decode_verdict(
 _LOGIC: str | None = None
 
 
+_CODE_DIR = Path(__file__).parent
+LOGIC_MODULES = (
+    "evidence", "dsmeta", "model", "slim", "layouts", "fwmetrics",
+    "mounts", "config", "planner", "volread", "weights",
+)
+
+
 def logic_version() -> str:
     """A digest of the code that produces and encodes verdicts: any change to it discards saved ones."""
     global _LOGIC
     if _LOGIC is None:
-        from ckptd import (
-            config,
-            dsmeta,
-            evidence,
-            fwmetrics,
-            layouts,
-            model,
-            mounts,
-            planner,
-            slim,
-            volread,
-            weights,
-        )
-
         h = hashlib.blake2b(__version__.encode(), digest_size=8)
         # Every module whose code decides what a look finds or what a restore gives back: the
         # checks, the layouts they follow, metrics, mount points, patterns, the restore itself.
-        modules = (evidence, dsmeta, model, slim, layouts, fwmetrics,
-                   mounts, config, planner, volread, weights)
-        for module in modules:
+        # Read as files beside this one, not imported: verdicts imports none of them.
+        for name in LOGIC_MODULES:
             try:
-                h.update(Path(module.__file__ or "").read_bytes())
+                h.update((_CODE_DIR / f"{name}.py").read_bytes())
             except OSError:
-                h.update(module.__name__.encode())
+                h.update(name.encode())
         h.update(Path(__file__).read_bytes())
         _LOGIC = h.hexdigest()
     return _LOGIC

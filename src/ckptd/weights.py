@@ -18,32 +18,18 @@ import json
 import os
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptd import slim
-from ckptd.model import ConsolidatedWeights
+from ckptd.model import ConsolidatedWeights, Dtypes, WeightsSeen
 
 if TYPE_CHECKING:
-    from ckptd.evidence import Entry
+    from ckptd.model import Entry
 
 MAX_HEADER = 100 * 1024 * 1024  # safetensors itself refuses headers over 100 MB
 MAX_INDEX = 64 * 1024 * 1024
 
-# Dtypes, for each weights file: the safetensors names of its floating-point tensors (integer
-# and bool buffers say nothing about precision), or a string saying why they are not known.
-Dtypes = frozenset[str] | str
-
-
-@dataclass(frozen=True)
-class WeightsSeen:
-    """The weights files of one checkpoint, as their headers describe them."""
-
-    dtypes: Mapping[str, Dtypes]  # top-level weights file (slim.WEIGHTS_FILES) -> dtypes or why unknown
-    consolidated: ConsolidatedWeights | str | None = (
-        None  # fp32/ by ckptd: its record, why unusable, or absent
-    )
 
 
 def read_header(path: Path | str, dir_fd: int | None = None) -> dict[str, Any]:
