@@ -135,7 +135,10 @@ def test_the_daemon_on_a_subdirectory_is_the_configured_root_restricted(vol):
         d.wait_message("ready: watching 1 root(s)")
         for run in ("team/a", "other/c"):  # a checkpoint completing starts a retention pass
             hf_deepspeed_checkpoint(root / run, 5, world=2)
-        d.wait_message("purged", timeout=60)
+        # checkpoint-4 goes once checkpoint-5 is complete; what the start-up pass deleted was
+        # purged before that (a "purged" line alone may be that one's).
+        gone = d.wait_message("deleted team/a/checkpoint-4", timeout=60)[-1]
+        d.wait_message("purged", start=d.lines.index(gone), timeout=60)
     assert sorted(os.listdir(root / "team" / "a")) == ["checkpoint-1", "checkpoint-5"]  # the pin held
     assert sorted(os.listdir(root / "team" / "b")) == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
     assert len(os.listdir(root / "other" / "c")) == 5  # outside the subtree: not even looked at

@@ -27,6 +27,7 @@ from ckptd import slim
 from ckptd.consolidate import PAUSE_FIFO_ENV
 from ckptd.demo import age
 from ckptd.journal import read_journal
+from ckptd.layouts import LEASE_DIR
 from ckptd.reaper import WORK_DIR
 
 import dsgen
@@ -85,7 +86,7 @@ def manifest(root: Path) -> dict[str, tuple[int, str]]:
     area and trash aside)."""
     out = {}
     for dirpath, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in (WORK_DIR, ".ckptd-trash")]
+        dirs[:] = [d for d in dirs if d not in (WORK_DIR, ".ckptd-trash", LEASE_DIR)]  # ckptd's own
         for n in names:
             p = Path(dirpath, n)
             out[str(p.relative_to(root))] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
