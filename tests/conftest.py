@@ -55,6 +55,23 @@ def no_thread_leaks():
     assert not leaked, f"threads leaked: {leaked}"
 
 
+@pytest.fixture
+def mount(tmp_path):
+    """mount(...) args, undone at teardown. Skips where this process may not mount (not root,
+    or a sandbox without CAP_SYS_ADMIN): the kernel's own mounts are the point of those tests."""
+    done: list[Path] = []
+
+    def do(*args: str | os.PathLike[str]) -> None:
+        proc = subprocess.run(["mount", *map(str, args)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount here ({proc.stderr.strip() or proc.returncode}): needs root")
+        done.append(Path(args[-1]))
+
+    yield do
+    for point in reversed(done):
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
 def run_ckptd(*args: str | os.PathLike[str], env: dict[str, str] | None = None, timeout: float = 120,
               cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """The real `ckptd` command line, as a subprocess."""

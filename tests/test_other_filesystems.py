@@ -31,21 +31,6 @@ from conftest import run_ckptd
 OLD = 1_700_000_000.0
 
 
-@pytest.fixture
-def mount(tmp_path):
-    """mount(...) args, undone at teardown. Skips where this process may not mount (not root,
-    or a sandbox without CAP_SYS_ADMIN): the kernel's own mounts are the point of these tests."""
-    done: list[Path] = []
-
-    def do(*args: str | Path) -> None:
-        proc = subprocess.run(["mount", *map(str, args)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount here ({proc.stderr.strip() or proc.returncode}): needs root")
-        done.append(Path(args[-1]))
-
-    yield do
-    for point in reversed(done):
-        subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
 
 @pytest.fixture

@@ -10,8 +10,6 @@ where the framework is not installed here, and the test says so.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
-import json
 import os
 import shutil
 import signal
@@ -21,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rtkit import config, no_deepspeed, prune
 
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 
@@ -30,25 +29,6 @@ from fwfixtures import copy_volume
 
 OLD = time.time() - 86400  # a day ago: every quiet period is over
 
-no_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("torch") is None,
-    reason="needs ckptd[deepspeed] (torch==2.13.0, deepspeed)",
-)
-
-
-def config(tmp_path: Path, root: Path, *, root_extra: str = "", **retention) -> Path:
-    path = tmp_path / "ckptd.toml"
-    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'",
-             f"[[roots]]\npath = '{root}'\nquiet_period = '0s'\n{root_extra}", "[roots.retention]"]
-    lines += [f"{k} = {json.dumps(v)}" for k, v in retention.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def prune(cfg: Path) -> str:
-    proc = run_ckptd("prune", "-c", cfg)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
 
 
 def names(d: Path) -> list[str]:
@@ -157,20 +137,6 @@ def test_a_pin_spelled_as_a_path_pins_or_is_refused(tmp_path, spelling):
 # --- 4. The trash directory itself a mount point ------------------------------------------------
 
 
-@pytest.fixture
-def mount(tmp_path):
-    """mount(...) args, undone at teardown; skips where this process may not mount."""
-    done: list[Path] = []
-
-    def do(*args: str | Path) -> None:
-        proc = subprocess.run(["mount", *map(str, args)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount here ({proc.stderr.strip() or proc.returncode}): needs root")
-        done.append(Path(args[-1]))
-
-    yield do
-    for point in reversed(done):
-        subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
 
 def test_a_mount_at_the_trash_is_never_purged(tmp_path, mount):

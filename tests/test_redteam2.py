@@ -9,8 +9,6 @@ to show the hole, and the test says so.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -19,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rtkit import config, no_deepspeed, prune
 
 from ckptd.demo import age, deepspeed_files, hf_deepspeed_checkpoint, write_model_states, write_zip
 
@@ -26,25 +25,6 @@ from conftest import run_ckptd
 
 OLD = time.time() - 86400  # a day ago: every quiet period is over
 
-no_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("torch") is None,
-    reason="needs ckptd[deepspeed] (torch==2.13.0, deepspeed)",
-)
-
-
-def config(tmp_path: Path, root: Path, *, root_extra: str = "", **retention) -> Path:
-    path = tmp_path / "ckptd.toml"
-    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'",
-             f"[[roots]]\npath = '{root}'\nquiet_period = '0s'\n{root_extra}", "[roots.retention]"]
-    lines += [f"{k} = {json.dumps(v)}" for k, v in retention.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def prune(cfg: Path, *args) -> str:
-    proc = run_ckptd("prune", "-c", cfg, *args)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
 
 
 def bare_deepspeed(run: Path, step: int, *, world: int = 2, mtime: float | None = None) -> Path:
@@ -61,20 +41,6 @@ def bare_deepspeed(run: Path, step: int, *, world: int = 2, mtime: float | None 
     return gs
 
 
-@pytest.fixture
-def mount(tmp_path):
-    """mount(...) args, undone at teardown; skips where this process may not mount."""
-    done: list[Path] = []
-
-    def do(*args: str | Path) -> None:
-        proc = subprocess.run(["mount", *map(str, args)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount here ({proc.stderr.strip() or proc.returncode}): needs root")
-        done.append(Path(args[-1]))
-
-    yield do
-    for point in reversed(done):
-        subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
 
 # --- 1. The configured root reached through a bind mount is a root of its own -----------------

@@ -264,20 +264,6 @@ def test_pins_and_run_rules_that_match_nothing_are_warnings(tmp_path):
 # --- 3. the trash directory on another filesystem ------------------------------------------------
 
 
-@pytest.fixture
-def mount(tmp_path):
-    """mount(...) args, undone at teardown; skips where this process may not mount."""
-    done: list[Path] = []
-
-    def do(*args: str | Path) -> None:
-        proc = subprocess.run(["mount", *map(str, args)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount here ({proc.stderr.strip() or proc.returncode}): needs root")
-        done.append(Path(args[-1]))
-
-    yield do
-    for point in reversed(done):
-        subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
 
 def two_checkpoints(root: Path) -> Scanner:
