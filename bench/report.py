@@ -140,7 +140,7 @@ def machine(
         ("kernel", platform.release()),
         ("bench directory", f"{bench_dir} on {fstype} ({mnt}, {opts})"),
         ("python", sys.version.split()[0]),
-        ("ckptd", f"{ckptd.__version__} at {_git(repo, report)}"),
+        ("ckptd", f"{ckptd.__version__} at {_git(repo, report)}, byte-compiled first (as pip does)"),
         ("watchdog", watchdog.version.VERSION_STRING),
         ("torch", torch_version or "not installed"),
         ("page cache", "warm: caches cannot be dropped without root on a shared box; every figure is warm"),

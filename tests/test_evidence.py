@@ -586,6 +586,21 @@ def test_every_prefix_of_a_real_torch_file_is_incomplete(tmp_path):
     assert accepted == []
 
 
+def test_a_torch_file_whose_directory_is_longer_than_the_tail_read_at_once(tmp_path):
+    """`_zip_directory_ok` reads the last 8 KiB at once and anything before it by itself: a torch file
+    of 400 tensors (a central directory of about 40 KiB) passes whole and fails cut."""
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "many.pt"
+    data = _torch_save(path, {f"t{i}": torch.zeros(2) for i in range(400)})
+    record = data.rfind(b"PK\x05\x06")
+    directory = struct.unpack_from("<I", data, record + 16)[0]
+    assert len(data) - directory > 2 * evidence._TAIL  # the directory starts well before the tail
+    assert evidence._is_zip(path, len(data))
+    for cut in (1, 22, 23, 98, len(data) - directory, len(data) // 2):
+        path.write_bytes(data[: len(data) - cut])
+        assert not evidence._is_zip(path, len(data) - cut), cut
+
+
 def test_a_half_written_file_holding_a_whole_zip_is_incomplete(tmp_path):
     """The hole: a tensor whose bytes are a zip (an archive stored in a checkpoint), the file cut
     just after that inner zip's end record. zipfile.is_zipfile takes the inner record for the

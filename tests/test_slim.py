@@ -86,6 +86,24 @@ def trainer_volume(tmp_path: Path) -> Path:
 )
 def test_slim_file_globs_match_segment_by_segment(path, glob, expected):
     assert slim.matches(path, glob) is expected
+    assert slim.matches_any(path, (glob,)) is expected
+
+
+def test_the_survey_s_compiled_globs_agree_with_matching_one_glob_at_a_time():
+    """`matches_any` (each glob compiled once, by segment count) says what `any(matches(...))` says,
+    for every combination of a few globs over paths of every depth."""
+    import itertools
+
+    globs = ["global_step*/*optim_states.pt", "optimizer.pt", "a/[ab]?/*", "*", "x*/y", "*/z", "?"]
+    paths = [
+        "global_step5/zero_pp_rank_0_mp_rank_00_optim_states.pt", "global_step5/sub/x_optim_states.pt",
+        "optimizer.pt", "a/b/optimizer.pt", "a/bc/d", "a/cc/d", "x", "xy/y", "xy/z/y", "q/z", "q/r/z", "",
+        "global_step5/optim_states.pt.tmp", "a/b\nc/d",
+    ]
+    for path in paths:
+        for r in range(len(globs) + 1):
+            for chosen in itertools.combinations(globs, r):
+                assert slim.matches_any(path, chosen) == any(slim.matches(path, g) for g in chosen), (path, chosen)
 
 
 def test_weights_and_model_states_are_never_removed_whatever_the_globs_say(tmp_path):

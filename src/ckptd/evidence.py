@@ -357,13 +357,18 @@ class Inspector:
             return read()
         return self._look.verdict(kind, entry, read)
 
-    def _file_problem(self, path: Path, e: Entry) -> str | None:
-        """`file_problem`, remembered while the file is the same: an unchanged file is read once.
+    def _file_problem(self, checkpoint: Path, e: Entry) -> str | None:
+        """`file_problem` of the checkpoint's entry `e`, remembered while the file is the same: an
+        unchanged file is read once (and its path not even built).
 
         A read that failed (an I/O error) is a problem this time and not remembered.
         """
+
+        def read() -> str | None:
+            return file_problem(os.path.join(checkpoint, e.rel) if e.rel else checkpoint, e)
+
         try:
-            return self._remembered(verdicts_.FILE, e, lambda: file_problem(path, e))  # type: ignore[return-value]
+            return self._remembered(verdicts_.FILE, e, read)  # type: ignore[return-value]
         except OSError as exc:
             return f" could not be read: {exc.strerror or exc}"
 
@@ -1282,7 +1287,7 @@ def _nemo_unfinished(run: RunContext, cand: Candidate) -> Check:
     return Check("nemo marker", PASSED, f"no {marker}")
 
 
-FileProblem = Callable[[Path, "Entry"], str | None]
+FileProblem = Callable[[Path, "Entry"], str | None]  # (the checkpoint, one of its entries)
 
 
 def _integrity(path: Path, entries: list[Entry], problem: FileProblem) -> Check:
@@ -1295,7 +1300,7 @@ def _integrity(path: Path, entries: list[Entry], problem: FileProblem) -> Check:
         whole_file = not e.rel and name.endswith((".ckpt", ".nemo"))  # the checkpoint is this one file
         if name.endswith((*ZIP_SUFFIXES, SAFETENSORS_SUFFIX)) or whole_file:
             count += 1
-            why = problem(path / e.rel if e.rel else path, e)
+            why = problem(path, e)
             if why:
                 bad.append(f"{name}{why}")
     if bad:
@@ -1306,12 +1311,13 @@ def _integrity(path: Path, entries: list[Entry], problem: FileProblem) -> Check:
     )
 
 
-def file_problem(path: Path, e: Entry) -> str | None:
+def file_problem(path: str | Path, e: Entry) -> str | None:
     """Why one torch, safetensors or .nemo file is not whole (as a suffix to its name), or None."""
-    if path.name.endswith(SAFETENSORS_SUFFIX):  # `path` is the file itself
+    name = os.fspath(path)  # `path` is the file itself
+    if name.endswith(SAFETENSORS_SUFFIX):
         problem = safetensors_problem(path, e.size)
         return f": {problem}" if problem else None
-    if path.name.endswith(".nemo"):
+    if name.endswith(".nemo"):
         problem = tar_problem(path, e.size)
         return f": {problem}" if problem else None
     if e.size == 0:
@@ -1328,7 +1334,7 @@ _CENTRAL = b"PK\x01\x02"  # a central directory entry
 _EOCD_SEARCH = 22 + 0xFFFF  # the record, and the longest comment it may carry
 
 
-def _is_zip(path: Path, size: int) -> bool:
+def _is_zip(path: str | Path, size: int) -> bool:
     """Whether the file ends exactly in a zip's end record, consistent with its central directory.
 
     A file cut off mid-write can still hold a whole zip *inside* it (a tensor whose bytes
@@ -1348,29 +1354,39 @@ def _is_zip(path: Path, size: int) -> bool:
         os.close(fd)
 
 
+_TAIL = 8192  # bytes read at once from a zip's end: torch's end records and central directory fit
+
+
 def _zip_directory_ok(fd: int, size: int) -> bool:
     if size < 22:
         return False
-    eocd_at, record = size - 22, os.pread(fd, 22, size - 22)
+    tail_at = max(0, size - _TAIL)
+    tail = os.pread(fd, size - tail_at, tail_at)  # one read where three were: the records are at the end
+
+    def pread(n: int, at: int) -> bytes:
+        """`os.pread(fd, n, at)`, from the tail already read when it lies there."""
+        return tail[at - tail_at : at - tail_at + n] if at >= tail_at else os.pread(fd, n, at)
+
+    eocd_at, record = size - 22, pread(22, size - 22)
     if not (record[:4] == _EOCD and record[20:22] == b"\0\0"):  # not torch's: a comment follows it
         n = min(size, _EOCD_SEARCH)
-        tail = os.pread(fd, n, size - n)
-        i = tail.rfind(_EOCD)
+        end = os.pread(fd, n, size - n)
+        i = end.rfind(_EOCD)
         while i >= 0 and not (
-            len(tail) - i >= 22 and i + 22 + struct.unpack_from("<H", tail, i + 20)[0] == len(tail)
+            len(end) - i >= 22 and i + 22 + struct.unpack_from("<H", end, i + 20)[0] == len(end)
         ):
-            i = tail.rfind(_EOCD, 0, i)
+            i = end.rfind(_EOCD, 0, i)
         if i < 0:
             return False
-        eocd_at, record = size - n + i, tail[i : i + 22]
+        eocd_at, record = size - n + i, end[i : i + 22]
     disk, cd_disk, here, total, cd_size, cd_offset = struct.unpack_from("<4xHHHHII", record)
     if disk or cd_disk or here != total:
         return False  # a multi-disk archive: no torch file is one
     maxed = 0xFFFF in (here, total) or 0xFFFFFFFF in (cd_size, cd_offset)
     candidates = []  # (where the central directory must end, its size, its offset)
-    if eocd_at >= 20 + 56 and (locator := os.pread(fd, 20, eocd_at - 20))[:4] == _EOCD64_LOCATOR:
+    if eocd_at >= 20 + 56 and (locator := pread(20, eocd_at - 20))[:4] == _EOCD64_LOCATOR:
         (at,) = struct.unpack_from("<Q", locator, 8)
-        zip64 = os.pread(fd, 56, at) if at < eocd_at else b""
+        zip64 = pread(56, at) if at < eocd_at else b""
         whole = len(zip64) == 56 and zip64[:4] == _EOCD64
         if whole and at + 12 + struct.unpack_from("<Q", zip64, 4)[0] == eocd_at - 20:
             size64, offset64 = struct.unpack_from("<QQ", zip64, 40)
@@ -1378,7 +1394,7 @@ def _zip_directory_ok(fd: int, size: int) -> bool:
     if not maxed:
         candidates.append((eocd_at, cd_size, cd_offset))
     for end, length, offset in candidates:
-        if offset + length == end and (length == 0 or os.pread(fd, 4, offset) == _CENTRAL):
+        if offset + length == end and (length == 0 or pread(4, offset) == _CENTRAL):
             return True
     return False
 
@@ -1387,7 +1403,7 @@ TAR_BLOCK = 512
 MAX_TAR_MEMBERS = 100_000
 
 
-def tar_problem(path: Path, size: int) -> str | None:
+def tar_problem(path: str | Path, size: int) -> str | None:
     """Why a `.nemo` archive (a tar NeMo writes in place: save_restore_connector.py, `tarfile.open(
     filename, "w:")`, no marker, not atomic) is not whole, or None.
 
@@ -1427,7 +1443,7 @@ def tar_problem(path: Path, size: int) -> str | None:
         os.close(fd)
 
 
-def safetensors_problem(path: Path, size: int) -> str | None:
+def safetensors_problem(path: str | Path, size: int) -> str | None:
     """Why a safetensors file is not whole, or None."""
     if size < 8:
         return f"{size} bytes: too short for a header"

@@ -14,11 +14,12 @@ of a checkpoint is optimizer state that only resuming needs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
+from fnmatch import fnmatchcase, translate
 from typing import TYPE_CHECKING, Any
 
 from ckptd import layouts
@@ -82,6 +83,26 @@ def matches(path: str, glob: str) -> bool:
     """`glob` matches `path` segment by segment: `*` never crosses a `/`."""
     p, g = path.split("/"), glob.split("/")
     return len(p) == len(g) and all(fnmatchcase(a, b) for a, b in zip(p, g, strict=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_matchers(globs: tuple[str, ...]) -> dict[int, tuple[tuple[Callable[[str], Any], ...], ...]]:
+    """`globs` by their number of segments, each segment compiled once (as `fnmatchcase` does)."""
+    by_depth: dict[int, list[tuple[Callable[[str], Any], ...]]] = {}
+    for glob in globs:
+        parts = glob.split("/")
+        by_depth.setdefault(len(parts), []).append(tuple(re.compile(translate(b)).match for b in parts))
+    return {n: tuple(gs) for n, gs in by_depth.items()}
+
+
+def matches_any(path: str, globs: tuple[str, ...]) -> bool:
+    """`matches(path, g)` for some g in `globs`, without splitting and translating each glob per path:
+    a survey asks this for every file of every checkpoint."""
+    p = path.split("/")
+    for segments in _segment_matchers(globs).get(len(p), ()):
+        if all(m(a) for a, m in zip(p, segments, strict=True)):
+            return True
+    return False
 
 
 def never_removed(path: str) -> bool:
@@ -255,6 +276,7 @@ def survey(
         return Slimming()
     prefix = f"{name}/" if layout == layouts.DEEPSPEED else ""
     leftover = f"{LEGACY_WORK_DIR}/"
+    globs = tuple(slim_files)
     removable = tuple(
         sorted(
             (rel, e.size)
@@ -263,7 +285,7 @@ def survey(
             and rel
             and (
                 rel.startswith(leftover)
-                or (not never_removed(rel) and any(matches(prefix + rel, g) for g in slim_files))
+                or (not never_removed(rel) and matches_any(prefix + rel, globs))
             )
         )
     )
