@@ -24,7 +24,8 @@ from bench.report import Row, Section
 from ckptd.watch import MAX_WATCHES
 
 NAME = "5. memory"
-TARGET_MIB = 80
+TARGET_MIB = 80  # the daemon on M
+TARGET_MIB_L = 150  # the daemon on L (issue 14, item 3)
 POLL_INTERVAL_S = 10.0  # ckptd's default poll_interval
 
 
@@ -41,7 +42,7 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         "from its own /proc/self/status; VmHWM is the peak. The daemon's: `ckptd run --log-format json` "
         "(observer inotify, quiet_period 1 s, torch hidden, a retention that keeps everything), VmRSS "
         "from /proc/<pid>/status when its READY line arrives and once every checkpoint is complete. "
-        "Target: ≤ 80 MiB on M without torch, for the daemon.",
+        "Target: ≤ 80 MiB on M and ≤ 150 MiB on L without torch, for the daemon.",
     )
     shapes = [s for s in ctx.sizes if s.name in ("M", "L")] or ctx.sizes[-1:]
     for shape in shapes:
@@ -74,11 +75,12 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         d.stop()
         ready, complete = facts["rss_ready_kib"] / 1024, facts["rss_complete_kib"] / 1024
         daemon = max(ready, complete)
-        on_target = shape.name == "M"
+        target = {"M": TARGET_MIB, "L": TARGET_MIB_L}.get(shape.name)
+        on_target = target is not None
         note = ""
-        if on_target and daemon > TARGET_MIB:
+        if target is not None and daemon > target:
             note = (
-                f"{daemon:.0f} MiB against {TARGET_MIB} MiB, {daemon - TARGET_MIB:.0f} MiB over; a process "
+                f"{daemon:.0f} MiB against {target} MiB, {daemon - target:.0f} MiB over; a process "
                 f"that only scans and plans holds {mib:.0f} MiB, so the rest is the daemon's own: "
                 f"{facts['threads_ready']} threads at READY (one per watchdog watch)."
             )
@@ -87,8 +89,8 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
                 NAME,
                 f"{shape.name}: `ckptd run` RSS after start-up, no torch",
                 f"{ready:.0f} MiB at READY, {complete:.0f} MiB all complete",
-                target=f"≤ {TARGET_MIB} MiB" if on_target else "—",
-                met=daemon <= TARGET_MIB if on_target else None,
+                target=f"≤ {target} MiB" if on_target else "—",
+                met=daemon <= target if target is not None else None,
                 note=note,
             )
         )

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import itertools
@@ -435,6 +436,16 @@ class Verdicts:
         table = [(int(step), _row(row)) for step, row in doc["rows"]]
         prefix = str(root).rstrip("/") + "/"
         records: dict[str, Record] = {}
+        checks: dict[tuple[Any, Any, Any], Check] = {}  # as saved -> the one Check object (`share_checks`)
+
+        def check(name: Any, verdict: Any, detail: Any) -> Check:
+            found = checks.get((name, verdict, detail))
+            if found is None:
+                found = checks[(name, verdict, detail)] = self.share_checks(
+                    (Check(str(name), Verdict(verdict), str(detail)),)
+                )[0]
+            return found
+
         for raw in lines:  # a line at a time: its objects are made and kept, or freed, one by one
             rel, digest, verdicts, *summary = json.loads(raw)
             if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):
@@ -449,7 +460,7 @@ class Verdicts:
             }
             rec = records[prefix + rel] = Record(bytes.fromhex(digest), decoded, whole=True, proven=False)
             if summary:
-                _decode_checkpoint(rec, summary[0], lambda c: self.share_checks((c,))[0])
+                _decode_checkpoint(rec, summary[0], check)
         return records
 
 
@@ -533,11 +544,15 @@ def _encode_checkpoint(rec: Record) -> dict[str, Any] | None:
     }
 
 
-def _decode_checkpoint(rec: Record, doc: dict[str, Any], share: Callable[[Check], Check]) -> None:
+_NOWHERE = Path("/")  # a restored checkpoint's root until `Scanner.restore` gives it its own
+
+
+def _decode_checkpoint(rec: Record, doc: dict[str, Any], check: Callable[[Any, Any, Any], Check]) -> None:
     ts = rec.verdicts.get((TRAINER_STATE, "trainer_state.json"))
     if doc["ts"] and (ts is None or ts[1] is None):
         return
     slimmed, removable, weights, source, blocker, keeps, dtype = doc["slim"]
+    paths, sizes = zip(*removable, strict=True) if removable else ((), ())  # [path, bytes] pairs
     w = doc["consolidated"]
     consolidated = None if w is None else ConsolidatedWeights(
         str(w[0]), str(w[1]), str(w[2]), tuple((str(p), int(n), str(h)) for p, n, h in w[3]), str(w[4])
@@ -546,20 +561,21 @@ def _decode_checkpoint(rec: Record, doc: dict[str, Any], share: Callable[[Check]
     rec.dirs = tuple((str(d[0]), *map(int, d[1:6])) for d in doc["dirs"])  # type: ignore[misc]
     rec.context = str(doc["ctx"])
     rec.checkpoint = Checkpoint(
-        root=Path("/"),
+        root=_NOWHERE,
         run=".",
         name="",
         step=0,
         layout="",  # the caller's: `Scanner.restore`
-        checks=tuple(share(Check(str(n), Verdict(v), str(d))) for n, v, d in doc["checks"]),
+        checks=tuple(check(n, v, d) for n, v, d in doc["checks"]),
         size_bytes=int(doc["size"]),
         newest_mtime=float(doc["newest"]),
         fingerprint=rec.fingerprint,
         pinned=bool(doc["pinned"]),
         trainer_state=ts[1] if doc["ts"] else None,  # type: ignore[index]
         slim=Slimming(
-            bool(slimmed), tuple((str(p), int(n)) for p, n in removable), weights, source, blocker,
-            str(keeps), consolidated, dtype,
+            bool(slimmed),
+            tuple(zip(map(str, paths), map(int, sizes), strict=True)),
+            weights, source, blocker, str(keeps), consolidated, dtype,
         ),
         saved_at=float(doc["saved_at"]),
         written_at=float(doc["written_at"]),
@@ -628,8 +644,7 @@ def _decode_verdict(
     if kind == WORLD:
         if isinstance(value, str):
             return value
-        names = {f.name for f in dataclasses.fields(WorldSizes)}
-        if set(value) != names:  # written with other fields: not this version's verdict
+        if set(value) != _world_fields():  # written with other fields: not this version's verdict
             raise ValueError(f"world sizes with fields {sorted(value)}")
         return WorldSizes(**value)
     if kind == TRAINER_STATE:
@@ -640,6 +655,13 @@ def _decode_verdict(
             ts = TrainerState(global_step, best, best_metric, history([table[i] for i in refs]))
         return (check, ts)
     raise ValueError(f"unknown verdict kind {kind!r}")
+
+
+@functools.cache
+def _world_fields() -> frozenset[str]:
+    from ckptd.dsmeta import WorldSizes
+
+    return frozenset(f.name for f in dataclasses.fields(WorldSizes))
 
 
 _LOGIC: str | None = None
