@@ -171,9 +171,12 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
                 f"the safety re-check ({fmt_time(median(t['recheck']))}), which inspects afresh both this "
                 f"checkpoint and the run's newest complete one: two walks and the zip tails of "
                 f"2 × {2 * world + 3} torch files, so it grows with the file count (not the bytes). One "
-                f"walk takes {fmt_time(walk)}: a re-check that reuses the plan's evidence when the fresh "
-                "fingerprint is unchanged, and checks the newest one's fingerprint only, would bring it "
-                f"to about {fmt_time(2 * walk + rename)} (a change in `reaper.py`, left to its owner)."
+                f"walk takes {fmt_time(walk)}: a re-check that reused the plan's evidence when the fresh "
+                "fingerprint is unchanged would bring it to about "
+                f"{fmt_time(2 * walk + rename)}, but the re-check is strict on purpose (`verdicts.strict`): "
+                "it reads every file afresh and trusts no remembered verdict, so that a stale or lying "
+                "verdict cache can never cause a deletion. Nothing on disk changes during it: the "
+                "checkpoint leaves its run in one rename, never half-deleted."
             )
         rows.append(
             Row(

@@ -330,6 +330,69 @@ def test_a_cache_edited_without_its_checksum_is_ignored(tmp_path):
     assert by_rel(s)["run/checkpoint-10"].state is State.INCOMPLETE
 
 
+def _age(root: Path) -> None:
+    old = time.time() - 3600
+    for p in [*root.rglob("*")]:
+        os.utime(p, (old, old), follow_symlinks=False)
+
+
+def _rewrite_saved_checkpoint(state: Path, root: Path, edit) -> None:
+    """Apply `edit` to every saved checkpoint summary in the cache, checksum made to match: a cache
+    no ckptd writes, as a buggy or tampered one could."""
+    import hashlib
+
+    path = cache_path(state, root)
+    head, _, body = path.read_bytes().partition(b"\n")
+    lines = [json.loads(line) for line in zlib.decompress(body).splitlines()]
+    for line in lines[1:]:
+        edit(line[3])
+    fmt, version, logic, _ = head.decode().split(" ")
+    body = zlib.compress(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+    path.write_bytes(f"{fmt} {version} {logic} {hashlib.blake2b(body, digest_size=16).hexdigest()}\n".encode() + body)
+
+
+@pytest.mark.parametrize("removable", [None, False, 0, [["a"]], [["a", 1, 2]], [[1, "a", "b"]]])
+def test_a_saved_checkpoint_with_malformed_removable_files_makes_the_cache_ignored(tmp_path, removable):
+    """The removable files are [path, bytes] pairs; anything else (null, false, 0, another arity)
+    is refused, and the whole cache with it: everything is looked at again (review of b3cc810)."""
+    root = tmp_path / "vol"
+    hf_deepspeed_checkpoint(root / "run", 10, world=2)
+    _age(root)
+    state = tmp_path / "state"
+    state.mkdir()
+    by_rel(scanner(root, state))
+    assert len(scanner(root, state).verdicts) == 1  # the truthful cache is taken
+
+    def edit(summary):
+        summary["slim"][1] = removable
+
+    _rewrite_saved_checkpoint(state, root, edit)
+    s = scanner(root, state)
+    assert len(s.verdicts) == 0
+    assert by_rel(s)["run/checkpoint-10"].state is State.COMPLETE  # looked at again
+
+
+def test_a_saved_check_that_is_not_text_is_decoded_as_before(tmp_path):
+    """Checks are saved as three strings; one saved otherwise decodes as its str(), each on its own
+    (1, 1.0 and True are equal keys to a dict: they must not share one decoded Check)."""
+    root = tmp_path / "vol"
+    hf_deepspeed_checkpoint(root / "run", 10, world=2)
+    hf_deepspeed_checkpoint(root / "run", 20, world=2)
+    _age(root)
+    state = tmp_path / "state"
+    state.mkdir()
+    by_rel(scanner(root, state))
+    odd = iter([[True, "passed", True], [1, "passed", 1]])
+
+    def edit(summary):
+        summary["checks"].append(next(odd))
+
+    _rewrite_saved_checkpoint(state, root, edit)
+    s = scanner(root, state)
+    names = sorted(c.name for rec in s.verdicts._records.values() for c in rec.checkpoint.checks)
+    assert "1" in names and "True" in names
+
+
 def test_the_reapers_recheck_never_rests_on_the_cache(tmp_path):
     """A cache that lies (a truncated shard said intact) fools `plan`'s report, by design (it is
     what it remembers), but never the re-check the reaper makes before it acts. The lie is in

@@ -1365,7 +1365,8 @@ def _zip_directory_ok(fd: int, size: int) -> bool:
 
     def pread(n: int, at: int) -> bytes:
         """`os.pread(fd, n, at)`, from the tail already read when it lies there."""
-        return tail[at - tail_at : at - tail_at + n] if at >= tail_at else os.pread(fd, n, at)
+        inside = tail_at <= at and at + n <= size  # else read it: the file may have grown since its stat
+        return tail[at - tail_at : at - tail_at + n] if inside else os.pread(fd, n, at)
 
     eocd_at, record = size - 22, pread(22, size - 22)
     if not (record[:4] == _EOCD and record[20:22] == b"\0\0"):  # not torch's: a comment follows it

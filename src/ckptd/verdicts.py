@@ -439,6 +439,8 @@ class Verdicts:
         checks: dict[tuple[Any, Any, Any], Check] = {}  # as saved -> the one Check object (`share_checks`)
 
         def check(name: Any, verdict: Any, detail: Any) -> Check:
+            if not (type(name) is str and type(verdict) is str and type(detail) is str):  # not as written
+                return self.share_checks((Check(str(name), Verdict(verdict), str(detail)),))[0]
             found = checks.get((name, verdict, detail))
             if found is None:
                 found = checks[(name, verdict, detail)] = self.share_checks(
@@ -552,7 +554,8 @@ def _decode_checkpoint(rec: Record, doc: dict[str, Any], check: Callable[[Any, A
     if doc["ts"] and (ts is None or ts[1] is None):
         return
     slimmed, removable, weights, source, blocker, keeps, dtype = doc["slim"]
-    paths, sizes = zip(*removable, strict=True) if removable else ((), ())  # [path, bytes] pairs
+    # [path, bytes] pairs; null, false or 0 is refused (TypeError) as a loop over it would
+    paths, sizes = zip(*removable, strict=True) if len(removable) else ((), ())
     w = doc["consolidated"]
     consolidated = None if w is None else ConsolidatedWeights(
         str(w[0]), str(w[1]), str(w[2]), tuple((str(p), int(n), str(h)) for p, n, h in w[3]), str(w[4])

@@ -287,7 +287,7 @@ MUTS = [
  dict(id="E8c", what="zip: the end record (with its comment) must end the file", tests="evidence", edits=[(E,
    "len(end) - i >= 22 and i + 22 + struct.unpack_from(\"<H\", end, i + 20)[0] == len(end)", "len(end) - i >= 22")]),
  dict(id="E8e", what="zip: bytes before the tail read at once are read where they are", tests="evidence",
-   edits=[(E, "return tail[at - tail_at : at - tail_at + n] if at >= tail_at else os.pread(fd, n, at)",
+   edits=[(E, "return tail[at - tail_at : at - tail_at + n] if inside else os.pread(fd, n, at)",
            "return tail[max(0, at - tail_at) : max(0, at - tail_at) + n]")]),
  dict(id="SL9", what="the survey's compiled globs: a glob of another depth never matches", tests="slim", edits=[(
    "slim.py", "    for segments in _segment_matchers(globs).get(len(p), ()):",
