@@ -156,7 +156,8 @@ def _run_one(ctx: Context, shape: Shape) -> tuple[list[Row], Section]:
         f"(every checkpoint looked at again, retention decided) takes {fmt_time(reconcile)} CPU: every "
         f"{RECONCILE_INTERVAL_S / 60:g} min that is {100 * reconcile / RECONCILE_INTERVAL_S:.2g} % of a "
         f"core. The first reconcile after start-up took {fmt_time(tick['reconcile_first_s'])}: it also "
-        "writes the verdict cache of every checkpoint looked at (once; later ones only when something changed)."
+        "writes the verdict cache of every checkpoint looked at (once; later ones only when something "
+        "changed)."
     )
 
     r = results["inotify"]
