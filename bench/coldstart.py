@@ -22,6 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from bench import volume
 from bench.context import Context
 from bench.daemon import start_until_complete, write_config
 from bench.measure import check, env, fmt_ratio, fmt_time, median, run_child
@@ -161,7 +162,7 @@ def _with_cache(
     state = work / "state"
     state.mkdir()
     config = work / "ckptd.toml"
-    config.write_text(v.config.read_text().replace(f"'{v.state_dir}'", f"'{state}'"))
+    volume.write_config(config, v.root, state, world=shape.world)  # the volume's own, state_dir apart
     plan = [sys.executable, "-m", "ckptd", "plan", "-c", str(config)]
     ctx.log(f"cold start on {shape.name}: ckptd plan with the verdict cache, {n} ×")
     check(run_child(plan, env=notorch), "ckptd plan (writes the cache)")

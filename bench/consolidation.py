@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,11 +102,17 @@ def measure(cmd: list[str]) -> tuple[float, int]:
     return wall, usage.ru_maxrss * 1024  # ru_maxrss is in KiB on Linux
 
 
+def _generated(cache: Path, shape: tuple[int, int]) -> tuple[Path, Path]:
+    """(where the checkpoint of `shape` is generated, the file that says it was)."""
+    hidden, layers = shape
+    where = cache / f"zero2-bf16-2ranks-h{hidden}-l{layers}"
+    return where, where / "generated.json"
+
+
 def generate(cache: Path, shape: tuple[int, int]) -> Path:
     """The real ZeRO-2 checkpoint (bare layout: <run>/global_step1/), generated once into `cache`."""
     hidden, layers = shape
-    where = cache / f"zero2-bf16-2ranks-h{hidden}-l{layers}"
-    done = where / "generated.json"
+    where, done = _generated(cache, shape)
     if done.exists():
         return where / "run"
     shutil.rmtree(where, ignore_errors=True)
@@ -229,10 +236,11 @@ def bench(ctx) -> tuple[list, object]:  # (Context) -> (rows, Section); bench.* 
     from bench.report import Row, Section
 
     shape = SHAPES["quick" if ctx.quick else "mlp"]
-    xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckptd-bench" / "consolidation"
     ctx.log("consolidation: the real ZeRO-2 checkpoint (generated once, cached)")
+    cached = _generated(cache, shape)[1].exists()
     t0 = time.perf_counter()
-    save_dir = generate(xdg / "ckptd-bench" / "consolidation", shape)
+    save_dir = generate(cache, shape)
     generated = time.perf_counter() - t0
     tag = sorted(d.name for d in save_dir.glob("global_step*"))[-1]
     shapes = (  # in a child: the harness hides torch from itself
@@ -247,21 +255,21 @@ def bench(ctx) -> tuple[list, object]:  # (Context) -> (rows, Section); bench.* 
     ctx.log(f"consolidation: {fmt_size(fp32)} of fp32 weights, {reps} × each variant")
     with tempfile.TemporaryDirectory(prefix="ckptd-bench-consolidation-", dir=save_dir.parent) as work:
         rows = run(save_dir, tag, reps, Path(work))
-    by = {r["variant"].split(":")[0].split(" ")[0]: r for r in rows}
-    floor, base = by["floor"], by["baseline"]
-    ours = next(r for r in rows if r["variant"].startswith("ckptd") and "(default)" in r["variant"])
-    ds = next(r for r in rows if r["variant"].startswith("DeepSpeed"))
+    def variant(*words: str) -> dict:
+        return next(r for r in rows if all(w in r["variant"] for w in words))
+
+    floor, base, ds = variant("floor:"), variant("baseline:"), variant("DeepSpeed's")
+    ours = variant("ckptd:", "(default)")
     bound = 2 * largest + OVERHEAD
     above = ours["peak_rss"] - floor["peak_rss"]
     case = f"{fmt_size(fp32)} fp32 in {len(sizes)} tensors (largest {fmt_size(largest)})"
+
+    def versus_eager(what: str, key: str, fmt: Callable[[float], str]) -> Row:
+        return Row(NAME, f"{case}: {what}, ckptd vs eager zero_to_fp32 (ckptd before)", fmt(ours[key]),
+                   fmt(base[key]), f"{ours[key] / base[key]:.2f}×")  # fmt: skip
+
     out = [
-        Row(
-            NAME,
-            f"{case}: peak RSS, ckptd vs eager zero_to_fp32 (ckptd before)",
-            fmt_size(ours["peak_rss"]),
-            fmt_size(base["peak_rss"]),
-            f"{ours['peak_rss'] / base['peak_rss']:.2f}×",
-        ),
+        versus_eager("peak RSS", "peak_rss", fmt_size),
         Row(
             NAME,
             f"{case}: peak RSS above the floor (`import torch, deepspeed, safetensors`)",
@@ -272,13 +280,7 @@ def bench(ctx) -> tuple[list, object]:  # (Context) -> (rows, Section); bench.* 
             above <= bound,
             "" if above <= bound else f"{fmt_size(above)} above the floor against {fmt_size(bound)}",
         ),
-        Row(
-            NAME,
-            f"{case}: wall time, ckptd vs eager zero_to_fp32",
-            fmt_time(ours["wall_s"]),
-            fmt_time(base["wall_s"]),
-            f"{ours['wall_s'] / base['wall_s']:.2f}×",
-        ),
+        versus_eager("wall time", "wall_s", fmt_time),
     ]
     section = Section(
         NAME,
@@ -291,7 +293,7 @@ def bench(ctx) -> tuple[list, object]:  # (Context) -> (rows, Section); bench.* 
         "every 128 MiB, and slack), whatever the model's size.",
         [
             f"the checkpoint: {save_dir / tag}, {fmt_size(fp32)} of fp32 master weights in {len(sizes)} "
-            f"tensors, the largest {fmt_size(largest)} ({'generated' if generated > 60 else 'cached'}, "
+            f"tensors, the largest {fmt_size(largest)} ({'cached' if cached else 'generated'}, "
             f"{generated:.0f} s)",
             *(
                 f"{r['variant']}: {r['wall_s']:.1f} s, peak {fmt_size(r['peak_rss'])}, median of {r['runs']}"

@@ -54,6 +54,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "storm": storm.run,
 }
 OPT_IN: dict[str, Benchmark] = {"consolidation": consolidation.bench}  # `--consolidation`; minutes, ~8 GiB
+ALL: dict[str, Benchmark] = {**BENCHMARKS, **OPT_IN}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--consolidation", action="store_true",
                    help="add consolidating a real ZeRO-2 checkpoint of 1.1 GiB fp32 weights (minutes, ~8 GiB "
                         "of memory to write it once, cached)")  # fmt: skip
-    p.add_argument("--only", action="append", choices=sorted({*BENCHMARKS, *OPT_IN}), metavar="NAME",
-                   help=f"run only this benchmark (repeatable): {', '.join([*BENCHMARKS, *OPT_IN])}",
+    p.add_argument("--only", action="append", choices=sorted(ALL), metavar="NAME",
+                   help=f"run only this benchmark (repeatable): {', '.join(ALL)}",
                    )  # fmt: skip
     p.add_argument("--out", type=Path, default=REPO / "BENCHMARKS.md", help="where to write the report")
     p.add_argument("--workdir", type=Path, default=None, help="where to build volumes (default: a temp dir)")
@@ -129,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in names:
             print(f"{name}:", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            r, s = {**BENCHMARKS, **OPT_IN}[name](ctx)
+            r, s = ALL[name](ctx)
             rows += r
             s.details.append(f"took {time.perf_counter() - t0:.0f} s in this run.")
             sections.append(s)

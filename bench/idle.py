@@ -95,17 +95,11 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
     """On M (T when quick), and on L too when it is measured (`--large`)."""
     shapes = [next((s for s in reversed(ctx.sizes) if s.name in ("M", "T")), ctx.sizes[-1])]
     shapes += [s for s in ctx.sizes if s.name == "L" and s not in shapes]
-    rows: list[Row] = []
-    section: Section | None = None
-    for shape in shapes:
-        r, sec = _run_one(ctx, shape)
-        rows += r
-        if section is None:
-            section = sec
-        else:
-            section.details += sec.details
-    assert section is not None
-    return rows, section
+    measured = [_run_one(ctx, shape) for shape in shapes]
+    section = measured[0][1]
+    for _, more in measured[1:]:
+        section.details += more.details
+    return [row for rows, _ in measured for row in rows], section
 
 
 def _run_one(ctx: Context, shape: Shape) -> tuple[list[Row], Section]:

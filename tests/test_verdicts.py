@@ -18,7 +18,7 @@ import pytest
 
 from ckptd import dsmeta, evidence
 from ckptd.config import Root
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.demo import age, hf_deepspeed_checkpoint
 from ckptd.evidence import Entry
 from ckptd.model import State
 from ckptd.planner import Scanner
@@ -292,29 +292,38 @@ def test_a_cache_written_for_another_root_is_ignored(tmp_path):
     assert len(v) == 0
 
 
-def lying_cache(state: Path, root: Path, ckpt: Path, *, checksum: bool = True, lie: str = "verdicts") -> None:
-    """Rewrite the cache so that it says the truncated shard of `ckpt` is intact: what a cache
-    written by a buggy or tampered ckptd could say. The checksum is made to match, or not.
-    `lie`: "verdicts" (the shard's problem dropped, and the saved checkpoint, so a look uses
-    the verdicts) or "checkpoint" (the saved checkpoint's failing check made to pass)."""
+def rewrite_cache(state: Path, root: Path, edit, *, checksum: bool = True) -> None:
+    """Apply `edit` to each checkpoint line of the cache ([rel, digest, verdicts, summary?]): what a
+    cache written by a buggy or tampered ckptd could say. The checksum is made to match, or not."""
     import hashlib
 
     path = cache_path(state, root)
     head, _, body = path.read_bytes().partition(b"\n")
     lines = [json.loads(line) for line in zlib.decompress(body).splitlines()]
-    rel = str(ckpt.relative_to(root))
     for line in lines[1:]:
+        edit(line)
+    fmt, version, logic, old_sum = head.decode().split(" ")
+    body = zlib.compress(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+    new_sum = hashlib.blake2b(body, digest_size=16).hexdigest() if checksum else old_sum
+    path.write_bytes(f"{fmt} {version} {logic} {new_sum}\n".encode() + body)
+
+
+def lying_cache(state: Path, root: Path, ckpt: Path, *, checksum: bool = True, lie: str = "verdicts") -> None:
+    """Rewrite the cache so that it says the truncated shard of `ckpt` is intact.
+    `lie`: "verdicts" (the shard's problem dropped, and the saved checkpoint, so a look uses
+    the verdicts) or "checkpoint" (the saved checkpoint's failing check made to pass)."""
+    rel = str(ckpt.relative_to(root))
+
+    def edit(line: list) -> None:
         if line[0] != rel:
-            continue
+            return
         if lie == "verdicts":
             line[2:] = [[v for v in line[2] if v[0] != FILE]]  # and no saved checkpoint
         else:
             for check in line[3]["checks"]:
                 check[1] = "passed"
-    fmt, version, logic, old_sum = head.decode().split(" ")
-    body = zlib.compress(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
-    new_sum = hashlib.blake2b(body, digest_size=16).hexdigest() if checksum else old_sum
-    path.write_bytes(f"{fmt} {version} {logic} {new_sum}\n".encode() + body)
+
+    rewrite_cache(state, root, edit, checksum=checksum)
 
 
 def test_a_cache_edited_without_its_checksum_is_ignored(tmp_path):
@@ -330,43 +339,22 @@ def test_a_cache_edited_without_its_checksum_is_ignored(tmp_path):
     assert by_rel(s)["run/checkpoint-10"].state is State.INCOMPLETE
 
 
-def _age(root: Path) -> None:
-    old = time.time() - 3600
-    for p in [*root.rglob("*")]:
-        os.utime(p, (old, old), follow_symlinks=False)
-
-
-def _rewrite_saved_checkpoint(state: Path, root: Path, edit) -> None:
-    """Apply `edit` to every saved checkpoint summary in the cache, checksum made to match: a cache
-    no ckptd writes, as a buggy or tampered one could."""
-    import hashlib
-
-    path = cache_path(state, root)
-    head, _, body = path.read_bytes().partition(b"\n")
-    lines = [json.loads(line) for line in zlib.decompress(body).splitlines()]
-    for line in lines[1:]:
-        edit(line[3])
-    fmt, version, logic, _ = head.decode().split(" ")
-    body = zlib.compress(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
-    path.write_bytes(f"{fmt} {version} {logic} {hashlib.blake2b(body, digest_size=16).hexdigest()}\n".encode() + body)
-
-
 @pytest.mark.parametrize("removable", [None, False, 0, [["a"]], [["a", 1, 2]], [[1, "a", "b"]]])
 def test_a_saved_checkpoint_with_malformed_removable_files_makes_the_cache_ignored(tmp_path, removable):
     """The removable files are [path, bytes] pairs; anything else (null, false, 0, another arity)
     is refused, and the whole cache with it: everything is looked at again (review of b3cc810)."""
     root = tmp_path / "vol"
     hf_deepspeed_checkpoint(root / "run", 10, world=2)
-    _age(root)
+    age(root, time.time() - 3600)
     state = tmp_path / "state"
     state.mkdir()
     by_rel(scanner(root, state))
     assert len(scanner(root, state).verdicts) == 1  # the truthful cache is taken
 
-    def edit(summary):
-        summary["slim"][1] = removable
+    def edit(line):
+        line[3]["slim"][1] = removable
 
-    _rewrite_saved_checkpoint(state, root, edit)
+    rewrite_cache(state, root, edit)
     s = scanner(root, state)
     assert len(s.verdicts) == 0
     assert by_rel(s)["run/checkpoint-10"].state is State.COMPLETE  # looked at again
@@ -378,16 +366,16 @@ def test_a_saved_check_that_is_not_text_is_decoded_as_before(tmp_path):
     root = tmp_path / "vol"
     hf_deepspeed_checkpoint(root / "run", 10, world=2)
     hf_deepspeed_checkpoint(root / "run", 20, world=2)
-    _age(root)
+    age(root, time.time() - 3600)
     state = tmp_path / "state"
     state.mkdir()
     by_rel(scanner(root, state))
     odd = iter([[True, "passed", True], [1, "passed", 1]])
 
-    def edit(summary):
-        summary["checks"].append(next(odd))
+    def edit(line):
+        line[3]["checks"].append(next(odd))
 
-    _rewrite_saved_checkpoint(state, root, edit)
+    rewrite_cache(state, root, edit)
     s = scanner(root, state)
     names = sorted(c.name for rec in s.verdicts._records.values() for c in rec.checkpoint.checks)
     assert "1" in names and "True" in names

@@ -436,16 +436,13 @@ class Verdicts:
         table = [(int(step), _row(row)) for step, row in doc["rows"]]
         prefix = str(root).rstrip("/") + "/"
         records: dict[str, Record] = {}
-        checks: dict[tuple[Any, Any, Any], Check] = {}  # as saved -> the one Check object (`share_checks`)
+        checks: dict[tuple[str, Any, str], Check] = {}  # as saved -> the one Check object (`share_checks`)
 
         def check(name: Any, verdict: Any, detail: Any) -> Check:
-            if not (type(name) is str and type(verdict) is str and type(detail) is str):  # not as written
-                return self.share_checks((Check(str(name), Verdict(verdict), str(detail)),))[0]
-            found = checks.get((name, verdict, detail))
+            key = (str(name), verdict, str(detail))  # by text: 1, 1.0 and True are one dict key, not one str
+            found = checks.get(key)
             if found is None:
-                found = checks[(name, verdict, detail)] = self.share_checks(
-                    (Check(str(name), Verdict(verdict), str(detail)),)
-                )[0]
+                found = checks[key] = self.share_checks((Check(key[0], Verdict(verdict), key[2]),))[0]
             return found
 
         for raw in lines:  # a line at a time: its objects are made and kept, or freed, one by one
