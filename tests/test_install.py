@@ -147,3 +147,25 @@ def test_the_first_step_fails_when_the_cpu_index_has_no_torch(tmp_path, cpu_inde
     proc = subprocess.run(first_step(cpu_index.replace("/simple", "/nothing-here"), report),
                           env=stock_pip_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "torch==2.13.0" in proc.stderr
+
+
+# --- CI is a fresh machine -------------------------------------------------------------
+
+
+def test_ci_installs_into_a_fresh_virtual_environment_before_the_readme_command():
+    """A green CI on a machine that already has the packages hides a missing install step."""
+    lines = ci_lines()
+    command = lines.index(readme_test_command())
+    venv = next(i for i, line in enumerate(lines) if re.search(r"python3 -m venv \S+", line))
+    activate = next(i for i, line in enumerate(lines) if re.search(r'^\. "?\$venv"?/bin/activate', line))
+    made_here = next(i for i, line in enumerate(lines) if re.search(r"^venv=.*mktemp -d", line))
+    assert made_here < venv < activate < command
+
+
+def test_every_test_dependency_has_an_upper_bound():
+    """The test extra is installed afresh each run: an open range breaks it the day a new major lands."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    unbounded = [req for req in extras["test"] if not re.search(r"(<|==|~=)", req)]
+    assert not unbounded, f"test dependencies without an upper bound: {unbounded}"

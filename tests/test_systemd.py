@@ -131,7 +131,7 @@ def exposure(installed: Path, target: str) -> float:
 
 
 @needs_analyze
-@pytest.mark.parametrize(("name", "target"), zip(UNITS, TARGETS, strict=True))
+@pytest.mark.parametrize(("name", "target"), list(zip(UNITS, TARGETS, strict=True)))
 def test_security_exposure_is_the_one_the_unit_states(installed, name, target):
     """`systemd-analyze security` rated the units 5.6 MEDIUM before hardening; the figure the
     file states is the one systemd gives it (a relaxed line shows here first)."""
