@@ -3,8 +3,10 @@ described, and what other tests read from the docs is where they look for it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import Field, create_model
@@ -68,3 +70,92 @@ def test_docgen_check_runs_from_a_checkout():
     proc = subprocess.run([sys.executable, "-m", "tools.docgen", "--check"], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+# --- the README and the site ---------------------------------------------------------
+
+README = REPO / "README.md"
+
+
+def test_the_readme_is_short():
+    assert len(README.read_bytes()) <= 12 * 1024
+
+
+def _toml_block(text: str) -> str:
+    return text[text.index("```toml\n") + len("```toml\n"):].split("```")[0]
+
+
+def test_the_readmes_config_is_valid_and_means_what_it_says(tmp_path):
+    """The commonest case: HF Trainer + DeepSpeed, the last 2 and the best by eval_loss."""
+    block = _toml_block(README.read_text())
+    assert block == _toml_block((REPO / "docs" / "getting-started.md").read_text())
+    path = tmp_path / "config.toml"
+    path.write_text(block)
+    root = config.load_config(path).roots[0]
+    r = root.retention
+    assert (r.keep_last, r.keep_best, r.metric, r.mode, r.keep_total) == (2, 1, "eval_loss", "min", None)
+    assert root.world_size is None and r.keep_full_last is None and r.max_size is None and r.min_free is None
+
+
+def test_the_readme_says_what_to_switch_off_in_the_trainer():
+    text = README.read_text()
+    for setting in ("save_total_limit=None", "save_top_k=-1", "keep_total = N"):
+        assert setting in text
+
+
+def _links(text: str) -> list[str]:
+    import re
+
+    return [m for m in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text) if "://" not in m]
+
+
+def test_the_readmes_links_lead_somewhere():
+    links = _links(README.read_text())
+    assert "docs/reference/configuration.md" in links and "docs/frameworks/index.md" in links
+    for link in links:
+        assert (REPO / link).exists(), link
+
+
+def _nav_pages(nav) -> list[str]:
+    out = []
+    for item in nav:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, dict):
+            for value in item.values():
+                out += _nav_pages(value) if isinstance(value, list) else [value]
+    return out
+
+
+def test_every_page_is_in_the_nav():
+    """mkdocs only notes a page left out of the nav (omitted_files: info); a reader cannot find it."""
+    import yaml
+
+    nav = _nav_pages(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"])
+    pages = sorted(str(p.relative_to(REPO / "docs")) for p in (REPO / "docs").rglob("*.md"))
+    assert [p for p in pages if p not in nav] == []
+    assert [p for p in nav if p not in pages] == []
+
+
+def test_the_site_builds_strictly(tmp_path):
+    """CI installs the docs extra after the tests and runs the same; here where mkdocs is installed."""
+    import shutil
+
+    mkdocs = shutil.which("mkdocs") or str(Path(sys.executable).parent / "mkdocs")
+    if not Path(mkdocs).exists():
+        pytest.skip("mkdocs is not installed (pip install -e '.[docs]'); .ci/run builds the site itself")
+    proc = subprocess.run([mkdocs, "build", "--strict", "-d", str(tmp_path / "site")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "site" / "reference" / "configuration" / "index.html").exists()
+
+
+def test_ci_builds_the_site_after_the_readmes_test_command():
+    from test_install import ci_lines, readme_test_command
+
+    lines = ci_lines()
+    test_at = lines.index(readme_test_command())
+    [build_at] = [i for i, line in enumerate(lines) if "mkdocs build --strict" in line]
+    assert build_at > test_at and "pip install -q -e '.[docs]'" in lines[build_at]
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '"mkdocs>=1.6,<2"' in pyproject and '"mkdocs-material>=9,<10"' in pyproject
