@@ -4,6 +4,7 @@ described, and what other tests read from the docs is where they look for it."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,27 @@ def test_ci_builds_the_site_after_the_readmes_test_command():
     assert build_at > test_at and "pip install -q -e '.[docs]'" in lines[build_at]
     pyproject = (REPO / "pyproject.toml").read_text()
     assert '"mkdocs>=1.6,<2"' in pyproject and '"mkdocs-material>=9,<10"' in pyproject
+
+
+def test_the_recipes_delete_nothing_beyond_the_defaults(monkeypatch):
+    """What the deployment pages install: the systemd recipe config.example.toml (at the defaults:
+    test_config), the docker, compose and Kubernetes examples CKPTD_* variables that set no budget,
+    no slimming and no rule keeping fewer than the defaults do."""
+    import yaml
+
+    from ckptd.envconfig import effective_config
+
+    systemd = (REPO / "docs" / "deployment" / "systemd.md").read_text()
+    installs = re.findall(r"install -m 644 (\S+) /etc/ckptd/\S+\.toml", systemd)
+    assert installs and set(installs) == {"config.example.toml"}
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["ckptd"]["environment"]
+    pod = [d for d in yaml.safe_load_all((REPO / "k8s" / "ckptd-sidecar.yaml").read_text()) if d["kind"] == "Pod"]
+    [sidecar] = [c for c in pod[0]["spec"]["initContainers"] if c["name"] == "ckptd"]
+    docker_run = (REPO / "docs" / "deployment" / "docker.md").read_text()
+    docker_env = dict(re.findall(r"-e (CKPTD_\w+)=(\S+)", docker_run))
+    assert docker_env and "CKPTD_WORLD_SIZE" not in docker_env
+    defaults = config.Retention()
+    for env in ({k: str(v) for k, v in compose.items()}, {e["name"]: e["value"] for e in sidecar["env"]}, docker_env):
+        r = effective_config(None, env).roots[0].retention
+        assert (r.max_size, r.min_free, r.keep_full_last, r.keep_total) == (None, None, None, None), env
+        assert r.keep_last >= defaults.keep_last and r.keep_best >= defaults.keep_best, env
