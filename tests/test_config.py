@@ -24,7 +24,6 @@ from ckptd.errors import EX_CONFIG
 
 from conftest import REPO, run_ckptd
 
-
 EXAMPLE = REPO / "config.example.toml"
 # "# key = value", "# [[table]]", "# # comment" inside an example: a line to uncomment
 _COMMENTED_TOML = re.compile(r"^# (?=\[|[a-z_]+ = |# |\s*\{|\]$|$)")

@@ -108,7 +108,7 @@ def check(value, schema, where="$") -> list[str]:
     problems = []
     if "enum" in schema and value not in schema["enum"]:
         problems.append(f"{where}: {value!r} not one of {schema['enum']}")
-    if "minimum" in schema and value < schema["minimum"] or "maximum" in schema and value > schema["maximum"]:
+    if ("minimum" in schema and value < schema["minimum"]) or ("maximum" in schema and value > schema["maximum"]):
         problems.append(f"{where}: {value} out of range")
     if isinstance(value, str | list) and len(value) < schema.get("minLength", 0):
         problems.append(f"{where}: empty")

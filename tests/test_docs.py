@@ -16,9 +16,8 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO))  # tools/ is not installed: it is run from a checkout
 
-from tools import docgen  # noqa: E402
-
-from ckptd import config  # noqa: E402
+from ckptd import config
+from tools import docgen
 
 
 def test_the_generated_reference_pages_are_current():
@@ -47,7 +46,7 @@ def test_every_config_key_is_in_the_reference():
 
 def test_a_key_without_a_description_fails_the_generator(monkeypatch):
     """A key added without a description (what the reference is made of) stops docgen."""
-    Undocumented = create_model(  # noqa: N806
+    Undocumented = create_model(
         "Retention", __base__=config.Retention, __doc__=config.Retention.__doc__,
         keep_newer=(int, Field(0, ge=0)),
     )

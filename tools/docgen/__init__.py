@@ -65,7 +65,8 @@ def _prose(text: str) -> str:
     or HTML (descriptions say `global_step*/` and `<root>/.ckptd/`)."""
     parts = " ".join(text.split()).split("`")
     for i in range(0, len(parts), 2):
-        parts[i] = parts[i].replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*")
+        text = parts[i].replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        parts[i] = text.replace("*", "\\*")
     return "`".join(parts)
 
 
@@ -186,7 +187,7 @@ def configuration_page() -> str:
     lines += _table("[daemon]", "daemon", Daemon, Daemon().model_dump(mode="json"))
     lines += _table("[[roots]]", "roots", Root, root.model_dump(mode="json"))
     lines += _table("[[roots]] patterns", "patterns", Pattern, {"require": [], "ranks": None},
-                    intro="Each entry of `patterns` is a name (`\"ckpt_{step}\"`) or a table with these keys.")
+                    intro='Each entry of `patterns` is a name (`"ckpt_{step}"`) or a table with these keys.')
     lines += _table("[roots.retention]", "retention", Retention, Retention().model_dump(mode="json"))
     rule_keys = tuple(n for n in RunRule.model_fields if n not in Retention.model_fields)
     lines += _table(
@@ -257,7 +258,8 @@ def cli_page() -> str:
         if not (sub.description or "").strip():
             raise UndocumentedError(f"ckptd {name} has no description (src/ckptd/cli.py)")
         lines += [f"## `ckptd {name}` {{#{name}}}", "", " ".join(sub.description.split()), "", "```text",
-                  _synopsis(name, sub), "```", "", "| argument | value | default | what |", "|---|---|---|---|"]
+                  _synopsis(name, sub), "```", ""]
+        lines += ["| argument | value | default | what |", "|---|---|---|---|"]
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction):
                 continue
@@ -265,9 +267,10 @@ def cli_page() -> str:
                 raise UndocumentedError(f"ckptd {name} {action.dest} has no help (src/ckptd/cli.py)")
             flags = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.metavar or action.dest}`"
             default = action.default
-            shown = "" if default in (None, False, argparse.SUPPRESS) or action.nargs == "*" else f"`{default}`"
-            value = _value(action) if action.option_strings else ""
-            lines.append(f"| {flags} | {_cell(f'`{value}`') if value else ''} | {shown} | {_cell(action.help)} |")
+            unset = default in (None, False, argparse.SUPPRESS) or action.nargs == "*"
+            shown = "" if unset else f"`{default}`"
+            value = _cell(f"`{_value(action)}`") if action.option_strings and _value(action) else ""
+            lines.append(f"| {flags} | {value} | {shown} | {_cell(action.help)} |")
         exits, more, _ = (sub.epilog or "").partition(";")
         if more:
             lines += ["", _cell(exits[0].upper() + exits[1:]) + "."]
