@@ -53,12 +53,15 @@ def test_config_example_holds_the_defaults(monkeypatch):
     # and every key the example sets, it sets explicitly (a key left out would be a default too,
     # but the example is where a user reads every key's comment beside its value)
     data = tomllib.loads(EXAMPLE.read_text())
-    unset = {n for n, f in Daemon.model_fields.items() if f.default is None}
-    assert set(data["daemon"]) == set(Daemon.model_fields) - unset
-    unset = {n for n, f in Root.model_fields.items() if f.default is None} | {"runs"}
-    assert set(data["roots"][0]) == set(Root.model_fields) - unset
-    unset = {n for n, f in Retention.model_fields.items() if f.default is None}
-    assert set(data["roots"][0]["retention"]) == set(Retention.model_fields) - unset
+    tables = ((data["daemon"], Daemon, set()), (data["roots"][0], Root, {"runs"}),
+              (data["roots"][0]["retention"], Retention, set()))
+    for table, model, left_out in tables:
+        unset = {n for n, f in model.model_fields.items() if f.default is None} | left_out
+        want = set(model.model_fields) - unset
+        assert set(table) == want, (
+            f"{model.__name__}: write {sorted(want - set(table))} as `key = <default>` in config.example.toml "
+            f"(a key whose default is unset goes in as a commented example); not {sorted(set(table) - want)}"
+        )
 
 
 def test_config_example_would_fail_on_a_value_that_is_not_the_default(tmp_path, monkeypatch):
