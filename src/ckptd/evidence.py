@@ -44,6 +44,7 @@ from pathlib import Path
 from ckptd import dsmeta, fwmetrics, layouts, mounts, slim, volread
 from ckptd import verdicts as verdicts_
 from ckptd.config import Pattern, format_age, format_duration, format_size, path_matches
+from ckptd.frameworks import copyin, hfweights
 from ckptd.layouts import Candidate
 from ckptd.model import (  # Entry: re-exported, it is evidence's word
     CKPT_STATE,
@@ -231,6 +232,9 @@ class Inspector:
                 worlds = [w] if (w := _known_world(world_size, self.mp_world_size)) else []
             rng_check, ranks = _rng_states(files, worlds[0] if worlds else None)
             checks.append(rng_check)
+            checks.append(copyin.copy_leftovers(files))
+            tags = _global_step_dirs(files)
+            checks.append(hfweights.weights_check(path, files, who="the Trainer", tags=tags))
         elif cand.layout == layouts.DEEPSPEED:
             checks.append(self._deepspeed(path, "", files, world_size, removed)[0])
         elif cand.layout == layouts.MEGATRON:
@@ -265,6 +269,9 @@ class Inspector:
             world = _known_world(world_size, self.mp_world_size)
             rank_check, ranks = _rank_files(files, _RANDOM_STATES, world)
             checks.append(rank_check)
+            checks.append(copyin.copy_leftovers(files))
+            tags = _deepspeed_tag_dirs(files)
+            checks.append(hfweights.weights_check(path, files, who="accelerate", tags=tags))
         elif pattern is not None and pattern.evidence:
             for glob in pattern.require:
                 checks.append(_required(files, glob))

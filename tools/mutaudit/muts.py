@@ -49,6 +49,8 @@ SETS = {
     "rtclasses": [T+"test_redteam_classes.py"],
     # red team items 5 and 7: which save a checkpoint's files belong to, and when it was saved
     "one_save": [T+"test_one_save.py"],
+    # a save's weights, positively (frameworks/hfweights.py), and a copier's leftovers (frameworks/copyin.py)
+    "copy_in": [T+"test_copy_in.py"],
 }
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
@@ -56,6 +58,7 @@ LE, MO, CL = "lease.py", "mounts.py", "cli.py"
 RS, FM = "resume.py", "fwmetrics.py"
 SL, W, K = "slim.py", "weights.py", "consolidate.py"
 V, TR, PL, DI = "verdicts.py", "tracker.py", "planner.py", "discover.py"
+HW, CI = "frameworks/hfweights.py", "frameworks/copyin.py"
 
 MUTS = [
  # --- 0. the verdict cache (verdicts.py): a verdict is used again only for the same file
@@ -803,4 +806,11 @@ MUTS = [
    tests="one_save", edits=[(E, "layout == layouts.MEGATRON and name in _WRITTEN_LAST", "False")]),
  dict(id="SV9", what="a last-written file within SAVE_SPAN of the rest of its save is the save's end",
    tests="one_save", edits=[(E, "        if not ahead or e.mtime_ns - max(ahead) <= SAVE_SPAN * 1e9:", "        if not ahead:")]),
+ # --- a copy-in whose weights never landed: complete only when the save's weights are there
+ dict(id="CW1", what="a Trainer/accelerate save with no weights at all", tests="copy_in", edits=[(HW,
+   "    return Check(WEIGHTS, Verdict.FAILED, why)\n", "    return Check(WEIGHTS, Verdict.PASSED, why)\n")]),
+ dict(id="CW2", what="every shard an index names", tests="copy_in", edits=[(HW,
+   "            if missing:\n                n = len(shards)", "            if False:\n                n = len(shards)")]),
+ dict(id="CW3", what="a copier's temporary file left in the checkpoint", tests="copy_in", edits=[(CI,
+   "    if left:\n", "    if False:\n")]),
 ]
