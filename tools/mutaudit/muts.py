@@ -808,7 +808,8 @@ MUTS = [
    tests="one_save", edits=[(E, "        if not ahead or e.mtime_ns - max(ahead) <= SAVE_SPAN * 1e9:", "        if not ahead:")]),
  # --- a copy-in whose weights never landed: complete only when the save's weights are there
  dict(id="CW1", what="a Trainer/accelerate save with no weights at all", tests="copy_in", edits=[(HW,
-   "    return Check(WEIGHTS, Verdict.FAILED, why)\n", "    return Check(WEIGHTS, Verdict.PASSED, why)\n")]),
+   "a copy in not finished?\"\n    )\n    return Check(WEIGHTS, Verdict.FAILED, why)",
+   "a copy in not finished?\"\n    )\n    return Check(WEIGHTS, Verdict.PASSED, why)")]),
  dict(id="CW2", what="every shard an index names", tests="copy_in", edits=[(HW,
    "            if missing:\n                n = len(shards)", "            if False:\n                n = len(shards)")]),
  dict(id="CW3", what="a copier's temporary file left in the checkpoint", tests="copy_in", edits=[(CI,
