@@ -337,8 +337,8 @@ MUTS = [
  dict(id="L4", what="discover skips symlinks", tests="layouts", edits=[("discover.py",
    "            if e.name in (layouts.TRASH_DIR, layouts.LEASE_DIR) or e.is_symlink():",
    "            if e.name in (layouts.TRASH_DIR, layouts.LEASE_DIR):")]),
- dict(id="L5", what="nemo dir needs nemo contents", tests="layouts", edits=[(L,
-   "    if cand.layout == NEMO and not name.endswith((\".ckpt\", \".nemo\")) and not nemo_dir_markers:", "    if False:")]),
+ dict(id="L5", what="nemo dir needs nemo contents", tests="layouts", edits=[("frameworks/nemo.py",
+   "        return name.endswith((\".ckpt\", \".nemo\")) or bool(nemo_dir_markers)", "        return True")]),
  # --- 6. dsmeta
  dict(id="D1", what="unpickler find_class -> _Inert", tests="dsmeta", ulimit=4000000, edits=[(D,
    "        return _Inert  # never the named class or function", "        return super().find_class(module, name)")]),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import errno
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -74,6 +74,17 @@ class Framework:
     layout: str = ""
     last_written: LastWritten | None = None  # the file its process 0 writes last in a save
     owns_top_dcp: bool = False  # its checkpoint itself is a DCP directory (else one at its top is a part)
+    # What slimming may do: the weights files a slim keeps, best first (none: never slimmed, ckptd
+    # cannot tell its weights from its state), and whether the checkpoint is itself a DeepSpeed tag
+    # directory (its save_dir the run directory) rather than holding one.
+    slim_weights: tuple[str, ...] = ()
+    checkpoint_is_tag: bool = False
+    named_alone: bool = False  # its name alone says it is a checkpoint (no look inside needed)
+    items_like_steps: bool = False  # its items, directly inside a step, look like steps of its own
+
+    def recognised_inside(self, name: str, children: Collection[str]) -> bool:
+        """Whether a directory recognised as its checkpoint by name holds what one of its saves does."""
+        return True
 
     def evidence(self, save: Save) -> Evidence:
         """The checks that the save is finished, by this framework's contract."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ckptd import layouts
+from ckptd import layouts, slim
 from ckptd.frameworks.base import Evidence, Framework, Save
 from ckptd.model import Entry
 
@@ -41,6 +41,9 @@ def _deepspeed_tag_dirs(files: dict[str, Entry]) -> list[str]:
 
 class DeepSpeed(Framework):
     layout = layouts.DEEPSPEED
+    named_alone = True
+    slim_weights = (slim.CONSOLIDATED,)  # only what ckptd consolidates from its shards
+    checkpoint_is_tag = True
 
     def evidence(self, save: Save) -> Evidence:
         return Evidence([save.deepspeed("")[0]])

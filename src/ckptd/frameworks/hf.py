@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 
-from ckptd import layouts
+from ckptd import layouts, slim
 from ckptd.frameworks import copyin, hfweights
 from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
 from ckptd.frameworks.deepspeed import _global_step_dirs
@@ -59,7 +59,9 @@ def _rng_states(files: dict[str, Entry], world: int | None) -> tuple[Check, int 
 
 class Trainer(Framework):
     layout = layouts.HF
+    named_alone = True
     last_written = (TRAINER_STATE, "the Trainer", _before_trainer_state)
+    slim_weights = slim.WEIGHTS_FILES
 
     def evidence(self, save: Save) -> Evidence:
         files = save.files

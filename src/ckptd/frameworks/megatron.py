@@ -89,6 +89,7 @@ def _megatron_core(path: Path, files: dict[str, Entry], d: str) -> Check:
 
 class Megatron(Framework):
     layout = layouts.MEGATRON
+    named_alone = True
 
     def evidence(self, save: Save) -> Evidence:
         checks = [_megatron_tracker(save.run, save.cand)]

@@ -10,7 +10,7 @@ contract). A `.ckpt` directory is also what Lightning's DeepSpeed and FSDP strat
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from ckptd import layouts
 from ckptd.frameworks import lightning, megatron
@@ -37,8 +37,18 @@ def _nemo_unfinished(run: RunContext, cand: Candidate) -> Check:
 
 
 
+# What a NeMo distributed-checkpoint directory holds (NeMo 1: torch_dist; NeMo 2: weights/ + context/).
+_NEMO_DIR_MARKERS = frozenset({"weights", "context", "metadata.json", "common.pt", ".metadata"})
+
+
 class NeMo(Framework):
     layout = layouts.NEMO
+
+    def recognised_inside(self, name: str, children: Collection[str]) -> bool:
+        """A NeMo-named directory is a checkpoint only named `.ckpt`/`.nemo` or holding what NeMo's
+        distributed checkpoints hold."""
+        nemo_dir_markers = _NEMO_DIR_MARKERS & set(children) or any(c.endswith(".distcp") for c in children)
+        return name.endswith((".ckpt", ".nemo")) or bool(nemo_dir_markers)
 
     def evidence(self, save: Save) -> Evidence:
         files, path = save.files, save.path
