@@ -824,4 +824,10 @@ MUTS = [
    "            if missing:\n                n = len(shards)", "            if False:\n                n = len(shards)")]),
  dict(id="CW3", what="a copier's temporary file left in the checkpoint", tests="copy_in", edits=[(CI,
    "    if left:\n", "    if False:\n")]),
+ # --- DCP without collectives: each rank's own metadata
+ dict(id="DL1", what="a DCP rank's data without its __<rank>.metadata", tests=[T+"test_dcp_local_metadata.py"],
+   edits=[("frameworks/dcp.py", "    if writing:\n", "    if False:\n")]),
+ dict(id="DL2", what="DCP per-rank metadata: every rank 0..n-1", tests=[T+"test_dcp_local_metadata.py"],
+   edits=[("frameworks/dcp.py", "    if check.verdict is not PASSED:\n        return check, ranks\n    # A rank",
+           "    if False:\n        return check, ranks\n    # A rank")]),
 ]
