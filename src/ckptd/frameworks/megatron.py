@@ -9,6 +9,7 @@ a barrier: an iteration above the tracker's is not finished.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,11 @@ def megatron_iteration(text: str) -> int | None:
         return None
 
 
-def _megatron_tracker(run: RunContext, cand: Candidate) -> Check:
+def _megatron_tracker(run: RunContext, cand: Candidate, newest_ns: int | None = None) -> Check:
+    """Megatron's rank 0 writes the tracker after every rank saved the iteration: one above it is still
+    being saved, unless the tracker was written after it (`newest_ns`, its newest file): then a user
+    rolled the tracker back to resume from an earlier iteration, and this one is what that resume
+    will overwrite. Either way not complete (kept, never deleted), and said which."""
     name = "megatron tracker"
     if layouts.MEGATRON_TRACKER not in run.names:
         return Check(name, FAILED, f"{layouts.MEGATRON_TRACKER} missing (written after every rank saved)")
@@ -50,10 +55,24 @@ def _megatron_tracker(run: RunContext, cand: Candidate) -> Check:
     if iteration is None:
         return Check(name, UNKNOWN, f"{layouts.MEGATRON_TRACKER} holds {text[:40]!r}, not an iteration")
     if iteration < cand.step:
+        if newest_ns is not None and _written_after(run.path / layouts.MEGATRON_TRACKER, newest_ns):
+            why = (f"above the tracker the framework resumes from (rolled back?): tracker at iteration "
+                   f"{iteration} < {cand.step}, written after this iteration's files")
+            return Check(name, FAILED, why)
         return Check(name, FAILED, f"tracker at iteration {iteration} < {cand.step}: still being saved")
     return Check(name, PASSED, f"tracker at iteration {iteration} >= {cand.step}")
 
 
+def _written_after(tracker: Path, newest_ns: int) -> bool:
+    """Whether the tracker was written after a save whose newest file is `newest_ns` (by more than
+    mtime granularity and node clocks: one_save's slack). Its save wrote it before, never after."""
+    try:
+        return os.stat(tracker).st_mtime_ns - newest_ns > MTIME_SLACK_NS
+    except OSError:
+        return False  # cannot tell: "still being saved", as before
+
+
+MTIME_SLACK_NS = 10 * 10**9
 MEGATRON_CORE_METADATA = "metadata.json"
 _MEGATRON_CORE_FILES = ("common.pt", MEGATRON_CORE_METADATA, ".metadata")
 
@@ -92,7 +111,8 @@ class Megatron(Framework):
     named_alone = True
 
     def evidence(self, save: Save) -> Evidence:
-        checks = [_megatron_tracker(save.run, save.cand)]
+        newest = max((e.mtime_ns for e in save.files.values() if e.kind == "f"), default=None)
+        checks = [_megatron_tracker(save.run, save.cand, newest)]
         if _is_megatron_core(save.files, ""):  # the torch_dist format: megatron-core's files in iter_N/
             checks.append(_megatron_core(save.path, save.files, ""))
         return Evidence(checks)
