@@ -176,3 +176,19 @@ def test_time_moves_on_and_a_dead_copy_is_still_incomplete(weights_volume, tmp_p
     os.utime(root / newest, (day, day))
     rows = plan_rows(write_config(tmp_path, root), root)
     assert rows[newest]["state"] == "incomplete"
+
+
+def test_a_user_pattern_over_accelerates_saves_gets_accelerates_evidence(weights_volume, tmp_path):
+    """A pattern `step_{step}` matching accelerate's own save_state() directories made them "complete on
+    quiet alone", though accelerate's evidence (its random_states census, its weights) is known. Now
+    they are accelerate's: the dead copy is incomplete, the whole one complete."""
+    root = tmp_path / "vol"
+    copy_run(weights_volume, "accelerate-safetensors", root)
+    older, newest = weights_volume["runs"]["accelerate-safetensors"]
+    dead_copier(root / newest, "model.safetensors")
+    cfg = write_config(tmp_path, root)
+    cfg.write_text(cfg.read_text().replace("[roots.retention]", "patterns = [\"step_{step}\"]\n[roots.retention]"))
+    rows = plan_rows(cfg, root)
+    assert rows[older]["layout"] == "accelerate" and rows[older]["state"] == "complete", rows[older]
+    assert rows[newest]["state"] == "incomplete", rows[newest]
+    assert "weights failed: no model weights" in rows[newest]["reasons"][0]

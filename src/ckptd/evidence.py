@@ -222,6 +222,10 @@ class Inspector:
         found = fw.evidence(save)
         checks.extend(found.checks)
         ranks, trainer_state = found.ranks, found.trainer_state
+        if pattern is not None and pattern.evidence and fw.takes_user_evidence:
+            user = frameworks.USER_PATTERN.evidence(save)  # the user's pattern over a known save
+            checks.extend(user.checks)
+            ranks = ranks if ranks is not None else user.ranks
         checks.extend(_nested_dcp(files, skip_top=fw.owns_top_dcp))
         checks.extend(one_save(files, last=fw.last_written, tags=fw.tags(files)))
         integrity = _integrity(path, entries, self._file_problem)

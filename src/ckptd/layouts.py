@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 HF = "hf"  # Hugging Face Trainer: checkpoint-<step>/
 DEEPSPEED = "deepspeed"  # bare DeepSpeed: global_step<step>/ beside `latest`
@@ -324,6 +324,10 @@ def recognise(
     inside = children()
     if cand is None:
         cand = recognise_by_contents(name, inside)
+    elif cand.pattern is not None and (known := recognise_by_contents(name, inside)) is not None:
+        # A user's pattern over a save a framework recognises by its own files (accelerate's step_10/):
+        # that framework's evidence, not quiet alone; the pattern's own evidence is asked besides.
+        cand = replace(known, pattern=cand.pattern)
     if cand is None:
         return None
     if not framework(cand.layout).recognised_inside(name, inside):

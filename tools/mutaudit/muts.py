@@ -832,4 +832,7 @@ MUTS = [
            "    if False:\n        return check, ranks\n    # A rank")]),
  dict(id="MR1", what="a Megatron tracker rolled back below an iteration says so", tests="fwlayouts",
    edits=[("frameworks/megatron.py", "        if newest_ns is not None and _written_after(", "        if False and _written_after(")]),
+ dict(id="PA1", what="a user pattern over a framework's own save gets that framework's evidence", tests="copy_in",
+   edits=[("layouts.py", "    elif cand.pattern is not None and (known := recognise_by_contents(name, inside)) is not None:",
+           "    elif False:")]),
 ]

@@ -42,9 +42,10 @@ REGISTRY: tuple[Framework, ...] = (
     pattern.FRAMEWORK,
 )
 _BY_LAYOUT = {f.layout: f for f in REGISTRY}
+USER_PATTERN = pattern.FRAMEWORK  # a user's pattern: what the user names as evidence
 
 
 def get(layout: str) -> Framework:
     """The framework whose checkpoints have `layout`; a user pattern's for anything else (nothing
     but what the user named, or quiet, says it is finished)."""
-    return _BY_LAYOUT.get(layout, pattern.FRAMEWORK)
+    return _BY_LAYOUT.get(layout, USER_PATTERN)

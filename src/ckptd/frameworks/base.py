@@ -80,6 +80,7 @@ class Framework:
     slim_weights: tuple[str, ...] = ()
     checkpoint_is_tag: bool = False
     named_alone: bool = False  # its name alone says it is a checkpoint (no look inside needed)
+    takes_user_evidence: bool = True  # a user pattern naming its saves adds the pattern's require/ranks
     items_like_steps: bool = False  # its items, directly inside a step, look like steps of its own
 
     def recognised_inside(self, name: str, children: Collection[str]) -> bool:

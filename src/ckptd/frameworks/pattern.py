@@ -30,6 +30,7 @@ def _required(files: dict[str, Entry], glob: str) -> Check:
 
 class UserPattern(Framework):
     layout = layouts.PATTERN
+    takes_user_evidence = False  # it is the user's evidence
 
     def evidence(self, save: Save) -> Evidence:
         pattern, files = save.pattern, save.files
