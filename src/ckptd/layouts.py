@@ -156,6 +156,8 @@ def recognise_by_name(
     for i, regex in enumerate(patterns):
         if m := regex.fullmatch(name):
             return Candidate(name, int(m[1]), PATTERN, is_dir, pattern=i)
+    if not is_dir and (cand := _registry().recognise_file(name)) is not None:
+        return cand  # a file a framework module claims by its suffix (frameworks.recognise_file)
     if not (is_dir or name.endswith((".ckpt", ".nemo"))):
         return None
     if name.endswith(NEMO_UNFINISHED_SUFFIX) or is_last_copy(name):
@@ -293,15 +295,19 @@ def nemo_unfinished_marker(name: str) -> str:
 _FRAMEWORKS = None
 
 
-def framework(layout: str):  # -> frameworks.base.Framework
-    """`layout`'s framework: what it says of its own names and parts (frameworks/, which imports
-    this module, so it is imported on first use)."""
+def _registry():  # -> the ckptd.frameworks module
+    """frameworks/, which imports this module: imported on first use."""
     global _FRAMEWORKS
     if _FRAMEWORKS is None:
         from ckptd import frameworks
 
         _FRAMEWORKS = frameworks
-    return _FRAMEWORKS.get(layout)
+    return _FRAMEWORKS
+
+
+def framework(layout: str):  # -> frameworks.base.Framework
+    """`layout`'s framework: what it says of its own names and parts."""
+    return _registry().get(layout)
 
 
 def recognise(

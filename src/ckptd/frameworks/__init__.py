@@ -28,6 +28,7 @@ from ckptd.frameworks import (
     torchtitan,
 )
 from ckptd.frameworks.base import Framework
+from ckptd.layouts import Candidate
 
 REGISTRY: tuple[Framework, ...] = (
     hf.FRAMEWORK,
@@ -43,6 +44,20 @@ REGISTRY: tuple[Framework, ...] = (
 )
 _BY_LAYOUT = {f.layout: f for f in REGISTRY}
 USER_PATTERN = pattern.FRAMEWORK  # a user's pattern: what the user names as evidence
+
+
+_FILE_FRAMEWORKS = tuple(f for f in REGISTRY if f.file_suffixes)
+_FILE_SUFFIXES = tuple(s for f in _FILE_FRAMEWORKS for s in f.file_suffixes)
+
+
+def recognise_file(name: str) -> Candidate | None:
+    """A checkpoint file a framework module claims by its name (Keras's `.keras`), in registry order."""
+    if not name.endswith(_FILE_SUFFIXES):
+        return None
+    for f in _FILE_FRAMEWORKS:
+        if name.endswith(f.file_suffixes) and (cand := f.recognise_file(name)) is not None:
+            return cand
+    return None
 
 
 def get(layout: str) -> Framework:

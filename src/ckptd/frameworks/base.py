@@ -83,6 +83,12 @@ class Framework:
     takes_user_evidence: bool = True  # a user pattern naming its saves adds the pattern's require/ranks
     items_like_steps: bool = False  # its items, directly inside a step, look like steps of its own
 
+    file_suffixes: tuple[str, ...] = ()  # the checkpoint files it claims by name (`recognise_file`)
+
+    def recognise_file(self, name: str) -> Candidate | None:
+        """Whether a file named `name` (ending in one of `file_suffixes`) is its checkpoint, at which step."""
+        return None
+
     def recognised_inside(self, name: str, children: Collection[str]) -> bool:
         """Whether a directory recognised as its checkpoint by name holds what one of its saves does."""
         return True
