@@ -835,4 +835,10 @@ MUTS = [
  dict(id="PA1", what="a user pattern over a framework's own save gets that framework's evidence", tests="copy_in",
    edits=[("layouts.py", "    elif cand.pattern is not None and (known := recognise_by_contents(name, inside)) is not None:",
            "    elif False:")]),
+ # --- Keras: its module and its registry line
+ dict(id="KE1", what="Keras's .keras archive must be whole (central directory, its members)", tests=[T+"test_keras.py"],
+   edits=[("frameworks/keras.py", "        if problem:\n            return Evidence([Check(kind, Verdict.FAILED, problem)])",
+           "        if False:\n            return Evidence([Check(kind, Verdict.FAILED, problem)])")]),
+ dict(id="KE2", what="a .weights.h5 file must end where its HDF5 superblock says", tests=[T+"test_keras.py"],
+   edits=[("frameworks/keras.py", "    if base + eof != size:", "    if False:")]),
 ]

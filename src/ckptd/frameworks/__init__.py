@@ -20,6 +20,7 @@ from ckptd.frameworks import (
     dcp,
     deepspeed,
     hf,
+    keras,
     lightning,
     megatron,
     nemo,
@@ -40,6 +41,7 @@ REGISTRY: tuple[Framework, ...] = (
     dcp.FRAMEWORK,
     lightning.FRAMEWORK,
     nemo.FRAMEWORK,
+    keras.FRAMEWORK,
     pattern.FRAMEWORK,
 )
 _BY_LAYOUT = {f.layout: f for f in REGISTRY}
