@@ -85,3 +85,13 @@ def test_keras_metrics_come_from_the_file_name(keras_volume, tmp_path):
     _, seen = rows(tmp_path, root, keep_last=1, keep_best=1, metric="val_loss", mode="min")
     first = sorted(seen)[0]
     assert seen[first]["metric"] is not None and seen[first]["step"] == 1, seen[first]
+
+
+def test_a_keras_file_without_a_named_epoch_is_never_touched(tmp_path):
+    """`resnet50.keras` beside `resnet101.keras` are models, not epochs 50 and 101: not recognised."""
+    from ckptd import layouts
+
+    for name in ("resnet50.keras", "model.03-0.52.keras", "best.keras", "vgg-16.weights.h5"):
+        assert layouts.recognise(name, False, lambda: []) is None, name
+    cand = layouts.recognise("model-epoch=03-val_loss=0.520.keras", False, lambda: [])
+    assert (cand.layout, cand.step, cand.unit) == ("keras", 3, "epoch")

@@ -8,16 +8,16 @@ model.weights.h5, the central directory at close) or, with `save_weights_only`, 
 without its central directory, an HDF5 file whose superblock does not end where the file does
 (HDF5 writes the end-of-file address at close).
 
-Its step is the epoch, `epoch=<N>` in the name if the template names its fields as Lightning's do
-(`model-epoch={epoch:02d}-val_loss={val_loss:.3f}.keras`), else the first whole number in it; its
-metrics are the other `name=value` fields. A file with no number (`best.keras`, rewritten by
-save_best_only) is not a step of its own: never touched.
+Its step is the epoch: `epoch=<N>` (or `step=`, `batch=`) in the name, the template naming its fields
+as Lightning's do (`model-epoch={epoch:02d}-val_loss={val_loss:.3f}.keras`); its metrics are the other
+`name=value` fields. A name without such a field is never taken for a checkpoint, so never touched:
+a bare number proves nothing (`resnet50.keras` is a model, not epoch 50), nor does `best.keras`
+(rewritten in place by save_best_only).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import struct
 import zipfile
 from collections.abc import Callable
@@ -29,7 +29,6 @@ from ckptd.model import FILE_NAME, Check, Reading, Verdict, as_metric
 
 LAYOUT = "keras"
 KERAS, WEIGHTS_H5 = ".keras", ".weights.h5"
-_WHOLE_NUMBER = re.compile(r"(?<![\d.])(\d+)(?![\d.]|e-?\d)")
 _ARCHIVE_MEMBERS = ("metadata.json", "config.json")  # saving_lib._METADATA_FILENAME, _CONFIG_FILENAME
 _WEIGHTS_MEMBERS = ("model.weights.h5", "model.weights.npz")  # saving_lib._VARS_FNAME + its formats
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -92,9 +91,7 @@ class Keras(Framework):
         for key, unit in (("epoch", EPOCH), ("step", STEP), ("batch", STEP)):
             if (value := fields.get(key)) is not None and value.isdigit():
                 return Candidate(name, int(value), LAYOUT, False, unit=unit)
-        if m := _WHOLE_NUMBER.search(stem):
-            return Candidate(name, int(m[1]), LAYOUT, False, unit=EPOCH)
-        return None
+        return None  # no named epoch or step: not recognised, never touched
 
     def evidence(self, save: Save) -> Evidence:
         entry = save.files.get("")
