@@ -705,7 +705,7 @@ def ddp_checkpoint(run: Path, step: int, ranks: int, mtime: float) -> Path:
     ck = run / f"checkpoint-{step}"
     ck.mkdir(parents=True)
     write_zip(ck / "optimizer.pt", 64)
-    write_zip(ck / "model.bin", 64)
+    write_zip(ck / "pytorch_model.bin", 64)  # WEIGHTS_NAME, as transformers 4 saved it
     for r in range(ranks):
         write_zip(ck / f"rng_state_{r}.pth", 16)
     (ck / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))

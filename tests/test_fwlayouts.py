@@ -188,6 +188,30 @@ def test_megatron_torch_dist_needs_metadata_json_and_the_tracker(tmp_path):
     assert failed(seen["gpt/iter_0000200"]) == ["megatron-core metadata.json: missing (megatron-core writes it last)"]
 
 
+def test_a_megatron_tracker_rolled_back_says_so(tmp_path):
+    """Hand-made (Megatron-LM is not installed): iterations 100 and 200 saved, the tracker then rolled
+    back by hand to 100 to resume from there. 200 is kept, not deleted, and said why: not "still being
+    saved" forever. While 200 is being saved (the tracker older than its files) it says that."""
+    run = tmp_path / "gpt"
+    for i, it in enumerate((100, 200)):
+        write_zip(run / f"iter_{it:07d}" / "mp_rank_00" / "model_optim_rng.pt")
+        age(run / f"iter_{it:07d}", OLD + i * 60)
+    tracker = run / "latest_checkpointed_iteration.txt"
+    tracker.write_text("100")
+    age(tracker, OLD + 30)  # written after iteration 100, before 200's files: 200 is being saved
+    seen = scan(tmp_path)
+    assert failed(seen["gpt/iter_0000200"]) == ["megatron tracker: tracker at iteration 100 < 200: still being saved"]
+    age(tracker, OLD + 3600)  # rewritten to 100 after 200 was saved: rolled back
+    seen = scan(tmp_path)
+    assert seen["gpt/iter_0000100"].state is State.COMPLETE
+    assert failed(seen["gpt/iter_0000200"]) == [
+        "megatron tracker: above the tracker the framework resumes from (rolled back?): tracker at iteration "
+        "100 < 200, written after this iteration's files"]
+    [run_] = Scanner(Root(path=tmp_path)).runs(now=NOW)
+    decisions = decide_run(run_, Retention(keep_last=1, keep_best=0))
+    assert [(d.checkpoint.step, str(d.action)) for d in decisions] == [(100, "keep"), (200, "keep")]
+
+
 def test_torchtitans_last_save_in_hf_format(tmp_path):
     """torchtitan's last_save_in_hf: step-N holds model.safetensors.index.json and the shards it names."""
     run = tmp_path / "outputs" / "checkpoint"

@@ -34,25 +34,30 @@ import errno
 import hashlib
 import json
 import os
-import re
 import stat
 import struct
 from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from ckptd import dsmeta, fwmetrics, layouts, mounts, slim, volread
+from ckptd import dsmeta, frameworks, fwmetrics, layouts, mounts, slim, volread
 from ckptd import verdicts as verdicts_
 from ckptd.config import Pattern, format_age, format_duration, format_size, path_matches
+from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES, RunContext, Save, read_pointer
+from ckptd.frameworks.dcp import _WRITTEN_LAST, _dcp_metadata
+from ckptd.frameworks.deepspeed import _MODEL_STATES, _OPTIM, _ZERO3_MODEL
+from ckptd.frameworks.hf import TRAINER_STATE
+from ckptd.frameworks.megatron import _megatron_core, _megatron_tracker, megatron_iteration  # noqa: F401
+from ckptd.frameworks.orbax import _orbax  # noqa: F401 (re-exported: its old home)
+from ckptd.frameworks.pattern import EVIDENCE, QUIET_ALONE
+from ckptd.frameworks.torchtitan import _torchtitan  # noqa: F401 (re-exported: its old home)
 from ckptd.layouts import Candidate
 from ckptd.model import (  # Entry: re-exported, it is evidence's word
-    CKPT_STATE,
     QUIET,
     Check,
     Checkpoint,
     ConsolidatedWeights,
     Entry,
-    Reading,
     Slimming,
     State,
     TrainerState,
@@ -61,15 +66,10 @@ from ckptd.model import (  # Entry: re-exported, it is evidence's word
 )
 from ckptd.weights import WeightsReader
 
-TRAINER_STATE = "trainer_state.json"
-MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024
 ZIP_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIX = ".safetensors"
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # safetensors itself refuses headers over 100 MB
 
-_OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
-_ZERO3_MODEL = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
-_RNG = re.compile(r"rng_state_(\d+)\.pth")
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
@@ -151,14 +151,6 @@ def fingerprint(entries: list[Entry]) -> str:
 QuietJudge = Callable[[str, str, int], Check]
 
 
-@dataclass(frozen=True)
-class RunContext:
-    """What a checkpoint's checks need to know of the run directory around it."""
-
-    path: Path
-    names: frozenset[str]
-
-
 class Inspector:
     """Gathers the evidence for checkpoints.
 
@@ -206,7 +198,7 @@ class Inspector:
         """
         path = run.path / cand.name
         too_deep = None
-        ranks: int | None = None  # per-rank files counted without a known world size
+        ranks: int | None = None
         try:
             entries = walk(path)
         except TooDeep as exc:
@@ -221,66 +213,24 @@ class Inspector:
         removed = frozenset(p for p, _ in marker.removed) if isinstance(marker, slim.Marker) else frozenset()
 
         checks = [quiet(rel, digest, newest_ns) if quiet is not None else self._quiet(newest_ns, now)]
-        if cand.layout == layouts.HF:
-            ts_check, trainer_state = self._trainer_state(path, files)
-            checks.append(ts_check)
-            census = [self._deepspeed(path, d, files, world_size, removed) for d in _global_step_dirs(files)]
-            checks.extend(check for check, _ in census)
-            worlds = [w.dp * w.mp for _, w in census if w is not None]
-            if not worlds:  # a DDP job's world size, from the config
-                worlds = [w] if (w := _known_world(world_size, self.mp_world_size)) else []
-            rng_check, ranks = _rng_states(files, worlds[0] if worlds else None)
-            checks.append(rng_check)
-        elif cand.layout == layouts.DEEPSPEED:
-            checks.append(self._deepspeed(path, "", files, world_size, removed)[0])
-        elif cand.layout == layouts.MEGATRON:
-            checks.append(_megatron_tracker(run, cand))
-            if _is_megatron_core(files, ""):  # the torch_dist format: megatron-core's files in iter_N/
-                checks.append(_megatron_core(path, files, ""))
-        elif cand.layout == layouts.DCP:
-            checks.append(_dcp_metadata(files, ""))
-        elif cand.layout == layouts.ORBAX:
-            checks.append(_orbax(cand, path, files))
-        elif cand.layout == layouts.TORCHTITAN:
-            checks.append(_torchtitan(path, files))
-        elif cand.layout == layouts.NEMO:
-            checks.append(_nemo_unfinished(run, cand))
-            # Lightning's DeepSpeedStrategy: a directory named like the file, the shards in its tag
-            # directory `checkpoint/` (save_checkpoint(filepath, tag="checkpoint")): their census.
-            for d in _deepspeed_tag_dirs(files):
-                checks.append(self._deepspeed(path, d, files, world_size, removed)[0])
-            lightning_fsdp = _is_lightning_fsdp(cand, files)  # DCP's files, Lightning's meta.pt
-            if lightning_fsdp:
-                checks.append(_lightning_fsdp(files))
-            for d in () if lightning_fsdp else ("", "weights"):  # NeMo 1 torch_dist: top; NeMo 2: weights/
-                if _is_megatron_core(files, d):
-                    checks.append(_megatron_core(path, files, d))
-        elif cand.layout == layouts.LIGHTNING:
-            # NeMo's callback wrote a marker for it, here or (one for every rank) above its rank directory
-            if layouts.nemo_unfinished_marker(cand.name) in run.names or layouts.is_rank_dir(run.path.name):
-                checks.append(_nemo_unfinished(run, cand))
-        elif cand.layout == layouts.ACCELERATE:
-            for d in _deepspeed_tag_dirs(files):  # accelerate under DeepSpeed: pytorch_model/
-                checks.append(self._deepspeed(path, d, files, world_size, removed)[0])
-            world = _known_world(world_size, self.mp_world_size)
-            rank_check, ranks = _rank_files(files, _RANDOM_STATES, world)
-            checks.append(rank_check)
-        elif pattern is not None and pattern.evidence:
-            for glob in pattern.require:
-                checks.append(_required(files, glob))
-            if pattern.ranks is not None:
-                regex = re.compile(re.escape(pattern.ranks).replace(re.escape("{rank}"), r"(\d+)"))
-                world = _known_world(world_size, self.mp_world_size)
-                rank_check, ranks = _rank_files(files, regex, world, name=f"ranks ({pattern.ranks})")
-                checks.append(rank_check)
-        else:
-            named = f"pattern {pattern.name!r} names" if pattern is not None else "it has"
-            checks.append(Check(EVIDENCE, PASSED, f"{named} {QUIET_ALONE}"))
-        checks.extend(_nested_dcp(files, skip_top=cand.layout == layouts.DCP))
-        checks.extend(one_save(files, last=_LAST_WRITTEN.get(cand.layout), tags=_tags(cand.layout, files)))
+        fw = frameworks.get(cand.layout)
+        save = Save(
+            path, files, run, cand, world_size, self.mp_world_size, removed, pattern,
+            deepspeed=lambda gs: self._deepspeed(path, gs, files, world_size, removed),
+            trainer_state=lambda: self._trainer_state(path, files),
+        )
+        found = fw.evidence(save)
+        checks.extend(found.checks)
+        ranks, trainer_state = found.ranks, found.trainer_state
+        if pattern is not None and pattern.evidence and fw.takes_user_evidence:
+            user = frameworks.USER_PATTERN.evidence(save)  # the user's pattern over a known save
+            checks.extend(user.checks)
+            ranks = ranks if ranks is not None else user.ranks
+        checks.extend(_nested_dcp(files, skip_top=fw.owns_top_dcp))
+        checks.extend(one_save(files, last=fw.last_written, tags=fw.tags(files)))
         integrity = _integrity(path, entries, self._file_problem)
         checks.append(integrity)
-        metrics, metric_problem = self._metrics(path, cand, files, metric, integrity.verdict is PASSED)
+        metrics, metric_problem = fw.metrics(save, metric, integrity.verdict is PASSED, self.ckpt_scores.read)
         if too_deep is not None:
             checks.append(too_deep)
         if marker is None or isinstance(marker, slim.Marker):
@@ -326,28 +276,6 @@ class Inspector:
             metrics=metrics,
             metric_problem=metric_problem,
         )
-
-    def _metrics(
-        self, path: Path, cand: Candidate, files: dict[str, Entry], metric: str | None, whole: bool
-    ) -> tuple[tuple[tuple[str, Reading], ...], str | None]:
-        """The metrics a checkpoint carries itself (`fwmetrics`), and why one could not be read."""
-        if cand.layout == layouts.ORBAX and fwmetrics.ORBAX_METRICS_FILE in files:
-            return fwmetrics.from_orbax(path)
-        if cand.layout not in (layouts.LIGHTNING, layouts.NEMO):
-            return (), None
-        found = fwmetrics.from_name(cand.name)
-        named = metric is None or any(n == metric for n, _ in found)
-        if named or cand.is_dir or not cand.name.endswith(".ckpt") or not whole:
-            return found, None  # a file cut short: nothing to read, and no reason to import torch for it
-        entry = files[""]
-        scores = self.ckpt_scores.read(path, entry.size, entry.mtime_ns)
-        if isinstance(scores, str):
-            return found, (
-                f"{metric} is not in its name, and Lightning's ModelCheckpoint state in it "
-                f"cannot be read: {scores}"
-            )
-        extra = tuple((k, Reading(v, CKPT_STATE)) for k, v in scores.items() if k not in dict(found))
-        return found + extra, None
 
     # --- checks ----------------------------------------------------------
 
@@ -527,30 +455,6 @@ def _save_times(
     return min(e.mtime_ns for e in theirs) / 1e9, max(saved) / 1e9, max(e.mtime_ns for e in theirs) / 1e9
 
 
-# Written by the Trainer before trainer_state.json, in the same save (transformers 5.x
-# Trainer._save_checkpoint: save_model (training_args.bin), _save_optimizer_and_scheduler (DeepSpeed's
-# save_checkpoint, which ends in a barrier after every rank's shard and `latest`; optimizer.pt,
-# scheduler.pt), _save_scaler, _save_rng_state (process 0's, the process that then writes
-# trainer_state.json), then trainer_state.json. Not the model weights: zero_to_fp32.py, which the
-# Trainer copies into the checkpoint, is run there by hand later and writes them.
-_BEFORE_TRAINER_STATE = frozenset({
-    "latest", "optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin",
-    "rng_state.pth", "rng_state_0.pth",
-})
-_GLOBAL_STEP_FILE = re.compile(r"global_step\d+/.+")
-_DS_FILE = re.compile(r"(?:[^/]+/)?(?:bf16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states\.pt")
-_ACCELERATE_FILE = re.compile(
-    r"(?:optimizer|scheduler|sampler|random_states)(?:_\d+)?\.(?:bin|pkl|pt)|scaler\.pt"
-)
-_MEGATRON_FILE = re.compile(
-    r"(?:.+/)?(?:model_optim_rng\.pt|[^/]+\.distcp|metadata\.json|common\.pt|\.metadata)"
-)
-
-
-def _before_trainer_state(rel: str) -> bool:
-    return rel in _BEFORE_TRAINER_STATE or bool(_GLOBAL_STEP_FILE.fullmatch(rel))
-
-
 # A save's last-written files rewritten after it (red team 2, item 6): a script fixing paths in every
 # trainer_state.json after a move (sed -i writes a new file) gives each the time of the fix, in
 # shell order, and the old checkpoint fixed last would be the run's newest save. The framework
@@ -561,26 +465,7 @@ def _before_trainer_state(rel: str) -> bool:
 # within it moves `written_at` by no more than a save can take.
 def _written_before(layout: str, rel: str) -> Callable[[str], bool] | None:
     """The files the framework writes before `rel` in one save, if it writes `rel` last; else None."""
-    if layout == layouts.HF and rel == TRAINER_STATE:
-        return _before_trainer_state
-    if layout == layouts.ACCELERATE and _RANDOM_STATES.fullmatch(rel):
-        return _before_random_states
-    if layout == layouts.ORBAX and rel == layouts.ORBAX_COMMIT:
-        return lambda other: other == layouts.ORBAX_METADATA  # orbax atomicity: metadata, then commit
-    d, _, name = rel.rpartition("/")
-    if (layout in (layouts.DCP, layouts.TORCHTITAN) and name == ".metadata") or (
-        layout == layouts.MEGATRON and name in _WRITTEN_LAST
-    ):
-        here = f"{d}/" if d else ""
-        return lambda other: (
-            other.startswith(here)
-            and "/" not in other[len(here) :]
-            and (other.endswith(".distcp") or other.endswith("common.pt"))
-        )
-    return None
-
-
-_RANDOM_STATES = re.compile(r"random_states_\d+\.pkl")
+    return frameworks.get(layout).written_before(rel)
 
 
 def _not_rewritten(saved: list[Entry], layout: str) -> list[Entry]:
@@ -599,19 +484,7 @@ def save_files(layout: str, rel: str) -> bool:
     """Whether the file at `rel` (in a checkpoint of `layout`) is one its framework writes in a save,
     as opposed to one added later. Only the files that end a save need be named: their newest mtime
     is when the save ended. False for every file of a layout with no such list (then all count)."""
-    if layout == layouts.HF:
-        return rel == TRAINER_STATE or _before_trainer_state(rel) or bool(_RNG.fullmatch(rel))
-    if layout == layouts.DEEPSPEED:
-        return bool(_DS_FILE.fullmatch(rel))
-    if layout == layouts.ACCELERATE:
-        return bool(_ACCELERATE_FILE.fullmatch(rel) or _DS_FILE.fullmatch(rel))
-    if layout == layouts.ORBAX:
-        return rel in (layouts.ORBAX_COMMIT, layouts.ORBAX_METADATA)
-    if layout in (layouts.DCP, layouts.TORCHTITAN):
-        return rel == ".metadata" or rel.endswith(".distcp") or rel == layouts.TORCHTITAN_HF_INDEX
-    if layout == layouts.MEGATRON:
-        return bool(_MEGATRON_FILE.fullmatch(rel))
-    return False
+    return frameworks.get(layout).save_file(rel)
 
 
 # --- one save: a checkpoint re-saved in place (red team, item 5) -------------------------------
@@ -630,40 +503,11 @@ MTIME_SLACK = 10.0
 # optimizer shard may end before rank 0 has finished writing the model states, by at most the time
 # that one file takes to write. Larger than that: the shard is from another save.
 SAVE_SPAN = 30 * 60.0
-_MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 
 
 def _tags(layout: str, files: dict[str, Entry]) -> list[str]:
     """The DeepSpeed tag directories of a checkpoint ("" for the checkpoint itself)."""
-    if layout == layouts.HF:
-        return _global_step_dirs(files)
-    if layout == layouts.DEEPSPEED:
-        return [""]
-    if layout in (layouts.ACCELERATE, layouts.NEMO):  # NEMO: Lightning's DeepSpeed `<name>.ckpt/checkpoint/`
-        return _deepspeed_tag_dirs(files)
-    return []
-
-
-# Written last in their directory, after its *.distcp: DCP's coordinator writes `.metadata` after
-# every rank's data (torch.distributed.checkpoint's finish), megatron-core `metadata.json` after
-# common.pt and the shards (dist_checkpointing/serialization.py `save`).
-_WRITTEN_LAST = (".metadata", "metadata.json")
-
-
-def _before_random_states(rel: str) -> bool:
-    return bool(_ACCELERATE_BEFORE.fullmatch(rel) or ("/" in rel and _DS_FILE.fullmatch(rel)))
-
-
-# The file a framework's process 0 writes last in a save, who writes it, and which files it writes
-# before it in the same save. accelerate's save_state: DeepSpeed's save_checkpoint (or the
-# optimizers), the schedulers, the samplers, then each process its random_states_<i>.pkl
-# (utils/checkpointing.py save_accelerator_state). The weights are left out for both: DeepSpeed
-# copies zero_to_fp32.py into the checkpoint, and it is run there later.
-_LAST_WRITTEN: dict[str, tuple[str, str, Callable[[str], bool]]] = {
-    layouts.HF: (TRAINER_STATE, "the Trainer", _before_trainer_state),
-    layouts.ACCELERATE: ("random_states_0.pkl", "accelerate", _before_random_states),
-}
-_ACCELERATE_BEFORE = re.compile(r"(?:optimizer|scheduler|sampler)(?:_\d+)?\.(?:bin|pt)|scaler\.pt")
+    return frameworks.get(layout).tags(files)
 
 
 def one_save(
@@ -798,32 +642,13 @@ def _slimmed(files: dict[str, Entry], marker: slim.Marker | str) -> Check:
     return Check("slimmed", PASSED, detail)
 
 
-def _global_step_dirs(files: dict[str, Entry]) -> list[str]:
-    return sorted(
-        rel
-        for rel, e in files.items()
-        if e.kind == "d" and "/" not in rel and re.fullmatch(r"global_step\d+", rel)
-    )
-
-
 def step_mismatch(ckpt: Checkpoint, names: Iterable[str]) -> list[str]:
-    """Why a Trainer checkpoint's name and contents disagree on its step, if they do.
-
-    `checkpoint-3500` holding `global_step2000/` (or a trainer_state.json at another
-    global_step) was copied or renamed by hand: the Trainer names the directory from the
-    step it saves. Not a completeness check (every file may be there), so not a reason to
+    """Why a checkpoint's name and contents disagree on its step, if they do (the Trainer's:
+    `frameworks/hf.py`). Not a completeness check (every file may be there), so not a reason to
     keep or delete; `verify` shows it as a warning. `names`: the entries directly inside.
     """
-    if ckpt.layout != layouts.HF:
-        return []
-    out = []
-    tags = sorted(n for n in names if re.fullmatch(r"global_step\d+", n))
-    if tags and f"global_step{ckpt.step}" not in tags:
-        out.append(f"{ckpt.name} holds {', '.join(tags)}, not global_step{ckpt.step}: renamed or copied?")
-    ts = ckpt.trainer_state
-    if ts is not None and ts.global_step is not None and ts.global_step != ckpt.step:
-        out.append(f"{ckpt.name}'s {TRAINER_STATE} says global_step={ts.global_step}: renamed or copied?")
-    return out
+    fw = frameworks.get(ckpt.layout)
+    return fw.step_mismatch(ckpt.name, ckpt.step, list(names), ckpt.trainer_state)
 
 
 def _trainer_state(path: Path, files: dict[str, Entry]) -> tuple[Check, TrainerState | None]:
@@ -869,76 +694,12 @@ def parse_trainer_state(data: dict) -> TrainerState:
     )
 
 
-def _rng_states(files: dict[str, Entry], world: int | None) -> tuple[Check, int | None]:
-    """One rng_state_<rank>.pth per process (the Trainer): each rank writes its own, with no barrier.
-
-    Returns the check and, when no world size was known, how many ranks were counted (for
-    `against_siblings`: ranks 0..6 are contiguous, and still one short of a run of 8).
-    """
-    if not any(_RNG.fullmatch(rel) for rel in files if "/" not in rel):
-        if "rng_state.pth" in files:
-            return Check("rng states", PASSED, "rng_state.pth (one process)"), None
-        return Check("rng states", PASSED, "none saved"), None
-    return _rank_files(files, _RNG, world, name="rng states")
-
-
-_RANDOM_STATES = re.compile(r"random_states_(\d+)\.pkl")  # accelerate's, one per process, written last
-
-
-def _rank_files(
-    files: dict[str, Entry], regex: re.Pattern[str], world: int | None, *, name: str = "random states"
-) -> tuple[Check, int | None]:
-    """Each rank's file, `regex` capturing the rank, in the checkpoint's top directory (or where
-    the pattern puts it): ranks 0..world-1, or 0..n-1 with no gap when the world size is not
-    known (then n is returned, for `against_siblings`)."""
-    ranks = sorted(int(m[1]) for rel in files if (m := regex.fullmatch(rel)) and files[rel].kind == "f")
-    example = regex.pattern.replace(r"(\d+)", "0").replace("\\", "")
-    if not ranks:
-        return Check(name, FAILED, f"{example} missing (each rank writes its own, last)"), None
-    # Ranks 0..n-1 are all there exactly when n of them are and the highest is n-1: no
-    # walk up to a rank number taken from a (possibly hostile) file name.
-    present = set(ranks)
-    n = world if world is not None else max(ranks) + 1
-    if len([r for r in present if r < n]) < n:
-        first = next(r for r in range(n) if r not in present)  # at most len(present)+1 steps
-        counted = f" ({len(present)}/{world} ranks)" if world is not None else ""
-        missing = regex.pattern.replace(r"(\d+)", str(first)).replace("\\", "")
-        return Check(name, FAILED, f"{missing} missing{counted}"), None
-    if world is not None:
-        return Check(name, PASSED, f"{world}/{world} ranks"), None
-    return Check(name, PASSED, f"ranks 0..{n - 1} contiguous (world size not known)"), n
-
-
-def _known_world(world_size: int | None, mp_world_size: int) -> int | None:
-    """Every rank's count from the config (data- times model-parallel), if it says."""
-    return world_size * mp_world_size if world_size is not None else None
-
-
-EVIDENCE = "evidence"
-QUIET_ALONE = "no completion evidence: complete on quiet alone, the weakest evidence there is"
-
-
 def on_quiet_alone(c: Checkpoint) -> bool:
     """Whether nothing but quiet proves this checkpoint finished (a user pattern without evidence)."""
     for k in c.checks:  # noqa: SIM110 (a loop, not any(): planning asks this of every checkpoint)
         if k.name == EVIDENCE and k.detail.endswith(QUIET_ALONE):
             return True
     return False
-
-
-def _required(files: dict[str, Entry], glob: str) -> Check:
-    """A file the user's pattern requires (`require`)."""
-    hit = next((rel for rel, e in files.items() if e.kind == "f" and rel and slim.matches(rel, glob)), None)
-    if hit is None:
-        return Check(f"requires {glob}", FAILED, "no such file")
-    return Check(f"requires {glob}", PASSED, f"{hit} present")
-
-
-def _deepspeed_tag_dirs(files: dict[str, Entry]) -> list[str]:
-    """Top-level directories holding DeepSpeed model states (accelerate names its tag `pytorch_model`)."""
-    return sorted(
-        {rel.partition("/")[0] for rel in files if rel.count("/") == 1 and rel.endswith("model_states.pt")}
-    )
 
 
 RANK_CENSUS = "rank census"
@@ -984,7 +745,6 @@ def with_sibling_census(ckpts: Iterable[Checkpoint]) -> list[Checkpoint]:
 
 
 DEEPSPEED_LATEST = "latest"
-MAX_POINTER_BYTES = 4096
 
 
 def resume_pointers(run_path: Path, names: Collection[str]) -> dict[str, str]:
@@ -1071,26 +831,6 @@ def _absolute_elsewhere(
     return set(names), why
 
 
-def read_pointer(path: Path) -> str:
-    """A resume pointer's text, stripped as DeepSpeed and Megatron strip it. Raises OSError: a
-    FIFO, socket or device is never opened for reading (volread), a symlink is followed (the
-    frameworks follow it), and a pointer longer than any name can be is unreadable."""
-    raw = volread.read_bytes(path, MAX_POINTER_BYTES + 1, follow_symlinks=True)
-    if len(raw) > MAX_POINTER_BYTES:
-        raise OSError(errno.EFBIG, f"longer than {MAX_POINTER_BYTES} bytes", str(path))
-    return raw.decode("utf-8", "surrogateescape").strip()
-
-
-def megatron_iteration(text: str) -> int | None:
-    """The iteration Megatron's tracker names, parsed as Megatron parses it (`int(metastring)`
-    in checkpointing.py's read_metadata: ' 100', '+100', '1_000' are 100, 100, 1000); None if
-    Megatron would not take it for one."""
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
 def pointer_target(run_path: Path, pointer: str, text: str) -> set[str]:
     """The entries of `run_path` the resume pointer `pointer` holding `text` makes the framework
     load, resolved as the framework resolves it: DeepSpeed `os.path.join(load_dir, tag)`
@@ -1115,32 +855,6 @@ def pointer_target(run_path: Path, pointer: str, text: str) -> set[str]:
     return out
 
 
-def _megatron_tracker(run: RunContext, cand: Candidate) -> Check:
-    name = "megatron tracker"
-    if layouts.MEGATRON_TRACKER not in run.names:
-        return Check(name, FAILED, f"{layouts.MEGATRON_TRACKER} missing (written after every rank saved)")
-    try:
-        text = read_pointer(run.path / layouts.MEGATRON_TRACKER)
-    except OSError as exc:
-        return Check(name, UNKNOWN, f"cannot read {layouts.MEGATRON_TRACKER}: {exc.strerror or exc}")
-    if text == "release":
-        return Check(name, PASSED, "tracker says 'release'")
-    iteration = megatron_iteration(text)
-    if iteration is None:
-        return Check(name, UNKNOWN, f"{layouts.MEGATRON_TRACKER} holds {text[:40]!r}, not an iteration")
-    if iteration < cand.step:
-        return Check(name, FAILED, f"tracker at iteration {iteration} < {cand.step}: still being saved")
-    return Check(name, PASSED, f"tracker at iteration {iteration} >= {cand.step}")
-
-
-def _dcp_metadata(files: dict[str, Entry], d: str) -> Check:
-    rel = f"{d}/.metadata" if d else ".metadata"
-    where = f"dcp .metadata ({d})" if d else "dcp .metadata"
-    if rel in files:
-        return Check(where, PASSED, "present (the coordinator writes it after every rank)")
-    return Check(where, FAILED, "missing (the coordinator writes it last)")
-
-
 def _nested_dcp(files: dict[str, Entry], skip_top: bool) -> Iterator[Check]:
     """Any directory inside a checkpoint holding *.distcp files needs its .metadata."""
     dirs = sorted({rel.rpartition("/")[0] for rel in files if rel.endswith(".distcp")})
@@ -1148,143 +862,6 @@ def _nested_dcp(files: dict[str, Entry], skip_top: bool) -> Iterator[Check]:
         if d == "" and skip_top:
             continue
         yield _dcp_metadata(files, d)
-
-
-def _torchtitan(path: Path, files: dict[str, Entry]) -> Check:
-    """torchtitan's own rule (components/checkpoint.py `_find_load_step`): a `step-N` it loads holds
-    DCP's `.metadata`, or `model.safetensors.index.json` when its last save was in HF format; then
-    every shard the index names must be there too (their integrity is checked with the rest)."""
-    name = "torchtitan step"
-    if ".metadata" in files:
-        return Check(name, PASSED, ".metadata present (the DCP coordinator writes it after every rank)")
-    index = files.get(layouts.TORCHTITAN_HF_INDEX)
-    if index is None or index.kind != "f":
-        return Check(name, FAILED, f"neither .metadata nor {layouts.TORCHTITAN_HF_INDEX} (written last)")
-    if index.size > MAX_TRAINER_STATE_BYTES:
-        return Check(name, UNKNOWN, f"{layouts.TORCHTITAN_HF_INDEX}: {index.size} bytes, too large to parse")
-    try:
-        with volread.open_file(path / layouts.TORCHTITAN_HF_INDEX) as f:
-            weight_map = json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1)).get("weight_map")
-    except (OSError, ValueError, RecursionError, AttributeError) as exc:
-        return Check(name, FAILED, f"{layouts.TORCHTITAN_HF_INDEX} unreadable: {type(exc).__name__}: {exc}")
-    if not isinstance(weight_map, dict) or not weight_map:
-        return Check(name, FAILED, f"{layouts.TORCHTITAN_HF_INDEX} has no weight_map")
-    shards = sorted({str(v) for v in weight_map.values()})
-    missing = [s for s in shards if s not in files]
-    if missing:
-        present = len(shards) - len(missing)
-        return Check(name, FAILED, f"{missing[0]} missing ({present}/{len(shards)} shards in the HF index)")
-    return Check(name, PASSED, f"{layouts.TORCHTITAN_HF_INDEX} and its {len(shards)} shards (HF format)")
-
-
-MEGATRON_CORE_METADATA = "metadata.json"
-_MEGATRON_CORE_FILES = ("common.pt", MEGATRON_CORE_METADATA, ".metadata")
-
-
-def _is_megatron_core(files: dict[str, Entry], d: str) -> bool:
-    """Whether directory `d` ("" for the top) holds a megatron-core distributed checkpoint."""
-    prefix = f"{d}/" if d else ""
-    return any(f"{prefix}{n}" in files for n in _MEGATRON_CORE_FILES) or any(
-        rel.startswith(prefix) and "/" not in rel[len(prefix) :] and rel.endswith(".distcp") for rel in files
-    )
-
-
-LIGHTNING_FSDP_META = "meta.pt"
-
-
-def _is_lightning_fsdp(cand: Candidate, files: dict[str, Entry]) -> bool:
-    """Whether a `.ckpt` directory is Lightning FSDPStrategy's sharded checkpoint: DCP's files, then
-    rank 0's `meta.pt` (lightning/pytorch/strategies/fsdp.py save_checkpoint), and none of
-    megatron-core's own files (common.pt, written first; metadata.json)."""
-    return (
-        cand.name.endswith(".ckpt")
-        and LIGHTNING_FSDP_META in files
-        and not any(n in files for n in ("common.pt", MEGATRON_CORE_METADATA))
-    )
-
-
-def _lightning_fsdp(files: dict[str, Entry]) -> Check:
-    """Lightning's FSDP sharded checkpoint is whole once DCP's `.metadata` (the coordinator writes it
-    after every rank's data) and `meta.pt` (rank 0 writes it after the DCP save returns) are there."""
-    name = "lightning fsdp (dcp .metadata, meta.pt)"
-    if ".metadata" not in files:
-        return Check(name, FAILED, "dcp .metadata missing (the coordinator writes it after every rank)")
-    if files[LIGHTNING_FSDP_META].kind != "f":
-        return Check(name, FAILED, f"{LIGHTNING_FSDP_META} is not a file")
-    return Check(name, PASSED, f".metadata and {LIGHTNING_FSDP_META} present (written after DCP's save)")
-
-
-def _megatron_core(path: Path, files: dict[str, Entry], d: str) -> Check:
-    """megatron-core writes `metadata.json` last (dist_checkpointing/serialization.py `save`: rank 0,
-    after common.pt and every rank's shards; with async save, in the finalize), and takes a directory
-    for a checkpoint only when it parses (`check_is_distributed_checkpoint`)."""
-    rel = f"{d}/{MEGATRON_CORE_METADATA}" if d else MEGATRON_CORE_METADATA
-    name = f"megatron-core {rel}"
-    entry = files.get(rel)
-    if entry is None or entry.kind != "f":
-        return Check(name, FAILED, "missing (megatron-core writes it last)")
-    try:
-        with volread.open_file(path / rel) as f:
-            doc = json.loads(f.read(MAX_POINTER_BYTES * 16))
-    except (OSError, ValueError, RecursionError) as exc:
-        return Check(name, FAILED, f"unreadable: {type(exc).__name__}: {exc}")
-    if not isinstance(doc, dict):
-        return Check(name, FAILED, "not a JSON object")
-    backend = doc.get("sharded_backend")
-    return Check(name, PASSED, f"parsed (sharded_backend={backend!r})" if backend else "parsed")
-
-
-def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
-    """Orbax's own verdict on a step directory (orbax/checkpoint/_src/path/atomicity.py; the facts
-    are in tests/FWGEN_NOTES.md).
-
-    Saved through a tmp directory renamed into place (AtomicRenameTemporaryPath, the default
-    on local filesystems), the final name is Orbax's proof. Saved in place (CommitFileTemporaryPath,
-    the default on object stores and filesystems without atomic rename), only the step's own
-    `commit_success.txt`, written last, is: a save killed midway leaves the final name, and may
-    even hold a commit time already (the items' own commit files and the timestamp come first).
-    ckptd cannot know which mode wrote a directory, and an Orbax reader that guesses wrong lists
-    a broken step. Orbax 0.12 writes `commit_success.txt` in both modes, so it is what counts.
-    A step whose `_CHECKPOINT_METADATA` has no commit record at all is from an Orbax that wrote
-    neither: renamed into place, its name is the proof.
-    """
-    name = "orbax commit"
-    if cand.in_progress:
-        return Check(name, FAILED, "still a tmp directory (Orbax renames it when finished)")
-    if layouts.ORBAX_COMMIT in files and files[layouts.ORBAX_COMMIT].kind == "f":
-        return Check(name, PASSED, f"{layouts.ORBAX_COMMIT} present")
-    meta = files.get(layouts.ORBAX_METADATA)
-    if meta is None or meta.kind != "f":
-        return Check(name, FAILED, f"neither {layouts.ORBAX_COMMIT} nor {layouts.ORBAX_METADATA}")
-    try:
-        with volread.open_file(path / layouts.ORBAX_METADATA) as f:
-            doc = json.loads(f.read(MAX_POINTER_BYTES * 16))
-    except (OSError, ValueError, RecursionError) as exc:
-        return Check(name, UNKNOWN, f"{layouts.ORBAX_METADATA} unreadable: {type(exc).__name__}: {exc}")
-    if not isinstance(doc, dict):
-        return Check(name, UNKNOWN, f"{layouts.ORBAX_METADATA} is not a JSON object")
-    if "commit_timestamp_nsecs" in doc:
-        why = (
-            f"no {layouts.ORBAX_COMMIT}: saved in place (Orbax's commit-file mode) and never committed, "
-            "or killed while committing"
-        )
-        return Check(name, FAILED, why)
-    return Check(name, PASSED, "finalized by rename from its tmp directory (an Orbax that records no commit)")
-
-
-def _nemo_unfinished(run: RunContext, cand: Candidate) -> Check:
-    """NeMo's `-unfinished` marker, beside the checkpoint; for a model-parallel rank's file
-    (`mp_rank_01/<name>.ckpt`), the one marker of every rank's file, in the directory above
-    (format_checkpoint_unfinished_marker_path takes the rank out of the path)."""
-    marker = layouts.nemo_unfinished_marker(cand.name)
-    if marker in run.names:
-        return Check("nemo marker", FAILED, f"{marker} present: save not finished")
-    if layouts.is_rank_dir(run.path.name):
-        if os.path.lexists(run.path.parent / marker):
-            why = f"../{marker} present (one for every rank's file): save not finished"
-            return Check("nemo marker", FAILED, why)
-        return Check("nemo marker", PASSED, f"no {marker}, here or above the rank directories")
-    return Check("nemo marker", PASSED, f"no {marker}")
 
 
 FileProblem = Callable[[Path, "Entry"], str | None]  # (the checkpoint, one of its entries)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 HF = "hf"  # Hugging Face Trainer: checkpoint-<step>/
 DEEPSPEED = "deepspeed"  # bare DeepSpeed: global_step<step>/ beside `latest`
@@ -62,8 +62,6 @@ LAST_COPY_NOTE = (
     "a last copy (Lightning's last.ckpt, NeMo's -last): rewritten or renamed at every save and what a "
     "resume from 'last' loads; not a step: ckptd never counts it and never deletes it"
 )
-# What a NeMo distributed-checkpoint directory holds (NeMo 1: torch_dist; NeMo 2: weights/ + context/).
-_NEMO_DIR_MARKERS = frozenset({"weights", "context", "metadata.json", "common.pt", ".metadata"})
 # Directories frameworks make on the way to their checkpoints; discovery does not count them
 # against max_depth: Lightning's `lightning_logs/version_<N>/checkpoints/`, NeMo 2's
 # `<name>/<%Y-%m-%d_%H-%M-%S>/checkpoints/`, torchtitan's `checkpoint/`, accelerate's `checkpoints/`.
@@ -158,6 +156,8 @@ def recognise_by_name(
     for i, regex in enumerate(patterns):
         if m := regex.fullmatch(name):
             return Candidate(name, int(m[1]), PATTERN, is_dir, pattern=i)
+    if not is_dir and (cand := _registry().recognise_file(name)) is not None:
+        return cand  # a file a framework module claims by its suffix (frameworks.recognise_file)
     if not (is_dir or name.endswith((".ckpt", ".nemo"))):
         return None
     if name.endswith(NEMO_UNFINISHED_SUFFIX) or is_last_copy(name):
@@ -268,7 +268,7 @@ def held(layout: str, rels: Collection[str], dirs: Collection[str]) -> list[str]
             continue
         if not is_dir and not name.endswith((".ckpt", ".nemo")):
             continue  # only Lightning's and NeMo's checkpoints are files
-        if not parent and is_dir and layout != DEEPSPEED and _DEEPSPEED.fullmatch(name):
+        if not parent and is_dir and not framework(layout).checkpoint_is_tag and _DEEPSPEED.fullmatch(name):
             continue  # its own DeepSpeed tag (the Trainer's global_stepN/), the common case: no more to do
         cand = recognise(name, is_dir, lambda rel=rel: children(rel))
         if cand is None and name.endswith((".ckpt", ".nemo")) and is_last_copy(name):
@@ -277,9 +277,10 @@ def held(layout: str, rels: Collection[str], dirs: Collection[str]) -> list[str]
             continue
         if cand is None:
             continue
-        if cand.layout == DCP and not _dcp_is_a_run_save(name, dir_names(parent)):
+        if framework(cand.layout).owns_top_dcp and not _dcp_is_a_run_save(name, dir_names(parent)):
             continue  # its own part (FSDP's pytorch_model_fsdp_0/), whose .metadata the evidence demands
-        if not parent and layout == ORBAX and cand.layout == ORBAX and not cand.in_progress:
+        own = framework(layout)
+        if not parent and own.items_like_steps and framework(cand.layout) is own and not cand.in_progress:
             continue  # an Orbax item (its own commit_success.txt, in commit-file mode)
         found.append(rel)
         seen.add(rel)
@@ -289,6 +290,24 @@ def held(layout: str, rels: Collection[str], dirs: Collection[str]) -> list[str]
 def nemo_unfinished_marker(name: str) -> str:
     """NeMo's marker for `name`: the name without .ckpt/.nemo, plus `-unfinished`."""
     return name.removesuffix(".nemo").removesuffix(".ckpt") + NEMO_UNFINISHED_SUFFIX
+
+
+_FRAMEWORKS = None
+
+
+def _registry():  # -> the ckptd.frameworks module
+    """frameworks/, which imports this module: imported on first use."""
+    global _FRAMEWORKS
+    if _FRAMEWORKS is None:
+        from ckptd import frameworks
+
+        _FRAMEWORKS = frameworks
+    return _FRAMEWORKS
+
+
+def framework(layout: str):  # -> frameworks.base.Framework
+    """`layout`'s framework: what it says of its own names and parts."""
+    return _registry().get(layout)
 
 
 def recognise(
@@ -306,15 +325,18 @@ def recognise(
     cand = recognise_by_name(name, is_dir, patterns)
     if not is_dir:
         return cand
-    if cand is not None and (cand.layout in (HF, DEEPSPEED, MEGATRON) or cand.in_progress):
+    if cand is not None and (framework(cand.layout).named_alone or cand.in_progress):
         return cand
     inside = children()
     if cand is None:
         cand = recognise_by_contents(name, inside)
+    elif cand.pattern is not None and (known := recognise_by_contents(name, inside)) is not None:
+        # A user's pattern over a save a framework recognises by its own files (accelerate's step_10/):
+        # that framework's evidence, not quiet alone; the pattern's own evidence is asked besides.
+        cand = replace(known, pattern=cand.pattern)
     if cand is None:
         return None
-    nemo_dir_markers = _NEMO_DIR_MARKERS & set(inside) or any(c.endswith(".distcp") for c in inside)
-    if cand.layout == NEMO and not name.endswith((".ckpt", ".nemo")) and not nemo_dir_markers:
+    if not framework(cand.layout).recognised_inside(name, inside):
         return None
     if any(recognise_by_name(c, True, patterns) for c in inside):
         return None

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from ckptd import layouts, mounts, policy, slim
+from ckptd import frameworks, layouts, mounts, policy, slim
 from ckptd.config import format_size
 from ckptd.consolidate import Consolidated, Consolidation, ConsolidationFailed
 from ckptd.evidence import Entry, TooDeep, fingerprint, read_slim_marker, resume_pointers, walk
@@ -580,7 +580,8 @@ class Reaper:
             raise _Stop(Outcome.REFUSED, "changed since the plan was made")
         files = {e.rel: e for e in before}
         save_dir, tag, states = slim.consolidation_paths(c.layout, c.name, c.slim.source, set(files))
-        source_fp = slim.source_fingerprint(files, "" if c.layout == layouts.DEEPSPEED else f"{tag}/")
+        is_tag = frameworks.get(c.layout).checkpoint_is_tag  # a bare DeepSpeed tag: its shards at its top
+        source_fp = slim.source_fingerprint(files, "" if is_tag else f"{tag}/")
         try:
             ckpt_fd = open_dir_nofollow(self.root, c.rel)
         except OSError as exc:

@@ -26,6 +26,7 @@ from ckptd import layouts
 from ckptd.model import ConsolidatedWeights, Slimming
 
 if TYPE_CHECKING:
+    from ckptd.frameworks.base import Framework
     from ckptd.model import Entry, WeightsSeen
 
 MARKER = ".ckptd-slim.json"
@@ -248,6 +249,13 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def _framework(layout: str) -> Framework:
+    """What `layout`'s framework lets a slim do (frameworks/; imported here, as they import this)."""
+    from ckptd import frameworks
+
+    return frameworks.get(layout)
+
+
 def survey(
     layout: str,
     name: str,
@@ -272,9 +280,10 @@ def survey(
     or of unknown dtype are not enough for "fp32": the fp32 master weights would go
     with the optimizer shards. `weights` holds what their headers say (`weights.py`).
     """
-    if layout not in (layouts.HF, layouts.DEEPSPEED):
+    fw = _framework(layout)
+    if not fw.slim_weights:
         return Slimming()
-    prefix = f"{name}/" if layout == layouts.DEEPSPEED else ""
+    prefix = f"{name}/" if fw.checkpoint_is_tag else ""
     leftover = f"{LEGACY_WORK_DIR}/"
     globs = tuple(slim_files)
     removable = tuple(
@@ -293,7 +302,7 @@ def survey(
     def present(rel: str) -> bool:
         return rel in files and files[rel].kind == "f"
 
-    candidates = WEIGHTS_FILES if layout == layouts.HF else (CONSOLIDATED,)
+    candidates = fw.slim_weights
     saved = next((w for w in candidates if present(w)), None)
     if marker is not None:
         named = f"{marker.weights}, named by its slim marker"
@@ -342,7 +351,7 @@ def _consolidated(
             return None, f"{path} is missing or not the size ckptd recorded when it consolidated it"
     if source is None or record.source != source:
         return None, f"{WEIGHTS_DIR}/ was consolidated from {record.source}, not from {source}"
-    tag_prefix = "" if layout == layouts.DEEPSPEED else f"{source}/"
+    tag_prefix = "" if _framework(layout).checkpoint_is_tag else f"{source}/"
     if source_fingerprint(files, tag_prefix) != record.source_fingerprint:
         return None, f"{WEIGHTS_DIR}/ was consolidated from {source} as it was then: its shards changed since"
     return record, None
@@ -350,7 +359,7 @@ def _consolidated(
 
 def _source(layout: str, name: str, files: Mapping[str, Entry]) -> tuple[str | None, str | None]:
     """The DeepSpeed tag directory zero_to_fp32 would consolidate, or why there is none."""
-    if layout == layouts.DEEPSPEED:
+    if _framework(layout).checkpoint_is_tag:
         tag, names = name, {rel for rel in files if rel and "/" not in rel}
     else:
         tags = sorted(rel for rel, e in files.items() if e.kind == "d" and _GLOBAL_STEP.fullmatch(rel))
@@ -372,7 +381,7 @@ def consolidation_paths(layout: str, name: str, source: str, files: Collection[s
 
     zero_to_fp32 takes the directory holding `global_step<N>/` and the tag.
     """
-    if layout == layouts.DEEPSPEED:
+    if _framework(layout).checkpoint_is_tag:
         save_dir, tag, inside = ".", name, ""
     else:
         save_dir, tag, inside = name, source, f"{source}/"

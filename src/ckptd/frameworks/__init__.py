@@ -1,0 +1,68 @@
+"""What ckptd knows about each framework's saves, one module per framework.
+
+A module here owns one framework's save contract (`base.Framework`): what a finished save holds
+(its weights in every form the framework writes them, its markers, its rank census), the order it
+writes them and which file comes last, what a save cut short looks like, the metrics its files
+carry. `hfweights` holds the weight forms the Hugging Face libraries share (transformers'
+save_pretrained, accelerate's save_state, PEFT's adapters), and `copyin` what a copier that died
+midway leaves; both are used by the frameworks that write them. A framework that saves through
+another uses that one's contract (the Trainer and accelerate DeepSpeed's census, NeMo megatron-core's
+and Lightning's strategies', torchtitan and megatron-core DCP's).
+
+The registry is closed and ordered: no entry points. Code from outside that could say "complete"
+could make ckptd delete. The engine asks `get(layout)` and never compares layout names.
+"""
+
+from __future__ import annotations
+
+from ckptd.frameworks import (
+    accelerate,
+    dcp,
+    deepspeed,
+    hf,
+    keras,
+    lightning,
+    megatron,
+    nemo,
+    orbax,
+    pattern,
+    torchtitan,
+)
+from ckptd.frameworks.base import Framework
+from ckptd.layouts import Candidate
+
+REGISTRY: tuple[Framework, ...] = (
+    hf.FRAMEWORK,
+    deepspeed.FRAMEWORK,
+    megatron.FRAMEWORK,
+    orbax.FRAMEWORK,
+    accelerate.FRAMEWORK,
+    torchtitan.FRAMEWORK,
+    dcp.FRAMEWORK,
+    lightning.FRAMEWORK,
+    nemo.FRAMEWORK,
+    keras.FRAMEWORK,
+    pattern.FRAMEWORK,
+)
+_BY_LAYOUT = {f.layout: f for f in REGISTRY}
+USER_PATTERN = pattern.FRAMEWORK  # a user's pattern: what the user names as evidence
+
+
+_FILE_FRAMEWORKS = tuple(f for f in REGISTRY if f.file_suffixes)
+_FILE_SUFFIXES = tuple(s for f in _FILE_FRAMEWORKS for s in f.file_suffixes)
+
+
+def recognise_file(name: str) -> Candidate | None:
+    """A checkpoint file a framework module claims by its name (Keras's `.keras`), in registry order."""
+    if not name.endswith(_FILE_SUFFIXES):
+        return None
+    for f in _FILE_FRAMEWORKS:
+        if name.endswith(f.file_suffixes) and (cand := f.recognise_file(name)) is not None:
+            return cand
+    return None
+
+
+def get(layout: str) -> Framework:
+    """The framework whose checkpoints have `layout`; a user pattern's for anything else (nothing
+    but what the user named, or quiet, says it is finished)."""
+    return _BY_LAYOUT.get(layout, USER_PATTERN)

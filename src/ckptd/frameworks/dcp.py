@@ -1,0 +1,100 @@
+"""torch.distributed.checkpoint (DCP): a directory of `*.distcp` and the coordinator's `.metadata`.
+
+FileSystemWriter (torch/distributed/checkpoint/filesystem.py): every rank writes its
+`__<rank>_<i>.distcp`, then the coordinator gathers their results and writes `.metadata` (through
+`.metadata.tmp`, renamed) in `finish`, last. Frameworks put DCP directories inside their own
+checkpoints (FSDP under the Trainer and accelerate, NeMo 2's `weights/`, torchtitan's steps,
+Lightning's FSDP `.ckpt/`): the engine asks `metadata_check` of every directory holding `*.distcp`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from ckptd import layouts
+from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
+from ckptd.model import Check, Entry, Verdict
+
+PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
+
+# Written last in their directory, after its *.distcp: DCP's coordinator writes `.metadata` after
+# every rank's data (torch.distributed.checkpoint's finish), megatron-core `metadata.json` after
+# common.pt and the shards (dist_checkpointing/serialization.py `save`).
+_WRITTEN_LAST = (".metadata", "metadata.json")
+
+
+def _dcp_metadata(files: dict[str, Entry], d: str) -> Check:
+    rel = f"{d}/.metadata" if d else ".metadata"
+    where = f"dcp .metadata ({d})" if d else "dcp .metadata"
+    if rel in files:
+        return Check(where, PASSED, "present (the coordinator writes it after every rank)")
+    if any(_RANK_METADATA.fullmatch(r.rpartition("/")[2]) for r in files if r.rpartition("/")[0] == d):
+        return _rank_metadata(files, d, None)[0]
+    return Check(where, FAILED, "missing (the coordinator writes it last)")
+
+
+# Saved with `use_collectives=False` (state_dict_saver.py _save_state_dict: no coordinator), each rank
+# writes `__<rank>.metadata` after its own data (filesystem.py _FileSystemWriter.finish,
+# `_get_metadata_path(rank)`) and no global `.metadata`; dcp.load reads the rank's own then
+# (state_dict_loader.py local_step). Whole when every rank's is there: 0..world-1, or 0..n-1 with
+# no gap (and no fewer than the run's last complete save: against_siblings) when no world size is known.
+_RANK_METADATA = re.compile(r"__(\d+)\.metadata")
+
+
+def _rank_metadata(files: dict[str, Entry], d: str, world: int | None) -> tuple[Check, int | None]:
+    prefix = f"{d}/" if d else ""
+    regex = re.compile(re.escape(prefix) + _RANK_METADATA.pattern)
+    where = f"dcp rank metadata ({d})" if d else "dcp rank metadata"
+    check, ranks = _rank_files(files, regex, world, name=where)
+    if check.verdict is not PASSED:
+        return check, ranks
+    # A rank writes its data before its metadata: one whose data is here and metadata not is not done
+    data = re.compile(re.escape(prefix) + r"__(\d+)_\d+\.distcp")
+    writing = sorted({int(m[1]) for r in files if (m := data.fullmatch(r))} - {
+        int(m[1]) for r in files if (m := regex.fullmatch(r))})
+    if writing:
+        r = writing[0]
+        why = f"rank {r} wrote its {prefix}__{r}_*.distcp, not yet its __{r}.metadata"
+        return Check(where, FAILED, why), None
+    n = ranks if ranks is not None else world
+    detail = f"{prefix}__0.metadata..{prefix}__{(n or 1) - 1}.metadata, one per rank (use_collectives=False)"
+    return Check(where, PASSED, f"{detail}: {check.detail}"), ranks
+
+
+
+def written_after_shards(rel: str) -> Callable[[str], bool]:
+    """The files written before `rel` (a `.metadata` or megatron-core's `metadata.json`): the `*.distcp`
+    and megatron-core's `common.pt` in its directory."""
+    d = rel.rpartition("/")[0]
+    here = f"{d}/" if d else ""
+    return lambda other: (
+        other.startswith(here)
+        and "/" not in other[len(here) :]
+        and (other.endswith(".distcp") or other.endswith("common.pt"))
+    )
+
+
+def save_file(rel: str) -> bool:
+    return rel == ".metadata" or rel.endswith(".distcp") or rel == layouts.TORCHTITAN_HF_INDEX
+
+
+class DCP(Framework):
+    layout = layouts.DCP
+    owns_top_dcp = True
+
+    def evidence(self, save: Save) -> Evidence:
+        files = save.files
+        if ".metadata" not in files and any(_RANK_METADATA.fullmatch(r) for r in files):
+            check, ranks = _rank_metadata(files, "", _known_world(save.world_size, save.mp_world_size))
+            return Evidence([check], ranks)
+        return Evidence([_dcp_metadata(files, "")])
+
+    def save_file(self, rel: str) -> bool:
+        return save_file(rel)
+
+    def written_before(self, rel: str) -> Callable[[str], bool] | None:
+        return written_after_shards(rel) if rel.rpartition("/")[2] == ".metadata" else None
+
+
+FRAMEWORK = DCP()

@@ -1,0 +1,104 @@
+"""The Hugging Face Trainer: `checkpoint-<step>/`.
+
+transformers' Trainer._save_checkpoint writes, in order: the weights (save_model: `model.safetensors`,
+sharded with an index, an adapter, FSDP's; under DeepSpeed ZeRO-3 without gathering, only the tag),
+`training_args.bin`; DeepSpeed's `global_step<N>/` (the Trainer's DeepSpeed composition: DeepSpeed's own
+census on that tag), `optimizer.pt`, `scheduler.pt`, `scaler.pt`; each process its `rng_state_<rank>.pth`
+(no barrier); then process 0's `trainer_state.json`, last. `save_only_model` leaves out everything but
+the weights and trainer_state.json.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+
+from ckptd import layouts, slim
+from ckptd.frameworks import copyin, hfweights
+from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
+from ckptd.frameworks.deepspeed import _global_step_dirs
+from ckptd.model import Check, Entry, TrainerState, Verdict
+
+PASSED = Verdict.PASSED
+TRAINER_STATE = "trainer_state.json"
+
+_RNG = re.compile(r"rng_state_(\d+)\.pth")
+
+
+# Written by the Trainer before trainer_state.json, in the same save (transformers 5.x
+# Trainer._save_checkpoint: save_model (training_args.bin), _save_optimizer_and_scheduler (DeepSpeed's
+# save_checkpoint, which ends in a barrier after every rank's shard and `latest`; optimizer.pt,
+# scheduler.pt), _save_scaler, _save_rng_state (process 0's, the process that then writes
+# trainer_state.json), then trainer_state.json. Not the model weights: zero_to_fp32.py, which the
+# Trainer copies into the checkpoint, is run there by hand later and writes them.
+_BEFORE_TRAINER_STATE = frozenset({
+    "latest", "optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin",
+    "rng_state.pth", "rng_state_0.pth",
+})
+
+
+_GLOBAL_STEP_FILE = re.compile(r"global_step\d+/.+")
+
+
+def _before_trainer_state(rel: str) -> bool:
+    return rel in _BEFORE_TRAINER_STATE or bool(_GLOBAL_STEP_FILE.fullmatch(rel))
+
+
+def _rng_states(files: dict[str, Entry], world: int | None) -> tuple[Check, int | None]:
+    """One rng_state_<rank>.pth per process (the Trainer): each rank writes its own, with no barrier.
+
+    Returns the check and, when no world size was known, how many ranks were counted (for
+    `against_siblings`: ranks 0..6 are contiguous, and still one short of a run of 8).
+    """
+    if not any(_RNG.fullmatch(rel) for rel in files if "/" not in rel):
+        if "rng_state.pth" in files:
+            return Check("rng states", PASSED, "rng_state.pth (one process)"), None
+        return Check("rng states", PASSED, "none saved"), None
+    return _rank_files(files, _RNG, world, name="rng states")
+
+
+class Trainer(Framework):
+    layout = layouts.HF
+    named_alone = True
+    last_written = (TRAINER_STATE, "the Trainer", _before_trainer_state)
+    slim_weights = slim.WEIGHTS_FILES
+
+    def evidence(self, save: Save) -> Evidence:
+        files = save.files
+        checks = []
+        ts_check, trainer_state = save.trainer_state()
+        checks.append(ts_check)
+        census = [save.deepspeed(d) for d in _global_step_dirs(files)]
+        checks.extend(check for check, _ in census)
+        worlds = [w.dp * w.mp for _, w in census if w is not None]
+        if not worlds:  # a DDP job's world size, from the config
+            worlds = [w] if (w := _known_world(save.world_size, save.mp_world_size)) else []
+        rng_check, ranks = _rng_states(files, worlds[0] if worlds else None)
+        checks.append(rng_check)
+        checks.append(copyin.copy_leftovers(files))
+        tags = _global_step_dirs(files)
+        checks.append(hfweights.weights_check(save.path, files, who="the Trainer", tags=tags))
+        return Evidence(checks, ranks, trainer_state)
+
+    def tags(self, files: Mapping[str, Entry]) -> list[str]:
+        return _global_step_dirs(files)
+
+    def save_file(self, rel: str) -> bool:
+        return rel == TRAINER_STATE or _before_trainer_state(rel) or bool(_RNG.fullmatch(rel))
+
+    def written_before(self, rel: str) -> Callable[[str], bool] | None:
+        return _before_trainer_state if rel == TRAINER_STATE else None
+
+    def step_mismatch(self, name: str, step: int, names: list[str], ts: TrainerState | None) -> list[str]:
+        """`checkpoint-3500` holding `global_step2000/` (or a trainer_state.json at another global_step)
+        was copied or renamed by hand: the Trainer names the directory from the step it saves."""
+        out = []
+        tags = sorted(n for n in names if re.fullmatch(r"global_step\d+", n))
+        if tags and f"global_step{step}" not in tags:
+            out.append(f"{name} holds {', '.join(tags)}, not global_step{step}: renamed or copied?")
+        if ts is not None and ts.global_step is not None and ts.global_step != step:
+            out.append(f"{name}'s {TRAINER_STATE} says global_step={ts.global_step}: renamed or copied?")
+        return out
+
+
+FRAMEWORK = Trainer()

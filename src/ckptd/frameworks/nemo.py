@@ -1,0 +1,75 @@
+"""NeMo: `<name>--val_loss=V-epoch=E[-step=S].ckpt` / `.nemo`, or a distributed-checkpoint directory.
+
+nemo/utils/callbacks/nemo_model_checkpoint.py writes `<name>-unfinished` before a save and removes it
+after (one marker for every model-parallel rank's file, `format_checkpoint_unfinished_marker_path`);
+NeMo 1's torch_dist and NeMo 2's `weights/` are megatron-core distributed checkpoints (megatron.py's
+contract). A `.ckpt` directory is also what Lightning's DeepSpeed and FSDP strategies write
+(lightning.py's contract), judged here as its name is NeMo-like to discovery.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection, Mapping
+
+from ckptd import layouts
+from ckptd.frameworks import lightning, megatron
+from ckptd.frameworks.base import Evidence, Framework, Metrics, RunContext, Save
+from ckptd.frameworks.deepspeed import _deepspeed_tag_dirs
+from ckptd.layouts import Candidate
+from ckptd.model import Check, Entry, Verdict
+
+PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
+
+def _nemo_unfinished(run: RunContext, cand: Candidate) -> Check:
+    """NeMo's `-unfinished` marker, beside the checkpoint; for a model-parallel rank's file
+    (`mp_rank_01/<name>.ckpt`), the one marker of every rank's file, in the directory above
+    (format_checkpoint_unfinished_marker_path takes the rank out of the path)."""
+    marker = layouts.nemo_unfinished_marker(cand.name)
+    if marker in run.names:
+        return Check("nemo marker", FAILED, f"{marker} present: save not finished")
+    if layouts.is_rank_dir(run.path.name):
+        if os.path.lexists(run.path.parent / marker):
+            why = f"../{marker} present (one for every rank's file): save not finished"
+            return Check("nemo marker", FAILED, why)
+        return Check("nemo marker", PASSED, f"no {marker}, here or above the rank directories")
+    return Check("nemo marker", PASSED, f"no {marker}")
+
+
+
+# What a NeMo distributed-checkpoint directory holds (NeMo 1: torch_dist; NeMo 2: weights/ + context/).
+_NEMO_DIR_MARKERS = frozenset({"weights", "context", "metadata.json", "common.pt", ".metadata"})
+
+
+class NeMo(Framework):
+    layout = layouts.NEMO
+
+    def recognised_inside(self, name: str, children: Collection[str]) -> bool:
+        """A NeMo-named directory is a checkpoint only named `.ckpt`/`.nemo` or holding what NeMo's
+        distributed checkpoints hold."""
+        nemo_dir_markers = _NEMO_DIR_MARKERS & set(children) or any(c.endswith(".distcp") for c in children)
+        return name.endswith((".ckpt", ".nemo")) or bool(nemo_dir_markers)
+
+    def evidence(self, save: Save) -> Evidence:
+        files, path = save.files, save.path
+        checks = [_nemo_unfinished(save.run, save.cand)]
+        # Lightning's DeepSpeedStrategy: a directory named like the file, the shards in its tag
+        # directory `checkpoint/` (save_checkpoint(filepath, tag="checkpoint")): their census.
+        for d in _deepspeed_tag_dirs(files):
+            checks.append(save.deepspeed(d)[0])
+        lightning_fsdp = lightning._is_lightning_fsdp(save.cand, files)  # DCP's files, Lightning's meta.pt
+        if lightning_fsdp:
+            checks.append(lightning._lightning_fsdp(files))
+        for d in () if lightning_fsdp else ("", "weights"):  # NeMo 1 torch_dist: top; NeMo 2: weights/
+            if megatron._is_megatron_core(files, d):
+                checks.append(megatron._megatron_core(path, files, d))
+        return Evidence(checks)
+
+    def tags(self, files: Mapping[str, Entry]) -> list[str]:
+        return _deepspeed_tag_dirs(files)  # Lightning's DeepSpeed `<name>.ckpt/checkpoint/`
+
+    def metrics(self, save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
+        return lightning.metrics(save, metric, whole, scores)
+
+
+FRAMEWORK = NeMo()
