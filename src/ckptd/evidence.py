@@ -41,7 +41,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckptd import dsmeta, fwmetrics, layouts, mounts, slim, volread
+from ckptd import dsmeta, fwmetrics, layouts, mounts, slim, space, volread
 from ckptd import verdicts as verdicts_
 from ckptd.config import Pattern, format_age, format_duration, format_size, path_matches
 from ckptd.layouts import Candidate
@@ -96,7 +96,8 @@ def walk(path: Path) -> list[Entry]:
     paths too long to name) raises TooDeep with what was seen.
     """
     st = os.lstat(path)
-    out = [Entry("", _kind(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)]
+    out = [Entry("", _kind(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev,
+                 st.st_blocks, st.st_nlink)]
     if not stat.S_ISDIR(st.st_mode):
         return out
     stack: list[tuple[str, str | Path, int]] = [("", path, 0)]
@@ -123,7 +124,8 @@ def walk(path: Path) -> list[Entry]:
                     raise
                 erel = f"{rel}/{e.name}" if rel else e.name
                 out.append(
-                    Entry(erel, kind, est.st_size, est.st_mtime_ns, est.st_ctime_ns, est.st_ino, est.st_dev)
+                    Entry(erel, kind, est.st_size, est.st_mtime_ns, est.st_ctime_ns, est.st_ino, est.st_dev,
+                          est.st_blocks, est.st_nlink)
                 )
                 if kind == "d":
                     stack.append((erel, e.path, depth + 1))
@@ -138,6 +140,15 @@ def _kind(mode: int) -> str:
     if stat.S_ISLNK(mode):
         return "l"
     return "o"
+
+
+# Files read whole for what they say (beyond a zip's directory or a header): trainer_state.json, the
+# slim marker, Orbax's metadata and metrics, megatron-core's metadata.json, indexes, configs.
+_READ_WHOLE = frozenset({layouts.ORBAX_METADATA, fwmetrics.ORBAX_METRICS_FILE})
+
+
+def _read_whole(e: Entry) -> bool:
+    return e.kind == "f" and (e.rel.endswith(".json") or e.rel in _READ_WHOLE)
 
 
 def fingerprint(entries: list[Entry]) -> str:
@@ -302,7 +313,8 @@ class Inspector:
         holds = layouts.held(cand.layout, files, dirs) if cand.is_dir else []
         if mounts.is_mount_root(path):
             inside = ("", *inside)
-        self.verdicts.end(self._look, entries, digest)
+        self.verdicts.end(self._look, entries, digest, (e for e in entries if _read_whole(e)))
+        size, shared = space.footprint(entries)
         return Checkpoint(
             root=root,
             run=run_rel,
@@ -310,7 +322,8 @@ class Inspector:
             step=cand.step,
             layout=cand.layout,
             checks=tuple(checks),
-            size_bytes=sum(e.size for e in entries if e.kind == "f"),
+            size_bytes=size,
+            shared=shared,
             newest_mtime=newest_ns / 1e9,
             fingerprint=digest,
             saved_at=saved_at,
@@ -340,7 +353,7 @@ class Inspector:
         if named or cand.is_dir or not cand.name.endswith(".ckpt") or not whole:
             return found, None  # a file cut short: nothing to read, and no reason to import torch for it
         entry = files[""]
-        scores = self.ckpt_scores.read(path, entry.size, entry.mtime_ns)
+        scores = self.ckpt_scores.read(path, entry.size, entry.mtime_ns, entry.ctime_ns)
         if isinstance(scores, str):
             return found, (
                 f"{metric} is not in its name, and Lightning's ModelCheckpoint state in it "
