@@ -422,6 +422,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     totals = {o: 0 for o in Outcome}
     would = {"delete": [0, 0], "slim": [0, 0]}  # dry run: action -> [count, bytes]
     freed = slim_freed = 0
+    trashed: list[Path] = []
     for root in config.roots:
         lead = None
         if not dry_run:
@@ -467,8 +468,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
                     status = max(status, EX_IOERR)
                 if result.outcome is Outcome.SLIMMED:
                     slim_freed += result.moved_bytes
-            _, purged_bytes = reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
-            freed += purged_bytes
+                if result.outcome is Outcome.TRASHED and result.trash_path is not None:
+                    trashed.append(result.trash_path)
+            reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
+            # What purging the deleted checkpoints freed, as the disk counts it (space.py)
+            freed += sum(reaper.purged.get(p, 0) for p in trashed)
         finally:
             if lead is not None:
                 lead.stop()
@@ -480,9 +484,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"{would['slim'][0]} would be slimmed ({format_size(would['slim'][1])} of optimizer state)"
         )
     else:
-        # Slims' optimizer files went through the trash too: purged bytes include them.
         done = (
-            f"{totals[Outcome.TRASHED]} deleted ({format_size(max(freed - slim_freed, 0))} freed), "
+            f"{totals[Outcome.TRASHED]} deleted ({format_size(freed)} freed), "
             f"{totals[Outcome.SLIMMED]} slimmed ({format_size(slim_freed)} of optimizer state freed)"
         )
     print(

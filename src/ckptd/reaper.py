@@ -144,6 +144,7 @@ class Reaper:
         self.clock = clock
         self.consolidate_timeout = consolidate_timeout
         self.fence = fence  # asked just before each rename: why not, or None (see the module doc)
+        self.purged: dict[Path, int] = {}  # what purging each trash entry freed, by its path
 
     @property
     def trash(self) -> Path:
@@ -833,6 +834,7 @@ class Reaper:
                 continue
             count += 1
             freed += size
+            self.purged[where_path / entry] = size
             log.debug("purged %s (%d bytes)", where_path / entry, size)
             self._record("purged", **where)
         return count, freed
