@@ -417,9 +417,11 @@ async def test_the_state_file_shows_each_checkpoints_decision_and_encodes_unchan
 
 
 async def test_a_refusal_sends_the_tracker_to_look_at_what_changed_in_place(tmp_path):
-    """A reconcile does not walk an unchanged complete checkpoint (only its directories are
-    stat'ed), so a file rewritten in place goes unseen until the reaper's re-check finds it and
-    refuses; the refusal makes the tracker look again, and the plan follows the disk."""
+    """A reconcile does not walk an unchanged complete checkpoint (its directories, and the files
+    whose contents a decision rests on, are stat'ed), so a shard overwritten in place with its size
+    and mtime kept goes unseen until the reaper's re-check reads it and refuses; the refusal makes
+    the tracker look again, and the plan follows the disk. (trainer_state.json rewritten in place
+    is seen by the reconcile itself: its ctime is stamped.)"""
     import time
 
     from ckptd.verdicts import RACY_NS
@@ -436,12 +438,17 @@ async def test_a_refusal_sends_the_tracker_to_look_at_what_changed_in_place(tmp_
     rt.tracker.step(now[0])
     assert {c.name: str(c.state) for c in rt.tracker.checkpoints()} == {
         "checkpoint-1": "complete", "checkpoint-2": "complete"}
-    (root / "job" / "checkpoint-2" / "trainer_state.json").write_text("{}")  # the anchor, in place
+    shard = root / "job" / "checkpoint-2" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    st = shard.stat()
+    with open(shard, "r+b") as f:  # the anchor's shard, zeroed in place: same size, mtime kept
+        f.write(b"\0" * st.st_size)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
     rt.tracker.full_scan()
     assert str(rt.tracker.runs["job"].checkpoints["checkpoint-2"].state) == "complete"  # unseen
-    daemon._retention()  # decides to delete checkpoint-1; the re-check finds the anchor changed
-    # changed: its quiet period starts again (the re-check's look saw the change first)
-    assert str(rt.tracker.runs["job"].checkpoints["checkpoint-2"].state) == "settling"
+    daemon._retention()  # decides to delete checkpoint-1; the re-check finds the anchor broken
+    # looked at again after the refusal: no longer complete, and checkpoint-1 is still there
+    assert str(rt.tracker.runs["job"].checkpoints["checkpoint-2"].state) != "complete"
+    assert (root / "job" / "checkpoint-1").is_dir()
 
 
 async def test_a_missing_root_does_not_stop_retention_on_the_others(tmp_path):

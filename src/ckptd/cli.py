@@ -35,9 +35,9 @@ from ckptd.evidence import Inspector, RunContext, step_mismatch
 from ckptd.journal import Journal
 from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership, lock_scope
 from ckptd.model import Action, Checkpoint, State
-from ckptd.mounts import is_remote, mount_of, quiet_for, read_mounts
+from ckptd.mounts import holder, is_remote, mount_of, quiet_for, read_mounts
 from ckptd.planner import Scanner, decide, unmatched_paths
-from ckptd.policy import Decision, Plan, summarise
+from ckptd.policy import Decision, Plan, inferred_modes, summarise
 from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock
 
 log = logging.getLogger("ckptd")
@@ -341,6 +341,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         require_extras(config)
     except ConfigError as exc:  # plan only reads: say what run and prune will refuse, and go on
         warnings += [f"{line} (ckptd run and prune refuse this config)" for line in exc.problems]
+    notes = [line for root in config.roots for line in inferred_modes(root)]
     totals = summarise(plan.decisions)
     if args.json:
         checkpoints = []
@@ -353,6 +354,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "roots": [str(root.path) for root in config.roots],
             "checkpoints": checkpoints,
             "warnings": warnings,
+            "notes": notes,
             "totals": totals,
         }
         print(json.dumps(doc, indent=2))
@@ -360,6 +362,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print_table(plan.decisions, checks=args.verbose)
     for w in warnings:
         print(f"warning: {w}")
+    for n in notes:
+        print(f"note: {n}")
     print(
         f"\n{totals['keep']} keep, {totals['delete']} delete, {totals['slim']} slim "
         f"({format_size(totals['bytes_to_free'])} to free)"
@@ -418,6 +422,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     totals = {o: 0 for o in Outcome}
     would = {"delete": [0, 0], "slim": [0, 0]}  # dry run: action -> [count, bytes]
     freed = slim_freed = 0
+    trashed: list[Path] = []
     for root in config.roots:
         lead = None
         if not dry_run:
@@ -463,8 +468,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
                     status = max(status, EX_IOERR)
                 if result.outcome is Outcome.SLIMMED:
                     slim_freed += result.moved_bytes
-            _, purged_bytes = reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
-            freed += purged_bytes
+                if result.outcome is Outcome.TRASHED and result.trash_path is not None:
+                    trashed.append(result.trash_path)
+            reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
+            # What purging the deleted checkpoints freed, as the disk counts it (space.py)
+            freed += sum(reaper.purged.get(p, 0) for p in trashed)
         finally:
             if lead is not None:
                 lead.stop()
@@ -476,9 +484,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"{would['slim'][0]} would be slimmed ({format_size(would['slim'][1])} of optimizer state)"
         )
     else:
-        # Slims' optimizer files went through the trash too: purged bytes include them.
         done = (
-            f"{totals[Outcome.TRASHED]} deleted ({format_size(max(freed - slim_freed, 0))} freed), "
+            f"{totals[Outcome.TRASHED]} deleted ({format_size(freed)} freed), "
             f"{totals[Outcome.SLIMMED]} slimmed ({format_size(slim_freed)} of optimizer state freed)"
         )
     print(
@@ -613,7 +620,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"{args.path} is a symlink, and ckptd never follows symlinks: "
             f"verify {os.path.realpath(path)} itself"
         )
-    root = _root_for(with_effective_quiet(config, say=False), path)
+    root, run_rel = _root_for(with_effective_quiet(config, say=False), path)
     quiet, _, warning = quiet_for(path, root.quiet_period, read_mounts())
     if warning is not None:
         print(f"note: {warning}", file=sys.stderr)
@@ -644,8 +651,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"checkpoint, or a configured pattern){what}"
         )
     run_dir = path.parent
-    real_run, real_root = os.path.realpath(run_dir), os.path.realpath(root.path)
-    run_rel = "." if real_run == real_root else os.path.relpath(real_run, real_root)
     retention, world = root.retention_for(run_rel)
     inspector = Inspector(quiet_period=root.quiet_period, mp_world_size=root.mp_world_size)
     ckpt = inspector.inspect(
@@ -677,14 +682,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EX_OK if ckpt.state is State.COMPLETE else 1
 
 
-def _root_for(config: Config, path: Path) -> Root:
-    """The configured root holding `path` (by real path: a symlinked spelling counts), or
-    defaults rooted at its parent."""
-    real = Path(os.path.realpath(path.parent)) / path.name
-    for root in config.roots:
-        if real.is_relative_to(os.path.realpath(root.path)) and real != Path(os.path.realpath(root.path)):
-            return root
-    return Root(path=path.parent)
+def _root_for(config: Config, path: Path) -> tuple[Root, str]:
+    """The configured root holding the checkpoint at `path`, and its run directory's place in it
+    (`mounts.holder`: symlinks, `..` and bind mounts give the same answer as for plan and prune),
+    or defaults rooted at its parent."""
+    found = holder(path.parent, ((root.path, root) for root in config.roots))
+    if found is None:
+        return Root(path=path.parent), "."
+    run_rel, root = found
+    return root, run_rel
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
@@ -752,7 +758,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         checked.append("slimming's torch, deepspeed, safetensors importable")
     if config.daemon.metrics_listen:
         checked.append("prometheus_client importable")
-    for line in volume_notes(config):
+    for line in volume_notes(config) + [n for root in config.roots for n in inferred_modes(root)]:
         print(f"# {line}", file=sys.stderr)
     for line in _unmatched(config):
         print(f"warning: {line}", file=sys.stderr)

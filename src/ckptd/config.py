@@ -214,7 +214,13 @@ class Retention(_Strict):
         description="Metric name in trainer_state.json's log_history, e.g. 'eval_loss'; mapped as the "
         "Trainer maps metric_for_best_model ('loss' means 'eval_loss', not the training loss).",
     )
-    mode: Literal["min", "max"] = Field("min", description="Whether lower or higher `metric` is better.")
+    mode: Literal["min", "max"] | None = Field(
+        None,
+        description="Whether lower or higher `metric` is better. Unset: as the HF Trainer infers "
+        "greater_is_better (training_args.py TrainingArguments.__post_init__): 'min' for a name ending "
+        "in 'loss' (or another lower-is-better name: perplexity, ppl, wer, cer, error, mse, mae, rmse), "
+        "else 'max'.",
+    )
     keep_missing_metric: bool = Field(
         strict=True,
         default=True,
@@ -297,22 +303,44 @@ class Retention(_Strict):
             )
         return self
 
+    @property
+    def direction(self) -> Literal["min", "max"]:
+        """`mode`, or as the Trainer infers it from `metric` when unset (`inferred_mode`)."""
+        return self.mode if self.mode is not None else inferred_mode(self.metric or "")
+
     def describe(self) -> str:
         """The rules in force, for reasons: `keep_last=2 and keep_best=1 (eval_loss, min)`."""
         if self.keep_total is not None:
-            best = f"best by {self.metric}, {self.mode}" if self.metric else "the trainer's best"
+            best = f"best by {self.metric}, {self.direction}" if self.metric else "the trainer's best"
             parts = [f"keep_total={self.keep_total} (save_total_limit: {best} counted)"]
         else:
             parts = [f"keep_last={self.keep_last}"]
         if self.keep_total is None and self.keep_best:
             best = f"keep_best={self.keep_best}"
-            best += f" ({self.metric}, {self.mode})" if self.metric else " (trainer's best)"
+            best += f" ({self.metric}, {self.direction})" if self.metric else " (trainer's best)"
             parts.append(best)
         if self.keep_every_steps:
             parts.append(f"keep_every_steps={self.keep_every_steps}")
         if self.keep_within is not None:
             parts.append(f"keep_within={format_duration(self.keep_within)}")
         return " and ".join(parts)
+
+
+# Lower is better for these beside the Trainer's own rule (a name ending in "loss"): a metric named
+# for an error rate or a distance. Matched at the end of the name, after "_" or "-" ("eval_wer").
+_LOWER_IS_BETTER = ("perplexity", "ppl", "wer", "cer", "error", "mse", "mae", "rmse")
+
+
+def inferred_mode(metric: str) -> Literal["min", "max"]:
+    """The direction the HF Trainer gives `metric_for_best_model` without `greater_is_better`
+    (transformers training_args.py `TrainingArguments.__post_init__`: greater is better unless the
+    name ends in "loss"), a known lower-is-better name also minimised."""
+    name = metric.lower()
+    if name.endswith("loss") or any(
+        name == n or name.endswith((f"_{n}", f"-{n}", f"/{n}")) for n in _LOWER_IS_BETTER
+    ):
+        return "min"
+    return "max"
 
 
 class RunRule(Retention):

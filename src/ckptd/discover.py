@@ -86,7 +86,8 @@ def find_runs(
             visited[rel] = mtime  # type: ignore[assignment]
         candidates: list[Candidate] = []
         for e in entries:
-            if e.name in (layouts.TRASH_DIR, layouts.LEASE_DIR) or e.is_symlink():
+            if e.name in (layouts.TRASH_DIR, layouts.LEASE_DIR) or e.name.startswith(layouts.HIDDEN_TRASH) \
+                    or e.is_symlink():
                 continue  # never followed, never touched
             try:
                 is_dir = e.is_dir(follow_symlinks=False)

@@ -188,11 +188,7 @@ def _owner(
 ) -> tuple[str, dict[str, Any]] | None:
     """(where `real` lies in it, its table) for the first configured root holding `real`: by
     path, or by directory identity (a bind mount), as `mounts.located_in` tells."""
-    for real_root, t in configured:
-        rel = mounts.located_in(real, real_root, table)
-        if rel is not None:
-            return rel, t
-    return None
+    return mounts.holder(real, configured, table)
 
 
 def _table(data: dict[str, Any], key: str) -> dict[str, Any]:

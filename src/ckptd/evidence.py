@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from ckptd import dsmeta, frameworks, fwmetrics, layouts, mounts, slim, volread
+from ckptd import dsmeta, frameworks, fwmetrics, layouts, mounts, slim, space, volread
 from ckptd import verdicts as verdicts_
 from ckptd.config import Pattern, format_age, format_duration, format_size, path_matches
 from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES, RunContext, Save, read_pointer
@@ -96,7 +96,8 @@ def walk(path: Path) -> list[Entry]:
     paths too long to name) raises TooDeep with what was seen.
     """
     st = os.lstat(path)
-    out = [Entry("", _kind(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)]
+    out = [Entry("", _kind(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev,
+                 st.st_blocks, st.st_nlink)]
     if not stat.S_ISDIR(st.st_mode):
         return out
     stack: list[tuple[str, str | Path, int]] = [("", path, 0)]
@@ -123,7 +124,8 @@ def walk(path: Path) -> list[Entry]:
                     raise
                 erel = f"{rel}/{e.name}" if rel else e.name
                 out.append(
-                    Entry(erel, kind, est.st_size, est.st_mtime_ns, est.st_ctime_ns, est.st_ino, est.st_dev)
+                    Entry(erel, kind, est.st_size, est.st_mtime_ns, est.st_ctime_ns, est.st_ino, est.st_dev,
+                          est.st_blocks, est.st_nlink)
                 )
                 if kind == "d":
                     stack.append((erel, e.path, depth + 1))
@@ -138,6 +140,15 @@ def _kind(mode: int) -> str:
     if stat.S_ISLNK(mode):
         return "l"
     return "o"
+
+
+# Files read whole for what they say (beyond a zip's directory or a header): trainer_state.json, the
+# slim marker, Orbax's metadata and metrics, megatron-core's metadata.json, indexes, configs.
+_READ_WHOLE = frozenset({layouts.ORBAX_METADATA, fwmetrics.ORBAX_METRICS_FILE})
+
+
+def _read_whole(e: Entry) -> bool:
+    return e.kind == "f" and (e.rel.endswith(".json") or e.rel in _READ_WHOLE)
 
 
 def fingerprint(entries: list[Entry]) -> str:
@@ -252,7 +263,8 @@ class Inspector:
         holds = layouts.held(cand.layout, files, dirs) if cand.is_dir else []
         if mounts.is_mount_root(path):
             inside = ("", *inside)
-        self.verdicts.end(self._look, entries, digest)
+        self.verdicts.end(self._look, entries, digest, (e for e in entries if _read_whole(e)))
+        size, shared = space.footprint(entries)
         return Checkpoint(
             root=root,
             run=run_rel,
@@ -260,7 +272,8 @@ class Inspector:
             step=cand.step,
             layout=cand.layout,
             checks=tuple(checks),
-            size_bytes=sum(e.size for e in entries if e.kind == "f"),
+            size_bytes=size,
+            shared=shared,
             newest_mtime=newest_ns / 1e9,
             fingerprint=digest,
             saved_at=saved_at,

@@ -54,16 +54,17 @@ def from_orbax(path: Path) -> tuple[Readings, str | None]:
 
 
 class CkptScores:
-    """Lightning's ModelCheckpoint scores inside `.ckpt` files, remembered per (path, size, mtime)."""
+    """Lightning's ModelCheckpoint scores inside `.ckpt` files, remembered per (path, size, mtime,
+    ctime): a file rewritten in place with its mtime kept still changes its ctime."""
 
     MAX_CACHE = 4096
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[str, int, int], dict[str, float] | str] = {}
+        self._cache: dict[tuple[str, int, int, int], dict[str, float] | str] = {}
 
-    def read(self, path: Path, size: int, mtime_ns: int) -> dict[str, float] | str:
+    def read(self, path: Path, size: int, mtime_ns: int, ctime_ns: int) -> dict[str, float] | str:
         """{monitor: this file's score} for each ModelCheckpoint that lists the file, or why not."""
-        key = (str(path), size, mtime_ns)
+        key = (str(path), size, mtime_ns, ctime_ns)
         if key not in self._cache:
             if len(self._cache) > self.MAX_CACHE:  # files rewritten leave stale keys behind
                 self._cache.clear()

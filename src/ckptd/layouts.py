@@ -34,6 +34,8 @@ NEMO_UNFINISHED_SUFFIX = "-unfinished"
 ORBAX_TMP = ".orbax-checkpoint-tmp"
 PIN_FILE = ".ckptd-keep"
 TRASH_DIR = ".ckptd-trash"
+# A checkpoint renamed into its root when the trash could not be made (a full disk): purged as trash
+HIDDEN_TRASH = f"{TRASH_DIR}."
 LEASE_DIR = ".ckptd"  # the volume lease (lease.py)
 
 _HF = re.compile(r"checkpoint-(\d+)")

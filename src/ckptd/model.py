@@ -13,6 +13,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import NamedTuple
 
+from ckptd.space import Shared
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -28,6 +30,9 @@ class Entry:
     ctime_ns: int = 0
     ino: int = 0
     dev: int = 0
+    # What the filesystem counts (space.py): allocated 512-byte blocks, and links everywhere.
+    blocks: int = 0
+    nlink: int = 1
 
 
 class State(StrEnum):
@@ -172,7 +177,7 @@ class Checkpoint:
     step: int
     layout: str
     checks: tuple[Check, ...]
-    size_bytes: int = 0
+    size_bytes: int = 0  # allocated (st_blocks), each inode once, as `du` counts it (space.footprint)
     newest_mtime: float = 0.0  # newest mtime of anything inside, the directory itself included
     fingerprint: str = (
         ""  # digest of every entry's (path, type, size, mtime): "unchanged" means this is equal
@@ -194,6 +199,9 @@ class Checkpoint:
     # by name; the Trainer's come from the run's log history instead (`Run.reading`).
     metrics: tuple[tuple[str, Reading], ...] = ()
     metric_problem: str | None = None  # why a metric it should carry could not be read
+    # Its inodes that are also linked from outside it (space.Shared): deleting it frees them only
+    # with their last link.
+    shared: tuple[Shared, ...] = ()
 
     def own_metric(self, name: str) -> Reading | None:
         return next((r for n, r in self.metrics if n == name), None)

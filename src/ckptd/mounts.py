@@ -19,8 +19,10 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 MOUNTINFO = "/proc/self/mountinfo"
+T = TypeVar("T")
 
 # Filesystems other machines write to (or that inotify cannot see at all): the observer polls
 # there, and `leadership = "auto"` keeps the deleter's lease on the volume.
@@ -316,6 +318,22 @@ def _in_filesystem(real: str, mounts: Sequence[Mount]) -> tuple[str, str] | None
     if m is None:
         return None
     return m.device, os.path.normpath(os.path.join(m.root, os.path.relpath(real, m.point)))
+
+
+def holder(
+    path: str | os.PathLike[str],
+    tops: Iterable[tuple[str | os.PathLike[str], T]],
+    mounts: Sequence[Mount] | None = None,
+) -> tuple[str, T] | None:
+    """(where `path` lies in it, its item) for the first of `tops` (each a directory and an item:
+    a configured root) that holds `path`, as `located_in` tells: by path, through symlinks and
+    `..`, or by directory identity (a bind mount). The one answer to "which configured root holds
+    this path" for the command line's ROOT, `verify`, `latest` and the Python API's `latest`."""
+    for top, item in tops:
+        rel = located_in(path, top, mounts)
+        if rel is not None:
+            return rel, item
+    return None
 
 
 def located_in(

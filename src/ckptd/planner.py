@@ -146,14 +146,15 @@ class Scanner:
 
     def restore(self, run_dir: RunDir, cand: Candidate, *, now: float) -> Checkpoint | None:
         """The checkpoint as an earlier look (saved in state_dir) found it, if none of its
-        directories changed since (a stat each), nor its run directory's context, nor the config
-        its evidence depended on; else None (inspect it).
+        directories changed since, nor a file whose contents it rests on (a stat each:
+        `Verdicts.restorable`), nor its run directory's context, nor the config its evidence
+        depended on; else None (inspect it).
 
         Its quiet check is judged afresh: by the settler, for the daemon, which then walks it in
         full when its quiet period ends before it can count as complete; by the wall clock
-        against the saved newest mtime, for `plan` and `prune`. A file rewritten in place changes
-        no directory: what `plan` reports may then be out of date, and the reaper's re-check,
-        which walks and reads everything itself, refuses to act on it.
+        against the saved newest mtime, for `plan` and `prune`. A file rewritten in place to the
+        same size within one timestamp tick is invisible to any stat: the reaper's last check reads
+        the run again, strictly, and decides it again before it acts (`Reaper._decided_otherwise`).
         """
         path = run_dir.path / cand.name
         saved = self.verdicts.restorable(str(path), self._context_key(run_dir))
@@ -225,6 +226,31 @@ class Scanner:
             return None
         with self.verdicts.strict():
             return self.inspect(run_dir, cand, now=now)
+
+
+    def reinspect_run(self, run_rel: str, *, now: float) -> Run | None:
+        """Every checkpoint of one run looked at afresh (`reinspect`), strictly: None if the run is
+        gone. A NeMo model-parallel rank's directory comes with the newest step every rank holds
+        whole named as resumed from (`with_whole_steps`), its sibling ranks looked at as well.
+
+        For the reaper's last check: it decides the run again from what its files say now.
+        """
+        run_dir = find_run(self.root.path, run_rel, patterns=self.patterns)
+        if run_dir is None:
+            return None
+        with self.verdicts.strict():
+            run = self.inspect_run(run_dir, now=now)
+            parent, _, name = run_rel.rpartition("/")
+            if run_rel == "." or not is_rank_dir(name):
+                return run
+            siblings = []
+            for other in sorted(os.listdir(run_dir.path.parent)):
+                rel = f"{parent}/{other}" if parent else other
+                if other != name and is_rank_dir(other):
+                    found = find_run(self.root.path, rel, patterns=self.patterns)
+                    if found is not None:
+                        siblings.append(self.inspect_run(found, now=now))
+        return with_whole_steps([run, *siblings])[0]
 
 
 def run_context(run_dir: RunDir) -> object:

@@ -31,6 +31,7 @@ delete whole checkpoints and never slim on their own.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from collections import Counter
@@ -38,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
-from ckptd.config import FreeSpace, Retention, format_duration, format_size
+from ckptd.config import FreeSpace, Retention, Root, format_duration, format_size
 from ckptd.layouts import PIN_FILE
 from ckptd.model import (
     TRAINER_STATE,
@@ -51,6 +52,7 @@ from ckptd.model import (
     is_rankable,
     trainer_metric,
 )
+from ckptd.space import Ledger, own_bytes
 
 
 @dataclass(frozen=True, init=False)
@@ -85,12 +87,13 @@ class Decision:
 
     @property
     def bytes_freed(self) -> int:
-        """What carrying it out frees: the checkpoint, its optimizer state, or nothing.
+        """What carrying it out alone frees: the checkpoint's blocks that nothing else links, its
+        optimizer state, or nothing (several deletions together: `freed`).
 
         A slim's consolidated weights (4 bytes a parameter, when it had none) are not subtracted.
         """
         if self.action is Action.DELETE:
-            return self.checkpoint.size_bytes
+            return own_bytes(self.checkpoint)  # alone: a file also linked from elsewhere frees nothing
         if self.action is Action.SLIM:
             return self.checkpoint.slim.removable_bytes
         return 0
@@ -232,7 +235,7 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
     missing = ""  # keep_missing_metric's reason, when it applies
     if r.keep_total is None and r.keep_best and r.metric:
         for c, value in _best(complete, values, r, r.keep_best):
-            kept(c, f"best {r.metric}={_fmt(value)} ({r.mode})", protect=True)
+            kept(c, f"best {r.metric}={_fmt(value)} ({r.direction})", protect=True)
         if r.keep_missing_metric:
             missing = f"no usable {r.metric} logged (keep_missing_metric)"
     elif r.keep_total is None and r.keep_best:
@@ -344,7 +347,7 @@ def _best(
     """The `n` best complete checkpoints with a comparable value (by id in `values`), best first;
     ties go to the newer checkpoint (it saw more training for the same score), then to the
     earlier in `complete` (as a stable sort of them all by (value, newer) would order them)."""
-    sign = 1.0 if r.mode == "min" else -1.0
+    sign = 1.0 if r.direction == "min" else -1.0
     rankable = [
         (sign * v, -c.step, i, c, v)
         for i, c in enumerate(complete)
@@ -393,7 +396,8 @@ def _keep_total(
         if ranked:
             best, value = ranked[0]
             best_names.add(best.name)
-            kept(best, f"best {r.metric}={_fmt(value)} ({r.mode}), counted in keep_total={n}", protect=True)
+            why = f"best {r.metric}={_fmt(value)} ({r.direction}), counted in keep_total={n}"
+            kept(best, why, protect=True)
     else:
         ts = run.trainer_state()
         if ts is not None and ts.best_model_checkpoint:
@@ -485,6 +489,28 @@ def metric_warnings(run: Run, r: Retention, decisions: Sequence[Decision] | None
     return out
 
 
+def inferred_modes(root: Root) -> list[str]:
+    """For `plan` and `check-config`: each metric whose direction was inferred (no `mode` set),
+    and which way: the Trainer's rule, greater is better unless the name ends in "loss"."""
+    rules = [("retention", root.retention)]
+    for i, rule in enumerate(root.runs):
+        update = {k: getattr(rule, k) for k in rule.model_fields_set if k in Retention.model_fields}
+        rules.append((f"runs[{i}]", root.retention.model_copy(update=update)))
+    out = []
+    for key, r in rules:
+        if r.metric and r.mode is None and (r.keep_best or r.keep_total is not None):
+            d = r.direction
+            why = "lower is better: " if d == "min" else "higher is better: "
+            why += "its name ends in 'loss'" if r.metric.lower().endswith("loss") else (
+                "a lower-is-better name" if d == "min" else "its name does not end in 'loss'"
+            )
+            out.append(
+                f"{root.path}: {key}.metric {r.metric!r}: mode not set, {d!r} inferred ({why}, as the "
+                "Trainer infers greater_is_better); set mode to say otherwise"
+            )
+    return out
+
+
 def _no_metric_warnings(run: Run) -> list[str]:
     """keep_best without a metric keeps the Trainer's best_model_checkpoint; a best that another
     framework records (Lightning's monitor in its names, Orbax's metrics for best_fn) is known
@@ -537,18 +563,47 @@ def _slims(
     return out
 
 
+def freed(decisions: Iterable[Decision]) -> int:
+    """What carrying out all of `decisions` frees: each inode once, when its last link goes."""
+    ledger = Ledger.disk()
+    out = 0
+    for d in decisions:
+        if d.action is Action.DELETE:
+            out += ledger.add(d.checkpoint)
+        elif d.action is Action.SLIM:
+            out += d.checkpoint.slim.removable_bytes
+    return out
+
+
 def enforce_max_size(decisions: list[Decision], max_size: int) -> tuple[list[Decision], list[str]]:
     """Delete the run's oldest unprotected checkpoints until it fits in `max_size`, if that can.
 
-    A checkpoint planned for slimming counts with what slimming leaves of it.
+    The run's size is what `du` of its kept checkpoints counts (each inode once, space.py); a
+    checkpoint planned for slimming counts with what slimming leaves of it.
     """
-    total = sum(_kept_bytes(d) for d in decisions if d.action is not Action.DELETE)
+    kept = [d.checkpoint for d in decisions if d.action is not Action.DELETE]
+    ledger = Ledger.within(kept)
+    total = _du(kept) - sum(d.checkpoint.slim.removable_bytes for d in decisions if d.action is Action.SLIM)
     if total <= max_size or not decisions:
         return decisions, []
     c = decisions[0].checkpoint
     where = f"{c.root / c.run}"
     reason = f"max_size={format_size(max_size)} exceeded (run holds {format_size(total)})"
-    return _take_oldest(decisions, total - max_size, reason, where, f"max_size={format_size(max_size)}")
+    budget = f"max_size={format_size(max_size)}"
+    return _take_oldest(decisions, total - max_size, reason, where, budget, ledger)
+
+
+def _du(ckpts: Sequence[Checkpoint]) -> int:
+    """What `du` counts for these checkpoints together: each inode once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for c in ckpts:
+        total += own_bytes(c)
+        for sh in c.shared:
+            if (sh.dev, sh.ino) not in seen:
+                seen.add((sh.dev, sh.ino))
+                total += sh.bytes
+    return total
 
 
 def enforce_min_free(
@@ -560,21 +615,37 @@ def enforce_min_free(
     space already freed by planned deletions and slims counts.
     """
     required = floor.required(total)
-    expected = free + sum(d.bytes_freed for d in decisions if d.action is not Action.KEEP)  # a keep frees 0
+    ledger = Ledger.disk()  # what the planned deletions free, each inode once, with its last link
+    expected = free
+    for d in decisions:
+        if d.action is Action.DELETE:
+            expected += ledger.add(d.checkpoint)
+        elif d.action is Action.SLIM:
+            expected += d.checkpoint.slim.removable_bytes
     if expected >= required:
         return list(decisions), []
-    reason = f"min_free={floor} not met on {where} ({format_size(free)} free)"
-    return _take_oldest(list(decisions), required - expected, reason, where, f"min_free={floor}")
+    reason = f"{MIN_FREE}={floor} not met on {where} ({format_size(free)} free)"
+    return _take_oldest(list(decisions), required - expected, reason, where, f"min_free={floor}", ledger)
+
+
+MIN_FREE = "min_free"  # the first word of the reason a deletion min_free chose carries
+
+
+def is_min_free(d: Decision) -> bool:
+    """Whether `min_free` chose this deletion (it weighs a whole filesystem, not one run)."""
+    return d.action is Action.DELETE and bool(d.reasons) and d.reasons[0].startswith(f"{MIN_FREE}=")
 
 
 def _take_oldest(
-    decisions: list[Decision], needed: int, reason: str, where: str, budget: str
+    decisions: list[Decision], needed: int, reason: str, where: str, budget: str, ledger: Ledger
 ) -> tuple[list[Decision], list[str]]:
     """Delete the oldest (by when written) unprotected checkpoints until `needed` bytes are freed.
 
     Decided before deleting anything: if every checkpoint the budget may take together frees
     less than `needed`, it takes none and says so. Deleting them all would leave the budget
     missed anyway, with checkpoints lost for nothing; the operator has to act either way.
+    What each frees is counted by `ledger` (space.py), after what it counted already: a file
+    hard-linked from a checkpoint that stays frees nothing.
     """
     # (written_at, rel, index): the index keeps equal times and paths in the decisions' order.
     keep_, slim_, complete = Action.KEEP, Action.SLIM, State.COMPLETE
@@ -585,8 +656,8 @@ def _take_oldest(
         if d.action in (keep_, slim_) and not d.protected and (c := d.checkpoint).state is complete
     )
     order = [i for _, _, i in keyed]
-    gains = {i: _kept_bytes(decisions[i]) for i in order}
-    available = sum(gains.values())
+    trial = copy.deepcopy(ledger)  # all of them: what the budget could free at most
+    available = sum(trial.add(decisions[i].checkpoint) - _slimmed_already(decisions[i]) for i in order)
     if available < needed:
         return decisions, [
             f"{where}: {budget} cannot be met: it needs {format_size(needed)} more, and deleting every "
@@ -600,14 +671,13 @@ def _take_oldest(
             break
         d = out[i]  # dataclasses.replace(d, action=DELETE, reasons=(reason,)), at a fifth of its cost
         out[i] = Decision(d.checkpoint, Action.DELETE, (reason,), d.protected, d.metric, d.metric_source)
-        needed -= gains[i]
+        needed -= ledger.add(d.checkpoint) - _slimmed_already(d)
     return out, []
 
 
-def _kept_bytes(d: Decision) -> int:
-    """What a kept or slimmed checkpoint still holds after its decision: what deleting it frees."""
-    c = d.checkpoint
-    return c.size_bytes - c.slim.removable_bytes if d.action is Action.SLIM else c.size_bytes
+def _slimmed_already(d: Decision) -> int:
+    """Of what deleting it frees, what its planned slim was counted as freeing already."""
+    return d.checkpoint.slim.removable_bytes if d.action is Action.SLIM else 0
 
 
 def _first_problem(c: Checkpoint) -> str:
@@ -624,8 +694,8 @@ def _fmt(value: float | str | None) -> str:
 
 
 def summarise(decisions: Iterable[Decision]) -> dict[str, int]:
-    out = {"keep": 0, "delete": 0, "slim": 0, "bytes_to_free": 0}
+    decisions = list(decisions)
+    out = {"keep": 0, "delete": 0, "slim": 0, "bytes_to_free": freed(decisions)}
     for d in decisions:
         out[str(d.action)] += 1
-        out["bytes_to_free"] += d.bytes_freed
     return out

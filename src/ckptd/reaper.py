@@ -14,7 +14,10 @@ still complete, unchanged since the plan was made (same fingerprint), still
 quiet, not pinned, holding no mount point, not named by the framework's resume
 pointer, and each of the run's anchors (its newest complete and full
 checkpoints by step and by time, which the plan kept) still there, complete
-and unchanged. Any doubt and it is left alone.
+and unchanged. Then the whole run is read again, strictly, and decided again by
+the same rules: it acts only if that decision does the same (a file rewritten in
+place, its mtime kept, changes no fingerprint, but may change which checkpoint is
+best). Any doubt and it is left alone.
 
 The journal records the intent before the rename, and each outcome after.
 
@@ -52,12 +55,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from ckptd import frameworks, layouts, mounts, policy, slim
+from ckptd import frameworks, layouts, mounts, policy, slim, space
 from ckptd.config import format_size
 from ckptd.consolidate import Consolidated, Consolidation, ConsolidationFailed
 from ckptd.evidence import Entry, TooDeep, fingerprint, read_slim_marker, resume_pointers, walk
 from ckptd.journal import Journal
-from ckptd.layouts import TRASH_DIR, is_rank_dir, nemo_unfinished_marker, recognise_by_name
+from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, is_rank_dir, nemo_unfinished_marker, recognise_by_name
 from ckptd.model import Action, Checkpoint, ConsolidatedWeights, State
 from ckptd.planner import Scanner
 from ckptd.policy import Decision
@@ -141,6 +144,7 @@ class Reaper:
         self.clock = clock
         self.consolidate_timeout = consolidate_timeout
         self.fence = fence  # asked just before each rename: why not, or None (see the module doc)
+        self.purged: dict[Path, int] = {}  # what purging each trash entry freed, by its path
 
     @property
     def trash(self) -> Path:
@@ -209,7 +213,8 @@ class Reaper:
         why = self._pointer_problem(planned)
         if why is None:
             why = _last_whole_step(path.parent, planned.name, stat.S_ISDIR(st.st_mode), self.scanner.patterns)
-        return why or self._anchor_problem(planned, anchors, now)
+        why = why or self._anchor_problem(planned, anchors, now)
+        return why or self._decided_otherwise(decision, now)
 
     def _pointer_problem(self, planned: Checkpoint) -> str | None:
         """Whether the run's resume pointer names it now (rolled back to it since the plan, say)."""
@@ -234,6 +239,42 @@ class Reaper:
             if not ok:
                 return f"the run's {why} checkpoint {anchor.name} is gone, changed or no longer complete"
         return None
+
+    def _decided_otherwise(self, decision: Decision, now: float) -> str | None:
+        """Whether the run, decided again from what its files say now, would not do `decision`.
+
+        The plan rests on what was read when it was made, perhaps long before, perhaps restored
+        from the verdict cache: which checkpoint trainer_state.json names best, the metrics each
+        checkpoint was ranked by, pins, resume pointers, which others are complete. A file rewritten
+        in place (its mtime kept) changes none of the fingerprints compared above. So every
+        checkpoint of the run is read again, strictly, and the run decided again by the same rules
+        (`policy.decide_run`, its `max_size`): it goes ahead only if that decision does the same.
+        `min_free` weighs the whole filesystem: a checkpoint it took needs only to be one that it
+        may take (complete, unprotected) in the fresh decision.
+        """
+        planned = decision.checkpoint
+        run = self.scanner.reinspect_run(planned.run, now=now)
+        fresh = None
+        if run is not None:
+            retention, _ = self.scanner.root.retention_for(planned.run)
+            decisions = policy.decide_run(run, retention)
+            if retention.max_size is not None:
+                decisions, _ = policy.enforce_max_size(decisions, retention.max_size)
+            fresh = next((d for d in decisions if d.checkpoint.name == planned.name), None)
+        if fresh is None:
+            return "no longer recognised as a checkpoint of its run"
+        if fresh.action is decision.action:
+            return None
+        if (
+            decision.action is Action.DELETE
+            and policy.is_min_free(decision)
+            and fresh.action in (Action.KEEP, Action.SLIM)
+            and not fresh.protected
+            and fresh.checkpoint.state is State.COMPLETE
+        ):
+            return None
+        now_says = f"{fresh.action} ({'; '.join(fresh.reasons)})"
+        return f"decided again from its run's files as they are now: {now_says}"
 
     def execute(self, decisions: Sequence[Decision], *, consolidate: bool = True) -> list[Result]:
         """Carry out one root's plan: trash each deletion, then slim each slim, each re-checked first.
@@ -295,13 +336,20 @@ class Reaper:
             target = _trash_name(c, self.clock())
             try:
                 trash_fd = self._open_trash()
+                into = self.trash
             except OSError as exc:
-                why = f"cannot prepare {TRASH_DIR}/: {exc}"
-                self._record("failed", why=why, **fields)
-                return Result(decision, Outcome.FAILED, why)
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    why = f"cannot prepare {TRASH_DIR}/: {exc}"
+                    self._record("failed", why=why, **fields)
+                    return Result(decision, Outcome.FAILED, why)
+                # No room for a directory, on the very occasion min_free exists for: a rename needs
+                # no new block or inode. Into the root under a hidden name the purge recognises
+                # (HIDDEN_TRASH), at this pass or the next start.
+                trash_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                into, target = self.root, f"{HIDDEN_TRASH}{target}"
             try:
                 assert self.journal is not None
-                self.journal.record("trashing", time=self.clock(), trash=str(self.trash / target), **fields)
+                self.journal.record("trashing", time=self.clock(), trash=str(into / target), **fields)
                 os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)
             except OSError as exc:  # ENOSPC on the journal; EXDEV, EACCES, EROFS, EBUSY on the rename
                 why = f"cannot move to {TRASH_DIR}/: {exc}"
@@ -311,8 +359,9 @@ class Reaper:
                 os.close(trash_fd)
         finally:
             os.close(run_fd)
-        self._record("trashed", trash=str(self.trash / target), **fields)
-        return Result(decision, Outcome.TRASHED, f"moved to {TRASH_DIR}/{target}", self.trash / target)
+        self._record("trashed", trash=str(into / target), **fields)
+        shown = f"{TRASH_DIR}/{target}" if into == self.trash else f"{target} (no room for {TRASH_DIR}/)"
+        return Result(decision, Outcome.TRASHED, f"moved to {shown}", into / target)
 
     # --- slimming: its optimizer state into the trash, its weights kept ----------
 
@@ -730,43 +779,65 @@ class Reaper:
         Works from a descriptor of the trash directory opened without following
         symlinks, and never follows one inside it. `stop` is asked between
         entries: a daemon shutting down leaves the rest for its next start.
+        Checkpoints renamed into the root under a hidden name when there was no room
+        for the trash (`HIDDEN_TRASH`) are purged first; then the trash is made if it
+        is missing and there is room (at start-up and after each pass: on a full disk
+        it is there already).
         """
         if self.dry_run:
             return 0, 0
-        try:
-            trash_fd = self._open_trash(create=False)
-        except FileNotFoundError:
-            return 0, 0
-        except OSError as exc:
-            log.error("not purging %s: %s", self.trash, exc)
-            return 0, 0
         count = freed = 0
         try:
-            for entry in sorted(os.listdir(trash_fd)):
-                if stop():
-                    break
-                size = _size(self.trash / entry)
-                where = dict(root=str(self.root), trash=str(self.trash / entry), bytes=size)
-                # The intent first, as for every other step: killed between the removal and the
-                # "purged" record, the journal still says this entry was being purged. Unlike a
-                # rename, a purge goes ahead when the journal cannot be written (ENOSPC): its
-                # entry was journaled when it was trashed, and freeing space is the way out.
-                inside = mounts.mounts_below(self.trash / entry, mounts.read_mounts())
-                if inside:  # mounted after it was trashed, or on a kernel where statx cannot tell
-                    log.error("not purging %s: it holds a mount point (%s)", self.trash / entry, inside[0])
-                    continue
-                self._record("purging", **where)
-                try:
-                    _remove_at(entry, trash_fd)
-                except OSError as exc:
-                    log.error("cannot purge %s: %s", self.trash / entry, exc)
-                    continue
-                count += 1
-                freed += size
-                log.debug("purged %s (%d bytes)", self.trash / entry, size)
-                self._record("purged", **where)
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            log.error("not purging %s: %s", self.root, exc)
+            return 0, 0
+        try:
+            hidden = sorted(n for n in os.listdir(root_fd) if n.startswith(HIDDEN_TRASH))
+            count, freed = self._purge_entries(root_fd, self.root, hidden, stop)
+        finally:
+            os.close(root_fd)
+        try:
+            trash_fd = self._open_trash()
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOENT):
+                log.error("not purging %s: %s", self.trash, exc)
+            return count, freed
+        try:
+            more, more_bytes = self._purge_entries(trash_fd, self.trash, sorted(os.listdir(trash_fd)), stop)
         finally:
             os.close(trash_fd)
+        return count + more, freed + more_bytes
+
+    def _purge_entries(
+        self, dir_fd: int, where_path: Path, names: list[str], stop: Callable[[], bool]
+    ) -> tuple[int, int]:
+        """Remove each of `names` in the directory `dir_fd` (at `where_path`), journalled."""
+        count = freed = 0
+        for entry in names:
+            if stop():
+                break
+            size = _size(where_path / entry)
+            where = dict(root=str(self.root), trash=str(where_path / entry), bytes=size)
+            # The intent first, as for every other step: killed between the removal and the
+            # "purged" record, the journal still says this entry was being purged. Unlike a
+            # rename, a purge goes ahead when the journal cannot be written (ENOSPC): its
+            # entry was journaled when it was trashed, and freeing space is the way out.
+            inside = mounts.mounts_below(where_path / entry, mounts.read_mounts())
+            if inside:  # mounted after it was trashed, or on a kernel where statx cannot tell
+                log.error("not purging %s: it holds a mount point (%s)", where_path / entry, inside[0])
+                continue
+            self._record("purging", **where)
+            try:
+                _remove_at(entry, dir_fd)
+            except OSError as exc:
+                log.error("cannot purge %s: %s", where_path / entry, exc)
+                continue
+            count += 1
+            freed += size
+            self.purged[where_path / entry] = size
+            log.debug("purged %s (%d bytes)", where_path / entry, size)
+            self._record("purged", **where)
         return count, freed
 
     def _open_trash(self, *, create: bool = True) -> int:
@@ -1029,10 +1100,12 @@ def _unchanged_but(entries: list[Entry], ours: str) -> str:
 
 
 def _size(path: Path) -> int:
+    """What removing `path` frees now: allocated blocks of the inodes whose every link is inside
+    it (a file hard-linked from a checkpoint that stays frees nothing: space.py)."""
     try:
-        return sum(e.size for e in walk(path) if e.kind == "f")
+        return space.freed_by(walk(path))
     except TooDeep as exc:
-        return sum(e.size for e in exc.entries if e.kind == "f")
+        return space.freed_by(exc.entries)
     except OSError:
         return 0
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd import layouts
+from ckptd import layouts, mounts
 from ckptd.config import Config, Root, find_config
 from ckptd.discover import RunDir, find_runs
 from ckptd.envconfig import effective_config
@@ -156,12 +156,11 @@ def _written_key(c: Checkpoint) -> tuple[float, int, str]:
 
 def _root(path: Path, config: Config | str | os.PathLike[str] | None, env: Mapping[str, str]) -> Root:
     """The root `path` belongs to: a configured one (restricted to `path`), else the defaults."""
-    if isinstance(config, Config):
-        real = Path(os.path.realpath(path))
-        for root in config.roots:
-            top = Path(os.path.realpath(root.path))
-            if real == top or real.is_relative_to(top):
-                return root.restricted((os.path.relpath(real, top),))
+    if isinstance(config, Config):  # the configured root holding it, as for a config file (`mounts.holder`)
+        found = mounts.holder(path, ((root.path, root) for root in config.roots))
+        if found is not None:
+            rel, root = found
+            return root.restricted((rel,))
         return Root(path=path)
     file = Path(config) if config is not None else find_config(None)
     return effective_config(file, env, [path]).roots[0]

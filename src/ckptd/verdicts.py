@@ -30,6 +30,13 @@ is read again.
   unchanged volume. Versioned by the source of the modules whose readers
   produce the verdicts (any change to them discards the file), checksummed,
   and ignored whole when unreadable, corrupt or for another root.
+- **A restore stats what it gives back.** A saved checkpoint is given back whole
+  (`restorable`) only while every stamp of its record holds: its directories (a
+  file created, removed or renamed inside changes one), and every file whose
+  contents a decision rests on (trainer_state.json and any other file with a
+  verdict other than "intact", the JSON and metadata files a look reads whole),
+  each by (dev, inode, size, mtime_ns, ctime_ns). A file rewritten in place with
+  its mtime kept changes no directory, but its ctime.
 - **Strict** (`with verdicts.strict():`): the reaper's re-check just before it
   deletes reads every file again and uses no remembered verdict, neither a record
   loaded from disk nor this process's own (a file rewritten in place within one
@@ -60,6 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptd import __version__
+from ckptd.space import Shared
 from ckptd.model import (
     QUIET,
     STALL,
@@ -213,8 +221,15 @@ class Verdicts:
         newest = max(e.mtime_ns for e in entries)  # (youth only chooses what to keep: mtime will do)
         return Look(key, digest, old, self.clock_ns(), newest)
 
-    def end(self, look: Look, entries: list[Entry], fingerprint: str) -> None:
-        """The look finished: its verdicts become the checkpoint's record."""
+    def end(self, look: Look, entries: list[Entry], fingerprint: str, content: Iterable[Entry] = ()) -> None:
+        """The look finished: its verdicts become the checkpoint's record.
+
+        `content`: the files whose contents the look read for what they say (JSON it parsed), beyond
+        the verdicts it asked for. They, and every file with a verdict other than "intact" (world
+        sizes, the trainer state, a problem), are stamped with the directories: a restore stats
+        each (`restorable`), so a file rewritten in place, which changes no directory but its own
+        ctime, is read again.
+        """
         files = look.files
         if look.whole and look.started_ns - look.newest_ns >= YOUNG_NS:
             # Settled: the digest stands for the intact files; keep the rest (world sizes, trainer
@@ -228,7 +243,7 @@ class Verdicts:
             proven=look.proven,
             files=files,
             fingerprint=fingerprint,
-            dirs=_stamps(entries),
+            dirs=_stamps(entries, content, look.files),
         )
         if old is None or old.digest != look.digest or old.whole != look.whole:
             self.dirty = True
@@ -244,8 +259,9 @@ class Verdicts:
         look remembered every verdict (else one more look lets it: a racily clean file).
 
         A file created, removed or renamed anywhere inside changes its directory's mtime and
-        ctime; a file rewritten in place does not, which is why this is the tracker's cheap
-        question between looks and never the reaper's.
+        ctime; a file rewritten in place does not, which is why the stamps hold the files whose
+        contents a decision rests on too (`end`), and why this is the tracker's cheap question
+        between looks and never the reaper's.
         """
         rec = self._records.get(path)
         if rec is None or rec.fingerprint != fingerprint or not rec.dirs or (whole and not rec.whole):
@@ -279,8 +295,9 @@ class Verdicts:
             rec.checkpoint, rec.context = checkpoint, context
 
     def restorable(self, path: str, context: str) -> Checkpoint | None:
-        """The checkpoint at `path` as a whole earlier look found it, if its directories, and
-        what else it depended on (`context`), are as they were then (a stat per directory)."""
+        """The checkpoint at `path` as a whole earlier look found it, if its directories and the
+        files whose contents it rests on (`end`), and what else it depended on (`context`), are as
+        they were then (a stat each)."""
         rec = self._records.get(path)
         if rec is None or rec.checkpoint is None or rec.context != context:
             return None
@@ -522,6 +539,7 @@ def _encode_checkpoint(rec: Record) -> dict[str, Any] | None:
     return {
         "fp": c.fingerprint,
         "size": c.size_bytes,
+        "shared": [list(x) for x in c.shared],
         "newest": c.newest_mtime,
         "pinned": c.pinned,
         "ts": c.trainer_state is not None,
@@ -568,6 +586,7 @@ def _decode_checkpoint(rec: Record, doc: dict[str, Any], check: Callable[[Any, A
         layout="",  # the caller's: `Scanner.restore`
         checks=tuple(check(n, v, d) for n, v, d in doc["checks"]),
         size_bytes=int(doc["size"]),
+        shared=tuple(Shared(*map(int, x)) for x in doc["shared"]),
         newest_mtime=float(doc["newest"]),
         fingerprint=rec.fingerprint,
         pinned=bool(doc["pinned"]),
@@ -590,11 +609,18 @@ def _decode_checkpoint(rec: Record, doc: dict[str, Any], check: Callable[[Any, A
     )
 
 
-def _stamps(entries: list[Entry]) -> tuple[Stamp, ...]:
+def _stamps(
+    entries: list[Entry], content: Iterable[Entry], files: Mapping[Key, tuple[Identity, Any]]
+) -> tuple[Stamp, ...]:
+    """The stamps a restore checks: every directory (a file created, removed or renamed inside
+    changes one), the checkpoint itself, and every file whose contents a decision rests on."""
+    read = {rel for (kind, rel), (_, value) in files.items() if kind != FILE or value is not None}
+    read.update(e.rel for e in content)
     return tuple(
         (e.rel, e.dev, e.ino, e.size, e.mtime_ns, e.ctime_ns)
         for e in entries
-        if e.kind in ("d", "m") or not e.rel  # "m": a mount point (unmounted, it stats otherwise)
+        # "m": a mount point (unmounted, it stats otherwise)
+        if e.kind in ("d", "m") or not e.rel or (e.kind == "f" and e.rel in read)
     )
 
 
@@ -670,7 +696,7 @@ _LOGIC: str | None = None
 _CODE_DIR = Path(__file__).parent
 LOGIC_MODULES = (
     "evidence", "dsmeta", "model", "slim", "layouts", "fwmetrics",
-    "mounts", "config", "planner", "volread", "weights",
+    "mounts", "config", "planner", "volread", "weights", "space",
 )
 
 

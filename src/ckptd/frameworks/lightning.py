@@ -56,7 +56,7 @@ def metrics(save: Save, metric: str | None, whole: bool, scores: Callable) -> Me
     if named or cand.is_dir or not cand.name.endswith(".ckpt") or not whole:
         return found, None  # a file cut short: nothing to read, and no reason to import torch for it
     entry = files[""]
-    read = scores(path, entry.size, entry.mtime_ns)
+    read = scores(path, entry.size, entry.mtime_ns, entry.ctime_ns)
     if isinstance(read, str):
         return found, (
             f"{metric} is not in its name, and Lightning's ModelCheckpoint state in it "
