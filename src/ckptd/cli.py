@@ -435,6 +435,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 consolidate_timeout=config.daemon.consolidate_timeout,
                 fence=lead.fencer() if lead is not None else None,
             )
+            if lead is not None:
+                reaper.foreign_wait = lead.takeover_wait()  # what another process trashed waits
             reaper.clear_work()  # what an interrupted consolidation left, into the trash
             leftover, leftover_bytes = reaper.purge()  # an earlier run's interrupted purge
             if leftover:
@@ -465,6 +467,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
                     slim_freed += result.moved_bytes
             _, purged_bytes = reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
             freed += purged_bytes
+            if reaper.waiting:
+                print(f"{root.path}: {reaper.waiting} trash entries another ckptd left are purged once they have "
+                      f"been there {reaper.foreign_wait:g}s, re-checked first (by the next prune or the daemon)")
         finally:
             if lead is not None:
                 lead.stop()

@@ -471,6 +471,8 @@ class Daemon:
                     tr.poll(changes)
                     rt.next_poll = now + rt.root.poll_interval
                     self._try_lead(rt, attempt=True)
+                    if rt.leader and rt.reaper.trash_pending():  # another process's, maybe renamed late
+                        self._purge(rt)
                 self._try_lead(rt)  # a volume lease changes hands on its own thread
                 step = tr.step(now)
             except (OSError, RootMissingError) as exc:
@@ -808,6 +810,8 @@ class Daemon:
     def _purge(self, rt: RootRuntime) -> None:
         if self.dry_run:
             return
+
+        rt.reaper.foreign_wait = rt.lead.takeover_wait()  # what another process trashed waits this long
 
         def purge() -> None:
             # A leader that lost the lead leaves the rest of the trash to the one that has it.

@@ -371,6 +371,15 @@ class VolumeLease:
         with self._mutex:
             return self.epoch if self.held() else None
 
+    def takeover_wait(self) -> float:
+        """How long an entry another process put in the trash waits before a purge re-checks it:
+        what a standby waits before taking over (the larger of ours and the record's), so a
+        leader stopped before a rename has, once it runs again, that long to see it lost the
+        lease and move the entry back (`Reaper.purge`)."""
+        with self._mutex:
+            rec = self.seen.record if self.seen else None
+        return max(self.duration, rec.duration if rec else 0.0) + max(self.margin, rec.margin if rec else 0.0)
+
     def fencer(self) -> Callable[[], str | None]:
         """The fence for one pass of retention: bound to the epoch held now."""
         return functools.partial(self.fence, self.current_epoch())
@@ -627,6 +636,11 @@ class LocalLeadership:
 
     def fencer(self) -> Callable[[], str | None]:
         return self.fence
+
+    def takeover_wait(self) -> float:
+        """0: the flock is the kernel's, held until its holder exits, so no other process on this
+        host renamed without it (`VolumeLease.takeover_wait`)."""
+        return 0.0
 
     def fence(self) -> str | None:
         return None if self.lock.held else f"this ckptd does not hold {self.lock.path}"
