@@ -33,7 +33,14 @@ from ckptd.errors import (
 )
 from ckptd.evidence import Inspector, RunContext, step_mismatch
 from ckptd.journal import Journal
-from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership, lock_scope
+from ckptd.lease import (
+    Leadership,
+    LocalLeadership,
+    VolumeLease,
+    choose_leadership,
+    lock_scope,
+    volume_leader_seen,
+)
 from ckptd.model import Action, Checkpoint, State
 from ckptd.mounts import is_remote, mount_of, quiet_for, read_mounts
 from ckptd.planner import Scanner, decide, unmatched_paths
@@ -468,8 +475,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
             _, purged_bytes = reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
             freed += purged_bytes
             if reaper.waiting:
-                print(f"{root.path}: {reaper.waiting} trash entries another ckptd left are purged once they have "
-                      f"been there {reaper.foreign_wait:g}s, re-checked first (by the next prune or the daemon)")
+                print(f"{root.path}: {reaper.waiting} trash entries another ckptd left are purged once "
+                      f"they have been there {reaper.foreign_wait:g}s, re-checked first (by the next prune "
+                      "or the daemon)")
         finally:
             if lead is not None:
                 lead.stop()
@@ -796,6 +804,8 @@ def volume_notes(config: Config) -> list[str]:
             out.append(f"{where}: leadership=volume ({why}); {lease}; POSIX locks: {locks}")
         else:
             out.append(f"{where}: leadership=local ({why}): one deleter per state_dir")
+            if (mixed := volume_leader_seen(root.path)) is not None:
+                out.append(f"warning: {where}: {mixed}")
             if mount is not None and is_remote(mount.fstype):
                 out.append(
                     f"warning: {where}: leadership=local on {mount.fstype}: ckptd on other hosts "

@@ -42,7 +42,7 @@ from ckptd.consolidate import Consolidation
 from ckptd.envconfig import effective_config
 from ckptd.errors import ConfigError, RootMissingError
 from ckptd.journal import Journal
-from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership
+from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership, volume_leader_seen
 from ckptd.metrics import Metrics
 from ckptd.model import QUIET, Action, Checkpoint, State, Verdict
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
@@ -244,6 +244,8 @@ class Daemon:
         if problem is not None:
             log.error("%s: %s", root.path, problem)
         if kind == "local":
+            if (mixed := volume_leader_seen(root.path)) is not None:
+                log.warning("%s: %s", root.path, mixed)
             return LocalLeadership(RootLock(d.state_dir, root.path), why)
         lease = VolumeLease(
             root.path, duration=d.lease_duration, margin=d.lease_margin, why=why, problem=problem

@@ -183,6 +183,7 @@ class RecordIO:
         self.root = root
         self.dir = root / LEASE_DIR
         self._lock_fd: int | None = None
+        self._root_lock: Any = None  # reaper.RootLock on <root>/.ckptd/local.lock, while leading
 
     def _open_dir(self, create: bool = True) -> int:
         """`.ckptd/` opened afresh (an open revalidates the directory on NFS: see the module doc).
@@ -312,6 +313,29 @@ class RecordIO:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def lock_root(self) -> str | None:
+        """Take `<root>/.ckptd/local.lock` (`reaper.RootLock`, the root's own lock alone) for the
+        tenure: a ckptd with `leadership = "local"` holds it while it deletes here, and the two
+        must never both delete. None if taken (or it cannot be made: the lease alone decides),
+        else why not."""
+        from ckptd.reaper import LockHeld, RootLock
+
+        if self._root_lock is None:
+            self._root_lock = RootLock(None, self.root)
+        if self._root_lock.held:
+            return None
+        try:
+            self._root_lock.acquire()
+        except LockHeld:
+            return (f"a ckptd with leadership = \"local\" deletes here (it holds "
+                    f"{self._root_lock.root_path}): every ckptd that deletes in a root must use the same "
+                    "leadership")
+        return None
+
+    def unlock_root(self) -> None:
+        if self._root_lock is not None:
+            self._root_lock.release()
 
 
 def _claim_number(name: str) -> int | None:
@@ -456,6 +480,7 @@ class VolumeLease:
         self.deadline = float("-inf")
         self._key = None
         self.io.unlock()
+        self.io.unlock_root()
 
     def _observe(self, seen: Seen, now: float) -> float:
         """Seconds the volume's lease state has been seen unchanged by this process."""
@@ -495,9 +520,15 @@ class VolumeLease:
             if held_by is not None:
                 self.blocked = held_by
                 return
+            held_by = self.io.lock_root()
+            if held_by is not None:
+                self.io.unlock()
+                self.blocked = held_by
+                return
             epoch = seen.epoch + 1
             if not self.io.claim(epoch, self.me):
                 self.io.unlock()
+                self.io.unlock_root()
                 self.blocked = f"another host claimed epoch {epoch} first"
                 self._key = None
                 return
@@ -506,6 +537,7 @@ class VolumeLease:
             self.io.write(rec)
         except OSError as exc:
             self.io.unlock()
+            self.io.unlock_root()
             if self.error != str(exc):
                 log.warning("%s: cannot look at the volume lease: %s", self.root, exc)
             self.error = str(exc)
@@ -525,6 +557,7 @@ class VolumeLease:
             epoch = self.epoch
             if epoch is None:
                 self.io.unlock()
+                self.io.unlock_root()
                 return
             still = self.held()
             self.epoch, self.deadline = None, float("-inf")  # first: nothing renames from here on
@@ -538,6 +571,7 @@ class VolumeLease:
                 log.warning("%s: cannot mark the volume lease released (it will expire): %s", self.root, exc)
             finally:
                 self.io.unlock()
+                self.io.unlock_root()
                 self._key = None
 
     # --- the renewal thread ----------------------------------------------------
@@ -682,6 +716,22 @@ def choose_leadership(
         problem = (f"{mount.point} is mounted nocto: a read of the lease record may not see another "
                    "host's renewal, so this ckptd never leads there (remount without nocto)")
     return kind, why, problem
+
+
+def volume_leader_seen(root: Path, now: float | None = None) -> str | None:
+    """For a ckptd with `leadership = "local"`: who leads `root` under a live volume lease, as
+    its record says, or None. Mixed settings: each excludes the other only through
+    `<root>/.ckptd/local.lock`, which a flock reaches on this host (and across NFS), not across
+    hosts on a FUSE filesystem."""
+    try:
+        rec = RecordIO(root).read().record
+    except OSError:
+        return None
+    if rec is None or rec.released or (time.time() if now is None else now) > rec.expires + rec.margin:
+        return None
+    return (f"{rec.holder.describe()} leads {root} under a volume lease (epoch {rec.epoch}) and this "
+            "ckptd has leadership = \"local\": every ckptd that deletes in a root must use the same "
+            "leadership")
 
 
 def lock_scope(mount: Mount | None) -> str:

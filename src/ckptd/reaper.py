@@ -313,7 +313,8 @@ class Reaper:
             try:
                 try:
                     assert self.journal is not None
-                    self.journal.record("trashing", time=self.clock(), trash=str(self.trash / target), **fields)
+                    trash = str(self.trash / target)
+                    self.journal.record("trashing", time=self.clock(), trash=trash, **fields)
                     os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)
                 except OSError as exc:  # ENOSPC on the journal; EXDEV, EACCES, EROFS, EBUSY on the rename
                     why = f"cannot move to {TRASH_DIR}/: {exc}"
@@ -1248,32 +1249,42 @@ class RootLock:
     taken where it can be: a root where it cannot be created (read-only, not ours to write) has
     the state_dir lock alone, as before. The kernel releases both when the holder exits,
     however it exits.
+
+    Without a `state_dir`, the root's own lock alone: what a volume lease's leader holds for its
+    tenure (`VolumeLease`), so that it and a ckptd with `leadership = "local"` exclude each
+    other. On NFS the Linux client sends a flock to the server as a whole-file POSIX lock, so
+    this holds across hosts there too; on a FUSE filesystem it holds on this host only.
     """
 
-    def __init__(self, state_dir: Path, root: Path):
+    def __init__(self, state_dir: Path | None, root: Path):
         digest = hashlib.sha256(os.fsencode(os.path.realpath(root))).hexdigest()[:16]
-        self.path = state_dir / "locks" / f"{digest}.lock"
+        self.path = state_dir / "locks" / f"{digest}.lock" if state_dir is not None else None
         self.root = root
         self.root_path = root / layouts.LEASE_DIR / ROOT_LOCK
         self._fd: int | None = None
         self._root_fd: int | None = None
+        self._held = False
 
     def acquire(self, *, blocking: bool = False) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.path})") from None
+        fd = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                os.close(fd)
+                raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.path})") from None
         try:
             root_fd = self._root_lock(blocking)
         except BaseException:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} {self.root}\n".encode(errors="surrogateescape"))
-        self._fd, self._root_fd = fd, root_fd
+        if fd is not None:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {self.root}\n".encode(errors="surrogateescape"))
+        self._fd, self._root_fd, self._held = fd, root_fd, True
 
     def _root_lock(self, blocking: bool) -> int | None:
         """The flock on `<root>/.ckptd/local.lock` (None where it cannot be had: see the class).
@@ -1311,9 +1322,10 @@ class RootLock:
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._held
 
     def release(self) -> None:
+        self._held = False
         if self._root_fd is not None:
             os.close(self._root_fd)
             self._root_fd = None

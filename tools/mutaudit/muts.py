@@ -416,8 +416,8 @@ MUTS = [
    "            if not glob or glob.startswith(\"/\") or any(p in (\"\", \".\", \"..\") for p in parts):", "            if False:")]),
  # --- 10. journal before rename
  dict(id="J1", what="journal 'trashing' before rename (swap order)", tests="reaper", edits=[(R,
-   "                self.journal.record(\"trashing\", time=self.clock(), trash=str(self.trash / target), **fields)\n                os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)",
-   "                os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)\n                self.journal.record(\"trashing\", time=self.clock(), trash=str(self.trash / target), **fields)")]),
+   "                    self.journal.record(\"trashing\", time=self.clock(), trash=trash, **fields)\n                    os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)",
+   "                    os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)\n                    self.journal.record(\"trashing\", time=self.clock(), trash=trash, **fields)")]),
  dict(id="J3", what="purge journals its intent before removing", tests="reaper", edits=[(R,
    "                self._record(\"purging\", **where)\n", "")]),
  dict(id="K1", what="consolidation timeout passed on", tests="consolidator", edits=[(R,
@@ -583,6 +583,11 @@ MUTS = [
    "        rt.reaper.foreign_wait = rt.lead.takeover_wait()", "        rt.reaper.foreign_wait = 0.0")]),
  dict(id="LR10", what="daemon: a leader looks at what another process left in the trash", tests=[T+"test_late_rename.py"],
       edits=[(DM, "                    if rt.leader and rt.reaper.trash_pending():", "                    if False:")]),
+ dict(id="ML1", what="a volume lease's leader holds the root's own lock", tests=[T+"test_mixed_leadership.py"], edits=[(LE,
+   "            held_by = self.io.lock_root()\n            if held_by is not None:", "            held_by = None\n            if held_by is not None:")]),
+ dict(id="ML2", what="mixed leadership said at start-up and in check-config", tests=[T+"test_mixed_leadership.py"], edits=[(LE,
+   "    if rec is None or rec.released or (time.time() if now is None else now) > rec.expires + rec.margin:",
+   "    if True:")]),
  # --- 12. network filesystems' attribute caches (mounts.py, issue 13)
  dict(id="N1", what="effective quiet period adds the cache's staleness", tests="mounts", edits=[(MO,
    "    return quiet_period + cache.max_staleness", "    return quiet_period")]),
