@@ -68,6 +68,7 @@ What the filesystem must give for this to hold (why the record is written as it 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -92,6 +93,7 @@ log = logging.getLogger(__name__)
 RECORD = "leader.json"
 LOCK = "leader.lock"
 CLAIM_PREFIX = "epoch-"
+BEAT_PREFIX = "beat-"  # beat-<epoch>-<seq>: each write of the record also makes a new name
 KEEP_CLAIMS = 4  # the leader removes older claim files than its epoch minus this
 
 
@@ -161,11 +163,21 @@ class Record:
 
 @dataclass(frozen=True)
 class Seen:
-    """One look at `.ckptd/`: the record as read (raw, and parsed if it parses) and the highest claim."""
+    """One look at `.ckptd/`: the record as read (raw, and parsed if it parses), the highest claim,
+    and the renewal the directory's names show (`beat-<epoch>-<seq>`)."""
 
     raw: bytes | None  # None: no record
     record: Record | None  # None: none, or it does not parse
     max_claim: int  # 0: none
+    beat: tuple[int, int] | None = None  # (epoch, seq) of the newest beat entry; None: none
+
+    @property
+    def stale(self) -> bool:
+        """Whether the record read is older than the renewal the directory shows: a read served
+        from a cache (a FUSE mount with kernel_cache or a long attr/entry timeout)."""
+        if self.beat is None:
+            return False
+        return self.record is None or (self.record.epoch, self.record.seq) < self.beat
 
     @property
     def epoch(self) -> int:
@@ -223,7 +235,7 @@ class RecordIO:
                     raw = os.read(fd, 1 << 16) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
                 finally:
                     os.close(fd)
-            claims = [_claim_number(name) for name in os.listdir(dir_fd)]
+            names = os.listdir(dir_fd)
         finally:
             os.close(dir_fd)
         record = None
@@ -232,7 +244,9 @@ class RecordIO:
                 record = Record.parse(raw)
             except ValueError:
                 pass
-        return Seen(raw, record, max([c for c in claims if c is not None], default=0))
+        claims = [c for c in map(_claim_number, names) if c is not None]
+        beats = [b for b in map(_beat, names) if b is not None]
+        return Seen(raw, record, max(claims, default=0), max(beats, default=None))
 
     def write(self, record: Record) -> None:
         """Atomically: a temp file, fsynced, renamed over the record, the directory fsynced."""
@@ -247,6 +261,17 @@ class RecordIO:
             finally:
                 os.close(fd)
             os.rename(tmp, RECORD, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            # The renewal as a new name too: a client that caches a file's contents and the
+            # lookup of its name (FUSE kernel_cache, entry_timeout) goes on returning the old
+            # record, but a directory opened afresh is listed by the filesystem itself.
+            beat = f"{BEAT_PREFIX}{record.epoch}-{record.seq}"
+            with contextlib.suppress(FileExistsError):  # a release rewrites the last renewal's
+                os.close(os.open(beat, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 0o644, dir_fd=dir_fd))
+            for name in os.listdir(dir_fd):
+                if name != beat and _beat(name) is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dir_fd)
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
@@ -338,6 +363,13 @@ class RecordIO:
             self._root_lock.release()
 
 
+def _beat(name: str) -> tuple[int, int] | None:
+    if not name.startswith(BEAT_PREFIX):
+        return None
+    epoch, _, seq = name[len(BEAT_PREFIX):].partition("-")
+    return (int(epoch), int(seq)) if epoch.isdigit() and seq.isdigit() else None
+
+
 def _claim_number(name: str) -> int | None:
     if name.startswith(CLAIM_PREFIX) and name[len(CLAIM_PREFIX):].isdigit():
         return int(name[len(CLAIM_PREFIX):])
@@ -378,7 +410,7 @@ class VolumeLease:
         self.seen: Seen | None = None  # the last look at the volume
         self.error: str | None = None  # the last I/O error, while it lasts
         self.blocked: str | None = None  # why the last try did not take it
-        self._key: tuple[bytes | None, int] | None = None  # what the observation started on
+        self._key: tuple[bytes | None, int, tuple[int, int] | None] | None = None  # what it started on
         self._since = 0.0  # `mono` time of that
         self._mutex = threading.RLock()
         self._thread: threading.Thread | None = None
@@ -483,8 +515,9 @@ class VolumeLease:
         self.io.unlock_root()
 
     def _observe(self, seen: Seen, now: float) -> float:
-        """Seconds the volume's lease state has been seen unchanged by this process."""
-        key = (seen.raw, seen.max_claim)
+        """Seconds the volume's lease state has been seen unchanged by this process: the record's
+        bytes, the claims and the renewal the directory's names show."""
+        key = (seen.raw, seen.max_claim, seen.beat)
         if key != self._key:
             self._key, self._since = key, now
         return now - self._since
@@ -496,10 +529,20 @@ class VolumeLease:
         t0 = self.mono()
         try:
             seen = self.io.read()
+            if seen.stale:  # read once more: the leader may have renewed between the two reads
+                seen = self.io.read()
             self.seen = seen
             unchanged_for = self._observe(seen, t0)
             if not self.want:
                 self.blocked = "observing only (dry run)"
+                return
+            if seen.stale:
+                if not (self.blocked or "").startswith("reads of"):
+                    log.warning("%s: reads of %s/%s here return an older renewal than the directory "
+                                "shows: this mount caches file contents; not taking over on what it reads",
+                                self.root, LEASE_DIR, RECORD)
+                self.blocked = (f"reads of {LEASE_DIR}/{RECORD} are stale here (the directory shows renewal "
+                                f"{seen.beat}): a caching mount; not taking over")
                 return
             rec = seen.record
             if seen.raw is None and seen.max_claim == 0:

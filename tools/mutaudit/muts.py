@@ -588,6 +588,14 @@ MUTS = [
  dict(id="ML2", what="mixed leadership said at start-up and in check-config", tests=[T+"test_mixed_leadership.py"], edits=[(LE,
    "    if rec is None or rec.released or (time.time() if now is None else now) > rec.expires + rec.margin:",
    "    if True:")]),
+ dict(id="CM1", what="standby: stale reads of the record (older than the directory's beat) never claim", tests="lease", edits=[(LE,
+   "            if seen.stale:\n                if not (self.blocked", "            if False:\n                if not (self.blocked")]),
+ dict(id="CM2", what="lease: renewals visible as directory entries (beats)", tests=[T+"test_lease.py", T+"test_caching_mount.py"], edits=[(LE,
+   "        beats = [b for b in map(_beat, names) if b is not None]", "        beats = []")]),
+ dict(id="CM3", what="standby: the beat is part of what must stay unchanged", tests=[T+"test_lease.py", T+"test_caching_mount.py"],
+      equivalent="a beat newer than the record read is a stale read, refused by CM1's check; a beat that "
+                 "changes with the record changes the observed bytes too", edits=[(LE,
+   "        key = (seen.raw, seen.max_claim, seen.beat)", "        key = (seen.raw, seen.max_claim, None)")]),
  # --- 12. network filesystems' attribute caches (mounts.py, issue 13)
  dict(id="N1", what="effective quiet period adds the cache's staleness", tests="mounts", edits=[(MO,
    "    return quiet_period + cache.max_staleness", "    return quiet_period")]),
