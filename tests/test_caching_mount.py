@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 from ckptd.layouts import LEASE_DIR
 from ckptd.lease import RECORD
 
+from conftest import run_ckptd
 from daemonproc import DaemonProc
 from test_multinode import ckpts, node_config
 
@@ -42,3 +44,41 @@ def test_a_standby_on_a_caching_mount_never_deposes_a_live_leader(tmp_path, bind
             assert not [m for m in a.lines if "volume lease lost" in m.get("message", "")], a.dump()
     record = json.loads((root / LEASE_DIR / RECORD).read_text())
     assert record["epoch"] == 1 and record["holder"]["pid"] == a.proc.pid  # one tenure all along
+
+
+def volume_config(tmp: Path, root: Path, extra: str = "") -> Path:
+    path = node_config(tmp, "n", root)
+    path.write_text(path.read_text().replace("poll_interval = '0.3s'\n", f"poll_interval = '0.3s'\n{extra}\n"))
+    return path
+
+
+def test_check_config_says_what_the_lease_relies_on_where_coherence_is_unknown(tmp_path, bindfs):
+    root = tmp_path / "vol"
+    root.mkdir()
+    fuse = bindfs(root, tmp_path / "vol-b")
+    said = run_ckptd("check-config", "-c", volume_config(tmp_path, fuse))
+    assert said.returncode == 0, said.stderr
+    out = said.stdout + said.stderr
+    assert "is fuse: ckptd cannot tell whether a read there sees another host's writes: the volume lease " \
+           "relies on renewals being seen there" in out
+    assert "set coherent = true where reads are fresh" in out
+    said = run_ckptd("check-config", "-c", volume_config(tmp_path, fuse, "coherent = true"))
+    assert "ckptd cannot tell whether" not in said.stdout + said.stderr and "never leads" not in said.stdout + said.stderr
+    said = run_ckptd("check-config", "-c", volume_config(tmp_path, root))  # ext4: known
+    assert "ckptd cannot tell whether" not in said.stdout + said.stderr
+
+
+def test_a_mount_declared_incoherent_is_never_led(tmp_path, bindfs):
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+    fuse = bindfs(root, tmp_path / "vol-b")
+    cfg = volume_config(tmp_path, fuse, "coherent = false")
+    said = run_ckptd("check-config", "-c", cfg)
+    assert "coherent = false: a read of the lease record may not see another host's renewal, so this ckptd " \
+           "never leads there" in said.stdout + said.stderr
+    with DaemonProc("-c", cfg) as d:
+        d.wait_message("standby, observing only: coherent = false")
+        d.wait_message("decide delete job/checkpoint-1")  # decided, never carried out
+        d.wait_message("state written", start=d.mark())
+    assert sorted(p.name for p in (root / "job").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    assert not (root / LEASE_DIR / RECORD).exists()

@@ -42,7 +42,14 @@ from ckptd.consolidate import Consolidation
 from ckptd.envconfig import effective_config
 from ckptd.errors import ConfigError, RootMissingError
 from ckptd.journal import Journal
-from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership, volume_leader_seen
+from ckptd.lease import (
+    Leadership,
+    LocalLeadership,
+    VolumeLease,
+    choose_leadership,
+    coherence_note,
+    volume_leader_seen,
+)
 from ckptd.metrics import Metrics
 from ckptd.model import QUIET, Action, Checkpoint, State, Verdict
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
@@ -230,7 +237,7 @@ class Daemon:
 
     def _effective_root(self, root, mounts: list[Mount]):
         """The root with the quiet period its mount's attribute cache calls for (mounts.quiet_for)."""
-        quiet, cache, warning = quiet_for(root.path, root.quiet_period, mounts)
+        quiet, cache, warning = quiet_for(root.path, root.quiet_period, mounts, root.attribute_cache)
         if warning is not None:
             log.warning("%s: %s", root.path, warning)
         if quiet != root.quiet_period:
@@ -239,10 +246,12 @@ class Daemon:
 
     def _leadership(self, root, config: Config, mounts: list[Mount]) -> Leadership:
         d = config.daemon
-        kind, why, problem = choose_leadership(root.path, d.leadership, mounts)
+        kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent)
         log.info("%s: leadership=%s (%s)", root.path, kind, why)
         if problem is not None:
             log.error("%s: %s", root.path, problem)
+        elif kind == "volume" and (note := coherence_note(root.path, mounts, root.coherent)) is not None:
+            log.warning("%s: %s", root.path, note)
         if kind == "local":
             if (mixed := volume_leader_seen(root.path)) is not None:
                 log.warning("%s: %s", root.path, mixed)

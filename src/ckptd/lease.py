@@ -86,7 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.layouts import LEASE_DIR
-from ckptd.mounts import Mount, attribute_cache, is_remote, mount_of, read_mounts
+from ckptd.mounts import Mount, attribute_cache, coherence, is_remote, mount_of, read_mounts
 
 log = logging.getLogger(__name__)
 
@@ -743,9 +743,10 @@ Leadership = VolumeLease | LocalLeadership
 
 
 def choose_leadership(
-    root: Path, configured: str, mounts: list[Mount] | None = None
+    root: Path, configured: str, mounts: list[Mount] | None = None, coherent: bool | None = None
 ) -> tuple[str, str, str | None]:
-    """("local" | "volume", why, a problem that forbids leading here or None) for a root."""
+    """("local" | "volume", why, a problem that forbids leading here or None) for a root.
+    `coherent`: the root's key of that name (`mounts.coherence`); false forbids volume leadership."""
     mount = mount_of(root, read_mounts() if mounts is None else mounts)
     fstype = mount.fstype if mount else None
     where = f"{mount.point} is {fstype}" if mount else "filesystem type unknown"
@@ -758,8 +759,22 @@ def choose_leadership(
     if kind == "volume" and mount is not None and not attribute_cache(mount).close_to_open:
         problem = (f"{mount.point} is mounted nocto: a read of the lease record may not see another "
                    "host's renewal, so this ckptd never leads there (remount without nocto)")
+    elif kind == "volume" and coherent is False:
+        problem = ("coherent = false: a read of the lease record may not see another host's renewal, "
+                   "so this ckptd never leads there")
     return kind, why, problem
 
+
+def coherence_note(root: Path, mounts: list[Mount], coherent: bool | None) -> str | None:
+    """For volume leadership, where a mount's coherence is unknown: what the lease relies on
+    there, for start-up and check-config; None where it is known or declared."""
+    known, why = coherence(mount_of(root, mounts), coherent)
+    if known is not None:
+        return None
+    return (f"{why}: the volume lease relies on renewals being seen there, by the record's contents or, "
+            "where a client caches those, by directory listings (beat-<epoch>-<seq>); a client that also "
+            "caches listings (sshfs, s3fs, gcsfuse) hides them: set coherent = true where reads are fresh, "
+            "coherent = false to never lead there")
 
 def volume_leader_seen(root: Path, now: float | None = None) -> str | None:
     """For a ckptd with `leadership = "local"`: who leads `root` under a live volume lease, as

@@ -596,6 +596,12 @@ MUTS = [
       equivalent="a beat newer than the record read is a stale read, refused by CM1's check; a beat that "
                  "changes with the record changes the observed bytes too", edits=[(LE,
    "        key = (seen.raw, seen.max_claim, seen.beat)", "        key = (seen.raw, seen.max_claim, None)")]),
+ dict(id="CO1", what="coherent = false: volume leadership never leads", tests=[T+"test_caching_mount.py"], edits=[(LE,
+   "    elif kind == \"volume\" and coherent is False:", "    elif False:")]),
+ dict(id="AC1", what="attribute_cache added to quiet where the mount table cannot tell", tests=[T+"test_fuse_quiet.py"], edits=[(MO,
+   "    if cache is not None and declared is not None and (known is None or declared > known):", "    if False:")]),
+ dict(id="AC2", what="quiet alone completes nothing where the attribute cache is unknown", tests=[T+"test_fuse_quiet.py"], edits=[(PL,
+   "            if self.quiet_alone is not None:", "            if False:")]),
  # --- 12. network filesystems' attribute caches (mounts.py, issue 13)
  dict(id="N1", what="effective quiet period adds the cache's staleness", tests="mounts", edits=[(MO,
    "    return quiet_period + cache.max_staleness", "    return quiet_period")]),
