@@ -362,3 +362,18 @@ def test_a_standby_whose_reads_are_stale_never_takes_over_a_live_leader(tmp_path
     assert b.seen is not None and b.seen.beat == (1, 12)
     a.release()
     b.release()
+
+
+def test_an_unreadable_record_beside_a_beat_is_still_taken_after_the_full_duration(world):
+    """A beat says nothing about a record that does not parse (torn, or removed by hand): it is
+    watched for the full duration as before, not taken for a stale read forever."""
+    a, _b, advance, root = world
+    (root / LEASE_DIR).mkdir()
+    (root / LEASE_DIR / RECORD).write_text("{ torn")
+    (root / LEASE_DIR / "beat-3-7").touch()
+    a.step()
+    assert not a.held()
+    advance(D + M)
+    a.step()
+    assert a.held() and a.epoch == 1
+    assert sorted(p.name for p in (root / LEASE_DIR).glob("beat-*")) == ["beat-1-0"]

@@ -92,6 +92,7 @@ class RootRuntime:
         self.outcomes: dict[str, str] = {}  # checkpoint -> the last refusal or failure said about it
         self.dev: int | None = None  # the root's filesystem, as last seen (`Daemon._space`)
         self.configured_quiet = tracker.root.quiet_period  # before `_effective_root`
+        self.catching_up = False  # took over a volume lease: no retention before a full scan
         self.cache: AttributeCache | None = None  # the mount's attribute cache (mounts.py)
 
     @property
@@ -278,6 +279,7 @@ class Daemon:
                 rt.lead.step()  # a first look now (its thread may not have had one): no false "standby"
             self._try_lead(rt, attempt=True)
             rt.tracker.full_scan()
+            rt.catching_up = False  # this was the scan a lead taken at start-up waits for
             rt.next_poll = now + rt.root.poll_interval
             rt.next_reconcile = now + rt.root.reconcile_interval
             n = len(rt.tracker.checkpoints())
@@ -360,6 +362,11 @@ class Daemon:
         would = "; would " + ", ".join(acts) if acts else "; nothing to delete or slim"
         return [f"meanwhile, by file times (as `ckptd plan` shows it now): {found}{would}"]
 
+    def _standing_by(self, rt: RootRuntime) -> bool:
+        """A standby for a volume lease: it watches the lease closely (its own thread) and the
+        volume loosely (a full scan at each reconcile, no polls), and catches up at takeover."""
+        return isinstance(rt.lead, VolumeLease) and not rt.leader and not self.dry_run
+
     def _try_lead(self, rt: RootRuntime, attempt: bool = False) -> None:
         """Follow the root's leadership: lead where it is held, stand by (observe only) where not.
 
@@ -376,6 +383,10 @@ class Daemon:
             rt.lead.step()
         held = rt.lead.held()
         if held and not rt.leader:
+            if isinstance(rt.lead, VolumeLease):
+                # It stood by looking at the volume loosely: a full scan first (the next tick),
+                # and no retention here until it is done (`_retention`).
+                rt.catching_up, rt.next_reconcile = True, self.clock()
             rt.leader, rt.said_standby = True, False
             status = rt.lead.status()
             local = rt.lead.kind == "local"
@@ -472,12 +483,15 @@ class Daemon:
                     tr.full_scan(changes)
                     rt.next_reconcile = now + rt.root.reconcile_interval
                     rt.next_poll = now + rt.root.poll_interval
+                    rt.catching_up = False
                     retention = True
                 elif rt.overflowed:
                     rt.overflowed = False
                     self.counters["rescans"] += 1
                     tr.rescan_in_flight(changes)
                     rt.next_poll = now + rt.root.poll_interval
+                elif now >= rt.next_poll and self._standing_by(rt):
+                    rt.next_poll = rt.next_reconcile  # the volume loosely: at reconcile only
                 elif now >= rt.next_poll:
                     tr.poll(changes)
                     rt.next_poll = now + rt.root.poll_interval
@@ -575,7 +589,7 @@ class Daemon:
         waiting: list[_Waiting] = []  # slims whose fp32 weights are to be consolidated first
         for rt in self.roots:
             self._try_lead(rt)
-            if not rt.leader and not self.dry_run:
+            if (not rt.leader or rt.catching_up) and not self.dry_run:
                 continue
             mine = [d for d in plan.decisions if d.checkpoint.root == rt.root.path]
             if not any(d.action in (Action.DELETE, Action.SLIM) for d in mine):

@@ -175,9 +175,9 @@ class Seen:
     def stale(self) -> bool:
         """Whether the record read is older than the renewal the directory shows: a read served
         from a cache (a FUSE mount with kernel_cache or a long attr/entry timeout)."""
-        if self.beat is None:
+        if self.beat is None or self.record is None:  # none, or unreadable: watched as before
             return False
-        return self.record is None or (self.record.epoch, self.record.seq) < self.beat
+        return (self.record.epoch, self.record.seq) < self.beat
 
     @property
     def epoch(self) -> int:

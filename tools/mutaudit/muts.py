@@ -602,6 +602,13 @@ MUTS = [
    "    if cache is not None and declared is not None and (known is None or declared > known):", "    if False:")]),
  dict(id="AC2", what="quiet alone completes nothing where the attribute cache is unknown", tests=[T+"test_fuse_quiet.py"], edits=[(PL,
    "            if self.quiet_alone is not None:", "            if False:")]),
+ dict(id="SB1", what="a volume standby does not poll the volume", tests=[T+"test_standby.py"], edits=[(DM,
+   "                elif now >= rt.next_poll and self._standing_by(rt):", "                elif False:")]),
+ dict(id="SB2", what="after a takeover, no retention before the catch-up scan", tests=[T+"test_standby.py"],
+      equivalent="what a stale view decides, the reaper's re-check of each target and of its run's anchors as "
+                 "the plan saw them refuses just before acting (test_reaper); the catch-up spares the refusals",
+      edits=[(DM, "            if (not rt.leader or rt.catching_up) and not self.dry_run:",
+              "            if not rt.leader and not self.dry_run:")]),
  # --- 12. network filesystems' attribute caches (mounts.py, issue 13)
  dict(id="N1", what="effective quiet period adds the cache's staleness", tests="mounts", edits=[(MO,
    "    return quiet_period + cache.max_staleness", "    return quiet_period")]),
