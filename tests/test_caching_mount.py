@@ -82,3 +82,44 @@ def test_a_mount_declared_incoherent_is_never_led(tmp_path, bindfs):
         d.wait_message("state written", start=d.mark())
     assert sorted(p.name for p in (root / "job").iterdir()) == ["checkpoint-1", "checkpoint-2"]
     assert not (root / LEASE_DIR / RECORD).exists()
+
+
+def test_both_nodes_on_caching_mounts_one_deleter_through_a_kill_and_a_restart(tmp_path, bindfs):
+    """As an outsider would try it: every node through its own caching FUSE mount. The leader is
+    killed (-9); the standby takes over; the killed node comes back, its mount still caching the
+    record it wrote last, and must stand by rather than take its old epoch for unrenewed."""
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+    via_a = bindfs(root, tmp_path / "vol-a", *CACHING)
+    via_b = bindfs(root, tmp_path / "vol-b", *CACHING)
+    a = DaemonProc("-c", node_config(tmp_path, "a", via_a))
+    b = a2 = None
+    try:
+        a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
+        a.wait_message("deleted job/checkpoint-1")
+        b = DaemonProc("-c", node_config(tmp_path, "b", via_b))
+        b.wait_message("standby, observing only")
+        a.proc.kill()
+        a.proc.wait(30)
+        b.wait_message("this ckptd deletes here (volume lease, epoch 2)", timeout=60)
+        a2 = DaemonProc("-c", node_config(tmp_path, "a", via_a))
+        a2.wait_message("standby, observing only")
+        ckpts(root, 3)
+        b.wait_message("deleted job/checkpoint-2")
+        first = json.loads((root / LEASE_DIR / RECORD).read_text())["seq"]
+        tick = threading.Event()  # never set: a timer between looks at the record
+        for _ in range(int(120 / 0.1)):
+            if json.loads((root / LEASE_DIR / RECORD).read_text())["seq"] >= first + 12:
+                break
+            tick.wait(0.1)
+        else:
+            raise AssertionError("the leader did not renew 12 times in 120s")
+        assert not [m for m in a2.lines if "deletes here" in m.get("message", "")], a2.dump()
+        assert not [m for m in b.lines if "volume lease lost" in m.get("message", "")], b.dump()
+    finally:
+        for d in (a, a2, b):  # a2 first: b hands the lease back, and a2 must not take it
+            if d is not None:
+                d.stop()
+    record = json.loads((root / LEASE_DIR / RECORD).read_text())
+    assert record["epoch"] == 2 and record["released"]  # b's tenure throughout, handed back at the end
+    assert sorted(p.name for p in (root / "job").iterdir()) == ["checkpoint-3"]
