@@ -11,12 +11,13 @@ import json
 import threading
 from pathlib import Path
 
+from test_multinode import ckpts, node_config
+
 from ckptd.layouts import LEASE_DIR
 from ckptd.lease import RECORD
 
 from conftest import run_ckptd
 from daemonproc import DaemonProc
-from test_multinode import ckpts, node_config
 
 CACHING = ("kernel_cache", "attr_timeout=30", "entry_timeout=30")
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_multinode import D, M, ckpts, listing, node_config
 from test_reaper import names
 from test_reaper import volume as volume
 
@@ -25,13 +26,12 @@ from ckptd import reaper as reaper_module
 from ckptd.config import Retention, Root
 from ckptd.demo import age
 from ckptd.journal import Journal, read_journal
+from ckptd.layouts import PIN_FILE, TRASH_DIR
 from ckptd.planner import Scanner, decide
 from ckptd.reaper import Reaper
-from ckptd.layouts import PIN_FILE, TRASH_DIR
 
 from conftest import REPO
 from daemonproc import DaemonProc
-from test_multinode import D, M, ckpts, listing, node_config
 
 
 def wait_stopped(pid: int, timeout: float = 30) -> None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from daemonproc import DaemonProc
 from test_multinode import ckpts, listing, node_config
+
+from daemonproc import DaemonProc
 
 
 def at(line: dict) -> float:

@@ -905,8 +905,9 @@ class Reaper:
         is_dir = stat.S_ISDIR(os.stat(entry, dir_fd=trash_fd, follow_symlinks=False).st_mode)
         names = os.listdir(run_path)
         retention, _ = self.scanner.root.retention_for(run_rel)
-        if (is_dir and _identity(f"{entry}/{layouts.PIN_FILE}", trash_fd) is not None) \
-                or f"{name}{layouts.PIN_FILE}" in names or any(path_matches(rel, p) for p in retention.pins):
+        pin_inside = is_dir and _identity(f"{entry}/{layouts.PIN_FILE}", trash_fd) is not None
+        pin_beside = f"{name}{layouts.PIN_FILE}" in names
+        if pin_inside or pin_beside or any(path_matches(rel, p) for p in retention.pins):
             return "pinned"
         pointer = resume_pointers(run_path, names).get(name)
         if pointer is not None:
