@@ -376,7 +376,7 @@ MUTS = [
  dict(id="DM6c", what="reload applies patterns (reconfigure)", tests="daemon", edits=[(DM,
    "                rt.tracker.reconfigure(effective)\n", "")]),
  dict(id="DM7", what="retention only by leaders", tests="daemon", edits=[(DM,
-   "            if not rt.leader and not self.dry_run:\n                continue", "            if False:\n                continue")]),
+   "            if (not rt.leader or rt.catching_up) and not self.dry_run:\n                continue", "            if False:\n                continue")]),
  # --- 9. config
  dict(id="C1a", what="strict int keep_last", tests="config", edits=[(C,
    "        strict=True, default=2, ge=0, description=\"Keep the N newest", "        strict=False, default=2, ge=0, description=\"Keep the N newest")]),
