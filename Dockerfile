@@ -1,4 +1,4 @@
-# ckptd as a sidecar next to a training container (README, "Run as a docker sidecar").
+# ckptd as a sidecar next to a training container (docs/deployment/docker.md).
 #
 #   docker build -t ckptd .                              # default: no torch, small
 #   docker build --target deepspeed -t ckptd:deepspeed .  # + torch (CPU) and deepspeed

@@ -3,7 +3,7 @@
 Pure: the checkpoints are built in memory (as a scan would leave them, every
 check passed, a trainer state with an eval_loss for every step) and
 `planner.decide` is timed with a fake disk, so only the policy is measured.
-The retention is config.example.toml's: keep_last, keep_best by eval_loss,
+The retention sets every rule at once: keep_last, keep_best by eval_loss,
 keep_within, max_size and min_free.
 
 Every checkpoint shares one trainer-state history (the newest's, which holds

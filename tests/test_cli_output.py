@@ -231,9 +231,9 @@ def test_health_refuses_a_max_age_that_is_not_a_positive_number(tmp_path, state_
     assert proc.returncode == EX_USAGE and "--max-age" in proc.stderr
 
 
-def test_the_exit_codes_are_documented_alike_in_the_readme_and_the_help():
-    readme = (REPO / "README.md").read_text()
-    paragraph = readme[readme.index("Exit codes: 0 ok"):].split("\n\n")[0]
+def test_the_exit_codes_are_documented_alike_in_the_docs_and_the_help():
+    page = (REPO / "docs" / "reference" / "output.md").read_text()
+    paragraph = page[page.index("Exit codes: 0 ok"):].split("\n\n")[0]
     help_text = run_ckptd("--help").stdout
     epilog = help_text[help_text.index("exit codes:"):help_text.index("config:")]
     for code in ("0", "1", "64", "66", "70", "74", "75", "78", "141"):
@@ -391,7 +391,7 @@ def test_check_config_refuses_metrics_without_prometheus_client_as_run_does(tmp_
     assert "pip install 'ckptd[metrics]'" in checked.stderr
 
 
-# --- the README's samples are the real thing --------------------------------------------
+# --- the docs' samples are the real thing --------------------------------------------
 
 
 def _comparable(lines: list[str]) -> list[list[str]]:
@@ -406,10 +406,11 @@ def _comparable(lines: list[str]) -> list[list[str]]:
     return out
 
 
-def test_the_readmes_plan_sample_is_what_the_demo_shows(demo):
-    readme = (REPO / "README.md").read_text()
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_the_docs_plan_sample_is_what_the_demo_shows(demo, page):
+    page = (REPO / page).read_text()
     command = "$ ckptd demo /tmp/ckptd-demo && ckptd plan -c /tmp/ckptd-demo/ckptd.toml\n"
-    sample = readme[readme.index(command) + len(command):].split("```")[0].strip().splitlines()
+    sample = page[page.index(command) + len(command):].split("```")[0].strip().splitlines()
     real = run_ckptd("plan", "-c", demo).stdout.strip().splitlines()
     assert _comparable(sample) == _comparable(real)
 

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import math
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -8,8 +10,12 @@ import pytest
 from ckptd.config import (
     Config,
     ConfigError,
+    Daemon,
     FreeSpace,
+    Pattern,
+    Retention,
     Root,
+    RunRule,
     load_config,
     parse_duration,
     parse_size,
@@ -18,32 +24,85 @@ from ckptd.errors import EX_CONFIG
 
 from conftest import REPO, run_ckptd
 
+EXAMPLE = REPO / "config.example.toml"
+# "# key = value", "# [[table]]", "# # comment" inside an example: a line to uncomment
+_COMMENTED_TOML = re.compile(r"^# (?=\[|[a-z_]+ = |# |\s*\{|\]$|$)")
+
 
 def test_config_example_loads_and_sets_every_key():
-    config = load_config(REPO / "config.example.toml")
-    root = config.roots[0]
-    assert root.path == Path("/mnt/experiments")
-    assert root.retention.metric == "eval_loss"
-    assert root.retention.max_size == 2 * 1024**4
-    assert root.retention.min_free == FreeSpace(percent=10.0)
-    assert root.retention.keep_within == 6 * 3600
-    assert root.reconcile_interval == 300
-    # every field of every model appears in the example (world_size only as a comment at root level)
-    text = (REPO / "config.example.toml").read_text()
-    for model in (Config, Root, type(root.retention), type(config.daemon), type(root.runs[0])):
+    config = load_config(EXAMPLE)
+    assert config.roots[0].path == Path("/mnt/experiments")  # the one key without a default
+    # every field of every model appears in the example, set or as an example line
+    text = EXAMPLE.read_text()
+    for model in (Config, Root, Retention, Daemon, RunRule, Pattern):
         for name in model.model_fields:
             if name not in ("roots", "daemon", "retention", "runs"):
                 assert f"{name} =" in text, f"config.example.toml does not document {model.__name__}.{name}"
 
 
-def test_run_overrides_replace_only_what_they_set():
-    config = load_config(REPO / "config.example.toml")
+def test_config_example_holds_the_defaults(monkeypatch):
+    """Installed as the real config (the systemd recipe), the example changes nothing: each key
+    it sets is at the models' default. state_dir is written as the units' StateDirectory= makes
+    the default, so that `ckptd status -c` from a shell looks where the daemon writes."""
+    monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/ckptd")
+    config = load_config(EXAMPLE)
+    defaults = Config(roots=(Root(path=config.roots[0].path),))
+    assert config.model_dump(mode="json") == defaults.model_dump(mode="json")
+    assert config.roots[0].runs == () and config.roots[0].retention.keep_full_last is None
+    assert config.daemon.metrics_listen is None
+    # and every key the example sets, it sets explicitly (a key left out would be a default too,
+    # but the example is where a user reads every key's comment beside its value)
+    data = tomllib.loads(EXAMPLE.read_text())
+    tables = ((data["daemon"], Daemon, set()), (data["roots"][0], Root, {"runs"}),
+              (data["roots"][0]["retention"], Retention, set()))
+    for table, model, left_out in tables:
+        unset = {n for n, f in model.model_fields.items() if f.default is None} | left_out
+        want = set(model.model_fields) - unset
+        assert set(table) == want, (
+            f"{model.__name__}: write {sorted(want - set(table))} as `key = <default>` in config.example.toml "
+            f"(a key whose default is unset goes in as a commented example); not {sorted(set(table) - want)}"
+        )
+
+
+def test_config_example_would_fail_on_a_value_that_is_not_the_default(tmp_path, monkeypatch):
+    """So that the test above can fail: the old example's keep_within = "6h" is caught."""
+    monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/ckptd")
+    bad = tmp_path / "c.toml"
+    bad.write_text(EXAMPLE.read_text().replace('# keep_within = "6h"', 'keep_within = "6h"'))
+    config = load_config(bad)
+    defaults = Config(roots=(Root(path=config.roots[0].path),))
+    assert config.model_dump(mode="json") != defaults.model_dump(mode="json")
+
+
+def test_config_examples_commented_out_are_valid_and_mean_what_they_say(tmp_path):
+    """The example lines, uncommented (each group on its own: keep_total replaces keep_last),
+    load: an example a user uncomments must not be a config error."""
+    lines = EXAMPLE.read_text().splitlines()
+    runs_at = next(i for i, line in enumerate(lines) if line == "# [[roots.runs]]")
+    uncommented = [_COMMENTED_TOML.sub("", line) if i >= runs_at else line for i, line in enumerate(lines)]
+    for key in ("metric", "keep_within", "max_size", "min_free", "pins", "keep_full_last", "world_size",
+                "metrics_listen", "patterns"):
+        uncommented = [line.removeprefix("# ") if line.startswith(f"# {key} = ") else line
+                       for line in uncommented]
+    text = "\n".join(uncommented) + "\n"
+    text = text.replace("\n#   {", "\n  {").replace("\n# ]\n", "\n]\n")  # the multi-line example
+    path = tmp_path / "c.toml"
+    path.write_text(text.replace("patterns = []\n", "", 1).replace("pins = []\n", "", 1))
+    config = load_config(path)
     root = config.roots[0]
+    assert root.retention.metric == "eval_loss" and root.retention.keep_within == 6 * 3600
+    assert root.retention.max_size == 2 * 1024**4 and root.retention.min_free == FreeSpace(percent=10.0)
+    assert root.retention.keep_full_last == 1 and root.world_size == 4
+    assert [p.name for p in root.patterns] == ["snapshot-{step}"] and root.patterns[0].ranks == "shard_{rank}.pt"
+    assert config.daemon.metrics_listen == "127.0.0.1:9464"
+    # the run rules: they replace only what they set
     retention, world = root.retention_for("sweeps/lr-3e-4")
     assert (retention.keep_last, retention.keep_best, world) == (1, 0, 4)
     assert retention.metric == "eval_loss" and retention.max_size == root.retention.max_size
+    retention, world = root.retention_for("hf-migrated/bert")
+    assert retention.keep_total == 2
     retention, world = root.retention_for("main-run")
-    assert (retention.keep_last, world) == (2, None)
+    assert (retention.keep_last, world) == (2, 4)
 
 
 @pytest.mark.parametrize(

@@ -152,7 +152,7 @@ def test_kubernetes_sidecar_shares_the_pvc_with_the_trainer():
     assert ckptd["restartPolicy"] == "Always"  # a native sidecar
     # the image built from this tree, by version: a `:latest` image is always pulled, from nowhere
     assert ckptd["image"] == f"ckptd:{__version__}" and ckptd["imagePullPolicy"] == "IfNotPresent"
-    assert f"docker build -t ckptd:{__version__} ." in (REPO / "README.md").read_text()
+    assert f"docker build -t ckptd:{__version__} ." in (REPO / "docs" / "deployment" / "kubernetes.md").read_text()
     assert ckptd["command"] == ["ckptd", "run"]
     for probe in ("startupProbe", "livenessProbe"):
         assert ckptd[probe]["exec"]["command"] == ["ckptd", "health"]

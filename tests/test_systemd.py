@@ -103,15 +103,15 @@ def test_verify_the_units_as_installed_says_nothing(installed, target):
 @needs_analyze
 @pytest.mark.parametrize("target", TARGETS)
 def test_verify_the_units_as_shipped_says_at_most_that_ckptd_is_not_installed(target):
-    """`systemd-analyze verify systemd/*.service` from a checkout, as the README describes it."""
+    """`systemd-analyze verify systemd/*.service` from a checkout, as docs/deployment/systemd.md describes it."""
     proc = run_analyze("verify", "--man=no", target, cwd=REPO / "systemd")
     said = (proc.stdout + proc.stderr).splitlines()
     if os.access(INSTALLED_AT, os.X_OK):
         assert (proc.returncode, said) == (0, [])
     else:
         assert said == [f"{target}: Command {INSTALLED_AT} is not executable: No such file or directory"]
-        readme = (REPO / "README.md").read_text()
-        assert f"`{INSTALLED_AT} is not executable`" in readme
+        page = (REPO / "docs" / "deployment" / "systemd.md").read_text()
+        assert f"`{INSTALLED_AT} is not executable`" in page
 
 
 @needs_analyze
@@ -160,7 +160,7 @@ def test_the_unit_holds_what_the_readme_promises(name):
     # slimming's consolidation runs in the service: a memory limit, and one OOM kill is not the unit's end
     assert re.fullmatch(r"\d+[KMGT]", service["MemoryMax"][0]) and service["OOMPolicy"] == ["continue"]
     memory = text[text.index("# --- what ckptd runs"):text.index("MemoryMax=")]
-    assert "python -m ckptd.consolidate" in memory and 'README, "Slimming"' in memory
+    assert "python -m ckptd.consolidate" in memory and "docs/slimming.md" in memory
     assert "execs nothing" not in text and "starts no helper" not in text
     [exec_start] = service["ExecStart"]
     config = "/etc/ckptd/%i.toml" if "@" in name else "/etc/ckptd/config.toml"

@@ -57,9 +57,9 @@ exit codes: 0 ok, 1 verify: not complete / health: unhealthy / status: no daemon
 config: -c CONFIG, else $CKPTD_CONFIG, else /etc/ckptd/config.toml if it exists,
         else built-in defaults (keep the 2 newest complete checkpoints and the
         trainer's best, quiet_period 60s, no slimming); CKPTD_* variables override it
-        (CKPTD_ROOTS, CKPTD_KEEP_LAST, ...: see the README)
+        (CKPTD_ROOTS, CKPTD_KEEP_LAST, ...: docs/reference/environment.md)
 slimming: keep_full_last = N keeps the optimizer state of the N newest complete
-        checkpoints only; other kept ones keep their weights (see README)
+        checkpoints only; other kept ones keep their weights (docs/slimming.md)
 """
 EX_TEMPFAIL = 75
 EX_PIPE = 128 + 13  # what a shell reports for a program that SIGPIPE stopped (`cat big | head -1`)

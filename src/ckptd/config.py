@@ -182,7 +182,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 
 def default_state_dir() -> Path:
-    """systemd's `StateDirectory=` if set, else the XDG state directory."""
+    """$STATE_DIRECTORY (systemd's StateDirectory=), else $XDG_STATE_HOME/ckptd, else ~/.local/state/ckptd."""
     if os.environ.get("STATE_DIRECTORY"):
         return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
     xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
@@ -548,6 +548,8 @@ class Root(_Strict):
 
 
 class Daemon(_Strict):
+    """The daemon's own settings, one table for all roots."""
+
     state_dir: Path = Field(
         default_factory=default_state_dir, description="Where the journal, locks and state file live."
     )
@@ -597,7 +599,7 @@ class Daemon(_Strict):
 
 
 class Config(_Strict):
-    daemon: Daemon = Field(default_factory=Daemon)
+    daemon: Daemon = Field(default_factory=Daemon, description="The daemon's own settings.")
     roots: tuple[Root, ...] = Field((), description="The directory trees to manage.")
 
     @field_validator("roots")
