@@ -72,4 +72,7 @@ def test_a_local_daemon_beside_a_volume_leader_stands_by_and_says_why(tmp_path):
             b.wait_message(f"standby, observing only: another ckptd is deleting in {root}")
             b.wait_message("decide delete job/checkpoint-1")  # decided; not carried out
             a.wait_message("state written", start=a.mark())
+            b.wait_message("state written", start=b.mark())
+            # Not even tried: a standby's retention stops before the reaper (whose fence would refuse).
+            assert not [m for m in b.lines if "not deleting" in m.get("message", "")], b.dump()
         assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]

@@ -375,7 +375,7 @@ MUTS = [
    "                rt.reaper = self._reaper(rt.tracker, new)\n", "")]),
  dict(id="DM6c", what="reload applies patterns (reconfigure)", tests="daemon", edits=[(DM,
    "                rt.tracker.reconfigure(effective)\n", "")]),
- dict(id="DM7", what="retention only by leaders", tests="daemon", edits=[(DM,
+ dict(id="DM7", what="retention only by leaders", tests=[T+"test_daemon_async.py", T+"test_mixed_leadership.py"], edits=[(DM,
    "            if (not rt.leader or rt.catching_up) and not self.dry_run:\n                continue", "            if False:\n                continue")]),
  # --- 9. config
  dict(id="C1a", what="strict int keep_last", tests="config", edits=[(C,
