@@ -72,6 +72,35 @@ def mount(tmp_path):
         subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
 
+@pytest.fixture
+def bindfs():
+    """bindfs(source, point, *options): a FUSE mount of `source` at `point` (Debian's bindfs),
+    unmounted at teardown: another host's view of one volume, whose POSIX locks and flocks the
+    kernel keeps apart from the source's, and whose caches the options set. Skips, saying
+    which, where FUSE or bindfs is missing."""
+    import shutil
+
+    if shutil.which("bindfs") is None:
+        pytest.skip("bindfs is not installed (apt-get install bindfs fuse3)")
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse: FUSE mounts are not possible here")
+    done: list[Path] = []
+
+    def do(source: Path, point: Path, *options: str) -> Path:
+        point.mkdir(parents=True, exist_ok=True)
+        args = ["bindfs", *(["-o", ",".join(options)] if options else []), str(source), str(point)]
+        proc = subprocess.run(args, capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount bindfs here ({proc.stderr.strip() or proc.returncode})")
+        done.append(point)
+        return point
+
+    yield do
+    for point in reversed(done):
+        subprocess.run(["fusermount3", "-u", "-z", str(point)], capture_output=True)
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
 def run_ckptd(*args: str | os.PathLike[str], env: dict[str, str] | None = None, timeout: float = 120,
               cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """The real `ckptd` command line, as a subprocess."""

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,14 +42,54 @@ class Fence:
 
 def test_no_deletion_once_the_fence_says_no(volume, tmp_path):
     reaper, plan, journal = make(volume, tmp_path)
-    reaper.fence = Fence(allow=1)
+    reaper.fence = Fence(allow=2)
     results = reaper.execute(plan.decisions)
     assert [r.outcome for r in results] == [Outcome.TRASHED, Outcome.REFUSED, Outcome.REFUSED]
     assert results[1].detail == "not the leader: the lease ran out"
     assert names(volume) == ["checkpoint-20", "checkpoint-30", "checkpoint-40"]
-    assert reaper.fence.asked == 3  # asked before every rename, not once per pass
+    assert reaper.fence.asked == 4  # asked before and after every rename, not once per pass
     journal.close()
     assert [r["event"] for r in read_journal(tmp_path / "state")] == ["trashing", "trashed", "refused", "refused"]
+
+
+def test_a_rename_the_fence_disowns_just_after_is_moved_back(volume, tmp_path):
+    """Yes before the rename, no just after it: the process was stopped between the two (the
+    daemon-level test below stops a real one there); what it moved goes back where it was."""
+    reaper, plan, journal = make(volume, tmp_path)
+    reaper.fence = Fence(allow=1)
+    first = reaper.execute(plan.decisions)[0]
+    assert first.outcome is Outcome.REFUSED
+    assert first.detail == "not the leader: the lease ran out; moved back"
+    assert names(volume) == ["checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-40"]
+    assert os.listdir(volume / TRASH_DIR) == []
+    journal.close()
+    events = [r["event"] for r in read_journal(tmp_path / "state")]
+    assert events == ["trashing", "restored", "refused", "refused", "refused"]
+
+
+def test_a_late_rename_whose_name_was_taken_meanwhile_stays_in_the_trash_for_review(volume, tmp_path, monkeypatch):
+    """The name is taken again by the time it would go back (a trainer saved that step anew): it
+    is neither put over the new one nor purged."""
+    reaper, plan, journal = make(volume, tmp_path)
+    real, taken = reaper._fenced, volume / "run" / "checkpoint-10"
+
+    def fenced(*, after: bool = False) -> str | None:
+        if after and not taken.exists():
+            taken.mkdir()  # the name taken again, just then
+            return "the lease ran out"
+        return real(after=after)
+
+    monkeypatch.setattr(reaper, "_fenced", fenced)
+    first, *_ = reaper.execute(plan.decisions)
+    for ck in ("checkpoint-20", "checkpoint-30"):
+        shutil.move(volume / TRASH_DIR / next(n for n in os.listdir(volume / TRASH_DIR) if ck in n),
+                    volume / "run" / ck)  # the two trashed after it: only the first is looked at
+    [entry] = os.listdir(volume / TRASH_DIR)
+    assert entry.endswith("%review") and "checkpoint-10" in entry
+    assert f"left in {TRASH_DIR}/{entry} for review" in first.detail
+    assert os.listdir(volume / "run" / "checkpoint-10") == []  # the new one, untouched
+    assert reaper.purge() == (0, 0) and os.listdir(volume / TRASH_DIR) == [entry]
+    journal.close()
 
 
 def test_a_fence_that_cannot_answer_is_a_no(volume, tmp_path):
@@ -78,8 +119,10 @@ def test_the_dry_run_never_asks(volume, tmp_path):
         (0, "not the leader: the lease ran out", None),  # before the consolidated weights go into place
         (1, "not the leader: the lease ran out", None),  # before the marker and the journal
         (2, "moved 0 of 2 files, then: not the leader: the lease ran out", "removing"),
-        (3, "moved 1 of 2 files, then: not the leader: the lease ran out", "removing"),
-        (4, None, "done"),
+        (3, "moved 0 of 2 files, then: not the leader: the lease ran out; moved back", "removing"),
+        (4, "moved 1 of 2 files, then: not the leader: the lease ran out", "removing"),
+        (5, "moved 1 of 2 files, then: not the leader: the lease ran out; moved back", "removing"),
+        (6, None, "done"),
     ],
 )
 def test_a_slim_asks_before_each_rename(unconsolidated, tmp_path, monkeypatch, allow, detail, marker):
@@ -96,7 +139,7 @@ def test_a_slim_asks_before_each_rename(unconsolidated, tmp_path, monkeypatch, a
     got = json.loads((ck / slim.MARKER).read_text())["state"] if (ck / slim.MARKER).exists() else None
     assert got == marker  # "removing": the next leader finishes what this one began
     shards = sorted(p.name for p in (ck / "global_step10").glob("*optim_states.pt"))
-    assert len(shards) == {0: 2, 1: 2, 2: 2, 3: 1, 4: 0}[allow]
+    assert len(shards) == {0: 2, 1: 2, 2: 2, 3: 2, 4: 1, 5: 1, 6: 0}[allow]
     journal.close()
 
 

@@ -2,7 +2,10 @@
 
 Several `VolumeLease` objects in one process stand for daemons on several hosts. The POSIX
 lock cannot tell them apart (locks belong to a process), so here the lease rules alone decide;
-the real lock between real processes is exercised in test_multinode.py.
+the real lock between real processes is exercised in test_multinode.py. The root's own flock
+(`RecordIO.lock_root`) would tell them apart, but a host these tests "kill" by no longer
+stepping it would keep it forever: it is left out here (`OneProcessIO`) and exercised between
+real processes in test_mixed_leadership.py.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.layouts import LEASE_DIR
-from ckptd.lease import RECORD, Holder, Record, RecordIO, VolumeLease
+from ckptd.lease import RECORD, Holder, Record, RecordIO, Seen, VolumeLease
 
 
 class Clock:
@@ -25,7 +28,14 @@ class Clock:
         return self.t
 
 
-class FaultyIO(RecordIO):
+class OneProcessIO(RecordIO):
+    """The lease's I/O without the root's own flock (see the module doc)."""
+
+    def lock_root(self) -> str | None:
+        return None
+
+
+class FaultyIO(OneProcessIO):
     """The lease's I/O seam with faults switched on and off by the test (EIO, ESTALE)."""
 
     def __init__(self, root: Path):
@@ -48,7 +58,7 @@ D, M = 30.0, 10.0
 
 
 def host(name: str, wall: Clock, mono: Clock, root: Path, io: RecordIO | None = None) -> VolumeLease:
-    return VolumeLease(root, duration=D, margin=M, io=io or RecordIO(root), holder=Holder(name, 1, 0.0, name),
+    return VolumeLease(root, duration=D, margin=M, io=io or OneProcessIO(root), holder=Holder(name, 1, 0.0, name),
                        wall=wall, mono=mono)
 
 
@@ -272,7 +282,7 @@ def test_the_record_is_replaced_atomically_and_unreadable_ones_wait_the_full_dur
     advance(D + M)
     a.step()
     assert a.held() and a.epoch == 1
-    assert sorted(p.name for p in (root / LEASE_DIR).iterdir()) == ["epoch-1", "leader.json", "leader.lock"]
+    assert sorted(p.name for p in (root / LEASE_DIR).iterdir()) == ["beat-1-0", "epoch-1", "leader.json", "leader.lock"]
 
 
 def test_observing_only_never_writes(tmp_path):
@@ -318,3 +328,52 @@ def test_the_fence_goes_by_the_deadline_even_when_no_renewal_runs_to_notice(worl
     a.mono.t += 0.02
     assert not a.held()
     assert fence() == "the volume lease (epoch 1) ran out without a renewal"
+
+
+class CachingIO(OneProcessIO):
+    """Reads of the record served from a cache, as a FUSE mount with kernel_cache and a long
+    entry_timeout does (shown on a real bindfs mount in test_caching_mount.py): the bytes first
+    read, whatever was written since. The directory's names are listed afresh."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self.cached: bytes | None = None
+
+    def read(self):
+        seen = super().read()
+        if self.cached is None:
+            self.cached = seen.raw
+        return Seen(self.cached, Record.parse(self.cached) if self.cached else None, seen.max_claim, seen.beat)
+
+
+def test_a_standby_whose_reads_are_stale_never_takes_over_a_live_leader(tmp_path):
+    wall, mono_a, mono_b = Clock(1_000_000.0), Clock(50.0), Clock(9_000.0)
+    a = host("a", wall, mono_a, tmp_path)
+    a.step()
+    b = host("b", wall, mono_b, tmp_path, io=CachingIO(tmp_path))
+    b.step()
+    for _ in range(12):  # 4 lease durations, a renewing every D/3
+        for c in (wall, mono_a, mono_b):
+            c.t += D / 3
+        a.step()
+        b.step()
+        assert a.held() and not b.held()
+    assert b.blocked is not None and b.blocked.startswith("reads of .ckptd/leader.json are stale here")
+    assert b.seen is not None and b.seen.beat == (1, 12)
+    a.release()
+    b.release()
+
+
+def test_an_unreadable_record_beside_a_beat_is_still_taken_after_the_full_duration(world):
+    """A beat says nothing about a record that does not parse (torn, or removed by hand): it is
+    watched for the full duration as before, not taken for a stale read forever."""
+    a, _b, advance, root = world
+    (root / LEASE_DIR).mkdir()
+    (root / LEASE_DIR / RECORD).write_text("{ torn")
+    (root / LEASE_DIR / "beat-3-7").touch()
+    a.step()
+    assert not a.held()
+    advance(D + M)
+    a.step()
+    assert a.held() and a.epoch == 1
+    assert sorted(p.name for p in (root / LEASE_DIR).glob("beat-*")) == ["beat-1-0"]

@@ -33,9 +33,17 @@ from ckptd.errors import (
 )
 from ckptd.evidence import Inspector, RunContext, step_mismatch
 from ckptd.journal import Journal
-from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership, lock_scope
+from ckptd.lease import (
+    Leadership,
+    LocalLeadership,
+    VolumeLease,
+    choose_leadership,
+    coherence_note,
+    lock_scope,
+    volume_leader_seen,
+)
 from ckptd.model import Action, Checkpoint, State
-from ckptd.mounts import holder, is_remote, mount_of, quiet_for, read_mounts
+from ckptd.mounts import holder, is_remote, mount_of, quiet_alone_problem, quiet_for, read_mounts
 from ckptd.planner import Scanner, decide, unmatched_paths
 from ckptd.policy import Decision, Plan, inferred_modes, summarise
 from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock
@@ -221,7 +229,7 @@ def with_effective_quiet(config: Config, *, say: bool = True) -> Config:
     mounts = read_mounts()
     roots = []
     for root in config.roots:
-        quiet, _, warning = quiet_for(root.path, root.quiet_period, mounts)
+        quiet, _, warning = quiet_for(root.path, root.quiet_period, mounts, root.attribute_cache)
         if warning is not None and say:
             print(f"note: {root.path}: {warning}", file=sys.stderr)
         roots.append(root.model_copy(update={"quiet_period": quiet}) if quiet != root.quiet_period else root)
@@ -378,7 +386,7 @@ def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadershi
     holder is gone is watched for its duration plus margin first, as any standby must.
     """
     d = config.daemon
-    kind, why, problem = choose_leadership(root.path, d.leadership, mounts)
+    kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent)
     if kind == "local":
         local = LocalLeadership(RootLock(d.state_dir, root.path), why)
         local.step()
@@ -440,6 +448,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 consolidate_timeout=config.daemon.consolidate_timeout,
                 fence=lead.fencer() if lead is not None else None,
             )
+            if lead is not None:
+                reaper.foreign_wait = lead.takeover_wait()  # what another process trashed waits
             reaper.clear_work()  # what an interrupted consolidation left, into the trash
             leftover, leftover_bytes = reaper.purge()  # an earlier run's interrupted purge
             if leftover:
@@ -473,6 +483,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
             reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
             # What purging the deleted checkpoints freed, as the disk counts it (space.py)
             freed += sum(reaper.purged.get(p, 0) for p in trashed)
+            if reaper.waiting:
+                print(f"{root.path}: {reaper.waiting} trash entries another ckptd left are purged once "
+                      f"they have been there {reaper.foreign_wait:g}s, re-checked first (by the next prune "
+                      "or the daemon)")
         finally:
             if lead is not None:
                 lead.stop()
@@ -621,7 +635,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"verify {os.path.realpath(path)} itself"
         )
     root, run_rel = _root_for(with_effective_quiet(config, say=False), path)
-    quiet, _, warning = quiet_for(path, root.quiet_period, read_mounts())
+    quiet, _, warning = quiet_for(path, root.quiet_period, read_mounts(), root.attribute_cache)
     if warning is not None:
         print(f"note: {warning}", file=sys.stderr)
         root = root.model_copy(update={"quiet_period": quiet})
@@ -788,15 +802,19 @@ def volume_notes(config: Config) -> list[str]:
     out = []
     for i, root in enumerate(config.roots):
         where = f"roots[{i}] {root.path}"
-        kind, why, problem = choose_leadership(root.path, d.leadership, mounts)
+        kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent)
         mount = mount_of(root.path, mounts)
         locks = lock_scope(mount)
         if kind == "volume":
             lease = f"lease {d.lease_duration:g}s + {d.lease_margin:g}s margin"
             lease += f" in {root.path / layouts.LEASE_DIR}"
             out.append(f"{where}: leadership=volume ({why}); {lease}; POSIX locks: {locks}")
+            if (note := coherence_note(root.path, mounts, root.coherent)) is not None:
+                out.append(f"warning: {where}: {note}")
         else:
             out.append(f"{where}: leadership=local ({why}): one deleter per state_dir")
+            if (mixed := volume_leader_seen(root.path)) is not None:
+                out.append(f"warning: {where}: {mixed}")
             if mount is not None and is_remote(mount.fstype):
                 out.append(
                     f"warning: {where}: leadership=local on {mount.fstype}: ckptd on other hosts "
@@ -804,9 +822,12 @@ def volume_notes(config: Config) -> list[str]:
                 )
         if problem is not None:
             out.append(f"warning: {where}: {problem}")
-        _, _, warning = quiet_for(root.path, root.quiet_period, mounts)
+        _, _, warning = quiet_for(root.path, root.quiet_period, mounts, root.attribute_cache)
         if warning is not None:
             out.append(f"warning: {where}: {warning}")
+        if (alone := quiet_alone_problem(root.path, mounts, root.attribute_cache)) is not None and any(
+                not p.evidence for p in root.patterns):
+            out.append(f"warning: {where}: patterns without require or ranks complete nothing: {alone}")
     return out
 
 

@@ -464,6 +464,19 @@ class Root(_Strict):
     quiet_period: Duration = Field(
         60.0, description="A checkpoint must be unchanged this long before it can be complete."
     )
+    attribute_cache: Duration | None = Field(
+        None,
+        description="How long this mount's client may cache attributes, where ckptd cannot read it "
+        "from the mount table (FUSE, filesystems it does not recognise): added to quiet_period, as "
+        "NFS's actimeo is. There, a checkpoint on quiet alone is never complete until this is set.",
+    )
+    coherent: bool | None = Field(
+        None,
+        description="Whether every read here sees another host's last write (close-to-open or better). "
+        "Unset: known for local disks, NFS without nocto, Lustre, GPFS, CephFS and ceph-fuse; unknown "
+        "elsewhere (other FUSE, unrecognised filesystems), as volume leadership says at start-up. "
+        "false: volume leadership never leads here.",
+    )
     observer: Literal["auto", "inotify", "polling"] = Field(
         "auto", description="How `ckptd run` watches: inotify, polling (NFS, Lustre, FUSE), or auto."
     )

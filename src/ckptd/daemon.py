@@ -42,7 +42,14 @@ from ckptd.consolidate import Consolidation
 from ckptd.envconfig import effective_config
 from ckptd.errors import ConfigError, RootMissingError
 from ckptd.journal import Journal
-from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership
+from ckptd.lease import (
+    Leadership,
+    LocalLeadership,
+    VolumeLease,
+    choose_leadership,
+    coherence_note,
+    volume_leader_seen,
+)
 from ckptd.metrics import Metrics
 from ckptd.model import QUIET, Action, Checkpoint, State, Verdict
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
@@ -85,6 +92,7 @@ class RootRuntime:
         self.outcomes: dict[str, str] = {}  # checkpoint -> the last refusal or failure said about it
         self.dev: int | None = None  # the root's filesystem, as last seen (`Daemon._space`)
         self.configured_quiet = tracker.root.quiet_period  # before `_effective_root`
+        self.catching_up = False  # took over a volume lease: no retention before a full scan
         self.cache: AttributeCache | None = None  # the mount's attribute cache (mounts.py)
 
     @property
@@ -230,7 +238,7 @@ class Daemon:
 
     def _effective_root(self, root, mounts: list[Mount]):
         """The root with the quiet period its mount's attribute cache calls for (mounts.quiet_for)."""
-        quiet, cache, warning = quiet_for(root.path, root.quiet_period, mounts)
+        quiet, cache, warning = quiet_for(root.path, root.quiet_period, mounts, root.attribute_cache)
         if warning is not None:
             log.warning("%s: %s", root.path, warning)
         if quiet != root.quiet_period:
@@ -239,11 +247,15 @@ class Daemon:
 
     def _leadership(self, root, config: Config, mounts: list[Mount]) -> Leadership:
         d = config.daemon
-        kind, why, problem = choose_leadership(root.path, d.leadership, mounts)
+        kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent)
         log.info("%s: leadership=%s (%s)", root.path, kind, why)
         if problem is not None:
             log.error("%s: %s", root.path, problem)
+        elif kind == "volume" and (note := coherence_note(root.path, mounts, root.coherent)) is not None:
+            log.warning("%s: %s", root.path, note)
         if kind == "local":
+            if (mixed := volume_leader_seen(root.path)) is not None:
+                log.warning("%s: %s", root.path, mixed)
             return LocalLeadership(RootLock(d.state_dir, root.path), why)
         lease = VolumeLease(
             root.path, duration=d.lease_duration, margin=d.lease_margin, why=why, problem=problem
@@ -267,6 +279,7 @@ class Daemon:
                 rt.lead.step()  # a first look now (its thread may not have had one): no false "standby"
             self._try_lead(rt, attempt=True)
             rt.tracker.full_scan()
+            rt.catching_up = False  # this was the scan a lead taken at start-up waits for
             rt.next_poll = now + rt.root.poll_interval
             rt.next_reconcile = now + rt.root.reconcile_interval
             n = len(rt.tracker.checkpoints())
@@ -349,6 +362,11 @@ class Daemon:
         would = "; would " + ", ".join(acts) if acts else "; nothing to delete or slim"
         return [f"meanwhile, by file times (as `ckptd plan` shows it now): {found}{would}"]
 
+    def _standing_by(self, rt: RootRuntime) -> bool:
+        """A standby for a volume lease: it watches the lease closely (its own thread) and the
+        volume loosely (a full scan at each reconcile, no polls), and catches up at takeover."""
+        return isinstance(rt.lead, VolumeLease) and not rt.leader and not self.dry_run
+
     def _try_lead(self, rt: RootRuntime, attempt: bool = False) -> None:
         """Follow the root's leadership: lead where it is held, stand by (observe only) where not.
 
@@ -365,6 +383,10 @@ class Daemon:
             rt.lead.step()
         held = rt.lead.held()
         if held and not rt.leader:
+            if isinstance(rt.lead, VolumeLease):
+                # It stood by looking at the volume loosely: a full scan first (the next tick),
+                # and no retention here until it is done (`_retention`).
+                rt.catching_up, rt.next_reconcile = True, self.clock()
             rt.leader, rt.said_standby = True, False
             status = rt.lead.status()
             local = rt.lead.kind == "local"
@@ -461,16 +483,21 @@ class Daemon:
                     tr.full_scan(changes)
                     rt.next_reconcile = now + rt.root.reconcile_interval
                     rt.next_poll = now + rt.root.poll_interval
+                    rt.catching_up = False
                     retention = True
                 elif rt.overflowed:
                     rt.overflowed = False
                     self.counters["rescans"] += 1
                     tr.rescan_in_flight(changes)
                     rt.next_poll = now + rt.root.poll_interval
+                elif now >= rt.next_poll and self._standing_by(rt):
+                    rt.next_poll = rt.next_reconcile  # the volume loosely: at reconcile only
                 elif now >= rt.next_poll:
                     tr.poll(changes)
                     rt.next_poll = now + rt.root.poll_interval
                     self._try_lead(rt, attempt=True)
+                    if rt.leader and rt.reaper.trash_pending():  # another process's, maybe renamed late
+                        self._purge(rt)
                 self._try_lead(rt)  # a volume lease changes hands on its own thread
                 step = tr.step(now)
             except (OSError, RootMissingError) as exc:
@@ -562,7 +589,7 @@ class Daemon:
         waiting: list[_Waiting] = []  # slims whose fp32 weights are to be consolidated first
         for rt in self.roots:
             self._try_lead(rt)
-            if not rt.leader and not self.dry_run:
+            if (not rt.leader or rt.catching_up) and not self.dry_run:
                 continue
             mine = [d for d in plan.decisions if d.checkpoint.root == rt.root.path]
             if not any(d.action in (Action.DELETE, Action.SLIM) for d in mine):
@@ -808,6 +835,8 @@ class Daemon:
     def _purge(self, rt: RootRuntime) -> None:
         if self.dry_run:
             return
+
+        rt.reaper.foreign_wait = rt.lead.takeover_wait()  # what another process trashed waits this long
 
         def purge() -> None:
             # A leader that lost the lead leaves the rest of the trash to the one that has it.

@@ -68,6 +68,7 @@ What the filesystem must give for this to hold (why the record is written as it 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -85,13 +86,14 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.layouts import LEASE_DIR
-from ckptd.mounts import Mount, attribute_cache, is_remote, mount_of, read_mounts
+from ckptd.mounts import Mount, attribute_cache, coherence, is_remote, mount_of, read_mounts
 
 log = logging.getLogger(__name__)
 
 RECORD = "leader.json"
 LOCK = "leader.lock"
 CLAIM_PREFIX = "epoch-"
+BEAT_PREFIX = "beat-"  # beat-<epoch>-<seq>: each write of the record also makes a new name
 KEEP_CLAIMS = 4  # the leader removes older claim files than its epoch minus this
 
 
@@ -161,11 +163,21 @@ class Record:
 
 @dataclass(frozen=True)
 class Seen:
-    """One look at `.ckptd/`: the record as read (raw, and parsed if it parses) and the highest claim."""
+    """One look at `.ckptd/`: the record as read (raw, and parsed if it parses), the highest claim,
+    and the renewal the directory's names show (`beat-<epoch>-<seq>`)."""
 
     raw: bytes | None  # None: no record
     record: Record | None  # None: none, or it does not parse
     max_claim: int  # 0: none
+    beat: tuple[int, int] | None = None  # (epoch, seq) of the newest beat entry; None: none
+
+    @property
+    def stale(self) -> bool:
+        """Whether the record read is older than the renewal the directory shows: a read served
+        from a cache (a FUSE mount with kernel_cache or a long attr/entry timeout)."""
+        if self.beat is None or self.record is None:  # none, or unreadable: watched as before
+            return False
+        return (self.record.epoch, self.record.seq) < self.beat
 
     @property
     def epoch(self) -> int:
@@ -183,6 +195,7 @@ class RecordIO:
         self.root = root
         self.dir = root / LEASE_DIR
         self._lock_fd: int | None = None
+        self._root_lock: Any = None  # reaper.RootLock on <root>/.ckptd/local.lock, while leading
 
     def _open_dir(self, create: bool = True) -> int:
         """`.ckptd/` opened afresh (an open revalidates the directory on NFS: see the module doc).
@@ -222,7 +235,7 @@ class RecordIO:
                     raw = os.read(fd, 1 << 16) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
                 finally:
                     os.close(fd)
-            claims = [_claim_number(name) for name in os.listdir(dir_fd)]
+            names = os.listdir(dir_fd)
         finally:
             os.close(dir_fd)
         record = None
@@ -231,7 +244,9 @@ class RecordIO:
                 record = Record.parse(raw)
             except ValueError:
                 pass
-        return Seen(raw, record, max([c for c in claims if c is not None], default=0))
+        claims = [c for c in map(_claim_number, names) if c is not None]
+        beats = [b for b in map(_beat, names) if b is not None]
+        return Seen(raw, record, max(claims, default=0), max(beats, default=None))
 
     def write(self, record: Record) -> None:
         """Atomically: a temp file, fsynced, renamed over the record, the directory fsynced."""
@@ -246,6 +261,17 @@ class RecordIO:
             finally:
                 os.close(fd)
             os.rename(tmp, RECORD, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            # The renewal as a new name too: a client that caches a file's contents and the
+            # lookup of its name (FUSE kernel_cache, entry_timeout) goes on returning the old
+            # record, but a directory opened afresh is listed by the filesystem itself.
+            beat = f"{BEAT_PREFIX}{record.epoch}-{record.seq}"
+            with contextlib.suppress(FileExistsError):  # a release rewrites the last renewal's
+                os.close(os.open(beat, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 0o644, dir_fd=dir_fd))
+            for name in os.listdir(dir_fd):
+                if name != beat and _beat(name) is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dir_fd)
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
@@ -313,6 +339,36 @@ class RecordIO:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+    def lock_root(self) -> str | None:
+        """Take `<root>/.ckptd/local.lock` (`reaper.RootLock`, the root's own lock alone) for the
+        tenure: a ckptd with `leadership = "local"` holds it while it deletes here, and the two
+        must never both delete. None if taken (or it cannot be made: the lease alone decides),
+        else why not."""
+        from ckptd.reaper import LockHeld, RootLock
+
+        if self._root_lock is None:
+            self._root_lock = RootLock(None, self.root)
+        if self._root_lock.held:
+            return None
+        try:
+            self._root_lock.acquire()
+        except LockHeld:
+            return (f"a ckptd with leadership = \"local\" deletes here (it holds "
+                    f"{self._root_lock.root_path}): every ckptd that deletes in a root must use the same "
+                    "leadership")
+        return None
+
+    def unlock_root(self) -> None:
+        if self._root_lock is not None:
+            self._root_lock.release()
+
+
+def _beat(name: str) -> tuple[int, int] | None:
+    if not name.startswith(BEAT_PREFIX):
+        return None
+    epoch, _, seq = name[len(BEAT_PREFIX):].partition("-")
+    return (int(epoch), int(seq)) if epoch.isdigit() and seq.isdigit() else None
+
 
 def _claim_number(name: str) -> int | None:
     if name.startswith(CLAIM_PREFIX) and name[len(CLAIM_PREFIX):].isdigit():
@@ -354,7 +410,7 @@ class VolumeLease:
         self.seen: Seen | None = None  # the last look at the volume
         self.error: str | None = None  # the last I/O error, while it lasts
         self.blocked: str | None = None  # why the last try did not take it
-        self._key: tuple[bytes | None, int] | None = None  # what the observation started on
+        self._key: tuple[bytes | None, int, tuple[int, int] | None] | None = None  # what it started on
         self._since = 0.0  # `mono` time of that
         self._mutex = threading.RLock()
         self._thread: threading.Thread | None = None
@@ -370,6 +426,15 @@ class VolumeLease:
     def current_epoch(self) -> int | None:
         with self._mutex:
             return self.epoch if self.held() else None
+
+    def takeover_wait(self) -> float:
+        """How long an entry another process put in the trash waits before a purge re-checks it:
+        what a standby waits before taking over (the larger of ours and the record's), so a
+        leader stopped before a rename has, once it runs again, that long to see it lost the
+        lease and move the entry back (`Reaper.purge`)."""
+        with self._mutex:
+            rec = self.seen.record if self.seen else None
+        return max(self.duration, rec.duration if rec else 0.0) + max(self.margin, rec.margin if rec else 0.0)
 
     def fencer(self) -> Callable[[], str | None]:
         """The fence for one pass of retention: bound to the epoch held now."""
@@ -447,10 +512,12 @@ class VolumeLease:
         self.deadline = float("-inf")
         self._key = None
         self.io.unlock()
+        self.io.unlock_root()
 
     def _observe(self, seen: Seen, now: float) -> float:
-        """Seconds the volume's lease state has been seen unchanged by this process."""
-        key = (seen.raw, seen.max_claim)
+        """Seconds the volume's lease state has been seen unchanged by this process: the record's
+        bytes, the claims and the renewal the directory's names show."""
+        key = (seen.raw, seen.max_claim, seen.beat)
         if key != self._key:
             self._key, self._since = key, now
         return now - self._since
@@ -462,10 +529,20 @@ class VolumeLease:
         t0 = self.mono()
         try:
             seen = self.io.read()
+            if seen.stale:  # read once more: the leader may have renewed between the two reads
+                seen = self.io.read()
             self.seen = seen
             unchanged_for = self._observe(seen, t0)
             if not self.want:
                 self.blocked = "observing only (dry run)"
+                return
+            if seen.stale:
+                if not (self.blocked or "").startswith("reads of"):
+                    log.warning("%s: reads of %s/%s here return an older renewal than the directory "
+                                "shows: this mount caches file contents; not taking over on what it reads",
+                                self.root, LEASE_DIR, RECORD)
+                self.blocked = (f"reads of {LEASE_DIR}/{RECORD} are stale here (the directory shows renewal "
+                                f"{seen.beat}): a caching mount; not taking over")
                 return
             rec = seen.record
             if seen.raw is None and seen.max_claim == 0:
@@ -486,9 +563,15 @@ class VolumeLease:
             if held_by is not None:
                 self.blocked = held_by
                 return
+            held_by = self.io.lock_root()
+            if held_by is not None:
+                self.io.unlock()
+                self.blocked = held_by
+                return
             epoch = seen.epoch + 1
             if not self.io.claim(epoch, self.me):
                 self.io.unlock()
+                self.io.unlock_root()
                 self.blocked = f"another host claimed epoch {epoch} first"
                 self._key = None
                 return
@@ -497,6 +580,7 @@ class VolumeLease:
             self.io.write(rec)
         except OSError as exc:
             self.io.unlock()
+            self.io.unlock_root()
             if self.error != str(exc):
                 log.warning("%s: cannot look at the volume lease: %s", self.root, exc)
             self.error = str(exc)
@@ -516,6 +600,7 @@ class VolumeLease:
             epoch = self.epoch
             if epoch is None:
                 self.io.unlock()
+                self.io.unlock_root()
                 return
             still = self.held()
             self.epoch, self.deadline = None, float("-inf")  # first: nothing renames from here on
@@ -529,6 +614,7 @@ class VolumeLease:
                 log.warning("%s: cannot mark the volume lease released (it will expire): %s", self.root, exc)
             finally:
                 self.io.unlock()
+                self.io.unlock_root()
                 self._key = None
 
     # --- the renewal thread ----------------------------------------------------
@@ -628,6 +714,11 @@ class LocalLeadership:
     def fencer(self) -> Callable[[], str | None]:
         return self.fence
 
+    def takeover_wait(self) -> float:
+        """0: the flock is the kernel's, held until its holder exits, so no other process on this
+        host renamed without it (`VolumeLease.takeover_wait`)."""
+        return 0.0
+
     def fence(self) -> str | None:
         return None if self.lock.held else f"this ckptd does not hold {self.lock.path}"
 
@@ -652,9 +743,10 @@ Leadership = VolumeLease | LocalLeadership
 
 
 def choose_leadership(
-    root: Path, configured: str, mounts: list[Mount] | None = None
+    root: Path, configured: str, mounts: list[Mount] | None = None, coherent: bool | None = None
 ) -> tuple[str, str, str | None]:
-    """("local" | "volume", why, a problem that forbids leading here or None) for a root."""
+    """("local" | "volume", why, a problem that forbids leading here or None) for a root.
+    `coherent`: the root's key of that name (`mounts.coherence`); false forbids volume leadership."""
     mount = mount_of(root, read_mounts() if mounts is None else mounts)
     fstype = mount.fstype if mount else None
     where = f"{mount.point} is {fstype}" if mount else "filesystem type unknown"
@@ -667,7 +759,37 @@ def choose_leadership(
     if kind == "volume" and mount is not None and not attribute_cache(mount).close_to_open:
         problem = (f"{mount.point} is mounted nocto: a read of the lease record may not see another "
                    "host's renewal, so this ckptd never leads there (remount without nocto)")
+    elif kind == "volume" and coherent is False:
+        problem = ("coherent = false: a read of the lease record may not see another host's renewal, "
+                   "so this ckptd never leads there")
     return kind, why, problem
+
+
+def coherence_note(root: Path, mounts: list[Mount], coherent: bool | None) -> str | None:
+    """For volume leadership, where a mount's coherence is unknown: what the lease relies on
+    there, for start-up and check-config; None where it is known or declared."""
+    known, why = coherence(mount_of(root, mounts), coherent)
+    if known is not None:
+        return None
+    return (f"{why}: the volume lease relies on renewals being seen there, by the record's contents or, "
+            "where a client caches those, by directory listings (beat-<epoch>-<seq>); a client that also "
+            "caches listings (sshfs, s3fs, gcsfuse) hides them: set coherent = true where reads are fresh, "
+            "coherent = false to never lead there")
+
+def volume_leader_seen(root: Path, now: float | None = None) -> str | None:
+    """For a ckptd with `leadership = "local"`: who leads `root` under a live volume lease, as
+    its record says, or None. Mixed settings: each excludes the other only through
+    `<root>/.ckptd/local.lock`, which a flock reaches on this host (and across NFS), not across
+    hosts on a FUSE filesystem."""
+    try:
+        rec = RecordIO(root).read().record
+    except OSError:
+        return None
+    if rec is None or rec.released or (time.time() if now is None else now) > rec.expires + rec.margin:
+        return None
+    return (f"{rec.holder.describe()} leads {root} under a volume lease (epoch {rec.epoch}) and this "
+            "ckptd has leadership = \"local\": every ckptd that deletes in a root must use the same "
+            "leadership")
 
 
 def lock_scope(mount: Mount | None) -> str:

@@ -17,7 +17,7 @@ import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -282,11 +282,21 @@ def effective_quiet_period(quiet_period: float, cache: AttributeCache | None) ->
 
 
 def quiet_for(
-    path: str | os.PathLike[str], quiet_period: float, mounts: Sequence[Mount]
+    path: str | os.PathLike[str],
+    quiet_period: float,
+    mounts: Sequence[Mount],
+    declared: float | None = None,
 ) -> tuple[float, AttributeCache | None, str | None]:
-    """(the quiet period to use under `path`, its mount's attribute cache, a warning or None)."""
+    """(the quiet period to use under `path`, its mount's attribute cache, a warning or None).
+
+    `declared`: the root's `attribute_cache`, for what the mount table cannot show (FUSE, a
+    filesystem not recognised); where the table shows a shorter one, the longer is used."""
     mount = mount_of(path, mounts)
     cache = attribute_cache(mount) if mount is not None else None
+    known = cache.max_staleness if cache is not None else None
+    if cache is not None and declared is not None and (known is None or declared > known):
+        detail = f"{cache.fstype} caches attributes up to {declared:g}s (attribute_cache, as configured)"
+        cache = replace(cache, max_staleness=declared, detail=detail)
     effective = effective_quiet_period(quiet_period, cache)
     if cache is None:
         return effective, None, None
@@ -298,6 +308,49 @@ def quiet_for(
             f"quiet_period {quiet_period:g}s is watched as {effective:g}s"
         )
     return effective, cache, None
+
+
+def quiet_alone_problem(
+    path: str | os.PathLike[str], mounts: Sequence[Mount], declared: float | None = None
+) -> str | None:
+    """Why a checkpoint judged on quiet alone (a pattern without `require` or `ranks`) cannot be
+    complete under `path`, or None. Where the client's attribute cache is unknown (FUSE, a
+    filesystem not recognised) and not declared, a checkpoint still being written elsewhere can
+    look unchanged for as long as that cache lasts: quiet proves nothing there."""
+    mount = mount_of(path, mounts)
+    if mount is None or declared is not None:
+        return None
+    cache = attribute_cache(mount)
+    if cache.max_staleness is not None:
+        return None
+    return (f"quiet alone proves nothing on {cache.point} ({cache.fstype}: ckptd cannot tell how long its "
+            "client caches attributes): set attribute_cache for this root, or evidence (require, ranks) "
+            "in its pattern")
+
+
+# FUSE filesystems whose clients keep caches coherent: ceph-fuse holds CephFS capabilities, as the
+# kernel client does. Others (sshfs, s3fs, gcsfuse, rclone, bindfs over a network filesystem)
+# cache contents, attributes or listings for a time of their own.
+COHERENT_FUSE = frozenset({"fuse.ceph-fuse"})
+
+
+def coherence(mount: Mount | None, declared: bool | None = None) -> tuple[bool | None, str]:
+    """(whether every read on `mount` sees another host's last write: True, False, None for
+    unknown; why). `declared` is the root's `coherent`, which wins."""
+    if declared is not None:
+        return declared, f"coherent = {str(declared).lower()} (as configured)"
+    if mount is None:
+        return None, "filesystem type unknown"
+    fs = mount.fstype
+    if fs in ("nfs", "nfs4"):
+        if mount.option("nocto") is not None:
+            return False, f"{mount.point} is {fs} mounted nocto"
+        return True, f"{mount.point} is {fs}: close-to-open"
+    if fs in COHERENT_FS or fs in COHERENT_FUSE:
+        return True, f"{mount.point} is {fs}: coherent client caches"
+    if not is_remote(fs):
+        return True, f"{mount.point} is {fs}: local"
+    return None, f"{mount.point} is {fs}: ckptd cannot tell whether a read there sees another host's writes"
 
 
 # --- where one path lies in another, by the kernel's measure ---------------------------------

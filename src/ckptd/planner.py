@@ -15,11 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckptd import policy
+from ckptd import mounts, policy
 from ckptd.config import Root, path_matches
 from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
 from ckptd.evidence import (
+    EVIDENCE,
+    QUIET_ALONE,
     Inspector,
     QuietJudge,
     RunContext,
@@ -76,9 +78,14 @@ class Scanner:
             quiet_period=root.quiet_period, mp_world_size=root.mp_world_size, verdicts=verdicts
         )
         self._context: tuple[RunDir, str] | None = None  # the last run's `_context_key`
+        # Quiet alone, where the mount's attribute cache is unknown and not declared, completes
+        # nothing (mounts.quiet_alone_problem): a checkpoint written on another host can look
+        # unchanged here for as long as that cache lasts.
+        self.quiet_alone = mounts.quiet_alone_problem(root.path, mounts.read_mounts(), root.attribute_cache)
         # The config a saved checkpoint's evidence may have depended on, beyond its run's
         # retention (`_context_key`): patterns (their evidence rules), world sizes, the root.
-        self._config_key = repr((str(root.path), root.patterns, root.world_size, root.mp_world_size))
+        self._config_key = repr((str(root.path), root.patterns, root.world_size, root.mp_world_size,
+                                 self.quiet_alone))
 
     @property
     def verdicts(self) -> Verdicts:
@@ -201,6 +208,12 @@ class Scanner:
                 metric=retention.metric if retention.keep_best or retention.keep_total is not None else None,
                 slim_weights=retention.slim_weights if retention.keep_full_last is not None else None,
             )
+            if self.quiet_alone is not None:
+                found = replace(found, checks=tuple(
+                    Check(EVIDENCE, Verdict.UNKNOWN, self.quiet_alone)
+                    if k.name == EVIDENCE and k.verdict is Verdict.PASSED and k.detail.endswith(QUIET_ALONE)
+                    else k
+                    for k in found.checks))
             found = replace(found, checks=self.verdicts.share_checks(found.checks))  # memory
             self.verdicts.keep_checkpoint(str(run_dir.path / cand.name), found, self._context_key(run_dir))
             return found

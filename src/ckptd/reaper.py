@@ -49,6 +49,7 @@ import re
 import stat
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,8 +57,9 @@ from enum import StrEnum
 from pathlib import Path
 
 from ckptd import frameworks, layouts, mounts, policy, slim, space
-from ckptd.config import format_size
+from ckptd.config import format_size, path_matches
 from ckptd.consolidate import Consolidated, Consolidation, ConsolidationFailed
+from ckptd.discover import find_run
 from ckptd.evidence import Entry, TooDeep, fingerprint, read_slim_marker, resume_pointers, walk
 from ckptd.journal import Journal
 from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, is_rank_dir, nemo_unfinished_marker, recognise_by_name
@@ -145,13 +147,22 @@ class Reaper:
         self.consolidate_timeout = consolidate_timeout
         self.fence = fence  # asked just before each rename: why not, or None (see the module doc)
         self.purged: dict[Path, int] = {}  # what purging each trash entry freed, by its path
+        # Trash entries this process moved there and confirmed under its fence just after: the
+        # only ones purged at once. Others wait `foreign_wait` seconds (by their ctime) and are
+        # re-checked first (`purge`). The daemon sets it from its leadership (lease duration +
+        # margin for a volume lease; 0 where no other process could have renamed late).
+        self._finished: set[str] = set()
+        self.foreign_wait = 0.0
+        self.waiting = 0  # entries the last purge left to wait
+        self._purging = False
 
     @property
     def trash(self) -> Path:
         return self.root / TRASH_DIR
 
-    def _fenced(self) -> str | None:
-        """Why this process may not rename now (it lost the lead), or None."""
+    def _fenced(self, *, after: bool = False) -> str | None:
+        """Why this process may not rename now (it lost the lead), or None. `after`: asked
+        once more just after a rename, whose undoing the caller then owes."""
         if self.fence is None:
             return None
         try:
@@ -348,13 +359,22 @@ class Reaper:
                 trash_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 into, target = self.root, f"{HIDDEN_TRASH}{target}"
             try:
-                assert self.journal is not None
-                self.journal.record("trashing", time=self.clock(), trash=str(into / target), **fields)
-                os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)
-            except OSError as exc:  # ENOSPC on the journal; EXDEV, EACCES, EROFS, EBUSY on the rename
-                why = f"cannot move to {TRASH_DIR}/: {exc}"
-                self._record("failed", why=why, **fields)
-                return Result(decision, Outcome.FAILED, why)
+                try:
+                    assert self.journal is not None
+                    self.journal.record("trashing", time=self.clock(), trash=str(into / target), **fields)
+                    os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)
+                except OSError as exc:  # ENOSPC on the journal; EXDEV, EACCES, EROFS, EBUSY on the rename
+                    why = f"cannot move to {TRASH_DIR}/: {exc}"
+                    self._record("failed", why=why, **fields)
+                    return Result(decision, Outcome.FAILED, why)
+                # Asked again: a process stopped between the fence above and the rename (SIGSTOP,
+                # a paused VM, a hung mount) renames after its lease ran out, maybe after the new
+                # leader saw the checkpoint pinned. Not held at that epoch now: undone.
+                why_not = self._fenced(after=True)
+                if why_not is not None:
+                    undone = self._undo(target, trash_fd, c.name, run_fd, c.rel, why_not)
+                    return refuse(f"{why_not}; {undone}")
+                self._finished.add(target)
             finally:
                 os.close(trash_fd)
         finally:
@@ -362,6 +382,36 @@ class Reaper:
         self._record("trashed", trash=str(into / target), **fields)
         shown = f"{TRASH_DIR}/{target}" if into == self.trash else f"{target} (no room for {TRASH_DIR}/)"
         return Result(decision, Outcome.TRASHED, f"moved to {shown}", into / target)
+
+    def _undo(self, name: str, trash_fd: int, back: str, back_fd: int, rel: str, why: str, *,
+              review: bool = True) -> str:
+        """Move `name` (under `trash_fd`) back to `back` (under `back_fd`), where a rename made
+        without the lease took it from; never over what is there now. Where that name is taken,
+        it stays in the trash, renamed `<name>%review` (`review`), which no purge removes.
+        Says what happened, loudly: a person should know."""
+        where = dict(root=str(self.root), path=str(self.root / rel), why=why)
+        try:
+            _rename_noreplace(name, trash_fd, back, back_fd)
+        except FileNotFoundError:
+            log.error("%s was renamed into %s/ without the lease (%s) and is no longer there: the "
+                      "leader that holds it now restored or purged it", rel, TRASH_DIR, why)
+            return "gone from the trash since (see the leader's journal)"
+        except OSError as exc:
+            kept = name
+            if review:
+                try:
+                    os.rename(name, f"{name}{REVIEW}", src_dir_fd=trash_fd, dst_dir_fd=trash_fd)
+                    kept = f"{name}{REVIEW}"
+                except OSError as again:
+                    log.error("cannot mark %s/%s for review: %s", TRASH_DIR, name, again)
+            log.error("%s was renamed into %s/ without the lease (%s) and cannot be moved back (%s): "
+                      "it is in %s, never purged: look at it and move it back or delete it by hand",
+                      rel, TRASH_DIR, why, exc, self.trash / kept)
+            self._record("review", trash=str(self.trash / kept), **where)
+            return f"cannot move it back ({exc.strerror}): left in {TRASH_DIR}/{kept} for review"
+        log.error("%s was renamed into %s/ without the lease (%s): moved back", rel, TRASH_DIR, why)
+        self._record("restored", **where)
+        return "moved back"
 
     # --- slimming: its optimizer state into the trash, its weights kept ----------
 
@@ -479,6 +529,12 @@ class Reaper:
                     dst_fd = open_dir_nofollow(self.root, str((target / rel).parent.relative_to(self.root)))
                     try:
                         os.rename(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+                        why_not = self._fenced(after=True)  # as after a checkpoint's rename
+                        if why_not is not None:
+                            undone = self._undo(name, dst_fd, name, src_fd, f"{c.rel}/{rel}", why_not,
+                                                review=False)
+                            return refuse(f"moved {len(moved)} of {len(s.removable)} files, then: "
+                                          f"{why_not}; {undone}")
                     finally:
                         os.close(dst_fd)
                 finally:
@@ -488,6 +544,7 @@ class Reaper:
             except OSError as exc:  # the marker says "removing": the next run tries again
                 return fail(f"moved {len(moved)} of {len(s.removable)} files, then: {exc}")
             moved.append((rel, size))
+        self._finished.add(target.name)
         freed = sum(size for _, size in moved)
         try:
             self._write_marker(c, "done", planned, weights, decision)
@@ -774,49 +831,69 @@ class Reaper:
         os.close(self._open_trash())
 
     def purge(self, stop: Callable[[], bool] = lambda: False) -> tuple[int, int]:
-        """Delete everything in the trash. Returns (entries purged, bytes freed).
+        """Delete what may go from the trash. Returns (entries purged, bytes freed).
 
         Works from a descriptor of the trash directory opened without following
         symlinks, and never follows one inside it. `stop` is asked between
         entries: a daemon shutting down leaves the rest for its next start.
         Checkpoints renamed into the root under a hidden name when there was no room
-        for the trash (`HIDDEN_TRASH`) are purged first; then the trash is made if it
-        is missing and there is room (at start-up and after each pass: on a full disk
-        it is there already).
+        for the trash (`HIDDEN_TRASH`) are purged first, by the same rules; then the trash
+        is made if it is missing and there is room (at start-up and after each pass: on a
+        full disk it is there already).
+
+        Only what this process trashed and confirmed under its fence goes at once. Anything else
+        (another host's, an earlier run's, a rename made late by a process stopped before it)
+        waits until it has been in the trash `foreign_wait` seconds, enough for a late renamer
+        to see it lost the lease and move it back, and is then re-checked against protection as
+        it stands (`_protected`): a checkpoint pinned, named by its run's resume pointer, or
+        newer than every complete one left in its run is moved back, not purged. `%review`
+        entries are never purged.
         """
         if self.dry_run:
             return 0, 0
-        count = freed = 0
         try:
             root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             log.error("not purging %s: %s", self.root, exc)
             return 0, 0
+        self._purging = True
+        self.waiting = 0
         try:
-            hidden = sorted(n for n in os.listdir(root_fd) if n.startswith(HIDDEN_TRASH))
-            count, freed = self._purge_entries(root_fd, self.root, hidden, stop)
+            try:
+                hidden = sorted(n for n in os.listdir(root_fd) if n.startswith(HIDDEN_TRASH))
+                count, freed = self._purge_entries(root_fd, self.root, hidden, stop)
+            finally:
+                os.close(root_fd)
+            try:
+                trash_fd = self._open_trash()
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOENT):
+                    log.error("not purging %s: %s", self.trash, exc)
+                return count, freed
+            try:
+                more, more_bytes = self._purge_entries(trash_fd, self.trash, sorted(os.listdir(trash_fd)), stop)
+            finally:
+                os.close(trash_fd)
         finally:
-            os.close(root_fd)
-        try:
-            trash_fd = self._open_trash()
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOENT):
-                log.error("not purging %s: %s", self.trash, exc)
-            return count, freed
-        try:
-            more, more_bytes = self._purge_entries(trash_fd, self.trash, sorted(os.listdir(trash_fd)), stop)
-        finally:
-            os.close(trash_fd)
+            self._purging = False
         return count + more, freed + more_bytes
 
     def _purge_entries(
         self, dir_fd: int, where_path: Path, names: list[str], stop: Callable[[], bool]
     ) -> tuple[int, int]:
-        """Remove each of `names` in the directory `dir_fd` (at `where_path`), journalled."""
-        count = freed = 0
+        """Remove each of `names` in the directory `dir_fd` (at `where_path`) that may go, journalled."""
+        count = freed = review = 0
         for entry in names:
             if stop():
                 break
+            if entry.endswith(REVIEW):
+                review += 1
+                continue
+            if entry not in self._finished:
+                why = self._not_yet(entry, dir_fd)
+                if why is not None:
+                    self.waiting += why == WAIT
+                    continue
             size = _size(where_path / entry)
             where = dict(root=str(self.root), trash=str(where_path / entry), bytes=size)
             # The intent first, as for every other step: killed between the removal and the
@@ -836,9 +913,88 @@ class Reaper:
             count += 1
             freed += size
             self.purged[where_path / entry] = size
+            self._finished.discard(entry)
             log.debug("purged %s (%d bytes)", where_path / entry, size)
             self._record("purged", **where)
+        if review:
+            log.warning("%s: %d entries held for review (never purged): move each back or delete it by hand",
+                        where_path, review)
         return count, freed
+
+    def trash_pending(self) -> bool:
+        """Whether the trash holds what a purge should look at that this process did not put
+        there (another process's, maybe a late rename): the daemon asks at each poll. A name
+        listing, nothing more; False while a purge runs."""
+        if self.dry_run or self._purging:
+            return False
+        try:
+            names = os.listdir(self.trash)
+        except OSError:
+            return False
+        return any(n not in self._finished and not n.endswith(REVIEW) for n in names)
+
+    def _not_yet(self, entry: str, trash_fd: int) -> str | None:
+        """Why an entry this process did not trash is not purged now (WAIT: it has not been in
+        the trash long enough; else it was moved back, or held), or None: purge it."""
+        try:
+            age = self.clock() - os.stat(entry, dir_fd=trash_fd, follow_symlinks=False).st_ctime
+        except FileNotFoundError:
+            return "gone"
+        if age < self.foreign_wait:  # a rename changes the ctime: the time it came in
+            return WAIT
+        origin = _trash_origin(entry)
+        if origin is None or origin[1]:
+            return None  # origin unknown, a slim's optimizer files, a consolidation's work: purged
+        rel = origin[0]
+        try:
+            why = self._protected(entry, trash_fd, rel)
+        except OSError as exc:
+            why = f"cannot re-check it ({exc})"
+        if why is None:
+            return None
+        run_rel, _, name = rel.rpartition("/")
+        try:
+            run_fd = open_dir_nofollow(self.root, run_rel or ".")
+        except OSError as exc:
+            log.error("%s/%s is %s but its run cannot be opened (%s): held for review, never purged",
+                      TRASH_DIR, entry, why, exc)
+            with contextlib.suppress(OSError):
+                os.rename(entry, f"{entry}{REVIEW}", src_dir_fd=trash_fd, dst_dir_fd=trash_fd)
+            return why
+        try:
+            undone = self._undo(entry, trash_fd, name, run_fd, rel, f"found in the trash {why}")
+        finally:
+            os.close(run_fd)
+        return f"{why}: {undone}"
+
+    def _protected(self, entry: str, trash_fd: int, rel: str) -> str | None:
+        """Why a checkpoint found in the trash must go back to `rel`, as the run stands now."""
+        run_rel, _, name = rel.rpartition("/")
+        run_rel = run_rel or "."
+        run_path = self.root if run_rel == "." else self.root / run_rel
+        if not run_path.is_dir():
+            return None  # its run is gone as a whole: nothing to go back to
+        is_dir = stat.S_ISDIR(os.stat(entry, dir_fd=trash_fd, follow_symlinks=False).st_mode)
+        names = os.listdir(run_path)
+        retention, _ = self.scanner.root.retention_for(run_rel)
+        pin_inside = is_dir and _identity(f"{entry}/{layouts.PIN_FILE}", trash_fd) is not None
+        pin_beside = f"{name}{layouts.PIN_FILE}" in names
+        if pin_inside or pin_beside or any(path_matches(rel, p) for p in retention.pins):
+            return "pinned"
+        pointer = resume_pointers(run_path, names).get(name)
+        if pointer is not None:
+            return f"named by {pointer}"
+        mine = recognise_by_name(name, is_dir, self.scanner.patterns)
+        if mine is None:
+            return "not recognised by its name, so not known to be older than the run's newest"
+        run = find_run(self.root, run_rel, patterns=self.scanner.patterns)
+        now = self.clock()
+        for cand in run.candidates if run is not None else ():
+            if cand.unit == mine.unit and cand.step > mine.step:
+                fresh = self.scanner.reinspect(run_rel, cand.name, now=now)
+                if fresh is not None and fresh.state is State.COMPLETE:
+                    return None
+        return "newer than every complete checkpoint left in its run"
 
     def _open_trash(self, *, create: bool = True) -> int:
         """A descriptor of the trash directory (made if missing and `create`), never a symlink, and
@@ -920,9 +1076,51 @@ def _last_whole_step(
     )
 
 
+REVIEW = "%review"  # a trash entry's suffix: never purged (`Reaper._undo`)
+WAIT = "not in the trash long enough"  # `Reaper._not_yet`
+_SUFFIXES = ("%slim", "%consolidating", REVIEW)  # what `_trash_name` never ends with
+
+
 def _trash_name(c: Checkpoint, now: float) -> str:
-    flat = c.rel.replace("/", "%")[-120:]
+    """`<time>-<random>-<rel, percent-encoded>`: where it came from, for a purge that re-checks an
+    entry another process trashed (`_trash_origin`). A rel too long for a name keeps its tail
+    after a `%%`, which no encoding produces: its origin is then unknown."""
+    flat = urllib.parse.quote(os.fsencode(c.rel), safe="")  # bytes: a name need not be UTF-8
+    if len(flat) > 200:
+        flat = "%%" + flat[-180:]
     return f"{int(now)}-{uuid.uuid4().hex[:8]}-{flat}"
+
+
+def _trash_origin(entry: str) -> tuple[str, str] | None:
+    """(the rel a trash entry came from, its suffix: "", "%slim", "%consolidating") or None where
+    the name does not say (an older ckptd's name, a truncated rel, anything else)."""
+    entry = entry.removeprefix(HIDDEN_TRASH)  # renamed into the root when the trash could not be made
+    m = re.fullmatch(r"\d+-[0-9a-f]+-((?:[^%]|%[0-9A-F]{2})+?)(%slim|%consolidating)?", entry)
+    if m is None:
+        return None
+    rel = os.path.normpath(os.fsdecode(urllib.parse.unquote_to_bytes(m[1])))
+    if rel.startswith(("/", "..")) or rel == ".":
+        return None
+    return rel, m[2] or ""
+
+
+def _rename_noreplace(src: str, src_fd: int, dst: str, dst_fd: int) -> None:
+    """rename(2) that never replaces what is at `dst` (renameat2 RENAME_NOREPLACE: EEXIST).
+    Where the filesystem or libc lacks the flag (EINVAL: some FUSE and NFS), a look, then the
+    rename: the name is taken by nobody but a person in that instant."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except AttributeError:
+        renameat2 = None
+    if renameat2 is not None:
+        if renameat2(src_fd, os.fsencode(src), dst_fd, os.fsencode(dst), 1) == 0:  # RENAME_NOREPLACE
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(err, os.strerror(err), src)
+    if _identity(dst, dst_fd) is not None:
+        raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    os.rename(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -1127,32 +1325,42 @@ class RootLock:
     taken where it can be: a root where it cannot be created (read-only, not ours to write) has
     the state_dir lock alone, as before. The kernel releases both when the holder exits,
     however it exits.
+
+    Without a `state_dir`, the root's own lock alone: what a volume lease's leader holds for its
+    tenure (`VolumeLease`), so that it and a ckptd with `leadership = "local"` exclude each
+    other. On NFS the Linux client sends a flock to the server as a whole-file POSIX lock, so
+    this holds across hosts there too; on a FUSE filesystem it holds on this host only.
     """
 
-    def __init__(self, state_dir: Path, root: Path):
+    def __init__(self, state_dir: Path | None, root: Path):
         digest = hashlib.sha256(os.fsencode(os.path.realpath(root))).hexdigest()[:16]
-        self.path = state_dir / "locks" / f"{digest}.lock"
+        self.path = state_dir / "locks" / f"{digest}.lock" if state_dir is not None else None
         self.root = root
         self.root_path = root / layouts.LEASE_DIR / ROOT_LOCK
         self._fd: int | None = None
         self._root_fd: int | None = None
+        self._held = False
 
     def acquire(self, *, blocking: bool = False) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.path})") from None
+        fd = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                os.close(fd)
+                raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.path})") from None
         try:
             root_fd = self._root_lock(blocking)
         except BaseException:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} {self.root}\n".encode(errors="surrogateescape"))
-        self._fd, self._root_fd = fd, root_fd
+        if fd is not None:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {self.root}\n".encode(errors="surrogateescape"))
+        self._fd, self._root_fd, self._held = fd, root_fd, True
 
     def _root_lock(self, blocking: bool) -> int | None:
         """The flock on `<root>/.ckptd/local.lock` (None where it cannot be had: see the class).
@@ -1190,9 +1398,10 @@ class RootLock:
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._held
 
     def release(self) -> None:
+        self._held = False
         if self._root_fd is not None:
             os.close(self._root_fd)
             self._root_fd = None
