@@ -871,7 +871,8 @@ class Reaper:
                     log.error("not purging %s: %s", self.trash, exc)
                 return count, freed
             try:
-                more, more_bytes = self._purge_entries(trash_fd, self.trash, sorted(os.listdir(trash_fd)), stop)
+                names = sorted(os.listdir(trash_fd))
+                more, more_bytes = self._purge_entries(trash_fd, self.trash, names, stop)
             finally:
                 os.close(trash_fd)
         finally:
