@@ -40,7 +40,7 @@ def write_config(
     lines = [
         f"[daemon]\nstate_dir = '{state_dir}'\n",
         f"[[roots]]\npath = '{root}'\nobserver = '{observer}'\nworld_size = {world}",
-        f"quiet_period = '{quiet_period:g}s'",
+        f"quiet_period = '{quiet_period:g}s'\nallow_short_quiet_period = true",
     ]
     if poll_interval is not None:
         lines.append(f"poll_interval = '{poll_interval:g}s'")

@@ -326,7 +326,8 @@ def config_with(tmp_path: Path, roots: str, retention: str = "", state_dir: Path
      (lambda p: f"[[roots]]\npath = '{p / 'a-file'}'\n", EX_NOINPUT, "is not a directory"),
      (lambda p: "[[roots]]\npath = 'relative'\n", EX_CONFIG, "must be an absolute path"),
      # a file where the state directory goes: run cannot create it, whoever runs it
-     (lambda p: f"[[roots]]\npath = '{p}'\n", EX_IOERR, "is not a directory")],
+     # (the root beside it: a root may not hold the state_dir, exit 78)
+     (lambda p: (p / "vol").mkdir() or f"[[roots]]\npath = '{p / 'vol'}'\n", EX_IOERR, "is not a directory")],
 )
 def test_check_config_fails_as_run_would(tmp_path, state_env, make, code, says):
     (tmp_path / "a-file").write_text("")

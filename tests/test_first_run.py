@@ -29,7 +29,7 @@ def demo(tmp_path: Path, state_env: dict[str, str], quiet: str = "1s") -> Path:
     config = tmp_path / "demo" / "ckptd.toml"
     text = config.read_text()
     assert 'quiet_period = "60s"' in text
-    config.write_text(text.replace('quiet_period = "60s"', f'quiet_period = "{quiet}"'))
+    config.write_text(text.replace('quiet_period = "60s"', f'quiet_period = "{quiet}"\nallow_short_quiet_period = true'))
     return config
 
 
@@ -124,7 +124,7 @@ def test_a_checkpoint_being_written_is_said_when_it_appears_and_when_it_complete
     root = tmp_path / "vol"
     (root / "job").mkdir(parents=True)
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
-                       root_extra="quiet_period = '0.4s'\nworld_size = 2", retention="keep_last = 1\nkeep_best = 0")
+                       root_extra="quiet_period = '0.4s'\nallow_short_quiet_period = true\nworld_size = 2", retention="keep_last = 1\nkeep_best = 0")
     with DaemonProc("-c", cfg, env=state_env) as daemon:
         daemon.wait_message("ready")
         job = subprocess.run([sys.executable, str(SIMTRAIN), str(root / "job"), "--world", "2", "--steps", "10",

@@ -39,7 +39,7 @@ def metrics_config(tmp: Path, root: Path, listen: str) -> Path:
     # Polling: watchdog hands inotify events over 0.5 s late (it pairs moves), after a 0.2 s quiet
     # period, and a late event sends a complete checkpoint back to settling for a moment.
     cfg = write_config(tmp / "c.toml", root, tmp / "state",
-                       root_extra="quiet_period = '0.2s'\nworld_size = 2\nobserver = 'polling'\npoll_interval = '0.3s'",
+                       root_extra="quiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2\nobserver = 'polling'\npoll_interval = '0.3s'",
                        retention="keep_last = 1\nkeep_best = 0")
     cfg.write_text(cfg.read_text().replace("[daemon]\n", f"[daemon]\nmetrics_listen = '{listen}'\n"))
     return cfg

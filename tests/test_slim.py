@@ -57,7 +57,7 @@ def trainer_checkpoint(run: Path, step: int, *, mtime: float, weights: bool = Tr
 
 def config_file(tmp_path: Path, root: Path, **retention) -> Path:
     path = tmp_path / "ckptd.toml"
-    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'", f"[[roots]]\npath = '{root}'\nquiet_period = '0s'",
+    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'", f"[[roots]]\npath = '{root}'\nquiet_period = '0s'\nallow_short_quiet_period = true",
              "[roots.retention]", *(f"{k} = {json.dumps(v)}" for k, v in retention.items())]
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -91,7 +91,7 @@ def volume(tmp_path: Path, steps=(1, 2), **retention) -> tuple[Path, Path]:
     rules = "\n".join(f"{k} = {v!r}" for k, v in {"keep_last": 2, "keep_best": 0, "keep_full_last": 1,
                                                    **retention}.items())
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
-                       root_extra="world_size = 2\nquiet_period = '0.2s'\nobserver = 'inotify'\n"
+                       root_extra="world_size = 2\nquiet_period = '0.2s'\nallow_short_quiet_period = true\nobserver = 'inotify'\n"
                                   "reconcile_interval = '1s'", retention=rules)
     return root, cfg
 

@@ -229,7 +229,7 @@ def test_slimming_runs_where_writable_memory_cannot_become_executable(zero3_bf16
     age(root, time.time() - 3600)
     cfg = tmp_path / "ckptd.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{root}'\n"
-                   "quiet_period = '0s'\n[roots.retention]\nkeep_last = 2\nkeep_best = 0\nkeep_full_last = 1\n")
+                   "quiet_period = '0s'\nallow_short_quiet_period = true\n[roots.retention]\nkeep_last = 2\nkeep_best = 0\nkeep_full_last = 1\n")
     env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_CONFIG", "NOTIFY_SOCKET")}
     proc = subprocess.run([sys.executable, "-c", MDWE, "prune", "-c", str(cfg)], capture_output=True, text=True,
                           env=env, timeout=300)

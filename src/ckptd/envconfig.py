@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ckptd import mounts
-from ckptd.config import Config, _loc, _message, read_toml
+from ckptd.config import Config, _loc, _message, read_toml, refusals
 from ckptd.errors import ConfigError, UsageError
 
 
@@ -91,6 +91,7 @@ def effective_config(path: Path | None, env: Mapping[str, str], roots: Sequence[
     source = str(path) if path is not None else "<defaults>"
     problems: list[str] = []
     origins: list[tuple[re.Pattern[str], str]] = []  # error location -> the variable to blame
+    tables: list[tuple[re.Pattern[str], str, str]] = []  # a table's location, a key in it, its variable
 
     scopes: list[tuple[str, ...]] = []
     if roots:
@@ -118,8 +119,11 @@ def effective_config(path: Path | None, env: Mapping[str, str], roots: Sequence[
             for root in _tables(data, "roots"):
                 table = root if where == "root" else _table(root, "retention")
                 table[key] = value
-            prefix = r"roots\[\d+\]\." + (r"retention\." if where == "retention" else "")
-            origins.append((re.compile(rf"^{prefix}{key}$"), name))
+            at = r"roots\[\d+\]" + (r"\.retention" if where == "retention" else "")
+            origins.append((re.compile(rf"^{at}\.{key}$"), name))
+            # a problem of the table the key is in that names the key ("keep_total replaces
+            # keep_last", the file setting keep_last) is the variable's too: both are named
+            tables.append((re.compile(rf"^{at}$"), key, name))
     if problems:
         raise ConfigError(problems)
 
@@ -127,12 +131,24 @@ def effective_config(path: Path | None, env: Mapping[str, str], roots: Sequence[
         config = Config.model_validate(data)
     except ValidationError as exc:
         for err in exc.errors():
-            where = _loc(err["loc"])
+            where, message = _loc(err["loc"]), _message(err)
             blame = next((name for pattern, name in origins if pattern.match(where)), None)
-            line = f"{blame}: {_message(err)}" if blame else f"{source}: {where}: {_message(err)}"
+            table = next((name for pattern, key, name in tables
+                          if pattern.match(where) and re.search(rf"\b{key}\b", message)), None)
+            if blame is not None:
+                line = f"{blame}: {message}"
+            elif table is not None:
+                line = f"{table}: {message} ({source}: {where})"
+            else:
+                line = f"{source}: {where}: {message}"
             if line not in problems:  # one line per variable, not one per root
                 problems.append(line)
         raise ConfigError(problems) from None
+    for where, why in refusals(config):
+        blame = next((name for pattern, name in origins if pattern.match(where)), None)
+        problems.append(f"{blame}: {where}: {why}" if blame else f"{source}: {where}: {why}")
+    if problems:
+        raise ConfigError(problems)
     if any(scopes):
         pairs = zip(config.roots, scopes, strict=True)
         config = config.model_copy(update={"roots": tuple(r.restricted(s) if s else r for r, s in pairs)})

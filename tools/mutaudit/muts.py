@@ -49,6 +49,8 @@ SETS = {
     "rtclasses": [T+"test_redteam_classes.py"],
     # red team items 5 and 7: which save a checkpoint's files belong to, and when it was saved
     "one_save": [T+"test_one_save.py"],
+    # roots and quiet periods that cannot be meant (config.refusals)
+    "refusals": [T+"test_config.py", T+"test_envconfig.py"],
 }
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
@@ -803,4 +805,13 @@ MUTS = [
    tests="one_save", edits=[(E, "layout == layouts.MEGATRON and name in _WRITTEN_LAST", "False")]),
  dict(id="SV9", what="a last-written file within SAVE_SPAN of the rest of its save is the save's end",
    tests="one_save", edits=[(E, "        if not ahead or e.mtime_ns - max(ahead) <= SAVE_SPAN * 1e9:", "        if not ahead:")]),
+ dict(id="CF-R1", what="a system directory or / accepted as a root", tests="refusals", edits=[(C,
+   "            why = system_path(root.path) or holds(root.path, config.daemon.state_dir)",
+   "            why = holds(root.path, config.daemon.state_dir)")]),
+ dict(id="CF-R2", what="a root holding the state_dir accepted", tests="refusals", edits=[(C,
+   "            why = system_path(root.path) or holds(root.path, config.daemon.state_dir)",
+   "            why = system_path(root.path)")]),
+ dict(id="CF-Q1", what="a quiet_period below the floor accepted", tests="refusals", edits=[(C,
+   "        if root.quiet_period < QUIET_FLOOR and not root.allow_short_quiet_period:",
+   "        if False:")]),
 ]
