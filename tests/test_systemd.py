@@ -171,6 +171,20 @@ def test_the_unit_holds_what_the_readme_promises(name):
 
 
 @pytest.mark.parametrize("name", UNITS)
+def test_the_unit_says_where_its_documentation_is(installed, name):
+    """`Documentation=` (what `systemctl status` shows as "Docs:" and `systemctl help` opens):
+    the unit itself, at the path the install steps put it (its comments explain every line), and
+    the man pages of the directives it sets. URIs systemd accepts: file:, man:, http(s):, info:."""
+    [docs] = directives((REPO / "systemd" / name).read_text())["Unit.Documentation"]
+    uris = docs.split()
+    assert all(re.fullmatch(r"(file:/\S+|man:[\w.-]+\(\d\)|https?://\S+|info:\S+)", u) for u in uris), uris
+    files = [u.removeprefix("file:") for u in uris if u.startswith("file:")]
+    assert files == [f"/etc/systemd/system/{name}"]
+    assert all((installed / f.lstrip("/")).is_file() for f in files)  # where the install steps put it
+    assert "man:systemd.exec(5)" in uris
+
+
+@pytest.mark.parametrize("name", UNITS)
 def test_each_hardening_line_says_why(name):
     lines = (REPO / "systemd" / name).read_text().splitlines()
     for i, line in enumerate(lines):

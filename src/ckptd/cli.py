@@ -36,8 +36,9 @@ from ckptd.journal import Journal
 from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership, lock_scope
 from ckptd.model import Action, Checkpoint, State
 from ckptd.mounts import is_remote, mount_of, quiet_for, read_mounts
-from ckptd.planner import Scanner, decide, unmatched_paths
+from ckptd.planner import Scanner, decide, unmatched_paths, world_size_warning
 from ckptd.policy import Decision, Plan, summarise
+from ckptd.progress import Progress
 from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock
 
 log = logging.getLogger("ckptd")
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = command("plan", "show what retention would keep, slim and delete (read-only)")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress line on a terminal")
 
     sp = command(
         "prune",
@@ -119,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         exits="exit 75: another ckptd holds a root's lock",
     )
     sp.add_argument("--dry-run", action="store_true", help="re-check and report, but change nothing")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress line on a terminal")
 
     sp = command(
         "verify",
@@ -323,11 +326,17 @@ def check_state_dir(config: Config) -> str | None:
 # --- commands ------------------------------------------------------------
 
 
-def scan_all(config: Config, now: float) -> tuple[dict[Path, Scanner], Plan]:
+def scan_all(config: Config, now: float, *, quiet: bool = False) -> tuple[dict[Path, Scanner], Plan]:
     # What was read from files is kept in state_dir when it exists (verdicts.py): the volume
     # itself is only read.
     scanners = {root.path: Scanner(root, state_dir=config.daemon.state_dir) for root in config.roots}
-    roots = [(root, scanners[root.path].runs(now=now)) for root in config.roots]
+    roots = []
+    for root in config.roots:
+        bar = Progress(f"plan {root.path}", quiet=quiet)
+        try:
+            roots.append((root, scanners[root.path].runs(now=now, progress=bar.update)))
+        finally:
+            bar.done()
     return scanners, decide(roots)
 
 
@@ -335,7 +344,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = load(args)
     require_roots(config)
     config = with_effective_quiet(config)
-    _, plan = scan_all(config, time.time())
+    _, plan = scan_all(config, time.time(), quiet=args.quiet)
     warnings = list(plan.warnings)
     try:
         require_extras(config)
@@ -441,7 +450,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 print(
                     f"purged {leftover} leftover trash entries ({format_size(leftover_bytes)}) in {root.path}"
                 )
-            plan = decide([(root, scanner.runs(now=time.time()))])
+            bar = Progress(f"prune {root.path}", quiet=args.quiet)
+            try:
+                runs = scanner.runs(now=time.time(), progress=bar.update)
+            finally:
+                bar.done()
+            plan = decide([(root, runs)])
             for w in plan.warnings:
                 print(f"warning: {w}{note}")
             for result in reaper.execute(plan.decisions):
@@ -557,9 +571,16 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{format_size(counters.get('bytes_reclaimed', 0))} reclaimed, "
             f"{counters.get('rescans', 0)} rescans after missed events"
         )
+        job = doc.get("consolidation")
+        if isinstance(job, dict):
+            stopping = f", stopping: {job['stopping']}" if job.get("stopping") else ""
+            print(f"  consolidating {job['checkpoint']} in {job['root']} (fp32 weights from {job['from']}): "
+                  f"running {format_age(now - job['started'])}{stopping}")
         for root in doc["roots"]:
             role = role_of(root, doc)
             oldest = root.get("oldest_incomplete_age")
+            if oldest is not None:  # as old as it is now, not as it was at the daemon's last write
+                oldest += max(0.0, now - doc["heartbeat"])
             extra = f"; oldest incomplete: {format_age(oldest)}" if oldest is not None else ""
             print(f"  {root['path']}: {ROLES.get(role, role)} (observer {root['observer']}{extra})")
             for line in _lead_and_quiet_lines(root, time.time()):
@@ -569,6 +590,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 for c in run["checkpoints"]:
                     action = c["action"] or "-"
                     reasons = "; ".join(c["reasons"]) or f"not decided yet ({c['state']})"
+                    if isinstance(c.get("unchanged_since"), int | float):
+                        reasons = settling_now(c["unchanged_since"], root.get("effective_quiet_period"), now)
                     size = format_size(c["size_bytes"])
                     rows.append((run["run"], c["name"], c["state"], size, action, reasons))
             if len(rows) == 1:
@@ -577,6 +600,18 @@ def cmd_status(args: argparse.Namespace) -> int:
             for line in columns(rows):
                 print(f"    {line}")
     return EX_OK
+
+
+def settling_now(since: float, quiet: float | None, now: float) -> str:
+    """A settling checkpoint's reason, computed when `status` is asked: how long the daemon has
+    seen it unchanged (wall-clock time of its last change, from the state file) of its quiet period."""
+    age = max(0.0, now - since)
+    if not isinstance(quiet, int | float):
+        return f"settling, never deleted: unchanged for {format_age(age)}"
+    if age >= quiet:
+        return (f"settling, never deleted: unchanged for {format_age(age)} of {format_age(quiet)}: "
+                "the daemon's next look decides")
+    return f"settling, never deleted: unchanged for {format_age(age)} of {format_age(quiet)}"
 
 
 def _lead_and_quiet_lines(root: dict[str, Any], now: float) -> list[str]:
@@ -756,6 +791,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"# {line}", file=sys.stderr)
     for line in _unmatched(config):
         print(f"warning: {line}", file=sys.stderr)
+    for line in _world_sizes(config):
+        print(f"warning: {line}", file=sys.stderr)
     source = path if path else "no config file: built-in defaults"
     print(f"# {source}{with_env}: OK ({', '.join(checked)})", file=sys.stderr)
     return EX_OK
@@ -772,6 +809,21 @@ def _unmatched(config: Config) -> list[str]:
             continue  # preflight said what it could; nothing to compare with
         rels = [c.name if d.rel == "." else f"{d.rel}/{c.name}" for d in dirs for c in d.candidates]
         out += unmatched_paths(root, rels, [d.rel for d in dirs])
+    return out
+
+
+def _world_sizes(config: Config) -> list[str]:
+    """Configured world sizes that the checkpoints contradict (`planner.world_size_warning`):
+    the checkpoints are inspected, as `plan` does, only in roots where a world_size is set."""
+    out = []
+    for root in config.roots:
+        if root.world_size is None and all(r.world_size is None for r in root.runs):
+            continue
+        try:
+            runs = Scanner(root, state_dir=config.daemon.state_dir).runs(now=time.time())
+        except (OSError, CkptdError):
+            continue  # preflight said what it could
+        out += [w for run in runs if (w := world_size_warning(root, run)) is not None]
     return out
 
 
@@ -925,7 +977,8 @@ COMMANDS = {
 class JsonFormatter(logging.Formatter):
     """One JSON object per line, for docker log drivers and log shippers. Times in UTC."""
 
-    FIELDS = ("root", "run", "checkpoint", "state", "action", "reasons", "outcome", "dry_run")
+    FIELDS = ("root", "run", "checkpoint", "state", "action", "reasons", "outcome", "dry_run",
+              "kept", "deleted", "slimmed", "incomplete", "bytes_freed", "done", "total")
 
     def format(self, record: logging.LogRecord) -> str:
         when = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
