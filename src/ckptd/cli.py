@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("plan", "show what retention would keep, slim and delete (read-only)")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress line on a terminal")
+    retention_flags(sp)
 
     sp = command(
         "prune",
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--dry-run", action="store_true", help="re-check and report, but change nothing")
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress line on a terminal")
+    retention_flags(sp)
 
     sp = command(
         "verify",
@@ -182,6 +184,57 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Retention flags of plan and prune: (flag, config key, argparse type, metavar, help).
+RETENTION_FLAGS = (
+    ("--keep-last", "keep_last", "count", "N", "keep the N newest complete checkpoints of each run"),
+    ("--keep-best", "keep_best", "count", "K", "keep the K best by --metric (else: the trainer's best)"),
+    ("--metric", "metric", "text", "NAME", "the metric keep_best ranks by, e.g. eval_loss"),
+    ("--mode", "mode", "mode", "min|max", "whether lower or higher --metric is better"),
+    ("--keep-within", "keep_within", "text", "DURATION", "keep what was saved within DURATION of the newest"),
+    ("--keep-hourly", "keep_hourly", "count", "N", "keep the newest checkpoint of each of the last N hours"),
+    ("--keep-daily", "keep_daily", "count", "N", "... of each of the last N days"),
+    ("--keep-weekly", "keep_weekly", "count", "N", "... of each of the last N ISO weeks"),
+    ("--keep-monthly", "keep_monthly", "count", "N", "... of each of the last N months"),
+)
+
+
+def retention_flags(sp: argparse.ArgumentParser) -> None:
+    """The retention keys as flags, overriding the config for this call (restic forget's)."""
+    group = sp.add_argument_group(
+        "retention, for this call",
+        "each flag replaces its key in [roots.retention] and in every [[roots.runs]] rule\n"
+        "that sets it; --keep-last or --keep-best replaces keep_total. The rest of the config holds.",
+    )
+    for flag, key, kind, metavar, help in RETENTION_FLAGS:
+        kw: dict[str, Any] = {"dest": f"retention_{key}", "metavar": metavar, "help": help}
+        if kind == "count":
+            kw["type"] = _count
+        elif kind == "mode":
+            kw["choices"] = ("min", "max")
+            kw.pop("metavar")
+        group.add_argument(flag, **kw)
+
+
+def retention_overrides(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
+    """The retention flags given: config key -> (flag, value)."""
+    out = {}
+    for flag, key, *_ in RETENTION_FLAGS:
+        value = getattr(args, f"retention_{key}", None)
+        if value is not None:
+            out[key] = (flag, value)
+    return out
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number (got {text!r})") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {text!r})")
+    return value
+
+
 def _path_arg(text: str) -> str:
     """A path argument, never empty: `ckptd prune "$CKPT_ROOT"` with the variable unset passes "",
     which Path() reads as the working directory (for a service, often /). rm, ls and cd refuse an
@@ -215,7 +268,7 @@ def config_path(args: argparse.Namespace) -> Path | None:
 def load(args: argparse.Namespace) -> Config:
     """The file (or defaults), then ROOT arguments, then CKPTD_* variables (envconfig.py)."""
     roots = [Path(r) for r in getattr(args, "roots", None) or []]
-    return effective_config(config_path(args), os.environ, roots)
+    return effective_config(config_path(args), os.environ, roots, retention_overrides(args))
 
 
 def with_effective_quiet(config: Config, *, say: bool = True) -> Config:

@@ -34,6 +34,8 @@ from ckptd.slim import DEFAULT_SLIM_FILES
 
 DEFAULT_CONFIG_PATH = Path("/etc/ckptd/config.toml")
 
+# Retention's thinning by time, finest first (policy.time_buckets).
+TIME_BUCKETS = ("keep_hourly", "keep_daily", "keep_weekly", "keep_monthly")
 # Below this, a save's own pauses look quiet (Root.allow_short_quiet_period).
 QUIET_FLOOR = 5.0
 # Never a root unless Root.allow_any_path: these and everything under them ...
@@ -251,6 +253,29 @@ class Retention(_Strict):
         description="Keep checkpoints written within this long of when the run's newest save began (a "
         "pin or a touch of an old checkpoint does not move it).",
     )
+    keep_hourly: int = Field(
+        strict=True,
+        default=0,
+        ge=0,
+        description="Keep the newest checkpoint of each of the last N hours that have one, by when "
+        "each save ended, in UTC (restic's forget --keep-hourly; counted back from the run's newest "
+        "save, never from now). 0: off.",
+    )
+    keep_daily: int = Field(
+        strict=True, default=0, ge=0,
+        description="Keep the newest checkpoint of each of the last N days (UTC) that have one; as "
+        "keep_hourly.",
+    )
+    keep_weekly: int = Field(
+        strict=True, default=0, ge=0,
+        description="Keep the newest checkpoint of each of the last N ISO weeks (UTC, Monday first) that "
+        "have one; as keep_hourly.",
+    )
+    keep_monthly: int = Field(
+        strict=True, default=0, ge=0,
+        description="Keep the newest checkpoint of each of the last N calendar months (UTC) that have "
+        "one; as keep_hourly.",
+    )
     max_size: Size | None = Field(
         None, description="Per run: delete the oldest unprotected checkpoints until the run fits."
     )
@@ -321,6 +346,7 @@ class Retention(_Strict):
             parts.append(f"keep_every_steps={self.keep_every_steps}")
         if self.keep_within is not None:
             parts.append(f"keep_within={format_duration(self.keep_within)}")
+        parts += [f"{key}={n}" for key in TIME_BUCKETS if (n := getattr(self, key))]
         return " and ".join(parts)
 
 

@@ -84,9 +84,18 @@ def settings_in(env: Mapping[str, str]) -> list[str]:
     return sorted(k for k in env if k in KNOWN and k != "CKPTD_CONFIG" and env[k].strip())
 
 
-def effective_config(path: Path | None, env: Mapping[str, str], roots: Sequence[Path] = ()) -> Config:
+def effective_config(
+    path: Path | None,
+    env: Mapping[str, str],
+    roots: Sequence[Path] = (),
+    retention: Mapping[str, tuple[str, Any]] | None = None,
+) -> Config:
     """The config in force: `path` (or the defaults), `roots` from the command line (or
-    `$CKPTD_ROOTS`) replacing the file's roots, then the `CKPTD_*` settings on top."""
+    `$CKPTD_ROOTS`) replacing the file's roots, then the `CKPTD_*` settings on top, then
+    `retention`: key -> (the command-line flag, its value), as `restic forget --keep-last 3`
+    is the policy for that call. A flag sets its key in every root's retention and in every
+    run rule that sets it; --keep-last or --keep-best replaces keep_total (the other way to
+    count) wherever it is set."""
     data = read_toml(path) if path is not None else {}
     source = str(path) if path is not None else "<defaults>"
     problems: list[str] = []
@@ -126,6 +135,17 @@ def effective_config(path: Path | None, env: Mapping[str, str], roots: Sequence[
             tables.append((re.compile(rf"^{at}$"), key, name))
     if problems:
         raise ConfigError(problems)
+    for key, (flag, value) in (retention or {}).items():
+        for root in _tables(data, "roots"):
+            _table(root, "retention")[key] = value
+            for rule in _tables(root, "runs"):
+                if key in rule:
+                    rule[key] = value
+            if key in ("keep_last", "keep_best"):
+                _table(root, "retention").pop("keep_total", None)
+                for rule in _tables(root, "runs"):
+                    rule.pop("keep_total", None)
+        origins.insert(0, (re.compile(rf"^roots\[\d+\]\.(retention|runs\[\d+\])\.{key}$"), flag))
 
     try:
         config = Config.model_validate(data)

@@ -51,6 +51,8 @@ SETS = {
     "one_save": [T+"test_one_save.py"],
     # roots and quiet periods that cannot be meant (config.refusals)
     "refusals": [T+"test_config.py", T+"test_envconfig.py"],
+    # keep_hourly/daily/weekly/monthly (policy.time_buckets)
+    "time_buckets": [T+"test_time_buckets.py"],
 }
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
@@ -814,4 +816,8 @@ MUTS = [
  dict(id="CF-Q1", what="a quiet_period below the floor accepted", tests="refusals", edits=[(C,
    "        if root.quiet_period < QUIET_FLOOR and not root.allow_short_quiet_period:",
    "        if False:")]),
+ dict(id="TB1", what="the time buckets keep nothing", tests="time_buckets", edits=[(P,
+   "    thinned = time_buckets(complete, r) if complete and _thins(r) else {}", "    thinned = {}")]),
+ dict(id="TB2", what="a rule keeps its N newest checkpoints, not the newest of each of N buckets", tests="time_buckets",
+      edits=[(P, "            if bucket != last:", "            if True:")]),
 ]
