@@ -140,3 +140,37 @@ def test_the_looks_at_what_a_first_scan_found_say_how_far_they_have_got(tmp_path
     daemon._say_first_looks(now[0] + 3 * SCAN_PROGRESS_EVERY)
     assert sum("found at start" in m for m in caplog.messages) == 1  # done: nothing more to say
     assert daemon._looks_due == {}
+
+
+def test_a_slow_step_of_prune_says_what_it_waits_for_on_a_terminal():
+    """prune's Ticker: nothing for a quick step; for one past 2 s (a consolidation before a slim),
+    what and for how long, redrawn in place; cleared before prune prints its next line. Driven by
+    hand (draw) on a hand-driven clock; the thread only calls draw once a second."""
+    import io
+
+    from ckptd.progress import Ticker
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    now = [0.0]
+    term = Terminal()
+    ticker = Ticker("prune /vol", stream=term, clock=lambda: now[0])
+    ticker.working("0 of 3 deletions and slims done")
+    now[0] = 1.5
+    ticker.draw()
+    assert term.getvalue() == ""  # quick: nothing
+    now[0] = 75.0
+    ticker.draw()
+    assert term.getvalue() == "\rprune /vol: 0 of 3 deletions and slims done, 1m15s"
+    ticker.clear()
+    assert term.getvalue().endswith("\r" + " " * len("prune /vol: 0 of 3 deletions and slims done, 1m15s") + "\r")
+    piped = io.StringIO()  # not a terminal: never a line
+    quiet = Ticker("prune /vol", stream=piped, clock=lambda: now[0])
+    quiet.working("x")
+    now[0] = 1000.0
+    quiet.draw()
+    with quiet:
+        pass
+    assert piped.getvalue() == ""

@@ -38,7 +38,7 @@ from ckptd.model import Action, Checkpoint, State
 from ckptd.mounts import is_remote, mount_of, quiet_for, read_mounts
 from ckptd.planner import Scanner, decide, unmatched_paths, world_size_warning
 from ckptd.policy import Decision, Plan, summarise
-from ckptd.progress import Progress
+from ckptd.progress import Progress, Ticker
 from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock
 
 log = logging.getLogger("ckptd")
@@ -133,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("path", type=_path_arg, metavar="PATH", help="a checkpoint directory or file")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress line on a terminal")
 
     sp = command(
         "health",
@@ -511,25 +512,18 @@ def cmd_prune(args: argparse.Namespace) -> int:
             plan = decide([(root, runs)])
             for w in plan.warnings:
                 print(f"warning: {w}{note}")
-            for result in reaper.execute(plan.decisions):
-                d = result.decision
-                totals[result.outcome] += 1
-                size = format_size(d.bytes_freed)
-                if result.outcome is Outcome.DRY_RUN:
-                    would[str(d.action)][0] += 1
-                    would[str(d.action)][1] += d.bytes_freed
-                    # "would move to .ckptd-trash/ and purge" says nothing "would delete" does not
-                    how = f" -> {result.detail}" if d.action is Action.SLIM else ""
-                    print(f"would {d.action} {d.checkpoint.rel} ({size}): {'; '.join(d.reasons)}{how}{note}")
-                    continue
-                print(
-                    f"{d.action} {d.checkpoint.rel} ({size}): "
-                    f"{'; '.join(d.reasons)} -> {result.outcome}: {result.detail}{note}"
-                )
-                if result.outcome is Outcome.FAILED:
-                    status = max(status, EX_IOERR)
-                if result.outcome is Outcome.SLIMMED:
-                    slim_freed += result.moved_bytes
+            acting = sum(1 for d in plan.decisions if d.action is not Action.KEEP)
+            # A slim may consolidate first (zero_to_fp32, silent for as long as it takes): a
+            # terminal is told what is being waited for.
+            ticker = Ticker(f"prune {root.path}", quiet=args.quiet or dry_run)
+            with ticker:
+                ticker.working(f"0 of {acting} deletions and slims done (a slim may consolidate first)")
+                for n, result in enumerate(reaper.execute(plan.decisions), start=1):
+                    ticker.clear()
+                    status = max(status, report_result(result, totals, would, note))
+                    if result.outcome is Outcome.SLIMMED:
+                        slim_freed += result.moved_bytes
+                    ticker.working(f"{n} of {acting} deletions and slims done")
             _, purged_bytes = reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
             freed += purged_bytes
         finally:
@@ -552,6 +546,25 @@ def cmd_prune(args: argparse.Namespace) -> int:
         f"prune: {done}, {totals[Outcome.REFUSED]} refused on re-check, {totals[Outcome.FAILED]} failed{note}"
     )
     return status
+
+
+def report_result(result: Any, totals: dict, would: dict[str, list[int]], note: str) -> int:
+    """prune's line for one result; the exit status it calls for (EX_IOERR for a failure)."""
+    d = result.decision
+    totals[result.outcome] += 1
+    size = format_size(d.bytes_freed)
+    if result.outcome is Outcome.DRY_RUN:
+        would[str(d.action)][0] += 1
+        would[str(d.action)][1] += d.bytes_freed
+        # "would move to .ckptd-trash/ and purge" says nothing "would delete" does not
+        how = f" -> {result.detail}" if d.action is Action.SLIM else ""
+        print(f"would {d.action} {d.checkpoint.rel} ({size}): {'; '.join(d.reasons)}{how}{note}")
+        return EX_OK
+    print(
+        f"{d.action} {d.checkpoint.rel} ({size}): "
+        f"{'; '.join(d.reasons)} -> {result.outcome}: {result.detail}{note}"
+    )
+    return EX_IOERR if result.outcome is Outcome.FAILED else EX_OK
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -736,18 +749,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     run_rel = "." if real_run == real_root else os.path.relpath(real_run, real_root)
     retention, world = root.retention_for(run_rel)
     inspector = Inspector(quiet_period=root.quiet_period, mp_world_size=root.mp_world_size)
-    ckpt = inspector.inspect(
-        root.path,
-        run_rel,
-        RunContext(run_dir, frozenset(os.listdir(run_dir))),
-        cand,
-        now=time.time(),
-        world_size=world,
-        pins=frozenset(retention.pins),
-        slim_files=retention.slim_files,
-        pattern=root.patterns[cand.pattern] if cand.pattern is not None else None,
-        slim_weights=retention.slim_weights,
-    )
+    # Reading every file's integrity of a big checkpoint takes a while: a terminal is told.
+    with Ticker(f"verify {path}", quiet=args.quiet) as ticker:
+        ticker.working("reading its files")
+        ckpt = inspector.inspect(
+            root.path,
+            run_rel,
+            RunContext(run_dir, frozenset(os.listdir(run_dir))),
+            cand,
+            now=time.time(),
+            world_size=world,
+            pins=frozenset(retention.pins),
+            slim_files=retention.slim_files,
+            pattern=root.patterns[cand.pattern] if cand.pattern is not None else None,
+            slim_weights=retention.slim_weights,
+        )
     warnings = step_mismatch(ckpt, os.listdir(path) if is_dir else [])
     if args.json:
         print(json.dumps({**checkpoint_json(ckpt), "warnings": warnings}, indent=2))
