@@ -4,9 +4,11 @@
 #   docker build --target deepspeed -t ckptd:deepspeed .  # + torch (CPU) and deepspeed
 #
 # The default image cannot open DeepSpeed's mp_rank_00_model_states.pt to read the world
-# size, so set CKPTD_WORLD_SIZE (or world_size in the config); the deepspeed image reads it
-# from each checkpoint. Configure with a config file mounted at /etc/ckptd/config.toml, or
-# with CKPTD_* variables (they override the file).
+# size; it counts the ranks' files each checkpoint holds instead (the deepspeed image reads
+# it from each checkpoint). A world_size set to the wrong number holds every checkpoint
+# incomplete, so none is set here: set one only for the job it describes (a [[roots.runs]]
+# rule), and `ckptd plan` warns when the checkpoints disagree with it. Configure with a
+# config file mounted at /etc/ckptd/config.toml, or with CKPTD_* variables (they override the file).
 
 FROM python:3.11-slim AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \

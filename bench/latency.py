@@ -26,7 +26,7 @@ import random
 import time
 
 from bench.context import Context
-from bench.daemon import DaemonProc, is_complete, write_config
+from bench.daemon import DaemonProc, is_complete, is_settled, write_config
 from bench.measure import fmt_time, median, percentile
 from bench.report import Row, Section
 from bench.volume import HOUR, STEP, write_checkpoint
@@ -55,7 +55,7 @@ def measure(ctx: Context, observer: str, *, n: int, quiet: float, poll: float | 
     timeout = 3 * (quiet + (poll or DEFAULT_POLL_S)) + 30
     with DaemonProc(config, foreground=True) as d:
         d.wait_message("ready:", timeout=60)
-        d.wait_for(is_complete, timeout=timeout)  # the seed: the daemon is in its steady state
+        d.wait_for(is_settled, timeout=timeout)  # the seed decided: the daemon is in its steady state
         for i in range(n):
             step = (i + 2) * STEP
             name = f"checkpoint-{step}"

@@ -113,7 +113,8 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
     config = work / "ckptd.toml"
     config.write_text(
         f"[daemon]\nstate_dir = '{work / 'state'}'\n[[roots]]\npath = '{v.root}'\nobserver = 'inotify'\n"
-        f"world_size = {world}\nquiet_period = '{quiet:g}s'\n[[roots.runs]]\nmatch = 'team-*/*'\n"
+        f"world_size = {world}\nquiet_period = '{quiet:g}s'\nallow_short_quiet_period = true\n"
+        "[[roots.runs]]\nmatch = 'team-*/*'\n"
         f"world_size = {shape.world}\n[roots.retention]\n{KEEP_ALL}"
     )
     writer = [sys.executable, "-m", "bench.storm", str(storm), *map(str, (runs, world, shard, 2 * STEP))]

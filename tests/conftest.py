@@ -118,8 +118,9 @@ def run_ckptd(*args: str | os.PathLike[str], env: dict[str, str] | None = None, 
 
 @pytest.fixture
 def state_env(tmp_path: Path) -> dict[str, str]:
-    """Point the default state_dir at the test's own directory."""
-    return {"XDG_STATE_HOME": str(tmp_path / "xdg-state")}
+    """Point the default state_dir at a directory of the test's own, beside tmp_path rather than
+    in it: tests use tmp_path as a root, and a root may not hold the state_dir."""
+    return {"XDG_STATE_HOME": str(tmp_path.with_name(tmp_path.name + "-xdg-state"))}
 
 
 # --- real DeepSpeed volumes, generated once per session (dsgen.py; DSGEN_NOTES.md) ----------

@@ -20,7 +20,7 @@ no_deepspeed = pytest.mark.skipif(
 def config(tmp_path: Path, root: Path, *, root_extra: str = "", **retention) -> Path:
     path = tmp_path / "ckptd.toml"
     lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'",
-             f"[[roots]]\npath = '{root}'\nquiet_period = '0s'\n{root_extra}", "[roots.retention]"]
+             f"[[roots]]\npath = '{root}'\nquiet_period = '0s'\nallow_short_quiet_period = true\n{root_extra}", "[roots.retention]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in retention.items()]
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -17,6 +17,7 @@ from ckptd.config import (
     Root,
     RunRule,
     load_config,
+    parse_config,
     parse_duration,
     parse_size,
 )
@@ -241,3 +242,73 @@ def test_roots_overlapping_through_a_symlink_are_refused(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert "overlaps roots[0].path" in info.value.problems[0]
+
+
+# --- roots and quiet periods that cannot be meant: refused (exit 78) unless a key says so ---
+
+
+@pytest.mark.parametrize("command", ["plan", "prune", "run", "check-config"])
+@pytest.mark.parametrize(("path", "says"), [
+    ("/", "'/' is the whole filesystem"),
+    ("/proc", "'/proc' is in the system directory /proc"),
+    ("/etc/ckptd", "'/etc/ckptd' is in the system directory /etc"),
+    ("/var", "'/var' is the system directory /var"),
+    ("/usr/share", "'/usr/share' is in the system directory /usr"),
+])
+def test_a_system_root_is_refused_naming_the_key(tmp_path, state_env, command, path, says):
+    """`path = "/"` walked /proc and other jobs' temp directories and proposed deletions: every
+    command that reads the config refuses it before it looks at anything."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{path}'\n")
+    proc = run_ckptd(command, "-c", cfg, env=state_env, timeout=60)
+    assert proc.returncode == EX_CONFIG, proc.stderr
+    assert f"ckptd: {cfg}: roots[0].path: {says}: " in proc.stderr and "allow_any_path = true" in proc.stderr
+    assert not (tmp_path / "state").exists()  # refused before anything was set up
+
+
+def test_a_root_argument_and_a_symlink_to_a_system_directory_are_refused(tmp_path, state_env):
+    (tmp_path / "everything").symlink_to("/")
+    for root in ("/", tmp_path / "everything", "/sys/fs"):
+        proc = run_ckptd("plan", root, env=state_env, timeout=60)
+        assert proc.returncode == EX_CONFIG, proc.stderr
+        assert "roots[0].path: " in proc.stderr and ("system directory" in proc.stderr or "whole filesystem" in proc.stderr)
+
+
+def test_a_root_holding_the_state_dir_is_refused_unless_allowed(tmp_path, state_env):
+    (tmp_path / "vol" / "run" / "checkpoint-1").mkdir(parents=True)
+    cfg = tmp_path / "c.toml"
+    body = f"[daemon]\nstate_dir = '{tmp_path / 'vol' / '.state'}'\n[[roots]]\npath = '{tmp_path / 'vol'}'\n"
+    cfg.write_text(body)
+    proc = run_ckptd("plan", "-c", cfg, env=state_env)
+    assert proc.returncode == EX_CONFIG
+    assert f"roots[0].path: '{tmp_path / 'vol'}' holds daemon.state_dir '{tmp_path / 'vol' / '.state'}'" in proc.stderr
+    cfg.write_text(body + "allow_any_path = true\n")
+    proc = run_ckptd("plan", "-c", cfg, env=state_env)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_allow_any_path_lets_a_system_root_through():
+    config = parse_config({"roots": [{"path": "/", "allow_any_path": True}]})
+    assert config.roots[0].path == Path("/")
+    with pytest.raises(ConfigError) as info:
+        parse_config({"roots": [{"path": "/data"}, {"path": "/usr"}]}, "c.toml")
+    assert info.value.problems[0].startswith("c.toml: roots[1].path: '/usr' is in the system directory /usr")
+
+
+@pytest.mark.parametrize(("value", "refused"), [
+    ("0s", True), ("60ms", True), ("4.9s", True), ("5s", False), ("60s", False), (0, True), (5, False)])
+def test_a_quiet_period_below_the_floor_is_refused_with_the_reason(tmp_path, state_env, value, refused):
+    (tmp_path / "vol").mkdir()
+    cfg = tmp_path / "c.toml"
+    body = (f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n"
+            f"[[roots]]\npath = '{tmp_path / 'vol'}'\nquiet_period = {value!r}\n")
+    cfg.write_text(body)
+    proc = run_ckptd("check-config", "-c", cfg, env=state_env)
+    assert proc.returncode == (EX_CONFIG if refused else 0), proc.stderr
+    if refused:
+        assert f"{cfg}: roots[0].quiet_period: " in proc.stderr
+        assert "is below 5s: a save pauses that long between its own writes" in proc.stderr
+        assert "allow_short_quiet_period = true" in proc.stderr
+        cfg.write_text(body + "allow_short_quiet_period = true\n")
+        proc = run_ckptd("check-config", "-c", cfg, env=state_env)
+        assert proc.returncode == 0, proc.stderr

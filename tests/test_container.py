@@ -138,8 +138,47 @@ def test_compose_shares_the_volume_and_runs_the_image(dockerfile):
     uid_gid = trainer["user"]
     assert init["command"] == ["chown", uid_gid, env["CKPTD_ROOTS"]] and init["user"] == "0:0"
     assert init["volumes"] == [f"checkpoints:{env['CKPTD_ROOTS']}"]
-    for service in (trainer, ckptd):
-        assert service["depends_on"] == {"volume-init": {"condition": "service_completed_successfully"}}
+    assert ckptd["depends_on"] == {"volume-init": {"condition": "service_completed_successfully"}}
+    # the trainer waits for a healthy ckptd (its first scan done), not only for it to start
+    assert trainer["depends_on"] == {"volume-init": {"condition": "service_completed_successfully"},
+                                     "ckptd": {"condition": "service_healthy"}}
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "docker-compose.yml", "k8s/ckptd-sidecar.yaml"])
+def test_no_example_sets_a_world_size(name):
+    """CKPTD_WORLD_SIZE=8 on a 4-rank DDP job held every checkpoint "incomplete (4/8 ranks)"
+    forever: nothing deleted, the disk full. A world size belongs to one job, not to an example."""
+    text = (REPO / name).read_text()
+    assert "CKPTD_WORLD_SIZE" not in text and "world_size = " not in text
+
+
+def test_kubernetes_sidecar_meets_pod_security_restricted():
+    """The fields Pod Security Admission checks at level "restricted" (pod-security-standards,
+    "Restricted" table, as of Kubernetes 1.30), for the pod and every container in it."""
+    docs = list(yaml.safe_load_all((REPO / "k8s" / "ckptd-sidecar.yaml").read_text()))
+    [pod] = [d for d in docs if d["kind"] == "Pod"]
+    spec = pod["spec"]
+    pod_sc = spec["securityContext"]
+    assert pod_sc["runAsNonRoot"] is True and pod_sc.get("runAsUser", 1) != 0
+    assert pod_sc["seccompProfile"]["type"] in ("RuntimeDefault", "Localhost")
+    assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+    # volume types allowed under restricted; never hostPath
+    allowed = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+               "projected", "secret"}
+    for volume in spec["volumes"]:
+        assert set(volume) - {"name"} <= allowed, volume
+    containers = [*spec.get("initContainers", []), *spec["containers"]]
+    assert {c["name"] for c in containers} == {"ckptd", "trainer"}
+    for c in containers:
+        sc = c.get("securityContext", {})
+        assert sc.get("allowPrivilegeEscalation") is False, c["name"]
+        assert sc.get("capabilities", {}).get("drop") == ["ALL"], c["name"]
+        assert set(sc.get("capabilities", {}).get("add", [])) <= {"NET_BIND_SERVICE"}, c["name"]
+        assert not sc.get("privileged") and sc.get("runAsNonRoot", True) is not False, c["name"]
+        assert sc.get("runAsUser", pod_sc.get("runAsUser")) != 0, c["name"]
+        seccomp = sc.get("seccompProfile", pod_sc["seccompProfile"])
+        assert seccomp["type"] in ("RuntimeDefault", "Localhost"), c["name"]
+        assert "hostPort" not in str(c.get("ports", [])), c["name"]
 
 
 def test_kubernetes_sidecar_shares_the_pvc_with_the_trainer():

@@ -152,7 +152,7 @@ def test_kill_9_of_the_daemon_mid_deletion_then_restart(tmp_path, seed):
     root = tmp_path / "vol"
     run = megatron_run(root)
     state_dir = tmp_path / "state"
-    cfg = write_config(tmp_path / "c.toml", root, state_dir, root_extra="quiet_period = '0.2s'",
+    cfg = write_config(tmp_path / "c.toml", root, state_dir, root_extra="quiet_period = '0.2s'\nallow_short_quiet_period = true",
                        retention="keep_last = 2\nkeep_best = 0")
     before = fingerprints(run)
     k = random.Random(1000 + seed).randint(1, (STEPS - 2) * 3)

@@ -52,7 +52,7 @@ def test_the_seeds_race_under_the_daemon(tmp_path, mode):
     run.mkdir(parents=True)
     cfg = write_config(
         tmp_path / "c.toml", root, tmp_path / "state",
-        root_extra=f"quiet_period = '0.6s'\nworld_size = 4\n{MODES[mode]}",
+        root_extra=f"quiet_period = '0.6s'\nallow_short_quiet_period = true\nworld_size = 4\n{MODES[mode]}",
         retention="keep_last = 1\nkeep_best = 1\nmetric = 'eval_loss'",
     )
     steps = [10, 20, 30, 40, 50, 60]
@@ -81,7 +81,7 @@ def test_polling_notices_a_checkpoint_written_with_no_inotify(tmp_path):
     root = tmp_path / "vol"
     (root / "job").mkdir(parents=True)
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
-                       root_extra=f"quiet_period = '0.3s'\nworld_size = 2\n{MODES['polling']}",
+                       root_extra=f"quiet_period = '0.3s'\nallow_short_quiet_period = true\nworld_size = 2\n{MODES['polling']}",
                        retention="keep_last = 1\nkeep_best = 0")
     with DaemonProc("-c", cfg) as daemon:
         daemon.wait_message("ready")
@@ -98,7 +98,7 @@ def test_dry_run_decides_and_deletes_nothing(tmp_path):
     for step in (1, 2, 3):
         hf_deepspeed_checkpoint(root / "job", step, world=2)
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
-                       root_extra="quiet_period = '0.2s'\nworld_size = 2", retention="keep_last = 1\nkeep_best = 0")
+                       root_extra="quiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2", retention="keep_last = 1\nkeep_best = 0")
     with DaemonProc("-c", cfg, "--dry-run") as daemon:
         lines = daemon.wait_message("decide delete", count=2)
         assert all(line["message"].endswith("(dry run; not actually removing anything)") for line in lines)
@@ -110,7 +110,7 @@ def test_reload_applies_a_valid_config_and_keeps_the_old_on_an_invalid_one(tmp_p
     root = tmp_path / "vol"
     for step in (1, 2, 3, 4):
         hf_deepspeed_checkpoint(root / "job", step, world=2)
-    extra = "quiet_period = '0.2s'\nworld_size = 2"
+    extra = "quiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2"
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state", root_extra=extra,
                        retention="keep_last = 3\nkeep_best = 0")
     with DaemonProc("-c", cfg) as daemon:
@@ -162,7 +162,7 @@ def test_two_daemons_on_one_root_only_one_deletes_and_the_other_takes_over(tmp_p
     for step in (1, 2):
         hf_deepspeed_checkpoint(root / "job", step, world=2)
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
-                       root_extra="quiet_period = '0.2s'\nworld_size = 2\npoll_interval = '0.3s'",
+                       root_extra="quiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2\npoll_interval = '0.3s'",
                        retention="keep_last = 1\nkeep_best = 0")
     first = DaemonProc("-c", cfg)
     second = None
@@ -225,7 +225,7 @@ def test_status_shows_what_the_daemon_sees(tmp_path):
     hf_deepspeed_checkpoint(root / "job", 1, world=2)
     hf_deepspeed_checkpoint(root / "job", 2, world=2, skip={"zero_pp_rank_1_mp_rank_00_optim_states.pt"})
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
-                       root_extra="quiet_period = '0.2s'\nworld_size = 2")
+                       root_extra="quiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2")
     with DaemonProc("-c", cfg) as daemon:
         daemon.wait_for(lambda line: line.get("checkpoint") == "checkpoint-2" and "incomplete" in line["message"])
         done = daemon.wait_for(
@@ -269,7 +269,7 @@ def test_a_checkpoint_with_a_future_mtime_does_not_complete_under_the_daemon(tmp
     hf_deepspeed_checkpoint(root / "run", 10, world=2, mtime=time.time() - 3600)
     cfg = write_config(
         tmp_path / "c.toml", root, tmp_path / "state",
-        root_extra="quiet_period = '0s'\nworld_size = 2\npoll_interval = '0.2s'",
+        root_extra="quiet_period = '0s'\nallow_short_quiet_period = true\nworld_size = 2\npoll_interval = '0.2s'",
         retention="keep_last = 1\nkeep_best = 0",
     )
     with DaemonProc("-c", cfg) as daemon:

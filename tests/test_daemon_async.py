@@ -197,7 +197,7 @@ async def test_a_flaky_volume_is_logged_once_backed_off_and_nothing_is_deleted(t
     for step in (1, 2):
         hf_deepspeed_checkpoint(root / "job", step, world=2)
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
-                       root_extra="world_size = 2\nquiet_period = '0.3s'\npoll_interval = '0.05s'",
+                       root_extra="world_size = 2\nquiet_period = '0.3s'\nallow_short_quiet_period = true\npoll_interval = '0.05s'",
                        retention="keep_last = 1\nkeep_best = 0")
     loop = asyncio.get_running_loop()
     real_walk = evidence.walk
@@ -256,7 +256,7 @@ async def test_a_reload_can_switch_dry_run_on_and_drop_a_pattern(tmp_path, logs)
         hf_deepspeed_checkpoint(root / "job", step, world=2)
     (root / "job" / "snap_7").mkdir()
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
-                       root_extra="quiet_period = '0.2s'\npatterns = ['snap_{step}']", retention="keep_last = 5")
+                       root_extra="quiet_period = '0.2s'\nallow_short_quiet_period = true\npatterns = ['snap_{step}']", retention="keep_last = 5")
     daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
     task = asyncio.create_task(daemon.serve())
     try:
@@ -265,7 +265,7 @@ async def test_a_reload_can_switch_dry_run_on_and_drop_a_pattern(tmp_path, logs)
         await logs.wait("job/checkpoint-3: complete")
         cfg.write_text(  # dry_run on, keep_last down to 1, the snap_{step} pattern gone
             f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\ndry_run = true\n"
-            f"[[roots]]\npath = '{root}'\nquiet_period = '0.2s'\n[roots.retention]\nkeep_last = 1\n"
+            f"[[roots]]\npath = '{root}'\nquiet_period = '0.2s'\nallow_short_quiet_period = true\n[roots.retention]\nkeep_last = 1\n"
         )
         await daemon.reload()
         assert daemon.dry_run and daemon.roots[0].reaper.dry_run
@@ -370,7 +370,7 @@ async def test_a_standby_decides_but_never_deletes(tmp_path, logs):
     for step in (1, 2, 3):
         hf_deepspeed_checkpoint(root / "job", step, world=2)
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
-                       root_extra="quiet_period = '0.2s'\npoll_interval = '0.05s'", retention="keep_last = 1")
+                       root_extra="quiet_period = '0.2s'\nallow_short_quiet_period = true\npoll_interval = '0.05s'", retention="keep_last = 1")
     holder = RootLock(tmp_path / "state", root)
     holder.acquire()
     daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
@@ -390,7 +390,7 @@ async def test_the_state_file_shows_each_checkpoints_decision_and_encodes_unchan
     root = tmp_path / "vol"
     for step in (1, 2, 3):
         hf_deepspeed_checkpoint(root / "job", step, world=2)
-    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state", root_extra="quiet_period = '1s'",
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state", root_extra="quiet_period = '1s'\nallow_short_quiet_period = true",
                        retention="keep_last = 1")
     now = [1000.0]
     daemon, rt = ticked_daemon(cfg, lambda: now[0])
@@ -429,7 +429,7 @@ async def test_a_refusal_sends_the_tracker_to_look_at_what_changed_in_place(tmp_
     root = tmp_path / "vol"
     for step in (1, 2):
         hf_deepspeed_checkpoint(root / "job", step, world=2)
-    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state", root_extra="quiet_period = '1s'",
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state", root_extra="quiet_period = '1s'\nallow_short_quiet_period = true",
                        retention="keep_last = 1\nkeep_best = 0")
     now = [1000.0]
     daemon, rt = ticked_daemon(cfg, lambda: now[0])
@@ -460,7 +460,7 @@ async def test_a_missing_root_does_not_stop_retention_on_the_others(tmp_path):
     b.mkdir()
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n"
-                   f"[[roots]]\npath = '{a}'\nquiet_period = '1s'\n[roots.retention]\nkeep_last = 1\n"
+                   f"[[roots]]\npath = '{a}'\nquiet_period = '1s'\nallow_short_quiet_period = true\n[roots.retention]\nkeep_last = 1\n"
                    f"min_free = '1%'\n[[roots]]\npath = '{b}'\n")
     now = [1000.0]
     daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
@@ -486,7 +486,7 @@ async def test_a_stop_saves_what_was_proven_for_the_next_start(tmp_path, monkeyp
     root = tmp_path / "vol"
     (root / "job").mkdir(parents=True)
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
-                       root_extra="world_size = 2\nquiet_period = '0.2s'", retention="keep_last = 5")
+                       root_extra="world_size = 2\nquiet_period = '0.2s'\nallow_short_quiet_period = true", retention="keep_last = 5")
     daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
     task = asyncio.create_task(daemon.serve())
     try:

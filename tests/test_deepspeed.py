@@ -52,7 +52,7 @@ def remove(root: Path, rel: str) -> None:
 
 def config(tmp_path: Path, root: Path, **retention) -> Path:
     path = tmp_path / "ckptd.toml"
-    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'", f"[[roots]]\npath = '{root}'\nquiet_period = '0s'",
+    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'", f"[[roots]]\npath = '{root}'\nquiet_period = '0s'\nallow_short_quiet_period = true",
              "[roots.retention]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in retention.items()]
     path.write_text("\n".join(lines) + "\n")
@@ -201,7 +201,7 @@ def test_real_deepspeed_job_saving_under_the_daemon(tmp_path):
     cfg = tmp_path / "ckptd.toml"
     cfg.write_text(
         f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n"
-        f"[[roots]]\npath = '{root}'\nquiet_period = '0.5s'\n"
+        f"[[roots]]\npath = '{root}'\nquiet_period = '0.5s'\nallow_short_quiet_period = true\n"
         "[roots.retention]\nkeep_last = 1\nkeep_best = 1\nmetric = 'eval_loss'\n"
     )
     with DaemonProc("-c", cfg) as daemon:

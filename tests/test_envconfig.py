@@ -148,7 +148,7 @@ async def test_a_reload_keeps_the_environment_on_top_of_the_new_file(tmp_path, m
         assert await asyncio.wait_for(task, 30) == 0
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("90", 90.0), ("90s", 90.0), (" 1.5m ", 90.0), ("2.5", 2.5)])
+@pytest.mark.parametrize(("text", "seconds"), [("90", 90.0), ("90s", 90.0), (" 1.5m ", 90.0), ("7.5", 7.5)])
 def test_quiet_period_from_the_environment_takes_seconds_as_toml_does(text, seconds):
     """`quiet_period = 90` is accepted in the file; CKPTD_QUIET_PERIOD=90 is too."""
     [root] = effective_config(None, {"CKPTD_ROOTS": "/x", "CKPTD_QUIET_PERIOD": text}).roots
@@ -163,3 +163,30 @@ def test_a_bad_quiet_period_from_the_environment_names_the_variable(text, messag
     with pytest.raises(ConfigError) as info:
         effective_config(None, {"CKPTD_ROOTS": "/x", "CKPTD_QUIET_PERIOD": text})
     assert info.value.problems == [message]
+
+
+def test_a_refusal_from_the_environment_names_the_variable():
+    """Below the floor, or a root that cannot be meant: the variable that said so is named."""
+    with pytest.raises(ConfigError) as info:
+        effective_config(None, {"CKPTD_ROOTS": "/x", "CKPTD_QUIET_PERIOD": "2.5"})
+    assert info.value.problems == [
+        "CKPTD_QUIET_PERIOD: roots[0].quiet_period: 2.5s is below 5s: a save pauses that long between its "
+        "own writes, so a checkpoint still being written would look finished; set allow_short_quiet_period "
+        "= true in its [[roots]] if nothing writes there while ckptd looks (a finished job, a test)"]
+    with pytest.raises(ConfigError) as info:
+        effective_config(None, {"CKPTD_ROOTS": "/x:/etc"})
+    [line] = info.value.problems
+    assert line.startswith("CKPTD_ROOTS: roots[1].path: '/etc' is the system directory /etc") or \
+        line.startswith("CKPTD_ROOTS: roots[1].path: '/etc' is in the system directory /etc"), line
+
+
+def test_a_conflict_between_a_variable_and_the_file_names_the_variable(tmp_path):
+    """CKPTD_KEEP_TOTAL over a file that sets keep_last: the conflict is the table's, and the
+    variable that brought keep_total into it is named first, the file's place beside it."""
+    path = tmp_path / "c.toml"
+    path.write_text("[[roots]]\npath = '/a'\n[roots.retention]\nkeep_last = 3\n")
+    with pytest.raises(ConfigError) as info:
+        effective_config(path, {"CKPTD_KEEP_TOTAL": "3"})
+    [line] = info.value.problems
+    assert line.startswith("CKPTD_KEEP_TOTAL: keep_total replaces keep_last: "), line
+    assert line.endswith(f"({path}: roots[0].retention)")

@@ -170,7 +170,7 @@ async def test_the_daemon_fences_its_deletions_with_the_volume_lease(tmp_path, l
         hf_deepspeed_checkpoint(root / "job", step, world=2)
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 's'}'\nleadership = 'volume'\nlease_duration = '1h'\n"
-                   f"[[roots]]\npath = '{root}'\nquiet_period = '0.2s'\nworld_size = 2\npoll_interval = '0.1s'\n"
+                   f"[[roots]]\npath = '{root}'\nquiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2\npoll_interval = '0.1s'\n"
                    "[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
     daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
     task = asyncio.create_task(daemon.serve())

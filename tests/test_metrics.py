@@ -39,7 +39,7 @@ def metrics_config(tmp: Path, root: Path, listen: str) -> Path:
     # Polling: watchdog hands inotify events over 0.5 s late (it pairs moves), after a 0.2 s quiet
     # period, and a late event sends a complete checkpoint back to settling for a moment.
     cfg = write_config(tmp / "c.toml", root, tmp / "state",
-                       root_extra="quiet_period = '0.2s'\nworld_size = 2\nobserver = 'polling'\npoll_interval = '0.3s'",
+                       root_extra="quiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2\nobserver = 'polling'\npoll_interval = '0.3s'",
                        retention="keep_last = 1\nkeep_best = 0")
     cfg.write_text(cfg.read_text().replace("[daemon]\n", f"[daemon]\nmetrics_listen = '{listen}'\n"))
     return cfg
@@ -123,6 +123,31 @@ def test_metrics_after_a_prune(pruned):
     assert ("process_resident_memory_bytes", frozenset()) in m
 
 
+def test_build_info_and_per_run_metrics(pruned):
+    """Per run, never per checkpoint (a volume holds thousands): states, bytes, the newest save."""
+    import platform
+
+    from ckptd import __version__
+
+    m = scrape(pruned.port)
+    root = str(pruned.root)
+    assert m[("ckptd_build_info", frozenset({"version": __version__, "python": platform.python_version()}.items()))] == 1
+    assert m[("ckptd_consolidations_running", frozenset())] == 0
+
+    def at_run(name: str, **labels: str) -> float:
+        return m[(name, frozenset({"root": root, "run": "job", **labels}.items()))]
+
+    assert at_run("ckptd_run_checkpoints", state="complete") == 1
+    assert at_run("ckptd_run_checkpoints", state="incomplete") == 0
+    ckpt = pruned.root / "job" / "checkpoint-3"
+    assert at_run("ckptd_run_bytes") == tree_bytes(ckpt)
+    newest = max(p.stat().st_mtime for p in ckpt.rglob("*") if p.is_file())
+    assert abs(at_run("ckptd_run_newest_complete_timestamp_seconds") - newest) < 5
+    runs = {dict(labels).get("run") for name, labels in m if name.startswith("ckptd_run_")}
+    assert runs == {"job"}  # one series set per run: no checkpoint label anywhere
+    assert not any("checkpoint" in dict(labels) for _, labels in m)
+
+
 def test_health_of_the_running_daemon_while_idle(pruned):
     mark = pruned.daemon.mark()
     pruned.daemon.wait_message("state written", start=mark, count=2)  # nothing changes; the heartbeat goes on
@@ -177,7 +202,8 @@ def test_completion_latency_is_measured_once_from_first_sighting():
 
     on_disk: dict[str, State] = {"run/old": State.SETTLING}  # there before the first scan
     tracker = SimpleNamespace(rescans=0, last_reconcile=100.0,
-                              checkpoints=lambda: [SimpleNamespace(rel=r, state=s) for r, s in on_disk.items()])
+                              checkpoints=lambda: [SimpleNamespace(rel=r, run="run", state=s, size_bytes=0, written_at=0.0)
+                                                   for r, s in on_disk.items()])
     roots = [SimpleNamespace(root=SimpleNamespace(path=Path("/vol")), tracker=tracker, leader=True)]
     m = Metrics({})
 
@@ -211,3 +237,24 @@ def test_completion_latency_is_measured_once_from_first_sighting():
     assert value("ckptd_checkpoint_completion_seconds_count") == 2
     assert value("ckptd_checkpoint_completion_seconds_sum") == 140.0
     assert value("ckptd_checkpoints", root="/vol", state="complete") == 2
+
+
+def test_a_budget_that_cannot_be_met_is_named_by_root_and_key():
+    """ckptd_budget_unmet's source: the plan's own warnings and reasons (policy._take_oldest,
+    keep_total's "over keep_total"), from a real plan of checkpoints that no budget may take."""
+    from test_policy import ck, run_of
+
+    from ckptd.config import FreeSpace, Retention, Root
+    from ckptd.metrics import unmet_budgets
+    from ckptd.planner import DiskSpace, decide
+
+    pinned = run_of(ck(1, pinned=True, size=100), ck(2, size=100))  # both protected: newest, pinned
+    r = Root(path=Path("/vol"), retention=Retention(keep_last=1, keep_best=0, max_size=50,
+                                                    min_free=FreeSpace(percent=50)))
+    plan = decide([(r, [pinned])], space=lambda p: DiskSpace(free=10, total=1000), device=lambda p: 1)
+    assert unmet_budgets(plan.warnings, plan.decisions, ["/vol", "/other"]) == {("/vol", "max_size"), ("/vol", "min_free")}
+    r = Root(path=Path("/vol"), retention=Retention(keep_total=1))
+    plan = decide([(r, [pinned])])
+    assert unmet_budgets(plan.warnings, plan.decisions, ["/vol"]) == {("/vol", "keep_total")}
+    r = Root(path=Path("/vol"), retention=Retention(keep_last=1, keep_best=0, max_size=10_000))
+    assert unmet_budgets(decide([(r, [pinned])]).warnings, (), ["/vol"]) == set()

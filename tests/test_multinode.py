@@ -37,7 +37,7 @@ def node_config(tmp: Path, name: str, root: Path, *, keep_last: int = 1, lease: 
     path.write_text(
         f"[daemon]\nstate_dir = '{tmp / name}'\nleadership = 'volume'\n"
         f"lease_duration = '{duration}s'\nlease_margin = '{margin}s'\n{lease}\n"
-        f"[[roots]]\npath = '{root}'\nquiet_period = '0.2s'\nworld_size = 2\npoll_interval = '0.3s'\n"
+        f"[[roots]]\npath = '{root}'\nquiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2\npoll_interval = '0.3s'\n"
         f"[roots.retention]\nkeep_last = {keep_last}\nkeep_best = 0\n"
     )
     return path
@@ -206,7 +206,7 @@ async def test_the_daemon_watches_quiet_for_longer_on_a_caching_mount_and_says_s
     ckpts(root, 1)
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 's'}'\nleadership = 'local'\n"
-                   f"[[roots]]\npath = '{root}'\nquiet_period = '2s'\nworld_size = 2\n")
+                   f"[[roots]]\npath = '{root}'\nquiet_period = '2s'\nallow_short_quiet_period = true\nworld_size = 2\n")
     captured = parse_mountinfo(nfs_mountinfo(tmp_path, "acregmin=5,acregmax=5,acdirmin=5,acdirmax=5,"))
     monkeypatch.setattr(daemon_module, "read_mounts", lambda: captured)
     d = daemon_module.Daemon(load_config(cfg), config_path=cfg, install_signals=False)

@@ -99,7 +99,7 @@ def test_two_clients_with_different_caches_one_leader(loopback_export, tmp_path)
     for name, point in (("a", a), ("b", b)):
         cfg = tmp_path / f"{name}.toml"
         cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / name}'\nlease_duration = '2s'\nlease_margin = '1s'\n"
-                       f"[[roots]]\npath = '{point}'\nquiet_period = '0.5s'\nworld_size = 2\npoll_interval = '0.5s'\n"
+                       f"[[roots]]\npath = '{point}'\nquiet_period = '0.5s'\nallow_short_quiet_period = true\nworld_size = 2\npoll_interval = '0.5s'\n"
                        "[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
         configs.append(cfg)
     with DaemonProc("-c", configs[0]) as first, DaemonProc("-c", configs[1]) as second:

@@ -467,7 +467,7 @@ async def test_a_deletion_refused_because_it_changed_takes_the_checkpoint_back_t
         hf_deepspeed_checkpoint(root / "job", step, world=2, mtime=time.time() - 86400 + step)
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{root}'\n"
-                   "quiet_period = '1s'\nworld_size = 2\n[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
+                   "quiet_period = '1s'\nallow_short_quiet_period = true\nworld_size = 2\n[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
     now = [1000.0]
     daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
     daemon.watcher = None

@@ -196,8 +196,8 @@ def test_configured_roots_overlapping_through_a_bind_mount_are_refused(tmp_path,
     cfg = tmp_path / "ckptd.toml"
     cfg.write_text(
         f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n"
-        f"[[roots]]\npath = '{other}'\nquiet_period = '0s'\n"
-        f"[[roots]]\npath = '{root}'\nquiet_period = '0s'\n"
+        f"[[roots]]\npath = '{other}'\nquiet_period = '0s'\nallow_short_quiet_period = true\n"
+        f"[[roots]]\npath = '{root}'\nquiet_period = '0s'\nallow_short_quiet_period = true\n"
         "[roots.retention]\nkeep_last = 1\nkeep_best = 0\npins = ['team/run/checkpoint-1']\n"
     )
     proc = run_ckptd("prune", "-c", cfg)

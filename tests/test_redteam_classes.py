@@ -46,7 +46,7 @@ def bare_deepspeed_run(run: Path, steps: tuple[int, ...]) -> None:
 def config_file(tmp_path: Path, root: Path, body: str = "", retention: str = "keep_last = 1\nkeep_best = 0") -> Path:
     path = tmp_path / "ckptd.toml"
     path.write_text(
-        f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{root}'\nquiet_period = '0s'\n"
+        f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{root}'\nquiet_period = '0s'\nallow_short_quiet_period = true\n"
         f"world_size = 2\n{body}\n[roots.retention]\n{retention}\n"
     )
     return path

@@ -130,7 +130,7 @@ def test_the_daemon_on_a_subdirectory_is_the_configured_root_restricted(vol):
     from daemonproc import DaemonProc
 
     root, cfg = vol
-    cfg.write_text(cfg.read_text().replace("[[roots]]\n", "[[roots]]\nquiet_period = '0s'\n", 1))
+    cfg.write_text(cfg.read_text().replace("[[roots]]\n", "[[roots]]\nquiet_period = '0s'\nallow_short_quiet_period = true\n", 1))
     with DaemonProc(root / "team", "-c", cfg) as d:
         d.wait_message("ready: watching 1 root(s)")
         for run in ("team/a", "other/c"):  # a checkpoint completing starts a retention pass

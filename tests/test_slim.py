@@ -57,7 +57,7 @@ def trainer_checkpoint(run: Path, step: int, *, mtime: float, weights: bool = Tr
 
 def config_file(tmp_path: Path, root: Path, **retention) -> Path:
     path = tmp_path / "ckptd.toml"
-    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'", f"[[roots]]\npath = '{root}'\nquiet_period = '0s'",
+    lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'", f"[[roots]]\npath = '{root}'\nquiet_period = '0s'\nallow_short_quiet_period = true",
              "[roots.retention]", *(f"{k} = {json.dumps(v)}" for k, v in retention.items())]
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -221,7 +221,8 @@ def test_slim_weights_per_run_and_in_check_config(tmp_path):
         parse_config({"roots": [{"path": "/x", "retention": {"slim_weights": "bf16"}}]}, "c.toml")
     assert info.value.problems == ["c.toml: roots[0].retention.slim_weights: input should be 'fp32' or 'as-saved' "
                                    "(got 'bf16')"]
-    cfg = config_file(tmp_path, tmp_path, keep_full_last=1)
+    (tmp_path / "vol").mkdir()  # beside the state_dir: a root may not hold it
+    cfg = config_file(tmp_path, tmp_path / "vol", keep_full_last=1)
     shown = json.loads(run_ckptd("check-config", "-c", cfg).stdout)
     assert shown["roots"][0]["retention"]["slim_weights"] == "fp32"
 

@@ -91,7 +91,7 @@ def volume(tmp_path: Path, steps=(1, 2), **retention) -> tuple[Path, Path]:
     rules = "\n".join(f"{k} = {v!r}" for k, v in {"keep_last": 2, "keep_best": 0, "keep_full_last": 1,
                                                    **retention}.items())
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
-                       root_extra="world_size = 2\nquiet_period = '0.2s'\nobserver = 'inotify'\n"
+                       root_extra="world_size = 2\nquiet_period = '0.2s'\nallow_short_quiet_period = true\nobserver = 'inotify'\n"
                                   "reconcile_interval = '1s'", retention=rules)
     return root, cfg
 
@@ -124,6 +124,31 @@ async def test_tracking_and_deleting_go_on_while_a_consolidation_runs(tmp_path, 
     assert not list((ck / "global_step2").glob("*optim_states.pt")) and not any((root / WORK_DIR).iterdir())
     assert len(list((root / "job" / "checkpoint-3" / "global_step3").glob("*optim_states.pt"))) == 2
     assert len(held.all) == 2
+
+
+async def test_a_running_consolidation_shows_in_status(tmp_path, monkeypatch, logs, state_env):  # noqa: F811
+    """`ckptd status` (a real one, reading the state file) names the consolidation running, and
+    for how long; the state document holds it while it runs, and not after."""
+    from conftest import run_ckptd
+
+    root, cfg = volume(tmp_path)
+    held = Consolidators(monkeypatch, asyncio.get_running_loop())
+    daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
+    task = asyncio.create_task(daemon.serve())
+    try:
+        first = await held.next()
+        job = daemon.state()["consolidation"]
+        assert (job["root"], job["checkpoint"], job["from"]) == (str(root), "job/checkpoint-1", "global_step1")
+        daemon._write_state(force=True)
+        status = await asyncio.to_thread(run_ckptd, "status", "-c", cfg, env=state_env)
+        assert status.returncode == 0, status.stderr
+        assert f"  consolidating job/checkpoint-1 in {root} (fp32 weights from global_step1): running " in status.stdout
+        first.go.set()
+        await logs.wait("consolidated job/checkpoint-1")
+        assert daemon.state()["consolidation"] is None
+    finally:
+        daemon.request_stop("test")
+        assert await asyncio.wait_for(task, 30) == 0
 
 
 async def test_a_failed_consolidation_is_not_run_again_on_the_same_checkpoint(tmp_path, monkeypatch, logs):  # noqa: F811

@@ -71,7 +71,7 @@ def copy_run(src: Path, tmp_path: Path) -> Path:
 def config(tmp_path: Path, root: Path, *, timeout: str = "2h", **retention) -> Path:
     path = tmp_path / "ckptd.toml"
     lines = [f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\nconsolidate_timeout = '{timeout}'",
-             f"[[roots]]\npath = '{root}'\nquiet_period = '0s'",
+             f"[[roots]]\npath = '{root}'\nquiet_period = '0s'\nallow_short_quiet_period = true",
              "[roots.retention]", *(f"{k} = {json.dumps(v)}" for k, v in retention.items())]
     path.write_text("\n".join(lines) + "\n")
     return path

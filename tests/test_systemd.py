@@ -171,6 +171,20 @@ def test_the_unit_holds_what_the_readme_promises(name):
 
 
 @pytest.mark.parametrize("name", UNITS)
+def test_the_unit_says_where_its_documentation_is(installed, name):
+    """`Documentation=` (what `systemctl status` shows as "Docs:" and `systemctl help` opens):
+    the unit itself, at the path the install steps put it (its comments explain every line), and
+    the man pages of the directives it sets. URIs systemd accepts: file:, man:, http(s):, info:."""
+    [docs] = directives((REPO / "systemd" / name).read_text())["Unit.Documentation"]
+    uris = docs.split()
+    assert all(re.fullmatch(r"(file:/\S+|man:[\w.-]+\(\d\)|https?://\S+|info:\S+)", u) for u in uris), uris
+    files = [u.removeprefix("file:") for u in uris if u.startswith("file:")]
+    assert files == [f"/etc/systemd/system/{name}"]
+    assert all((installed / f.lstrip("/")).is_file() for f in files)  # where the install steps put it
+    assert "man:systemd.exec(5)" in uris
+
+
+@pytest.mark.parametrize("name", UNITS)
 def test_each_hardening_line_says_why(name):
     lines = (REPO / "systemd" / name).read_text().splitlines()
     for i, line in enumerate(lines):
@@ -229,7 +243,7 @@ def test_slimming_runs_where_writable_memory_cannot_become_executable(zero3_bf16
     age(root, time.time() - 3600)
     cfg = tmp_path / "ckptd.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{root}'\n"
-                   "quiet_period = '0s'\n[roots.retention]\nkeep_last = 2\nkeep_best = 0\nkeep_full_last = 1\n")
+                   "quiet_period = '0s'\nallow_short_quiet_period = true\n[roots.retention]\nkeep_last = 2\nkeep_best = 0\nkeep_full_last = 1\n")
     env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_CONFIG", "NOTIFY_SOCKET")}
     proc = subprocess.run([sys.executable, "-c", MDWE, "prune", "-c", str(cfg)], capture_output=True, text=True,
                           env=env, timeout=300)

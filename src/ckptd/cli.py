@@ -44,8 +44,9 @@ from ckptd.lease import (
 )
 from ckptd.model import Action, Checkpoint, State
 from ckptd.mounts import holder, is_remote, mount_of, quiet_alone_problem, quiet_for, read_mounts
-from ckptd.planner import Scanner, decide, unmatched_paths
+from ckptd.planner import Scanner, decide, unmatched_paths, world_size_warning
 from ckptd.policy import Decision, Plan, inferred_modes, summarise
+from ckptd.progress import Progress, Ticker
 from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock
 
 log = logging.getLogger("ckptd")
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = command("plan", "show what retention would keep, slim and delete (read-only)")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress line on a terminal")
+    retention_flags(sp)
 
     sp = command(
         "prune",
@@ -127,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         exits="exit 75: another ckptd holds a root's lock",
     )
     sp.add_argument("--dry-run", action="store_true", help="re-check and report, but change nothing")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress line on a terminal")
+    retention_flags(sp)
 
     sp = command(
         "verify",
@@ -136,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("path", type=_path_arg, metavar="PATH", help="a checkpoint directory or file")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress line on a terminal")
 
     sp = command(
         "health",
@@ -187,6 +193,57 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Retention flags of plan and prune: (flag, config key, argparse type, metavar, help).
+RETENTION_FLAGS = (
+    ("--keep-last", "keep_last", "count", "N", "keep the N newest complete checkpoints of each run"),
+    ("--keep-best", "keep_best", "count", "K", "keep the K best by --metric (else: the trainer's best)"),
+    ("--metric", "metric", "text", "NAME", "the metric keep_best ranks by, e.g. eval_loss"),
+    ("--mode", "mode", "mode", "min|max", "whether lower or higher --metric is better"),
+    ("--keep-within", "keep_within", "text", "DURATION", "keep what was saved within DURATION of the newest"),
+    ("--keep-hourly", "keep_hourly", "count", "N", "keep the newest checkpoint of each of the last N hours"),
+    ("--keep-daily", "keep_daily", "count", "N", "... of each of the last N days"),
+    ("--keep-weekly", "keep_weekly", "count", "N", "... of each of the last N ISO weeks"),
+    ("--keep-monthly", "keep_monthly", "count", "N", "... of each of the last N months"),
+)
+
+
+def retention_flags(sp: argparse.ArgumentParser) -> None:
+    """The retention keys as flags, overriding the config for this call (restic forget's)."""
+    group = sp.add_argument_group(
+        "retention, for this call",
+        "each flag replaces its key in [roots.retention] and in every [[roots.runs]] rule\n"
+        "that sets it; --keep-last or --keep-best replaces keep_total. The rest of the config holds.",
+    )
+    for flag, key, kind, metavar, help in RETENTION_FLAGS:
+        kw: dict[str, Any] = {"dest": f"retention_{key}", "metavar": metavar, "help": help}
+        if kind == "count":
+            kw["type"] = _count
+        elif kind == "mode":
+            kw["choices"] = ("min", "max")
+            kw.pop("metavar")
+        group.add_argument(flag, **kw)
+
+
+def retention_overrides(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
+    """The retention flags given: config key -> (flag, value)."""
+    out = {}
+    for flag, key, *_ in RETENTION_FLAGS:
+        value = getattr(args, f"retention_{key}", None)
+        if value is not None:
+            out[key] = (flag, value)
+    return out
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number (got {text!r})") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {text!r})")
+    return value
+
+
 def _path_arg(text: str) -> str:
     """A path argument, never empty: `ckptd prune "$CKPT_ROOT"` with the variable unset passes "",
     which Path() reads as the working directory (for a service, often /). rm, ls and cd refuse an
@@ -220,7 +277,7 @@ def config_path(args: argparse.Namespace) -> Path | None:
 def load(args: argparse.Namespace) -> Config:
     """The file (or defaults), then ROOT arguments, then CKPTD_* variables (envconfig.py)."""
     roots = [Path(r) for r in getattr(args, "roots", None) or []]
-    return effective_config(config_path(args), os.environ, roots)
+    return effective_config(config_path(args), os.environ, roots, retention_overrides(args))
 
 
 def with_effective_quiet(config: Config, *, say: bool = True) -> Config:
@@ -331,11 +388,17 @@ def check_state_dir(config: Config) -> str | None:
 # --- commands ------------------------------------------------------------
 
 
-def scan_all(config: Config, now: float) -> tuple[dict[Path, Scanner], Plan]:
+def scan_all(config: Config, now: float, *, quiet: bool = False) -> tuple[dict[Path, Scanner], Plan]:
     # What was read from files is kept in state_dir when it exists (verdicts.py): the volume
     # itself is only read.
     scanners = {root.path: Scanner(root, state_dir=config.daemon.state_dir) for root in config.roots}
-    roots = [(root, scanners[root.path].runs(now=now)) for root in config.roots]
+    roots = []
+    for root in config.roots:
+        bar = Progress(f"plan {root.path}", quiet=quiet)
+        try:
+            roots.append((root, scanners[root.path].runs(now=now, progress=bar.update)))
+        finally:
+            bar.done()
     return scanners, decide(roots)
 
 
@@ -343,7 +406,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = load(args)
     require_roots(config)
     config = with_effective_quiet(config)
-    _, plan = scan_all(config, time.time())
+    _, plan = scan_all(config, time.time(), quiet=args.quiet)
     warnings = list(plan.warnings)
     try:
         require_extras(config)
@@ -456,30 +519,28 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 print(
                     f"purged {leftover} leftover trash entries ({format_size(leftover_bytes)}) in {root.path}"
                 )
-            plan = decide([(root, scanner.runs(now=time.time()))])
+            bar = Progress(f"prune {root.path}", quiet=args.quiet)
+            try:
+                runs = scanner.runs(now=time.time(), progress=bar.update)
+            finally:
+                bar.done()
+            plan = decide([(root, runs)])
             for w in plan.warnings:
                 print(f"warning: {w}{note}")
-            for result in reaper.execute(plan.decisions):
-                d = result.decision
-                totals[result.outcome] += 1
-                size = format_size(d.bytes_freed)
-                if result.outcome is Outcome.DRY_RUN:
-                    would[str(d.action)][0] += 1
-                    would[str(d.action)][1] += d.bytes_freed
-                    # "would move to .ckptd-trash/ and purge" says nothing "would delete" does not
-                    how = f" -> {result.detail}" if d.action is Action.SLIM else ""
-                    print(f"would {d.action} {d.checkpoint.rel} ({size}): {'; '.join(d.reasons)}{how}{note}")
-                    continue
-                print(
-                    f"{d.action} {d.checkpoint.rel} ({size}): "
-                    f"{'; '.join(d.reasons)} -> {result.outcome}: {result.detail}{note}"
-                )
-                if result.outcome is Outcome.FAILED:
-                    status = max(status, EX_IOERR)
-                if result.outcome is Outcome.SLIMMED:
-                    slim_freed += result.moved_bytes
-                if result.outcome is Outcome.TRASHED and result.trash_path is not None:
-                    trashed.append(result.trash_path)
+            acting = sum(1 for d in plan.decisions if d.action is not Action.KEEP)
+            # A slim may consolidate first (zero_to_fp32, silent for as long as it takes): a
+            # terminal is told what is being waited for.
+            ticker = Ticker(f"prune {root.path}", quiet=args.quiet or dry_run)
+            with ticker:
+                ticker.working(f"0 of {acting} deletions and slims done (a slim may consolidate first)")
+                for n, result in enumerate(reaper.execute(plan.decisions), start=1):
+                    ticker.clear()
+                    status = max(status, report_result(result, totals, would, note))
+                    if result.outcome is Outcome.SLIMMED:
+                        slim_freed += result.moved_bytes
+                    if result.outcome is Outcome.TRASHED and result.trash_path is not None:
+                        trashed.append(result.trash_path)
+                    ticker.working(f"{n} of {acting} deletions and slims done")
             reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
             # What purging the deleted checkpoints freed, as the disk counts it (space.py)
             freed += sum(reaper.purged.get(p, 0) for p in trashed)
@@ -506,6 +567,25 @@ def cmd_prune(args: argparse.Namespace) -> int:
         f"prune: {done}, {totals[Outcome.REFUSED]} refused on re-check, {totals[Outcome.FAILED]} failed{note}"
     )
     return status
+
+
+def report_result(result: Any, totals: dict, would: dict[str, list[int]], note: str) -> int:
+    """prune's line for one result; the exit status it calls for (EX_IOERR for a failure)."""
+    d = result.decision
+    totals[result.outcome] += 1
+    size = format_size(d.bytes_freed)
+    if result.outcome is Outcome.DRY_RUN:
+        would[str(d.action)][0] += 1
+        would[str(d.action)][1] += d.bytes_freed
+        # "would move to .ckptd-trash/ and purge" says nothing "would delete" does not
+        how = f" -> {result.detail}" if d.action is Action.SLIM else ""
+        print(f"would {d.action} {d.checkpoint.rel} ({size}): {'; '.join(d.reasons)}{how}{note}")
+        return EX_OK
+    print(
+        f"{d.action} {d.checkpoint.rel} ({size}): "
+        f"{'; '.join(d.reasons)} -> {result.outcome}: {result.detail}{note}"
+    )
+    return EX_IOERR if result.outcome is Outcome.FAILED else EX_OK
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -578,9 +658,16 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{format_size(counters.get('bytes_reclaimed', 0))} reclaimed, "
             f"{counters.get('rescans', 0)} rescans after missed events"
         )
+        job = doc.get("consolidation")
+        if isinstance(job, dict):
+            stopping = f", stopping: {job['stopping']}" if job.get("stopping") else ""
+            print(f"  consolidating {job['checkpoint']} in {job['root']} (fp32 weights from {job['from']}): "
+                  f"running {format_age(now - job['started'])}{stopping}")
         for root in doc["roots"]:
             role = role_of(root, doc)
             oldest = root.get("oldest_incomplete_age")
+            if oldest is not None:  # as old as it is now, not as it was at the daemon's last write
+                oldest += max(0.0, now - doc["heartbeat"])
             extra = f"; oldest incomplete: {format_age(oldest)}" if oldest is not None else ""
             print(f"  {root['path']}: {ROLES.get(role, role)} (observer {root['observer']}{extra})")
             for line in _lead_and_quiet_lines(root, time.time()):
@@ -590,6 +677,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 for c in run["checkpoints"]:
                     action = c["action"] or "-"
                     reasons = "; ".join(c["reasons"]) or f"not decided yet ({c['state']})"
+                    if isinstance(c.get("unchanged_since"), int | float):
+                        reasons = settling_now(c["unchanged_since"], root.get("effective_quiet_period"), now)
                     size = format_size(c["size_bytes"])
                     rows.append((run["run"], c["name"], c["state"], size, action, reasons))
             if len(rows) == 1:
@@ -598,6 +687,18 @@ def cmd_status(args: argparse.Namespace) -> int:
             for line in columns(rows):
                 print(f"    {line}")
     return EX_OK
+
+
+def settling_now(since: float, quiet: float | None, now: float) -> str:
+    """A settling checkpoint's reason, computed when `status` is asked: how long the daemon has
+    seen it unchanged (wall-clock time of its last change, from the state file) of its quiet period."""
+    age = max(0.0, now - since)
+    if not isinstance(quiet, int | float):
+        return f"settling, never deleted: unchanged for {format_age(age)}"
+    if age >= quiet:
+        return (f"settling, never deleted: unchanged for {format_age(age)} of {format_age(quiet)}: "
+                "the daemon's next look decides")
+    return f"settling, never deleted: unchanged for {format_age(age)} of {format_age(quiet)}"
 
 
 def _lead_and_quiet_lines(root: dict[str, Any], now: float) -> list[str]:
@@ -667,18 +768,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     run_dir = path.parent
     retention, world = root.retention_for(run_rel)
     inspector = Inspector(quiet_period=root.quiet_period, mp_world_size=root.mp_world_size)
-    ckpt = inspector.inspect(
-        root.path,
-        run_rel,
-        RunContext(run_dir, frozenset(os.listdir(run_dir))),
-        cand,
-        now=time.time(),
-        world_size=world,
-        pins=frozenset(retention.pins),
-        slim_files=retention.slim_files,
-        pattern=root.patterns[cand.pattern] if cand.pattern is not None else None,
-        slim_weights=retention.slim_weights,
-    )
+    # Reading every file's integrity of a big checkpoint takes a while: a terminal is told.
+    with Ticker(f"verify {path}", quiet=args.quiet) as ticker:
+        ticker.working("reading its files")
+        ckpt = inspector.inspect(
+            root.path,
+            run_rel,
+            RunContext(run_dir, frozenset(os.listdir(run_dir))),
+            cand,
+            now=time.time(),
+            world_size=world,
+            pins=frozenset(retention.pins),
+            slim_files=retention.slim_files,
+            pattern=root.patterns[cand.pattern] if cand.pattern is not None else None,
+            slim_weights=retention.slim_weights,
+        )
     warnings = step_mismatch(ckpt, os.listdir(path) if is_dir else [])
     if args.json:
         print(json.dumps({**checkpoint_json(ckpt), "warnings": warnings}, indent=2))
@@ -776,6 +880,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"# {line}", file=sys.stderr)
     for line in _unmatched(config):
         print(f"warning: {line}", file=sys.stderr)
+    for line in _world_sizes(config):
+        print(f"warning: {line}", file=sys.stderr)
     source = path if path else "no config file: built-in defaults"
     print(f"# {source}{with_env}: OK ({', '.join(checked)})", file=sys.stderr)
     return EX_OK
@@ -792,6 +898,21 @@ def _unmatched(config: Config) -> list[str]:
             continue  # preflight said what it could; nothing to compare with
         rels = [c.name if d.rel == "." else f"{d.rel}/{c.name}" for d in dirs for c in d.candidates]
         out += unmatched_paths(root, rels, [d.rel for d in dirs])
+    return out
+
+
+def _world_sizes(config: Config) -> list[str]:
+    """Configured world sizes that the checkpoints contradict (`planner.world_size_warning`):
+    the checkpoints are inspected, as `plan` does, only in roots where a world_size is set."""
+    out = []
+    for root in config.roots:
+        if root.world_size is None and all(r.world_size is None for r in root.runs):
+            continue
+        try:
+            runs = Scanner(root, state_dir=config.daemon.state_dir).runs(now=time.time())
+        except (OSError, CkptdError):
+            continue  # preflight said what it could
+        out += [w for run in runs if (w := world_size_warning(root, run)) is not None]
     return out
 
 
@@ -952,7 +1073,8 @@ COMMANDS = {
 class JsonFormatter(logging.Formatter):
     """One JSON object per line, for docker log drivers and log shippers. Times in UTC."""
 
-    FIELDS = ("root", "run", "checkpoint", "state", "action", "reasons", "outcome", "dry_run")
+    FIELDS = ("root", "run", "checkpoint", "state", "action", "reasons", "outcome", "dry_run",
+              "kept", "deleted", "slimmed", "incomplete", "bytes_freed", "done", "total")
 
     def format(self, record: logging.LogRecord) -> str:
         when = datetime.datetime.fromtimestamp(record.created, datetime.UTC)

@@ -34,6 +34,17 @@ from ckptd.slim import DEFAULT_SLIM_FILES
 
 DEFAULT_CONFIG_PATH = Path("/etc/ckptd/config.toml")
 
+# Retention's thinning by time, finest first (policy.time_buckets).
+TIME_BUCKETS = ("keep_hourly", "keep_daily", "keep_weekly", "keep_monthly")
+# Below this, a save's own pauses look quiet (Root.allow_short_quiet_period).
+QUIET_FLOOR = 5.0
+# Never a root unless Root.allow_any_path: these and everything under them ...
+SYSTEM_TREES = ("/proc", "/sys", "/dev", "/etc", "/usr", "/boot", "/bin", "/sbin", "/lib", "/lib32",
+                "/lib64", "/libx32", "/run")
+# ... and these themselves (a volume may well be mounted under /var/lib or /mnt, not as it).
+SYSTEM_DIRS = ("/", "/var", "/var/lib", "/var/log", "/var/cache", "/var/spool", "/var/tmp", "/tmp",
+               "/home", "/root", "/mnt", "/media", "/opt", "/srv")
+
 # --- units ---------------------------------------------------------------
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -248,6 +259,29 @@ class Retention(_Strict):
         description="Keep checkpoints written within this long of when the run's newest save began (a "
         "pin or a touch of an old checkpoint does not move it).",
     )
+    keep_hourly: int = Field(
+        strict=True,
+        default=0,
+        ge=0,
+        description="Keep the newest checkpoint of each of the last N hours that have one, by when "
+        "each save ended, in UTC (restic's forget --keep-hourly; counted back from the run's newest "
+        "save, never from now). 0: off.",
+    )
+    keep_daily: int = Field(
+        strict=True, default=0, ge=0,
+        description="Keep the newest checkpoint of each of the last N days (UTC) that have one; as "
+        "keep_hourly.",
+    )
+    keep_weekly: int = Field(
+        strict=True, default=0, ge=0,
+        description="Keep the newest checkpoint of each of the last N ISO weeks (UTC, Monday first) that "
+        "have one; as keep_hourly.",
+    )
+    keep_monthly: int = Field(
+        strict=True, default=0, ge=0,
+        description="Keep the newest checkpoint of each of the last N calendar months (UTC) that have "
+        "one; as keep_hourly.",
+    )
     max_size: Size | None = Field(
         None, description="Per run: delete the oldest unprotected checkpoints until the run fits."
     )
@@ -323,6 +357,7 @@ class Retention(_Strict):
             parts.append(f"keep_every_steps={self.keep_every_steps}")
         if self.keep_within is not None:
             parts.append(f"keep_within={format_duration(self.keep_within)}")
+        parts += [f"{key}={n}" for key in TIME_BUCKETS if (n := getattr(self, key))]
         return " and ".join(parts)
 
 
@@ -507,6 +542,20 @@ class Root(_Strict):
     mp_world_size: int = Field(
         strict=True, default=1, ge=1, description="DeepSpeed model-parallel world size, with world_size."
     )
+    allow_any_path: bool = Field(
+        strict=True,
+        default=False,
+        description="Let `path` be '/', a system directory (/proc, /sys, /dev, /etc, /usr, /boot, /bin, "
+        "/sbin, /lib, /run, /var itself, ...) or a directory holding daemon.state_dir; refused "
+        "otherwise (exit 78): such a root holds other programs' files, not runs of checkpoints.",
+    )
+    allow_short_quiet_period: bool = Field(
+        strict=True,
+        default=False,
+        description=f"Let quiet_period be below {QUIET_FLOOR:g}s; refused otherwise (exit 78): a save "
+        "pauses that long between its own writes (a rank waiting on the others, a shard being "
+        "serialised), and a checkpoint still being written would look finished.",
+    )
     retention: Retention = Field(default_factory=Retention, description="The retention policy.")
     runs: tuple[RunRule, ...] = Field((), description="Per-run overrides, first match wins.")
     # Set only from the command line: `ckptd prune /vol/team` with /vol configured is /vol (its
@@ -646,6 +695,54 @@ class Config(_Strict):
         return roots
 
 
+def refusals(config: Config) -> list[tuple[str, str]]:
+    """(key, why) for each root that cannot be meant, unless its own key says it is (exit 78).
+
+    Checked on every config ckptd reads (`parse_config`, `envconfig.effective_config`), after
+    the models: `path = "/"` walked /proc and other jobs' temp directories and proposed
+    deletions there; `quiet_period = 0` takes a save that pauses for a moment for finished.
+    """
+    out = []
+    for i, root in enumerate(config.roots):
+        if not root.allow_any_path:
+            why = system_path(root.path) or holds(root.path, config.daemon.state_dir)
+            if why is not None:
+                out.append((f"roots[{i}].path", (
+                    f"{str(root.path)!r} {why}: name the directory that holds the runs, "
+                    "or set allow_any_path = true in its [[roots]] if it is meant"
+                )))
+        if root.quiet_period < QUIET_FLOOR and not root.allow_short_quiet_period:
+            out.append((f"roots[{i}].quiet_period", (
+                f"{format_duration(root.quiet_period)} is below {QUIET_FLOOR:g}s: a save pauses that "
+                "long between its own writes, so a checkpoint still being written would look finished; "
+                "set allow_short_quiet_period = true in its [[roots]] if nothing writes there while "
+                "ckptd looks (a finished job, a test)"
+            )))
+    return out
+
+
+def system_path(path: Path) -> str | None:
+    """Why `path` (as written, and as it resolves: /data -> /) is no place for runs, or None."""
+    for p in dict.fromkeys((os.path.normpath(path), os.path.realpath(path))):
+        if p == "/":
+            return "is the whole filesystem"
+        if p in SYSTEM_DIRS:
+            return f"is the system directory {p}"
+        top = next((t for t in SYSTEM_TREES if p == t or p.startswith(f"{t}/")), None)
+        if top is not None:
+            return f"is in the system directory {top}"
+    return None
+
+
+def holds(root: Path, state_dir: Path) -> str | None:
+    """Why a root may not hold the state directory (its journal, locks and caches), or None."""
+    for r, s in ((os.path.normpath(root), os.path.normpath(state_dir)),
+                 (os.path.realpath(root), os.path.realpath(state_dir))):
+        if s == r or s.startswith(r.rstrip("/") + "/"):
+            return f"holds daemon.state_dir {str(state_dir)!r}"
+    return None
+
+
 def _overlap(a: str, b: str, table: list[mounts.Mount]) -> bool:
     return mounts.located_in(a, b, table) is not None or mounts.located_in(b, a, table) is not None
 
@@ -744,9 +841,13 @@ def format_validation_error(source: str, exc: ValidationError) -> list[str]:
 
 def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(source, exc)) from None
+    refused = refusals(config)
+    if refused:
+        raise ConfigError([f"{source}: {key}: {why}" for key, why in refused])
+    return config
 
 
 def load_config(path: Path) -> Config:

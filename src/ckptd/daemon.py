@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import __version__
-from ckptd.config import Config, format_age, format_duration, format_size
+from ckptd.config import Config, Root, format_age, format_duration, format_size
 from ckptd.consolidate import Consolidation
 from ckptd.envconfig import effective_config
 from ckptd.errors import ConfigError, RootMissingError
@@ -50,7 +50,7 @@ from ckptd.lease import (
     coherence_note,
     volume_leader_seen,
 )
-from ckptd.metrics import Metrics
+from ckptd.metrics import Metrics, unmet_budgets
 from ckptd.model import QUIET, Action, Checkpoint, State, Verdict
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
 from ckptd.notify import notify, watchdog_interval
@@ -65,6 +65,9 @@ log = logging.getLogger("ckptd.daemon")
 SHUTDOWN_TIMEOUT = 10.0
 SAVE_TIMEOUT = 3.0  # at a stop, for the verdicts proven since the last save (verdicts.py)
 STATE_MIN_INTERVAL = 1.0
+# A running consolidation, and the looks at what a first scan found, say so this often (seconds).
+CONSOLIDATION_PROGRESS_EVERY = 60.0
+SCAN_PROGRESS_EVERY = 10.0
 # Retention (a plan across every root) runs at most this often: in a save storm each tick completes
 # a few checkpoints, and a pass per tick held the filesystem thread from its next looks.
 RETENTION_MIN_INTERVAL = 1.0
@@ -120,6 +123,8 @@ class _ConsolidationJob:
     run: Consolidation
     future: concurrent.futures.Future | None = None
     stopping: str | None = None  # why it was stopped, if it was
+    started: float = 0.0  # wall-clock time, for `status`
+    said: float = 0.0  # monotonic time of its last progress line
 
 
 _Waiting = tuple[RootRuntime, Result]  # a slim whose fp32 weights are to be consolidated first (DEFERRED)
@@ -151,6 +156,12 @@ class Daemon:
         # What the log last said of each checkpoint (by (root, rel)): its state, its action.
         self._said_states: dict[tuple[str, str], State] = {}
         self._said_actions: dict[tuple[str, str], str] = {}
+        # Checkpoints found by a first scan, until each has settled: their first state and
+        # decision are debug lines, and one totals line says what became of them (`_say_totals`).
+        self._found_at_start: set[tuple[str, str]] = set()
+        self._totals_said = False
+        self._looks_due: dict[str, int] = {}  # root -> checkpoints found at start, to be looked at
+        self._looks_said = 0.0  # monotonic time of the last progress line about them
         self._start_notes: list[str] = []  # what the first scan found, said after "ready"
         self._preview_due = False  # `_as_plan_sees_it`, said once the start-up's looks are done
         self._decisions_version = 0  # bumped when `_decisions` changes (the state file's cache)
@@ -290,6 +301,9 @@ class Daemon:
         self._said_states = {
             (str(rt.root.path), c.rel): c.state for rt in self.roots for c in rt.tracker.checkpoints()
         }
+        self._found_at_start = set(self._said_states)
+        self._looks_due = {str(rt.root.path): len(rt.tracker.unseen) for rt in self.roots}
+        self._looks_said = now
         self._start_notes = [self._what_comes_next()]
         self._preview_due = True  # what `plan` would show, once every checkpoint found was looked at
         self._sync_watches()
@@ -532,6 +546,10 @@ class Daemon:
             self._lead_gained, retention = False, True
         if changed:
             self._say_state_changes()
+        if not self._totals_said and not self._found_at_start:
+            # Everything found at start has settled, complete or not: decide (and say so) once
+            # even where none completed (all incomplete: a world_size too large says why here).
+            retention = True
         if retention or (self._retention_due is not None and now >= self._retention_due):
             retention = now - self._retention_ran >= RETENTION_MIN_INTERVAL
             self._retention_due = None if retention else self._retention_ran + RETENTION_MIN_INTERVAL
@@ -542,8 +560,38 @@ class Daemon:
             except OSError as exc:  # statvfs, a re-check's walk: skip this pass, the next one retries
                 log.error("retention skipped this time: %s", exc)
         self._sync_watches()
+        self._say_consolidating(now)
+        self._say_first_looks(now)
         self._sample_metrics()
         self._write_state()
+
+    def _say_first_looks(self, now: float) -> None:
+        """Every SCAN_PROGRESS_EVERY seconds while the checkpoints found at start are looked at
+        (a few at a time, after READY: minutes on a big volume), how far it has got."""
+        if not self._looks_due or now - self._looks_said < SCAN_PROGRESS_EVERY:
+            return
+        self._looks_said = now
+        for rt in self.roots:
+            total = self._looks_due.get(str(rt.root.path), 0)
+            left = len(rt.tracker.unseen)
+            if total and left:
+                log.info("%s: looked at %d of the %d checkpoints found at start (%d%%)", rt.root.path,
+                         total - left, total, 100 * (total - left) // total,
+                         extra={"root": str(rt.root.path), "done": total - left, "total": total})
+        if not any(rt.tracker.unseen for rt in self.roots):
+            self._looks_due = {}
+
+    def _say_consolidating(self, now: float) -> None:
+        """A line a minute while a consolidation runs (one can take an hour on a big model):
+        start and end alone looked like a daemon that had stopped."""
+        job = self._consolidation
+        if job is None or job.stopping is not None or now - job.said < CONSOLIDATION_PROGRESS_EVERY:
+            return
+        job.said = now
+        c = job.work.decision.checkpoint
+        log.info("still consolidating %s (fp32 weights from %s): %s so far", c.rel, job.work.tag,
+                 format_age(time.time() - job.started),
+                 extra={"run": c.run, "checkpoint": c.name, "action": "consolidate"})
 
     def _say_state_changes(self) -> None:
         """Log what a person watching wants to know, once per change, in path order: a new
@@ -564,16 +612,22 @@ class Daemon:
                     if before is not None and (c.state is before or {c.state, before} <= IN_FLIGHT):
                         continue
                     extra = {"root": root, "run": c.run, "checkpoint": c.name, "state": str(c.state)}
+                    level = logging.INFO
                     if c.state is State.COMPLETE:
                         what = f"complete ({c.layout}, {format_size(c.size_bytes)})"
+                        if key in self._found_at_start:  # one of thousands at start: the totals say it
+                            level = logging.DEBUG
                     elif c.state in IN_FLIGHT:
                         what = f"new, {c.state}" if before is None else f"{c.state} again (was {before})"
                     else:
                         what = f"{c.state}: {_first_failed(c)}"
-                    log.info("%s: %s", c.rel, what, extra=extra)
+                    if c.state not in IN_FLIGHT:
+                        self._found_at_start.discard(key)
+                    log.log(level, "%s: %s", c.rel, what, extra=extra)
                     said[key] = c.state
         for key in [k for k in said if k not in now]:
             del said[key]
+            self._found_at_start.discard(key)
             root, rel = key
             log.info("%s: gone (not by ckptd)", rel, extra={"root": root})
 
@@ -585,7 +639,13 @@ class Daemon:
         plan = decide(runs, space=self._space)
         for w in plan.warnings:
             log.warning("%s", w)
-        self._log_decisions(plan.decisions)
+        if self.metrics is not None:
+            self.metrics.budgets = {str(rt.root.path): configured_budgets(rt.root) for rt in self.roots}
+            self.metrics.budgets_unmet = unmet_budgets(
+                plan.warnings, plan.decisions, (str(rt.root.path) for rt in self.roots)
+            )
+        news = self._log_decisions(plan.decisions)
+        done = {"deleted": 0, "slimmed": 0, "freed": 0, "would delete": 0, "would slim": 0}
         waiting: list[_Waiting] = []  # slims whose fp32 weights are to be consolidated first
         for rt in self.roots:
             self._try_lead(rt)
@@ -617,6 +677,8 @@ class Daemon:
                     trashed = True
                     self.counters[verb] += 1
                     moved = c.size_bytes if result.outcome is Outcome.TRASHED else result.moved_bytes
+                    done[verb] += 1
+                    done["freed"] += moved
                     with rt.pending_lock:
                         rt.pending_purge_bytes += moved
                     if result.outcome is Outcome.TRASHED:
@@ -627,6 +689,7 @@ class Daemon:
                     reasons = "; ".join(result.decision.reasons)
                     log.info("%s %s (%s): %s", verb, c.rel, format_size(moved), reasons, extra=extra)
                 elif result.outcome is Outcome.DRY_RUN:
+                    done[f"would {action}"] += 1
                     log.debug("would %s %s: %s %s", action, c.rel, result.detail, DRY_RUN_NOTE, extra=extra)
                 else:
                     self.counters[str(result.outcome)] += 1
@@ -641,6 +704,7 @@ class Daemon:
                         log.log(level, "not %s %s: %s", what, c.rel, result.detail, extra=extra)
             if trashed:
                 self._purge(rt)
+        self._say_totals(plan.decisions, done, news)
         self._schedule_consolidation(plan.decisions, waiting)
         # Forget what was said about checkpoints that are gone (a path re-created later is news again).
         current = {(str(d.checkpoint.root), d.checkpoint.rel) for d in plan.decisions}
@@ -715,8 +779,11 @@ class Daemon:
             except RuntimeError:  # the loop is closed: the daemon is gone, the next start clears up
                 pass
 
+        job.started, job.said = time.time(), self.clock()
+        self._consolidation = job  # before it runs: whoever sees it running sees it here too
+        if self.metrics is not None:
+            self.metrics.consolidations_running = 1
         job.future = self._consolidator.submit(job.run.run)
-        self._consolidation = job
         job.future.add_done_callback(done)
         self.counters["consolidations"] += 1
         log.info(
@@ -736,6 +803,8 @@ class Daemon:
         """On the filesystem thread: move the verified weights into place, or drop what was made."""
         if self._consolidation is job:
             self._consolidation = None
+            if self.metrics is not None:
+                self.metrics.consolidations_running = 0
         assert job.future is not None
         try:
             outcome = job.future.result()
@@ -766,7 +835,32 @@ class Daemon:
             extra = {"run": c.run, "checkpoint": c.name, "outcome": str(result.outcome)}
             log.log(level, "not %s %s: %s", what, c.rel, result.detail, extra=extra)
 
-    def _log_decisions(self, decisions: tuple[Decision, ...]) -> None:
+    def _say_totals(self, decisions: tuple[Decision, ...], done: dict[str, int], news: int) -> None:
+        """One line for a retention pass: after the first that decided about every checkpoint
+        found at start (4,500 checkpoints said one line each before, twice), and after each
+        that deletes or slims (a dry run: each whose deletions or slims are news, `news`).
+        `kept` counts complete checkpoints kept; `incomplete` the rest."""
+        acted = done["deleted"] + done["slimmed"] if not self.dry_run else news
+        first = not self._totals_said and not self._found_at_start
+        if not (first or acted):
+            return
+        self._totals_said = True
+        kept = sum(1 for d in decisions if d.action is Action.KEEP and d.checkpoint.state is State.COMPLETE)
+        incomplete = sum(1 for d in decisions if d.checkpoint.state is not State.COMPLETE)
+        runs = len({(str(d.checkpoint.root), d.checkpoint.run) for d in decisions})
+        if self.dry_run:
+            acts = f"would delete {done['would delete']}, would slim {done['would slim']}"
+        else:
+            acts = (f"{done['deleted']} deleted, {done['slimmed']} slimmed, "
+                    f"{format_size(done['freed'])} freed")
+        log.info(
+            "retention: %d kept, %s, %d incomplete or in flight (%d runs)%s",
+            kept, acts, incomplete, runs, f" {DRY_RUN_NOTE}" if self.dry_run else "",
+            extra={"kept": kept, "deleted": done["deleted"], "slimmed": done["slimmed"],
+                   "incomplete": incomplete, "bytes_freed": done["freed"], "dry_run": self.dry_run},
+        )
+
+    def _log_decisions(self, decisions: tuple[Decision, ...]) -> int:
         """Log a checkpoint's decision when its action changes, in plan order (root, run, step).
 
         At INFO: a complete checkpoint's first decision, and any change of action (keep ->
@@ -774,8 +868,10 @@ class Daemon:
         checkpoints found at start (which complete milliseconds apart) are not said to be kept
         as "newest complete" one moment and deleted the next. A kept checkpoint's reasons
         shift with every save (`keep_last=2 (#2 newest)`), and one in flight is kept because
-        it is in flight (its state line said so): those are debug lines.
+        it is in flight (its state line said so): those are debug lines. Returns how many
+        deletions and slims were news.
         """
+        news_acting = 0
         note = f" {DRY_RUN_NOTE}" if self.dry_run else ""
         busy = {(c.root, c.run) for d in decisions if (c := d.checkpoint).state in IN_FLIGHT}
         for d in decisions:
@@ -796,8 +892,9 @@ class Daemon:
                 continue
             if news:
                 self._said_actions[key] = value[0]
+                news_acting += acting
             log.log(
-                logging.INFO if news else logging.DEBUG,
+                logging.INFO if news and acting else logging.DEBUG,  # a keep is said by `_say_totals`
                 "decide %s%s",
                 d.line(),
                 note if acting else "",
@@ -810,6 +907,7 @@ class Daemon:
                     "dry_run": self.dry_run,
                 },
             )
+        return news_acting
 
     def _space(self, path: Path) -> DiskSpace:
         """Free space on `path`'s filesystem, counting what its roots hold in the trash as freed.
@@ -915,6 +1013,7 @@ class Daemon:
                 "oldest_incomplete_age": oldest,
             }
             roots.append(_json(head)[:-1] + ',"runs":' + self._runs_json(rt) + "}")
+        job = self._consolidation
         head = {
             "pid": os.getpid(),
             "version": __version__,
@@ -922,6 +1021,14 @@ class Daemon:
             "started": self.started,
             "dry_run": self.dry_run,
             "counters": dict(self.counters),
+            # the running zero_to_fp32 consolidation, if any (`ckptd status` says how long so far)
+            "consolidation": None if job is None else {
+                "root": str(job.rt.root.path),
+                "checkpoint": job.work.decision.checkpoint.rel,
+                "from": job.work.tag,
+                "started": job.started,
+                "stopping": job.stopping,
+            },
         }
         return _json(head)[:-1] + ',"roots":[' + ",".join(roots) + "]}"
 
@@ -931,6 +1038,9 @@ class Daemon:
         if hit is not None and hit[0] == key:
             return hit[1]
         root_key = str(rt.root.path)
+        # The settler's monotonic times as wall-clock times, so that `ckptd status` says how long
+        # a checkpoint has been unchanged when it is asked, not when this was written.
+        to_wall = time.time() - self.clock()
         runs = []
         for run in rt.tracker.current_runs():
             ckpts = []
@@ -952,6 +1062,8 @@ class Daemon:
                         "reasons": reasons,
                     }
                 )
+                if c.state is State.SETTLING and (since := rt.tracker.settler.changed_at(c.rel)) is not None:
+                    ckpts[-1]["unchanged_since"] = since + to_wall
             runs.append({"run": run.rel, "checkpoints": ckpts})
         text = _json(runs)
         self._runs_cache[rt.root.path] = (key, text)
@@ -1050,6 +1162,7 @@ class Daemon:
                 log.info("%s: %d checkpoint(s) in %d run(s)", root.path, len(found), len(rt.tracker.runs),
                          extra={"root": str(root.path)})
                 self._said_states.update({(str(root.path), c.rel): c.state for c in found})
+                self._found_at_start.update((str(root.path), c.rel) for c in found)
             else:
                 if root.observer != rt.root.observer:
                     log.warning("%s: observer changed: it takes effect at the next start", root.path)
@@ -1181,6 +1294,13 @@ def _join_executors(executors: list[concurrent.futures.ThreadPoolExecutor], time
 def _flush_logs() -> None:
     for h in logging.getLogger("ckptd").handlers:
         h.flush()
+
+
+def configured_budgets(root: Root) -> tuple[str, ...]:
+    """The budget keys a root sets, in [roots.retention] or any run rule (ckptd_budget_unmet's labels)."""
+    rules = (root.retention, *root.runs)
+    keys = ("max_size", "min_free", "keep_total")
+    return tuple(k for k in keys if any(getattr(r, k) is not None for r in rules))
 
 
 def read_states(state_dir: Path) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ckptd import mounts
-from ckptd.config import Config, _loc, _message, read_toml
+from ckptd.config import Config, _loc, _message, read_toml, refusals
 from ckptd.errors import ConfigError, UsageError
 
 
@@ -84,13 +84,23 @@ def settings_in(env: Mapping[str, str]) -> list[str]:
     return sorted(k for k in env if k in KNOWN and k != "CKPTD_CONFIG" and env[k].strip())
 
 
-def effective_config(path: Path | None, env: Mapping[str, str], roots: Sequence[Path] = ()) -> Config:
+def effective_config(
+    path: Path | None,
+    env: Mapping[str, str],
+    roots: Sequence[Path] = (),
+    retention: Mapping[str, tuple[str, Any]] | None = None,
+) -> Config:
     """The config in force: `path` (or the defaults), `roots` from the command line (or
-    `$CKPTD_ROOTS`) replacing the file's roots, then the `CKPTD_*` settings on top."""
+    `$CKPTD_ROOTS`) replacing the file's roots, then the `CKPTD_*` settings on top, then
+    `retention`: key -> (the command-line flag, its value), as `restic forget --keep-last 3`
+    is the policy for that call. A flag sets its key in every root's retention and in every
+    run rule that sets it; --keep-last or --keep-best replaces keep_total (the other way to
+    count) wherever it is set."""
     data = read_toml(path) if path is not None else {}
     source = str(path) if path is not None else "<defaults>"
     problems: list[str] = []
     origins: list[tuple[re.Pattern[str], str]] = []  # error location -> the variable to blame
+    tables: list[tuple[re.Pattern[str], str, str]] = []  # a table's location, a key in it, its variable
 
     scopes: list[tuple[str, ...]] = []
     if roots:
@@ -118,21 +128,47 @@ def effective_config(path: Path | None, env: Mapping[str, str], roots: Sequence[
             for root in _tables(data, "roots"):
                 table = root if where == "root" else _table(root, "retention")
                 table[key] = value
-            prefix = r"roots\[\d+\]\." + (r"retention\." if where == "retention" else "")
-            origins.append((re.compile(rf"^{prefix}{key}$"), name))
+            at = r"roots\[\d+\]" + (r"\.retention" if where == "retention" else "")
+            origins.append((re.compile(rf"^{at}\.{key}$"), name))
+            # a problem of the table the key is in that names the key ("keep_total replaces
+            # keep_last", the file setting keep_last) is the variable's too: both are named
+            tables.append((re.compile(rf"^{at}$"), key, name))
     if problems:
         raise ConfigError(problems)
+    for key, (flag, value) in (retention or {}).items():
+        for root in _tables(data, "roots"):
+            _table(root, "retention")[key] = value
+            for rule in _tables(root, "runs"):
+                if key in rule:
+                    rule[key] = value
+            if key in ("keep_last", "keep_best"):
+                _table(root, "retention").pop("keep_total", None)
+                for rule in _tables(root, "runs"):
+                    rule.pop("keep_total", None)
+        origins.insert(0, (re.compile(rf"^roots\[\d+\]\.(retention|runs\[\d+\])\.{key}$"), flag))
 
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
         for err in exc.errors():
-            where = _loc(err["loc"])
+            where, message = _loc(err["loc"]), _message(err)
             blame = next((name for pattern, name in origins if pattern.match(where)), None)
-            line = f"{blame}: {_message(err)}" if blame else f"{source}: {where}: {_message(err)}"
+            table = next((name for pattern, key, name in tables
+                          if pattern.match(where) and re.search(rf"\b{key}\b", message)), None)
+            if blame is not None:
+                line = f"{blame}: {message}"
+            elif table is not None:
+                line = f"{table}: {message} ({source}: {where})"
+            else:
+                line = f"{source}: {where}: {message}"
             if line not in problems:  # one line per variable, not one per root
                 problems.append(line)
         raise ConfigError(problems) from None
+    for where, why in refusals(config):
+        blame = next((name for pattern, name in origins if pattern.match(where)), None)
+        problems.append(f"{blame}: {where}: {why}" if blame else f"{source}: {where}: {why}")
+    if problems:
+        raise ConfigError(problems)
     if any(scopes):
         pairs = zip(config.roots, scopes, strict=True)
         config = config.model_copy(update={"roots": tuple(r.restricted(s) if s else r for r, s in pairs)})

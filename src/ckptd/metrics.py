@@ -23,12 +23,15 @@ Where each value comes from, and on which thread:
 from __future__ import annotations
 
 import logging
+import platform
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckptd import __version__
 from ckptd.config import parse_listen
 from ckptd.errors import ConfigError, IOFault
 from ckptd.model import State
@@ -70,6 +73,17 @@ class RootSample:
     rescans: int
     last_reconcile: float | None
     leader: bool
+    runs: tuple[RunSample, ...] = ()
+
+
+@dataclass(frozen=True)
+class RunSample:
+    """One run's totals (per run, never per checkpoint: a volume holds thousands)."""
+
+    run: str
+    states: Mapping[str, int]
+    size_bytes: int
+    newest_complete: float | None  # when its newest complete checkpoint's save ended (Unix time)
 
 
 class Metrics:
@@ -102,6 +116,9 @@ class Metrics:
         self._roots_seen: set[str] = set()
         self._server: Any = None
         self._thread: Any = None
+        self.consolidations_running = 0  # set by the daemon (0 or 1: one consolidation at a time)
+        self.budgets_unmet: set[tuple[str, str]] = set()  # (root, budget key), after each retention pass
+        self.budgets: dict[str, tuple[str, ...]] = {}  # root -> the budget keys it configures
 
     # --- serving ---------------------------------------------------------------
 
@@ -134,8 +151,16 @@ class Metrics:
             self._roots_seen.add(path)
             states = dict.fromkeys((str(s) for s in State), 0)
             oldest = 0.0
+            runs: dict[str, tuple[dict[str, int], list[float]]] = {}  # run -> (states, [bytes, newest])
             for c in rt.tracker.checkpoints():
                 states[str(c.state)] += 1
+                if c.run not in runs:
+                    runs[c.run] = (dict.fromkeys((str(s) for s in State), 0), [0, -1.0])
+                run_states, totals = runs[c.run]
+                run_states[str(c.state)] += 1
+                totals[0] += c.size_bytes
+                if c.state is State.COMPLETE:
+                    totals[1] = max(totals[1], c.written_at)
                 key = (path, c.rel)
                 present.add(key)
                 seen = self._seen.get(key)
@@ -160,11 +185,39 @@ class Metrics:
                     rescans=rt.tracker.rescans,
                     last_reconcile=None if last is None else wall - (now - last),
                     leader=rt.leader,
+                    runs=tuple(
+                        RunSample(run, st, int(t[0]), t[1] if t[1] >= 0 else None)
+                        for run, (st, t) in sorted(runs.items())
+                    ),
                 )
             )
         for key in [k for k in self._seen if k not in present]:
             del self._seen[key]  # gone, or its root is no longer configured
         self.samples = tuple(samples)  # one assignment: a scrape sees this snapshot or the last
+
+
+# policy._take_oldest's warning for a budget that cannot be met: "<where>: max_size=2TiB cannot be met: ..."
+_UNMET = re.compile(r"^(?P<where>.+?): (?P<budget>max_size|min_free)=\S+ cannot be met: ")
+
+
+def unmet_budgets(
+    warnings: Iterable[str], decisions: Iterable[Any], roots: Iterable[str]
+) -> set[tuple[str, str]]:
+    """(root, budget key) for each budget a plan cannot meet: max_size or min_free (their
+    warnings, `policy._take_oldest`; `where` is the run, or the roots of one filesystem), and
+    keep_total where a checkpoint is kept over it (`over keep_total=N: always kept`)."""
+    roots = sorted(roots, key=len, reverse=True)
+    out: set[tuple[str, str]] = set()
+    for w in warnings:
+        if (m := _UNMET.match(w)) is not None:
+            for where in m["where"].split(", "):
+                root = next((r for r in roots if where == r or where.startswith(r.rstrip("/") + "/")), None)
+                if root is not None:
+                    out.add((root, m["budget"]))
+    for d in decisions:
+        if any(r.startswith("over keep_total=") for r in d.reasons):
+            out.add((str(d.checkpoint.root), "keep_total"))
+    return out
 
 
 @dataclass
@@ -189,6 +242,36 @@ class _Collector:
         out = []
         for key, name, doc in COUNTERS:
             out.append(core.CounterMetricFamily(name, doc, value=self.m.counters.get(key, 0)))
+        build = core.GaugeMetricFamily(
+            "ckptd_build_info", "The running ckptd: its version and Python's (always 1).",
+            labels=["version", "python"],
+        )
+        build.add_metric([__version__, platform.python_version()], 1)
+        out.append(build)
+        out.append(core.GaugeMetricFamily(
+            "ckptd_consolidations_running", "zero_to_fp32 consolidations running now (one at a time).",
+            value=self.m.consolidations_running,
+        ))
+        run_states = core.GaugeMetricFamily(
+            "ckptd_run_checkpoints", "A run's checkpoints, by state.", labels=["root", "run", "state"]
+        )
+        run_bytes = core.GaugeMetricFamily(
+            "ckptd_run_bytes", "Bytes a run's checkpoints hold on disk.", labels=["root", "run"]
+        )
+        run_newest = core.GaugeMetricFamily(
+            "ckptd_run_newest_complete_timestamp_seconds",
+            "When the save of a run's newest complete checkpoint ended (Unix time; absent: none).",
+            labels=["root", "run"],
+        )
+        out += [run_states, run_bytes, run_newest]
+        unmet = core.GaugeMetricFamily(
+            "ckptd_budget_unmet", "1 while a budget (max_size, min_free, keep_total) cannot be met.",
+            labels=["root", "budget"],
+        )
+        for root, budgets in sorted(self.m.budgets.items()):
+            for budget in budgets:
+                unmet.add_metric([root, budget], 1 if (root, budget) in self.m.budgets_unmet else 0)
+        out.append(unmet)
 
         def per_root(cls: Any, name: str, doc: str) -> Any:
             family = cls(name, doc, labels=["root"])
@@ -231,6 +314,12 @@ class _Collector:
             if s.last_reconcile is not None:
                 reconcile.add_metric([s.path], s.last_reconcile)
             leader.add_metric([s.path], 1 if s.leader else 0)
+            for r in s.runs:
+                for state, n in sorted(r.states.items()):
+                    run_states.add_metric([s.path, r.run, state], n)
+                run_bytes.add_metric([s.path, r.run], r.size_bytes)
+                if r.newest_complete is not None:
+                    run_newest.add_metric([s.path, r.run], r.newest_complete)
             try:
                 space = disk_space(Path(s.path))
             except OSError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -100,12 +101,18 @@ class Scanner:
         if not self.root.path.is_dir():
             raise RootMissingError(f"root {self.root.path} does not exist or is not a directory")
 
-    def runs(self, *, now: float) -> list[Run]:
+    def runs(self, *, now: float, progress: Callable[[int, int], None] | None = None) -> list[Run]:
         """Every run of the root, each checkpoint inspected (or restored, `restore`); what was read
-        is saved (`save_verdicts`)."""
+        is saved (`save_verdicts`). `progress(done, total)` is told after each run, in checkpoints."""
         self.check_root()
         dirs = find_runs(self.root.path, max_depth=self.root.max_depth, patterns=self.patterns)
-        runs = [self.inspect_run(d, now=now) for d in self.in_scope(dirs)]
+        scoped = self.in_scope(dirs)
+        total, done, runs = sum(len(d.candidates) for d in scoped), 0, []
+        for d in scoped:
+            runs.append(self.inspect_run(d, now=now))
+            done += len(d.candidates)
+            if progress is not None:
+                progress(done, total)
         if not self.root.scope:  # restricted to subtrees: the others' records stay
             self.verdicts.retain(str(c.path) for r in runs for c in r.checkpoints)
         self.save_verdicts()
@@ -338,6 +345,62 @@ def unmatched_paths(root: Root, ckpt_rels: list[str], run_rels: list[str]) -> li
     return out
 
 
+# What the evidence says about ranks (evidence.py: `_rank_files` with a configured world size, the
+# DeepSpeed census's origin): "rng_state_4.pth missing (4/8 ranks)", "(dp_world_size=4,
+# mp_world_size=1 from mp_rank_00_model_states.pt)".
+_RANKS_SHORT = re.compile(r" missing \((\d+)/(\d+) ranks\)$")
+_DS_WORLD = re.compile(r"\(dp_world_size=(\d+), mp_world_size=\d+ from (?!config world_size)(.+)\)$")
+_RANK_CHECKS = ("rng states", "random states", "ranks (")
+
+
+def world_size_key(root: Root, run: str) -> str:
+    """The config key a run's world size comes from: `runs[1].world_size` or `world_size`."""
+    for i, rule in enumerate(root.runs):
+        if path_matches(run, rule.match):
+            return f"runs[{i}].world_size" if rule.world_size is not None else "world_size"
+    return "world_size"
+
+
+def world_size_warning(root: Root, run: Run) -> str | None:
+    """Where a configured world_size disagrees with what the run's checkpoints show, or None.
+
+    A world_size of 8 on a 4-rank job holds every checkpoint "incomplete (4/8 ranks)" forever:
+    nothing is deleted and the disk fills, each checkpoint saying only that a rank is missing.
+    Shown: the model states' own dp_world_size (DeepSpeed records it; the config stands in only
+    where that file cannot be read, as in an image without torch), or rank files that fall short
+    by the same count in every quiet checkpoint and pass in none.
+    """
+    _, world = root.retention_for(run.rel)
+    if world is None:
+        return None
+    key = world_size_key(root, run.rel)
+    most: tuple[int, str] | None = None  # the most ranks' files a quiet checkpoint holds, and which
+    for c in reversed(run.checkpoints):  # newest first: the example named is the newest
+        quiet = any(k.name == QUIET and k.verdict is Verdict.PASSED for k in c.checks)
+        for k in c.checks:
+            if k.name.startswith("deepspeed shards") and (m := _DS_WORLD.search(k.detail)):
+                if int(m[1]) != world:
+                    return (
+                        f"{run.path}: {key} = {world}, but {c.name}'s {m[2]} records dp_world_size={m[1]}: "
+                        f"where that file cannot be read (no torch), ckptd counts {world} ranks' shards and "
+                        f"holds the checkpoints incomplete; set {key} = {m[1]}, or remove it"
+                    )
+            elif k.name.startswith(_RANK_CHECKS):
+                if k.verdict is Verdict.PASSED:
+                    return None  # a checkpoint holds every rank the config names: it agrees
+                m = _RANKS_SHORT.search(k.detail) if quiet else None
+                if m and int(m[2]) == world and (most is None or int(m[1]) > most[0]):
+                    most = (int(m[1]), c.name)
+    if most is None:
+        return None
+    present, name = most
+    return (
+        f"{run.path}: {key} = {world}, but no checkpoint holds more than {present} ranks' files "
+        f"({name}): each stays incomplete (at most {present}/{world} ranks) and nothing is deleted; set "
+        f"{key} = {present} for this run, or remove it (ckptd then counts the ranks each checkpoint holds)"
+    )
+
+
 def decide(
     roots: list[tuple[Root, list[Run]]],
     space: Callable[[Path], DiskSpace] = disk_space,
@@ -354,6 +417,8 @@ def decide(
             retention, _ = root.retention_for(run.rel)
             ds = policy.decide_run(run, retention)
             warnings += policy.metric_warnings(run, retention, ds)
+            if (world := world_size_warning(root, run)) is not None:
+                warnings.append(world)
             alone = 0
             held: list[str] = []
             mixed: list[str] = []

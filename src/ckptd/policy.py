@@ -32,6 +32,7 @@ delete whole checkpoints and never slim on their own.
 from __future__ import annotations
 
 import copy
+import datetime
 import heapq
 import math
 from collections import Counter
@@ -256,8 +257,11 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
         start = max(c.saved_at for c in complete)
         within = f"within keep_within={format_duration(window)} of the run's newest"
 
+    thinned = time_buckets(complete, r) if complete and _thins(r) else {}
+
     # The rules that look at one checkpoint at a time, in one pass, each checkpoint's reasons in
-    # the rules' order: a missing metric, keep_every_steps, keep_within, then what is always kept.
+    # the rules' order: a missing metric, keep_every_steps, keep_within, the time buckets, then
+    # what is always kept.
     resume = run.resume
     for c in ckpts:
         reasons = keep[id(c)]
@@ -270,6 +274,8 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
                 reasons.append(every)
             if window is not None and start - c.written_at <= window:
                 reasons.append(within)
+            if thinned and id(c) in thinned:
+                reasons += thinned[id(c)]
         if c.pinned:
             kept(c, "pinned", protect=True)
         if resume and c.name in resume:
@@ -312,6 +318,46 @@ def decide_run(run: Run, r: Retention) -> list[Decision]:
             note = f" ({r.metric}={_fmt(value)} is not comparable)" if incomparable else ""
             append(Decision(c, delete, (outside + note,), False, value, source))
     return decisions
+
+
+def _thins(r: Retention) -> bool:
+    return bool(r.keep_hourly or r.keep_daily or r.keep_weekly or r.keep_monthly)
+
+
+# Each time bucket: its key, the calendar unit it is the newest of, and how that unit is written.
+_BUCKETS: tuple[tuple[str, str, Callable[[datetime.datetime], str]], ...] = (
+    ("keep_hourly", "hour", lambda t: t.strftime("%Y-%m-%d %H:00")),
+    ("keep_daily", "day", lambda t: t.strftime("%Y-%m-%d")),
+    ("keep_weekly", "week", lambda t: "{:04d}-W{:02d}".format(*t.isocalendar()[:2])),
+    ("keep_monthly", "month", lambda t: t.strftime("%Y-%m")),
+)
+
+
+def time_buckets(complete: Sequence[Checkpoint], r: Retention) -> dict[int, list[str]]:
+    """Thinning by time, as restic's `forget --keep-hourly/daily/weekly/monthly` does it
+    (restic internal/restic/snapshot_policy.go, `ApplyPolicy`): newest first, a checkpoint is
+    kept by a rule when its calendar bucket (the hour, day, ISO week or month its save ended, in
+    UTC) differs from that of the last one the rule kept, until the rule has kept N. So each rule
+    keeps the newest checkpoint of each of the last N buckets *that hold one*, counted back from
+    the run's newest save: a run idle for a month keeps its last days, never none. Returns the
+    reasons by checkpoint id; the newest complete checkpoint is kept by every rule that is on.
+
+    UTC, not local time: ckptd on hosts in other time zones sharing a volume decide alike, and a
+    DST change makes no day 23 or 25 hours long.
+    """
+    newest_first = sorted(complete, key=_WRITTEN_KEY, reverse=True)
+    out: dict[int, list[str]] = {}
+    for key, unit, label in _BUCKETS:
+        n = getattr(r, key)
+        last: str | None = None
+        for c in newest_first:
+            if n <= 0:
+                break
+            bucket = label(datetime.datetime.fromtimestamp(c.written_at, datetime.UTC))
+            if bucket != last:
+                out.setdefault(id(c), []).append(f"{key}={getattr(r, key)} (newest of {unit} {bucket} UTC)")
+                last, n = bucket, n - 1
+    return out
 
 
 _OUTSIDE: dict[int, tuple[Retention, str]] = {}  # by id: the retention (kept alive), its delete reason

@@ -55,6 +55,10 @@ SETS = {
     "copy_in": [T+"test_copy_in.py"],
     # red team, third round: what the disk says now, counted as the disk counts it
     "rt3": [T+"test_redteam3.py"],
+    # roots and quiet periods that cannot be meant (config.refusals)
+    "refusals": [T+"test_config.py", T+"test_envconfig.py"],
+    # keep_hourly/daily/weekly/monthly (policy.time_buckets)
+    "time_buckets": [T+"test_time_buckets.py"],
 }
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
@@ -917,4 +921,17 @@ MUTS = [
    "    found = holder(path.parent, ((root.path, root) for root in config.roots))", "    found = None")]),
  dict(id="RT3j", what="latest(config=Config): the configured root by mounts.holder", tests="rt3", edits=[(RS,
    "        found = mounts.holder(path, ((root.path, root) for root in config.roots))", "        found = None")]),
+ dict(id="CF-R1", what="a system directory or / accepted as a root", tests="refusals", edits=[(C,
+   "            why = system_path(root.path) or holds(root.path, config.daemon.state_dir)",
+   "            why = holds(root.path, config.daemon.state_dir)")]),
+ dict(id="CF-R2", what="a root holding the state_dir accepted", tests="refusals", edits=[(C,
+   "            why = system_path(root.path) or holds(root.path, config.daemon.state_dir)",
+   "            why = system_path(root.path)")]),
+ dict(id="CF-Q1", what="a quiet_period below the floor accepted", tests="refusals", edits=[(C,
+   "        if root.quiet_period < QUIET_FLOOR and not root.allow_short_quiet_period:",
+   "        if False:")]),
+ dict(id="TB1", what="the time buckets keep nothing", tests="time_buckets", edits=[(P,
+   "    thinned = time_buckets(complete, r) if complete and _thins(r) else {}", "    thinned = {}")]),
+ dict(id="TB2", what="a rule keeps its N newest checkpoints, not the newest of each of N buckets", tests="time_buckets",
+      edits=[(P, "            if bucket != last:", "            if True:")]),
 ]
