@@ -799,7 +799,10 @@ class Reaper:
         try:
             trash_fd = self._open_trash()
         except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOENT):
+            # No room (or no right) to make it: nothing is in it either; a rename says why later.
+            if exc.errno in _NO_TRASH:
+                log.debug("no %s: %s", self.trash, exc)
+            else:
                 log.error("not purging %s: %s", self.trash, exc)
             return count, freed
         try:
@@ -917,6 +920,10 @@ def _last_whole_step(
         f"no newer step is saved whole in every model-parallel rank ({', '.join(ranks[:4])}"
         f"{'...' if len(ranks) > 4 else ''}): its part of the last step they all hold"
     )
+
+
+# Why the trash cannot be made: full, over quota, read-only, not ours to write (or the root gone)
+_NO_TRASH = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 def _trash_name(c: Checkpoint, now: float) -> str:
