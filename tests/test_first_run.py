@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ckptd.config import format_size
+
 from conftest import run_ckptd
 from daemonproc import DaemonProc, write_config
 
@@ -70,10 +72,11 @@ def test_the_first_run_says_what_it_waits_for_then_decides_once(tmp_path, state_
         r"ready: watching 1 root\(s\), 10 checkpoint\(s\) settling: ckptd decides about a checkpoint once it has "
         r"itself seen it unchanged for quiet_period \(1s; file times are not trusted\)\. First decisions at "
         r"\d\d:\d\d:\d\d \(in [01]s\); dry run: nothing will be deleted", ready), ready
+    doomed = ("roberta-mlm/checkpoint-1000", "team-a/gpt-small/iter_0001000", "team-a/gpt-small/iter_0002000")
+    blocks = sum(p.lstat().st_blocks * 512 for d in doomed for p in (root / d, *(root / d).rglob("*")))
     assert text[start + 1] == (
         "meanwhile, by file times (as `ckptd plan` shows it now): 8 complete, 2 incomplete; "
-        "would delete 3 (9.9KiB: roberta-mlm/checkpoint-1000, team-a/gpt-small/iter_0001000, "
-        "team-a/gpt-small/iter_0002000)")
+        f"would delete 3 ({format_size(blocks)}: {', '.join(doomed)})")  # as the disk counts it
     # the default level: no debug lines, no heartbeat lines
     assert {level for level, _ in said} == {"INFO"}
     assert not any("state written" in m for m in text)

@@ -376,3 +376,17 @@ def _plan_for(cfg: Path, where: Path) -> dict[str, str]:
     proc = run_ckptd("plan", "-c", cfg, "--json", where)
     assert proc.returncode == 0, proc.stderr
     return _actions(proc.stdout)
+
+
+def test_a_hidden_trash_name_ckptd_did_not_make_is_never_purged(tmp_path):
+    """A checkpoint renamed aside on a full disk is `.ckptd-trash.<time>-<random>-<rel>`; the purge
+    takes it for ckptd's. A directory at the root's top that merely starts like that (a person's,
+    or a spoof) says nothing of where it came from: left alone, whatever it holds."""
+    root = tmp_path / "vol"
+    theirs = root / ".ckptd-trash.notes"
+    theirs.mkdir(parents=True)
+    (theirs / "results.csv").write_text("step,loss\n10,0.5\n")
+    cfg = config(tmp_path, root, keep_last=1, keep_best=0)
+    prune(cfg)
+    prune(cfg)
+    assert (theirs / "results.csv").read_text() == "step,loss\n10,0.5\n"

@@ -867,7 +867,10 @@ class Reaper:
             try:
                 trash_fd = self._open_trash()
             except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOENT):
+                # No room (or no right) to make it: nothing is in it either; a rename says why later.
+                if exc.errno in _NO_TRASH:
+                    log.debug("no %s: %s", self.trash, exc)
+                else:
                     log.error("not purging %s: %s", self.trash, exc)
                 return count, freed
             try:
@@ -891,7 +894,7 @@ class Reaper:
                 review += 1
                 continue
             if entry not in self._finished:
-                why = self._not_yet(entry, dir_fd)
+                why = self._not_yet(entry, dir_fd, hidden=where_path == self.root)
                 if why is not None:
                     self.waiting += why == WAIT
                     continue
@@ -934,9 +937,12 @@ class Reaper:
             return False
         return any(n not in self._finished and not n.endswith(REVIEW) for n in names)
 
-    def _not_yet(self, entry: str, trash_fd: int) -> str | None:
+    def _not_yet(self, entry: str, trash_fd: int, *, hidden: bool = False) -> str | None:
         """Why an entry this process did not trash is not purged now (WAIT: it has not been in
-        the trash long enough; else it was moved back, or held), or None: purge it."""
+        the trash long enough; else it was moved back, or held), or None: purge it. `hidden`: a
+        `.ckptd-trash.*` name at the root's top, not in the trash: one whose name does not say
+        where it came from is not something ckptd moved aside (a person's, or a spoof), and is
+        left alone."""
         try:
             age = self.clock() - os.stat(entry, dir_fd=trash_fd, follow_symlinks=False).st_ctime
         except FileNotFoundError:
@@ -944,6 +950,10 @@ class Reaper:
         if age < self.foreign_wait:  # a rename changes the ctime: the time it came in
             return WAIT
         origin = _trash_origin(entry)
+        if origin is None and hidden:
+            log.warning("%s: not named as ckptd names what it moves aside: left alone, never purged",
+                        self.root / entry)
+            return "not ckptd's"
         if origin is None or origin[1]:
             return None  # origin unknown, a slim's optimizer files, a consolidation's work: purged
         rel = origin[0]
@@ -1080,6 +1090,8 @@ def _last_whole_step(
 REVIEW = "%review"  # a trash entry's suffix: never purged (`Reaper._undo`)
 WAIT = "not in the trash long enough"  # `Reaper._not_yet`
 _SUFFIXES = ("%slim", "%consolidating", REVIEW)  # what `_trash_name` never ends with
+# Why the trash cannot be made: full, over quota, read-only, not ours to write (or the root gone)
+_NO_TRASH = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 def _trash_name(c: Checkpoint, now: float) -> str:

@@ -917,6 +917,8 @@ MUTS = [
  dict(id="RT3h", what="the purge recognises what was renamed aside", tests="rt3", edits=[(R,
    "            hidden = sorted(n for n in os.listdir(root_fd) if n.startswith(HIDDEN_TRASH))",
    "            hidden = []")]),
+ dict(id="RT3k", what="a root-level .ckptd-trash.* name ckptd did not make is never purged", tests="rt3", edits=[(R,
+   "        if origin is None and hidden:", "        if origin is None and False:")]),
  dict(id="RT3i", what="verify: the configured root by mounts.holder (a bind mount)", tests="rt3", edits=[(CL,
    "    found = holder(path.parent, ((root.path, root) for root in config.roots))", "    found = None")]),
  dict(id="RT3j", what="latest(config=Config): the configured root by mounts.holder", tests="rt3", edits=[(RS,
