@@ -61,7 +61,10 @@ from typing import TYPE_CHECKING, Any
 
 from ckptd import __version__
 from ckptd.model import (
+    ATTESTED,
+    COMMIT_RECORDS,
     QUIET,
+    SAVE_LEASE,
     STALL,
     Check,
     Checkpoint,
@@ -82,6 +85,7 @@ VERSION = 1  # the first line: FORMAT VERSION logic checksum; then the JSON docu
 RACY_NS = 1_000_000_000  # above every local filesystem's timestamp tick (ext4/xfs: one jiffy)
 YOUNG_NS = 600 * 1_000_000_000  # keep per-file verdicts of checkpoints changed this recently
 MAX_PERSISTED_HISTORY = 100_000  # log-history steps per trainer state written to disk; more: read again
+_ATTESTATION = (ATTESTED, COMMIT_RECORDS, SAVE_LEASE)  # checks from commit records (attestation.py)
 
 FILE, WORLD, TRAINER_STATE = "file", "world", "ts"  # kinds of verdict
 
@@ -286,6 +290,8 @@ class Verdicts:
             return None
         if self._strict:
             return None  # the re-check walks and reads everything itself
+        if any(k.name in _ATTESTATION for k in rec.checkpoint.checks):
+            return None  # its records' verdict hangs on a lease's heartbeat and the wall clock: look again
         if not self.dirs_unchanged(path, rec.fingerprint):
             return None
         return rec.checkpoint
@@ -670,7 +676,7 @@ _LOGIC: str | None = None
 _CODE_DIR = Path(__file__).parent
 LOGIC_MODULES = (
     "evidence", "dsmeta", "model", "slim", "layouts", "fwmetrics",
-    "mounts", "config", "planner", "volread", "weights",
+    "mounts", "config", "planner", "volread", "weights", "attestation", "attest",
 )
 
 

@@ -49,6 +49,8 @@ SETS = {
     "rtclasses": [T+"test_redteam_classes.py"],
     # red team items 5 and 7: which save a checkpoint's files belong to, and when it was saved
     "one_save": [T+"test_one_save.py"],
+    # commit records from the training job (attest.py, attestation.py)
+    "attest": [T+"test_attest.py"],
 }
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
@@ -803,4 +805,25 @@ MUTS = [
    tests="one_save", edits=[(E, "layout == layouts.MEGATRON and name in _WRITTEN_LAST", "False")]),
  dict(id="SV9", what="a last-written file within SAVE_SPAN of the rest of its save is the save's end",
    tests="one_save", edits=[(E, "        if not ahead or e.mtime_ns - max(ahead) <= SAVE_SPAN * 1e9:", "        if not ahead:")]),
+ # --- commit records (attestation.py): evidence, not a key
+ dict(id="AT1", what="a live save lease blocks judgement", tests="attest", edits=[("model.py",
+   "        if c.name == SAVE_LEASE and c.verdict is not Verdict.PASSED:\n            return State.WRITING\n", "")]),
+ dict(id="AT2", what="records stand in for the quiet period only, never for another check", tests="attest",
+   edits=[("model.py", "c.verdict is Verdict.PASSED or (attested and c.name == QUIET)", "c.verdict is Verdict.PASSED or attested")]),
+ dict(id="AT3", what="some ranks' records but not all: incomplete", tests="attest", edits=[("attestation.py",
+   "        if missing:\n", "        if False:\n")]),
+ dict(id="AT4", what="a listed file that is not there fails the records", tests="attest", edits=[("attestation.py",
+   "            gone.append(", "            (")]),
+ dict(id="AT5", what="a listed file of another size fails the records", tests="attest", edits=[("attestation.py",
+   "        elif e.size != size:\n", "        elif False:\n")]),
+ dict(id="AT6", what="a lease whose heartbeat stopped is an abandoned save", tests="attest", edits=[("attestation.py",
+   "        if age <= stale_after(lease):", "        if True:")]),
+ dict(id="AT7", what="files no record lists, newer than the save, leave the quiet period in force", tests="attest",
+   edits=[("attestation.py", "    if unlisted:\n", "    if False:\n")]),
+ dict(id="AT8", what="a saved look is not restored for a checkpoint with records", tests="attest", edits=[(V,
+   "        if any(k.name in _ATTESTATION for k in rec.checkpoint.checks):", "        if False:")]),
+ dict(id="AT9", what="a record listing a path outside the checkpoint is refused", tests="attest", edits=[("attestation.py",
+   "        if path.startswith((\"/\", \"..\")) or is_metadata(path):", "        if False:")]),
+ dict(id="AT10", what="records disagreeing on the world size fail", tests="attest", edits=[("attestation.py",
+   "    if len(worlds) > 1:\n", "    if False:\n")]),
 ]
