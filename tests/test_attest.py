@@ -214,7 +214,7 @@ def test_files_no_record_lists_newer_than_the_save_leave_the_quiet_period_in_for
     assert classify((Check(QUIET, Verdict.UNKNOWN, "settling"), *checks)) is State.SETTLING
 
 
-def test_a_file_listed_by_two_ranks_is_judged_by_the_later_record(tmp_path):
+def test_a_file_listed_by_two_ranks_passes_on_the_listing_the_disk_agrees_with(tmp_path):
     """On a shared filesystem rank 1's record may list rank 0's file as it was mid-write."""
     ck = tmp_path / "ck"
     write(ck / "trainer_state.json", b"{")
@@ -250,3 +250,13 @@ def test_a_saved_look_is_not_restored_for_a_checkpoint_with_records(tmp_path):
     [run] = scanner.runs(now=beat + 3600)
     assert run.checkpoints[0].state is State.INCOMPLETE
     assert "abandoned: rank 0's save stopped at" in run.checkpoints[0].checks[-1].detail
+
+
+def test_records_disagreeing_on_the_world_size_fail(tmp_path):
+    """A single-process save's record left beside a 2-rank save's rank 0: not every rank of either."""
+    ck = tmp_path / "ck"
+    write(ck / "a.pt")
+    attest.commit(ck, 0, 1, ["a.pt"])
+    attest.commit(ck, 0, 2, ["a.pt"])
+    checks = judged(ck, time.time())
+    assert checks == [Check(COMMIT_RECORDS, Verdict.FAILED, "records disagree on the world size (1, 2)")]

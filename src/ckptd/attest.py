@@ -5,7 +5,7 @@ For the training script; the standard library only, so importing it costs a job 
 After a rank's save, `commit` writes `<checkpoint>/.ckptd/commit-rank<R>-of-<W>.json`
 atomically (a temp file, fsync, rename, fsync of the directory): the files that rank wrote with
 their sizes and mtimes (and, opt-in, a fast hash), the step, the world size, host, pid and a
-job id. `saving` wraps a save: at entry it writes a "save in progress" lease,
+job id. `saving` wraps a save (`begin` and `Save.commit` for hooks that see its start and end apart): at entry it writes a "save in progress" lease,
 `lease-rank<R>-of-<W>.json`, whose mtime a thread refreshes every `heartbeat` seconds; at a
 clean exit it writes the commit record and removes the lease; on an exception it writes no
 record and leaves the lease, whose heartbeat stops: ckptd then reports the save as abandoned.
@@ -13,9 +13,9 @@ record and leaves the lease, whose heartbeat stops: ckptd then reports the save 
 Which files "the rank wrote": the regular files under the checkpoint (`.ckptd/` aside) that are
 new or changed (size, mtime or inode) since the save began: since `saving`'s entry, or since
 the `since` snapshot given to `commit`, or, given neither, every file there. On a shared
-filesystem a rank may list a file another rank was still writing when it looked; ckptd
-judges each file by the latest record that lists it (`ckptd.attestation`), and the rank that
-wrote it commits after it finished. Pass `files=` to name them yourself.
+filesystem a rank may list a file another rank was still writing when it looked; the rank that
+wrote it lists it whole, after writing it, and ckptd asks only that one listing of each file
+agree with the disk (`ckptd.attestation`). Pass `files=` to name them yourself.
 
 A record is evidence, not a key: ckptd still checks every listed file against the disk, and
 every check of the checkpoint's framework, before it counts the checkpoint as complete.
@@ -204,6 +204,8 @@ class Save:
         self._thread: threading.Thread | None = None
         self.before: Snapshot = {}
         self.started_at = 0.0
+        self.step: int | None = None
+        self.hash_files = False
 
     def wrote(self, *paths: str) -> None:
         """Name the files this rank wrote (relative to the checkpoint), instead of the default."""
@@ -232,10 +234,43 @@ class Save:
             with contextlib.suppress(FileNotFoundError):
                 os.utime(self.lease)
 
-    def _halt(self) -> None:
+    def stop(self, *, drop_lease: bool = False) -> None:
+        """End the save without a record. The lease stays unless `drop_lease` (nothing was saved):
+        its heartbeat stopped, ckptd reports an abandoned save once it is stale."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if drop_lease:
+            self.lease.unlink(missing_ok=True)
+
+    def commit(self) -> Path:
+        """End the save cleanly: the commit record, then the lease removed."""
+        self.stop()
+        path = commit(
+            self.checkpoint, self.rank, self.world_size, self.files, step=self.step, since=self.before,
+            started_at=self.started_at, hash_files=self.hash_files, token=self.token,
+        )  # fmt: skip
+        self.lease.unlink(missing_ok=True)
+        _fsync_dir(self.lease.parent)
+        return path
+
+
+def begin(
+    checkpoint_dir: str | os.PathLike[str],
+    rank: int,
+    world_size: int,
+    *,
+    step: int | None = None,
+    heartbeat: float = HEARTBEAT,
+    hash_files: bool = False,
+) -> Save:
+    """Start one rank's save: its lease written and beating. End it with `Save.commit()` (a clean
+    end) or `Save.stop()` (no record); `saving` does this around a block."""
+    _check_rank(rank, world_size)
+    save = Save(Path(checkpoint_dir), rank, world_size, heartbeat)
+    save.step, save.hash_files = step, hash_files
+    save._begin(step)
+    return save
 
 
 @contextlib.contextmanager
@@ -253,18 +288,10 @@ def saving(
         with ckptd.attest.saving(f"out/checkpoint-{step}", rank, world_size, step=step):
             torch.save(state, f"out/checkpoint-{step}/rank{rank}.pt")
     """
-    _check_rank(rank, world_size)
-    save = Save(Path(checkpoint_dir), rank, world_size, heartbeat)
-    save._begin(step)
+    save = begin(checkpoint_dir, rank, world_size, step=step, heartbeat=heartbeat, hash_files=hash_files)
     try:
         yield save
     except BaseException:
-        save._halt()  # no record; the lease stays, and its stopped heartbeat says where it ended
+        save.stop()  # no record; the lease stays, and its stopped heartbeat says where it ended
         raise
-    save._halt()
-    commit(
-        save.checkpoint, rank, world_size, save.files, step=step, since=save.before,
-        started_at=save.started_at, hash_files=hash_files, token=save.token,
-    )  # fmt: skip
-    save.lease.unlink(missing_ok=True)
-    _fsync_dir(save.lease.parent)
+    save.commit()

@@ -4,7 +4,7 @@ A checkpoint directory holding `.ckptd/commit-rank<R>-of-<W>.json` records, or s
 its verdict here; one without either is judged exactly as before (`checks` returns nothing).
 
 - `attested` passed: every rank 0..W-1 has a record, every file a record lists is there with the
-  size and mtime it lists (each file judged by the latest record listing it: a rank may have
+  size and mtime it lists (in one record at least, where several list it: a rank may have
   listed another's file mid-write), no lease is live, and nothing in the checkpoint newer than the
   save's start is left unlisted. `model.classify` then needs no quiet period; every other check
   (the framework's contract, file integrity) must still pass.
@@ -199,20 +199,24 @@ def judge(
     steps = sorted({r.step for r in records if r.step is not None})
     if len(steps) > 1:
         failed.append(f"records disagree on the step ({', '.join(map(str, steps))})")
-    latest: dict[str, tuple[float, int, int, int]] = {}  # path -> (committed_at, size, mtime_ns, rank)
-    for r in records:
+    # A file may be listed by several ranks: on a shared filesystem a rank lists what changed since
+    # its save began, another rank's file mid-write among it. The rank that wrote it listed it
+    # whole, after writing it: one listing that the disk agrees with is enough.
+    listings: dict[str, list[tuple[int, int, int]]] = {}  # path -> [(size, mtime_ns, rank)]
+    for r in sorted(records, key=lambda r: r.committed_at):
         for path, size, mtime_ns in r.files:
-            if path not in latest or r.committed_at > latest[path][0]:
-                latest[path] = (r.committed_at, size, mtime_ns, r.rank)
+            listings.setdefault(path, []).append((size, mtime_ns, r.rank))
     gone, resized, touched = [], [], []  # the worst said first: a file missing, then changed
-    for path, (_, size, mtime_ns, rank) in sorted(latest.items()):
+    for path, listed in sorted(listings.items()):
         e = files.get(path)
+        size, mtime_ns, rank = listed[-1]
         if e is None or e.kind != "f":
             gone.append(f"rank {rank}'s record lists {path}, which is not there")
-        elif e.size != size:
-            resized.append(f"rank {rank}'s record lists {path} at {size} bytes, the disk has {e.size}")
-        elif abs(e.mtime_ns - mtime_ns) > MTIME_SLACK_NS:
-            touched.append(f"{path} changed after rank {rank}'s record (its mtime differs)")
+        elif not any(e.size == s and abs(e.mtime_ns - m) <= MTIME_SLACK_NS for s, m, _ in listed):
+            if all(e.size != s for s, _, _ in listed):
+                resized.append(f"rank {rank}'s record lists {path} at {size} bytes, the disk has {e.size}")
+            else:
+                touched.append(f"{path} changed after rank {rank}'s record (its mtime differs)")
     failed += gone + resized + touched
     if failed:
         more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
@@ -224,7 +228,7 @@ def judge(
     began_ns = int(min(starts) * 1e9) - MTIME_SLACK_NS
     unlisted = sorted(
         rel for rel, e in files.items()
-        if e.kind == "f" and rel not in latest and not is_metadata(rel) and e.mtime_ns > began_ns
+        if e.kind == "f" and rel not in listings and not is_metadata(rel) and e.mtime_ns > began_ns
     )  # fmt: skip
     if unlisted:
         shown = ", ".join(unlisted[:3]) + (" ..." if len(unlisted) > 3 else "")
