@@ -110,3 +110,28 @@ def test_accelerates_save_state_with_the_hook(attested):
     assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl"} <= listed, listed
     c = scan(attested, newest(ck) + 1)["accelerate/step_2"]
     assert c.state is State.COMPLETE and any(k.name == ATTESTED for k in c.checks), [str(k) for k in c.checks]
+
+
+def test_latest_prefers_attested_saves_and_plan_says_who_committed(attested, tmp_path):
+    """A complete checkpoint-6 without records, copied in beside the callback's attested saves
+    (the records left behind): `latest` names the newest attested one and says why not the copy."""
+    run = tmp_path / "vol" / "trainer-whole"
+    shutil.copytree(attested / "trainer-whole", run)
+    shutil.copytree(run / "checkpoint-4", run / "checkpoint-6", ignore=shutil.ignore_patterns(".ckptd"))
+    age(run / "checkpoint-6", time.time() - 600)
+    proc = run_ckptd("latest", run, "--quiet-period", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(run / "checkpoint-4")
+    assert "passed over checkpoint-6: complete, but without the commit records" in proc.stderr
+    assert "ckptd: checkpoint-4: committed by 2/2 ranks at " in proc.stderr
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{run.parent}'\n"
+                   "quiet_period = '1s'\n[roots.retention]\nkeep_last = 3\nkeep_best = 0\n")
+    table = run_ckptd("plan", "-c", cfg)
+    assert table.returncode == 0, table.stderr
+    row = next(line for line in table.stdout.splitlines() if " checkpoint-4 " in line)
+    assert "committed by 2/2 ranks at " in row
+    doc = json.loads(run_ckptd("plan", "-c", cfg, "--json").stdout)
+    by_name = {os.path.basename(c["path"]): c for c in doc["checkpoints"]}
+    assert by_name["checkpoint-4"]["committed"].startswith("committed by 2/2 ranks at ")
+    assert "committed" not in by_name["checkpoint-6"]

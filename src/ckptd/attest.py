@@ -5,7 +5,8 @@ For the training script; the standard library only, so importing it costs a job 
 After a rank's save, `commit` writes `<checkpoint>/.ckptd/commit-rank<R>-of-<W>.json`
 atomically (a temp file, fsync, rename, fsync of the directory): the files that rank wrote with
 their sizes and mtimes (and, opt-in, a fast hash), the step, the world size, host, pid and a
-job id. `saving` wraps a save (`begin` and `Save.commit` for hooks that see its start and end apart): at entry it writes a "save in progress" lease,
+job id. `saving` wraps a save (`begin` and `Save.commit` for hooks that see its start and end apart):
+at entry it writes a "save in progress" lease,
 `lease-rank<R>-of-<W>.json`, whose mtime a thread refreshes every `heartbeat` seconds; at a
 clean exit it writes the commit record and removes the lease; on an exception it writes no
 record and leaves the lease, whose heartbeat stops: ckptd then reports the save as abandoned.
