@@ -260,3 +260,18 @@ def test_records_disagreeing_on_the_world_size_fail(tmp_path):
     attest.commit(ck, 0, 2, ["a.pt"])
     checks = judged(ck, time.time())
     assert checks == [Check(COMMIT_RECORDS, Verdict.FAILED, "records disagree on the world size (1, 2)")]
+
+
+def test_a_record_claiming_its_save_began_later_hides_no_file_being_written(tmp_path):
+    """A forged started_at (and committed_at) in the future would make every unlisted file look
+    older than the save; the listed files' own mtimes bound the save's start instead."""
+    ck = tmp_path / "ck"
+    write(ck / "model.safetensors")
+    path = attest.commit(ck, 0, 1, ["model.safetensors"])
+    doc = json.loads(path.read_text())
+    doc["started_at"] = doc["committed_at"] = NOW + 10**6
+    path.write_text(json.dumps(doc))
+    write(ck / "shard_of_another_writer.pt")  # being written now
+    checks = judged(ck, time.time())
+    assert [(c.name, c.verdict) for c in checks] == [(COMMIT_RECORDS, Verdict.PASSED)]
+    assert "no record lists shard_of_another_writer.pt" in checks[0].detail

@@ -224,8 +224,11 @@ def judge(
     world = worlds[0]
     at = _iso(max(r.committed_at for r in records))
     said = f"committed by {world}/{world} ranks at {at}; every listed file as recorded"
-    starts = [r.started_at if r.started_at is not None else r.committed_at for r in records]
-    began_ns = int(min(starts) * 1e9) - MTIME_SLACK_NS
+    # When the save began, by the disk as much as by the records: the oldest mtime of a listed file
+    # bounds it whatever a record says of itself (a started_at in the future hides nothing).
+    starts = [min(r.started_at or r.committed_at, r.committed_at) * 1e9 for r in records]
+    starts += [files[p].mtime_ns for p in listings if p in files]
+    began_ns = int(min(starts)) - MTIME_SLACK_NS
     unlisted = sorted(
         rel for rel, e in files.items()
         if e.kind == "f" and rel not in listings and not is_metadata(rel) and e.mtime_ns > began_ns

@@ -827,4 +827,6 @@ MUTS = [
    "        if path.startswith((\"/\", \"..\")) or is_metadata(path):", "        if False:")]),
  dict(id="AT10", what="records disagreeing on the world size fail", tests="attest", edits=[("attestation.py",
    "    if len(worlds) > 1:\n", "    if False:\n")]),
+ dict(id="AT11", what="the listed files' mtimes bound the save's start, not the record's word", tests="attest",
+   edits=[("attestation.py", "    starts += [files[p].mtime_ns for p in listings if p in files]\n", "")]),
 ]
