@@ -1,6 +1,6 @@
 """Saves with ckptd's commit records, written by the frameworks' own code (fwgen's forked jobs).
 
-    python tests/attestgen.py OUT     # OUT/trainer-whole, OUT/trainer-killed, OUT/accelerate
+    python tests/attestgen.py OUT [trainer-whole]    # OUT/trainer-whole, OUT/trainer-killed, OUT/accelerate
 
 - trainer-whole: the HF Trainer, 2-process DDP (gloo), checkpoint-2 and -4, with
   `ckptd.integrations.hf.AttestCallback` (heartbeat 0.2 s).
@@ -68,7 +68,7 @@ def _accelerate_job(rank: int, world: int, out: str) -> None:
         accelerator.save_state(os.path.join(out, "accelerate", f"step_{step}"))
 
 
-def main(out: Path) -> int:
+def main(out: Path, only: str | None = None) -> int:
     for k, v in fwgen._CHILD_ENV.items():
         os.environ.setdefault(k, v)
     fwgen._preimport("transformers", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2",
@@ -76,6 +76,8 @@ def main(out: Path) -> int:
     ctl = Path(tempfile.mkdtemp(prefix="attestgen-ctl-"))
     try:
         fwgen.Job(ctl, "trainer-whole", _trainer_job, 2, out=str(out), run="trainer-whole", kill=False).join()
+        if only == "trainer-whole":
+            return 0
         holds = fwgen.Job(ctl, "trainer-killed", _trainer_job, 2, out=str(out), run="trainer-killed",
                           kill=True).kill_at(1)
         fwgen.Job(ctl, "accelerate", _accelerate_job, 1, out=str(out)).join()
@@ -86,4 +88,4 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]).resolve()))
+    sys.exit(main(Path(sys.argv[1]).resolve(), *sys.argv[2:3]))
