@@ -275,3 +275,18 @@ def test_a_record_claiming_its_save_began_later_hides_no_file_being_written(tmp_
     checks = judged(ck, time.time())
     assert [(c.name, c.verdict) for c in checks] == [(COMMIT_RECORDS, Verdict.PASSED)]
     assert "no record lists shard_of_another_writer.pt" in checks[0].detail
+
+
+def test_records_that_list_no_file_do_not_stand_in_for_quiet(tmp_path):
+    """`commit(..., files=[])` from every rank, its times forged ahead: nothing on disk is vouched for,
+    so a checkpoint being written beside it (complete on quiet alone, say) still waits its quiet period."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    path = attest.commit(ck, 0, 1, [])
+    doc = json.loads(path.read_text())
+    doc["started_at"] = doc["committed_at"] = NOW + 10**6
+    path.write_text(json.dumps(doc))
+    write(ck / "weights.bin")  # being written
+    checks = judged(ck, time.time())
+    assert [(c.name, c.verdict) for c in checks] == [(COMMIT_RECORDS, Verdict.PASSED)]
+    assert classify((Check(QUIET, Verdict.FAILED, "writing"), *checks)) is State.WRITING
