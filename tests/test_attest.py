@@ -290,3 +290,21 @@ def test_records_that_list_no_file_do_not_stand_in_for_quiet(tmp_path):
     checks = judged(ck, time.time())
     assert [(c.name, c.verdict) for c in checks] == [(COMMIT_RECORDS, Verdict.PASSED)]
     assert classify((Check(QUIET, Verdict.FAILED, "writing"), *checks)) is State.WRITING
+
+
+def test_a_record_claiming_a_huge_world_is_judged_at_once(tmp_path):
+    ck = tmp_path / "ck"
+    write(ck / "a.pt")
+    world = 10**12
+    attest.commit(ck, 3, world, ["a.pt"])
+    t0 = time.monotonic()
+    checks = judged(ck, time.time())
+    assert time.monotonic() - t0 < 5
+    assert checks[0].detail == f"committed by 1/{world} ranks; no record from rank 0, 1, 2, 4, 5, 6, 7, 8 ..."
+
+
+def test_a_record_for_a_rank_outside_its_world_is_refused(tmp_path):
+    ck = tmp_path / "ck"
+    doc = {"ckptd_commit": 1, "rank": 2, "world_size": 2, "files": [], "committed_at": 1.0}
+    write(ck / ".ckptd" / "commit-rank2-of-2.json", json.dumps(doc).encode())
+    assert "rank 2 is not one of a world of 2" in judged(ck, NOW)[0].detail

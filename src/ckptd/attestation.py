@@ -87,6 +87,8 @@ def parse_record(name: str, data: bytes) -> Record:
     rank, world = doc.get("rank"), doc.get("world_size")
     if (rank, world) != (int(m[1]), int(m[2])):
         raise ValueError(f"its name says rank {m[1]} of {m[2]}, its content rank {rank} of {world}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not one of a world of {world}")
     files = doc.get("files")
     if not isinstance(files, list):
         raise ValueError("no file list")
@@ -191,10 +193,15 @@ def judge(
         failed.append(f"records disagree on the world size ({', '.join(map(str, worlds))})")
     elif worlds:
         world = worlds[0]
-        have = {r.rank for r in records}
-        missing = [r for r in range(world) if r not in have]
-        if missing:
-            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        have = {r.rank for r in records}  # each in 0..world-1 (parse_record)
+        if len(have) < world:
+            missing: list[int] = []  # the first few: a record may claim any world size
+            for r in range(world):  # stops after the 9th missing: as many turns as records, and 9
+                if r not in have:
+                    missing.append(r)
+                    if len(missing) > 8:
+                        break
+            shown = ", ".join(map(str, missing[:8])) + (" ..." if world - len(have) > 8 else "")
             failed.append(f"committed by {len(have)}/{world} ranks; no record from rank {shown}")
     steps = sorted({r.step for r in records if r.step is not None})
     if len(steps) > 1:
