@@ -308,3 +308,13 @@ def test_a_record_for_a_rank_outside_its_world_is_refused(tmp_path):
     doc = {"ckptd_commit": 1, "rank": 2, "world_size": 2, "files": [], "committed_at": 1.0}
     write(ck / ".ckptd" / "commit-rank2-of-2.json", json.dumps(doc).encode())
     assert "rank 2 is not one of a world of 2" in judged(ck, NOW)[0].detail
+
+
+def test_a_fifo_swapped_in_for_a_record_after_the_walk_blocks_nothing(tmp_path):
+    ck = tmp_path / "ck"
+    write(ck / ".ckptd" / "commit-rank0-of-1.json", b"{}")
+    files = files_of(ck)  # the walk saw a regular file
+    (ck / ".ckptd" / "commit-rank0-of-1.json").unlink()
+    os.mkfifo(ck / ".ckptd" / "commit-rank0-of-1.json")
+    records, leases, problems = attestation.read(ck, files)
+    assert records == [] and "unreadable" in problems[0]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from ckptd import volread
 from ckptd.attest import RECORD_DIR
 from ckptd.config import format_age
 from ckptd.model import ATTESTED, COMMIT_RECORDS, SAVE_LEASE, Check, Entry, Verdict
@@ -147,8 +148,7 @@ def read(path: Path, files: Mapping[str, Entry]) -> tuple[list[Record], list[Lea
             problems.append(f"{rel} is {e.size} bytes, more than a record holds")
             continue
         try:
-            with open(path / rel, "rb") as f:
-                data = f.read(MAX_RECORD_BYTES + 1)
+            data = volread.read_bytes(path / rel, MAX_RECORD_BYTES + 1)  # no FIFO, no symlink swapped in
             if name.startswith("commit-"):
                 records.append(parse_record(name, data))
             else:
