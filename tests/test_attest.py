@@ -318,3 +318,15 @@ def test_a_fifo_swapped_in_for_a_record_after_the_walk_blocks_nothing(tmp_path):
     os.mkfifo(ck / ".ckptd" / "commit-rank0-of-1.json")
     records, leases, problems = attestation.read(ck, files)
     assert records == [] and "unreadable" in problems[0]
+
+
+def test_files_ckptd_slimmed_away_are_not_demanded_by_the_records(tmp_path):
+    """A slim removes the optimizer shards a rank listed; its marker records that. Were they demanded,
+    every slimmed checkpoint with records would turn incomplete, and retention never deletes those."""
+    ck = two_ranks(tmp_path)
+    (ck / "rng_state_1.pth").unlink()  # standing in for an optimizer shard the slim removed
+    files = files_of(ck)
+    records, leases, problems = attestation.read(ck, files)
+    slimmed = attestation.judge(records, leases, problems, files, now=time.time(), removed={"rng_state_1.pth"})
+    assert [(c.name, c.verdict) for c in slimmed] == [(ATTESTED, Verdict.PASSED)]
+    assert judged(ck, time.time())[0].verdict is Verdict.FAILED  # removed by anything else: failed

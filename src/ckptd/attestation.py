@@ -26,7 +26,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -165,9 +165,16 @@ def stale_after(lease: Lease) -> float:
 
 
 def judge(
-    records: list[Record], leases: list[Lease], problems: list[str], files: Mapping[str, Entry], *, now: float
+    records: list[Record],
+    leases: list[Lease],
+    problems: list[str],
+    files: Mapping[str, Entry],
+    *,
+    now: float,
+    removed: Collection[str] = frozenset(),
 ) -> list[Check]:
-    """The checks the records and leases give the checkpoint whose walk is `files`, at wall time `now`."""
+    """The checks the records and leases give the checkpoint whose walk is `files`, at wall time `now`.
+    `removed`: the files ckptd's slim marker says it removed on purpose (not demanded)."""
     if not records and not leases and not problems:
         return []
     done = {(r.rank, r.token) for r in records if r.token is not None}
@@ -217,6 +224,8 @@ def judge(
     for path, listed in sorted(listings.items()):
         e = files.get(path)
         size, mtime_ns, rank = listed[-1]
+        if e is None and path in removed:
+            continue  # slimmed away by ckptd, as its marker records
         if e is None or e.kind != "f":
             gone.append(f"rank {rank}'s record lists {path}, which is not there")
         elif not any(e.size == s and abs(e.mtime_ns - m) <= MTIME_SLACK_NS for s, m, _ in listed):
@@ -249,12 +258,13 @@ def judge(
     return [Check(ATTESTED, Verdict.PASSED, said)]
 
 
-def checks(path: Path, files: Mapping[str, Entry]) -> list[Check]:
-    """The records' checks for the checkpoint at `path` ([] without records or leases)."""
+def checks(path: Path, files: Mapping[str, Entry], removed: Collection[str] = frozenset()) -> list[Check]:
+    """The records' checks for the checkpoint at `path` ([] without records or leases); `removed`: what
+    ckptd's slim marker says it removed."""
     if RECORD_DIR not in files:
         return []
     records, leases, problems = read(path, files)
-    return judge(records, leases, problems, files, now=time.time())
+    return judge(records, leases, problems, files, now=time.time(), removed=removed)
 
 
 def committed_summary(checks_: tuple[Check, ...]) -> str | None:

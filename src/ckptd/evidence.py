@@ -281,7 +281,7 @@ class Inspector:
         integrity = _integrity(path, entries, self._file_problem)
         checks.append(integrity)
         # The training job's commit records, whatever the framework (attestation.py); none: [].
-        checks.extend(attestation.checks(path, files) if cand.is_dir else ())
+        checks.extend(attestation.checks(path, files, removed) if cand.is_dir else ())
         metrics, metric_problem = self._metrics(path, cand, files, metric, integrity.verdict is PASSED)
         if too_deep is not None:
             checks.append(too_deep)
