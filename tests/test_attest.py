@@ -66,14 +66,13 @@ def _lease_threads() -> list[threading.Thread]:
 def test_saving_holds_a_live_lease_then_records_what_changed_since_entry(tmp_path):
     ck = tmp_path / "checkpoint-20"
     write(ck / "old.bin", b"o" * 5)  # there before the save: not this save's
-    beats = []
     with attest.saving(ck, 0, 1, step=20, heartbeat=0.01) as save:
         lease = ck / ".ckptd" / "lease-rank0-of-1.json"
         assert json.loads(lease.read_text())["token"] == save.token
         os.utime(lease, (1, 1))  # the heartbeat thread moves it on again
         deadline = time.monotonic() + 10
         while os.stat(lease).st_mtime == 1 and time.monotonic() < deadline:
-            beats.append(threading.Event().wait(0.01))
+            threading.Event().wait(0.01)  # a bounded wait on the heartbeat thread
         assert os.stat(lease).st_mtime > 1, "no heartbeat within 10 s"
         assert classify(tuple(judged(ck, time.time()))) is State.WRITING
         write(ck / "model.safetensors", b"w" * 300)

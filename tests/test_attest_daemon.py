@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from daemonproc import DaemonProc, write_config
 import fwgen
+from daemonproc import DaemonProc, write_config
 
 pytestmark = pytest.mark.frameworks
 HERE = Path(__file__).parent

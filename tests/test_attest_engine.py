@@ -114,7 +114,7 @@ def test_a_copy_in_without_its_weights_cannot_pass_on_its_records(trainer_saves,
     (copy / "model.safetensors").unlink()
     c = scan(root, LATER)[0]["run-rng/checkpoint-12"]
     assert c.state is State.INCOMPLETE
-    why = [k.detail for k in c.checks if k.name == COMMIT_RECORDS][0]
+    why = next(k.detail for k in c.checks if k.name == COMMIT_RECORDS)
     assert "model.safetensors, which is not there" in why
 
 

@@ -20,8 +20,8 @@ from ckptd.demo import age
 from ckptd.model import ATTESTED, COMMIT_RECORDS, SAVE_LEASE, State
 from ckptd.planner import Scanner
 
-from conftest import run_ckptd
 import fwgen
+from conftest import run_ckptd
 
 pytestmark = pytest.mark.frameworks
 HERE = Path(__file__).parent
@@ -80,7 +80,7 @@ def test_a_rank_killed_mid_save_never_writes_its_record(attested, tmp_path):
         os.utime(lease, (stopped, stopped))
     c = scan(root, time.time() + 3600)["trainer-killed/checkpoint-4"]
     assert c.state is State.INCOMPLETE
-    why = [k.detail for k in c.checks if k.name == COMMIT_RECORDS][0]
+    why = next(k.detail for k in c.checks if k.name == COMMIT_RECORDS)
     assert why.startswith("abandoned: rank 0's save stopped at ") and "(and 1 more)" in why
     assert scan(root, time.time() + 3600)["trainer-killed/checkpoint-2"].state is State.COMPLETE
 

@@ -71,7 +71,7 @@ class _Attest:
             self._save = None
 
 
-def AttestCallback(*, heartbeat: float = attest.HEARTBEAT, hash_files: bool = False) -> Any:  # noqa: N802
+def AttestCallback(*, heartbeat: float = attest.HEARTBEAT, hash_files: bool = False) -> Any:
     """A `transformers.TrainerCallback` writing each process's commit record after each save."""
     cls = type("AttestCallback", (_Attest, _base()), {})
     return cls(heartbeat=heartbeat, hash_files=hash_files)

@@ -38,7 +38,7 @@ def _is_sharded(trainer: Any) -> bool:
     return name.startswith("DeepSpeed") or sharded_fsdp
 
 
-def AttestedModelCheckpoint(*args: Any, **kwargs: Any) -> Any:  # noqa: N802
+def AttestedModelCheckpoint(*args: Any, **kwargs: Any) -> Any:
     """A Lightning `ModelCheckpoint` writing each rank's commit record after each directory save."""
     cls = type("AttestedModelCheckpoint", (_Attested, _base()), {})
     return cls(*args, **kwargs)
