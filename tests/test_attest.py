@@ -329,3 +329,20 @@ def test_files_ckptd_slimmed_away_are_not_demanded_by_the_records(tmp_path):
     slimmed = attestation.judge(records, leases, problems, files, now=time.time(), removed={"rng_state_1.pth"})
     assert [(c.name, c.verdict) for c in slimmed] == [(ATTESTED, Verdict.PASSED)]
     assert judged(ck, time.time())[0].verdict is Verdict.FAILED  # removed by anything else: failed
+
+
+def test_the_writer_and_the_integrations_import_no_framework_and_no_ckptd_dependency():
+    """A training script pays nothing for `import ckptd.attest` or an integration until it is used."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ckptd.attest, ckptd.integrations.hf, ckptd.integrations.accelerate, "
+        "ckptd.integrations.deepspeed, ckptd.integrations.lightning\n"
+        "heavy = ('pydantic', 'transformers', 'torch', 'accelerate', 'deepspeed', 'lightning', 'watchdog')\n"
+        "print([m for m in heavy if m in sys.modules])"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
