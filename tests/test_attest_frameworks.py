@@ -135,3 +135,6 @@ def test_latest_prefers_attested_saves_and_plan_says_who_committed(attested, tmp
     by_name = {os.path.basename(c["path"]): c for c in doc["checkpoints"]}
     assert by_name["checkpoint-4"]["committed"].startswith("committed by 2/2 ranks at ")
     assert "committed" not in by_name["checkpoint-6"]
+    shown = run_ckptd("verify", "-c", cfg, run / "checkpoint-4")
+    assert shown.returncode == 0, shown.stderr
+    assert "passed   attested" in shown.stdout and "committed by 2/2 ranks at " in shown.stdout
