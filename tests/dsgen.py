@@ -606,6 +606,10 @@ def _worker(rank: int, cfg: dict) -> None:
         Path(config).write_text(json.dumps(ds_config))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     _quiet_deepspeed()
+    if os.environ.get("DSGEN_ATTEST") == "1":  # ckptd's commit records, from each rank's save_checkpoint
+        from ckptd.integrations.deepspeed import wrap
+
+        engine = wrap(engine, heartbeat=0.2)
     t_init = time.monotonic()
     dtype = torch.bfloat16 if cfg["bf16"] else torch.float32
 

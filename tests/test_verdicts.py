@@ -561,3 +561,14 @@ def test_a_cache_from_other_checks_or_layouts_is_ignored(tmp_path, monkeypatch):
         assert verdicts.logic_version() != before, name
         monkeypatch.undo()
         monkeypatch.setattr(verdicts, "_LOGIC", None)
+
+
+def test_every_framework_module_is_part_of_the_logic_version():
+    """A framework's save contract decides what a look finds: a change to any module of the
+    frameworks package must discard saved verdicts, as a change to evidence.py does."""
+    from ckptd import verdicts
+
+    package = Path(verdicts.__file__).parent / "frameworks"
+    modules = sorted(package.glob("*.py"))
+    assert modules and set(modules) <= set(verdicts.logic_files())
+    assert all(path.exists() for path in verdicts.logic_files())

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd import __version__, layouts
+from ckptd.attestation import committed_summary
 from ckptd.config import Config, Root, find_config, format_age, format_size
 from ckptd.discover import find_runs
 from ckptd.envconfig import effective_config, settings_in
@@ -831,6 +832,7 @@ def cmd_latest(args: argparse.Namespace) -> int:
             "layout": c.layout if c else None,
             "why_none": found.why_none,
             "note": found.note,
+            **({"committed": said} if c and (said := committed_summary(c.checks)) else {}),
             "passed_over": [
                 {"path": str(p.path), "state": str(p.state), "why": w} for p, w in found.passed_over
             ],
@@ -841,6 +843,8 @@ def cmd_latest(args: argparse.Namespace) -> int:
         print(f"ckptd: passed over {found.rel(c)}: {why}", file=sys.stderr)
     if found.note:
         print(f"ckptd: note: {found.note}", file=sys.stderr)
+    if found.checkpoint is not None and (said := committed_summary(found.checkpoint.checks)):
+        print(f"ckptd: {found.rel(found.checkpoint)}: {said}", file=sys.stderr)
     if found.checkpoint is None:
         print(f"ckptd: nothing to resume from: {found.why_none}", file=sys.stderr)
         return 1
@@ -1014,6 +1018,8 @@ def decision_json(d: Decision) -> dict[str, Any]:
         "bytes_freed": d.bytes_freed,
         "protected": d.protected,
         "reasons": list(d.reasons),
+        # the training job's commit records, where it wrote them (ckptd.attest)
+        **({"committed": said} if (said := committed_summary(c.checks)) else {}),
     }
 
 
@@ -1042,7 +1048,7 @@ def print_table(decisions: Sequence[Decision], *, checks: bool = False) -> None:
                 str(metric),
                 str(d.action),
                 format_size(d.bytes_freed) if d.bytes_freed else "-",
-                "; ".join(d.reasons),
+                "; ".join((*d.reasons, *filter(None, [committed_summary(c.checks)]))),
             )
         )
     lines = columns(rows)

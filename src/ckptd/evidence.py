@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from ckptd import dsmeta, frameworks, fwmetrics, layouts, mounts, slim, space, volread
+from ckptd import attestation, dsmeta, frameworks, fwmetrics, layouts, mounts, slim, space, volread
 from ckptd import verdicts as verdicts_
 from ckptd.config import Pattern, format_age, format_duration, format_size, path_matches
 from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES, RunContext, Save, read_pointer
@@ -241,6 +241,8 @@ class Inspector:
         checks.extend(one_save(files, last=fw.last_written, tags=fw.tags(files)))
         integrity = _integrity(path, entries, self._file_problem)
         checks.append(integrity)
+        # The training job's commit records, whatever the framework (attestation.py); none: [].
+        checks.extend(attestation.checks(path, files, removed) if cand.is_dir else ())
         metrics, metric_problem = fw.metrics(save, metric, integrity.verdict is PASSED, self.ckpt_scores.read)
         if too_deep is not None:
             checks.append(too_deep)
@@ -461,6 +463,7 @@ def _save_times(
     if consolidated is not None:  # fp32/ consolidated before the slim that will record it
         own |= {consolidated.index, *(path for path, _, _ in consolidated.files)}
     theirs = [e for e in entries if e.kind == "f" and e.rel not in own and not slim.in_work_dir(e.rel)]
+    theirs = [e for e in theirs if not attestation.is_metadata(e.rel)]  # .ckptd/: the job's commit records
     if not theirs:
         return newest_ns / 1e9, newest_ns / 1e9, newest_ns / 1e9
     saved = _not_rewritten([e for e in theirs if save_files(layout, e.rel)], layout)

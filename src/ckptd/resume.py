@@ -15,6 +15,8 @@ beside a day-old checkpoint-5000, or a rollback), the highest step is still name
 so: taking the one written last silently would resume from an earlier point whenever an old
 checkpoint is copied back in (a copy gets a new mtime); `by="time"` takes the one written last.
 No daemon is needed: this is a look at the disk, with the config's patterns and world sizes.
+Where a run's saves carry commit records (`ckptd.attest`), a complete one without them is passed
+over for the newest attested one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd import layouts, mounts
+from ckptd.attestation import committed_summary
 from ckptd.config import Config, Root, find_config
 from ckptd.discover import RunDir, find_runs
 from ckptd.envconfig import effective_config
@@ -110,9 +113,16 @@ def choose(run_dir: Path, ckpts: list[Checkpoint], *, by: str = "step") -> Lates
     """The newest complete, full checkpoint of `ckpts` (by step, or by time written); pure."""
     key = Checkpoint.sort_key if by == "step" else _written_key
     resumable = [c for c in ckpts if c.state is State.COMPLETE and not c.slimmed]
+    # Where the job writes commit records (ckptd.attest), a complete save without them is not its
+    # own (a copy-in, or a save made without the hook): the attested ones are preferred.
+    attested = [c for c in resumable if committed_summary(c.checks)]
+    unattested = {id(c) for c in resumable if attested and c not in attested}
+    resumable = attested or resumable
     chosen = max(resumable, key=key) if resumable else None
     newer = sorted((c for c in ckpts if chosen is None or key(c) > key(chosen)), key=key, reverse=True)
-    passed = tuple((c, why_not(c)) for c in newer if c not in resumable)
+    passed = tuple(
+        (c, UNATTESTED if id(c) in unattested else why_not(c)) for c in newer if c not in resumable
+    )
     if chosen is None:
         if not ckpts:
             why = f"no checkpoints in {run_dir} (none that ckptd recognises)"
@@ -136,6 +146,12 @@ def choose(run_dir: Path, ckpts: list[Checkpoint], *, by: str = "step") -> Lates
                 "last (--by time)"
             )
     return Latest(run_dir, chosen, passed, note=note)
+
+
+UNATTESTED = (
+    "complete, but without the commit records this run's other saves have "
+    "(a copy-in, or saved without ckptd.attest?)"
+)
 
 
 def why_not(c: Checkpoint) -> str:

@@ -69,7 +69,10 @@ from typing import TYPE_CHECKING, Any
 from ckptd import __version__
 from ckptd.space import Shared
 from ckptd.model import (
+    ATTESTED,
+    COMMIT_RECORDS,
     QUIET,
+    SAVE_LEASE,
     STALL,
     Check,
     Checkpoint,
@@ -90,6 +93,7 @@ VERSION = 1  # the first line: FORMAT VERSION logic checksum; then the JSON docu
 RACY_NS = 1_000_000_000  # above every local filesystem's timestamp tick (ext4/xfs: one jiffy)
 YOUNG_NS = 600 * 1_000_000_000  # keep per-file verdicts of checkpoints changed this recently
 MAX_PERSISTED_HISTORY = 100_000  # log-history steps per trainer state written to disk; more: read again
+_ATTESTATION = (ATTESTED, COMMIT_RECORDS, SAVE_LEASE)  # checks from commit records (attestation.py)
 
 FILE, WORLD, TRAINER_STATE = "file", "world", "ts"  # kinds of verdict
 
@@ -303,6 +307,8 @@ class Verdicts:
             return None
         if self._strict:
             return None  # the re-check walks and reads everything itself
+        if any(k.name in _ATTESTATION for k in rec.checkpoint.checks):
+            return None  # its records' verdict hangs on a lease's heartbeat and the wall clock: look again
         if not self.dirs_unchanged(path, rec.fingerprint):
             return None
         return rec.checkpoint
@@ -696,8 +702,14 @@ _LOGIC: str | None = None
 _CODE_DIR = Path(__file__).parent
 LOGIC_MODULES = (
     "evidence", "dsmeta", "model", "slim", "layouts", "fwmetrics",
-    "mounts", "config", "planner", "volread", "weights", "space",
+    "mounts", "config", "planner", "volread", "weights", "space", "attestation", "attest",
 )
+
+
+def logic_files() -> list[Path]:
+    """The files `logic_version` digests: LOGIC_MODULES, and every module of the frameworks
+    package (each framework's save contract decides what a look finds)."""
+    return [_CODE_DIR / f"{name}.py" for name in LOGIC_MODULES] + sorted((_CODE_DIR / "frameworks").glob("*.py"))
 
 
 def logic_version() -> str:
@@ -708,11 +720,11 @@ def logic_version() -> str:
         # Every module whose code decides what a look finds or what a restore gives back: the
         # checks, the layouts they follow, metrics, mount points, patterns, the restore itself.
         # Read as files beside this one, not imported: verdicts imports none of them.
-        for name in LOGIC_MODULES:
+        for path in logic_files():
             try:
-                h.update((_CODE_DIR / f"{name}.py").read_bytes())
+                h.update(path.read_bytes())
             except OSError:
-                h.update(name.encode())
+                h.update(path.name.encode())
         h.update(Path(__file__).read_bytes())
         _LOGIC = h.hexdigest()
     return _LOGIC

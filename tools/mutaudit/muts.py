@@ -59,6 +59,8 @@ SETS = {
     "refusals": [T+"test_config.py", T+"test_envconfig.py"],
     # keep_hourly/daily/weekly/monthly (policy.time_buckets)
     "time_buckets": [T+"test_time_buckets.py"],
+    # commit records from the training job (attest.py, attestation.py)
+    "attest": [T+"test_attest.py"],
 }
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
@@ -267,7 +269,7 @@ MUTS = [
  dict(id="E2", what="quiet: age < quiet_period", tests="evidence", edits=[(E,
    "        if age < self.quiet_period:\n", "        if False:\n")]),
  dict(id="E3", what="census: missing shard", tests="evidence", edits=[(E,
-   "        if missing:\n", "        if False:\n")]),
+   "        if len(have) < world:\n", "        if False:\n")]),
  dict(id="E4", what="census: ZeRO-3 every rank's model states", tests="evidence", edits=[(E,
    "                expected += [f\"zero_pp_rank_{r}_mp_rank_{m:02d}_model_states.pt\" for r in range(sizes.dp)]",
    "                expected += [f\"zero_pp_rank_0_mp_rank_{m:02d}_model_states.pt\"]")]),
@@ -936,4 +938,32 @@ MUTS = [
    "    thinned = time_buckets(complete, r) if complete and _thins(r) else {}", "    thinned = {}")]),
  dict(id="TB2", what="a rule keeps its N newest checkpoints, not the newest of each of N buckets", tests="time_buckets",
       edits=[(P, "            if bucket != last:", "            if True:")]),
+ # --- commit records (attestation.py): evidence, not a key
+ dict(id="AT1", what="a live save lease blocks judgement", tests="attest", edits=[("model.py",
+   "        if c.name == SAVE_LEASE and c.verdict is not Verdict.PASSED:\n            return State.WRITING\n", "")]),
+ dict(id="AT2", what="records stand in for the quiet period only, never for another check", tests="attest",
+   edits=[("model.py", "c.verdict is Verdict.PASSED or (attested and c.name == QUIET)", "c.verdict is Verdict.PASSED or attested")]),
+ dict(id="AT3", what="some ranks' records but not all: incomplete", tests="attest", edits=[("attestation.py",
+   "        if len(have) < world:\n", "        if False:\n")]),
+ dict(id="AT4", what="a listed file that is not there fails the records", tests="attest", edits=[("attestation.py",
+   "            gone.append(", "            (")]),
+ dict(id="AT5", what="a listed file of another size or mtime than every listing fails the records", tests="attest", edits=[("attestation.py",
+   "        elif not any(e.size == s and abs(e.mtime_ns - m) <= MTIME_SLACK_NS for s, m, _ in listed):\n",
+   "        elif False:\n")]),
+ dict(id="AT6", what="a lease whose heartbeat stopped is an abandoned save", tests="attest", edits=[("attestation.py",
+   "        if age <= stale_after(lease):", "        if True:")]),
+ dict(id="AT7", what="files no record lists, newer than the save, leave the quiet period in force", tests="attest",
+   edits=[("attestation.py", "    if unlisted:\n", "    if False:\n")]),
+ dict(id="AT8", what="a saved look is not restored for a checkpoint with records", tests="attest", edits=[(V,
+   "        if any(k.name in _ATTESTATION for k in rec.checkpoint.checks):", "        if False:")]),
+ dict(id="AT9", what="a record listing a path outside the checkpoint is refused", tests="attest", edits=[("attestation.py",
+   "        if path.startswith((\"/\", \"..\")) or is_metadata(path):", "        if False:")]),
+ dict(id="AT10", what="records disagreeing on the world size fail", tests="attest", edits=[("attestation.py",
+   "    if len(worlds) > 1:\n", "    if False:\n")]),
+ dict(id="AT11", what="the listed files' mtimes bound the save's start, not the record's word", tests="attest",
+   edits=[("attestation.py", "    starts += [files[p].mtime_ns for p in listings if p in files]\n", "")]),
+ dict(id="AT12", what="records that list no file do not stand in for the quiet period", tests="attest",
+   edits=[("attestation.py", "    if not listings:  # records", "    if False:  # records")]),
+ dict(id="AT13", what="files ckptd's slim removed are not demanded by the records (or slimmed saves never go)",
+   tests="attest", edits=[("attestation.py", "        if e is None and path in removed:\n", "        if False:\n")]),
 ]
