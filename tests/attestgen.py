@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import fwgen  # noqa: E402
+import fwgen
 
 HEARTBEAT = 0.2
 

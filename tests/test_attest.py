@@ -52,7 +52,7 @@ def test_commit_writes_the_record_atomically_with_files_sizes_and_identity(tmp_p
 
 
 def test_commit_refuses_a_rank_outside_the_world_and_a_file_that_is_not_there(tmp_path):
-    with pytest.raises(ValueError, match="rank 2 is not in 0..world_size-1"):
+    with pytest.raises(ValueError, match=r"rank 2 is not in 0\.\.world_size-1"):
         attest.commit(tmp_path, 2, 2)
     with pytest.raises(FileNotFoundError):
         attest.commit(tmp_path, 0, 1, ["missing.pt"])
@@ -315,7 +315,7 @@ def test_a_fifo_swapped_in_for_a_record_after_the_walk_blocks_nothing(tmp_path):
     files = files_of(ck)  # the walk saw a regular file
     (ck / ".ckptd" / "commit-rank0-of-1.json").unlink()
     os.mkfifo(ck / ".ckptd" / "commit-rank0-of-1.json")
-    records, leases, problems = attestation.read(ck, files)
+    records, _leases, problems = attestation.read(ck, files)
     assert records == [] and "unreadable" in problems[0]
 
 

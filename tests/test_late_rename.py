@@ -194,7 +194,7 @@ def test_another_process_s_entry_that_is_protected_now_goes_back(volume, live, s
 
 
 def test_a_trash_name_says_where_it_came_from(volume, live):
-    reaper, plan = live
+    _reaper, plan = live
     c = plan.decisions[0].checkpoint
     name = reaper_module._trash_name(c, 1.0)
     assert reaper_module._trash_origin(name) == ("run/checkpoint-10", "")

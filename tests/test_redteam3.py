@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-from fwfixtures import copy_volume
 from rtkit import config, prune
 
 from ckptd.config import Retention, Root
@@ -23,6 +22,7 @@ from ckptd.reaper import Outcome, Reaper
 from ckptd.verdicts import Verdicts
 
 from conftest import run_ckptd
+from fwfixtures import copy_volume
 
 # --- 1. A file rewritten in place: the cache, and the reaper's last check ---------------------
 
@@ -320,7 +320,7 @@ def test_a_checkpoint_renamed_aside_on_a_full_disk_is_purged_by_the_next_start(t
     the trash), then no purge (the process killed), is neither a run nor a checkpoint to the next
     `plan`, and the next `prune` purges it as leftover trash."""
     vol = _full_ext4(mount, tmp_path)
-    root, run = _linked_run(trainer_volume, vol, (2,))
+    root, _run = _linked_run(trainer_volume, vol, (2,))
     _fill(root)
     r = Root(path=root, quiet_period=0, retention=Retention(keep_last=1, keep_best=0))
     scanner = Scanner(r, verdicts=Verdicts())
@@ -354,7 +354,7 @@ def test_verify_and_latest_find_the_configured_root_through_a_bind_mount(trainer
     from ckptd.config import load_config
     from ckptd.demo import age
 
-    root, run = _trainer_run(trainer_volume, tmp_path)
+    root, _run = _trainer_run(trainer_volume, tmp_path)
     age(root, time.time())  # just written: only the configured quiet period lets them count
     other = tmp_path / "mnt"
     other.mkdir()

@@ -67,7 +67,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptd import __version__
-from ckptd.space import Shared
 from ckptd.model import (
     ATTESTED,
     COMMIT_RECORDS,
@@ -82,6 +81,7 @@ from ckptd.model import (
     TrainerState,
     Verdict,
 )
+from ckptd.space import Shared
 
 if TYPE_CHECKING:
     from ckptd.model import Entry
@@ -709,7 +709,8 @@ LOGIC_MODULES = (
 def logic_files() -> list[Path]:
     """The files `logic_version` digests: LOGIC_MODULES, and every module of the frameworks
     package (each framework's save contract decides what a look finds)."""
-    return [_CODE_DIR / f"{name}.py" for name in LOGIC_MODULES] + sorted((_CODE_DIR / "frameworks").glob("*.py"))
+    modules = [_CODE_DIR / f"{name}.py" for name in LOGIC_MODULES]
+    return modules + sorted((_CODE_DIR / "frameworks").glob("*.py"))
 
 
 def logic_version() -> str:
