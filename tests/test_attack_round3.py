@@ -79,7 +79,9 @@ def test_an_operators_copy_beside_the_trash_is_not_purged(tmp_path, name):
 # --- 2. min_free and what waits in the trash ------------------------------------------------------
 
 
-def _small_volume(tmp_path: Path, mount, *, min_free: str, keep_last: int, extra: str = "") -> tuple[Path, Path]:
+def _small_volume(
+    tmp_path: Path, mount, *, min_free: str, keep_last: int, extra: str = ""
+) -> tuple[Path, Path]:
     """The demo's roberta-mlm run copied onto a 6 MiB tmpfs, checkpoint-500..2000 complete with 1 MB
     each (samples.txt, random, as old as the save), 2500 and 3000 incomplete: (config, root)."""
     import shutil
@@ -152,7 +154,8 @@ def test_a_late_rename_of_the_newest_by_time_is_moved_back(tmp_path):
             os.utime(os.path.join(dirpath, n), (t, t), follow_symlinks=False)
     os.utime(ckpt, (t, t))
     plan = run_ckptd("plan", "-c", cfg, "--json")
-    (row,) = [c for c in json.loads(plan.stdout)["checkpoints"] if c["path"].endswith("roberta-mlm/checkpoint-1000")]
+    rows = json.loads(plan.stdout)["checkpoints"]
+    (row,) = [c for c in rows if c["path"].endswith("roberta-mlm/checkpoint-1000")]
     assert row["action"] == "keep", row
     # What a leader stopped between its checks and its rename leaves, found by the next purge.
     (root / ".ckptd-trash").mkdir(exist_ok=True)
@@ -165,7 +168,8 @@ def test_a_late_rename_of_the_newest_by_time_is_moved_back(tmp_path):
 # --- 5. A full disk that holds the state directory too ---------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="near-miss: with state_dir on the full filesystem (a sidecar's state on "
+@pytest.mark.xfail(strict=True, reason="near-miss: with state_dir on the full filesystem (a sidecar's state "
+                   "on "
                    "the volume, ~/.local/state on a one-disk box) prune dies with 'I/O error: [Errno 28]' "
                    "(the pid line written into state_dir/locks/*.lock) and deletes nothing, naming no file: "
                    "the operator is left to free the disk by hand")
@@ -176,7 +180,8 @@ def test_prune_frees_a_full_disk_that_holds_its_state_dir(tmp_path, mount):
     fs = tmp_path / "fs"
     fs.mkdir()
     mount("-t", "tmpfs", "-o", "size=2m", "tmpfs", fs)
-    shutil.copytree(tmp_path / "demo" / "experiments" / "roberta-mlm", fs / "exp" / "roberta-mlm", symlinks=True)
+    demo_run = tmp_path / "demo" / "experiments" / "roberta-mlm"
+    shutil.copytree(demo_run, fs / "exp" / "roberta-mlm", symlinks=True)
     (fs / "state").mkdir()
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{fs / 'state'}'\n[[roots]]\npath = '{fs / 'exp'}'\n"
@@ -239,7 +244,8 @@ def test_min_free_does_not_delete_what_a_reflink_copy_keeps_allocated(tmp_path, 
     subprocess.run(["fallocate", "-l", str(fill), str(xfs / "fill")], check=True)
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{xfs / 'exp'}'\n"
-                   "quiet_period = '0s'\n[roots.retention]\nkeep_last = 4\nkeep_best = 0\nmin_free = '80MB'\n")
+                   "quiet_period = '0s'\n[roots.retention]\nkeep_last = 4\nkeep_best = 0\n"
+                   "min_free = '80MB'\n")
     free_before = os.statvfs(xfs).f_bavail * os.statvfs(xfs).f_frsize
     out = _prune(cfg)
     free_after = os.statvfs(xfs).f_bavail * os.statvfs(xfs).f_frsize
@@ -286,10 +292,11 @@ def test_optimizer_state_restored_into_a_slimmed_checkpoint_is_not_removed_again
 # --- 8. Near-miss: ckptd's own pin file taken for a file of the save ----------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="near-miss: a .ckptd-keep touched inside the newest checkpoint's DeepSpeed "
-                   "tag (ckptd's own file, which plan honours as a pin) fails the one-save check: 'incomplete ... "
-                   "files from two saves ... a re-save in place not finished?', and `ckptd latest` passes over "
-                   "it to an older checkpoint: the user resumes 500 steps back or deletes it by hand as broken")
+@pytest.mark.xfail(strict=True, reason="near-miss: a .ckptd-keep touched inside the newest checkpoint's "
+                   "DeepSpeed tag (ckptd's own file, which plan honours as a pin) fails the one-save check: "
+                   "'incomplete ... files from two saves ... a re-save in place not finished?', and `ckptd "
+                   "latest` passes over it to an older checkpoint: the user resumes 500 steps back or "
+                   "deletes it by hand as broken")
 def test_a_pin_file_below_the_top_does_not_make_the_newest_incomplete(tmp_path):
     cfg, root = _demo(tmp_path)
     run = root / "roberta-mlm"
