@@ -955,7 +955,16 @@ class Reaper:
                         self.root / entry)
             return "not ckptd's"
         if origin is None or origin[1]:
-            return None  # origin unknown, a slim's optimizer files, a consolidation's work: purged
+            # Origin unknown, a slim's optimizer files, a consolidation's work: purged, unless a
+            # pin is at its top (a pinned checkpoint moved in by hand, or under a name made to
+            # look like a slim's): with nowhere known to move it back to, held for review.
+            if _identity(f"{entry}/{layouts.PIN_FILE}", trash_fd) is not None:
+                log.error("%s/%s holds a %s: held for review, never purged: move it back by hand",
+                          TRASH_DIR, entry, layouts.PIN_FILE)
+                with contextlib.suppress(OSError):
+                    os.rename(entry, f"{entry}{REVIEW}", src_dir_fd=trash_fd, dst_dir_fd=trash_fd)
+                return "pinned"
+            return None
         rel = origin[0]
         try:
             why = self._protected(entry, trash_fd, rel)
@@ -998,14 +1007,24 @@ class Reaper:
         mine = recognise_by_name(name, is_dir, self.scanner.patterns)
         if mine is None:
             return "not recognised by its name, so not known to be older than the run's newest"
+        # It may go only if it would be neither of the run's anchors now: some complete checkpoint
+        # left is newer by step, and some is newer by time (its save ended after every file of
+        # this entry was written: a new job's lower steps, written last, are the newest by time).
+        entries = walk(Path(f"/proc/self/fd/{trash_fd}") / entry)
+        written = max((e.mtime_ns for e in entries if e.kind == "f"), default=entries[0].mtime_ns) / 1e9
         run = find_run(self.root, run_rel, patterns=self.scanner.patterns)
         now = self.clock()
-        for cand in run.candidates if run is not None else ():
-            if cand.unit == mine.unit and cand.step > mine.step:
-                fresh = self.scanner.reinspect(run_rel, cand.name, now=now)
-                if fresh is not None and fresh.state is State.COMPLETE:
-                    return None
-        return "newer than every complete checkpoint left in its run"
+        by_step = by_time = False
+        others = [c for c in (run.candidates if run is not None else ()) if c.unit == mine.unit and c.name != name]
+        for cand in sorted(others, key=lambda c: c.step, reverse=True):
+            fresh = self.scanner.reinspect(run_rel, cand.name, now=now)
+            if fresh is None or fresh.state is not State.COMPLETE:
+                continue
+            by_step = by_step or fresh.step > mine.step
+            by_time = by_time or fresh.written_at >= written
+            if by_step and by_time:
+                return None
+        return "newer than every complete checkpoint left in its run (by step or by time)"
 
     def _open_trash(self, *, create: bool = True) -> int:
         """A descriptor of the trash directory (made if missing and `create`), never a symlink, and
