@@ -118,9 +118,6 @@ def test_min_free_counts_what_waits_in_the_trash(tmp_path, mount):
 # --- 3. Pins ----------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="hole (low): a config pin naming a path inside a checkpoint (its "
-                   "DeepSpeed tag, a weights file) 'matches no checkpoint (mistyped?)' and the checkpoint "
-                   "holding the pinned path is deleted, though a .ckptd-keep at that same place keeps it")
 @pytest.mark.parametrize("below", ["global_step1000", "global_step1000/mp_rank_00_model_states.pt"])
 def test_a_pin_inside_a_checkpoint_keeps_the_checkpoint(tmp_path, below):
     cfg, root = _demo(tmp_path)

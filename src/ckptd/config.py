@@ -492,6 +492,16 @@ def path_matches(rel: str, spelling: str) -> bool:
     return rel == spelling or fnmatchcase(rel, spelling)
 
 
+def pin_matches(rel: str, pin: str) -> bool:
+    """Whether a pin keeps the checkpoint at `rel`: the pin names it (`path_matches`), or names a
+    path inside it (its DeepSpeed tag, a weights file), as a `.ckptd-keep` placed there does."""
+    if path_matches(rel, pin):
+        return True
+    parts = pin.split("/")
+    depth = rel.count("/") + 1
+    return len(parts) > depth and path_matches(rel, "/".join(parts[:depth]))
+
+
 class Root(_Strict):
     """A directory tree holding runs, each run a directory of checkpoints."""
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from ckptd import attestation, dsmeta, frameworks, fwmetrics, layouts, mounts, slim, space, volread
 from ckptd import verdicts as verdicts_
-from ckptd.config import Pattern, format_age, format_duration, format_size, path_matches
+from ckptd.config import Pattern, format_age, format_duration, format_size, pin_matches
 from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES, RunContext, Save, read_pointer
 from ckptd.frameworks.dcp import _WRITTEN_LAST, _dcp_metadata
 from ckptd.frameworks.deepspeed import _MODEL_STATES, _OPTIM, _ZERO3_MODEL
@@ -1068,4 +1068,4 @@ def safetensors_problem(path: str | Path, size: int) -> str | None:
 
 
 def _matches_pin(rel: str, pins: frozenset[str]) -> bool:
-    return any(path_matches(rel, p) for p in pins)
+    return any(pin_matches(rel, p) for p in pins)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckptd import mounts, policy
-from ckptd.config import Root, path_matches
+from ckptd.config import Root, path_matches, pin_matches
 from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
 from ckptd.evidence import (
@@ -337,7 +337,7 @@ def unmatched_paths(root: Root, ckpt_rels: list[str], run_rels: list[str]) -> li
     rules = [("retention.pins", p) for p in root.retention.pins]
     rules += [(f"runs[{i}].pins", p) for i, rule in enumerate(root.runs) for p in rule.pins]
     for key, pin in dict.fromkeys(rules):
-        if not any(path_matches(rel, pin) for rel in ckpt_rels):
+        if not any(pin_matches(rel, pin) for rel in ckpt_rels):
             out.append(f"{root.path}: {key}: {pin!r} matches no checkpoint (mistyped?): it keeps nothing")
     for i, rule in enumerate(root.runs):
         if not any(path_matches(rel, rule.match) for rel in run_rels):

@@ -57,7 +57,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from ckptd import frameworks, layouts, mounts, policy, slim, space
-from ckptd.config import format_size, path_matches
+from ckptd.config import format_size, pin_matches
 from ckptd.consolidate import Consolidated, Consolidation, ConsolidationFailed
 from ckptd.discover import find_run
 from ckptd.evidence import Entry, TooDeep, fingerprint, read_slim_marker, resume_pointers, walk
@@ -999,7 +999,7 @@ class Reaper:
         retention, _ = self.scanner.root.retention_for(run_rel)
         pin_inside = is_dir and _identity(f"{entry}/{layouts.PIN_FILE}", trash_fd) is not None
         pin_beside = f"{name}{layouts.PIN_FILE}" in names
-        if pin_inside or pin_beside or any(path_matches(rel, p) for p in retention.pins):
+        if pin_inside or pin_beside or any(pin_matches(rel, p) for p in retention.pins):
             return "pinned"
         pointer = resume_pointers(run_path, names).get(name)
         if pointer is not None:

@@ -926,6 +926,8 @@ MUTS = [
            "            if False:\n                log.error(")]),
  dict(id="RT3m", what="the purge's re-check: some complete checkpoint left newer by time too", tests=[T+"test_attack_round3.py"],
    edits=[(R, "            if by_step and by_time:", "            if by_step:")]),
+ dict(id="RT3n", what="a pin naming a path inside a checkpoint keeps the checkpoint", tests=[T+"test_attack_round3.py"],
+   edits=[(C, "    return len(parts) > depth and path_matches(rel, \"/\".join(parts[:depth]))", "    return False")]),
  dict(id="RT3i", what="verify: the configured root by mounts.holder (a bind mount)", tests="rt3", edits=[(CL,
    "    found = holder(path.parent, ((root.path, root) for root in config.roots))", "    found = None")]),
  dict(id="RT3j", what="latest(config=Config): the configured root by mounts.holder", tests="rt3", edits=[(RS,
