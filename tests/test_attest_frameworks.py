@@ -126,7 +126,7 @@ def test_latest_prefers_attested_saves_and_plan_says_who_committed(attested, tmp
     assert "ckptd: checkpoint-4: committed by 2/2 ranks at " in proc.stderr
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{run.parent}'\n"
-                   "quiet_period = '1s'\n[roots.retention]\nkeep_last = 3\nkeep_best = 0\n")
+                   "quiet_period = '1s'\nallow_short_quiet_period = true\n[roots.retention]\nkeep_last = 3\nkeep_best = 0\n")
     table = run_ckptd("plan", "-c", cfg)
     assert table.returncode == 0, table.stderr
     row = next(line for line in table.stdout.splitlines() if " checkpoint-4 " in line)

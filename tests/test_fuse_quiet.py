@@ -26,7 +26,7 @@ def config(tmp: Path, root: Path, extra: str = "", pattern: str = "'ckpt_{step}'
     path = tmp / "c.toml"
     path.write_text(
         f"[daemon]\nstate_dir = '{tmp / 'state'}'\nleadership = 'local'\n"
-        f"[[roots]]\npath = '{root}'\nquiet_period = '2s'\npatterns = [{pattern}]\n{extra}\n"
+        f"[[roots]]\npath = '{root}'\nquiet_period = '2s'\nallow_short_quiet_period = true\npatterns = [{pattern}]\n{extra}\n"
         "[roots.retention]\nkeep_last = 1\nkeep_best = 0\n"
     )
     return path

@@ -20,7 +20,7 @@ def local_config(tmp: Path, name: str, root: Path, *, keep_last: int) -> Path:
     path = tmp / f"{name}.toml"
     path.write_text(
         f"[daemon]\nstate_dir = '{tmp / name}'\nleadership = 'local'\n"
-        f"[[roots]]\npath = '{root}'\nquiet_period = '0.2s'\nworld_size = 2\npoll_interval = '0.3s'\n"
+        f"[[roots]]\npath = '{root}'\nquiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2\npoll_interval = '0.3s'\n"
         f"[roots.retention]\nkeep_last = {keep_last}\nkeep_best = 0\n"
     )
     return path
