@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.config import format_size
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.journal import read_journal
 from ckptd.layouts import TRASH_DIR
@@ -242,7 +243,11 @@ def test_status_shows_what_the_daemon_sees(tmp_path):
         assert states == {"checkpoint-1": "complete", "checkpoint-2": "incomplete"}
         text = run_ckptd("status", "-c", cfg)
         rows = [line.split()[:5] for line in text.stdout.splitlines()]
-        assert ["job", "checkpoint-2", "incomplete", "1.8KiB", "keep"] in rows, text.stdout
+        # The size as the disk counts it (space.py: allocated blocks, each inode once), as `du` would
+        ckpt = root / "job" / "checkpoint-2"
+        inodes = {(s.st_dev, s.st_ino): s.st_blocks * 512 for s in map(os.lstat, [ckpt, *ckpt.rglob("*")])}
+        size = format_size(sum(inodes.values()))
+        assert ["job", "checkpoint-2", "incomplete", size, "keep"] in rows, text.stdout
     assert run_ckptd("status", "-c", cfg).returncode == 1  # the state file goes with the daemon
 
 
