@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckptd import mounts, policy
+from ckptd import extents, mounts, policy
 from ckptd.config import Root, path_matches
 from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
@@ -405,8 +405,13 @@ def decide(
     roots: list[tuple[Root, list[Run]]],
     space: Callable[[Path], DiskSpace] = disk_space,
     device: Callable[[Path], int] = lambda p: os.stat(p).st_dev,
+    extents_held: Callable[[Path], Callable[[Checkpoint], int] | None] = extents.held_by_checkpoints,
 ) -> Plan:
-    """The retention plan for every run of every root, budgets included."""
+    """The retention plan for every run of every root, budgets included.
+
+    `extents_held(root)`: on a filesystem that shares extents, what deleting each checkpoint leaves
+    allocated (extents.py), for `min_free`; None where st_blocks is what deleting frees.
+    """
     decisions: list[Decision] = []
     warnings: list[str] = []
     for root, runs in roots:
@@ -476,7 +481,12 @@ def decide(
             idx = [i for i, d in enumerate(decisions) if d.checkpoint.root in paths]
         where = ", ".join(sorted(str(p) for p in paths))
         updated, w = policy.enforce_min_free(
-            [decisions[i] for i in idx], free=disk.free, total=disk.total, floor=floor, where=where
+            [decisions[i] for i in idx],
+            free=disk.free,
+            total=disk.total,
+            floor=floor,
+            where=where,
+            held=extents_held(dev_roots[0].path),
         )
         if len(idx) == len(decisions):  # one filesystem: every decision
             decisions = updated

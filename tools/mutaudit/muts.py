@@ -55,6 +55,9 @@ SETS = {
     "copy_in": [T+"test_copy_in.py"],
     # red team, third round: what the disk says now, counted as the disk counts it
     "rt3": [T+"test_redteam3.py"],
+    # min_free against what deleting really frees: reflinked extents, what waits in the trash
+    "space": [T+"test_attack_round3.py::test_min_free_does_not_delete_what_a_reflink_copy_keeps_allocated",
+              T+"test_attack_round3.py::test_min_free_counts_what_waits_in_the_trash"],
     # roots and quiet periods that cannot be meant (config.refusals)
     "refusals": [T+"test_config.py", T+"test_envconfig.py"],
     # keep_hourly/daily/weekly/monthly (policy.time_buckets)
@@ -966,4 +969,11 @@ MUTS = [
    edits=[("attestation.py", "    if not listings:  # records", "    if False:  # records")]),
  dict(id="AT13", what="files ckptd's slim removed are not demanded by the records (or slimmed saves never go)",
    tests="attest", edits=[("attestation.py", "        if e is None and path in removed:\n", "        if False:\n")]),
+ # --- min_free: what deleting frees on a filesystem that shares extents (extents.py)
+ dict(id="SP1", what="min_free counts extents a reflink copy shares as not freed", tests="space", edits=[("space.py",
+   "            out = max(0, out - self._held(c))", "            pass")]),
+ dict(id="SP2", what="FIEMAP's shared flag: a shared extent is not freed", tests="space", edits=[("extents.py",
+   "            if flags & FIEMAP_EXTENT_SHARED:", "            if False:")]),
+ dict(id="SP3", what="the filesystems that share extents are asked", tests="space", edits=[("extents.py",
+   "    if fstype not in SHARING:", "    if True:")]),
 ]
