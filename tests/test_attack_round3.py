@@ -104,16 +104,15 @@ def _small_volume(
     return cfg, root
 
 
-@pytest.mark.xfail(strict=True, reason="hole: min_free ignores what already waits in .ckptd-trash/ to be "
-                   "purged (a killed prune's entry, another host's: foreign_wait=lease_duration+margin), so "
-                   "it deletes a checkpoint keep_last keeps for space the purge frees anyway")
-def test_min_free_counts_what_waits_in_the_trash(tmp_path, mount):
+@pytest.mark.parametrize("where", [".ckptd-trash/", ".ckptd-trash."])
+def test_min_free_counts_what_waits_in_the_trash(tmp_path, mount, where):
     cfg, root = _small_volume(tmp_path, mount, min_free="2.5MiB", keep_last=4, extra="leadership = 'volume'")
-    # What a prune killed between its rename and its purge leaves (ckptd's own name for the entry):
-    # purging it alone would meet min_free.
+    # What a prune killed between its rename and its purge leaves (ckptd's own name for the entry),
+    # in the trash or, where there was no room to make it, at the root's top: purging it alone
+    # would meet min_free.
     (root / ".ckptd-trash").mkdir()
     os.rename(root / "roberta-mlm" / "checkpoint-500",
-              root / ".ckptd-trash" / "1796160000-0123abcd-roberta-mlm%2Fcheckpoint-500")
+              root / f"{where}1796160000-0123abcd-roberta-mlm%2Fcheckpoint-500")
     free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
     assert free < 2.5 * 2**20 < free + 1_000_000
     _prune(cfg)

@@ -406,11 +406,14 @@ def decide(
     space: Callable[[Path], DiskSpace] = disk_space,
     device: Callable[[Path], int] = lambda p: os.stat(p).st_dev,
     extents_held: Callable[[Path], Callable[[Checkpoint], int] | None] = extents.held_by_checkpoints,
+    trash: Callable[[Path], int] | None = None,
 ) -> Plan:
     """The retention plan for every run of every root, budgets included.
 
     `extents_held(root)`: on a filesystem that shares extents, what deleting each checkpoint leaves
     allocated (extents.py), for `min_free`; None where st_blocks is what deleting frees.
+    `trash(root)`: what waits in the root's trash to be purged, counted as free for `min_free`
+    (reaper.waiting_in_trash; the daemon's `space` counts it itself).
     """
     decisions: list[Decision] = []
     warnings: list[str] = []
@@ -470,6 +473,8 @@ def decide(
     for dev_roots in by_device.values():
         paths = {r.path for r in dev_roots}
         disk = space(dev_roots[0].path)
+        if trash is not None:
+            disk = DiskSpace(free=disk.free + sum(trash(r.path) for r in dev_roots), total=disk.total)
         floors = [r.retention.min_free for r in dev_roots if r.retention.min_free is not None]
         floor = max(floors, key=lambda f: f.required(disk.total))
         # The checkpoints' roots, by identity (a run's checkpoints share one Path): most often all

@@ -1321,6 +1321,40 @@ def _size(path: Path) -> int:
         return 0
 
 
+def waiting_in_trash(root: Path) -> int:
+    """What purging `root`'s trash frees, however long its entries still wait (another process's
+    wait `foreign_wait`; one a killed prune left): `min_free` counts it as free already, so it
+    deletes nothing more for space a purge frees anyway. The trash's entries and what was renamed
+    into the root's top under ckptd's hidden name; not those held for review, nor a hidden name
+    ckptd did not give (never purged: `Reaper._not_yet`), nor a trash on another filesystem."""
+    total = 0
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        for name in os.listdir(root_fd):
+            if name.startswith(HIDDEN_TRASH) and not name.endswith(REVIEW) and _trash_origin(name) is not None:
+                total += _size(root / name)
+        try:
+            trash_fd = os.open(TRASH_DIR, _DIR_FLAGS, dir_fd=root_fd)
+        except OSError:
+            return total
+        try:
+            if _another_filesystem(TRASH_DIR, root_fd, trash_fd, root / TRASH_DIR) is not None:
+                return total
+            for name in os.listdir(trash_fd):
+                if not name.endswith(REVIEW):
+                    total += _size(root / TRASH_DIR / name)
+        finally:
+            os.close(trash_fd)
+    except OSError:
+        return total
+    finally:
+        os.close(root_fd)
+    return total
+
+
 class LockHeld(Exception):
     pass
 

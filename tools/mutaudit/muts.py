@@ -976,4 +976,14 @@ MUTS = [
    "            if flags & FIEMAP_EXTENT_SHARED:", "            if False:")]),
  dict(id="SP3", what="the filesystems that share extents are asked", tests="space", edits=[("extents.py",
    "    if fstype not in SHARING:", "    if True:")]),
+ # --- min_free: what already waits in the trash counts as free
+ dict(id="SP4", what="prune's min_free counts what waits in the trash", tests="space", edits=[("cli.py",
+   "            plan = decide([(root, runs)], trash=waiting_in_trash)", "            plan = decide([(root, runs)])")]),
+ dict(id="SP5", what="the trash's entries are counted", tests="space", edits=[("reaper.py",
+   "                    total += _size(root / TRASH_DIR / name)", "                    pass")]),
+ dict(id="SP6", what="what was renamed aside at the root's top is counted", tests="space", edits=[("reaper.py",
+   "                total += _size(root / name)\n", "                pass\n")]),
+ dict(id="SP7", what="the plan adds what waits in the trash to the free space", tests="space", edits=[("planner.py",
+   "            disk = DiskSpace(free=disk.free + sum(trash(r.path) for r in dev_roots), total=disk.total)",
+   "            pass")]),
 ]
