@@ -56,7 +56,8 @@ SETS = {
     # red team, third round: what the disk says now, counted as the disk counts it
     "rt3": [T+"test_redteam3.py"],
     # min_free against what deleting really frees: reflinked extents, what waits in the trash
-    "space": [T+"test_attack_round3.py::test_min_free_does_not_delete_what_a_reflink_copy_keeps_allocated",
+    "space": [T+"test_extents.py",
+              T+"test_attack_round3.py::test_min_free_does_not_delete_what_a_reflink_copy_keeps_allocated",
               T+"test_attack_round3.py::test_min_free_counts_what_waits_in_the_trash"],
     # roots and quiet periods that cannot be meant (config.refusals)
     "refusals": [T+"test_config.py", T+"test_envconfig.py"],
@@ -986,4 +987,7 @@ MUTS = [
  dict(id="SP7", what="the plan adds what waits in the trash to the free space", tests="space", edits=[("planner.py",
    "            disk = DiskSpace(free=disk.free + sum(trash(r.path) for r in dev_roots), total=disk.total)",
    "            pass")]),
+ dict(id="SP8", what="a file FIEMAP cannot answer for counts as freeing nothing", tests="space", edits=[("extents.py",
+   "            log.debug(\"FIEMAP on %s: %s: counted as freeing nothing\", name, exc)\n            out += allocated\n",
+   "            log.debug(\"FIEMAP on %s: %s: counted as freeing nothing\", name, exc)\n")]),
 ]
