@@ -119,6 +119,32 @@ def test_min_free_counts_what_waits_in_the_trash(tmp_path, mount, where):
     assert (root / "roberta-mlm" / "checkpoint-1000").is_dir(), "keep_last=4 kept it; the trash met min_free"
 
 
+def test_the_daemon_counts_what_waits_in_the_trash_for_min_free(tmp_path, mount):
+    """The daemon's passes (in process, a dry run, its clock controlled): a foreign trash entry
+    waiting its turn counts as free, as for prune."""
+    from ckptd.config import load_config
+    from ckptd.daemon import Daemon
+
+    cfg, root = _small_volume(tmp_path, mount, min_free="2.5MiB", keep_last=4)
+    (tmp_path / "state").mkdir()
+    (root / ".ckptd-trash").mkdir()
+    os.rename(root / "roberta-mlm" / "checkpoint-500",
+              root / ".ckptd-trash" / "1796160000-0123abcd-roberta-mlm%2Fcheckpoint-500")
+    now = [os.stat(root).st_mtime + 3600]
+    daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
+    daemon.watcher = None
+    for r in daemon.config.roots:
+        daemon.roots.append(daemon._runtime(r, daemon.config))
+    daemon._first_scan()
+    daemon.roots[0].tracker.step(now[0])
+    now[0] += 2
+    daemon.roots[0].tracker.step(now[0])
+    daemon._retention()
+    rows = daemon.state()["roots"][0]["runs"][0]["checkpoints"]
+    actions = {c["name"]: (c["action"], c["reasons"]) for c in rows}
+    assert actions["checkpoint-1000"][0] == "keep", actions
+
+
 # --- 3. Pins ----------------------------------------------------------------------------------
 
 

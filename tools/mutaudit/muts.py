@@ -58,7 +58,8 @@ SETS = {
     # min_free against what deleting really frees: reflinked extents, what waits in the trash
     "space": [T+"test_extents.py",
               T+"test_attack_round3.py::test_min_free_does_not_delete_what_a_reflink_copy_keeps_allocated",
-              T+"test_attack_round3.py::test_min_free_counts_what_waits_in_the_trash"],
+              T+"test_attack_round3.py::test_min_free_counts_what_waits_in_the_trash",
+              T+"test_attack_round3.py::test_the_daemon_counts_what_waits_in_the_trash_for_min_free"],
     # roots and quiet periods that cannot be meant (config.refusals)
     "refusals": [T+"test_config.py", T+"test_envconfig.py"],
     # keep_hourly/daily/weekly/monthly (policy.time_buckets)
@@ -990,4 +991,6 @@ MUTS = [
  dict(id="SP8", what="a file FIEMAP cannot answer for counts as freeing nothing", tests="space", edits=[("extents.py",
    "            log.debug(\"FIEMAP on %s: %s: counted as freeing nothing\", name, exc)\n            out += allocated\n",
    "            log.debug(\"FIEMAP on %s: %s: counted as freeing nothing\", name, exc)\n")]),
+ dict(id="SP9", what="the daemon's free space counts what waits in the trash", tests="space", edits=[("daemon.py",
+   "                pending += waiting_in_trash(rt.root.path)", "                pass")]),
 ]
