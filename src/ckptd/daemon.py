@@ -55,7 +55,16 @@ from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
 from ckptd.notify import notify, watchdog_interval
 from ckptd.planner import DiskSpace, decide, disk_space
 from ckptd.policy import Decision
-from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, Result, RootLock, Work, lower_priority, waiting_in_trash
+from ckptd.reaper import (
+    DRY_RUN_NOTE,
+    Outcome,
+    Reaper,
+    Result,
+    RootLock,
+    Work,
+    lower_priority,
+    waiting_in_trash,
+)
 from ckptd.tracker import Changes, RootTracker
 from ckptd.watch import Watcher, choose_observer
 

@@ -1334,7 +1334,8 @@ def waiting_in_trash(root: Path) -> int:
         return 0
     try:
         for name in os.listdir(root_fd):
-            if name.startswith(HIDDEN_TRASH) and not name.endswith(REVIEW) and _trash_origin(name) is not None:
+            ours = name.startswith(HIDDEN_TRASH) and _trash_origin(name) is not None
+            if ours and not name.endswith(REVIEW):
                 total += _size(root / name)
         try:
             trash_fd = os.open(TRASH_DIR, _DIR_FLAGS, dir_fd=root_fd)
