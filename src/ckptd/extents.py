@@ -59,9 +59,10 @@ def shared_bytes(fd: int) -> int:
             start = logical + length
 
 
-def held(path: Path) -> int:
+def held(path: Path, unanswered: Callable[[OSError], None] | None = None) -> int:
     """Of the blocks the files under `path` hold (each inode once), those deleting them leaves
-    allocated: extents shared with another file, and all of a file FIEMAP cannot answer for."""
+    allocated: extents shared with another file, and all of a file FIEMAP cannot answer for
+    (`unanswered` is told why)."""
     out = 0
     seen: set[tuple[int, int]] = set()
     try:
@@ -88,6 +89,8 @@ def held(path: Path) -> int:
         except OSError as exc:
             log.debug("FIEMAP on %s: %s: counted as freeing nothing", name, exc)
             out += allocated
+            if unanswered is not None:
+                unanswered(exc)
         finally:
             os.close(fd)
     return out
@@ -104,11 +107,19 @@ def held_by_checkpoints(root: Path) -> Callable[[Checkpoint], int] | None:
     if fstype not in SHARING:
         return None
     cache: dict[Path, int] = {}
+    said: list[OSError] = []
+
+    def unanswered(exc: OSError) -> None:
+        # OpenZFS has no FIEMAP (ENOTTY): what deleting frees cannot be told there at all.
+        if not said:
+            said.append(exc)
+            log.warning("%s: %s does not say which blocks its files share with others (FIEMAP: %s): "
+                        "min_free counts such files as freeing nothing", root, fstype, exc.strerror or exc)
 
     def of(c: Checkpoint) -> int:
         where = c.path
         if where not in cache:
-            cache[where] = held(where)
+            cache[where] = held(where, unanswered)
         return cache[where]
 
     return of
