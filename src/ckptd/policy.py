@@ -668,6 +668,8 @@ def enforce_min_free(
     leaves allocated on a filesystem that shares extents (extents.py), counted as not freed.
     """
     required = floor.required(total)
+    if free >= required:  # met already: nothing to weigh (nor to ask the filesystem, `held`)
+        return list(decisions), []
     # What the planned deletions free, each inode once, with its last link, shared extents not
     ledger = Ledger.disk(held)
     expected = free
