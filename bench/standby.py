@@ -34,7 +34,8 @@ def config(path: Path, root: Path, state_dir: Path, world: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f"[daemon]\nstate_dir = '{state_dir}'\nleadership = 'volume'\n"
-        f"[[roots]]\npath = '{root}'\nobserver = 'polling'\nworld_size = {world}\nquiet_period = '1s'\nallow_short_quiet_period = true\n"
+        f"[[roots]]\npath = '{root}'\nobserver = 'polling'\nworld_size = {world}\nquiet_period = '1s'\n"
+        "allow_short_quiet_period = true\n"
         f"\n[roots.retention]\n{KEEP_ALL}"
     )
     return path

@@ -94,25 +94,51 @@ def _small_volume(
         os.utime(ckpt / "samples.txt", ns=(st.st_atime_ns, st.st_mtime_ns))
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n{extra}\n[[roots]]\npath = '{root}'\n"
-                   f"quiet_period = '0s'\nallow_short_quiet_period = true\n[roots.retention]\nkeep_last = {keep_last}\nkeep_best = 0\n"
+                   f"quiet_period = '0s'\nallow_short_quiet_period = true\n[roots.retention]\n"
+                   f"keep_last = {keep_last}\nkeep_best = 0\n"
                    f"min_free = '{min_free}'\n")
     return cfg, root
 
 
-@pytest.mark.xfail(strict=True, reason="hole: min_free ignores what already waits in .ckptd-trash/ to be "
-                   "purged (a killed prune's entry, another host's: foreign_wait=lease_duration+margin), so "
-                   "it deletes a checkpoint keep_last keeps for space the purge frees anyway")
-def test_min_free_counts_what_waits_in_the_trash(tmp_path, mount):
+@pytest.mark.parametrize("where", [".ckptd-trash/", ".ckptd-trash."])
+def test_min_free_counts_what_waits_in_the_trash(tmp_path, mount, where):
     cfg, root = _small_volume(tmp_path, mount, min_free="2.5MiB", keep_last=4, extra="leadership = 'volume'")
-    # What a prune killed between its rename and its purge leaves (ckptd's own name for the entry):
-    # purging it alone would meet min_free.
+    # What a prune killed between its rename and its purge leaves (ckptd's own name for the entry),
+    # in the trash or, where there was no room to make it, at the root's top: purging it alone
+    # would meet min_free.
     (root / ".ckptd-trash").mkdir()
     os.rename(root / "roberta-mlm" / "checkpoint-500",
-              root / ".ckptd-trash" / "1796160000-0123abcd-roberta-mlm%2Fcheckpoint-500")
+              root / f"{where}1796160000-0123abcd-roberta-mlm%2Fcheckpoint-500")
     free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
     assert free < 2.5 * 2**20 < free + 1_000_000
     _prune(cfg)
     assert (root / "roberta-mlm" / "checkpoint-1000").is_dir(), "keep_last=4 kept it; the trash met min_free"
+
+
+def test_the_daemon_counts_what_waits_in_the_trash_for_min_free(tmp_path, mount):
+    """The daemon's passes (in process, a dry run, its clock controlled): a foreign trash entry
+    waiting its turn counts as free, as for prune."""
+    from ckptd.config import load_config
+    from ckptd.daemon import Daemon
+
+    cfg, root = _small_volume(tmp_path, mount, min_free="2.5MiB", keep_last=4)
+    (tmp_path / "state").mkdir()
+    (root / ".ckptd-trash").mkdir()
+    os.rename(root / "roberta-mlm" / "checkpoint-500",
+              root / ".ckptd-trash" / "1796160000-0123abcd-roberta-mlm%2Fcheckpoint-500")
+    now = [os.stat(root).st_mtime + 3600]
+    daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
+    daemon.watcher = None
+    for r in daemon.config.roots:
+        daemon.roots.append(daemon._runtime(r, daemon.config))
+    daemon._first_scan()
+    daemon.roots[0].tracker.step(now[0])
+    now[0] += 2
+    daemon.roots[0].tracker.step(now[0])
+    daemon._retention()
+    rows = daemon.state()["roots"][0]["runs"][0]["checkpoints"]
+    actions = {c["name"]: (c["action"], c["reasons"]) for c in rows}
+    assert actions["checkpoint-1000"][0] == "keep", actions
 
 
 # --- 3. Pins ----------------------------------------------------------------------------------
@@ -210,10 +236,6 @@ def _xfs(tmp_path: Path, mount) -> Path:
     return point
 
 
-@pytest.mark.xfail(strict=True, reason="hole: on XFS/btrfs a checkpoint whose blocks a reflink copy shares "
-                   "(cp -a of the run to a backup: coreutils 9 reflinks by default) counts its st_blocks as "
-                   "freed; min_free deletes checkpoints keep_last keeps, frees nothing, and prune reports "
-                   "'38.3MiB freed' where 'cannot be met ... deleting none' was the documented answer")
 def test_min_free_does_not_delete_what_a_reflink_copy_keeps_allocated(tmp_path, mount):
     import shutil
     import subprocess

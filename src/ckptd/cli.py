@@ -48,7 +48,7 @@ from ckptd.mounts import holder, is_remote, mount_of, quiet_alone_problem, quiet
 from ckptd.planner import Scanner, decide, unmatched_paths, world_size_warning
 from ckptd.policy import Decision, Plan, inferred_modes, summarise
 from ckptd.progress import Progress, Ticker
-from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock
+from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock, waiting_in_trash
 
 log = logging.getLogger("ckptd")
 
@@ -400,7 +400,7 @@ def scan_all(config: Config, now: float, *, quiet: bool = False) -> tuple[dict[P
             roots.append((root, scanners[root.path].runs(now=now, progress=bar.update)))
         finally:
             bar.done()
-    return scanners, decide(roots)
+    return scanners, decide(roots, trash=waiting_in_trash)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -525,7 +525,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 runs = scanner.runs(now=time.time(), progress=bar.update)
             finally:
                 bar.done()
-            plan = decide([(root, runs)])
+            plan = decide([(root, runs)], trash=waiting_in_trash)  # what still waits there counts as free
             for w in plan.warnings:
                 print(f"warning: {w}{note}")
             acting = sum(1 for d in plan.decisions if d.action is not Action.KEEP)

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -56,7 +55,16 @@ from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
 from ckptd.notify import notify, watchdog_interval
 from ckptd.planner import DiskSpace, decide, disk_space
 from ckptd.policy import Decision
-from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, Result, RootLock, Work, lower_priority
+from ckptd.reaper import (
+    DRY_RUN_NOTE,
+    Outcome,
+    Reaper,
+    Result,
+    RootLock,
+    Work,
+    lower_priority,
+    waiting_in_trash,
+)
 from ckptd.tracker import Changes, RootTracker
 from ckptd.watch import Watcher, choose_observer
 
@@ -86,8 +94,6 @@ class RootRuntime:
         self.next_poll = 0.0
         self.next_reconcile = 0.0
         self.overflowed = False
-        self.pending_purge_bytes = 0  # in the trash, not yet purged: counted as free (under `pending_lock`)
-        self.pending_lock = threading.Lock()
         self.said_standby = False
         self.said_dry_run = False
         self.last_error: str | None = None
@@ -679,8 +685,6 @@ class Daemon:
                     moved = c.size_bytes if result.outcome is Outcome.TRASHED else result.moved_bytes
                     done[verb] += 1
                     done["freed"] += moved
-                    with rt.pending_lock:
-                        rt.pending_purge_bytes += moved
                     if result.outcome is Outcome.TRASHED:
                         rt.tracker.forget(c.rel)
                         self._said_states.pop((str(rt.root.path), c.rel), None)
@@ -910,10 +914,12 @@ class Daemon:
         return news_acting
 
     def _space(self, path: Path) -> DiskSpace:
-        """Free space on `path`'s filesystem, counting what its roots hold in the trash as freed.
+        """Free space on `path`'s filesystem, counting what its roots hold in the trash as freed:
+        what this daemon moved there, and what waits there longer (another process's, one a killed
+        prune left: reaper.waiting_in_trash).
 
-        While a purge runs, bytes it already freed are counted twice: free space is
-        overestimated for a moment, so min_free deletes less, never more.
+        While a purge runs, an entry it is removing may be counted with what statvfs sees freed
+        already: free space is overestimated for a moment, so min_free deletes less, never more.
         """
         space = disk_space(path)
         dev = os.stat(path).st_dev
@@ -926,8 +932,7 @@ class Daemon:
             except OSError:
                 pass
             if rt.dev == dev:
-                with rt.pending_lock:
-                    pending += rt.pending_purge_bytes
+                pending += waiting_in_trash(rt.root.path)
         return DiskSpace(free=space.free + pending, total=space.total)
 
     def _purge(self, rt: RootRuntime) -> None:
@@ -939,8 +944,6 @@ class Daemon:
         def purge() -> None:
             # A leader that lost the lead leaves the rest of the trash to the one that has it.
             count, freed = rt.reaper.purge(stop=lambda: self._purge_stop or not rt.lead.held())
-            with rt.pending_lock:
-                rt.pending_purge_bytes = max(0, rt.pending_purge_bytes - freed)
             self.counters["bytes_reclaimed"] += freed
             if count:
                 log.info("%s: purged %d trash entries (%s)", rt.root.path, count, format_size(freed))

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckptd import mounts, policy
+from ckptd import extents, mounts, policy
 from ckptd.config import Root, path_matches, pin_matches
 from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
@@ -405,8 +405,16 @@ def decide(
     roots: list[tuple[Root, list[Run]]],
     space: Callable[[Path], DiskSpace] = disk_space,
     device: Callable[[Path], int] = lambda p: os.stat(p).st_dev,
+    extents_held: Callable[[Path], Callable[[Checkpoint], int] | None] = extents.held_by_checkpoints,
+    trash: Callable[[Path], int] | None = None,
 ) -> Plan:
-    """The retention plan for every run of every root, budgets included."""
+    """The retention plan for every run of every root, budgets included.
+
+    `extents_held(root)`: on a filesystem that shares extents, what deleting each checkpoint leaves
+    allocated (extents.py), for `min_free`; None where st_blocks is what deleting frees.
+    `trash(root)`: what waits in the root's trash to be purged, counted as free for `min_free`
+    (reaper.waiting_in_trash; the daemon's `space` counts it itself).
+    """
     decisions: list[Decision] = []
     warnings: list[str] = []
     for root, runs in roots:
@@ -465,6 +473,8 @@ def decide(
     for dev_roots in by_device.values():
         paths = {r.path for r in dev_roots}
         disk = space(dev_roots[0].path)
+        if trash is not None:
+            disk = DiskSpace(free=disk.free + sum(trash(r.path) for r in dev_roots), total=disk.total)
         floors = [r.retention.min_free for r in dev_roots if r.retention.min_free is not None]
         floor = max(floors, key=lambda f: f.required(disk.total))
         # The checkpoints' roots, by identity (a run's checkpoints share one Path): most often all
@@ -476,7 +486,12 @@ def decide(
             idx = [i for i, d in enumerate(decisions) if d.checkpoint.root in paths]
         where = ", ".join(sorted(str(p) for p in paths))
         updated, w = policy.enforce_min_free(
-            [decisions[i] for i in idx], free=disk.free, total=disk.total, floor=floor, where=where
+            [decisions[i] for i in idx],
+            free=disk.free,
+            total=disk.total,
+            floor=floor,
+            where=where,
+            held=extents_held(dev_roots[0].path),
         )
         if len(idx) == len(decisions):  # one filesystem: every decision
             decisions = updated

@@ -653,15 +653,25 @@ def _du(ckpts: Sequence[Checkpoint]) -> int:
 
 
 def enforce_min_free(
-    decisions: Sequence[Decision], *, free: int, total: int, floor: FreeSpace, where: str
+    decisions: Sequence[Decision],
+    *,
+    free: int,
+    total: int,
+    floor: FreeSpace,
+    where: str,
+    held: Callable[[Checkpoint], int] | None = None,
 ) -> tuple[list[Decision], list[str]]:
     """Delete the oldest unprotected checkpoints on one filesystem until `floor` is free, if that can.
 
     `decisions` are every decision on that filesystem, across runs and roots;
-    space already freed by planned deletions and slims counts.
+    space already freed by planned deletions and slims counts. `held(c)`: what deleting `c`
+    leaves allocated on a filesystem that shares extents (extents.py), counted as not freed.
     """
     required = floor.required(total)
-    ledger = Ledger.disk()  # what the planned deletions free, each inode once, with its last link
+    if free >= required:  # met already: nothing to weigh (nor to ask the filesystem, `held`)
+        return list(decisions), []
+    # What the planned deletions free, each inode once, with its last link, shared extents not
+    ledger = Ledger.disk(held)
     expected = free
     for d in decisions:
         if d.action is Action.DELETE:

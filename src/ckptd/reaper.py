@@ -1015,7 +1015,8 @@ class Reaper:
         run = find_run(self.root, run_rel, patterns=self.scanner.patterns)
         now = self.clock()
         by_step = by_time = False
-        others = [c for c in (run.candidates if run is not None else ()) if c.unit == mine.unit and c.name != name]
+        candidates = run.candidates if run is not None else ()
+        others = [c for c in candidates if c.unit == mine.unit and c.name != name]
         for cand in sorted(others, key=lambda c: c.step, reverse=True):
             fresh = self.scanner.reinspect(run_rel, cand.name, now=now)
             if fresh is None or fresh.state is not State.COMPLETE:
@@ -1338,6 +1339,41 @@ def _size(path: Path) -> int:
         return space.freed_by(exc.entries)
     except OSError:
         return 0
+
+
+def waiting_in_trash(root: Path) -> int:
+    """What purging `root`'s trash frees, however long its entries still wait (another process's
+    wait `foreign_wait`; one a killed prune left): `min_free` counts it as free already, so it
+    deletes nothing more for space a purge frees anyway. The trash's entries and what was renamed
+    into the root's top under ckptd's hidden name; not those held for review, nor a hidden name
+    ckptd did not give (never purged: `Reaper._not_yet`), nor a trash on another filesystem."""
+    total = 0
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        for name in os.listdir(root_fd):
+            ours = name.startswith(HIDDEN_TRASH) and _trash_origin(name) is not None
+            if ours and not name.endswith(REVIEW):
+                total += _size(root / name)
+        try:
+            trash_fd = os.open(TRASH_DIR, _DIR_FLAGS, dir_fd=root_fd)
+        except OSError:
+            return total
+        try:
+            if _another_filesystem(TRASH_DIR, root_fd, trash_fd, root / TRASH_DIR) is not None:
+                return total
+            for name in os.listdir(trash_fd):
+                if not name.endswith(REVIEW):
+                    total += _size(root / TRASH_DIR / name)
+        finally:
+            os.close(trash_fd)
+    except OSError:
+        return total
+    finally:
+        os.close(root_fd)
+    return total
 
 
 class LockHeld(Exception):

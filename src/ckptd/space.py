@@ -7,11 +7,15 @@ nothing while one of them is kept. So each checkpoint carries its size counted o
 (`du`), and the inodes it shares with something outside it (`Shared`); a `Ledger` says what
 deleting checkpoints one after another frees, each inode counted once, when its last link
 among those counted goes.
+
+On a filesystem that shares extents between files (reflinks, snapshots: extents.py), deleting
+frees only the blocks no other file shares: a `Ledger` may be told what each checkpoint's
+deletion leaves allocated (`held`), and counts it as not freed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -68,14 +72,21 @@ class Ledger:
     `max_size`) links it any more, as `du` of what is left would count.
     """
 
-    def __init__(self, remaining: dict[tuple[int, int], int] | None = None):
+    def __init__(
+        self,
+        remaining: dict[tuple[int, int], int] | None = None,
+        held: Callable[[Checkpoint], int] | None = None,
+    ):
         self._remaining = remaining  # (dev, ino) -> links left; None: start from each nlink
         self._gone: dict[tuple[int, int], int] = {}  # links removed so far
+        self._held = held  # what deleting a checkpoint leaves allocated (shared extents)
         self.freed = 0
 
     @classmethod
-    def disk(cls) -> Ledger:
-        return cls()
+    def disk(cls, held: Callable[[Checkpoint], int] | None = None) -> Ledger:
+        """What the filesystem frees; `held(c)`: of `c`'s blocks, those its deletion leaves
+        allocated (extents a reflink copy or a snapshot shares: extents.held)."""
+        return cls(held=held)
 
     @classmethod
     def within(cls, kept: Iterable[Checkpoint]) -> Ledger:
@@ -96,6 +107,8 @@ class Ledger:
         for s in c.shared:
             if self._left(s) - s.here <= 0 < self._left(s):
                 out += s.bytes
+        if self._held is not None:
+            out = max(0, out - self._held(c))
         return out
 
     def add(self, c: Checkpoint) -> int:

@@ -55,6 +55,11 @@ SETS = {
     "copy_in": [T+"test_copy_in.py"],
     # red team, third round: what the disk says now, counted as the disk counts it
     "rt3": [T+"test_redteam3.py"],
+    # min_free against what deleting really frees: reflinked extents, what waits in the trash
+    "space": [T+"test_extents.py",
+              T+"test_attack_round3.py::test_min_free_does_not_delete_what_a_reflink_copy_keeps_allocated",
+              T+"test_attack_round3.py::test_min_free_counts_what_waits_in_the_trash",
+              T+"test_attack_round3.py::test_the_daemon_counts_what_waits_in_the_trash_for_min_free"],
     # roots and quiet periods that cannot be meant (config.refusals)
     "refusals": [T+"test_config.py", T+"test_envconfig.py"],
     # keep_hourly/daily/weekly/monthly (policy.time_buckets)
@@ -973,4 +978,26 @@ MUTS = [
    edits=[("attestation.py", "    if not listings:  # records", "    if False:  # records")]),
  dict(id="AT13", what="files ckptd's slim removed are not demanded by the records (or slimmed saves never go)",
    tests="attest", edits=[("attestation.py", "        if e is None and path in removed:\n", "        if False:\n")]),
+ # --- min_free: what deleting frees on a filesystem that shares extents (extents.py)
+ dict(id="SP1", what="min_free counts extents a reflink copy shares as not freed", tests="space", edits=[("space.py",
+   "            out = max(0, out - self._held(c))", "            pass")]),
+ dict(id="SP2", what="FIEMAP's shared flag: a shared extent is not freed", tests="space", edits=[("extents.py",
+   "            if flags & FIEMAP_EXTENT_SHARED:", "            if False:")]),
+ dict(id="SP3", what="the filesystems that share extents are asked", tests="space", edits=[("extents.py",
+   "    if fstype not in SHARING:", "    if True:")]),
+ # --- min_free: what already waits in the trash counts as free
+ dict(id="SP4", what="prune's min_free counts what waits in the trash", tests="space", edits=[("cli.py",
+   "            plan = decide([(root, runs)], trash=waiting_in_trash)", "            plan = decide([(root, runs)])")]),
+ dict(id="SP5", what="the trash's entries are counted", tests="space", edits=[("reaper.py",
+   "                    total += _size(root / TRASH_DIR / name)", "                    pass")]),
+ dict(id="SP6", what="what was renamed aside at the root's top is counted", tests="space", edits=[("reaper.py",
+   "                total += _size(root / name)\n", "                pass\n")]),
+ dict(id="SP7", what="the plan adds what waits in the trash to the free space", tests="space", edits=[("planner.py",
+   "            disk = DiskSpace(free=disk.free + sum(trash(r.path) for r in dev_roots), total=disk.total)",
+   "            pass")]),
+ dict(id="SP8", what="a file FIEMAP cannot answer for counts as freeing nothing", tests="space", edits=[("extents.py",
+   "            log.debug(\"FIEMAP on %s: %s: counted as freeing nothing\", name, exc)\n            out += allocated\n",
+   "            log.debug(\"FIEMAP on %s: %s: counted as freeing nothing\", name, exc)\n")]),
+ dict(id="SP9", what="the daemon's free space counts what waits in the trash", tests="space", edits=[("daemon.py",
+   "                pending += waiting_in_trash(rt.root.path)", "                pass")]),
 ]
