@@ -277,9 +277,6 @@ def _slimmed_marker(ckpt: Path, step: int) -> None:
     (ckpt / ".ckptd-slim.json").write_text(json.dumps(doc))
 
 
-@pytest.mark.xfail(strict=True, reason="hole: a checkpoint slimmed earlier whose optimizer shards the user "
-                   "restored (to resume from it) is 'finish interrupted slimming' again: prune removes the "
-                   "restored shards though its marker says done and no keep_full_last is configured")
 def test_optimizer_state_restored_into_a_slimmed_checkpoint_is_not_removed_again(tmp_path):
     cfg, root = _demo(tmp_path)
     ckpt = root / "roberta-mlm" / "checkpoint-1500"

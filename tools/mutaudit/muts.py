@@ -61,6 +61,8 @@ SETS = {
     "time_buckets": [T+"test_time_buckets.py"],
     # commit records from the training job (attest.py, attestation.py)
     "attest": [T+"test_attest.py"],
+    # attack round 3: a done slim with its optimizer state put back; the root lock; ckptd's own files
+    "attack3": [T+"test_attack_round3.py", T+"test_slim.py"],
 }
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
@@ -964,6 +966,11 @@ MUTS = [
    edits=[("attestation.py", "    starts += [files[p].mtime_ns for p in listings if p in files]\n", "")]),
  dict(id="AT12", what="records that list no file do not stand in for the quiet period", tests="attest",
    edits=[("attestation.py", "    if not listings:  # records", "    if False:  # records")]),
+ dict(id="AR3a", what="a done slim with optimizer files again is kept, not finished as interrupted", tests="attack3",
+   edits=[(SL, "        if marker.done and any(not in_work_dir(rel) for rel, _ in removable):", "        if False:")]),
+ dict(id="AR3b", what="slimming re-reads the marker: done with optimizer files again is refused", tests="attack3",
+   edits=[(R, "        if previous is not None and previous.done and any(not slim.in_work_dir(p) for p, _ in s.removable):",
+           "        if False:")]),
  dict(id="AT13", what="files ckptd's slim removed are not demanded by the records (or slimmed saves never go)",
    tests="attest", edits=[("attestation.py", "        if e is None and path in removed:\n", "        if False:\n")]),
 ]
