@@ -1008,8 +1008,8 @@ def test_a_consolidation_finished_after_dry_run_was_switched_on_is_not_moved_int
 def test_optimizer_state_put_back_after_a_done_slim_is_kept_and_the_reaper_refuses_it(trainer_volume, tmp_path):
     """A marker saying "done" is rewritten only after every listed file has gone (Reaper.slim_one):
     optimizer files present beside it were put back by hand (to resume), not left by a crash. The
-    plan keeps them and says so; and the reaper, reading the marker again before it acts, refuses a
-    plan that would remove them. (The marker is flipped in place, same size and mtime, so that the
+    plan keeps them and says so; and the reaper, deciding the run again from fresh reads before it
+    acts, refuses a plan that would remove them. (The marker is flipped in place, same size and mtime, so that the
     plan's fingerprint still matches: a state no real sequence makes, to reach the reaper's check.)"""
     ck = trainer_volume / "run" / "checkpoint-100"
     size = (ck / "optimizer.pt").stat().st_size
@@ -1033,6 +1033,8 @@ def test_optimizer_state_put_back_after_a_done_slim_is_kept_and_the_reaper_refus
     (ck / slim.MARKER).write_text(done)
     os.utime(ck / slim.MARKER, ns=(st.st_atime_ns, st.st_mtime_ns))
     [result] = reaper.execute(plan.decisions)
-    assert result.outcome is Outcome.REFUSED and "put back since" in result.detail
+    assert result.outcome is Outcome.REFUSED, result.detail
+    assert result.detail.startswith("decided again from its run's files as they are now: keep (")
+    assert result.detail.endswith("slimmed, its optimizer state put back since: kept as it is)")
     assert (ck / "optimizer.pt").exists()
     journal.close()

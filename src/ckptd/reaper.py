@@ -475,8 +475,6 @@ class Reaper:
         previous = read_slim_marker(c.path, {e.rel: e for e in before})
         if isinstance(previous, str):
             return refuse(f"{slim.MARKER} unreadable: {previous}")
-        if previous is not None and previous.done and any(not slim.in_work_dir(p) for p, _ in s.removable):
-            return refuse(f"{slim.MARKER} says done: its optimizer files were put back since, not left over")
         done = ""
         if previous is not None:
             weights = previous.document["weights"]

@@ -968,9 +968,6 @@ MUTS = [
    edits=[("attestation.py", "    if not listings:  # records", "    if False:  # records")]),
  dict(id="AR3a", what="a done slim with optimizer files again is kept, not finished as interrupted", tests="attack3",
    edits=[(SL, "        if marker.done and any(not in_work_dir(rel) for rel, _ in removable):", "        if False:")]),
- dict(id="AR3b", what="slimming re-reads the marker: done with optimizer files again is refused", tests="attack3",
-   edits=[(R, "        if previous is not None and previous.done and any(not slim.in_work_dir(p) for p, _ in s.removable):",
-           "        if False:")]),
  dict(id="AT13", what="files ckptd's slim removed are not demanded by the records (or slimmed saves never go)",
    tests="attest", edits=[("attestation.py", "        if e is None and path in removed:\n", "        if False:\n")]),
 ]
