@@ -167,12 +167,8 @@ def test_a_late_rename_of_the_newest_by_time_is_moved_back(tmp_path):
 # --- 5. A full disk that holds the state directory too ---------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="near-miss: with state_dir on the full filesystem (a sidecar's state "
-                   "on "
-                   "the volume, ~/.local/state on a one-disk box) prune dies with 'I/O error: [Errno 28]' "
-                   "(the pid line written into state_dir/locks/*.lock) and deletes nothing, naming no file: "
-                   "the operator is left to free the disk by hand")
-def test_prune_frees_a_full_disk_that_holds_its_state_dir(tmp_path, mount):
+def _full_disk_holding_state_dir(tmp_path: Path, mount) -> tuple[Path, Path]:
+    """The demo's roberta-mlm run and a fresh state_dir on one 2 MiB tmpfs, filled: (config, fs)."""
     import shutil
 
     run_ckptd("demo", tmp_path / "demo")
@@ -195,9 +191,34 @@ def test_prune_frees_a_full_disk_that_holds_its_state_dir(tmp_path, mount):
     finally:
         os.close(fd)
     assert os.statvfs(fs).f_bavail == 0
+    return cfg, fs
+
+
+@pytest.mark.xfail(strict=True, reason="near-miss: with a fresh state_dir on the full filesystem (a sidecar's "
+                   "state on the volume, ~/.local/state on a one-disk box) the journal, written before every "
+                   "rename, cannot be: prune now says so, naming the journal, exit 74, and deletes nothing "
+                   "(test_a_full_disk_that_holds_the_state_dir_is_named_and_nothing_is_moved); freeing it "
+                   "would need journal space reserved while there was room")
+def test_prune_frees_a_full_disk_that_holds_its_state_dir(tmp_path, mount):
+    cfg, fs = _full_disk_holding_state_dir(tmp_path, mount)
     proc = run_ckptd("prune", "-c", cfg)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (fs / "exp" / "roberta-mlm" / "checkpoint-500").exists()
+
+
+def test_a_full_disk_that_holds_the_state_dir_is_named_and_nothing_is_moved(tmp_path, mount):
+    """The lock's pid line is left out on ENOSPC (the flock excludes, not the line); the journal
+    must record each move before it, so nothing moves, and prune says which file it could not write."""
+    cfg, fs = _full_disk_holding_state_dir(tmp_path, mount)
+    proc = run_ckptd("prune", "-c", cfg)
+    journal = fs / "state" / "journal.jsonl"
+    assert proc.returncode == 74, proc.stdout + proc.stderr
+    assert "I/O error" not in proc.stderr, proc.stderr
+    assert (f"-> failed: not moved: the journal records each move first, and cannot be written "
+            f"([Errno 28] No space left on device: '{journal}')") in proc.stdout, proc.stdout
+    assert "no room for the holder's pid line" in proc.stderr, proc.stderr
+    assert (fs / "exp" / "roberta-mlm" / "checkpoint-500").is_dir()
+    assert not (fs / "exp" / ".ckptd-trash").exists() or not any((fs / "exp" / ".ckptd-trash").iterdir())
 
 
 # --- 6. Reflinks: blocks st_blocks counts that deleting does not free ------------------------------

@@ -359,11 +359,16 @@ class Reaper:
                 trash_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 into, target = self.root, f"{HIDDEN_TRASH}{target}"
             try:
-                try:
-                    assert self.journal is not None
+                assert self.journal is not None
+                try:  # the intent first: a crash after the rename must find it in the journal
                     self.journal.record("trashing", time=self.clock(), trash=str(into / target), **fields)
+                except OSError as exc:  # ENOSPC with state_dir on the full volume
+                    why = f"not moved: the journal records each move first, and cannot be written ({exc})"
+                    self._record("failed", why=why, **fields)
+                    return Result(decision, Outcome.FAILED, why)
+                try:
                     os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)
-                except OSError as exc:  # ENOSPC on the journal; EXDEV, EACCES, EROFS, EBUSY on the rename
+                except OSError as exc:  # EXDEV, EACCES, EROFS, EBUSY
                     why = f"cannot move to {TRASH_DIR}/: {exc}"
                     self._record("failed", why=why, **fields)
                     return Result(decision, Outcome.FAILED, why)
@@ -1058,7 +1063,7 @@ class Reaper:
         try:
             self.journal.record(event, **fields)
         except OSError as exc:
-            log.error("cannot write the journal %s: %s", self.journal.path, exc)
+            log.error("cannot write the journal %s: %s", self.journal.path, exc.strerror)
 
 
 def _last_whole_step(
@@ -1371,8 +1376,20 @@ class RootLock:
                 os.close(fd)
             raise
         if fd is not None:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()} {self.root}\n".encode(errors="surrogateescape"))
+            # Who holds it, for a person reading the file; the flock is what excludes. On a full
+            # disk (state_dir on the very volume to be freed) the line may need a block there is
+            # not: left out, or the prune that would free it could not start.
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()} {self.root}\n".encode(errors="surrogateescape"))
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    os.close(fd)
+                    if root_fd is not None:
+                        os.close(root_fd)
+                    raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
+                log.warning("%s: no room for the holder's pid line (%s); the lock holds all the same",
+                            self.path, exc.strerror)
         self._fd, self._root_fd, self._held = fd, root_fd, True
 
     def _root_lock(self, blocking: bool) -> int | None:

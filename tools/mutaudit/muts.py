@@ -429,8 +429,11 @@ MUTS = [
    "            if not glob or glob.startswith(\"/\") or any(p in (\"\", \".\", \"..\") for p in parts):", "            if False:")]),
  # --- 10. journal before rename
  dict(id="J1", what="journal 'trashing' before rename (swap order)", tests="reaper", edits=[(R,
-   "                    self.journal.record(\"trashing\", time=self.clock(), trash=str(into / target), **fields)\n                    os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)",
-   "                    os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)\n                    self.journal.record(\"trashing\", time=self.clock(), trash=str(into / target), **fields)")]),
+   "                try:  # the intent first: a crash after the rename must find it in the journal\n",
+   "                os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)\n"
+   "                try:  # the intent first: a crash after the rename must find it in the journal\n"),
+   (R, "                try:\n                    os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)\n",
+    "                try:\n                    pass\n")]),
  dict(id="J3", what="purge journals its intent before removing", tests="reaper", edits=[(R,
    "            self._record(\"purging\", **where)\n", "")]),
  dict(id="K1", what="consolidation timeout passed on", tests="consolidator", edits=[(R,
@@ -968,6 +971,13 @@ MUTS = [
    edits=[("attestation.py", "    if not listings:  # records", "    if False:  # records")]),
  dict(id="AR3a", what="a done slim with optimizer files again is kept, not finished as interrupted", tests="attack3",
    edits=[(SL, "        if marker.done and any(not in_work_dir(rel) for rel, _ in removable):", "        if False:")]),
+ dict(id="AR3c", what="no room for the state_dir lock's pid line: the flock holds, the prune goes on", tests="attack3",
+   edits=[(R, "                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):\n                    os.close(fd)\n",
+           "                if True:\n                    os.close(fd)\n")]),
+ dict(id="AR3d", what="a journal that cannot be written first: nothing moved", tests="attack3",
+   edits=[(R, "                    why = f\"not moved: the journal records each move first, and cannot be written ({exc})\"\n"
+              "                    self._record(\"failed\", why=why, **fields)\n                    return Result(decision, Outcome.FAILED, why)\n",
+           "                    pass\n")]),
  dict(id="AT13", what="files ckptd's slim removed are not demanded by the records (or slimmed saves never go)",
    tests="attest", edits=[("attestation.py", "        if e is None and path in removed:\n", "        if False:\n")]),
 ]
