@@ -328,9 +328,6 @@ def test_a_pin_file_below_the_top_does_not_make_the_newest_incomplete(tmp_path):
 # --- 9. Two deleters on one root, when <root>/.ckptd cannot be a directory ----------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="hole (low): where <root>/.ckptd exists as a file, the root lock "
-                   "cannot be made and nobody says so: a daemon (state_dir A) leads and a prune with "
-                   "state_dir B deletes at the same time (exit 0, not 75), no warning in either")
 def test_a_prune_with_another_state_dir_does_not_delete_beside_a_daemon_without_a_root_lock(tmp_path):
     from daemonproc import DaemonProc
 
@@ -343,8 +340,13 @@ def test_a_prune_with_another_state_dir_does_not_delete_beside_a_daemon_without_
     prune_cfg = tmp_path / "prune.toml"
     prune_cfg.write_text(cfg.read_text().replace(str(tmp_path / "demo" / "state"), str(tmp_path / "state-b"))
                          .replace("[daemon]\n", "[daemon]\nleadership = 'local'\n", 1))
+    # Where <root>/.ckptd cannot be a directory, the root's own lock cannot be taken: neither the
+    # daemon nor the prune deletes there (the daemon stands by, the prune exits 75), each saying why.
+    unavailable = f"cannot take {root / '.ckptd' / 'local.lock'} (Not a directory): deleting nothing in {root}"
     with DaemonProc("-c", daemon_cfg) as d:
-        d.wait_message("this ckptd deletes here")
+        d.wait_message(f"{root}: standby, observing only: {unavailable}")
         proc = run_ckptd("prune", "-c", prune_cfg)
         d.stop()
     assert proc.returncode == 75, proc.stdout + proc.stderr
+    assert unavailable in proc.stderr, proc.stderr
+    assert all((root / "roberta-mlm" / f"checkpoint-{s}").is_dir() for s in (500, 1000, 1500, 2000))

@@ -1330,6 +1330,11 @@ class LockHeld(Exception):
     pass
 
 
+class RootLockUnavailable(LockHeld):
+    """`<root>/.ckptd/local.lock` cannot be taken, on a root that is not read-only: deleting
+    there could go on beside a ckptd with another state_dir, so nobody here deletes."""
+
+
 ROOT_LOCK = "local.lock"  # in <root>/.ckptd/: the lock every ckptd on this host deleting in the root takes
 
 
@@ -1340,9 +1345,11 @@ class RootLock:
     The first alone let a prune with another state_dir (a user's cron, a sidecar with its own
     state volume) delete beside the daemon leading the root (red team 2): the second is the same
     file for every ckptd on this host, whatever its state_dir or its spelling of the root. It is
-    taken where it can be: a root where it cannot be created (read-only, not ours to write) has
-    the state_dir lock alone, as before. The kernel releases both when the holder exits,
-    however it exits.
+    taken where it can be: a root on a read-only filesystem (where nothing is deleted anyway) has
+    the state_dir lock alone. Anything else that keeps it from being taken (`.ckptd` a file,
+    not ours to write, the lock not a regular file, a flock refused) raises `RootLockUnavailable`:
+    the state_dir lock alone would let two ckptds delete at once. The kernel releases both when
+    the holder exits, however it exits.
 
     Without a `state_dir`, the root's own lock alone: what a volume lease's leader holds for its
     tenure (`VolumeLease`), so that it and a ckptd with `leadership = "local"` exclude each
@@ -1410,21 +1417,31 @@ class RootLock:
             finally:
                 os.close(dir_fd)
         except OSError as exc:
-            log.debug("%s: no lock in the root itself (%s): the state_dir lock alone", self.root, exc)
-            return None
+            if exc.errno == errno.EROFS:
+                log.debug("%s: no lock in the root itself (%s): the state_dir lock alone", self.root, exc)
+                return None
+            raise self._unavailable(exc.strerror) from None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                return None
+                raise self._unavailable("not a regular file")
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
             os.close(fd)
             raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.root_path})") from None
+        except RootLockUnavailable:
+            os.close(fd)
+            raise
         except OSError as exc:
             os.close(fd)
-            log.debug("%s: cannot lock %s (%s): the state_dir lock alone", self.root, self.root_path, exc)
-            return None
+            raise self._unavailable(exc.strerror) from None
         return fd
+
+    def _unavailable(self, why: str) -> RootLockUnavailable:
+        return RootLockUnavailable(
+            f"cannot take {self.root_path} ({why}): deleting nothing in {self.root}, since a ckptd with "
+            f"another state_dir could delete there at the same time; make {self.root / layouts.LEASE_DIR} "
+            "a directory ckptd can write"
+        )
 
     @property
     def held(self) -> bool:

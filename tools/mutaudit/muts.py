@@ -978,6 +978,9 @@ MUTS = [
    edits=[(R, "                    why = f\"not moved: the journal records each move first, and cannot be written ({exc})\"\n"
               "                    self._record(\"failed\", why=why, **fields)\n                    return Result(decision, Outcome.FAILED, why)\n",
            "                    pass\n")]),
+ dict(id="AR3e", what="a root lock that cannot be taken (not read-only): nobody deletes there", tests="attack3",
+   edits=[(R, "                return None\n            raise self._unavailable(exc.strerror) from None\n",
+           "                return None\n            return None\n")]),
  dict(id="AT13", what="files ckptd's slim removed are not demanded by the records (or slimmed saves never go)",
    tests="attest", edits=[("attestation.py", "        if e is None and path in removed:\n", "        if False:\n")]),
 ]
