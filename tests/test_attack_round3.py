@@ -311,11 +311,6 @@ def test_optimizer_state_restored_into_a_slimmed_checkpoint_is_not_removed_again
 # --- 8. Near-miss: ckptd's own pin file taken for a file of the save ----------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="near-miss: a .ckptd-keep touched inside the newest checkpoint's "
-                   "DeepSpeed tag (ckptd's own file, which plan honours as a pin) fails the one-save check: "
-                   "'incomplete ... files from two saves ... a re-save in place not finished?', and `ckptd "
-                   "latest` passes over it to an older checkpoint: the user resumes 500 steps back or "
-                   "deletes it by hand as broken")
 def test_a_pin_file_below_the_top_does_not_make_the_newest_incomplete(tmp_path):
     cfg, root = _demo(tmp_path)
     run = root / "roberta-mlm"

@@ -981,6 +981,8 @@ MUTS = [
  dict(id="AR3e", what="a root lock that cannot be taken (not read-only): nobody deletes there", tests="attack3",
    edits=[(R, "                return None\n            raise self._unavailable(exc.strerror) from None\n",
            "                return None\n            return None\n")]),
+ dict(id="AR3f", what="one save: ckptd's own files (a pin below the top) are no save's", tests="attack3",
+   edits=[(E, "    files = {rel: e for rel, e in files.items() if not _ckptd_own(rel)}\n", "")]),
  dict(id="AT13", what="files ckptd's slim removed are not demanded by the records (or slimmed saves never go)",
    tests="attest", edits=[("attestation.py", "        if e is None and path in removed:\n", "        if False:\n")]),
 ]
