@@ -1346,10 +1346,11 @@ class RootLock:
     state volume) delete beside the daemon leading the root (red team 2): the second is the same
     file for every ckptd on this host, whatever its state_dir or its spelling of the root. It is
     taken where it can be: a root on a read-only filesystem (where nothing is deleted anyway) has
-    the state_dir lock alone. Anything else that keeps it from being taken (`.ckptd` a file,
-    not ours to write, the lock not a regular file, a flock refused) raises `RootLockUnavailable`:
-    the state_dir lock alone would let two ckptds delete at once. The kernel releases both when
-    the holder exits, however it exits.
+    the state_dir lock alone, and so, with a warning, has a full one where the lock was never made
+    (it is made at the first run with room, and stays). Anything else that keeps it from being
+    taken (`.ckptd` a file, not ours to write, the lock not a regular file, a flock refused)
+    raises `RootLockUnavailable`: the state_dir lock alone would let two ckptds delete at once.
+    The kernel releases both when the holder exits, however it exits.
 
     Without a `state_dir`, the root's own lock alone: what a volume lease's leader holds for its
     tenure (`VolumeLease`), so that it and a ckptd with `leadership = "local"` exclude each
@@ -1419,6 +1420,13 @@ class RootLock:
         except OSError as exc:
             if exc.errno == errno.EROFS:
                 log.debug("%s: no lock in the root itself (%s): the state_dir lock alone", self.root, exc)
+                return None
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self.path is not None:
+                # A full disk, the very occasion min_free exists for, with no lock made here while
+                # there was room: refusing would leave it full. Said, not silent.
+                log.warning("%s: cannot create %s (%s): only the state_dir lock %s excludes other "
+                            "ckptds here; one with another state_dir could delete at the same time",
+                            self.root, self.root_path, exc.strerror, self.path)
                 return None
             raise self._unavailable(exc.strerror) from None
         try:
