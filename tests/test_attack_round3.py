@@ -20,7 +20,8 @@ def _demo(tmp_path: Path, **retention: object) -> tuple[Path, Path]:
     proc = run_ckptd("demo", tmp_path / "demo")
     assert proc.returncode == 0, proc.stderr
     cfg = tmp_path / "demo" / "ckptd.toml"
-    text = cfg.read_text().replace('quiet_period = "60s"', 'quiet_period = "0s"\nallow_short_quiet_period = true')
+    text = cfg.read_text().replace(
+        'quiet_period = "60s"', 'quiet_period = "0s"\nallow_short_quiet_period = true')
     for k, v in retention.items():
         text = text.replace("[roots.retention]\n", f"[roots.retention]\n{k} = {json.dumps(v)}\n", 1)
     cfg.write_text(text)
@@ -94,8 +95,8 @@ def _small_volume(
         os.utime(ckpt / "samples.txt", ns=(st.st_atime_ns, st.st_mtime_ns))
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n{extra}\n[[roots]]\npath = '{root}'\n"
-                   f"quiet_period = '0s'\nallow_short_quiet_period = true\n[roots.retention]\n"
-                   f"keep_last = {keep_last}\nkeep_best = 0\n"
+                   "quiet_period = '0s'\nallow_short_quiet_period = true\n"
+                   f"[roots.retention]\nkeep_last = {keep_last}\nkeep_best = 0\n"
                    f"min_free = '{min_free}'\n")
     return cfg, root
 
@@ -184,12 +185,8 @@ def test_a_late_rename_of_the_newest_by_time_is_moved_back(tmp_path):
 # --- 5. A full disk that holds the state directory too ---------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="near-miss: with state_dir on the full filesystem (a sidecar's state "
-                   "on "
-                   "the volume, ~/.local/state on a one-disk box) prune dies with 'I/O error: [Errno 28]' "
-                   "(the pid line written into state_dir/locks/*.lock) and deletes nothing, naming no file: "
-                   "the operator is left to free the disk by hand")
-def test_prune_frees_a_full_disk_that_holds_its_state_dir(tmp_path, mount):
+def _full_disk_holding_state_dir(tmp_path: Path, mount) -> tuple[Path, Path]:
+    """The demo's roberta-mlm run and a fresh state_dir on one 2 MiB tmpfs, filled: (config, fs)."""
     import shutil
 
     run_ckptd("demo", tmp_path / "demo")
@@ -201,7 +198,8 @@ def test_prune_frees_a_full_disk_that_holds_its_state_dir(tmp_path, mount):
     (fs / "state").mkdir()
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{fs / 'state'}'\n[[roots]]\npath = '{fs / 'exp'}'\n"
-                   "quiet_period = '0s'\nallow_short_quiet_period = true\n[roots.retention]\nkeep_last = 2\nkeep_best = 0\n")
+                   "quiet_period = '0s'\nallow_short_quiet_period = true\n"
+                   "[roots.retention]\nkeep_last = 2\nkeep_best = 0\n")
     fd = os.open(fs / "fill", os.O_WRONLY | os.O_CREAT)
     try:
         while os.write(fd, b"\0" * 4096):
@@ -211,9 +209,34 @@ def test_prune_frees_a_full_disk_that_holds_its_state_dir(tmp_path, mount):
     finally:
         os.close(fd)
     assert os.statvfs(fs).f_bavail == 0
+    return cfg, fs
+
+
+@pytest.mark.xfail(strict=True, reason="near-miss: with a fresh state_dir on the full filesystem (a sidecar's "
+                   "state on the volume, ~/.local/state on a one-disk box) the journal, written before every "
+                   "rename, cannot be: prune now says so, naming the journal, exit 74, and deletes nothing "
+                   "(test_a_full_disk_that_holds_the_state_dir_is_named_and_nothing_is_moved); freeing it "
+                   "would need journal space reserved while there was room")
+def test_prune_frees_a_full_disk_that_holds_its_state_dir(tmp_path, mount):
+    cfg, fs = _full_disk_holding_state_dir(tmp_path, mount)
     proc = run_ckptd("prune", "-c", cfg)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (fs / "exp" / "roberta-mlm" / "checkpoint-500").exists()
+
+
+def test_a_full_disk_that_holds_the_state_dir_is_named_and_nothing_is_moved(tmp_path, mount):
+    """The lock's pid line is left out on ENOSPC (the flock excludes, not the line); the journal
+    must record each move before it, so nothing moves, and prune says which file it could not write."""
+    cfg, fs = _full_disk_holding_state_dir(tmp_path, mount)
+    proc = run_ckptd("prune", "-c", cfg)
+    journal = fs / "state" / "journal.jsonl"
+    assert proc.returncode == 74, proc.stdout + proc.stderr
+    assert "I/O error" not in proc.stderr, proc.stderr
+    assert (f"-> failed: not moved: the journal records each move first, and cannot be written "
+            f"([Errno 28] No space left on device: '{journal}')") in proc.stdout, proc.stdout
+    assert "no room for the holder's pid line" in proc.stderr, proc.stderr
+    assert (fs / "exp" / "roberta-mlm" / "checkpoint-500").is_dir()
+    assert not (fs / "exp" / ".ckptd-trash").exists() or not any((fs / "exp" / ".ckptd-trash").iterdir())
 
 
 # --- 6. Reflinks: blocks st_blocks counts that deleting does not free ------------------------------
@@ -256,7 +279,8 @@ def test_min_free_does_not_delete_what_a_reflink_copy_keeps_allocated(tmp_path, 
     subprocess.run(["fallocate", "-l", str(fill), str(xfs / "fill")], check=True)
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{xfs / 'exp'}'\n"
-                   "quiet_period = '0s'\nallow_short_quiet_period = true\n[roots.retention]\nkeep_last = 4\nkeep_best = 0\n"
+                   "quiet_period = '0s'\nallow_short_quiet_period = true\n"
+                   "[roots.retention]\nkeep_last = 4\nkeep_best = 0\n"
                    "min_free = '80MB'\n")
     free_before = os.statvfs(xfs).f_bavail * os.statvfs(xfs).f_frsize
     out = _prune(cfg)
@@ -288,9 +312,6 @@ def _slimmed_marker(ckpt: Path, step: int) -> None:
     (ckpt / ".ckptd-slim.json").write_text(json.dumps(doc))
 
 
-@pytest.mark.xfail(strict=True, reason="hole: a checkpoint slimmed earlier whose optimizer shards the user "
-                   "restored (to resume from it) is 'finish interrupted slimming' again: prune removes the "
-                   "restored shards though its marker says done and no keep_full_last is configured")
 def test_optimizer_state_restored_into_a_slimmed_checkpoint_is_not_removed_again(tmp_path):
     cfg, root = _demo(tmp_path)
     ckpt = root / "roberta-mlm" / "checkpoint-1500"
@@ -304,11 +325,6 @@ def test_optimizer_state_restored_into_a_slimmed_checkpoint_is_not_removed_again
 # --- 8. Near-miss: ckptd's own pin file taken for a file of the save ----------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="near-miss: a .ckptd-keep touched inside the newest checkpoint's "
-                   "DeepSpeed tag (ckptd's own file, which plan honours as a pin) fails the one-save check: "
-                   "'incomplete ... files from two saves ... a re-save in place not finished?', and `ckptd "
-                   "latest` passes over it to an older checkpoint: the user resumes 500 steps back or "
-                   "deletes it by hand as broken")
 def test_a_pin_file_below_the_top_does_not_make_the_newest_incomplete(tmp_path):
     cfg, root = _demo(tmp_path)
     run = root / "roberta-mlm"
@@ -321,9 +337,6 @@ def test_a_pin_file_below_the_top_does_not_make_the_newest_incomplete(tmp_path):
 # --- 9. Two deleters on one root, when <root>/.ckptd cannot be a directory ----------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="hole (low): where <root>/.ckptd exists as a file, the root lock "
-                   "cannot be made and nobody says so: a daemon (state_dir A) leads and a prune with "
-                   "state_dir B deletes at the same time (exit 0, not 75), no warning in either")
 def test_a_prune_with_another_state_dir_does_not_delete_beside_a_daemon_without_a_root_lock(tmp_path):
     from daemonproc import DaemonProc
 
@@ -336,8 +349,13 @@ def test_a_prune_with_another_state_dir_does_not_delete_beside_a_daemon_without_
     prune_cfg = tmp_path / "prune.toml"
     prune_cfg.write_text(cfg.read_text().replace(str(tmp_path / "demo" / "state"), str(tmp_path / "state-b"))
                          .replace("[daemon]\n", "[daemon]\nleadership = 'local'\n", 1))
+    # Where <root>/.ckptd cannot be a directory, the root's own lock cannot be taken: neither the
+    # daemon nor the prune deletes there (the daemon stands by, the prune exits 75), each saying why.
+    unavailable = f"cannot take {root / '.ckptd' / 'local.lock'} (Not a directory): deleting nothing in {root}"
     with DaemonProc("-c", daemon_cfg) as d:
-        d.wait_message("this ckptd deletes here")
+        d.wait_message(f"{root}: standby, observing only: {unavailable}")
         proc = run_ckptd("prune", "-c", prune_cfg)
         d.stop()
     assert proc.returncode == 75, proc.stdout + proc.stderr
+    assert unavailable in proc.stderr, proc.stderr
+    assert all((root / "roberta-mlm" / f"checkpoint-{s}").is_dir() for s in (500, 1000, 1500, 2000))

@@ -1003,3 +1003,38 @@ def test_a_consolidation_finished_after_dry_run_was_switched_on_is_not_moved_int
     assert (result.outcome, result.detail) == (
         Outcome.REFUSED, "dry run: not moved into place (dry run; not actually removing anything)")
     assert not (ck / "fp32").exists() and untouched(ck) and no_work_left(root)
+
+
+def test_optimizer_state_put_back_after_a_done_slim_is_kept_and_the_reaper_refuses_it(trainer_volume, tmp_path):
+    """A marker saying "done" is rewritten only after every listed file has gone (Reaper.slim_one):
+    optimizer files present beside it were put back by hand (to resume), not left by a crash. The
+    plan keeps them and says so; and the reaper, deciding the run again from fresh reads before it
+    acts, refuses a plan that would remove them. (The marker is flipped in place, same size and mtime, so that the
+    plan's fingerprint still matches: a state no real sequence makes, to reach the reaper's check.)"""
+    ck = trainer_volume / "run" / "checkpoint-100"
+    size = (ck / "optimizer.pt").stat().st_size
+    doc = slim.marker_document(state="removing", time=OLD, removed=[("optimizer.pt", size)], reasons=["test"],
+                               weights={"path": "model.safetensors", "consolidated": False})
+    removing = json.dumps(doc)
+    done = removing.replace('"state": "removing"', '"state": "done"    ')
+    assert len(done) == len(removing)
+    (ck / slim.MARKER).write_text(done)
+    age(ck, time.time() - 3600)
+    reaper, plan, journal = reaper_for(trainer_volume, tmp_path, keep_last=3)
+    assert not plan.slims
+    [kept] = [d for d in plan.decisions if d.checkpoint.step == 100]
+    assert kept.reasons[-1] == "slimmed, its optimizer state put back since: kept as it is"
+    journal.close()
+    (ck / slim.MARKER).write_text(removing)
+    age(ck, time.time() - 3600)
+    reaper, plan, journal = reaper_for(trainer_volume, tmp_path, keep_last=3)
+    assert len(plan.slims) == 1  # planned while the marker said "removing"
+    st = (ck / slim.MARKER).stat()
+    (ck / slim.MARKER).write_text(done)
+    os.utime(ck / slim.MARKER, ns=(st.st_atime_ns, st.st_mtime_ns))
+    [result] = reaper.execute(plan.decisions)
+    assert result.outcome is Outcome.REFUSED, result.detail
+    assert result.detail.startswith("decided again from its run's files as they are now: keep (")
+    assert result.detail.endswith("slimmed, its optimizer state put back since: kept as it is)")
+    assert (ck / "optimizer.pt").exists()
+    journal.close()

@@ -526,6 +526,18 @@ def _tags(layout: str, files: dict[str, Entry]) -> list[str]:
     return frameworks.get(layout).tags(files)
 
 
+def _ckptd_own(rel: str) -> bool:
+    """Whether `rel` (in a checkpoint, at any depth) is ckptd's, not the trainer's: a pin
+    (`.ckptd-keep`, `<file>.ckptd-keep`), the slim marker, its work directory, the job's commit
+    records under `.ckptd/`."""
+    return (
+        rel.rpartition("/")[2].endswith(layouts.PIN_FILE)
+        or rel in (slim.MARKER, f"{slim.MARKER}.tmp")
+        or slim.in_work_dir(rel)
+        or attestation.is_metadata(rel)
+    )
+
+
 def one_save(
     files: dict[str, Entry], *, last: tuple[str, str, Callable[[str], bool]] | None, tags: Iterable[str]
 ) -> list[Check]:
@@ -535,11 +547,13 @@ def one_save(
     rank its optimizer shard after its model states, and no rank its shard long before rank 0's
     model states (`SAVE_SPAN`); DCP's `.metadata` and megatron-core's `metadata.json` after the
     *.distcp beside them. [] when the checkpoint has none of these files. Failed: files from two
-    saves, a re-save in place not finished; kept, and said why.
+    saves, a re-save in place not finished; kept, and said why. ckptd's own files (`_ckptd_own`)
+    are no framework's and are left out: a pin touched inside a DeepSpeed tag is not a late file.
 
     Only "older than" counts: a file added after the save (an evaluation's output, zero_to_fp32's
     weights) is newer, never a reason. A copy that did not keep mtimes (cp -r without -p) can
     break the order: its checkpoints are kept, and `plan` says so (planner.decide)."""
+    files = {rel: e for rel, e in files.items() if not _ckptd_own(rel)}
     problems: list[tuple[float, str]] = []  # (seconds out of order, why)
     checked = False
     name, who, before = last if last is not None else ("", "", None)

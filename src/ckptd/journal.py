@@ -33,9 +33,12 @@ class Journal:
             json.dumps({"event": event, "pid": os.getpid(), **fields}, default=str, ensure_ascii=True) + "\n"
         )
         with self._lock:
-            fd = self._open()
-            os.write(fd, line.encode())
-            os.fsync(fd)
+            try:
+                fd = self._open()
+                os.write(fd, line.encode())
+                os.fsync(fd)
+            except OSError as exc:  # a write through a descriptor names no file: name the journal
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
     def close(self) -> None:
         with self._lock:

@@ -342,9 +342,9 @@ class RecordIO:
     def lock_root(self) -> str | None:
         """Take `<root>/.ckptd/local.lock` (`reaper.RootLock`, the root's own lock alone) for the
         tenure: a ckptd with `leadership = "local"` holds it while it deletes here, and the two
-        must never both delete. None if taken (or it cannot be made: the lease alone decides),
+        must never both delete. None if taken (or on a read-only root: the lease alone decides),
         else why not."""
-        from ckptd.reaper import LockHeld, RootLock
+        from ckptd.reaper import LockHeld, RootLock, RootLockUnavailable
 
         if self._root_lock is None:
             self._root_lock = RootLock(None, self.root)
@@ -352,6 +352,8 @@ class RecordIO:
             return None
         try:
             self._root_lock.acquire()
+        except RootLockUnavailable as exc:
+            return str(exc)
         except LockHeld:
             return (f"a ckptd with leadership = \"local\" deletes here (it holds "
                     f"{self._root_lock.root_path}): every ckptd that deletes in a root must use the same "

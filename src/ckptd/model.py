@@ -176,6 +176,9 @@ class Slimming:
     keeps: str = ""  # which weights a slim keeps, in words, for the plan's reasons
     consolidated: ConsolidatedWeights | None = None  # when `weights` are fp32 weights ckptd consolidated
     dtype: str | None = None  # of the weights a slim keeps: "fp32", "bf16", ...; None: not known
+    # Slimmed (its marker says "done") and holding optimizer files again: put back by hand, to
+    # resume from it. Not an interrupted slim: kept as it is, nothing removed.
+    restored: bool = False
 
     @property
     def removable_bytes(self) -> int:

@@ -582,7 +582,8 @@ def _slims(
 
     Pinned checkpoints, those holding a mount point and the run's newest full ones (by step
     and by time) are kept as they are. A slimmed checkpoint that still holds optimizer files
-    was interrupted while they were being removed: it is finished.
+    was interrupted while they were being removed (its marker says "removing"): it is
+    finished. One whose marker says "done" had them put back since: it is kept as it is.
     """
     full = [c for c in ckpts if c.state is State.COMPLETE and not c.slimmed]
     newest_full = {id(c) for c in full[-r.keep_full_last :]} if r.keep_full_last else set()
@@ -593,7 +594,9 @@ def _slims(
         if not reasons or c.state is not State.COMPLETE or c.pinned or c.mounts or c.holds:
             continue
         if c.slimmed:
-            if c.slim.removable and c.slim.blocker is None:
+            if c.slim.restored:
+                reasons.append("slimmed, its optimizer state put back since: kept as it is")
+            elif c.slim.removable and c.slim.blocker is None:
                 out[id(c)] = f"slim: finish interrupted slimming (kept for: {'; '.join(reasons)})"
             else:
                 reasons.append("slimmed")

@@ -359,11 +359,16 @@ class Reaper:
                 trash_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 into, target = self.root, f"{HIDDEN_TRASH}{target}"
             try:
-                try:
-                    assert self.journal is not None
+                assert self.journal is not None
+                try:  # the intent first: a crash after the rename must find it in the journal
                     self.journal.record("trashing", time=self.clock(), trash=str(into / target), **fields)
+                except OSError as exc:  # ENOSPC with state_dir on the full volume
+                    why = f"not moved: the journal records each move first, and cannot be written ({exc})"
+                    self._record("failed", why=why, **fields)
+                    return Result(decision, Outcome.FAILED, why)
+                try:
                     os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)
-                except OSError as exc:  # ENOSPC on the journal; EXDEV, EACCES, EROFS, EBUSY on the rename
+                except OSError as exc:  # EXDEV, EACCES, EROFS, EBUSY
                     why = f"cannot move to {TRASH_DIR}/: {exc}"
                     self._record("failed", why=why, **fields)
                     return Result(decision, Outcome.FAILED, why)
@@ -1078,7 +1083,7 @@ class Reaper:
         try:
             self.journal.record(event, **fields)
         except OSError as exc:
-            log.error("cannot write the journal %s: %s", self.journal.path, exc)
+            log.error("cannot write the journal %s: %s", self.journal.path, exc.strerror)
 
 
 def _last_whole_step(
@@ -1380,6 +1385,11 @@ class LockHeld(Exception):
     pass
 
 
+class RootLockUnavailable(LockHeld):
+    """`<root>/.ckptd/local.lock` cannot be taken, on a root that is not read-only: deleting
+    there could go on beside a ckptd with another state_dir, so nobody here deletes."""
+
+
 ROOT_LOCK = "local.lock"  # in <root>/.ckptd/: the lock every ckptd on this host deleting in the root takes
 
 
@@ -1390,9 +1400,12 @@ class RootLock:
     The first alone let a prune with another state_dir (a user's cron, a sidecar with its own
     state volume) delete beside the daemon leading the root (red team 2): the second is the same
     file for every ckptd on this host, whatever its state_dir or its spelling of the root. It is
-    taken where it can be: a root where it cannot be created (read-only, not ours to write) has
-    the state_dir lock alone, as before. The kernel releases both when the holder exits,
-    however it exits.
+    taken where it can be: a root on a read-only filesystem (where nothing is deleted anyway) has
+    the state_dir lock alone, and so, with a warning, has a full one where the lock was never made
+    (it is made at the first run with room, and stays). Anything else that keeps it from being
+    taken (`.ckptd` a file, not ours to write, the lock not a regular file, a flock refused)
+    raises `RootLockUnavailable`: the state_dir lock alone would let two ckptds delete at once.
+    The kernel releases both when the holder exits, however it exits.
 
     Without a `state_dir`, the root's own lock alone: what a volume lease's leader holds for its
     tenure (`VolumeLease`), so that it and a ckptd with `leadership = "local"` exclude each
@@ -1426,8 +1439,20 @@ class RootLock:
                 os.close(fd)
             raise
         if fd is not None:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()} {self.root}\n".encode(errors="surrogateescape"))
+            # Who holds it, for a person reading the file; the flock is what excludes. On a full
+            # disk (state_dir on the very volume to be freed) the line may need a block there is
+            # not: left out, or the prune that would free it could not start.
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()} {self.root}\n".encode(errors="surrogateescape"))
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    os.close(fd)
+                    if root_fd is not None:
+                        os.close(root_fd)
+                    raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
+                log.warning("%s: no room for the holder's pid line (%s); the lock holds all the same",
+                            self.path, exc.strerror)
         self._fd, self._root_fd, self._held = fd, root_fd, True
 
     def _root_lock(self, blocking: bool) -> int | None:
@@ -1448,21 +1473,38 @@ class RootLock:
             finally:
                 os.close(dir_fd)
         except OSError as exc:
-            log.debug("%s: no lock in the root itself (%s): the state_dir lock alone", self.root, exc)
-            return None
+            if exc.errno == errno.EROFS:
+                log.debug("%s: no lock in the root itself (%s): the state_dir lock alone", self.root, exc)
+                return None
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self.path is not None:
+                # A full disk, the very occasion min_free exists for, with no lock made here while
+                # there was room: refusing would leave it full. Said, not silent.
+                log.warning("%s: cannot create %s (%s): only the state_dir lock %s excludes other "
+                            "ckptds here; one with another state_dir could delete at the same time",
+                            self.root, self.root_path, exc.strerror, self.path)
+                return None
+            raise self._unavailable(exc.strerror) from None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                return None
+                raise self._unavailable("not a regular file")
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
             os.close(fd)
             raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.root_path})") from None
+        except RootLockUnavailable:
+            os.close(fd)
+            raise
         except OSError as exc:
             os.close(fd)
-            log.debug("%s: cannot lock %s (%s): the state_dir lock alone", self.root, self.root_path, exc)
-            return None
+            raise self._unavailable(exc.strerror) from None
         return fd
+
+    def _unavailable(self, why: str) -> RootLockUnavailable:
+        return RootLockUnavailable(
+            f"cannot take {self.root_path} ({why}): deleting nothing in {self.root}, since a ckptd with "
+            f"another state_dir could delete there at the same time; make {self.root / layouts.LEASE_DIR} "
+            "a directory ckptd can write"
+        )
 
     @property
     def held(self) -> bool:

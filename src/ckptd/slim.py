@@ -306,6 +306,11 @@ def survey(
     saved = next((w for w in candidates if present(w)), None)
     if marker is not None:
         named = f"{marker.weights}, named by its slim marker"
+        # A slim writes "done" only once every file it listed has gone (reaper.slim_one); optimizer
+        # files here after that were put back by someone, to resume from it: theirs to keep.
+        if marker.done and any(not in_work_dir(rel) for rel, _ in removable):
+            return Slimming(True, (), marker.weights if present(marker.weights) else None, keeps=named,
+                            restored=True)
         if present(marker.weights):
             return Slimming(True, removable, marker.weights, keeps=named)
         return Slimming(True, removable, None, None, f"{named}, is missing")

@@ -66,6 +66,8 @@ SETS = {
     "time_buckets": [T+"test_time_buckets.py"],
     # commit records from the training job (attest.py, attestation.py)
     "attest": [T+"test_attest.py"],
+    # attack round 3: a done slim with its optimizer state put back; the root lock; ckptd's own files
+    "attack3": [T+"test_attack_round3.py", T+"test_slim.py"],
 }
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
@@ -432,8 +434,11 @@ MUTS = [
    "            if not glob or glob.startswith(\"/\") or any(p in (\"\", \".\", \"..\") for p in parts):", "            if False:")]),
  # --- 10. journal before rename
  dict(id="J1", what="journal 'trashing' before rename (swap order)", tests="reaper", edits=[(R,
-   "                    self.journal.record(\"trashing\", time=self.clock(), trash=str(into / target), **fields)\n                    os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)",
-   "                    os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)\n                    self.journal.record(\"trashing\", time=self.clock(), trash=str(into / target), **fields)")]),
+   "                try:  # the intent first: a crash after the rename must find it in the journal\n",
+   "                os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)\n"
+   "                try:  # the intent first: a crash after the rename must find it in the journal\n"),
+   (R, "                try:\n                    os.rename(c.name, target, src_dir_fd=run_fd, dst_dir_fd=trash_fd)\n",
+    "                try:\n                    pass\n")]),
  dict(id="J3", what="purge journals its intent before removing", tests="reaper", edits=[(R,
    "            self._record(\"purging\", **where)\n", "")]),
  dict(id="K1", what="consolidation timeout passed on", tests="consolidator", edits=[(R,
@@ -976,6 +981,23 @@ MUTS = [
    edits=[("attestation.py", "    starts += [files[p].mtime_ns for p in listings if p in files]\n", "")]),
  dict(id="AT12", what="records that list no file do not stand in for the quiet period", tests="attest",
    edits=[("attestation.py", "    if not listings:  # records", "    if False:  # records")]),
+ dict(id="AR3a", what="a done slim with optimizer files again is kept, not finished as interrupted", tests="attack3",
+   edits=[(SL, "        if marker.done and any(not in_work_dir(rel) for rel, _ in removable):", "        if False:")]),
+ dict(id="AR3c", what="no room for the state_dir lock's pid line: the flock holds, the prune goes on", tests="attack3",
+   edits=[(R, "                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):\n                    os.close(fd)\n",
+           "                if True:\n                    os.close(fd)\n")]),
+ dict(id="AR3d", what="a journal that cannot be written first: nothing moved", tests="attack3",
+   edits=[(R, "                    why = f\"not moved: the journal records each move first, and cannot be written ({exc})\"\n"
+              "                    self._record(\"failed\", why=why, **fields)\n                    return Result(decision, Outcome.FAILED, why)\n",
+           "                    pass\n")]),
+ dict(id="AR3e", what="a root lock that cannot be taken (not read-only): nobody deletes there", tests="attack3",
+   edits=[(R, "                return None\n            raise self._unavailable(exc.strerror) from None\n",
+           "                return None\n            return None\n")]),
+ dict(id="AR3g", what="a full disk without the root's lock: the state_dir lock alone, said", tests="rt3",
+   edits=[(R, "            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self.path is not None:\n",
+           "            if False:\n")]),
+ dict(id="AR3f", what="one save: ckptd's own files (a pin below the top) are no save's", tests="attack3",
+   edits=[(E, "    files = {rel: e for rel, e in files.items() if not _ckptd_own(rel)}\n", "")]),
  dict(id="AT13", what="files ckptd's slim removed are not demanded by the records (or slimmed saves never go)",
    tests="attest", edits=[("attestation.py", "        if e is None and path in removed:\n", "        if False:\n")]),
  # --- min_free: what deleting frees on a filesystem that shares extents (extents.py)
