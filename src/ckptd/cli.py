@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command(
         "prune",
         "apply retention once: delete and slim what the plan says, crash-safely",
-        exits="exit 75: another ckptd holds a root's lock",
+        exits="exit 75: another ckptd holds a root's lock, or it cannot be taken",
     )
     sp.add_argument("--dry-run", action="store_true", help="re-check and report, but change nothing")
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress line on a terminal")
