@@ -179,7 +179,7 @@ def test_its_own_entry_is_purged_at_once(volume, live):
 
 @pytest.mark.parametrize(("step", "protect", "why"), [
     (10, lambda ck: (ck / PIN_FILE).touch(), "pinned"),
-    (40, lambda ck: None, "newer than every complete checkpoint left in its run"),
+    (40, lambda ck: None, "newer than every complete checkpoint left in its run (by step or by time)"),
 ])
 def test_another_process_s_entry_that_is_protected_now_goes_back(volume, live, step, protect, why):
     reaper, plan = live

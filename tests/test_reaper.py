@@ -164,6 +164,7 @@ def test_a_decision_for_another_root_is_ignored(volume, tmp_path):
 
 
 def test_one_lock_holder_per_root(tmp_path):
+    (tmp_path / "vol").mkdir()  # a root that is not there cannot be locked (RootLockUnavailable)
     a = RootLock(tmp_path / "state", tmp_path / "vol")
     b = RootLock(tmp_path / "state", tmp_path / "vol")
     a.acquire()
