@@ -248,7 +248,7 @@ def _count(text: str) -> int:
 def _path_arg(text: str) -> str:
     """A path argument, never empty: `ckptd prune "$CKPT_ROOT"` with the variable unset passes "",
     which Path() reads as the working directory (for a service, often /). rm, ls and cd refuse an
-    empty path; so does ckptd (exit 64, by the parser), for every path it takes (red team)."""
+    empty path; so does ckptd (exit 64, by the parser), for every path it takes."""
     if text == "":
         raise argparse.ArgumentTypeError("empty (an unset variable?): never taken for the working directory")
     return text

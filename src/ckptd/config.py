@@ -475,7 +475,7 @@ def relative_spelling(spelling: str, root: Path, key: str) -> str:
 
 def _resolved_under(path: str, root: Path) -> str | None:
     """An absolute spelling's place under `root` by what its directory resolves to: a symlink to
-    the root (/vol -> /data/vol, the root configured as /data/vol; red team 2), or, where it
+    the root (/vol -> /data/vol, the root configured as /data/vol), or, where it
     exists, a bind mount of it (`mounts.located_in`). Its last component is kept as written
     (a pin names the checkpoint, not what a link of that name points to)."""
     head, name = os.path.split(path)
@@ -597,7 +597,7 @@ class Root(_Strict):
     @model_validator(mode="after")
     def _paths_as_written(self) -> Root:
         """Pins and run rules' `match` as relative paths (`relative_spelling`), so that each is
-        matched as the user wrote it, not never (red team: a pin written `run/ckpt/` matched
+        matched as the user wrote it, not never (a pin written `run/ckpt/` matched
         nothing, silently, and the checkpoint it pinned was deleted)."""
         def pins(r: Retention, where: str) -> tuple[str, ...]:
             out = tuple(relative_spelling(p, self.path, f"{where}.pins[{i}]") for i, p in enumerate(r.pins))
@@ -694,7 +694,7 @@ class Config(_Strict):
     def _disjoint_roots(cls, roots: tuple[Root, ...]) -> tuple[Root, ...]:
         # Nested roots would see the same runs twice, with two policies.
         # By path (/mnt/data -> /data and /data/team overlap), and, where the roots exist, by
-        # directory identity and the mount table: /mnt bind-mounted from /data/team (red team 2).
+        # directory identity and the mount table: /mnt bind-mounted from /data/team.
         table = mounts.read_mounts() if len(roots) > 1 else []
         for j, b in enumerate(roots):
             for i, a in enumerate(roots[:j]):

@@ -182,10 +182,10 @@ def _pick_roots(data: Mapping[str, Any], paths: list[str]) -> tuple[list[Any], l
     A path inside a configured root, or naming it by another spelling (a symlink, `..`), *is*
     that root: its retention, pins, overrides, lock and trash, restricted to the subtree.
     Given the built-in defaults instead, pins were ignored and a second lock let it run beside
-    the daemon (issue 11, item 5). A path that holds a configured root is refused: the
+    the daemon. A path that holds a configured root is refused: the
     defaults would apply to that root's runs. Any other path gets the defaults.
     The same goes for a path that is a configured root (or lies in it) by directory identity,
-    not by name: a bind mount of the root, or of a directory above it (red team 2).
+    not by name: a bind mount of the root, or of a directory above it.
     """
     configured: list[tuple[str, dict[str, Any]]] = []
     for table in _tables(data, "roots"):

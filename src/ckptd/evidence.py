@@ -142,9 +142,10 @@ def _kind(mode: int) -> str:
     return "o"
 
 
-# Files read whole for what they say (beyond a zip's directory or a header): trainer_state.json, the
-# slim marker, Orbax's metadata and metrics, megatron-core's metadata.json, indexes, configs.
-_READ_WHOLE = frozenset({layouts.ORBAX_METADATA, fwmetrics.ORBAX_METRICS_FILE})
+# Files read whole for what they say (beyond a zip's directory or a header): every JSON file
+# (trainer_state.json, the slim marker, megatron-core's metadata.json, indexes, configs), and what each
+# framework names in its `read_whole` (Orbax's metadata and metrics).
+_READ_WHOLE = frozenset().union(*(fw.read_whole for fw in frameworks.REGISTRY))
 
 
 def _read_whole(e: Entry) -> bool:
@@ -453,7 +454,7 @@ def _save_times(
     ckptd's own files (the pin, the slim marker, weights it consolidated, its work directory):
     none of them says when the trainer saved. `written_at` leaves out, besides, what was added
     to the checkpoint after its save (an evaluation's results.json, a zero_to_fp32 conversion):
-    an old checkpoint given a new file is not the run's newest save (red team, item 7). Where
+    an old checkpoint given a new file is not the run's newest save. Where
     the layout's own files cannot be told (`save_files` has none for it), every file counts.
     A checkpoint with no such file (an empty directory) falls back to its newest mtime. Nor does
     a file the framework writes last in its save, rewritten later (`_not_rewritten`: sed -i over
@@ -471,7 +472,7 @@ def _save_times(
     return min(e.mtime_ns for e in theirs) / 1e9, max(saved) / 1e9, max(e.mtime_ns for e in theirs) / 1e9
 
 
-# A save's last-written files rewritten after it (red team 2, item 6): a script fixing paths in every
+# A save's last-written files rewritten after it: a script fixing paths in every
 # trainer_state.json after a move (sed -i writes a new file) gives each the time of the fix, in
 # shell order, and the old checkpoint fixed last would be the run's newest save. The framework
 # writes such a file right after the others of its save (`_written_before`), in the same process:
@@ -503,7 +504,7 @@ def save_files(layout: str, rel: str) -> bool:
     return frameworks.get(layout).save_file(rel)
 
 
-# --- one save: a checkpoint re-saved in place (red team, item 5) -------------------------------
+# --- one save: a checkpoint re-saved in place -------------------------------
 #
 # A job resumed into the same output directory re-saves the checkpoints the first job left there,
 # in place: the Trainer and DeepSpeed makedirs(exist_ok=True) and overwrite file by file. Until the
@@ -844,7 +845,7 @@ def _absolute_elsewhere(
 ) -> tuple[set[str], str]:
     """What an absolute `latest` that does not resolve inside the run names here. Another host
     may mount the volume at another path (the trainer's node writes /data/ckpt/run/global_step10,
-    this one sees /vol/run; red team 2): through a mount of the same directory seen here (a bind
+    this one sees /vol/run): through a mount of the same directory seen here (a bind
     mount: `mounts.located_in`), the run's entry it lies in; an existing directory elsewhere, not
     this run's, nothing here; otherwise a last component naming one of the run's entries names it,
     and any other cannot be told: it may name any checkpoint here, as an unreadable pointer."""

@@ -399,7 +399,7 @@ def located_in(
     `path`'s real path to a directory with `top`'s (st_dev, st_ino): `path` reached through a
     bind mount of `top` or of a directory above it; then by the mount table: the same filesystem,
     `path`'s directory in it under `top`'s (a bind mount of a directory inside `top`), confirmed
-    by identity. Red team 2: /mnt, a bind mount of the root /vol, was taken for another root."""
+    by identity. (/mnt, a bind mount of the root /vol, was once taken for another root.)"""
     real, real_top = os.path.realpath(path), os.path.realpath(top)
     if _under(real, real_top):
         return os.path.relpath(real, real_top)

@@ -127,7 +127,7 @@ def anchors(ckpts: Iterable[Checkpoint]) -> list[tuple[Checkpoint, str]]:
 
     Times are `written_at`: the newest mtime of the files its framework saves, so a pin, a touch
     of an old checkpoint's directory, or an evaluation's output written into it later does not
-    make it the newest save (red team, item 7). Which files a save wrote is known per layout
+    make it the newest save. Which files a save wrote is known per layout
     (`evidence.save_files`); in doubt, the checkpoint written last counting every file
     (`touched_at`) is kept as well: one more anchor, never one fewer.
     """

@@ -238,7 +238,7 @@ class Reaper:
 
         Looked at afresh for every target, not once per pass: the trainer's own rotation or an
         operator's `mv` can take the newest checkpoint away in the middle of a pass, and then
-        the next deletion could leave the run with nothing to resume from (issue 11, item 8).
+        the next deletion could leave the run with nothing to resume from.
         """
         if not anchors or any(a.rel == planned.rel for a, _ in anchors):
             why = next((why for a, why in anchors if a.rel == planned.rel), "newest complete")
@@ -1035,7 +1035,7 @@ class Reaper:
     def _open_trash(self, *, create: bool = True) -> int:
         """A descriptor of the trash directory (made if missing and `create`), never a symlink, and
         never another filesystem: a mount at <root>/.ckptd-trash (a bind mount of a dataset, a
-        disk) would be emptied by the purge, and renames into it fail with EXDEV anyway (red team).
+        disk) would be emptied by the purge, and renames into it fail with EXDEV anyway.
         Raises OSError saying why."""
         root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -1237,7 +1237,7 @@ def _remove_tree(name: str, parent_fd: int, dev: int, depth: int = 0) -> None:
     filesystem: a directory on another device, or where a mount is attached (a bind mount
     keeps its device number: `mounts.is_mount_root`), raises EXDEV and stays, with the
     directories holding it. shutil.rmtree crossed into a bind mount inside a trashed
-    checkpoint and emptied it (issue 11, item 3).
+    checkpoint and emptied it.
     """
     if depth > _MAX_REMOVE_DEPTH:
         raise OSError(errno.ELOOP, f"deeper than {_MAX_REMOVE_DEPTH} levels", name)
@@ -1398,7 +1398,7 @@ class RootLock:
     one on `<root>/.ckptd/local.lock`, the root's own.
 
     The first alone let a prune with another state_dir (a user's cron, a sidecar with its own
-    state volume) delete beside the daemon leading the root (red team 2): the second is the same
+    state volume) delete beside the daemon leading the root: the second is the same
     file for every ckptd on this host, whatever its state_dir or its spelling of the root. It is
     taken where it can be: a root on a read-only filesystem (where nothing is deleted anyway) has
     the state_dir lock alone, and so, with a warning, has a full one where the lock was never made

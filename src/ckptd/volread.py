@@ -3,7 +3,7 @@
 Every file ckptd reads from a volume (a resume pointer, trainer_state.json, a model-states
 file, Orbax's metadata, a safetensors header, ...) is opened here. A plain open() of a FIFO
 blocks until a writer comes, which may be never: plan, prune and the daemon's one filesystem
-thread hung on a FIFO named like Megatron's tracker (red team, near-miss). So: O_NONBLOCK
+thread hung on a FIFO named like Megatron's tracker. So: O_NONBLOCK
 (a FIFO's open returns at once; on a regular file the flag changes nothing on Linux), one
 fstat, and anything but a regular file (FIFO, socket, device, directory) is refused with
 `NotRegularFile`, an OSError: every caller already takes an unreadable file as "cannot

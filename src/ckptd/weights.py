@@ -4,7 +4,7 @@ Reads only the small parts: a safetensors file's JSON header (8 bytes of length,
 the header; never the tensors), and a sharded checkpoint's `*.index.json`. The
 result is plain data that `slim.survey` (pure) decides from: whether the weights a
 slim would keep are fp32, or 16-bit while the fp32 master weights live only in the
-DeepSpeed optimizer shards that slimming removes (issue 11, item 12).
+DeepSpeed optimizer shards that slimming removes.
 
 A `pytorch_model.bin` is a pickle: its dtypes are not read, and "unknown" counts as
 "not known to be fp32" (the safe side: consolidate from the shards if there are any,

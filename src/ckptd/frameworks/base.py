@@ -84,6 +84,9 @@ class Framework:
     items_like_steps: bool = False  # its items, directly inside a step, look like steps of its own
 
     file_suffixes: tuple[str, ...] = ()  # the checkpoint files it claims by name (`recognise_file`)
+    # Files (relative to the checkpoint) whose contents a decision reads, beyond the JSON files every
+    # look reads whole: the verdict cache stamps them, so a rewrite in place is read again.
+    read_whole: frozenset[str] = frozenset()
 
     def recognise_file(self, name: str) -> Candidate | None:
         """Whether a file named `name` (ending in one of `file_suffixes`) is its checkpoint, at which step."""

@@ -60,6 +60,7 @@ def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
 
 class Orbax(Framework):
     layout = layouts.ORBAX
+    read_whole = frozenset({layouts.ORBAX_METADATA, fwmetrics.ORBAX_METRICS_FILE})
     items_like_steps = True  # in commit-file mode each item has its own commit_success.txt
 
     def evidence(self, save: Save) -> Evidence:
