@@ -23,8 +23,8 @@ from bench.context import Context
 from bench.measure import check, fmt_bytes, fmt_ratio, fmt_time, median, run_child, settle, spread
 from bench.report import Row, Section
 from bench.volume import HOUR, write_checkpoint
-from ckptd import policy
 from ckptd import reaper as reaper_module
+from ckptd import rules
 from ckptd.config import Retention, Root
 from ckptd.evidence import walk
 from ckptd.journal import Journal
@@ -79,7 +79,7 @@ def gone_from_run(ctx: Context, work: Path, *, world: int, shard: int, reps: int
         scanner = Scanner(cfg)
         plan = decide([(cfg, scanner.runs(now=time.time()))])
         decision = next(d for d in plan.decisions if d.checkpoint.name == target.name)
-        anchor = policy.anchors(d.checkpoint for d in plan.decisions)  # the run's newest: 10_000
+        anchor = rules.anchors(d.checkpoint for d in plan.decisions)  # the run's newest: 10_000
         assert decision.action is Action.DELETE, decision.reasons
         reaper = Reaper(scanner, Journal(state), dry_run=False)
         if i % 2:  # alternate which goes first, so neither always meets the other's writeback

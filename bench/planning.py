@@ -111,8 +111,8 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         if t > TARGET_S:
             note = (
                 f"{fmt_time(t)} for {n:,} checkpoints, {t / TARGET_S:.2g}× the 50 ms target. What is left "
-                "is Python's cost per checkpoint, in passes already fused: `policy.decide_run` "
-                f"({fmt_time(t_run)}) reads each checkpoint's metric, applies the rules in one pass and "
+                "is Python's cost per checkpoint: `policy.decide_run` "
+                f"({fmt_time(t_run)}) reads each checkpoint's metric, applies each rule (a loop each) and "
                 f"builds a frozen `Decision` for it ({fmt_time(t_dec)} for {n:,} of them alone), a budget "
                 "builds another for each checkpoint it deletes, and the per-run warnings and the budgets' "
                 "sums look at every decision once more. Closing it would take fewer objects per checkpoint "

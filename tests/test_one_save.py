@@ -30,7 +30,8 @@ from ckptd.config import Retention, Root
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_model_states, write_zip
 from ckptd.model import Action, State, Verdict
 from ckptd.planner import Scanner, decide
-from ckptd.policy import anchors, decide_run
+from ckptd.policy import decide_run
+from ckptd.rules import anchors
 from ckptd.tracker import HINT_DEBOUNCE
 
 from conftest import run_ckptd

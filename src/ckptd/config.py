@@ -34,7 +34,7 @@ from ckptd.slim import DEFAULT_SLIM_FILES
 
 DEFAULT_CONFIG_PATH = Path("/etc/ckptd/config.toml")
 
-# Retention's thinning by time, finest first (policy.time_buckets).
+# Retention's thinning by time, finest first (rules.time_buckets).
 TIME_BUCKETS = ("keep_hourly", "keep_daily", "keep_weekly", "keep_monthly")
 # Below this, a save's own pauses look quiet (Root.allow_short_quiet_period).
 QUIET_FLOOR = 5.0

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckptd import extents, mounts, policy
+from ckptd import extents, mounts, policy, rules
 from ckptd.config import Root, path_matches, pin_matches
 from ckptd.discover import RunDir, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
@@ -439,7 +439,7 @@ def decide(
                     mixed.append(c.name)
                 if c.holds:
                     held.append(
-                        f"{c.path}: {policy.held_reason(c)}: kept whole, and nothing inside it is managed "
+                        f"{c.path}: {rules.held_reason(c)}: kept whole, and nothing inside it is managed "
                         "(move that run out of the checkpoint to manage it)"
                     )
             if alone:

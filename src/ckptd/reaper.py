@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from ckptd import frameworks, layouts, mounts, policy, slim, space
+from ckptd import frameworks, layouts, mounts, policy, rules, slim, space
 from ckptd.config import format_size, pin_matches
 from ckptd.consolidate import Consolidated, Consolidation, ConsolidationFailed
 from ckptd.discover import find_run
@@ -67,7 +67,7 @@ from ckptd.model import Action, Checkpoint, ConsolidatedWeights, State
 from ckptd.planner import Scanner
 from ckptd.policy import Decision
 
-Anchors = Sequence[tuple[Checkpoint, str]]  # a run's anchors with why each is one (policy.anchors)
+Anchors = Sequence[tuple[Checkpoint, str]]  # a run's anchors with why each is one (rules.anchors)
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class Reaper:
     def recheck(self, decision: Decision, anchors: Anchors) -> str | None:
         """Why `decision` must not be carried out now, or None if it may.
 
-        `anchors` are its run's anchors as the plan saw them (`policy.anchors`): each must still
+        `anchors` are its run's anchors as the plan saw them (`rules.anchors`): each must still
         be there, complete and unchanged. A re-check that cannot be completed (an I/O error)
         is itself a reason not to act.
         """
@@ -207,7 +207,7 @@ class Reaper:
             return "pinned"
         # Checkpoints of a run of its own (or a pin) below it: the walk just done saw every entry.
         if fresh.holds:
-            return policy.held_reason(fresh)
+            return rules.held_reason(fresh)
         # Another filesystem inside (a bind mount of a dataset, say): the walk never entered it,
         # and a rename would carry it into the trash. The mount table is asked afresh as well,
         # for kernels where statx cannot tell a bind mount (mounts.is_mount_root).
@@ -290,14 +290,14 @@ class Reaper:
     def execute(self, decisions: Sequence[Decision], *, consolidate: bool = True) -> list[Result]:
         """Carry out one root's plan: trash each deletion, then slim each slim, each re-checked first.
 
-        Each is checked against its run's anchors as the plan saw them (`policy.anchors`).
+        Each is checked against its run's anchors as the plan saw them (`rules.anchors`).
         With `consolidate=False`, a slim that needs its fp32 weights consolidated first
         comes back DEFERRED, for the caller to run (`begin_consolidation`).
         """
         by_run: dict[str, list[Checkpoint]] = {}
         for d in decisions:
             by_run.setdefault(d.checkpoint.run, []).append(d.checkpoint)
-        anchored = {run: policy.anchors(ckpts) for run, ckpts in by_run.items()}
+        anchored = {run: rules.anchors(ckpts) for run, ckpts in by_run.items()}
         ours = [d for d in decisions if d.checkpoint.root == self.root]
         results = [self.trash_one(d, anchored[d.checkpoint.run]) for d in ours if d.action is Action.DELETE]
         results += [
