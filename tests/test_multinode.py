@@ -177,6 +177,20 @@ def nfs_mountinfo(point: Path, options: str) -> str:
     )
 
 
+def mounts_seen(monkeypatch, read) -> None:
+    """The mount table the command line reads, in every module of it that reads one: NFS cannot be
+    mounted here (no NFS module in this kernel), so its mountinfo lines stand in for one."""
+    import importlib
+    import pkgutil
+
+    import ckptd.cli
+
+    for info in pkgutil.iter_modules(ckptd.cli.__path__):
+        module = importlib.import_module(f"ckptd.cli.{info.name}")
+        if hasattr(module, "read_mounts"):
+            monkeypatch.setattr(module, "read_mounts", read)
+
+
 def test_check_config_warns_about_the_attribute_cache_and_names_the_leadership(tmp_path, monkeypatch, capsys):
     from ckptd import cli
     from ckptd.mounts import parse_mountinfo
@@ -189,13 +203,13 @@ def test_check_config_warns_about_the_attribute_cache_and_names_the_leadership(t
     root.mkdir()
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 's'}'\n[[roots]]\npath = '{root}'\nquiet_period = '60s'\n")
-    monkeypatch.setattr(cli, "read_mounts", lambda: parse_mountinfo(nfs_mountinfo(tmp_path, "")))
+    mounts_seen(monkeypatch, lambda: parse_mountinfo(nfs_mountinfo(tmp_path, "")))
     assert cli.main(["check-config", "-c", str(cfg)]) == 0
     err = capsys.readouterr().err
     assert f"roots[0] {root}: leadership=volume (auto: {tmp_path} is nfs4)" in err
     assert "POSIX locks: cluster-wide" in err
     assert "acregmax=60s (default), acdirmax=60s (default)" in err and "watched as 120s" in err
-    monkeypatch.setattr(cli, "read_mounts", lambda: parse_mountinfo(nfs_mountinfo(tmp_path, "acregmin=0,"
+    mounts_seen(monkeypatch, lambda: parse_mountinfo(nfs_mountinfo(tmp_path, "acregmin=0,"
                                                                                   "acregmax=0,acdirmin=0,acdirmax=0,noac,")))
     assert cli.main(["check-config", "-c", str(cfg)]) == 0
     assert "watched as" not in capsys.readouterr().err  # noac: nothing cached, nothing to add
@@ -252,7 +266,7 @@ def test_plan_and_prune_go_by_the_effective_quiet_period(tmp_path, monkeypatch, 
         return {Path(c["path"]).name: c["state"] for c in json.loads(capsys.readouterr().out)["checkpoints"]}
 
     assert plan() == {"checkpoint-1": "complete", "checkpoint-2": "complete"}  # this disk: ext4
-    monkeypatch.setattr(cli, "read_mounts", lambda: parse_mountinfo(nfs_mountinfo(tmp_path, "")))
+    mounts_seen(monkeypatch, lambda: parse_mountinfo(nfs_mountinfo(tmp_path, "")))
     assert plan() == {"checkpoint-1": "writing", "checkpoint-2": "writing"}
     assert cli.main(["prune", "-c", str(cfg)]) == 0
     out = capsys.readouterr()

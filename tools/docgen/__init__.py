@@ -242,7 +242,7 @@ def cli_page() -> str:
 
     parser = build_parser()
     lines = [
-        GENERATED.format(source="the parser in src/ckptd/cli.py (build_parser)"),
+        GENERATED.format(source="the parser in src/ckptd/cli/parser.py (build_parser)"),
         "# Command-line reference",
         "",
         " ".join((parser.description or "").split()),
@@ -256,7 +256,7 @@ def cli_page() -> str:
     ]
     for name, sub in _subcommands(parser).items():
         if not (sub.description or "").strip():
-            raise UndocumentedError(f"ckptd {name} has no description (src/ckptd/cli.py)")
+            raise UndocumentedError(f"ckptd {name} has no description (src/ckptd/cli/parser.py)")
         lines += [f"## `ckptd {name}` {{#{name}}}", "", " ".join(sub.description.split()), "", "```text",
                   _synopsis(name, sub), "```", ""]
         lines += ["| argument | value | default | what |", "|---|---|---|---|"]
@@ -264,7 +264,7 @@ def cli_page() -> str:
             if isinstance(action, argparse._HelpAction):
                 continue
             if not (action.help or "").strip():
-                raise UndocumentedError(f"ckptd {name} {action.dest} has no help (src/ckptd/cli.py)")
+                raise UndocumentedError(f"ckptd {name} {action.dest} has no help (src/ckptd/cli/parser.py)")
             flags = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.metavar or action.dest}`"
             default = action.default
             unset = default in (None, False, argparse.SUPPRESS) or action.nargs == "*"

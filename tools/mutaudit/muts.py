@@ -71,7 +71,7 @@ SETS = {
 }
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
-LE, MO, CL = "lease.py", "mounts.py", "cli.py"
+LE, MO = "lease.py", "mounts.py"
 RS, FM = "resume.py", "fwmetrics.py"
 SL, W, K = "slim.py", "weights.py", "consolidate.py"
 V, TR, PL, DI = "verdicts.py", "tracker.py", "planner.py", "discover.py"
@@ -576,9 +576,9 @@ MUTS = [
    "    if kind == \"volume\" and mount is not None and not attribute_cache(mount).close_to_open:", "    if False:")]),
  dict(id="V14", what="daemon: a standby does not lead", tests="multinode", edits=[(DM,
    "        held = rt.lead.held()\n", "        held = True\n")]),
- dict(id="V15", what="prune takes the root's leadership", tests="multinode", edits=[(CL,
+ dict(id="V15", what="prune takes the root's leadership", tests="multinode", edits=[("cli/prune.py",
    "        lead = None\n        if not dry_run:\n            lead, why_not", "        lead = None\n        if False:\n            lead, why_not")]),
- dict(id="V16", what="prune: a live holder's lease is not waited out", tests="multinode", edits=[(CL,
+ dict(id="V16", what="prune: a live holder's lease is not waited out", tests="multinode", edits=[("cli/prune.py",
    "        live = rec is not None and not rec.released and time.time() <= rec.expires + lease.margin", "        live = False")]),
  dict(id="LR1", what="the fence asked again just after a deletion's rename, the rename undone", tests="late", edits=[(R,
    "                why_not = self._fenced(after=True)\n                if why_not is not None:\n                    undone",
@@ -644,9 +644,9 @@ MUTS = [
    "            value = given if given is not None else default")]),
  dict(id="N5", what="daemon settles with the effective quiet period", tests="mounts", edits=[(DM,
    "        tracker = RootTracker(effective, self.clock, state_dir", "        tracker = RootTracker(root, self.clock, state_dir")]),
- dict(id="N6", what="plan and prune use the effective quiet period", tests="mounts", edits=[(CL,
+ dict(id="N6", what="plan and prune use the effective quiet period", tests="mounts", edits=[("cli/prune.py",
    "    preflight(config)\n    config = with_effective_quiet(config)\n    mounts = read_mounts()", "    preflight(config)\n    mounts = read_mounts()")]),
- dict(id="N7", what="plan uses the effective quiet period", tests="mounts", edits=[(CL,
+ dict(id="N7", what="plan uses the effective quiet period", tests="mounts", edits=[("cli/plan.py",
    "def cmd_plan(args: argparse.Namespace) -> int:\n    config = load(args)\n    require_roots(config)\n    config = with_effective_quiet(config)",
    "def cmd_plan(args: argparse.Namespace) -> int:\n    config = load(args)\n    require_roots(config)")]),
  # --- issue 12: every framework's checkpoints as its users know them, and the resume side
@@ -828,7 +828,7 @@ MUTS = [
    "    if False:\n        return \"on another filesystem than the root\"")]),
  dict(id="RT10b", what="trash check: the mount table where statx cannot tell", tests="rtclasses", edits=[(R,
    "        is_root = any(m.point == real for m in mounts.read_mounts())", "        is_root = False")]),
- dict(id="RT11", what="an empty path argument is refused (exit 64)", tests="rtclasses", edits=[(CL,
+ dict(id="RT11", what="an empty path argument is refused (exit 64)", tests="rtclasses", edits=[("cli/parser.py",
    "    if text == \"\":\n        raise argparse.ArgumentTypeError", "    if False:\n        raise argparse.ArgumentTypeError")]),
  dict(id="RT12", what="volread refuses what is not a regular file", tests="rtclasses", edits=[("volread.py",
    "    if not stat.S_ISREG(mode):\n", "    if False:\n")]),
@@ -940,7 +940,7 @@ MUTS = [
    edits=[(R, "            if by_step and by_time:", "            if by_step:")]),
  dict(id="RT3n", what="a pin naming a path inside a checkpoint keeps the checkpoint", tests=[T+"test_attack_round3.py"],
    edits=[(C, "    return len(parts) > depth and path_matches(rel, \"/\".join(parts[:depth]))", "    return False")]),
- dict(id="RT3i", what="verify: the configured root by mounts.holder (a bind mount)", tests="rt3", edits=[(CL,
+ dict(id="RT3i", what="verify: the configured root by mounts.holder (a bind mount)", tests="rt3", edits=[("cli/common.py",
    "    found = holder(path.parent, ((root.path, root) for root in config.roots))", "    found = None")]),
  dict(id="RT3j", what="latest(config=Config): the configured root by mounts.holder", tests="rt3", edits=[(RS,
    "        found = mounts.holder(path, ((root.path, root) for root in config.roots))", "        found = None")]),
@@ -1010,7 +1010,7 @@ MUTS = [
  dict(id="SP3", what="the filesystems that share extents are asked", tests="space", edits=[("extents.py",
    "    if fstype not in SHARING:", "    if True:")]),
  # --- min_free: what already waits in the trash counts as free
- dict(id="SP4", what="prune's min_free counts what waits in the trash", tests="space", edits=[("cli.py",
+ dict(id="SP4", what="prune's min_free counts what waits in the trash", tests="space", edits=[("cli/prune.py",
    "            plan = decide([(root, runs)], trash=waiting_in_trash)", "            plan = decide([(root, runs)])")]),
  dict(id="SP5", what="the trash's entries are counted", tests="space", edits=[("reaper.py",
    "                    total += _size(root / TRASH_DIR / name)", "                    pass")]),

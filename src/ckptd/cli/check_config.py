@@ -1,0 +1,112 @@
+"""`ckptd check-config`: the config as ckptd reads it, with what it would warn about."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from ckptd import layouts
+from ckptd.cli.common import check_state_dir, config_path, load, preflight, slimming_keys
+from ckptd.config import Config
+from ckptd.discover import find_runs
+from ckptd.envconfig import settings_in
+from ckptd.errors import EX_OK, CkptdError
+from ckptd.lease import choose_leadership, coherence_note, lock_scope, volume_leader_seen
+from ckptd.mounts import is_remote, mount_of, quiet_alone_problem, quiet_for, read_mounts
+from ckptd.planner import Scanner, unmatched_paths, world_size_warning
+from ckptd.policy import inferred_modes
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    path = config_path(args)
+    config = load(args)
+    env = settings_in(os.environ)
+    with_env = f" (with {', '.join(env)} from the environment)" if env else ""
+    print(json.dumps(config.model_dump(mode="json"), indent=2))
+    sys.stdout.flush()  # the document first, then the verdict on stderr
+    preflight(config)  # what `ckptd run` checks before it starts, with its exit codes
+    warning = check_state_dir(config)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    checked = [f"{len(config.roots)} root(s) present"]
+    if slimming_keys(config):
+        checked.append("slimming's torch, deepspeed, safetensors importable")
+    if config.daemon.metrics_listen:
+        checked.append("prometheus_client importable")
+    for line in volume_notes(config) + [n for root in config.roots for n in inferred_modes(root)]:
+        print(f"# {line}", file=sys.stderr)
+    for line in _unmatched(config):
+        print(f"warning: {line}", file=sys.stderr)
+    for line in _world_sizes(config):
+        print(f"warning: {line}", file=sys.stderr)
+    source = path if path else "no config file: built-in defaults"
+    print(f"# {source}{with_env}: OK ({', '.join(checked)})", file=sys.stderr)
+    return EX_OK
+
+
+def _unmatched(config: Config) -> list[str]:
+    """Pins and run rules that match nothing on the volume now (discovery only: no file is read)."""
+    out = []
+    for root in config.roots:
+        patterns = [layouts.compile_pattern(p.name) for p in root.patterns]
+        try:
+            dirs = find_runs(root.path, max_depth=root.max_depth, patterns=patterns)
+        except OSError:
+            continue  # preflight said what it could; nothing to compare with
+        rels = [c.name if d.rel == "." else f"{d.rel}/{c.name}" for d in dirs for c in d.candidates]
+        out += unmatched_paths(root, rels, [d.rel for d in dirs])
+    return out
+
+
+def _world_sizes(config: Config) -> list[str]:
+    """Configured world sizes that the checkpoints contradict (`planner.world_size_warning`):
+    the checkpoints are inspected, as `plan` does, only in roots where a world_size is set."""
+    out = []
+    for root in config.roots:
+        if root.world_size is None and all(r.world_size is None for r in root.runs):
+            continue
+        try:
+            runs = Scanner(root, state_dir=config.daemon.state_dir).runs(now=time.time())
+        except (OSError, CkptdError):
+            continue  # preflight said what it could
+        out += [w for run in runs if (w := world_size_warning(root, run)) is not None]
+    return out
+
+
+def volume_notes(config: Config) -> list[str]:
+    """For check-config: per root, who will delete there and how, and what its mount does to quiet."""
+    mounts = read_mounts()
+    d = config.daemon
+    out = []
+    for i, root in enumerate(config.roots):
+        where = f"roots[{i}] {root.path}"
+        kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent)
+        mount = mount_of(root.path, mounts)
+        locks = lock_scope(mount)
+        if kind == "volume":
+            lease = f"lease {d.lease_duration:g}s + {d.lease_margin:g}s margin"
+            lease += f" in {root.path / layouts.LEASE_DIR}"
+            out.append(f"{where}: leadership=volume ({why}); {lease}; POSIX locks: {locks}")
+            if (note := coherence_note(root.path, mounts, root.coherent)) is not None:
+                out.append(f"warning: {where}: {note}")
+        else:
+            out.append(f"{where}: leadership=local ({why}): one deleter per state_dir")
+            if (mixed := volume_leader_seen(root.path)) is not None:
+                out.append(f"warning: {where}: {mixed}")
+            if mount is not None and is_remote(mount.fstype):
+                out.append(
+                    f"warning: {where}: leadership=local on {mount.fstype}: ckptd on other hosts "
+                    "sharing this volume would each delete; use leadership = \"volume\" or \"auto\""
+                )
+        if problem is not None:
+            out.append(f"warning: {where}: {problem}")
+        _, _, warning = quiet_for(root.path, root.quiet_period, mounts, root.attribute_cache)
+        if warning is not None:
+            out.append(f"warning: {where}: {warning}")
+        if (alone := quiet_alone_problem(root.path, mounts, root.attribute_cache)) is not None and any(
+                not p.evidence for p in root.patterns):
+            out.append(f"warning: {where}: patterns without require or ranks complete nothing: {alone}")
+    return out

@@ -1,0 +1,150 @@
+"""`ckptd prune`: one retention pass, carried out (or shown, with --dry-run), under the root's
+lock and lease."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ckptd.cli.common import load, preflight, with_effective_quiet
+from ckptd.cli.output import report_result
+from ckptd.cli.parser import EX_TEMPFAIL
+from ckptd.config import Config, Root, format_size
+from ckptd.errors import EX_OK
+from ckptd.journal import Journal
+from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership
+from ckptd.model import Action
+from ckptd.mounts import read_mounts
+from ckptd.planner import Scanner, decide
+from ckptd.progress import Progress, Ticker
+from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock, waiting_in_trash
+
+
+def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadership | None, str | None]:
+    """The root's leadership taken for one prune, or (None, why not).
+
+    A volume lease that a live holder renews is not waited for (prune exits 75); one whose
+    holder is gone is watched for its duration plus margin first, as any standby must.
+    """
+    d = config.daemon
+    kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent)
+    if kind == "local":
+        local = LocalLeadership(RootLock(d.state_dir, root.path), why)
+        local.step()
+        return (local, None) if local.held() else (None, local.blocked)
+    if problem is not None:
+        return None, problem
+    lease = VolumeLease(root.path, duration=d.lease_duration, margin=d.lease_margin, why=why)
+    deadline = time.monotonic() + d.lease_duration + d.lease_margin + 2 * lease.interval
+    between_looks = threading.Event()  # never set: a timer between looks, nothing to synchronise with
+    said = False
+    while True:
+        lease.step()
+        if lease.held():
+            lease.start()  # renewed while the prune runs
+            return lease, None
+        rec = lease.seen.record if lease.seen else None
+        holder = f"{rec.holder.describe()} holds the volume lease (epoch {rec.epoch})" if rec else ""
+        live = rec is not None and not rec.released and time.time() <= rec.expires + lease.margin
+        if live:
+            assert rec is not None
+            return None, f"{holder}, renewed {max(0.0, time.time() - rec.renewed):.0f}s ago"
+        if time.monotonic() >= deadline or lease.error or "lock" in (lease.blocked or ""):
+            return None, "; ".join(filter(None, [holder, lease.blocked]))
+        if not said:
+            wait = d.lease_duration + d.lease_margin
+            print(f"{root.path}: the volume lease is not renewed; waiting up to {wait:g}s to be sure its "
+                  f"holder is gone ({lease.blocked})", file=sys.stderr)
+            said = True
+        between_looks.wait(lease.interval)
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    config = load(args)
+    preflight(config)
+    config = with_effective_quiet(config)
+    mounts = read_mounts()
+    dry_run = args.dry_run or config.daemon.dry_run
+    note = f" {DRY_RUN_NOTE}" if dry_run else ""
+    journal = None if dry_run else Journal(config.daemon.state_dir)
+    status = EX_OK
+    totals = {o: 0 for o in Outcome}
+    would = {"delete": [0, 0], "slim": [0, 0]}  # dry run: action -> [count, bytes]
+    freed = slim_freed = 0
+    trashed: list[Path] = []
+    for root in config.roots:
+        lead = None
+        if not dry_run:
+            lead, why_not = _lead_for_prune(config, root, mounts)
+            if lead is None:
+                print(f"skipping {root.path}: {why_not}", file=sys.stderr)
+                status = max(status, EX_TEMPFAIL)
+                continue
+        try:
+            scanner = Scanner(root, state_dir=config.daemon.state_dir)
+            reaper = Reaper(
+                scanner,
+                journal,
+                dry_run=dry_run,
+                consolidate_timeout=config.daemon.consolidate_timeout,
+                fence=lead.fencer() if lead is not None else None,
+            )
+            if lead is not None:
+                reaper.foreign_wait = lead.takeover_wait()  # what another process trashed waits
+            reaper.clear_work()  # what an interrupted consolidation left, into the trash
+            leftover, leftover_bytes = reaper.purge()  # an earlier run's interrupted purge
+            if leftover:
+                print(
+                    f"purged {leftover} leftover trash entries ({format_size(leftover_bytes)}) in {root.path}"
+                )
+            bar = Progress(f"prune {root.path}", quiet=args.quiet)
+            try:
+                runs = scanner.runs(now=time.time(), progress=bar.update)
+            finally:
+                bar.done()
+            plan = decide([(root, runs)], trash=waiting_in_trash)  # what still waits there counts as free
+            for w in plan.warnings:
+                print(f"warning: {w}{note}")
+            acting = sum(1 for d in plan.decisions if d.action is not Action.KEEP)
+            # A slim may consolidate first (zero_to_fp32, silent for as long as it takes): a
+            # terminal is told what is being waited for.
+            ticker = Ticker(f"prune {root.path}", quiet=args.quiet or dry_run)
+            with ticker:
+                ticker.working(f"0 of {acting} deletions and slims done (a slim may consolidate first)")
+                for n, result in enumerate(reaper.execute(plan.decisions), start=1):
+                    ticker.clear()
+                    status = max(status, report_result(result, totals, would, note))
+                    if result.outcome is Outcome.SLIMMED:
+                        slim_freed += result.moved_bytes
+                    if result.outcome is Outcome.TRASHED and result.trash_path is not None:
+                        trashed.append(result.trash_path)
+                    ticker.working(f"{n} of {acting} deletions and slims done")
+            reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
+            # What purging the deleted checkpoints freed, as the disk counts it (space.py)
+            freed += sum(reaper.purged.get(p, 0) for p in trashed)
+            if reaper.waiting:
+                print(f"{root.path}: {reaper.waiting} trash entries another ckptd left are purged once "
+                      f"they have been there {reaper.foreign_wait:g}s, re-checked first (by the next prune "
+                      "or the daemon)")
+        finally:
+            if lead is not None:
+                lead.stop()
+    if journal is not None:
+        journal.close()
+    if dry_run:
+        done = (
+            f"{would['delete'][0]} would be deleted ({format_size(would['delete'][1])}), "
+            f"{would['slim'][0]} would be slimmed ({format_size(would['slim'][1])} of optimizer state)"
+        )
+    else:
+        done = (
+            f"{totals[Outcome.TRASHED]} deleted ({format_size(freed)} freed), "
+            f"{totals[Outcome.SLIMMED]} slimmed ({format_size(slim_freed)} of optimizer state freed)"
+        )
+    print(
+        f"prune: {done}, {totals[Outcome.REFUSED]} refused on re-check, {totals[Outcome.FAILED]} failed{note}"
+    )
+    return status

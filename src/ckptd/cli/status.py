@@ -1,0 +1,124 @@
+"""`ckptd status`: what a running daemon reports, read from its status file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from ckptd.cli.common import load, without_c_hint
+from ckptd.cli.output import columns
+from ckptd.config import format_age, format_size
+from ckptd.errors import EX_OK
+
+
+def role_of(root: dict[str, Any], doc: dict[str, Any]) -> str:
+    """leader, standby or dry-run; from `leader` for a state file written before `role` existed."""
+    role = root.get("role")
+    if isinstance(role, str):
+        return role
+    return "dry-run" if doc.get("dry_run") else "leader" if root.get("leader") else "standby"
+
+
+ROLES = {
+    "leader": "leader: deletes here",
+    "standby": "standby: another ckptd deletes here, this one observes",
+    "dry-run": "dry run: decides, deletes nothing",
+}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ckptd.daemon import read_states
+
+    config = load(args)
+    docs = read_states(config.daemon.state_dir)
+    if args.json:
+        print(json.dumps(docs, indent=2))
+    if not docs:
+        print(f"no ckptd daemon is running (state_dir {config.daemon.state_dir})", file=sys.stderr)
+        hint = without_c_hint(args, config)
+        if hint:
+            print(f"  {hint}", file=sys.stderr)
+        return 1
+    if args.json:
+        return EX_OK
+    now = time.time()
+    for doc in docs:
+        dry = ", dry run" if doc.get("dry_run") else ""
+        print(
+            f"ckptd {doc['version']}, pid {doc['pid']}{dry}: up {format_age(now - doc.get('started', now))}, "
+            f"heartbeat {format_age(now - doc['heartbeat'])} ago"
+        )
+        counters = doc.get("counters", {})
+        print(
+            f"  {counters.get('deleted', 0)} deleted, {counters.get('slimmed', 0)} slimmed, "
+            f"{format_size(counters.get('bytes_reclaimed', 0))} reclaimed, "
+            f"{counters.get('rescans', 0)} rescans after missed events"
+        )
+        job = doc.get("consolidation")
+        if isinstance(job, dict):
+            stopping = f", stopping: {job['stopping']}" if job.get("stopping") else ""
+            print(f"  consolidating {job['checkpoint']} in {job['root']} (fp32 weights from {job['from']}): "
+                  f"running {format_age(now - job['started'])}{stopping}")
+        for root in doc["roots"]:
+            role = role_of(root, doc)
+            oldest = root.get("oldest_incomplete_age")
+            if oldest is not None:  # as old as it is now, not as it was at the daemon's last write
+                oldest += max(0.0, now - doc["heartbeat"])
+            extra = f"; oldest incomplete: {format_age(oldest)}" if oldest is not None else ""
+            print(f"  {root['path']}: {ROLES.get(role, role)} (observer {root['observer']}{extra})")
+            for line in _lead_and_quiet_lines(root, time.time()):
+                print(f"    {line}")
+            rows = [("RUN", "CHECKPOINT", "STATE", "SIZE", "ACTION", "REASONS")]
+            for run in root["runs"]:
+                for c in run["checkpoints"]:
+                    action = c["action"] or "-"
+                    reasons = "; ".join(c["reasons"]) or f"not decided yet ({c['state']})"
+                    if isinstance(c.get("unchanged_since"), int | float):
+                        reasons = settling_now(c["unchanged_since"], root.get("effective_quiet_period"), now)
+                    size = format_size(c["size_bytes"])
+                    rows.append((run["run"], c["name"], c["state"], size, action, reasons))
+            if len(rows) == 1:
+                print("    no checkpoints yet")
+                continue
+            for line in columns(rows):
+                print(f"    {line}")
+    return EX_OK
+
+
+def settling_now(since: float, quiet: float | None, now: float) -> str:
+    """A settling checkpoint's reason, computed when `status` is asked: how long the daemon has
+    seen it unchanged (wall-clock time of its last change, from the state file) of its quiet period."""
+    age = max(0.0, now - since)
+    if not isinstance(quiet, int | float):
+        return f"settling, never deleted: unchanged for {format_age(age)}"
+    if age >= quiet:
+        return (f"settling, never deleted: unchanged for {format_age(age)} of {format_age(quiet)}: "
+                "the daemon's next look decides")
+    return f"settling, never deleted: unchanged for {format_age(age)} of {format_age(quiet)}"
+
+
+def _lead_and_quiet_lines(root: dict[str, Any], now: float) -> list[str]:
+    """`status`: who deletes here and under which lease; the quiet period, if the mount changed it."""
+    lines = []
+    lead = root.get("leadership")
+    if lead and lead.get("kind") == "volume":
+        holder = lead.get("holder")
+        if holder and not lead.get("released"):
+            left = lead["expires"] - now
+            when = f"expires in {left:.0f}s" if left >= 0 else f"expired {-left:.0f}s ago"
+            who = f"{holder['host']} pid {holder['pid']}" + (" (this ckptd)" if lead["held"] else "")
+            text = f"volume lease epoch {lead['epoch']}, held by {who}, {when}"
+        else:
+            text = "volume lease free" + (f" (epoch {lead['epoch']} released)" if holder else "")
+        waiting = f"; {lead['waiting']}" if lead.get("waiting") else ""
+        error = f"; error: {lead['error']}" if lead.get("error") else ""
+        lines.append(f"leadership: {text}{waiting}{error} [{lead['why']}]")
+    elif lead:
+        lines.append(f"leadership: local lock {lead['lock']} [{lead['why']}]")
+    quiet, effective = root.get("quiet_period"), root.get("effective_quiet_period")
+    if quiet is not None and effective is not None and effective != quiet:
+        lines.append(f"quiet_period {quiet:g}s, watched as {effective:g}s: {root.get('attribute_cache')}")
+    return lines
