@@ -45,7 +45,7 @@ from ckptd.lease import (
 )
 from ckptd.model import Action, Checkpoint, State
 from ckptd.mounts import holder, is_remote, mount_of, quiet_alone_problem, quiet_for, read_mounts
-from ckptd.planner import Scanner, decide, unmatched_paths, world_size_warning
+from ckptd.planner import Scanner, decide, run_names, unmatched_paths, world_size_warning
 from ckptd.policy import Decision, Plan, inferred_modes, summarise
 from ckptd.progress import Progress, Ticker
 from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock, waiting_in_trash
@@ -901,7 +901,7 @@ def _unmatched(config: Config) -> list[str]:
         except OSError:
             continue  # preflight said what it could; nothing to compare with
         rels = [c.name if d.rel == "." else f"{d.rel}/{c.name}" for d in dirs for c in d.candidates]
-        out += unmatched_paths(root, rels, [d.rel for d in dirs])
+        out += unmatched_paths(root, rels, run_names([d.rel for d in dirs]))
     return out
 
 
