@@ -383,7 +383,9 @@ class RunRule(Retention):
 
     match: str = Field(
         description="The run's path relative to the root, literally or as a glob, e.g. 'team-a/*' "
-        "('.' for checkpoints directly in the root; './', a trailing slash, the absolute path are the same)."
+        "('.' for checkpoints directly in the root; './', a trailing slash, the absolute path are the same). "
+        "A Lightning experiment's run is named by its directory (the one holding lightning_logs/, or "
+        "a logger's save_dir/name), for every version_N/checkpoints below it; its full path matches too."
     )
     world_size: int | None = Field(
         strict=True,

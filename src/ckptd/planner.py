@@ -320,11 +320,13 @@ def experiments(root: Root, runs: list[Run]) -> list[Run]:
     Lightning experiment, each launch's timestamp directory of a NeMo one) taken as ONE run,
     ordered by step across them, when each carries the step count on from the ones before it.
 
-    A resumed launch continues the count (Lightning's fit with `ckpt_path` restores global_step,
-    and ModelCheckpoint names its saves by it): its lowest step is above every step of the
-    launches before it. A launch whose steps overlap theirs started the count afresh (a fit from
-    scratch under the same name) or went back to an earlier save: a trajectory of its own, kept
-    apart, its newest checkpoint protected as its own run's, as before (in doubt, keep). Steps are
+    Launches are taken in the order their directories number them (`_launch_order`). A resumed
+    launch continues the count (Lightning's fit with `ckpt_path` restores global_step, and
+    ModelCheckpoint names its saves by it): its lowest step is above every step of the launch
+    before it (and of those that one continued). A launch whose steps overlap theirs started the
+    count afresh (a fit from scratch under the same name) or went back to an earlier save: a
+    trajectory of its own, kept apart, its newest checkpoint protected as its own run's, as before
+    (in doubt, keep); a later launch whose steps are above it continues it. Steps are
     those of the names (the unit too: a step and an epoch are not compared), so the reaper's
     re-check merges exactly as the plan did. Directories the config gives different rules are
     never merged. A merged run's `rel` is the run key; each checkpoint keeps its own directory
@@ -344,7 +346,7 @@ def experiments(root: Root, runs: list[Run]) -> list[Run]:
             continue
         chains: list[list[Run]] = []
         span: tuple[str, int] | None = None  # the unit and highest step of the chain so far
-        for run in sorted(group, key=_step_span):
+        for run in sorted(group, key=_launch_order):
             units = {c.unit for c in run.checkpoints}
             lo, hi = min(c.step for c in run.checkpoints), max(c.step for c in run.checkpoints)
             unit = next(iter(units)) if len(units) == 1 else ""  # "": mixed, continues nothing
@@ -363,9 +365,13 @@ def experiments(root: Root, runs: list[Run]) -> list[Run]:
     return sorted(out, key=lambda r: (r.rel, rule_dir(r)))
 
 
-def _step_span(run: Run) -> tuple[int, int, str]:
-    steps = [c.step for c in run.checkpoints]
-    return (min(steps), max(steps), run.rel)
+def _launch_order(run: Run) -> list[tuple[str, int]]:
+    """The order launches were made in, as their directories number them: `version_2` before
+    `version_10` (the loggers' next version is the highest + 1), NeMo's timestamps as they read."""
+    return [(text, int(num or -1)) for text, num in _NUMBERED.findall(run.rel)]
+
+
+_NUMBERED = re.compile(r"(\D*)(\d*)")
 
 
 def run_context(run_dir: RunDir) -> object:
