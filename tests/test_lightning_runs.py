@@ -25,7 +25,7 @@ from ckptd import latest
 from ckptd.config import Root, load_config
 from ckptd.journal import Journal
 from ckptd.model import Run
-from ckptd.planner import Scanner, decide, experiments
+from ckptd.planner import Scanner, decide
 from ckptd.reaper import Outcome, Reaper
 
 from conftest import run_ckptd
@@ -238,6 +238,8 @@ def test_versions_are_merged_while_the_step_count_carries_on_and_kept_apart_wher
     resumed from version_2: two runs, version_0+1 and version_2+3, each ordered by step; a version
     numbered by epoch is compared with no step; another experiment and a plain directory are their
     own runs, unchanged."""
+    from ckptd.planner import experiments
+
     root = Root(path=Path("/vol"))
     v = "exp/lightning_logs/version_{}/checkpoints"
     runs = [_run(v.format(0), [2, 4]), _run(v.format(1), [6, 8]), _run(v.format(2), [2, 4]),
