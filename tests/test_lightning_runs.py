@@ -81,8 +81,17 @@ def fits(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     proc = subprocess.run([sys.executable, "-c", FITS, str(out)], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    dirs = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out, {k: os.path.relpath(v, out) for k, v in dirs.items()}
+    dirs = {k: os.path.relpath(v, out) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    # What the tests rest on, from Lightning itself: a resumed fit writes version_1, and the steps
+    # carry on; a fit from scratch restarts them; a named logger's versions are under its name.
+    assert dirs == {"resumed/0": f"resumed/{V0}", "resumed/1": f"resumed/{V1}", "fresh/0": f"fresh/{V0}",
+                    "fresh/1": f"fresh/{V1}", "named/0": "logs/exp1/version_0/checkpoints",
+                    "named/1": "logs/exp1/version_1/checkpoints"}
+    assert ckpts(out / "resumed" / V0) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+    assert ckpts(out / "resumed" / V1) == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
+    assert ckpts(out / "fresh" / V1) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt",
+                                         "last.ckpt"]
+    return out, dirs
 
 
 def volume(fits, dest: Path) -> Path:
@@ -108,19 +117,6 @@ def config(tmp_path: Path, root: Path, keep_last: int, runs: str = "") -> Path:
 def actions(plan_json: str) -> dict[str, str]:
     doc = json.loads(plan_json)
     return {os.path.relpath(c["path"], doc["roots"][0]): c["action"] for c in doc["checkpoints"]}
-
-
-def test_lightnings_own_writer_puts_each_fit_in_a_version_of_its_own(fits):
-    """What the rest rests on, from Lightning itself: a resumed fit writes version_1, and the steps
-    carry on; a fit from scratch restarts them; a named logger's versions are under its name."""
-    out, dirs = fits
-    assert dirs == {"resumed/0": f"resumed/{V0}", "resumed/1": f"resumed/{V1}", "fresh/0": f"fresh/{V0}",
-                    "fresh/1": f"fresh/{V1}", "named/0": "logs/exp1/version_0/checkpoints",
-                    "named/1": "logs/exp1/version_1/checkpoints"}
-    assert ckpts(out / "resumed" / V0) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
-    assert ckpts(out / "resumed" / V1) == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
-    assert ckpts(out / "fresh" / V1) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt",
-                                         "last.ckpt"]
 
 
 def test_plan_latest_and_prune_take_a_resumed_experiment_as_one_run(fits, tmp_path):

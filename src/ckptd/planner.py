@@ -332,37 +332,54 @@ def experiments(root: Root, runs: list[Run]) -> list[Run]:
     never merged. A merged run's `rel` is the run key; each checkpoint keeps its own directory
     (`Checkpoint.run`). A run key of one directory is that directory's run, unchanged.
     """
-    by_key: dict[tuple[str, int | None], list[Run]] = defaultdict(list)
-    out: list[Run] = []
+    by_key: dict[tuple[str, int | None], list[Run]] = {}
+    slots: list[Run | tuple[str, int | None]] = []  # in the order given: a run, or where its key's go
     for run in runs:
         key = frameworks.run_key(run.rel)
         if key == run.rel or not run.checkpoints:
-            out.append(run)
-        else:
-            by_key[(key, root.rule_for(run.rel) if root.runs else None)].append(run)
-    for (key, _), group in by_key.items():
-        if len(group) == 1:
-            out.append(group[0])
+            slots.append(run)
             continue
-        chains: list[list[Run]] = []
-        span: tuple[str, int] | None = None  # the unit and highest step of the chain so far
-        for run in sorted(group, key=_launch_order):
-            units = {c.unit for c in run.checkpoints}
-            lo, hi = min(c.step for c in run.checkpoints), max(c.step for c in run.checkpoints)
-            unit = next(iter(units)) if len(units) == 1 else ""  # "": mixed, continues nothing
-            if span is not None and unit and span[0] == unit and lo > span[1]:
-                chains[-1].append(run)  # lo > the chain's highest step: so hi is its highest now
-            else:
-                chains.append([run])
-            span = (unit, hi)
-        for chain in chains:
-            if len(chain) == 1:
-                out.append(chain[0])
-                continue
-            ckpts = tuple(sorted((c for r in chain for c in r.checkpoints), key=Checkpoint.sort_key))
-            resume = {name: why for r in chain for name, why in r.resume.items()}
-            out.append(Run(chain[0].root, key, ckpts, resume))
-    return sorted(out, key=lambda r: (r.rel, rule_dir(r)))
+        group = (key, root.rule_for(run.rel) if root.runs else None)
+        if group not in by_key:
+            by_key[group] = []
+            slots.append(group)
+        by_key[group].append(run)
+    if not by_key:
+        return runs
+    out: list[Run] = []
+    for slot in slots:
+        if isinstance(slot, Run):
+            out.append(slot)
+        else:
+            out += _launches(slot[0], by_key[slot])
+    return out
+
+
+def _launches(key: str, group: list[Run]) -> list[Run]:
+    """One run key's directories as runs: the launches that carry the step count on merged
+    (`experiments`), in launch order."""
+    if len(group) == 1:
+        return group
+    chains: list[list[Run]] = []
+    span: tuple[str, int] | None = None  # the unit and highest step of the chain so far
+    for run in sorted(group, key=_launch_order):
+        units = {c.unit for c in run.checkpoints}
+        lo, hi = min(c.step for c in run.checkpoints), max(c.step for c in run.checkpoints)
+        unit = next(iter(units)) if len(units) == 1 else ""  # "": mixed, continues nothing
+        if span is not None and unit and span[0] == unit and lo > span[1]:
+            chains[-1].append(run)  # lo > the chain's highest step: so hi is its highest now
+        else:
+            chains.append([run])
+        span = (unit, hi)
+    out = []
+    for chain in chains:
+        if len(chain) == 1:
+            out.append(chain[0])
+            continue
+        ckpts = tuple(sorted((c for r in chain for c in r.checkpoints), key=Checkpoint.sort_key))
+        resume = {name: why for r in chain for name, why in r.resume.items()}
+        out.append(Run(chain[0].root, key, ckpts, resume))
+    return out
 
 
 def _launch_order(run: Run) -> list[tuple[str, int]]:
