@@ -315,10 +315,11 @@ def rule_dir(run: Run) -> str:
 
 
 def experiments(root: Root, runs: list[Run]) -> list[Run]:
-    """`runs` (one per directory of checkpoints) as retention decides them and `ckptd latest` reads
-    them: the directories of one run key (`frameworks.run_key`: each `version_N/checkpoints` of a
-    Lightning experiment, each launch's timestamp directory of a NeMo one) taken as ONE run,
-    ordered by step across them, when each carries the step count on from the ones before it.
+    """`runs` (one per directory of checkpoints) as retention decides them: the directories of one
+    run key (`frameworks.run_key`: each `version_N/checkpoints` of a Lightning experiment, each
+    launch's timestamp directory of a NeMo one) taken as ONE run, ordered by step across them, when
+    each carries the step count on from the ones before it. (`ckptd latest` looks at every
+    directory of the run key: `resume._the_run`.)
 
     Launches are taken in the order their directories number them (`_launch_order`). A resumed
     launch continues the count (Lightning's fit with `ckpt_path` restores global_step, and
