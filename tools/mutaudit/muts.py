@@ -1024,15 +1024,15 @@ MUTS = [
  dict(id="SP9", what="the daemon's free space counts what waits in the trash", tests="space", edits=[("daemon.py",
    "                pending += waiting_in_trash(rt.root.path)", "                pass")]),
  # --- a Lightning experiment is one run across its version_N (frameworks.run_key, planner.experiments)
- dict(id="LR1", what="Lightning's version_N of one experiment are one run", tests=[T+"test_lightning_runs.py"], edits=[(
+ dict(id="LX1", what="Lightning's version_N of one experiment are one run", tests=[T+"test_lightning_runs.py"], edits=[(
    "frameworks/lightning.py", "        return run_key(rel)\n", "        return rel\n")]),
- dict(id="LR2", what="a launch whose steps overlap the ones before is kept apart", tests=[T+"test_lightning_runs.py"],
+ dict(id="LX2", what="a launch whose steps overlap the ones before is kept apart", tests=[T+"test_lightning_runs.py"],
    edits=[("planner.py", "span[0] == unit and lo > span[1]:", "span[0] == unit:")]),
- dict(id="LR3", what="the reaper decides the experiment again, not the version alone", tests=[T+"test_lightning_runs.py"],
+ dict(id="LX3", what="the reaper decides the experiment again, not the version alone", tests=[T+"test_lightning_runs.py"],
    edits=[("reaper.py", "        run = self.scanner.reinspect_experiment(planned.run, now=now)",
            "        run = self.scanner.reinspect_run(planned.run, now=now)")]),
- dict(id="LR4", what="a run rule's match names the experiment", tests=[T+"test_lightning_runs.py"], edits=[(C,
+ dict(id="LX4", what="a run rule's match names the experiment", tests=[T+"test_lightning_runs.py"], edits=[(C,
    " or (key != run and path_matches(key, rule.match)):", ":")]),
- dict(id="LR5", what="the reaper's anchors are the merged run's", tests=[T+"test_lightning_runs.py"], edits=[(R,
+ dict(id="LX5", what="the reaper's anchors are the merged run's", tests=[T+"test_lightning_runs.py"], edits=[(R,
    "        for run in experiments(self.scanner.root, runs):", "        for run in runs:")]),
 ]
