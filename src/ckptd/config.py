@@ -383,7 +383,9 @@ class RunRule(Retention):
 
     match: str = Field(
         description="The run's path relative to the root, literally or as a glob, e.g. 'team-a/*' "
-        "('.' for checkpoints directly in the root; './', a trailing slash, the absolute path are the same)."
+        "('.' for checkpoints directly in the root; './', a trailing slash, the absolute path are the same). "
+        "A Lightning experiment's run is named by its directory (the one holding lightning_logs/, or "
+        "a logger's save_dir/name), for every version_N/checkpoints below it; its full path matches too."
     )
     world_size: int | None = Field(
         strict=True,
@@ -618,19 +620,30 @@ class Root(_Strict):
         object.__setattr__(self, "runs", runs)
         return self
 
+    def rule_for(self, run: str) -> int | None:
+        """Which of `runs` applies to the run directory `run` (relative to the root): the first whose
+        `match` names the directory, or the run it belongs to (`frameworks.run_key`: a Lightning
+        experiment's name, for each of its version_N/checkpoints); None for none."""
+        from ckptd.frameworks import run_key
+
+        key = run_key(run)
+        for i, rule in enumerate(self.runs):
+            if path_matches(run, rule.match) or (key != run and path_matches(key, rule.match)):
+                return i
+        return None
+
     def retention_for(self, run: str) -> tuple[Retention, int | None]:
         """The retention policy and world size for a run (its path relative to the root)."""
-        for rule in self.runs:
-            if path_matches(run, rule.match):
-                overrides = {
-                    k: getattr(rule, k) for k in rule.model_fields_set if k in Retention.model_fields
-                }
-                if "pins" in overrides:  # pins add up: a run rule never unpins what the root pins
-                    overrides["pins"] = (*self.retention.pins, *overrides["pins"])
-                if {"keep_last", "keep_best"} & overrides.keys() and "keep_total" not in overrides:
-                    overrides["keep_total"] = None  # the run asks for the union: not the root's keep_total
-                world = rule.world_size if rule.world_size is not None else self.world_size
-                return self.retention.model_copy(update=overrides), world
+        i = self.rule_for(run) if self.runs else None
+        if i is not None:
+            rule = self.runs[i]
+            overrides = {k: getattr(rule, k) for k in rule.model_fields_set if k in Retention.model_fields}
+            if "pins" in overrides:  # pins add up: a run rule never unpins what the root pins
+                overrides["pins"] = (*self.retention.pins, *overrides["pins"])
+            if {"keep_last", "keep_best"} & overrides.keys() and "keep_total" not in overrides:
+                overrides["keep_total"] = None  # the run asks for the union: not the root's keep_total
+            world = rule.world_size if rule.world_size is not None else self.world_size
+            return self.retention.model_copy(update=overrides), world
         return self.retention, self.world_size
 
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckptd import extents, mounts, policy, rules
+from ckptd import extents, frameworks, mounts, policy, rules
 from ckptd.config import Root, path_matches, pin_matches
-from ckptd.discover import RunDir, find_run, find_runs
+from ckptd.discover import RunDir, depth_of, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
 from ckptd.evidence import (
     EVIDENCE,
@@ -272,6 +272,125 @@ class Scanner:
                         siblings.append(self.inspect_run(found, now=now))
         return with_whole_steps([run, *siblings])[0]
 
+    def reinspect_experiment(self, run_rel: str, *, now: float) -> Run | None:
+        """The run the directory `run_rel` belongs to as retention decides it (`experiments`), every
+        checkpoint looked at afresh, strictly: its directory alone (`reinspect_run`), or every
+        directory of its run key (`frameworks.run_key`: each version_N of a Lightning experiment),
+        re-discovered, merged as the plan merges them. None if the directory is gone.
+
+        For the reaper's last check, which decides the run again: a checkpoint of version_0 goes
+        only if the experiment decided again from every version's files does the same.
+        """
+        key = frameworks.run_key(run_rel)
+        if key == run_rel:
+            return self.reinspect_run(run_rel, now=now)
+        where = self.root.path if key == "." else self.root.path / key
+        depth = max(0, self.root.max_depth - depth_of(key))
+        found = find_runs(where, max_depth=depth, patterns=self.patterns)
+        rels = [_join_rel(key, d.rel) for d in found]
+        if run_rel not in rels:
+            return None
+        runs = []
+        with self.verdicts.strict():
+            for rel in rels:
+                if frameworks.run_key(rel) != key:
+                    continue
+                run_dir = find_run(self.root.path, rel, patterns=self.patterns)
+                if run_dir is not None:
+                    runs.append(self.inspect_run(run_dir, now=now))
+        return next((r for r in experiments(self.root, runs) if any(c.run == run_rel for c in r.checkpoints)),
+                    None)
+
+
+def _join_rel(rel: str, sub: str) -> str:
+    if sub == ".":
+        return rel
+    return sub if rel == "." else f"{rel}/{sub}"
+
+
+def rule_dir(run: Run) -> str:
+    """A directory of `run` (relative to its root), for the config's rule and world size: an
+    experiment's directories all have the same rule (`experiments` merges no others)."""
+    return run.checkpoints[0].run if run.checkpoints else run.rel
+
+
+def experiments(root: Root, runs: list[Run]) -> list[Run]:
+    """`runs` (one per directory of checkpoints) as retention decides them: the directories of one
+    run key (`frameworks.run_key`: each `version_N/checkpoints` of a Lightning experiment, each
+    launch's timestamp directory of a NeMo one) taken as ONE run, ordered by step across them, when
+    each carries the step count on from the ones before it. (`ckptd latest` looks at every
+    directory of the run key: `resume._the_run`.)
+
+    Launches are taken in the order their directories number them (`_launch_order`). A resumed
+    launch continues the count (Lightning's fit with `ckpt_path` restores global_step, and
+    ModelCheckpoint names its saves by it): its lowest step is above every step of the launch
+    before it (and of those that one continued). A launch whose steps overlap theirs started the
+    count afresh (a fit from scratch under the same name) or went back to an earlier save: a
+    trajectory of its own, kept apart, its newest checkpoint protected as its own run's, as before
+    (in doubt, keep); a later launch whose steps are above it continues it. Steps are
+    those of the names (the unit too: a step and an epoch are not compared), so the reaper's
+    re-check merges exactly as the plan did. Directories the config gives different rules are
+    never merged. A merged run's `rel` is the run key; each checkpoint keeps its own directory
+    (`Checkpoint.run`). A run key of one directory is that directory's run, unchanged.
+    """
+    by_key: dict[tuple[str, int | None], list[Run]] = {}
+    slots: list[Run | tuple[str, int | None]] = []  # in the order given: a run, or where its key's go
+    for run in runs:
+        key = frameworks.run_key(run.rel)
+        if key == run.rel or not run.checkpoints:
+            slots.append(run)
+            continue
+        group = (key, root.rule_for(run.rel) if root.runs else None)
+        if group not in by_key:
+            by_key[group] = []
+            slots.append(group)
+        by_key[group].append(run)
+    if not by_key:
+        return runs
+    out: list[Run] = []
+    for slot in slots:
+        if isinstance(slot, Run):
+            out.append(slot)
+        else:
+            out += _launches(slot[0], by_key[slot])
+    return out
+
+
+def _launches(key: str, group: list[Run]) -> list[Run]:
+    """One run key's directories as runs: the launches that carry the step count on merged
+    (`experiments`), in launch order."""
+    if len(group) == 1:
+        return group
+    chains: list[list[Run]] = []
+    span: tuple[str, int] | None = None  # the unit and highest step of the chain so far
+    for run in sorted(group, key=_launch_order):
+        units = {c.unit for c in run.checkpoints}
+        lo, hi = min(c.step for c in run.checkpoints), max(c.step for c in run.checkpoints)
+        unit = next(iter(units)) if len(units) == 1 else ""  # "": mixed, continues nothing
+        if span is not None and unit and span[0] == unit and lo > span[1]:
+            chains[-1].append(run)  # lo > the chain's highest step: so hi is its highest now
+        else:
+            chains.append([run])
+        span = (unit, hi)
+    out = []
+    for chain in chains:
+        if len(chain) == 1:
+            out.append(chain[0])
+            continue
+        ckpts = tuple(sorted((c for r in chain for c in r.checkpoints), key=Checkpoint.sort_key))
+        resume = {name: why for r in chain for name, why in r.resume.items()}
+        out.append(Run(chain[0].root, key, ckpts, resume))
+    return out
+
+
+def _launch_order(run: Run) -> list[tuple[str, int]]:
+    """The order launches were made in, as their directories number them: `version_2` before
+    `version_10` (the loggers' next version is the highest + 1), NeMo's timestamps as they read."""
+    return [(text, int(num or -1)) for text, num in _NUMBERED.findall(run.rel)]
+
+
+_NUMBERED = re.compile(r"(\D*)(\d*)")
+
 
 def run_context(run_dir: RunDir) -> object:
     """What of the run directory a checkpoint's evidence reads besides the checkpoint itself: the
@@ -327,6 +446,12 @@ def with_whole_steps(runs: list[Run]) -> list[Run]:
     ]
 
 
+def run_names(run_rels: list[str]) -> list[str]:
+    """What a run rule's `match` may name: each run directory, and the run it belongs to
+    (`frameworks.run_key`: a Lightning experiment's name)."""
+    return list(dict.fromkeys([*run_rels, *map(frameworks.run_key, run_rels)]))
+
+
 def unmatched_paths(root: Root, ckpt_rels: list[str], run_rels: list[str]) -> list[str]:
     """Warnings for the pins that match no checkpoint of the root, and the run rules that match
     no run: mistyped, most likely, and then what the user meant to keep is not kept. Not said
@@ -355,9 +480,9 @@ _RANK_CHECKS = ("rng states", "random states", "ranks (")
 
 def world_size_key(root: Root, run: str) -> str:
     """The config key a run's world size comes from: `runs[1].world_size` or `world_size`."""
-    for i, rule in enumerate(root.runs):
-        if path_matches(run, rule.match):
-            return f"runs[{i}].world_size" if rule.world_size is not None else "world_size"
+    i = root.rule_for(run)
+    if i is not None:
+        return f"runs[{i}].world_size" if root.runs[i].world_size is not None else "world_size"
     return "world_size"
 
 
@@ -370,10 +495,10 @@ def world_size_warning(root: Root, run: Run) -> str | None:
     where that file cannot be read, as in an image without torch), or rank files that fall short
     by the same count in every quiet checkpoint and pass in none.
     """
-    _, world = root.retention_for(run.rel)
+    _, world = root.retention_for(rule_dir(run))
     if world is None:
         return None
-    key = world_size_key(root, run.rel)
+    key = world_size_key(root, rule_dir(run))
     most: tuple[int, str] | None = None  # the most ranks' files a quiet checkpoint holds, and which
     for c in reversed(run.checkpoints):  # newest first: the example named is the newest
         quiet = any(k.name == QUIET and k.verdict is Verdict.PASSED for k in c.checks)
@@ -420,9 +545,9 @@ def decide(
     for root, runs in roots:
         if not root.scope and (root.retention.pins or root.runs):  # else it has nothing to say
             rels = [c.rel for run in runs for c in run.checkpoints]
-            warnings += unmatched_paths(root, rels, [r.rel for r in runs])
-        for run in with_whole_steps(runs):
-            retention, _ = root.retention_for(run.rel)
+            warnings += unmatched_paths(root, rels, run_names([r.rel for r in runs]))
+        for run in experiments(root, with_whole_steps(runs)):
+            retention, _ = root.retention_for(rule_dir(run))
             ds = policy.decide_run(run, retention)
             warnings += policy.metric_warnings(run, retention, ds)
             if (world := world_size_warning(root, run)) is not None:

@@ -63,8 +63,8 @@ from ckptd.discover import find_run
 from ckptd.evidence import Entry, TooDeep, fingerprint, read_slim_marker, resume_pointers, walk
 from ckptd.journal import Journal
 from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, is_rank_dir, nemo_unfinished_marker, recognise_by_name
-from ckptd.model import Action, Checkpoint, ConsolidatedWeights, State
-from ckptd.planner import Scanner
+from ckptd.model import Action, Checkpoint, ConsolidatedWeights, Run, State
+from ckptd.planner import Scanner, experiments, rule_dir
 from ckptd.policy import Decision
 
 Anchors = Sequence[tuple[Checkpoint, str]]  # a run's anchors with why each is one (rules.anchors)
@@ -264,14 +264,15 @@ class Reaper:
         may take (complete, unprotected) in the fresh decision.
         """
         planned = decision.checkpoint
-        run = self.scanner.reinspect_run(planned.run, now=now)
+        # Its run as the plan decided it: every version_N of a Lightning experiment (planner.experiments)
+        run = self.scanner.reinspect_experiment(planned.run, now=now)
         fresh = None
         if run is not None:
-            retention, _ = self.scanner.root.retention_for(planned.run)
+            retention, _ = self.scanner.root.retention_for(rule_dir(run))
             decisions = policy.decide_run(run, retention)
             if retention.max_size is not None:
                 decisions, _ = policy.enforce_max_size(decisions, retention.max_size)
-            fresh = next((d for d in decisions if d.checkpoint.name == planned.name), None)
+            fresh = next((d for d in decisions if d.checkpoint.rel == planned.rel), None)
         if fresh is None:
             return "no longer recognised as a checkpoint of its run"
         if fresh.action is decision.action:
@@ -294,18 +295,30 @@ class Reaper:
         With `consolidate=False`, a slim that needs its fp32 weights consolidated first
         comes back DEFERRED, for the caller to run (`begin_consolidation`).
         """
-        by_run: dict[str, list[Checkpoint]] = {}
-        for d in decisions:
-            by_run.setdefault(d.checkpoint.run, []).append(d.checkpoint)
-        anchored = {run: rules.anchors(ckpts) for run, ckpts in by_run.items()}
+        anchored = self._anchored(decisions)
         ours = [d for d in decisions if d.checkpoint.root == self.root]
-        results = [self.trash_one(d, anchored[d.checkpoint.run]) for d in ours if d.action is Action.DELETE]
+        results = [self.trash_one(d, anchored[d.checkpoint.rel]) for d in ours if d.action is Action.DELETE]
         results += [
-            self.slim_one(d, anchored[d.checkpoint.run], consolidate=consolidate)
+            self.slim_one(d, anchored[d.checkpoint.rel], consolidate=consolidate)
             for d in ours
             if d.action is Action.SLIM
         ]
         return results
+
+    def _anchored(self, decisions: Sequence[Decision]) -> dict[str, Anchors]:
+        """Each checkpoint's run's anchors (`rules.anchors`), by its path: its directory's, or, where
+        the plan took several directories as one run (`planner.experiments`: a Lightning
+        experiment's version_N), that run's, merged again from the plan's checkpoints as it did."""
+        by_run: dict[str, list[Checkpoint]] = {}
+        for d in decisions:
+            if d.checkpoint.root == self.root:
+                by_run.setdefault(d.checkpoint.run, []).append(d.checkpoint)
+        runs = [Run(self.root, rel, tuple(ckpts)) for rel, ckpts in by_run.items()]
+        out: dict[str, Anchors] = {}
+        for run in experiments(self.scanner.root, runs):
+            found = rules.anchors(run.checkpoints)
+            out.update((c.rel, found) for c in run.checkpoints)
+        return out
 
     # --- trashing: a checkpoint renamed into the trash ------------------------
 

@@ -22,13 +22,12 @@ over for the newest attested one.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd import layouts, mounts
+from ckptd import frameworks, layouts, mounts
 from ckptd.attestation import committed_summary
 from ckptd.config import Config, Root, find_config
 from ckptd.discover import RunDir, find_runs
@@ -193,27 +192,21 @@ def _refuse_a_checkpoint(path: Path) -> None:
         raise UsageError(f"{path} is a checkpoint ({cand.layout}): name the run directory that holds it")
 
 
-# Directories a framework makes per launch of one run: Lightning's version_N, NeMo 2's timestamp.
-_PER_LAUNCH = re.compile(r"version_\d+|\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}")
-
-
 def _the_run(path: Path, found: list[RunDir]) -> list[RunDir]:
-    """The run `path` names: itself when it holds checkpoints, else the one run below it, or the
-    runs of one experiment's launches (Lightning's version_0, version_1...: a resumed fit writes
-    into a new version directory), taken together."""
+    """The run `path` names: itself when it holds checkpoints, else the one run below it, which may
+    be several directories of one run key (`frameworks.run_key`: Lightning's version_0,
+    version_1... of one experiment, a resumed fit writing into a new version directory), taken
+    together as retention takes them (`planner.experiments`)."""
     if not found:
         return []
     here = [d for d in found if d.rel == "."]
     if here:
         return here
-    def shape(rel: str) -> str:
-        return "/".join("*" if _PER_LAUNCH.fullmatch(p) else p for p in rel.split("/"))
-
-    shapes = sorted({shape(d.rel) for d in found})
-    if len(shapes) == 1:
+    keys = sorted({frameworks.run_key(d.rel) for d in found})
+    if len(keys) == 1:
         return found
-    names = ", ".join(shapes[:5]) + (f" and {len(shapes) - 5} more" if len(shapes) > 5 else "")
-    raise UsageError(f"{path} holds {len(shapes)} runs ({names}): name one of them")
+    names = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+    raise UsageError(f"{path} holds {len(keys)} runs ({names}): name one of them")
 
 
 def _join(rel: str, sub: str) -> str:

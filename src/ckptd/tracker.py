@@ -394,7 +394,8 @@ class RootTracker:
                 self.hints[key] = self.clock() + HINT_DEBOUNCE  # being written: look once watched
             return
         unseen = Check(QUIET, Verdict.UNKNOWN, "settling: not looked at yet (ckptd just started)")
-        placeholder = Checkpoint(self.root.path, run_dir.rel, cand.name, cand.step, cand.layout, (unseen,))
+        placeholder = Checkpoint(self.root.path, run_dir.rel, cand.name, cand.step, cand.layout, (unseen,),
+                                 unit=cand.unit)  # ordered as it will be (planner.experiments)
         self._record(rs, placeholder, None, changes, cand.name)
         self.unseen.append(key)
 

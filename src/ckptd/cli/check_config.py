@@ -16,7 +16,7 @@ from ckptd.envconfig import settings_in
 from ckptd.errors import EX_OK, CkptdError
 from ckptd.lease import choose_leadership, coherence_note, lock_scope, volume_leader_seen
 from ckptd.mounts import is_remote, mount_of, quiet_alone_problem, quiet_for, read_mounts
-from ckptd.planner import Scanner, unmatched_paths, world_size_warning
+from ckptd.planner import Scanner, run_names, unmatched_paths, world_size_warning
 from ckptd.policy import inferred_modes
 
 
@@ -57,7 +57,7 @@ def _unmatched(config: Config) -> list[str]:
         except OSError:
             continue  # preflight said what it could; nothing to compare with
         rels = [c.name if d.rel == "." else f"{d.rel}/{c.name}" for d in dirs for c in d.candidates]
-        out += unmatched_paths(root, rels, [d.rel for d in dirs])
+        out += unmatched_paths(root, rels, run_names([d.rel for d in dirs]))
     return out
 
 

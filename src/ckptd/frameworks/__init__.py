@@ -62,6 +62,18 @@ def recognise_file(name: str) -> Candidate | None:
     return None
 
 
+def run_key(rel: str) -> str:
+    """The run the checkpoints directly in directory `rel` (relative to a root) belong to: the
+    first framework that puts one run's launches in directories of their own says so
+    (`Framework.run_key`: Lightning's version_N, NeMo's timestamps); else `rel` itself. From the
+    path alone, so that discovery, the config's `[[roots.runs]] match`, planning, the reaper's
+    re-check and `ckptd latest` all answer alike."""
+    for f in REGISTRY:
+        if (key := f.run_key(rel)) != rel:
+            return key
+    return rel
+
+
 def get(layout: str) -> Framework:
     """The framework whose checkpoints have `layout`; a user pattern's for anything else (nothing
     but what the user named, or quiet, says it is finished)."""

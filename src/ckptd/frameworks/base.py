@@ -6,6 +6,8 @@ remembers between inspections (DeepSpeed's world sizes, trainer_state.json). The
 answers with its `Evidence`, and with what the engine asks of every checkpoint: which file it
 writes last and what before it (`last_written`, `written_before`), which files a save writes
 (`save_file`), its DeepSpeed tag directories (`tags`), the metrics its files carry (`metrics`).
+Retention and `ckptd latest` ask which run a directory of checkpoints belongs to (`run_key`): the
+directory itself, unless the framework puts each launch of one run in a directory of its own.
 A framework that uses another's contract calls it (the Trainer under DeepSpeed: `save.deepspeed`).
 """
 
@@ -120,6 +122,13 @@ class Framework:
     def step_mismatch(self, name: str, step: int, names: list[str], ts: TrainerState | None) -> list[str]:
         """Why its name and contents disagree on its step (a warning, not completeness evidence)."""
         return []
+
+    def run_key(self, rel: str) -> str:
+        """The run that the checkpoints directly in `rel` (a directory, relative to a root, "." for
+        the root) belong to, as a path relative to the same root: `rel` itself, unless this
+        framework writes each launch of one run into a directory of its own below the run's
+        (Lightning's `lightning_logs/version_N/checkpoints`). From the path alone: no I/O."""
+        return rel
 
 
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # JSON a framework writes (trainer_state.json, an index)

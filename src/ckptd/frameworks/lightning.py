@@ -6,10 +6,15 @@ in the file's `callbacks` state (fwmetrics.CkptScores). A `.ckpt` file is writte
 filesystem (fabric/utilities/cloud_io.py _atomic_save). Its strategies write directories named like
 the file: DeepSpeedStrategy's tag `checkpoint/` (DeepSpeed's census), FSDPStrategy's sharded one
 (DCP's files, then `meta.pt`). Under NeMo, NeMo's `-unfinished` marker says a save is not finished.
+
+Its run is the experiment, not one launch's directory (`run_key`): every `Trainer.fit` with a
+logger writes into a new `<save_dir>/<name>/version_N/checkpoints/`, a fit resumed with `ckpt_path`
+included.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from ckptd import fwmetrics, layouts
@@ -22,6 +27,29 @@ from ckptd.model import CKPT_STATE, Check, Entry, Reading, Verdict
 PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
 
 LIGHTNING_FSDP_META = "meta.pt"
+
+# ModelCheckpoint's directory without a dirpath (lightning/pytorch/callbacks/model_checkpoint.py
+# __resolve_ckpt_dir): os.path.join(save_dir, str(name), f"version_{version}", "checkpoints") of
+# the first logger, where `version` is the next free number when none is given
+# (loggers/tensorboard.py and fabric/loggers/csv_logs.py _get_next_version: max(version_N) + 1);
+# a string version is used as it is, and is not a launch of a run that ckptd can tell.
+_LAUNCH = re.compile(r"version_\d+")
+CKPT_SUBDIR = "checkpoints"
+DEFAULT_NAME = "lightning_logs"  # the loggers' default `name` (TensorBoardLogger, CSVLogger)
+
+
+def run_key(rel: str) -> str:
+    """`<exp>/lightning_logs/version_N/checkpoints` -> `<exp>` (the Trainer's default_root_dir, as a
+    user names the experiment), `<save_dir>/<name>/version_N/checkpoints` -> `<save_dir>/<name>`
+    (a logger's own name), `<save_dir>/version_N/checkpoints` -> `<save_dir>` (name=""); any other
+    directory is its own run."""
+    parts = rel.split("/")
+    if len(parts) < 2 or parts[-1] != CKPT_SUBDIR or not _LAUNCH.fullmatch(parts[-2]):
+        return rel
+    above = parts[:-2]
+    if above and above[-1] == DEFAULT_NAME:
+        above = above[:-1]
+    return "/".join(above) or "."
 
 
 def _is_lightning_fsdp(cand: Candidate, files: dict[str, Entry]) -> bool:
@@ -78,6 +106,9 @@ class Lightning(Framework):
 
     def metrics(self, save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
         return metrics(save, metric, whole, scores)
+
+    def run_key(self, rel: str) -> str:
+        return run_key(rel)
 
 
 FRAMEWORK = Lightning()

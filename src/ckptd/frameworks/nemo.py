@@ -10,6 +10,7 @@ contract). A `.ckpt` directory is also what Lightning's DeepSpeed and FSDP strat
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Collection, Mapping
 
 from ckptd import layouts
@@ -71,5 +72,17 @@ class NeMo(Framework):
     def metrics(self, save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
         return lightning.metrics(save, metric, whole, scores)
 
+    def run_key(self, rel: str) -> str:
+        """`<exp_dir>/<name>/<%Y-%m-%d_%H-%M-%S>/checkpoints` -> `<exp_dir>/<name>`: NeMo's logger
+        names each launch's log directory by the time it started when no version is given (NeMo 1
+        exp_manager's get_log_dir, NeMo 2's NeMoLogger use_datetime_version), its checkpoints in
+        `checkpoints/` below it. Another directory is its own run."""
+        parts = rel.split("/")
+        if len(parts) < 3 or parts[-1] != lightning.CKPT_SUBDIR or not _LAUNCH_TIME.fullmatch(parts[-2]):
+            return rel
+        return "/".join(parts[:-2])
+
+
+_LAUNCH_TIME = re.compile(r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}")
 
 FRAMEWORK = NeMo()
