@@ -10,7 +10,9 @@ another uses that one's contract (the Trainer and accelerate DeepSpeed's census,
 and Lightning's strategies', torchtitan and megatron-core DCP's).
 
 The registry is closed and ordered: no entry points. Code from outside that could say "complete"
-could make ckptd delete. The engine asks `get(layout)` and never compares layout names.
+could make ckptd delete. The engine asks `get(layout)` and never compares layout names; recognition
+(layouts.py) asks each framework in this order (`NAMES_FIRST`, the user's patterns, `NAMES_AFTER`;
+then `BY_CONTENTS`), so a framework's place here is its place in recognition.
 """
 
 from __future__ import annotations
