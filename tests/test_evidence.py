@@ -18,6 +18,7 @@ from ckptd.config import Root
 from ckptd.demo import age, deepspeed_files, hf_deepspeed_checkpoint, write_model_states, write_zip
 from ckptd.discover import find_runs
 from ckptd.evidence import Inspector, RunContext, safetensors_problem
+from ckptd.frameworks import nemo
 from ckptd.model import State, Verdict
 from ckptd.planner import Scanner
 from ckptd.verdicts import RACY_NS, Verdicts
@@ -51,21 +52,21 @@ def checks(ckpt) -> dict[str, tuple[Verdict, str]]:
 @pytest.mark.parametrize(
     ("name", "is_dir", "expected"),
     [
-        ("checkpoint-1200", True, (layouts.HF, 1200)),
+        ("checkpoint-1200", True, ("hf", 1200)),
         ("checkpoint-1200", False, None),
-        ("global_step40", True, (layouts.DEEPSPEED, 40)),
-        ("iter_0005000", True, (layouts.MEGATRON, 5000)),
+        ("global_step40", True, ("deepspeed", 40)),
+        ("iter_0005000", True, ("megatron", 5000)),
         ("iter_5000", True, None),
-        ("42.orbax-checkpoint-tmp-1700000000", True, (layouts.ORBAX, 42)),
-        ("megatron_gpt--val_loss=1.23-step=1000-consumed_samples=8000.0.ckpt", False, (layouts.NEMO, 1000)),
-        ("megatron_gpt--val_loss=1.23-step=1000-consumed_samples=8000.0", True, (layouts.NEMO, 1000)),
-        ("epoch=3-step=900.ckpt", False, (layouts.LIGHTNING, 900)),
+        ("42.orbax-checkpoint-tmp-1700000000", True, ("orbax", 42)),
+        ("megatron_gpt--val_loss=1.23-step=1000-consumed_samples=8000.0.ckpt", False, ("nemo", 1000)),
+        ("megatron_gpt--val_loss=1.23-step=1000-consumed_samples=8000.0", True, ("nemo", 1000)),
+        ("epoch=3-step=900.ckpt", False, ("lightning", 900)),
         # Lightning templates without a step: ordered by epoch (then time); NeMo's default has none
-        ("epoch=1-val_loss=0.40.ckpt", False, (layouts.LIGHTNING, 1)),
-        ("epoch=1-val_loss=-0.40-v1.ckpt", False, (layouts.LIGHTNING, 1)),
-        ("model-epoch=02-val_loss=0.52.ckpt", False, (layouts.LIGHTNING, 2)),
-        ("megatron_gpt--val_loss=2.3456-epoch=3.ckpt", False, (layouts.NEMO, 3)),
-        ("megatron_gpt--val_loss=2.3456-epoch=0-consumed_samples=8000.0", True, (layouts.NEMO, 8000)),
+        ("epoch=1-val_loss=0.40.ckpt", False, ("lightning", 1)),
+        ("epoch=1-val_loss=-0.40-v1.ckpt", False, ("lightning", 1)),
+        ("model-epoch=02-val_loss=0.52.ckpt", False, ("lightning", 2)),
+        ("megatron_gpt--val_loss=2.3456-epoch=3.ckpt", False, ("nemo", 3)),
+        ("megatron_gpt--val_loss=2.3456-epoch=0-consumed_samples=8000.0", True, ("nemo", 8000)),
         ("megatron_gpt.nemo", False, None),  # NeMo's archive, rewritten in place: no step of its own
         ("val_loss=0.40.ckpt", False, None),  # nothing to order by
         # last copies are not steps: Lightning's save_last, NeMo's -last
@@ -75,9 +76,9 @@ def checks(ckpt) -> dict[str, tuple[Verdict, str]]:
         ("megatron_gpt--val_loss=2.3456-epoch=3-step=900-last.ckpt", False, None),
         ("megatron_gpt--val_loss=2.3456-epoch=3-step=900-last", True, None),
         ("megatron_gpt--step=1000-unfinished", False, None),
-        ("step_3.orbax-checkpoint-tmp", True, (layouts.ORBAX, 3)),  # Orbax's step_prefix
+        ("step_3.orbax-checkpoint-tmp", True, ("orbax", 3)),  # Orbax's step_prefix
         ("notes-step=5.txt", False, None),
-        ("ckpt_77", True, (layouts.PATTERN, 77)),
+        ("ckpt_77", True, ("pattern", 77)),
         ("ckpt_77.tmp", True, None),
         ("runs", True, None),
         ("latest", False, None),
@@ -92,16 +93,16 @@ def test_recognise_by_name(name, is_dir, expected):
 @pytest.mark.parametrize(
     ("name", "children", "expected"),
     [
-        ("42", ["_CHECKPOINT_METADATA", "default"], (layouts.ORBAX, 42)),
+        ("42", ["_CHECKPOINT_METADATA", "default"], ("orbax", 42)),
         ("42", ["checkpoint-1"], None),  # a run named 42 is not an Orbax step
-        ("step_100", ["_CHECKPOINT_METADATA", "commit_success.txt", "default"], (layouts.ORBAX, 100)),
-        ("step_000100", ["_CHECKPOINT_METADATA", "default"], (layouts.ORBAX, 100)),  # fixed length
-        ("00000100", ["_CHECKPOINT_METADATA", "default"], (layouts.ORBAX, 100)),
-        ("step_10", ["model.safetensors", "optimizer.bin", "random_states_0.pkl"], (layouts.ACCELERATE, 10)),
-        ("step-30", [".metadata", "__0_0.distcp"], (layouts.TORCHTITAN, 30)),
-        ("step-30", ["model.safetensors.index.json", "model-00001-of-00001.safetensors"], (layouts.TORCHTITAN, 30)),
-        ("step_300", [".metadata", "__0_0.distcp"], (layouts.DCP, 300)),
-        ("step_300", ["__0_0.distcp"], (layouts.DCP, 300)),  # in flight: recognised, then incomplete
+        ("step_100", ["_CHECKPOINT_METADATA", "commit_success.txt", "default"], ("orbax", 100)),
+        ("step_000100", ["_CHECKPOINT_METADATA", "default"], ("orbax", 100)),  # fixed length
+        ("00000100", ["_CHECKPOINT_METADATA", "default"], ("orbax", 100)),
+        ("step_10", ["model.safetensors", "optimizer.bin", "random_states_0.pkl"], ("accelerate", 10)),
+        ("step-30", [".metadata", "__0_0.distcp"], ("torchtitan", 30)),
+        ("step-30", ["model.safetensors.index.json", "model-00001-of-00001.safetensors"], ("torchtitan", 30)),
+        ("step_300", [".metadata", "__0_0.distcp"], ("dcp", 300)),
+        ("step_300", ["__0_0.distcp"], ("dcp", 300)),  # in flight: recognised, then incomplete
         ("final", [".metadata"], None),  # no step to order by
     ],
 )
@@ -408,7 +409,7 @@ def test_nemo_unfinished_marker(tmp_path):
     busy = "megatron_gpt--val_loss=1.00-step=200-consumed_samples=1600.0.ckpt"
     write_zip(run / done)
     write_zip(run / busy)
-    (run / layouts.nemo_unfinished_marker(busy)).write_text("")
+    (run / nemo.unfinished_marker(busy)).write_text("")
     age(run, OLD)
     found = scan(tmp_path)
     assert found[f"run/{done}"].state is State.COMPLETE

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import fwmetrics, layouts
+from ckptd import layouts
 from ckptd.config import Retention, Root
 from ckptd.demo import age, write_zip
 from ckptd.discover import depth_of, find_runs
 from ckptd.evidence import tar_problem
+from ckptd.frameworks import lightning
 from ckptd.model import State
 from ckptd.planner import Scanner
 from ckptd.policy import decide_run, metric_warnings
@@ -259,8 +260,8 @@ def test_a_second_callbacks_state_does_not_lend_its_score_to_a_file(tmp_path):
     state = {"callbacks": {"ModelCheckpoint{'monitor': 'val_loss'}": watcher, "ModelCheckpoint{'monitor': None}": plain}}
     torch.save(state, tmp_path / "epoch=1-step=4.ckpt")
     torch.save(state, tmp_path / "step=5.ckpt")  # saved by the other callback, one step later
-    assert fwmetrics.ckpt_scores(tmp_path / "epoch=1-step=4.ckpt") == {"val_loss": pytest.approx(0.4)}
-    assert fwmetrics.ckpt_scores(tmp_path / "step=5.ckpt") == (
+    assert lightning.ckpt_scores(tmp_path / "epoch=1-step=4.ckpt") == {"val_loss": pytest.approx(0.4)}
+    assert lightning.ckpt_scores(tmp_path / "step=5.ckpt") == (
         "no ModelCheckpoint with a monitor lists this file in its state")
 
 

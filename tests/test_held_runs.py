@@ -61,32 +61,32 @@ def tree(*rels: str) -> tuple[list[str], list[str]]:
     ("layout", "entries", "held"),
     [
         # its own parts
-        (layouts.HF, tree("global_step500/", "global_step500/mp_rank_00_model_states.pt", "trainer_state.json"), []),
-        (layouts.HF, tree("pytorch_model_fsdp_0/", "pytorch_model_fsdp_0/.metadata",
+        ("hf", tree("global_step500/", "global_step500/mp_rank_00_model_states.pt", "trainer_state.json"), []),
+        ("hf", tree("pytorch_model_fsdp_0/", "pytorch_model_fsdp_0/.metadata",
                           "pytorch_model_fsdp_0/__0_0.distcp"), []),  # FSDP's DCP directory
-        (layouts.HF, tree("pytorch_model_fsdp_0/", "pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_1/",
+        ("hf", tree("pytorch_model_fsdp_0/", "pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_1/",
                           "pytorch_model_fsdp_1/.metadata", "optimizer_0/", "optimizer_0/.metadata", "optimizer_1/",
                           "optimizer_1/.metadata"), []),  # accelerate's FSDP: one per model and optimizer
-        (layouts.ORBAX, tree("default/", "default/commit_success.txt", "params_1/", "params_1/commit_success.txt",
+        ("orbax", tree("default/", "default/commit_success.txt", "params_1/", "params_1/commit_success.txt",
                              "_CHECKPOINT_METADATA"), []),  # items, commit-file mode
-        (layouts.MEGATRON, tree("mp_rank_00/", "mp_rank_00/model_optim_rng.pt"), []),
-        (layouts.HF, tree(".ckptd-keep"), []),  # its own pin
+        ("megatron", tree("mp_rank_00/", "mp_rank_00/model_optim_rng.pt"), []),
+        ("hf", tree(".ckptd-keep"), []),  # its own pin
         # a run of its own
-        (layouts.HF, tree("checkpoint-100/", "checkpoint-100/global_step100/", "checkpoint-1000/",
+        ("hf", tree("checkpoint-100/", "checkpoint-100/global_step100/", "checkpoint-1000/",
                           "checkpoint-100/x/", "checkpoint-100/x/checkpoint-5/"), ["checkpoint-100", "checkpoint-1000"]),
-        (layouts.PATTERN, tree("1/", "1/_CHECKPOINT_METADATA", "2/", "2/commit_success.txt"), ["1", "2"]),
-        (layouts.HF, tree("orbax/", "orbax/7.orbax-checkpoint-tmp-1234/"), ["orbax/7.orbax-checkpoint-tmp-1234"]),
-        (layouts.HF, tree("eval/", "eval/epoch=1-step=100.ckpt", "eval/last.ckpt"),
+        ("pattern", tree("1/", "1/_CHECKPOINT_METADATA", "2/", "2/commit_success.txt"), ["1", "2"]),
+        ("hf", tree("orbax/", "orbax/7.orbax-checkpoint-tmp-1234/"), ["orbax/7.orbax-checkpoint-tmp-1234"]),
+        ("hf", tree("eval/", "eval/epoch=1-step=100.ckpt", "eval/last.ckpt"),
          ["eval/epoch=1-step=100.ckpt", "eval/last.ckpt"]),
-        (layouts.DEEPSPEED, tree("global_step5/"), ["global_step5"]),
-        (layouts.HF, tree("sub/", "sub/iter_0000100/"), ["sub/iter_0000100"]),
-        (layouts.HF, tree("sub/", "sub/step_3/", "sub/step_3/optimizer.bin"), ["sub/step_3"]),  # accelerate
-        (layouts.HF, tree("step_10/", "step_10/.metadata", "step_10/__0_0.distcp"), ["step_10"]),  # dcp.save's run
-        (layouts.HF, tree("save_1/", "save_1/.metadata", "save_2/", "save_2/.metadata", "eval/", "eval/.metadata"),
+        ("deepspeed", tree("global_step5/"), ["global_step5"]),
+        ("hf", tree("sub/", "sub/iter_0000100/"), ["sub/iter_0000100"]),
+        ("hf", tree("sub/", "sub/step_3/", "sub/step_3/optimizer.bin"), ["sub/step_3"]),  # accelerate
+        ("hf", tree("step_10/", "step_10/.metadata", "step_10/__0_0.distcp"), ["step_10"]),  # dcp.save's run
+        ("hf", tree("save_1/", "save_1/.metadata", "save_2/", "save_2/.metadata", "eval/", "eval/.metadata"),
          ["save_1", "save_2"]),  # DCP saves numbered alike: a run; `eval/` alone: a part
         # pins below its top
-        (layouts.HF, tree("global_step500/", "global_step500/.ckptd-keep"), ["global_step500/.ckptd-keep"]),
-        (layouts.HF, tree("model.ckpt.ckptd-keep"), ["model.ckpt.ckptd-keep"]),
+        ("hf", tree("global_step500/", "global_step500/.ckptd-keep"), ["global_step500/.ckptd-keep"]),
+        ("hf", tree("model.ckpt.ckptd-keep"), ["model.ckpt.ckptd-keep"]),
     ],
 )
 def test_what_a_checkpoint_directory_holds_that_is_not_its_own(layout, entries, held):

@@ -28,6 +28,7 @@ from test_tracker import start, tracker
 from ckptd import evidence, layouts
 from ckptd.config import Retention, Root
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_model_states, write_zip
+from ckptd.frameworks import orbax
 from ckptd.model import Action, State, Verdict
 from ckptd.planner import Scanner, decide
 from ckptd.policy import decide_run
@@ -418,9 +419,9 @@ def test_an_orbax_commit_file_rewritten_after_the_save_does_not_move_its_save_ti
     _CHECKPOINT_METADATA with the commit time; a commit file written again later is no save."""
     root = copy_volume(orbax_volume, tmp_path / "vol")
     step = root / "default" / "1"
-    assert (step / layouts.ORBAX_COMMIT).is_file()
+    assert (step / orbax.COMMIT).is_file()
     age(step, OLD)
-    sed_i(step / layouts.ORBAX_COMMIT, NOW - 100)
+    sed_i(step / orbax.COMMIT, NOW - 100)
     c = scan(root)["default/1"]
     assert c.state is State.COMPLETE
     assert (c.written_at, c.touched_at) == (OLD, NOW - 100)

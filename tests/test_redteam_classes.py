@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import dsmeta, evidence, fwmetrics, layouts, mounts, slim, volread
+from ckptd import dsmeta, evidence, layouts, mounts, slim, volread
 from ckptd.config import Retention, Root, parse_config, path_matches
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.errors import ConfigError
 from ckptd.evidence import Entry, resume_pointers
+from ckptd.frameworks import orbax, torchtitan
 from ckptd.journal import Journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.planner import Scanner, decide
@@ -129,7 +130,7 @@ def test_a_megatron_tracker_megatron_refuses_names_nothing_and_breaks_nothing(tm
     write_zip(run / "iter_0000100" / "mp_rank_00" / "model_optim_rng.pt", 64)
     (run / layouts.MEGATRON_TRACKER).write_text(text)
     assert resume_pointers(run, os.listdir(run)) == {}
-    cand = layouts.Candidate("iter_0000100", 100, layouts.MEGATRON, True)
+    cand = layouts.Candidate("iter_0000100", 100, "megatron", True)
     check = evidence._megatron_tracker(evidence.RunContext(run, frozenset(os.listdir(run))), cand)
     assert check.verdict is evidence.UNKNOWN
 
@@ -419,13 +420,13 @@ READERS = {
     "slim marker": (slim.MARKER, lambda d, f: evidence.read_slim_marker(d, {slim.MARKER: as_file()})),
     "trainer_state.json": (evidence.TRAINER_STATE,
                            lambda d, f: evidence._trainer_state(d, {evidence.TRAINER_STATE: as_file()})),
-    "torchtitan index": (layouts.TORCHTITAN_HF_INDEX,
-                         lambda d, f: evidence._torchtitan(d, {layouts.TORCHTITAN_HF_INDEX: as_file()})),
+    "torchtitan index": (torchtitan.HF_INDEX,
+                         lambda d, f: evidence._torchtitan(d, {torchtitan.HF_INDEX: as_file()})),
     "megatron-core metadata.json": ("metadata.json",
                                     lambda d, f: evidence._megatron_core(d, {"metadata.json": as_file()}, "")),
-    "orbax metadata": (layouts.ORBAX_METADATA, lambda d, f: evidence._orbax(
-        layouts.Candidate("1", 1, layouts.ORBAX, True), d, {layouts.ORBAX_METADATA: as_file()})),
-    "orbax metrics": (fwmetrics.ORBAX_METRICS_FILE, lambda d, f: fwmetrics.from_orbax(d)),
+    "orbax metadata": (orbax.METADATA, lambda d, f: evidence._orbax(
+        layouts.Candidate("1", 1, "orbax", True), d, {orbax.METADATA: as_file()})),
+    "orbax metrics": (orbax.METRICS_FILE, lambda d, f: orbax.from_orbax(d)),
     "torch zip": ("model.pt", lambda d, f: evidence.file_problem(f, as_file())),
     "safetensors": ("model.safetensors", lambda d, f: evidence.file_problem(f, as_file())),
     "nemo tar": ("model.nemo", lambda d, f: evidence.file_problem(f, as_file())),

@@ -151,7 +151,7 @@ Dtypes = frozenset[str] | str
 class WeightsSeen:
     """The weights files of one checkpoint, as their headers describe them (`weights.py`)."""
 
-    dtypes: Mapping[str, Dtypes]  # top-level weights file (slim.WEIGHTS_FILES) -> dtypes or why unknown
+    dtypes: Mapping[str, Dtypes]  # top-level weights file (Framework.slim_weights) -> dtypes or why unknown
     consolidated: ConsolidatedWeights | str | None = (
         None  # fp32/ by ckptd: its record, why unusable, or absent
     )

@@ -31,7 +31,7 @@ from ckptd.evidence import (
     resume_pointers,
     with_sibling_census,
 )
-from ckptd.layouts import MEGATRON_TRACKER, Candidate, compile_pattern, is_rank_dir
+from ckptd.layouts import Candidate, compile_pattern, is_rank_dir
 from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
 from ckptd.policy import Decision, Plan
 from ckptd.verdicts import Verdicts, cache_path
@@ -395,15 +395,20 @@ _NUMBERED = re.compile(r"(\D*)(\d*)")
 def run_context(run_dir: RunDir) -> object:
     """What of the run directory a checkpoint's evidence reads besides the checkpoint itself: the
     names that are not checkpoints (NeMo's `-unfinished` markers, pin files beside file
-    checkpoints, Megatron's tracker) and the tracker file's stat (it is rewritten in place)."""
+    checkpoints, Megatron's tracker) and the stat of each file a framework's evidence reads there
+    (`Framework.run_files`: it is rewritten in place)."""
     others = tuple(sorted(run_dir.names.difference(c.name for c in run_dir.candidates)))
-    if MEGATRON_TRACKER not in others:
-        return others
-    try:
-        st = os.stat(run_dir.path / MEGATRON_TRACKER, follow_symlinks=False)
-    except OSError:
-        return (others, None)
-    return (others, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    stats: list[tuple[int, int, int, int] | None] = []
+    for name in frameworks.RUN_FILES:
+        if name not in others:
+            continue
+        try:
+            st = os.stat(run_dir.path / name, follow_symlinks=False)
+        except OSError:
+            stats.append(None)
+            continue
+        stats.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return (others, *stats) if stats else others
 
 
 MODEL_PARALLEL = "NeMo's model-parallel ranks"

@@ -62,7 +62,7 @@ from ckptd.consolidate import Consolidated, Consolidation, ConsolidationFailed
 from ckptd.discover import find_run
 from ckptd.evidence import Entry, TooDeep, fingerprint, read_slim_marker, resume_pointers, walk
 from ckptd.journal import Journal
-from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, is_rank_dir, nemo_unfinished_marker, recognise_by_name
+from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, is_rank_dir, recognise_by_name, unfinished_markers
 from ckptd.model import Action, Checkpoint, ConsolidatedWeights, Run, State
 from ckptd.planner import Scanner, experiments, rule_dir
 from ckptd.policy import Decision
@@ -1103,8 +1103,8 @@ def _last_whole_step(
     run_path: Path, name: str, is_dir: bool, patterns: Sequence[re.Pattern[str]]
 ) -> str | None:
     """For one model-parallel rank's part of a step (`mp_rank_00/<name>.ckpt`, `layouts.is_rank_dir`):
-    why it must stay, unless a newer step is there in every rank's directory beside it, with no NeMo
-    unfinished marker above them. Names only, afresh: the last line of defence for the newest step
+    why it must stay, unless a newer step is there in every rank's directory beside it, with no
+    unfinished marker (NeMo's) above them. Names only, afresh: the last line of defence for the newest step
     every rank holds, which the plan keeps (`planner.with_whole_steps`)."""
     if not is_rank_dir(run_path.name):
         return None
@@ -1117,7 +1117,7 @@ def _last_whole_step(
     for other in set.intersection(*held) if held else ():
         cand = recognise_by_name(other, is_dir, patterns)
         if (cand is not None and cand.unit == mine.unit and cand.step > mine.step
-                and nemo_unfinished_marker(other) not in above):
+                and not unfinished_markers(other).intersection(above)):
             return None
     return (
         f"no newer step is saved whole in every model-parallel rank ({', '.join(ranks[:4])}"

@@ -46,22 +46,9 @@ SLIM_WEIGHTS = ("fp32", "as-saved")
 # temp file, removed with the optimizer state when the checkpoint is slimmed.
 CONSOLIDATED = "model.safetensors"
 LEGACY_WORK_DIR = f"{CONSOLIDATED}.ckptd-tmp"
+# The default of the `slim_files` setting (user-facing: config reference, config.example.toml):
+# DeepSpeed's optimizer shards, in its tag or in a Trainer checkpoint's, and the Trainer's optimizer.pt.
 DEFAULT_SLIM_FILES = ("global_step*/*optim_states.pt", "optimizer.pt")
-
-# Weights a checkpoint may hold already (Trainer, PEFT): then nothing needs consolidating.
-WEIGHTS_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-    "adapter_model.safetensors",
-    "adapter_model.bin",
-)
-_SHARDED_WEIGHTS = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")
-_GLOBAL_STEP = re.compile(r"global_step\d+")
-# zero_to_fp32 reads mp_rank_00 only, and knows nothing of pipeline layer files.
-_MODEL_PARALLEL = re.compile(r".*mp_rank_(?!00_)\d+_.*\.pt")
-_PIPELINE_LAYER = re.compile(r"layer_\d+-model_\d+-model_states\.pt")
 _DTYPE_NAMES = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16"}
 
 
@@ -107,15 +94,14 @@ def matches_any(path: str, globs: tuple[str, ...]) -> bool:
 
 
 def never_removed(path: str) -> bool:
-    """Files slimming keeps whatever `slim_files` says: weights, model states, state, markers."""
+    """Files slimming keeps whatever `slim_files` says: ckptd's own (fp32/, pins, markers), and what
+    a framework says a slim keeps (`Framework.slim_keeps`: weights, model states, trainer state)."""
     name = path.rpartition("/")[2]
     return (
-        name in WEIGHTS_FILES
-        or bool(_SHARDED_WEIGHTS.fullmatch(name))
-        or path == WEIGHTS_DIR
+        path == WEIGHTS_DIR
         or path.startswith(f"{WEIGHTS_DIR}/")
-        or name.endswith("model_states.pt")
-        or name in ("trainer_state.json", layouts.PIN_FILE, MARKER)
+        or name in (layouts.PIN_FILE, MARKER)
+        or any(f.slim_keeps(name) for f in _registry().REGISTRY)
     )
 
 
@@ -142,9 +128,10 @@ def source_fingerprint(files: Mapping[str, Entry], tag_prefix: str) -> str:
     `tag_prefix` is "global_step10/" inside a Trainer checkpoint, "" for a bare `global_step10/`.
     """
     h = hashlib.sha256()
+    reads = _registry().REGISTRY
     for rel in sorted(files):
         rest = rel[len(tag_prefix) :]
-        read = rest.endswith(("model_states.pt", "optim_states.pt"))
+        read = any(f.consolidation_reads(rest) for f in reads)
         if rel.startswith(tag_prefix) and "/" not in rest and read:
             e = files[rel]
             h.update(f"{rest}\0{e.kind}\0{e.size}\0{e.mtime_ns}\n".encode("utf-8", "surrogateescape"))
@@ -249,11 +236,16 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _framework(layout: str) -> Framework:
-    """What `layout`'s framework lets a slim do (frameworks/; imported here, as they import this)."""
+def _registry():  # -> the ckptd.frameworks module
+    """frameworks/ (imported here on first use, as they import this)."""
     from ckptd import frameworks
 
-    return frameworks.get(layout)
+    return frameworks
+
+
+def _framework(layout: str) -> Framework:
+    """What `layout`'s framework lets a slim do."""
+    return _registry().get(layout)
 
 
 def survey(
@@ -363,34 +355,14 @@ def _consolidated(
 
 
 def _source(layout: str, name: str, files: Mapping[str, Entry]) -> tuple[str | None, str | None]:
-    """The DeepSpeed tag directory zero_to_fp32 would consolidate, or why there is none."""
-    if _framework(layout).checkpoint_is_tag:
-        tag, names = name, {rel for rel in files if rel and "/" not in rel}
-    else:
-        tags = sorted(rel for rel, e in files.items() if e.kind == "d" and _GLOBAL_STEP.fullmatch(rel))
-        if len(tags) != 1:
-            return None, f"{len(tags) or 'no'} global_step directories to consolidate from"
-        tag = tags[0]
-        names = {rel[len(tag) + 1 :] for rel in files if rel.startswith(f"{tag}/")}
-    if not names & {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"}:
-        return None, f"no model states in {tag} to consolidate from"
-    if any(_MODEL_PARALLEL.fullmatch(n) for n in names):
-        return None, "model-parallel shards (mp_rank_01...): zero_to_fp32 consolidates mp_rank_00 only"
-    if any(_PIPELINE_LAYER.fullmatch(n) for n in names):
-        return None, "pipeline-parallel layer files: zero_to_fp32 cannot consolidate them"
-    return tag, None
+    """The DeepSpeed tag directory zero_to_fp32 would consolidate, or why there is none (its framework's
+    `consolidation_source`)."""
+    return _framework(layout).consolidation_source(name, files)
 
 
 def consolidation_paths(layout: str, name: str, source: str, files: Collection[str]) -> tuple[str, str, str]:
     """(save_dir, tag, model-states file) for zero_to_fp32, relative to the checkpoint's run directory.
 
-    zero_to_fp32 takes the directory holding `global_step<N>/` and the tag.
+    zero_to_fp32 takes the directory holding the tag and the tag (its framework's `consolidation_paths`).
     """
-    if _framework(layout).checkpoint_is_tag:
-        save_dir, tag, inside = ".", name, ""
-    else:
-        save_dir, tag, inside = name, source, f"{source}/"
-    model = "mp_rank_00_model_states.pt"
-    if f"{inside}{model}" not in files:
-        model = "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    return save_dir, tag, f"{name}/{inside}{model}"
+    return _framework(layout).consolidation_paths(name, source, files)

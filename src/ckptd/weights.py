@@ -96,7 +96,9 @@ class WeightsReader:
     def read(self, path: Path, files: Mapping[str, Entry]) -> WeightsSeen:
         """The weights of the checkpoint at `path`, whose entries (by relative path) are `files`."""
         dtypes: dict[str, Dtypes] = {}
-        for name in slim.WEIGHTS_FILES:
+        from ckptd import frameworks  # which imports this module's importers: on first use
+
+        for name in frameworks.SLIM_WEIGHTS:
             e = files.get(name)
             if e is not None and e.kind == "f":
                 dtypes[name] = self._dtypes(path, name, files)

@@ -72,7 +72,8 @@ SETS = {
 
 R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
 LE, MO = "lease.py", "mounts.py"
-RS, FM = "resume.py", "fwmetrics.py"
+RS = "resume.py"
+OX, NM, LG, DP = "frameworks/orbax.py", "frameworks/nemo.py", "frameworks/lightning.py", "frameworks/dcp.py"
 SL, W, K = "slim.py", "weights.py", "consolidate.py"
 V, TR, PL, DI = "verdicts.py", "tracker.py", "planner.py", "discover.py"
 HW, CI = "frameworks/hfweights.py", "frameworks/copyin.py"
@@ -330,8 +331,8 @@ MUTS = [
  dict(id="E11", what="megatron tracker < step", tests="evidence", edits=[("frameworks/megatron.py",
    "    if iteration < cand.step:", "    if False:")]),
  dict(id="E11b", what="megatron tracker missing", tests="evidence", edits=[("frameworks/megatron.py",
-   "        return Check(name, FAILED, f\"{layouts.MEGATRON_TRACKER} missing (written after every rank saved)\")",
-   "        return Check(name, PASSED, f\"{layouts.MEGATRON_TRACKER} missing (written after every rank saved)\")")]),
+   "        return Check(name, FAILED, f\"{TRACKER} missing (written after every rank saved)\")",
+   "        return Check(name, PASSED, f\"{TRACKER} missing (written after every rank saved)\")")]),
  dict(id="E12", what="nemo unfinished marker", tests="evidence", edits=[("frameworks/nemo.py",
    "    if marker in run.names:\n", "    if False:\n")]),
  dict(id="E13", what="MAX_WALK_DEPTH limit", tests="evidence", edits=[(E,
@@ -345,10 +346,10 @@ MUTS = [
  # --- 5. layouts / discover
  dict(id="L1", what="dir holding checkpoints is a run", tests="layouts", edits=[(L,
    "    if any(recognise_by_name(c, True, patterns) for c in inside):", "    if False:")]),
- dict(id="L2", what="orbax needs markers", tests="layouts", edits=[(L,
-   "    if (m := _ORBAX.fullmatch(name)) and _ORBAX_MARKERS & set(children):", "    if m := _ORBAX.fullmatch(name):")]),
- dict(id="L2b", what="orbax (full recognise path)", tests="layouts", edits=[(L,
-   "    if (m := _ORBAX.fullmatch(name)) and _ORBAX_MARKERS & set(children):", "    if m := _ORBAX.fullmatch(name):"),
+ dict(id="L2", what="orbax needs markers", tests="layouts", edits=[(OX,
+   "        if (m := _NAME.fullmatch(name)) and _MARKERS & set(children):", "        if m := _NAME.fullmatch(name):")]),
+ dict(id="L2b", what="orbax (full recognise path)", tests="layouts", edits=[(OX,
+   "        if (m := _NAME.fullmatch(name)) and _MARKERS & set(children):", "        if m := _NAME.fullmatch(name):"),
    (L, "    if any(recognise_by_name(c, True, patterns) for c in inside):", "    if False:")]),
  dict(id="L3", what="warmup_step not a step", tests="layouts", edits=[(L,
    "    r\"(?:^|-)([A-Za-z_][A-Za-z0-9_.]*)=", "    r\"(?:^|-|_)([A-Za-z_][A-Za-z0-9_.]*)=")]),
@@ -650,8 +651,10 @@ MUTS = [
    "def cmd_plan(args: argparse.Namespace) -> int:\n    config = load(args)\n    require_roots(config)\n    config = with_effective_quiet(config)",
    "def cmd_plan(args: argparse.Namespace) -> int:\n    config = load(args)\n    require_roots(config)")]),
  # --- issue 12: every framework's checkpoints as its users know them, and the resume side
- dict(id="FW1", what="Lightning's last.ckpt and NeMo's -last copies are not steps", tests="fwlayouts+frameworks", edits=[(L,
-   "    if name.endswith(NEMO_UNFINISHED_SUFFIX) or is_last_copy(name):", "    if name.endswith(NEMO_UNFINISHED_SUFFIX):")]),
+ dict(id="FW1", what="Lightning's last.ckpt and NeMo's -last copies are not steps", tests="fwlayouts+frameworks", edits=[(NM,
+   "        if name.endswith(UNFINISHED_SUFFIX) or lightning.is_last_copy(name):", "        if name.endswith(UNFINISHED_SUFFIX):"),
+   (LG, "        if is_dir or not name.endswith(\".ckpt\") or \"--\" in name or is_last_copy(name):",
+    "        if is_dir or not name.endswith(\".ckpt\") or \"--\" in name:")]),
  dict(id="FW2", what="megatron-core's metadata.json (written last) demanded", tests="fwlayouts", edits=[("frameworks/megatron.py",
    "        return Check(name, FAILED, \"missing (megatron-core writes it last)\")",
    "        return Check(name, PASSED, \"missing (megatron-core writes it last)\")")]),
@@ -661,11 +664,11 @@ MUTS = [
  dict(id="FW4", what="Megatron-LM iter_N in torch_dist format checked for metadata.json", tests="fwlayouts", edits=[("frameworks/megatron.py",
    "        if _is_megatron_core(save.files, \"\"):  # the torch_dist format", "        if False:  # the torch_dist format")]),
  dict(id="FW5", what="NeMo's -unfinished marker beside a Lightning-named file", tests="fwlayouts", edits=[("frameworks/lightning.py",
-   "        if layouts.nemo_unfinished_marker(cand.name) in run.names or layouts.is_rank_dir(run.path.name):",
+   "        if nemo.unfinished_marker(cand.name) in run.names or layouts.is_rank_dir(run.path.name):",
    "        if layouts.is_rank_dir(run.path.name):")]),
  dict(id="FW6", what="torchtitan: .metadata or the HF index demanded", tests="fwlayouts", edits=[("frameworks/torchtitan.py",
-   "        return Check(name, FAILED, f\"neither .metadata nor {layouts.TORCHTITAN_HF_INDEX} (written last)\")",
-   "        return Check(name, PASSED, f\"neither .metadata nor {layouts.TORCHTITAN_HF_INDEX} (written last)\")")]),
+   "        return Check(name, FAILED, f\"neither .metadata nor {HF_INDEX} (written last)\")",
+   "        return Check(name, PASSED, f\"neither .metadata nor {HF_INDEX} (written last)\")")]),
  dict(id="FW7", what="torchtitan: every shard its HF index names", tests="fwlayouts", edits=[("frameworks/torchtitan.py",
    "    if missing:\n        present = len(shards) - len(missing)", "    if False:\n        present = len(shards) - len(missing)")]),
  dict(id="FW8", what=".nemo archives: members within the file", tests="fwlayouts",
@@ -677,7 +680,7 @@ MUTS = [
    "                return None if True else (")]),
  dict(id="FW10", what="a .nemo archive's integrity is checked at all", tests="fwlayouts", edits=[(E,
    "        whole_file = not e.rel and name.endswith((\".ckpt\", \".nemo\"))", "        whole_file = not e.rel and name.endswith(\".ckpt\")")]),
- dict(id="FW11", what="a Lightning score from its own file's entry in best_k_models, not another's", tests="fwlayouts", edits=[(FM,
+ dict(id="FW11", what="a Lightning score from its own file's entry in best_k_models, not another's", tests="fwlayouts", edits=[(LG,
    "            if isinstance(saved, str) and os.path.basename(saved) == path.name:", "            if isinstance(saved, str):")]),
  dict(id="FW12", what="the daemon's re-listing counts depth as discovery does", tests="fwlayouts", edits=[("tracker.py",
    "            depth = depth_of(rel)", "            depth = 0 if rel == \".\" else rel.count(\"/\") + 1")]),
@@ -755,7 +758,7 @@ MUTS = [
  dict(id="HR6", what="a checkpoint holding a run is never slimmed", tests="held", edits=[(P,
    "c.pinned or c.mounts or c.holds:", "c.pinned or c.mounts:")]),
  dict(id="HR7", what="a nested run's last copy (last.ckpt) is held", tests="held", edits=[(L,
-   "        if cand is None and name.endswith((\".ckpt\", \".nemo\")) and is_last_copy(name):",
+   "        if cand is None and name.endswith(fws.HELD_SUFFIXES) and resume_copy(name) is not None:",
    "        if False:")]),
  dict(id="MP1", what="NeMo's unfinished marker above the rank directories", tests="held", edits=[("frameworks/nemo.py",
    "        if os.path.lexists(run.path.parent / marker):", "        if False:")]),
@@ -768,9 +771,9 @@ MUTS = [
    "        why = None")]),
  dict(id="MP5", what="a scope naming some ranks of a step, not all, is refused", tests="held", edits=[("planner.py",
    "            if scoped and len(scoped) < len(group):", "            if False:")]),
- dict(id="MP6", what="tp_rank_NN_pp_rank_PPP is a rank directory too", tests="held", edits=[(L,
+ dict(id="MP6", what="tp_rank_NN_pp_rank_PPP is a rank directory too", tests="held", edits=[(NM,
    "|tp_rank_\\d+_pp_rank_\\d+|", "|")]),
- dict(id="MP7", what="NeMo's FSDP shard directories are rank directories too", tests="held", edits=[(L,
+ dict(id="MP7", what="NeMo's FSDP shard directories are rank directories too", tests="held", edits=[(NM,
    "(?:_fsdp_shard_\\d+)?|tp_rank_\\d+_pp_rank_\\d+|fsdp_shard_\\d+\")", "|tp_rank_\\d+_pp_rank_\\d+\")")]),
 
  # --- red team 2, fixB: link targets, Lightning DeepSpeed census, DCP runs held inside, Lightning FSDP
@@ -786,12 +789,12 @@ MUTS = [
 
  dict(id="RB3", what="a DCP directory inside a checkpoint named as a run's save (step_10/) is a held run",
    tests=[T+"test_held_runs.py::test_what_a_checkpoint_directory_holds_that_is_not_its_own", T+"test_redteam2.py::test_a_dcp_run_written_inside_a_checkpoint_is_not_deleted_with_it"],
-   edits=[(L, "    if _DCP_SAVE_NAME.fullmatch(name):\n        return True\n", "")]),
+   edits=[(DP, "    if _DCP_SAVE_NAME.fullmatch(name):\n        return True\n", "")]),
  dict(id="RB4", what="DCP directories numbered alike inside a checkpoint (save_1/, save_2/) are a held run",
-   tests=[T+"test_held_runs.py::test_what_a_checkpoint_directory_holds_that_is_not_its_own"], edits=[(L, "    return own is not None and any(s != name and stem(s) == own for s in sibling_dirs)",
+   tests=[T+"test_held_runs.py::test_what_a_checkpoint_directory_holds_that_is_not_its_own"], edits=[(DP, "    return own is not None and any(s != name and stem(s) == own for s in sibling_dirs)",
    "    return False")]),
  dict(id="RB5", what="FSDP's numbered DCP parts (pytorch_model_fsdp_0/, optimizer_1/) are a checkpoint's own parts",
-   tests=[T+"test_held_runs.py::test_what_a_checkpoint_directory_holds_that_is_not_its_own"], edits=[(L, "    if _DCP_PART.fullmatch(name):\n        return False\n", "")]),
+   tests=[T+"test_held_runs.py::test_what_a_checkpoint_directory_holds_that_is_not_its_own"], edits=[(DP, "    if _DCP_PART.fullmatch(name):\n        return False\n", "")]),
  dict(id="RB6", what="Lightning's FSDP sharded checkpoint directory is judged by DCP's evidence, not megatron-core's",
    tests=[T+"test_redteam2.py::test_lightning_fsdp_sharded_checkpoints_can_be_complete"], edits=[("frameworks/nemo.py",
    "        lightning_fsdp = lightning._is_lightning_fsdp(save.cand, files)", "        lightning_fsdp = False")]),
@@ -866,7 +869,7 @@ MUTS = [
  dict(id="SV2", what="in doubt, the checkpoint touched last is an anchor too", tests="one_save", edits=[(RU,
    "(by_time, by_time_why), (by_touch, touched_why))", "(by_time, by_time_why))")]),
  dict(id="SV3", what="an Orbax step's save time from Orbax's own commit files", tests="one_save", edits=[("frameworks/orbax.py",
-   "        return rel in (layouts.ORBAX_COMMIT, layouts.ORBAX_METADATA)", "        return False")]),
+   "        return rel in (COMMIT, METADATA)", "        return False")]),
  dict(id="SV4", what="trainer_state.json rewritten long after the save does not move its save time",
    tests="one_save", edits=[("frameworks/hf.py",
    "        return _before_trainer_state if rel == TRAINER_STATE else None", "        return None")]),
@@ -874,7 +877,7 @@ MUTS = [
    tests="one_save", edits=[("frameworks/accelerate.py",
    "        return _before_random_states if _RANDOM_STATES.fullmatch(rel) else None", "        return None")]),
  dict(id="SV6", what="Orbax's commit_success.txt rewritten long after the save does not move its save time",
-   tests="one_save", edits=[("frameworks/orbax.py", "        if rel == layouts.ORBAX_COMMIT:\n", "        if False:\n")]),
+   tests="one_save", edits=[("frameworks/orbax.py", "        if rel == COMMIT:\n", "        if False:\n")]),
  dict(id="SV7", what="DCP's .metadata rewritten long after the save does not move its save time",
    tests="one_save", edits=[
    ("frameworks/dcp.py", "        return written_after_shards(rel) if rel.rpartition(\"/\")[2] == \".metadata\" else None",

@@ -44,8 +44,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return os.listdir(path)
 
     cand = layouts.recognise(path.name, is_dir, children, patterns)
-    if cand is None and layouts.is_last_copy(path.name):
-        raise UsageError(f"{args.path}: {layouts.LAST_COPY_NOTE}")
+    if cand is None and (why := layouts.resume_copy(path.name)) is not None:
+        raise UsageError(f"{args.path}: {why}")
     if cand is None:
         held = find_runs(path, max_depth=0, patterns=patterns) if is_dir else []
         if held:

@@ -10,10 +10,14 @@ another uses that one's contract (the Trainer and accelerate DeepSpeed's census,
 and Lightning's strategies', torchtitan and megatron-core DCP's).
 
 The registry is closed and ordered: no entry points. Code from outside that could say "complete"
-could make ckptd delete. The engine asks `get(layout)` and never compares layout names.
+could make ckptd delete. The engine asks `get(layout)` and never compares layout names; recognition
+(layouts.py) asks each framework in this order (`NAMES_FIRST`, the user's patterns, `NAMES_AFTER`;
+then `BY_CONTENTS`), so a framework's place here is its place in recognition.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from ckptd.frameworks import (
     accelerate,
@@ -29,7 +33,6 @@ from ckptd.frameworks import (
     torchtitan,
 )
 from ckptd.frameworks.base import Framework
-from ckptd.layouts import Candidate
 
 REGISTRY: tuple[Framework, ...] = (
     hf.FRAMEWORK,
@@ -48,18 +51,20 @@ _BY_LAYOUT = {f.layout: f for f in REGISTRY}
 USER_PATTERN = pattern.FRAMEWORK  # a user's pattern: what the user names as evidence
 
 
-_FILE_FRAMEWORKS = tuple(f for f in REGISTRY if f.file_suffixes)
-_FILE_SUFFIXES = tuple(s for f in _FILE_FRAMEWORKS for s in f.file_suffixes)
+def _answers(method: str) -> Callable[[Framework], bool]:
+    return lambda f: getattr(type(f), method) is not getattr(Framework, method)
 
 
-def recognise_file(name: str) -> Candidate | None:
-    """A checkpoint file a framework module claims by its name (Keras's `.keras`), in registry order."""
-    if not name.endswith(_FILE_SUFFIXES):
-        return None
-    for f in _FILE_FRAMEWORKS:
-        if name.endswith(f.file_suffixes) and (cand := f.recognise_file(name)) is not None:
-            return cand
-    return None
+# Who is asked what, in registry order (layouts.recognise_by_name, recognise_by_contents, held).
+_by_name = _answers("recognise_name")
+NAMES_FIRST = tuple(f for f in REGISTRY if f.names_first)
+NAMES_AFTER = tuple(f for f in REGISTRY if not f.names_first and (_by_name(f) or f.file_suffixes))
+BY_CONTENTS = tuple(f for f in REGISTRY if _answers("recognise_contents")(f))
+TAGS = tuple(f for f in REGISTRY if f.checkpoint_is_tag)  # its checkpoint is itself a DeepSpeed tag
+HELD_SUFFIXES = tuple(dict.fromkeys(s for f in REGISTRY for s in f.held_suffixes))
+# The weights files a slim may keep, of every framework (weights.WeightsReader reads their headers)
+SLIM_WEIGHTS = tuple(dict.fromkeys(w for f in REGISTRY for w in f.slim_weights))
+RUN_FILES = tuple(dict.fromkeys(n for f in REGISTRY for n in f.run_files))
 
 
 def run_key(rel: str) -> str:

@@ -9,13 +9,23 @@ optimizers, schedulers, samplers, `scaler.pt`, then each process its `random_sta
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
-from ckptd import layouts
 from ckptd.frameworks import copyin, hfweights
 from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
 from ckptd.frameworks.deepspeed import _DS_FILE, _deepspeed_tag_dirs
+from ckptd.layouts import EPOCH, SAVE, STEP, Candidate
 from ckptd.model import Entry
+
+LAYOUT = "accelerate"
+# `checkpoint_<n>` with automatic_checkpoint_naming (a save counter), `step_<n>`/`epoch_<n>` as its
+# examples name them; recognised by the files only it writes (accelerate/checkpointing.py
+# save_accelerator_state: models, then optimizer.bin, scheduler.bin, sampler.bin, scaler.pt, and
+# random_states_<process>.pkl last).
+_NAME = re.compile(r"(?:checkpoint|step|epoch)_(\d+)")
+_MARKER = re.compile(
+    r"(?:optimizer|scheduler|sampler|dl_state_dict)(?:_\d+)?\.bin|random_states_\d+\.pkl|scaler\.pt"
+)
 
 _ACCELERATE_FILE = re.compile(
     r"(?:optimizer|scheduler|sampler|random_states)(?:_\d+)?\.(?:bin|pkl|pt)|scaler\.pt"
@@ -29,8 +39,17 @@ def _before_random_states(rel: str) -> bool:
 
 
 class Accelerate(Framework):
-    layout = layouts.ACCELERATE
+    layout = LAYOUT
     last_written = ("random_states_0.pkl", "accelerate", _before_random_states)
+
+    def makes_dir(self, name: str) -> bool:
+        return name == "checkpoints"  # automatic_checkpoint_naming: <project_dir>/checkpoints/
+
+    def recognise_contents(self, name: str, children: Collection[str]) -> Candidate | None:
+        if (m := _NAME.fullmatch(name)) and any(_MARKER.fullmatch(c) for c in children):
+            unit = {"checkpoint": SAVE, "epoch": EPOCH}.get(name.partition("_")[0], STEP)
+            return Candidate(name, int(m[1]), LAYOUT, True, unit=unit)
+        return None
 
     def evidence(self, save: Save) -> Evidence:
         files = save.files

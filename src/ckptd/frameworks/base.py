@@ -90,8 +90,54 @@ class Framework:
     # look reads whole: the verdict cache stamps them, so a rewrite in place is read again.
     read_whole: frozenset[str] = frozenset()
 
+    # Recognition (layouts.recognise asks each framework in registry order). `names_first`: its names
+    # are its own (`checkpoint-<N>/`), asked before the user's patterns; the others' after them.
+    names_first: bool = False
+    # The extensions of its saves that are files a checkpoint directory may hold as a run of its own
+    # (`layouts.held` looks at such files; `layouts.name_fields` takes them off a name).
+    held_suffixes: tuple[str, ...] = ()
+    # Files in the run directory (beside its checkpoints) its evidence reads, rewritten in place: the
+    # plan's run context stats them so that a rewrite is seen (Megatron's tracker).
+    run_files: tuple[str, ...] = ()
+
+    def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:
+        """Whether `name` alone says it is its save, at which step. The default: a file ending in one
+        of `file_suffixes`, as `recognise_file` says."""
+        if not is_dir and self.file_suffixes and name.endswith(self.file_suffixes):
+            return self.recognise_file(name)
+        return None
+
+    def recognise_contents(self, name: str, children: Collection[str]) -> Candidate | None:
+        """Whether a directory `name` holding `children` (named as nothing by `recognise_name`) is its
+        save, by its own files in it, at which step."""
+        return None
+
     def recognise_file(self, name: str) -> Candidate | None:
         """Whether a file named `name` (ending in one of `file_suffixes`) is its checkpoint, at which step."""
+        return None
+
+    def part_inside(self, name: str, sibling_dirs: Callable[[], Collection[str]]) -> bool:
+        """Whether its save `name`, found inside another checkpoint beside `sibling_dirs`, is that
+        checkpoint's part rather than a save of a run held there (`layouts.held`)."""
+        return False
+
+    def rank_dir(self, name: str) -> bool:
+        """Whether `name` is one model-parallel rank's directory of its saves (its steps are parts of
+        steps whose other parts are in the sibling rank directories)."""
+        return False
+
+    def makes_dir(self, name: str) -> bool:
+        """Whether it makes directories so named on the way to its checkpoints (not counted against
+        max_depth: Lightning's `lightning_logs/version_<N>/checkpoints/`)."""
+        return False
+
+    def unfinished_marker(self, name: str) -> str | None:
+        """The name of the marker it puts beside a save `name` while saving it, if it writes one."""
+        return None
+
+    def resume_copy(self, name: str) -> str | None:
+        """Why `name` is a copy its resume loads, rewritten at each save and never a step of its own
+        (never counted, never deleted), or None."""
         return None
 
     def recognised_inside(self, name: str, children: Collection[str]) -> bool:
@@ -118,6 +164,23 @@ class Framework:
     def metrics(self, save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
         """The metrics the checkpoint carries itself, and why one could not be read."""
         return (), None
+
+    def slim_keeps(self, name: str) -> bool:
+        """Whether slimming keeps a file so named whatever `slim_files` says (its weights, its state)."""
+        return False
+
+    def consolidation_source(self, name: str, files: Mapping[str, Entry]) -> tuple[str | None, str | None]:
+        """The DeepSpeed tag directory (relative to its save_dir) zero_to_fp32 would consolidate fp32
+        weights from, or why there is none."""
+        return None, "nothing ckptd can consolidate"
+
+    def consolidation_paths(self, name: str, source: str, files: Collection[str]) -> tuple[str, str, str]:
+        """(save_dir, tag, model-states file) for zero_to_fp32, relative to the run directory."""
+        raise NotImplementedError(f"{self.layout}: not consolidated")
+
+    def consolidation_reads(self, name: str) -> bool:
+        """Whether zero_to_fp32 reads a file so named in the tag it consolidates (slim.source_fingerprint)."""
+        return False
 
     def step_mismatch(self, name: str, step: int, names: list[str], ts: TrainerState | None) -> list[str]:
         """Why its name and contents disagree on its step (a warning, not completeness evidence)."""

@@ -10,13 +10,47 @@ Lightning's FSDP `.ckpt/`): the engine asks `metadata_check` of every directory 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
-from ckptd import layouts
 from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
+from ckptd.frameworks.hfweights import SAFETENSORS_INDEX
+from ckptd.layouts import Candidate
 from ckptd.model import Check, Entry, Verdict
 
 PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
+
+LAYOUT = "dcp"
+_LAST_INT = re.compile(r"(\d+)(?!.*\d)")
+# Numbered DCP directories frameworks put inside a checkpoint as its parts: FSDP's under the
+# Trainer and accelerate (`pytorch_model_fsdp_<i>/`, `optimizer_<i>/`: one per model or optimizer,
+# accelerate's save_fsdp_model, save_fsdp_optimizer). Unnumbered ones (NeMo 2's `weights/`) are parts.
+_DCP_PART = re.compile(r"(?:pytorch_model|model|optimizer|optim|scheduler)(?:_fsdp)?(?:_\d+)?")
+# A DCP directory named as a save of a run is one (`step_10/`, `step-10`, `iter_100`, `20`): a
+# script given the checkpoint as its output directory saved there, and that run is kept whole.
+_DCP_SAVE_NAME = re.compile(r"(?:.*[_-])?(?:steps?|iter|iteration|global_step|checkpoint|ckpt|epoch)[_=-]?\d+"
+                            r"|\d+")
+
+
+def looks_like_dcp(children: Collection[str]) -> bool:
+    """Whether a directory holding `children` holds a DCP save: the coordinator's `.metadata` or a
+    rank's `*.distcp`."""
+    return ".metadata" in children or any(c.endswith(".distcp") for c in children)
+
+
+def _dcp_is_a_run_save(name: str, sibling_dirs: Collection[str]) -> bool:
+    """Whether a DCP directory inside a checkpoint is a save of a run held there, not its part:
+    named as a save, or one of several directories numbered alike (`save_10/`, `save_20/`)."""
+    if _DCP_PART.fullmatch(name):
+        return False
+    if _DCP_SAVE_NAME.fullmatch(name):
+        return True
+
+    def stem(n: str) -> str | None:
+        m = _LAST_INT.search(n)
+        return None if m is None else f"{n[: m.start()]}#{n[m.end() :]}"
+
+    own = stem(name)
+    return own is not None and any(s != name and stem(s) == own for s in sibling_dirs)
 
 # Written last in their directory, after its *.distcp: DCP's coordinator writes `.metadata` after
 # every rank's data (torch.distributed.checkpoint's finish), megatron-core `metadata.json` after
@@ -76,12 +110,23 @@ def written_after_shards(rel: str) -> Callable[[str], bool]:
 
 
 def save_file(rel: str) -> bool:
-    return rel == ".metadata" or rel.endswith(".distcp") or rel == layouts.TORCHTITAN_HF_INDEX
+    return rel == ".metadata" or rel.endswith(".distcp") or rel == SAFETENSORS_INDEX  # torchtitan's HF save
 
 
 class DCP(Framework):
-    layout = layouts.DCP
+    layout = LAYOUT
     owns_top_dcp = True
+
+    def recognise_contents(self, name: str, children: Collection[str]) -> Candidate | None:
+        if looks_like_dcp(children) and (m := _LAST_INT.search(name)):
+            return Candidate(name, int(m[1]), LAYOUT, True)
+        return None
+
+    def part_inside(self, name: str, sibling_dirs: Callable[[], Collection[str]]) -> bool:
+        """A DCP directory inside a checkpoint is its part (FSDP's `pytorch_model_fsdp_0/`, NeMo's
+        `weights/`: the evidence demands their `.metadata` as parts), unless named as a run's
+        saves (`step_10/`, or several numbered alike)."""
+        return not _dcp_is_a_run_save(name, sibling_dirs())
 
     def evidence(self, save: Save) -> Evidence:
         files = save.files

@@ -11,16 +11,29 @@ the weights and trainer_state.json.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
-from ckptd import layouts, slim
-from ckptd.frameworks import copyin, hfweights
+from ckptd.frameworks import copyin, deepspeed, hfweights
 from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
 from ckptd.frameworks.deepspeed import _global_step_dirs
+from ckptd.layouts import Candidate
 from ckptd.model import Check, Entry, TrainerState, Verdict
 
 PASSED = Verdict.PASSED
+LAYOUT = "hf"
 TRAINER_STATE = "trainer_state.json"
+_NAME = re.compile(r"checkpoint-(\d+)")  # Trainer._save_checkpoint: f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
+# Weights a checkpoint may hold already (Trainer, PEFT), best first: what a slim keeps, and then
+# nothing needs consolidating; and save_model's shards of them.
+WEIGHTS_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+)
+_SHARDED_WEIGHTS = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")
 
 _RNG = re.compile(r"rng_state_(\d+)\.pth")
 
@@ -58,10 +71,15 @@ def _rng_states(files: dict[str, Entry], world: int | None) -> tuple[Check, int 
 
 
 class Trainer(Framework):
-    layout = layouts.HF
+    layout = LAYOUT
     named_alone = True
+    names_first = True
     last_written = (TRAINER_STATE, "the Trainer", _before_trainer_state)
-    slim_weights = slim.WEIGHTS_FILES
+    slim_weights = WEIGHTS_FILES
+
+    def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:
+        m = _NAME.fullmatch(name) if is_dir else None
+        return Candidate(name, int(m[1]), LAYOUT, True) if m else None
 
     def evidence(self, save: Save) -> Evidence:
         files = save.files
@@ -82,6 +100,26 @@ class Trainer(Framework):
 
     def tags(self, files: Mapping[str, Entry]) -> list[str]:
         return _global_step_dirs(files)
+
+    def slim_keeps(self, name: str) -> bool:
+        return name in WEIGHTS_FILES or bool(_SHARDED_WEIGHTS.fullmatch(name)) or name == TRAINER_STATE
+
+    def consolidation_source(self, name: str, files: Mapping[str, Entry]) -> tuple[str | None, str | None]:
+        """Its one DeepSpeed tag (the Trainer under DeepSpeed saves `global_step<N>/` inside it)."""
+        tags = _global_step_dirs(files)
+        if len(tags) != 1:
+            return None, f"{len(tags) or 'no'} global_step directories to consolidate from"
+        tag = tags[0]
+        names = {rel[len(tag) + 1 :] for rel in files if rel.startswith(f"{tag}/")}
+        problem = deepspeed.consolidation_problem(tag, names)
+        return (None, problem) if problem else (tag, None)
+
+    def consolidation_paths(self, name: str, source: str, files: Collection[str]) -> tuple[str, str, str]:
+        inside = f"{source}/"  # zero_to_fp32 takes the checkpoint as the save_dir holding its tag
+        return name, source, f"{name}/{inside}{deepspeed.model_states_file(files, inside)}"
+
+    def consolidation_reads(self, name: str) -> bool:
+        return deepspeed.zero_to_fp32_reads(name)
 
     def save_file(self, rel: str) -> bool:
         return rel == TRAINER_STATE or _before_trainer_state(rel) or bool(_RNG.fullmatch(rel))

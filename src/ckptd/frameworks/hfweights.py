@@ -27,7 +27,8 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024
 # (ADAPTER_SAFE_WEIGHTS_NAME / ADAPTER_WEIGHTS_NAME); accelerate's save_state numbers the second
 # model's `model_1.safetensors` (checkpointing.py save_accelerator_state: `.` -> `_<i>.`).
 SINGLE = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin")
-INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+INDEXES = (SAFETENSORS_INDEX, "pytorch_model.bin.index.json")
 # FSDP through accelerate (utils/fsdp_utils.py save_fsdp_model), which the Trainer calls too:
 # FULL_STATE_DICT `pytorch_model_fsdp[_<i>].bin`, LOCAL_STATE_DICT one `..._rank<r>.bin` per rank,
 # SHARDED_STATE_DICT a DCP directory `pytorch_model_fsdp_<i>/` (its .metadata is demanded with

@@ -14,13 +14,19 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from ckptd import layouts, volread
+from ckptd import volread
 from ckptd.frameworks import dcp
 from ckptd.frameworks.base import MAX_POINTER_BYTES, Evidence, Framework, RunContext, Save, read_pointer
 from ckptd.layouts import Candidate
 from ckptd.model import Check, Entry, Verdict
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
+
+LAYOUT = "megatron"
+TRACKER = "latest_checkpointed_iteration.txt"  # checkpointing.py get_checkpoint_tracker_filename
+_NAME = re.compile(r"iter_(\d{7,})")  # checkpointing.py get_checkpoint_name: f"iter_{iteration:07d}"
+# Megatron-LM's model-parallel rank directories, mp_rank_<tp:02d>[_<pp:03d>] (get_checkpoint_name)
+_RANK_DIR = re.compile(r"mp_rank_\d+(?:_\d+)?")
 
 _MEGATRON_FILE = re.compile(
     r"(?:.+/)?(?:model_optim_rng\.pt|[^/]+\.distcp|metadata\.json|common\.pt|\.metadata)"
@@ -43,19 +49,19 @@ def _megatron_tracker(run: RunContext, cand: Candidate, newest_ns: int | None = 
     rolled the tracker back to resume from an earlier iteration, and this one is what that resume
     will overwrite. Either way not complete (kept, never deleted), and said which."""
     name = "megatron tracker"
-    if layouts.MEGATRON_TRACKER not in run.names:
-        return Check(name, FAILED, f"{layouts.MEGATRON_TRACKER} missing (written after every rank saved)")
+    if TRACKER not in run.names:
+        return Check(name, FAILED, f"{TRACKER} missing (written after every rank saved)")
     try:
-        text = read_pointer(run.path / layouts.MEGATRON_TRACKER)
+        text = read_pointer(run.path / TRACKER)
     except OSError as exc:
-        return Check(name, UNKNOWN, f"cannot read {layouts.MEGATRON_TRACKER}: {exc.strerror or exc}")
+        return Check(name, UNKNOWN, f"cannot read {TRACKER}: {exc.strerror or exc}")
     if text == "release":
         return Check(name, PASSED, "tracker says 'release'")
     iteration = megatron_iteration(text)
     if iteration is None:
-        return Check(name, UNKNOWN, f"{layouts.MEGATRON_TRACKER} holds {text[:40]!r}, not an iteration")
+        return Check(name, UNKNOWN, f"{TRACKER} holds {text[:40]!r}, not an iteration")
     if iteration < cand.step:
-        if newest_ns is not None and _written_after(run.path / layouts.MEGATRON_TRACKER, newest_ns):
+        if newest_ns is not None and _written_after(run.path / TRACKER, newest_ns):
             why = (f"above the tracker the framework resumes from (rolled back?): tracker at iteration "
                    f"{iteration} < {cand.step}, written after this iteration's files")
             return Check(name, FAILED, why)
@@ -107,8 +113,17 @@ def _megatron_core(path: Path, files: dict[str, Entry], d: str) -> Check:
 
 
 class Megatron(Framework):
-    layout = layouts.MEGATRON
+    layout = LAYOUT
     named_alone = True
+    names_first = True
+    run_files = (TRACKER,)  # rewritten in place by rank 0 after every save
+
+    def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:
+        m = _NAME.fullmatch(name) if is_dir else None
+        return Candidate(name, int(m[1]), LAYOUT, True) if m else None
+
+    def rank_dir(self, name: str) -> bool:
+        return bool(_RANK_DIR.fullmatch(name))
 
     def evidence(self, save: Save) -> Evidence:
         newest = max((e.mtime_ns for e in save.files.values() if e.kind == "f"), default=None)

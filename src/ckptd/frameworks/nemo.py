@@ -22,11 +22,30 @@ from ckptd.model import Check, Entry, Verdict
 
 PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
 
+LAYOUT = "nemo"
+UNFINISHED_SUFFIX = "-unfinished"
+# A model-parallel rank's own directory beside its siblings: NeMo 1 without a distributed
+# checkpoint saves each rank's file as <dir>/mp_rank_<tp:02d>/<name>.ckpt, or
+# <dir>/tp_rank_<tp:02d>_pp_rank_<pp:03d>/<name>.ckpt with pipeline parallelism, and with an FSDP
+# sharded checkpoint <dir>/mp_rank_<tp:02d>_fsdp_shard_<dp:05d>/ or (no model parallelism)
+# <dir>/fsdp_shard_<dp:05d>/, under ONE unfinished marker <dir>/<name>-unfinished
+# (nemo/utils/app_state.py and get_rank.py inject_model_parallel_rank, uninjected by
+# nemo_model_checkpoint.py format_checkpoint_unfinished_marker_path).
+_RANK_DIR = re.compile(r"mp_rank_\d+(?:_\d+)?(?:_fsdp_shard_\d+)?|tp_rank_\d+_pp_rank_\d+|fsdp_shard_\d+")
+# NeMo 2's `<name>/<%Y-%m-%d_%H-%M-%S>/checkpoints/` (nemo/lightning/nemo_logger.py: the version is the
+# launch time, the checkpoints directory under it)
+_MADE_DIR = re.compile(r"checkpoints|\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}")
+
+
+def unfinished_marker(name: str) -> str:
+    """NeMo's marker for `name`: the name without .ckpt/.nemo, plus `-unfinished`."""
+    return name.removesuffix(".nemo").removesuffix(".ckpt") + UNFINISHED_SUFFIX
+
 def _nemo_unfinished(run: RunContext, cand: Candidate) -> Check:
     """NeMo's `-unfinished` marker, beside the checkpoint; for a model-parallel rank's file
     (`mp_rank_01/<name>.ckpt`), the one marker of every rank's file, in the directory above
     (format_checkpoint_unfinished_marker_path takes the rank out of the path)."""
-    marker = layouts.nemo_unfinished_marker(cand.name)
+    marker = unfinished_marker(cand.name)
     if marker in run.names:
         return Check("nemo marker", FAILED, f"{marker} present: save not finished")
     if layouts.is_rank_dir(run.path.name):
@@ -43,7 +62,28 @@ _NEMO_DIR_MARKERS = frozenset({"weights", "context", "metadata.json", "common.pt
 
 
 class NeMo(Framework):
-    layout = layouts.NEMO
+    layout = LAYOUT
+    held_suffixes = (".ckpt", ".nemo")
+
+    def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:
+        """A name NeMo's template (or, for a directory, any ModelCheckpoint template) writes: a
+        distributed-checkpoint directory, a `.nemo` archive, or a `<name>--...ckpt` file; not its
+        unfinished marker, not a last copy."""
+        if not (is_dir or name.endswith(".nemo") or (name.endswith(".ckpt") and "--" in name)):
+            return None
+        if name.endswith(UNFINISHED_SUFFIX) or lightning.is_last_copy(name):
+            return None
+        order = lightning.field_order(name)
+        return None if order is None else Candidate(name, order[0], LAYOUT, is_dir, unit=order[1])
+
+    def rank_dir(self, name: str) -> bool:
+        return bool(_RANK_DIR.fullmatch(name))
+
+    def makes_dir(self, name: str) -> bool:
+        return bool(_MADE_DIR.fullmatch(name))
+
+    def unfinished_marker(self, name: str) -> str | None:
+        return unfinished_marker(name)
 
     def recognised_inside(self, name: str, children: Collection[str]) -> bool:
         """A NeMo-named directory is a checkpoint only named `.ckpt`/`.nemo` or holding what NeMo's

@@ -3,21 +3,36 @@
 orbax/checkpoint/_src/path/atomicity.py: a step is saved into a tmp directory renamed into place
 (AtomicRenameTemporaryPath) or in place with `commit_success.txt` written last
 (CommitFileTemporaryPath); `_CHECKPOINT_METADATA` comes before the commit. Its metrics are in
-`metrics/metrics` (fwmetrics.from_orbax).
+`metrics/metrics` (`from_orbax`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ckptd import fwmetrics, layouts, volread
+from ckptd import volread
 from ckptd.frameworks.base import MAX_POINTER_BYTES, Evidence, Framework, Metrics, Save
 from ckptd.layouts import Candidate
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import ORBAX_METRICS, Check, Entry, Reading, Verdict, as_metric
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
+
+LAYOUT = "orbax"
+# Orbax's step names (orbax/checkpoint/_src/path/step.py: `<step_prefix>_<step>`, the step
+# zero-padded to step_format_fixed_length if set) and its tmp directories (`TMP_DIR_STEP_PATTERN`).
+_NAME = re.compile(r"(?:.+_)?(\d+)")
+_TMP = re.compile(r"(?:.+_)?(\d+)\.orbax-checkpoint-tmp.*")
+# Files Orbax writes into a finalized step directory.
+METADATA = "_CHECKPOINT_METADATA"
+COMMIT = "commit_success.txt"
+_MARKERS = frozenset({METADATA, COMMIT})
+# The metrics given to `CheckpointManager.save(step, metrics=...)`, as JSON in `<step>/metrics/metrics`
+# (checkpoint_manager.py `METRIC_ITEM_NAME`): what its `best_fn` ranks.
+METRICS_FILE = "metrics/metrics"
+MAX_METRICS_BYTES = 1024 * 1024
 
 def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
     """Orbax's own verdict on a step directory (orbax/checkpoint/_src/path/atomicity.py; the facts
@@ -36,21 +51,21 @@ def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
     name = "orbax commit"
     if cand.in_progress:
         return Check(name, FAILED, "still a tmp directory (Orbax renames it when finished)")
-    if layouts.ORBAX_COMMIT in files and files[layouts.ORBAX_COMMIT].kind == "f":
-        return Check(name, PASSED, f"{layouts.ORBAX_COMMIT} present")
-    meta = files.get(layouts.ORBAX_METADATA)
+    if COMMIT in files and files[COMMIT].kind == "f":
+        return Check(name, PASSED, f"{COMMIT} present")
+    meta = files.get(METADATA)
     if meta is None or meta.kind != "f":
-        return Check(name, FAILED, f"neither {layouts.ORBAX_COMMIT} nor {layouts.ORBAX_METADATA}")
+        return Check(name, FAILED, f"neither {COMMIT} nor {METADATA}")
     try:
-        with volread.open_file(path / layouts.ORBAX_METADATA) as f:
+        with volread.open_file(path / METADATA) as f:
             doc = json.loads(f.read(MAX_POINTER_BYTES * 16))
     except (OSError, ValueError, RecursionError) as exc:
-        return Check(name, UNKNOWN, f"{layouts.ORBAX_METADATA} unreadable: {type(exc).__name__}: {exc}")
+        return Check(name, UNKNOWN, f"{METADATA} unreadable: {type(exc).__name__}: {exc}")
     if not isinstance(doc, dict):
-        return Check(name, UNKNOWN, f"{layouts.ORBAX_METADATA} is not a JSON object")
+        return Check(name, UNKNOWN, f"{METADATA} is not a JSON object")
     if "commit_timestamp_nsecs" in doc:
         why = (
-            f"no {layouts.ORBAX_COMMIT}: saved in place (Orbax's commit-file mode) and never committed, "
+            f"no {COMMIT}: saved in place (Orbax's commit-file mode) and never committed, "
             "or killed while committing"
         )
         return Check(name, FAILED, why)
@@ -59,25 +74,49 @@ def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
 
 
 class Orbax(Framework):
-    layout = layouts.ORBAX
-    read_whole = frozenset({layouts.ORBAX_METADATA, fwmetrics.ORBAX_METRICS_FILE})
+    layout = LAYOUT
+    names_first = True  # its tmp directories, by name alone
+    read_whole = frozenset({METADATA, METRICS_FILE})
     items_like_steps = True  # in commit-file mode each item has its own commit_success.txt
+
+    def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:
+        m = _TMP.fullmatch(name) if is_dir else None
+        return Candidate(name, int(m[1]), LAYOUT, True, in_progress=True) if m else None
+
+    def recognise_contents(self, name: str, children: Collection[str]) -> Candidate | None:
+        """A numeric directory is an Orbax step only with Orbax's own files in it: a run or team
+        directory that happens to be called `42` is never mistaken for a checkpoint."""
+        if (m := _NAME.fullmatch(name)) and _MARKERS & set(children):
+            return Candidate(name, int(m[1]), LAYOUT, True)
+        return None
 
     def evidence(self, save: Save) -> Evidence:
         return Evidence([_orbax(save.cand, save.path, save.files)])
 
     def save_file(self, rel: str) -> bool:
-        return rel in (layouts.ORBAX_COMMIT, layouts.ORBAX_METADATA)
+        return rel in (COMMIT, METADATA)
 
     def written_before(self, rel: str) -> Callable[[str], bool] | None:
-        if rel == layouts.ORBAX_COMMIT:
-            return lambda other: other == layouts.ORBAX_METADATA  # orbax atomicity: metadata, then commit
+        if rel == COMMIT:
+            return lambda other: other == METADATA  # orbax atomicity: metadata, then commit
         return None
 
     def metrics(self, save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
-        if fwmetrics.ORBAX_METRICS_FILE in save.files:
-            return fwmetrics.from_orbax(save.path)
+        if METRICS_FILE in save.files:
+            return from_orbax(save.path)
         return (), None
 
 
 FRAMEWORK = Orbax()
+
+
+def from_orbax(path: Path) -> Metrics:
+    """Orbax's metrics item (`<step>/metrics/metrics`), or why it cannot be read."""
+    try:
+        with volread.open_file(path / METRICS_FILE) as f:
+            doc = json.loads(f.read(MAX_METRICS_BYTES + 1))
+    except (OSError, ValueError, RecursionError) as exc:
+        return (), f"{METRICS_FILE} unreadable: {type(exc).__name__}: {exc}"
+    if not isinstance(doc, dict):
+        return (), f"{METRICS_FILE} is not a JSON object"
+    return tuple((str(k), Reading(as_metric(v), ORBAX_METRICS)) for k, v in doc.items()), None

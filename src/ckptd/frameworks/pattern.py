@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import re
 
-from ckptd import layouts, slim
+from ckptd import slim
 from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
 from ckptd.model import Check, Entry, Verdict
 
 PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
 
+LAYOUT = "pattern"
 EVIDENCE = "evidence"
 QUIET_ALONE = "no completion evidence: complete on quiet alone, the weakest evidence there is"
 
@@ -29,7 +30,7 @@ def _required(files: dict[str, Entry], glob: str) -> Check:
 
 
 class UserPattern(Framework):
-    layout = layouts.PATTERN
+    layout = LAYOUT
     takes_user_evidence = False  # it is the user's evidence
 
     def evidence(self, save: Save) -> Evidence:
