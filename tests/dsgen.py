@@ -120,6 +120,7 @@ def _cli_args(
     trainer_weights=False,
     hidden=32,
     layers=0,
+    save_gap=0.0,
 ) -> list[str]:
     if not 1 <= world_size <= 8:
         raise ValueError("world_size must be 1..8 (2..4 intended)")
@@ -159,6 +160,8 @@ def _cli_args(
         args.append("--trainer-weights")
     if (hidden, layers) != (32, 0):
         args += ["--hidden", str(hidden), "--layers", str(layers)]
+    if save_gap:
+        args += ["--save-gap", repr(float(save_gap))]
     if bf16:
         args.append("--bf16")
     if offload:
@@ -347,6 +350,7 @@ def start(
     trainer_weights: bool = False,
     hidden: int = 32,
     layers: int = 0,
+    save_gap: float = 0.0,
 ) -> Run:
     """Start a DeepSpeed run in the background and return a :class:`Run`.
 
@@ -364,6 +368,8 @@ def start(
     with ``{"format": "pt"}`` (what ``save_pretrained`` calls; the MLP is no PreTrainedModel).
     ``hidden``/``layers``: the MLP is Linear(16, hidden), then ``layers`` Linear(hidden, hidden),
     then Linear(hidden, 8); the defaults are the tiny model every test uses.
+    ``save_gap``: seconds every rank spends before each save, standing in for the training
+    between saves (the tiny model's steps take milliseconds), so that saves are apart in time.
     """
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -387,6 +393,7 @@ def start(
         trainer_weights=trainer_weights,
         hidden=hidden,
         layers=layers,
+        save_gap=save_gap,
     )
     return Run(out, argv, timeout, env)
 
@@ -710,6 +717,8 @@ def _worker(rank: int, cfg: dict) -> None:
         eval_loss = cfg["eval_losses"][str(step)] if cfg["eval_losses"] else real_eval
         eval_losses[str(step)] = eval_loss
 
+        if cfg.get("save_gap"):
+            time.sleep(cfg["save_gap"])  # the training between saves, not synchronisation
         t0 = time.monotonic()
         state["step"] = step
         tag = f"global_step{step}"
@@ -808,6 +817,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trainer-weights", action="store_true", help="hf layout: model.safetensors as the Trainer")
     p.add_argument("--hidden", type=int, default=32, help="the MLP's width")
     p.add_argument("--layers", type=int, default=0, help="hidden Linear(hidden, hidden) layers")
+    p.add_argument("--save-gap", type=float, default=0.0, help="seconds before each save (the training)")
     p.add_argument("--timeout", type=float, default=300, help="bound for in-child store waits (s)")
     a = p.parse_args(argv)
     for k, v in _CHILD_ENV.items():
@@ -852,6 +862,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "trainer_weights": a.trainer_weights,
         "hidden": a.hidden,
         "layers": a.layers,
+        "save_gap": a.save_gap,
     }
     cfg["port"], cfg["store_port"] = _free_ports(2)
     import torch.multiprocessing as mp

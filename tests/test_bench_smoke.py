@@ -21,6 +21,7 @@ BENCHMARKS = (
     "9. metadata load",
     "10. stalled checkpoints",
     "11. save storm",
+    "13. commit records",
 )
 
 
@@ -34,7 +35,7 @@ def test_quick_run_prints_every_benchmark_and_writes_the_report(tmp_path: Path):
         text=True,
         env=env,
         cwd=REPO,
-        timeout=300,
+        timeout=600,  # 13. runs two real DeepSpeed jobs (2 ranks each), about a minute
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = proc.stdout

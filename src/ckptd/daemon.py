@@ -50,7 +50,7 @@ from ckptd.lease import (
     volume_leader_seen,
 )
 from ckptd.metrics import Metrics, unmet_budgets
-from ckptd.model import QUIET, Action, Checkpoint, State, Verdict
+from ckptd.model import QUIET, SAVE_LEASE, Action, Checkpoint, State, Verdict
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
 from ckptd.notify import notify, watchdog_interval
 from ckptd.planner import DiskSpace, decide, disk_space
@@ -1251,10 +1251,12 @@ IN_FLIGHT = frozenset({State.WRITING, State.SETTLING})
 
 
 def _first_failed(c: Checkpoint) -> str:
-    """The first check that did not pass, for a state line."""
-    for check in c.checks:
-        if check.verdict is not Verdict.PASSED:
-            return f"{check.name} {check.verdict}: {check.detail}"
+    """The first check that did not pass, for a state line; a live save lease before any: it holds
+    the checkpoint in flight whatever the others say (`model.classify`), and the quiet check before
+    it may be one the lease outlived (`settling: unchanged for 1s of 2s` long after)."""
+    unpassed = [check for check in c.checks if check.verdict is not Verdict.PASSED]
+    for check in sorted(unpassed, key=lambda k: k.name != SAVE_LEASE):
+        return f"{check.name} {check.verdict}: {check.detail}"
     return "every check passed"
 
 
