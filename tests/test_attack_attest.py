@@ -421,9 +421,6 @@ def test_listed_file_changed_after_the_commit(gen, tmp_path, how):
 # --- what `latest` names, what retention deletes -------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="ckptd latest passes over a newer complete checkpoint that has no "
-                   "records and names the older attested one, which retention (keep_last) then deletes: "
-                   "the resume point ckptd hands out is not kept")
 def test_latest_names_a_checkpoint_that_retention_keeps(gen, tmp_path):
     """Real: trainer-whole's checkpoint-2 with its records; checkpoint-4 is the same job's save
     with its `.ckptd/` removed, which is what a save without the hook writes (a job resumed from
@@ -457,9 +454,6 @@ def test_accelerate_records_hold_against_a_missing_random_state(gen, tmp_path):
     assert entry["state"] != "complete", entry
 
 
-@pytest.mark.xfail(strict=True, reason="a run copied without its mtimes (cp -r) is complete without records but, "
-                   "with them, incomplete forever: ckptd latest finds nothing to resume from, and the documented "
-                   "idiom `resume_from_checkpoint=ckptd.latest(out)` starts afresh over the run's checkpoints")
 def test_run_copied_without_mtimes_can_still_be_resumed(gen, tmp_path):
     """Real: trainer-whole moved to a new volume with `cp -r` (no -p: every mtime is the copy's),
     an hour ago. Every file is whole and the size its record says. Without the records `ckptd
@@ -472,9 +466,6 @@ def test_run_copied_without_mtimes_can_still_be_resumed(gen, tmp_path):
     assert Path(proc.stdout.strip()) == root / "moved/checkpoint-4"
 
 
-@pytest.mark.xfail(strict=True, reason="the abandoned leases of the killed 2-process save stay beside the "
-                   "restarted 1-process job's clean re-save of the same checkpoint: it is incomplete forever "
-                   "(never deleted, never resumed from)")
 def test_restart_with_another_world_size_supersedes_the_abandoned_save(gen, tmp_path):
     """Real: trainer-killed's job SIGKILLed inside checkpoint-4's save (leases of ranks 0 and 1 of 2
     left, their heartbeat stopped an hour ago), restarted on one process: the Trainer with the
