@@ -10,10 +10,13 @@ its verdict here; one without either is judged exactly as before (`checks` retur
   (the framework's contract, file integrity) must still pass.
 - `commit records` passed: the same, but some file no record lists is newer than the save's
   start (another writer's?): the quiet period still applies.
+- `commit records` passed too where every listed file is at a listed size but some at another
+  mtime (a copy without mtimes, a rewrite in place): the records vouch for nothing, veto nothing.
 - `commit records` failed: a rank's record is missing ("committed by 3/4 ranks"), records that
   disagree with each other or with the disk (a copy-in without its weights, a size changed), or
   a lease whose heartbeat stopped ("abandoned: rank 3's save stopped at ..."). Incomplete, never
-  "complete on quiet".
+  "complete on quiet". What an earlier save left before a whole later save of another world size
+  began (a job restarted on fewer ranks) is superseded by it (`_latest_save`).
 - `save lease` failed: a rank's save is in progress (its lease's heartbeat is recent): writing,
   whatever the files say.
 
