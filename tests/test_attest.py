@@ -149,9 +149,8 @@ def test_some_ranks_records_but_not_all_is_incomplete_even_when_quiet(tmp_path):
     [
         (lambda ck: (ck / "model.safetensors").unlink(), "rank 0's record lists model.safetensors, which is not there"),
         (lambda ck: write(ck / "model.safetensors", b"w" * 999), "at 1000 bytes, the disk has 999"),
-        (lambda ck: os.utime(ck / "rng_state_1.pth", (NOW, NOW)), "rng_state_1.pth changed after rank 1's record"),
     ],
-    ids=["copy-in without its weights", "size changed", "rewritten after the record"],
+    ids=["copy-in without its weights", "size changed"],
 )
 def test_records_disagreeing_with_the_disk_make_it_incomplete_naming_why(tmp_path, damage, why):
     ck = two_ranks(tmp_path)
@@ -159,6 +158,60 @@ def test_records_disagreeing_with_the_disk_make_it_incomplete_naming_why(tmp_pat
     checks = judged(ck, time.time())
     assert [(c.name, c.verdict) for c in checks] == [(COMMIT_RECORDS, Verdict.FAILED)]
     assert why in checks[0].detail
+
+
+def test_a_listed_file_at_another_mtime_only_leaves_the_records_vouching_for_nothing(tmp_path):
+    """Every file at its listed size, one at another mtime (a copy without -p, a rewrite in place):
+    the records no longer describe it, so they stand in for nothing, and veto nothing either: the
+    quiet period and the framework's checks judge it, as without records."""
+    ck = two_ranks(tmp_path)
+    os.utime(ck / "rng_state_1.pth", (NOW, NOW))
+    checks = judged(ck, time.time())
+    assert [(c.name, c.verdict) for c in checks] == [(COMMIT_RECORDS, Verdict.PASSED)]
+    assert "rng_state_1.pth changed after rank 1's record (its mtime differs)" in checks[0].detail
+    assert checks[0].detail.endswith("judged on quiet too")
+    assert classify((Check(QUIET, Verdict.UNKNOWN, "settling"), *checks)) is State.SETTLING
+    assert classify((Check(QUIET, Verdict.PASSED, "quiet"), *checks)) is State.COMPLETE
+
+
+def _lease(ck: Path, rank: int, world: int, beat: float) -> None:
+    lease = ck / ".ckptd" / f"lease-rank{rank}-of-{world}.json"
+    lease.write_text(json.dumps({"ckptd_lease": 1, "token": f"old{rank}", "host": "h", "pid": 7, "heartbeat": 10}))
+    os.utime(lease, (beat, beat))
+
+
+def test_a_whole_later_save_of_another_world_size_supersedes_an_abandoned_one(tmp_path):
+    """A 2-rank save killed mid-way (its leases' heartbeat stopped long before), then a 1-rank job
+    saving there again, whole: the dead save's leases are no save in progress any more."""
+    ck = tmp_path / "ck"
+    write(ck / "model.safetensors")
+    (ck / ".ckptd").mkdir()
+    now = time.time()
+    for r in (0, 1):
+        _lease(ck, r, 2, now - 3600)
+    attest.commit(ck, 0, 1, ["model.safetensors"], started_at=now - 5)
+    assert [c.name for c in judged(ck, now)] == [ATTESTED]
+    # ...but a lease of the other world size still beating is a save in progress, even one whose
+    # last beat came before the later save began
+    _lease(ck, 1, 2, now - 30)
+    assert [c.name for c in judged(ck, now)] == [SAVE_LEASE]
+
+
+def test_an_incomplete_later_save_supersedes_nothing(tmp_path):
+    """The later save of another world size has not every rank's record: the dead save's leases
+    still say abandoned, and an earlier save's record still disagrees on the world size."""
+    ck = tmp_path / "ck"
+    write(ck / "model.safetensors")
+    (ck / ".ckptd").mkdir()
+    now = time.time()
+    _lease(ck, 1, 2, now - 3600)
+    attest.commit(ck, 0, 4, ["model.safetensors"], started_at=now - 5)
+    [check] = judged(ck, time.time())
+    assert check.verdict is Verdict.FAILED and check.detail.startswith("abandoned: rank 1's save stopped")
+    (ck / ".ckptd" / "lease-rank1-of-2.json").unlink()
+    attest.commit(ck, 1, 2, ["model.safetensors"], started_at=now - 3700)
+    [check] = judged(ck, time.time())
+    assert check.detail.startswith("records disagree on the world size (2, 4)")
 
 
 def test_a_live_lease_blocks_judgement_a_stale_one_is_abandoned(tmp_path):

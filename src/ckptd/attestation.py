@@ -10,10 +10,13 @@ its verdict here; one without either is judged exactly as before (`checks` retur
   (the framework's contract, file integrity) must still pass.
 - `commit records` passed: the same, but some file no record lists is newer than the save's
   start (another writer's?): the quiet period still applies.
+- `commit records` passed too where every listed file is at a listed size but some at another
+  mtime (a copy without mtimes, a rewrite in place): the records vouch for nothing, veto nothing.
 - `commit records` failed: a rank's record is missing ("committed by 3/4 ranks"), records that
   disagree with each other or with the disk (a copy-in without its weights, a size changed), or
   a lease whose heartbeat stopped ("abandoned: rank 3's save stopped at ..."). Incomplete, never
-  "complete on quiet".
+  "complete on quiet". What an earlier save left before a whole later save of another world size
+  began (a job restarted on fewer ranks) is superseded by it (`_latest_save`).
 - `save lease` failed: a rank's save is in progress (its lease's heartbeat is recent): writing,
   whatever the files say.
 
@@ -164,6 +167,32 @@ def stale_after(lease: Lease) -> float:
     return max(STALE_AFTER, STALE_BEATS * lease.heartbeat)
 
 
+def _latest_save(records: list[Record], leases: list[Lease], now: float) -> tuple[list[Record], list[Lease]]:
+    """The records and leases left once a later, complete save of another world size is taken to
+    supersede what an earlier save into the same directory left: a job killed mid-save (its leases'
+    heartbeat long stopped) or one that committed, restarted on more or fewer ranks, saving there
+    again. Only what stopped before the later save began goes: a live lease, or a record or lease
+    of another world size from while it ran, stays (two saves at once are no one save)."""
+    began: dict[int, float] = {}  # world size -> when its save began, by its own records
+    ranks: dict[int, set[int]] = {}
+    for r in records:
+        t = min(r.started_at or r.committed_at, r.committed_at)
+        began[r.world_size] = min(began.get(r.world_size, t), t)
+        ranks.setdefault(r.world_size, set()).add(r.rank)
+    if not began or (len(began) == 1 and all(lease.world_size in began for lease in leases)):
+        return records, leases
+    world = max(began, key=lambda w: (began[w], w))
+    if len(ranks[world]) < world:
+        return records, leases  # not a whole save: supersedes nothing
+    start = began[world]
+    kept_records = [r for r in records if r.world_size == world or r.committed_at >= start]
+    kept_leases = [
+        lease for lease in leases
+        if lease.world_size == world or lease.beat_at >= start or now - lease.beat_at <= stale_after(lease)
+    ]  # fmt: skip
+    return kept_records, kept_leases
+
+
 def judge(
     records: list[Record],
     leases: list[Lease],
@@ -177,6 +206,7 @@ def judge(
     `removed`: the files ckptd's slim marker says it removed on purpose (not demanded)."""
     if not records and not leases and not problems:
         return []
+    records, leases = _latest_save(records, leases, now)
     done = {(r.rank, r.token) for r in records if r.token is not None}
     out: list[Check] = []
     failed: list[str] = list(problems)
@@ -233,12 +263,20 @@ def judge(
                 resized.append(f"rank {rank}'s record lists {path} at {size} bytes, the disk has {e.size}")
             else:
                 touched.append(f"{path} changed after rank {rank}'s record (its mtime differs)")
-    failed += gone + resized + touched
+    failed += gone + resized
     if failed:
         more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
         return [Check(COMMIT_RECORDS, Verdict.FAILED, f"{failed[0]}{more}")]
     world = worlds[0]
     at = _iso(max(r.committed_at for r in records))
+    if touched:
+        # Every file there at the size a record lists, but some at another mtime: a copy that did
+        # not keep mtimes (`cp -r`), or a rewrite in place. The records no longer describe those
+        # files, so they vouch for nothing; they veto nothing either: judged as without them (quiet
+        # period, the framework's checks). Missing or resized files above still fail.
+        more = f" (and {len(touched) - 1} more)" if len(touched) > 1 else ""
+        why = f"committed by {world}/{world} ranks at {at}; {touched[0]}{more}: judged on quiet too"
+        return [Check(COMMIT_RECORDS, Verdict.PASSED, why)]
     said = f"committed by {world}/{world} ranks at {at}; every listed file as recorded"
     # When the save began, by the disk as much as by the records: the oldest mtime of a listed file
     # bounds it whatever a record says of itself (a started_at in the future hides nothing).

@@ -23,6 +23,7 @@ from functools import cached_property
 from operator import attrgetter
 from typing import NamedTuple, Protocol
 
+from ckptd.attestation import committed_summary
 from ckptd.config import Retention, format_duration
 from ckptd.layouts import PIN_FILE
 from ckptd.model import TRAINER_STATE, Checkpoint, Reading, Run, State, Verdict
@@ -119,7 +120,22 @@ def _anchors(complete: list[Checkpoint]) -> tuple[list[tuple[Checkpoint, str]], 
         for c, why in candidates:
             if all(c is not a for a, _ in found):
                 found.append((c, why))
+    # `ckptd latest` prefers a run's attested saves (`resume.choose`): where some full ones carry
+    # commit records and a newer one does not, it names the newest attested one, by step or by time.
+    # What a restart was just told to resume from is kept too.
+    attested = [c for c in full if committed_summary(c.checks)]
+    if attested and len(attested) < len(full):
+        by_step, by_time, _ = _newest(attested)
+        for c, why in ((by_step, _LATEST_WHY[0]), (by_time, _LATEST_WHY[1])):
+            if all(c is not a for a, _ in found):
+                found.append((c, why))
     return found, list(newest_full or ())
+
+
+_LATEST_WHY = (
+    "newest attested: what `ckptd latest` names (a newer save has no commit records)",
+    "written last of the attested ones: what `ckptd latest --by time` names",
+)
 
 
 def _anchor_why(by_step_why: str, by_time_why: str) -> tuple[str, str, str]:

@@ -66,6 +66,7 @@ SETS = {
     "time_buckets": [T+"test_time_buckets.py"],
     # commit records from the training job (attest.py, attestation.py)
     "attest": [T+"test_attest.py"],
+    "attackattest": [T+"test_attack_attest.py"],
     # attack round 3: a done slim with its optimizer state put back; the root lock; ckptd's own files
     "attack3": [T+"test_attack_round3.py", T+"test_slim.py"],
 }
@@ -1005,6 +1006,14 @@ MUTS = [
    edits=[(E, "    files = {rel: e for rel, e in files.items() if not _ckptd_own(rel)}\n", "")]),
  dict(id="AT13", what="files ckptd's slim removed are not demanded by the records (or slimmed saves never go)",
    tests="attest", edits=[("attestation.py", "        if e is None and path in removed:\n", "        if False:\n")]),
+ dict(id="AT14", what="only a whole later save of another world size supersedes an earlier save's leftovers",
+   tests="attest", edits=[("attestation.py", "    if len(ranks[world]) < world:\n", "    if False:\n")]),
+ dict(id="AT15", what="a live lease of another world size is never superseded", tests="attest", edits=[("attestation.py",
+   " or now - lease.beat_at <= stale_after(lease)\n", "\n")]),
+ dict(id="AT16", what="files at another mtime only: the records vouch for nothing (quiet applies)", tests="attest",
+   edits=[("attestation.py", "    if touched:\n", "    if False:\n")]),
+ dict(id="AT17", what="retention keeps the attested checkpoint `ckptd latest` names", tests="attackattest",
+   edits=[("rules.py", "    if attested and len(attested) < len(full):\n", "    if False:\n")]),
  # --- min_free: what deleting frees on a filesystem that shares extents (extents.py)
  dict(id="SP1", what="min_free counts extents a reflink copy shares as not freed", tests="space", edits=[("space.py",
    "            out = max(0, out - self._held(c))", "            pass")]),
