@@ -234,7 +234,6 @@ def seamed(tmp_path: Path, name: str, root: Path, **env: str) -> DaemonProc:
                       env=env)
 
 
-@pytest.mark.xfail(strict=True, reason="a stale renewal (epoch 1) landing after B claimed epoch 2 is taken for a takeover: B steps down, nobody leads until epoch 3")
 def test_a_renewal_written_after_a_takeover_does_not_depose_the_new_leader(tmp_path, fuse):
     """A decides a renewal, and is held before its write reaches the volume (a paused VM, a hung
     mount: tests/leaseseam.py) past its lease; B, another host (a FUSE mount), takes over. Then
@@ -314,7 +313,6 @@ def test_a_claimant_killed_before_its_record_does_not_keep_the_volume_leaderless
 # --- 7. Listing caches: a FUSE client that caches listings and contents too -------------------
 
 
-@pytest.mark.xfail(strict=True, reason="behind a cache of listings and contents the beats stand still: B takes the lease from a live A (documented limit, coherent unset)")
 def test_a_standby_behind_a_listing_cache_does_not_depose_a_live_leader(tmp_path, cachefs):
     """B sees the volume through a mount that caches attributes, listings and contents for 30 s
     (tests/cachefs.py, as sshfs or rclone do): neither the record nor the beats change there while
@@ -331,24 +329,23 @@ def test_a_standby_behind_a_listing_cache_does_not_depose_a_live_leader(tmp_path
         assert not said(a, "volume lease lost"), a.dump()
 
 
-@pytest.mark.xfail(strict=True, reason="two hosts behind listing caches take the lease from each other every few seconds, and one renames within the other's tenure")
 def test_two_hosts_behind_listing_caches_never_delete_at_once(tmp_path, cachefs):
-    """Each host sees the volume through its own caching mount (tests/cachefs.py, 30 s). Whoever
-    leads, the other's view of the record and the beats stands still. Count the takeovers, and
-    check that no two trashings by different hosts fall within one lease of each other."""
+    """Each host sees the volume through its own caching mount (tests/cachefs.py, 4 s: longer than
+    the lease and its margin). Whoever leads, the other's view of the record and the beats stands
+    still. Count the takeovers, and check each trashing against who held the lease then."""
     root = tmp_path / "vol"
     ckpts(root, 1)
-    via_a = cachefs(root, tmp_path / "vol-a", 30).point
-    via_b = cachefs(root, tmp_path / "vol-b", 30).point
+    via_a = cachefs(root, tmp_path / "vol-a", 4).point
+    via_b = cachefs(root, tmp_path / "vol-b", 4).point
     a = DaemonProc("-c", node_config(tmp_path, "a", via_a))
     b = None
     try:
         a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
         b = DaemonProc("-c", node_config(tmp_path, "b", via_b))
         b.wait_message("standby, observing only")
-        for step in range(2, 12):  # a checkpoint every ~0.7 s
+        for step in range(2, 6):  # the leader sees each within the cache's 4 s
             ckpts(root, step)
-            until(lambda: len(listing(root / "job")) <= 2, 15, f"checkpoint-{step - 1} deleted")
+            until(lambda: len(listing(root / "job")) <= 1, 20, f"checkpoint-{step - 1} deleted")
     finally:
         stop_all(a, b)
     # Who held the lease when: each claim ("deletes here") ends the tenure before it, on the
@@ -383,7 +380,6 @@ def test_a_standby_with_a_shorter_lease_does_not_take_a_longer_live_one(tmp_path
 # --- 9. A prune on a host behind a listing cache while a daemon leads -------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a prune behind a listing cache takes the lease from a live daemon and deletes by its own rules")
 def test_a_prune_behind_a_listing_cache_does_not_delete_while_a_daemon_leads(tmp_path, cachefs):
     root = tmp_path / "vol"
     ckpts(root, 1, 2, 3)
@@ -404,7 +400,6 @@ def test_a_prune_behind_a_listing_cache_does_not_delete_while_a_daemon_leads(tmp
 # --- 10. A pin written on the volume while a listing cache holds the checkpoint's old listing --
 
 
-@pytest.mark.xfail(strict=True, reason="the reaper's re-check reads checkpoint-1 through the cached listing: the pin written meanwhile is not seen and the checkpoint is purged")
 def test_a_prune_behind_a_listing_cache_does_not_delete_a_checkpoint_pinned_meanwhile(tmp_path, cachefs):
     """One ckptd only (leadership = local: no lease in play), on a host whose mount caches
     listings for 30 s. The cache holds checkpoint-1's listing from before a user, on another
