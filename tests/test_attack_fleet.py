@@ -443,3 +443,31 @@ def test_a_standby_paused_after_its_look_does_not_act_on_that_look(tmp_path, fus
             renewals(root, 6)
         assert not said(b, "this ckptd deletes here (volume lease"), b.dump()
         assert not said(a, "volume lease lost"), a.dump()
+
+
+# --- 12. The newest taken away on another host while a listing cache still shows it ----------
+
+
+def test_the_newest_moved_away_meanwhile_is_not_taken_for_an_anchor_behind_a_listing_cache(tmp_path, cachefs):
+    """One ckptd, behind a mount that caches listings, attributes and contents for 30 s. It has
+    seen checkpoint-3 arrive and waits out its quiet period; meanwhile an operator on another
+    host moves checkpoint-3 out of the run (a bad save, quarantined). The cache goes on showing
+    it, complete and unchanged: keep_last = 1 would then delete checkpoint-1 and -2, leaving the
+    run with no complete checkpoint. checkpoint-2, the newest complete one there is, must stay.
+    (It holds: the evidence is read from checkpoint-3's files, which the cache never held.)"""
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+    via = cachefs(root, tmp_path / "vol-b", 30).point
+    cfg = node_config(tmp_path, "a", via, keep_last=1)
+    cfg.write_text(cfg.read_text().replace("quiet_period = '0.2s'", "quiet_period = '4s'")
+                   .replace("leadership = 'volume'", "leadership = 'local'"))
+    with DaemonProc("-c", cfg) as a:
+        a.wait_message("deleted job/checkpoint-1", timeout=30)
+        ckpts(root, 3)
+        a.wait_message("job/checkpoint-3: new, settling", timeout=30)
+        os.rename(root / "job" / "checkpoint-3", root / "quarantined-3")  # on another host
+        # The verdict on checkpoint-3 as the cache shows it, and what follows from it.
+        until(lambda: said(a, "job/checkpoint-3: incomplete") or said(a, "job/checkpoint-3: complete"), 30,
+              "a verdict on checkpoint-3")
+        a.wait_message("state written", start=a.mark())
+    assert listing(root / "job") == ["checkpoint-2"], a.dump()

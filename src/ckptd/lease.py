@@ -39,6 +39,13 @@ Rules:
   duration + margin acts after the leader's deadline t0 + duration has passed. (1) is what
   `status` shows. Each uses the larger of its own and the record's duration and margin, so
   hosts configured differently still wait long enough.
+- Before it claims, a standby makes and removes a name in `.ckptd/` (`RecordIO.probe`) and looks
+  again; if anything it watched moved, it does not take over. A FUSE client that caches
+  listings and contents (sshfs, rclone's VFS, s3fs, gcsfuse) drops its cache of a directory it
+  changes itself: the look after the probe is the filesystem's, and shows a live leader's beats.
+- A leader that reads a record of an older epoch than its own, with its own the highest claim,
+  writes its record over it: a deposed leader's renewal, decided before a pause and landing
+  after the takeover (that writer stands down at its next look: a later claim exists).
 - A leader that stops cleanly writes the record `released`; a standby may take that at once.
 - Fencing: every rename into the trash, and every rename of a slim, first asks `fence(epoch)`
   with the epoch the plan was made under. It refuses unless this process still holds that
