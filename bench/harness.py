@@ -32,6 +32,7 @@ from bench import (
     report,
     stall,
     stalled,
+    standby,
     storm,
 )
 from bench.context import Context
@@ -52,6 +53,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "metadata": metadata.run,
     "stalled": stalled.run,
     "storm": storm.run,
+    "standby": standby.run,
 }
 OPT_IN: dict[str, Benchmark] = {"consolidation": consolidation.bench}  # `--consolidation`; minutes, ~8 GiB
 ALL: dict[str, Benchmark] = {**BENCHMARKS, **OPT_IN}

@@ -21,6 +21,7 @@ BENCHMARKS = (
     "9. metadata load",
     "10. stalled checkpoints",
     "11. save storm",
+    "13. standing by",
 )
 
 
