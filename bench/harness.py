@@ -33,6 +33,7 @@ from bench import (
     report,
     stall,
     stalled,
+    standby,
     storm,
 )
 from bench.context import Context
@@ -54,10 +55,11 @@ BENCHMARKS: dict[str, Benchmark] = {
     "stalled": stalled.run,
     "storm": storm.run,
     "attest": attest.run,  # two real 2-rank DeepSpeed jobs: 1-3 min on 2 shared cores
+    "standby": standby.run,
 }
 OPT_IN: dict[str, Benchmark] = {"consolidation": consolidation.bench}  # `--consolidation`; minutes, ~8 GiB
 ALL: dict[str, Benchmark] = {**BENCHMARKS, **OPT_IN}
-ORDER = [*(n for n in ALL if n != "attest"), "attest"]  # the table in the sections' numbers: 12. before 13.
+ORDER = [*(n for n in ALL if n not in ("attest", "standby")), "attest", "standby"]  # in the sections' numbers
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,8 @@ declared every checkpoint complete and are still, two windows of `--window` seco
 2. Stat calls: `strace -f -c -e trace=%stat` attached to each for the window (attaching slows
    them, which is why CPU has a window of its own).
 
-Prints one JSON object: per role, CPU % and stat calls per minute.
+Prints one JSON object: per role, CPU % and stat calls per minute. `python -m bench` runs it too
+(`run`: benchmark 13, on M, 20 s windows; 2 s on T with --quick).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -26,8 +28,16 @@ import threading
 import time
 from pathlib import Path
 
+from bench.context import Context
 from bench.daemon import KEEP_ALL, DaemonProc, settle, until_complete
+from bench.measure import fmt_ratio
+from bench.report import Row, Section
 from bench.volume import SIZES, build
+
+NAME = "14. standing by"
+WINDOW_S = 20.0  # in `python -m bench`: short; `python -m bench.standby` defaults to 60 s
+STAT_RATIO = 10  # a standby at most 1/10 of the leader's stat calls
+TARGET_PCT = 0.1  # each at most 0.1 % of a core
 
 
 def config(path: Path, root: Path, state_dir: Path, world: int) -> Path:
@@ -63,6 +73,93 @@ def stat_calls(pid: int, window: float, out: Path) -> int:
     return calls
 
 
+def measure(root: Path, world: int, checkpoints: int, work: Path, window: float) -> dict[str, dict]:
+    """A leader and a standby on `root` (two state_dirs: two hosts), each once every checkpoint is
+    complete and it is still: per role, CPU % over `window` seconds, then stat calls per minute
+    over another `window` (None where strace is missing), and when it declared them complete."""
+    leader = DaemonProc(config(work / "a" / "ckptd.toml", root, work / "a" / "state", world))
+    standby = None
+    out: dict[str, dict] = {}
+    try:
+        leader.wait_message("this ckptd deletes here", timeout=600)
+        standby = DaemonProc(config(work / "b" / "ckptd.toml", root, work / "b" / "state", world))
+        standby.wait_message("standby, observing only", timeout=600)
+        roles = (("leader", leader), ("standby", standby))
+        for role, d in roles:
+            out[role] = until_complete(d, checkpoints, timeout=900)
+        for _, d in roles:
+            settle(d)
+        before = {role: cpu(d) for role, d in roles}
+        t0 = time.monotonic()
+        time.sleep(window)  # a measurement window, not a synchronisation
+        t1 = time.monotonic()
+        for role, d in roles:
+            out[role]["cpu_pct"] = 100 * (cpu(d) - before[role]) / (t1 - t0)
+        results: dict[str, int] = {}
+        if shutil.which("strace") is not None:
+
+            def count(role: str, pid: int) -> None:
+                results[role] = stat_calls(pid, window, work / f"strace-{role}.txt")
+
+            threads = [threading.Thread(target=count, args=(role, d.pid)) for role, d in roles]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        for role, _ in roles:
+            out[role]["stat_calls_per_min"] = results[role] * 60 / window if role in results else None
+    finally:
+        leader.stop()
+        if standby is not None:
+            standby.stop()
+    return out
+
+
+def run(ctx: Context) -> tuple[list[Row], Section]:
+    """Benchmark 13 for `python -m bench`: on M where it is built (T in --quick), a short window."""
+    shape = next((s for s in reversed(ctx.sizes) if s.name in ("M", "T")), ctx.sizes[-1])
+    window = 2.0 if ctx.quick else WINDOW_S
+    v = ctx.volume(shape)
+    ctx.log(f"standby on {shape.name}: a leader and a standby, {window:g} s windows")
+    out = measure(v.root, shape.world, shape.runs * shape.checkpoints, ctx.scratch("standby"), window)
+    lead, stand = out["leader"], out["standby"]
+    section = Section(
+        NAME,
+        f"`python -m bench.standby` as a benchmark: a leader and a standby of one volume lease side by "
+        f"side on {shape.name} (their own state_dirs: two hosts), `leadership = \"volume\"`, observer "
+        "polling, ckptd's default poll_interval (10 s), reconcile_interval (5 min) and lease_duration "
+        "(30 s); once both declared every checkpoint complete and are still, CPU from the threads' "
+        f"schedstat over {window:g} s, then stat-family calls by `strace -f -c` over another {window:g} s. "
+        f"Targets: a standby at most 1/{STAT_RATIO:g} of the leader's stat calls, both at most "
+        f"{TARGET_PCT:g} % of a core. A short window "
+        "holds few polls: `python -m bench.standby --window 60` measures longer.",
+    )
+    rows = []
+    ls, ss = lead["stat_calls_per_min"], stand["stat_calls_per_min"]
+    if ls is None or ss is None:
+        rows.append(Row(NAME, f"{shape.name}: stat calls / min, standby vs leader", "—",
+                        note="strace is not installed: not counted"))  # fmt: skip
+    else:
+        met = ss <= ls / STAT_RATIO if ls else None
+        rows.append(Row(
+            NAME, f"{shape.name}: stat calls / min, standby vs leader", f"{ss:.3g}", f"{ls:.3g} (leader)",
+            fmt_ratio(ss / ls) if ls and ss else "—", f"≤ 1/{STAT_RATIO:g}", met,
+            "" if met is not False else f"{ss:.3g} against {ls / STAT_RATIO:.3g}: the standby's lease looks "
+            "and reconcile scans over a short window",
+        ))  # fmt: skip
+    met = max(lead["cpu_pct"], stand["cpu_pct"]) <= TARGET_PCT
+    rows.append(Row(
+        NAME, f"{shape.name}: CPU % idle, standby vs leader", f"{stand['cpu_pct']:.2g} %",
+        f"{lead['cpu_pct']:.2g} % (leader)", "—", f"≤ {TARGET_PCT:g} % each", met,
+        "" if met else f"{max(lead['cpu_pct'], stand['cpu_pct']):.2g} % over {window:g} s against "
+        f"{TARGET_PCT:g} %: a short window on a shared machine",
+    ))  # fmt: skip
+    section.details.append(
+        f"leader complete after {lead['complete_s']:.1f} s, standby after {stand['complete_s']:.1f} s."
+    )
+    return rows, section
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.standby")
     p.add_argument("--shape", default="M", choices=sorted(SIZES))
@@ -72,39 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = SIZES[args.shape]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="ckptd-bench-standby-"))
     v = build(work / "volumes", shape, now=time.time())
-    leader = DaemonProc(config(work / "a" / "ckptd.toml", v.root, work / "a" / "state", shape.world))
-    leader.wait_message("this ckptd deletes here", timeout=600)
-    standby = DaemonProc(config(work / "b" / "ckptd.toml", v.root, work / "b" / "state", shape.world))
-    out: dict[str, dict] = {}
-    try:
-        standby.wait_message("standby, observing only", timeout=600)
-        n = shape.runs * shape.checkpoints
-        for role, d in (("leader", leader), ("standby", standby)):
-            out[role] = until_complete(d, n, timeout=900)
-        for d in (leader, standby):
-            settle(d)
-        before = {role: cpu(d) for role, d in (("leader", leader), ("standby", standby))}
-        t0 = time.monotonic()
-        time.sleep(args.window)  # a measurement window, not a synchronisation
-        t1 = time.monotonic()
-        for role, d in (("leader", leader), ("standby", standby)):
-            out[role]["cpu_pct"] = 100 * (cpu(d) - before[role]) / (t1 - t0)
-        counting = {role: d.pid for role, d in (("leader", leader), ("standby", standby))}
-        results: dict[str, int] = {}
-
-        def count(role: str, pid: int) -> None:
-            results[role] = stat_calls(pid, args.window, work / f"strace-{role}.txt")
-
-        threads = [threading.Thread(target=count, args=item) for item in counting.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for role, calls in results.items():
-            out[role]["stat_calls_per_min"] = calls * 60 / args.window
-    finally:
-        leader.stop()
-        standby.stop()
+    out = measure(v.root, shape.world, shape.runs * shape.checkpoints, work, args.window)
     keys = ("cpu_pct", "stat_calls_per_min", "complete_s")
     roles = {r: {k: out[r][k] for k in keys} for r in out}
     print(json.dumps({"shape": shape.name, "window_s": args.window, **roles}))

@@ -22,6 +22,7 @@ BENCHMARKS = (
     "10. stalled checkpoints",
     "11. save storm",
     "13. commit records",
+    "14. standing by",
 )
 
 

@@ -188,3 +188,24 @@ async def test_the_daemon_fences_its_deletions_with_the_volume_lease(tmp_path, l
     assert sorted(os.listdir(root / "job")) == ["checkpoint-2", "checkpoint-3"]
     assert Record.parse((root / LEASE_DIR / RECORD).read_bytes()).holder.host == "other"  # not "released" over it
     assert Path(tmp_path / "s").exists()
+
+
+def test_a_pin_seen_only_under_its_name_in_the_trash_sends_it_back(volume, tmp_path, monkeypatch):
+    """The re-check passed on a stale look (a FUSE client that caches listings showed the
+    checkpoint's listing from before a pin written on another host: test_attack_fleet.py shows it
+    on a real one): the look under its new name in the trash, which no cache has seen, finds the
+    pin, and it goes back."""
+    from ckptd.layouts import PIN_FILE
+
+    reaper, plan, journal = make(volume, tmp_path)
+    (volume / "run" / "checkpoint-10" / PIN_FILE).touch()
+    monkeypatch.setattr(reaper, "recheck", lambda decision, anchors: None)  # what the stale look said
+    first, *_ = reaper.execute(plan.decisions)
+    assert first.outcome is Outcome.REFUSED
+    assert first.detail.startswith("pinned (its pin seen only under its name in the trash") and \
+        first.detail.endswith("; moved back")
+    assert (volume / "run" / "checkpoint-10" / PIN_FILE).exists()
+    assert not any("checkpoint-10" in n for n in os.listdir(volume / TRASH_DIR))
+    journal.close()
+    assert ("restored", "checkpoint-10") in [(r["event"], Path(r.get("path", "")).name)
+                                             for r in read_journal(tmp_path / "state")]

@@ -377,3 +377,76 @@ def test_an_unreadable_record_beside_a_beat_is_still_taken_after_the_full_durati
     a.step()
     assert a.held() and a.epoch == 1
     assert sorted(p.name for p in (root / LEASE_DIR).glob("beat-*")) == ["beat-1-0"]
+
+
+class ListingCachingIO(OneProcessIO):
+    """Reads of `.ckptd/` served whole from a cache, listing and record alike, as sshfs, rclone,
+    s3fs and gcsfuse do (tests/cachefs.py shows it on a real FUSE mount in test_attack_fleet.py):
+    the first look, whatever was written since, until this process changes the directory itself
+    (which such a client drops its cache for)."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self.cached: Seen | None = None
+
+    def read(self):
+        if self.cached is None:
+            self.cached = super().read()
+        return self.cached
+
+    def probe(self, holder: Holder) -> None:
+        super().probe(holder)
+        self.cached = None
+
+
+def test_a_standby_behind_a_listing_cache_looks_afresh_before_it_takes_over(tmp_path):
+    wall, mono_a, mono_b = Clock(1_000_000.0), Clock(50.0), Clock(9_000.0)
+    a = host("a", wall, mono_a, tmp_path)
+    a.step()
+    b = host("b", wall, mono_b, tmp_path, io=ListingCachingIO(tmp_path))
+    b.step()
+    said = set()
+    for _ in range(12):  # 4 lease durations, a renewing every D/3; b sees nothing move
+        for c in (wall, mono_a, mono_b):
+            c.t += D / 3
+        a.step()
+        b.step()
+        assert a.held() and not b.held()
+        said.add((b.blocked or "").split(":")[0])
+    assert "the lease moved when .ckptd/ was looked at afresh" in said
+    assert not (tmp_path / LEASE_DIR / "epoch-2").exists()
+    assert not [p for p in (tmp_path / LEASE_DIR).iterdir() if p.name.startswith(".probe-")]  # removed again
+    a.release()
+    b.release()
+    # A dead leader: the fresh look shows what the cache showed, and b takes over.
+    c = host("c", wall, mono_b, tmp_path, io=ListingCachingIO(tmp_path))
+    a2 = host("a", wall, mono_a, tmp_path)
+    a2.step()
+    assert a2.held()
+    c.step()
+    for c_ in (wall, mono_a, mono_b):
+        c_.t += D + M + 1
+    c.step()
+    assert c.held() and c.epoch == 3
+
+
+def test_a_late_write_of_an_older_epoch_is_written_over_not_obeyed(world):
+    """a decided a renewal, was paused past its lease, and b took over; a's write lands after
+    b's claim. b keeps the lease and rewrites its record; a stands down on its next look."""
+    a, b, advance, root = world
+    a.step()
+    late = Record.parse((root / LEASE_DIR / RECORD).read_bytes())
+    advance(D + M + 1)
+    b.step()
+    b.step()
+    advance(D + M + 1)
+    b.step()
+    assert b.held() and b.epoch == 2
+    a.io.write(late)  # a's write, decided before the pause, lands now
+    b.step()
+    assert b.held() and b.epoch == 2
+    rec = Record.parse((root / LEASE_DIR / RECORD).read_bytes())
+    assert (rec.holder.id, rec.epoch) == ("b", 2)
+    assert b.fencer()() is None
+    a.step()
+    assert not a.held() and a.epoch is None

@@ -39,6 +39,13 @@ Rules:
   duration + margin acts after the leader's deadline t0 + duration has passed. (1) is what
   `status` shows. Each uses the larger of its own and the record's duration and margin, so
   hosts configured differently still wait long enough.
+- Before it claims, a standby makes and removes a name in `.ckptd/` (`RecordIO.probe`) and looks
+  again; if anything it watched moved, it does not take over. A FUSE client that caches
+  listings and contents (sshfs, rclone's VFS, s3fs, gcsfuse) drops its cache of a directory it
+  changes itself: the look after the probe is the filesystem's, and shows a live leader's beats.
+- A leader that reads a record of an older epoch than its own, with its own the highest claim,
+  writes its record over it: a deposed leader's renewal, decided before a pause and landing
+  after the takeover (that writer stands down at its next look: a later claim exists).
 - A leader that stops cleanly writes the record `released`; a standby may take that at once.
 - Fencing: every rename into the trash, and every rename of a slim, first asks `fence(epoch)`
   with the epoch the plan was made under. It refuses unless this process still holds that
@@ -94,6 +101,7 @@ RECORD = "leader.json"
 LOCK = "leader.lock"
 CLAIM_PREFIX = "epoch-"
 BEAT_PREFIX = "beat-"  # beat-<epoch>-<seq>: each write of the record also makes a new name
+PROBE_PREFIX = ".probe-"  # made and removed before a takeover (RecordIO.probe)
 KEEP_CLAIMS = 4  # the leader removes older claim files than its epoch minus this
 
 
@@ -276,6 +284,21 @@ class RecordIO:
         finally:
             os.close(dir_fd)
 
+    def probe(self, holder: Holder) -> None:
+        """Create and remove a name in `.ckptd/`: a FUSE client that caches directory listings and
+        contents (sshfs, rclone, s3fs, gcsfuse) drops what it holds for a directory it changes
+        itself, so the look after this is the filesystem's own, not the cache's."""
+        dir_fd = self._open_dir()
+        try:
+            name = f"{PROBE_PREFIX}{holder.id[:12]}"
+            with contextlib.suppress(FileExistsError):
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                os.close(os.open(name, flags, 0o644, dir_fd=dir_fd))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+
     def claim(self, epoch: int, holder: Holder) -> bool:
         """Create `epoch-<N>` exclusively; False if another host claimed it first."""
         dir_fd = self._open_dir()
@@ -410,6 +433,8 @@ class VolumeLease:
         self.deadline = float("-inf")  # `mono` time after which it is not held
         self.seq = 0
         self.seen: Seen | None = None  # the last look at the volume
+        self._mine: Record | None = None  # the record this process wrote last, while it leads
+        self._listing_cached = False  # said that a fresh look here showed more than a cached one
         self.error: str | None = None  # the last I/O error, while it lasts
         self.blocked: str | None = None  # why the last try did not take it
         self._key: tuple[bytes | None, int, tuple[int, int] | None] | None = None  # what it started on
@@ -484,6 +509,13 @@ class VolumeLease:
             seen = self.io.read()
             self.seen = seen
             rec = seen.record
+            if rec is not None and rec.epoch < epoch and seen.max_claim == epoch and self._mine is not None:
+                # A write of an older epoch landed after this one was claimed: its writer decided it
+                # before a pause (SIGSTOP, a paused VM, a hung mount) and lost that epoch meanwhile;
+                # it stands down on its next look (a later claim exists). Ours is rewritten over it.
+                log.warning("%s: a write of the volume lease's epoch %d (%s) landed after this ckptd claimed "
+                            "epoch %d: written over", self.root, rec.epoch, rec.holder.describe(), epoch)
+                rec = self._mine
             if seen.max_claim > epoch or rec is None or rec.holder.id != self.me.id or rec.epoch != epoch:
                 who = f"{rec.holder.describe()} at epoch {rec.epoch}" if rec else "an unreadable record"
                 self._lose(f"the lease was taken over ({who})")
@@ -502,7 +534,7 @@ class VolumeLease:
                 self._lose(f"no renewal succeeded before its deadline ({exc})")
             return
         self.seen = Seen(new.to_bytes(), new, seen.max_claim)
-        self.seq = new.seq
+        self.seq, self._mine = new.seq, new
         self.deadline = t0 + self.duration
         if self.error is not None:
             log.info("%s: the volume lease is renewed again", self.root)
@@ -561,6 +593,22 @@ class VolumeLease:
                 if rec is not None and rec.epoch == seen.epoch and self.wall() <= rec.expires + margin:
                     self.blocked = f"{rec.holder.describe()}'s lease has not expired (+{margin:g}s margin)"
                     return
+            # Every rule says take it: look once more, after changing the directory ourselves. A
+            # client that caches listings as well as contents shows neither the record nor the
+            # beats move while a live leader renews; it drops them for a directory it changes.
+            self.io.probe(self.me)
+            again = self.io.read()
+            if (again.raw, again.max_claim, again.beat) != (seen.raw, seen.max_claim, seen.beat):
+                if not self._listing_cached:  # once: it stays so while a live leader renews
+                    self._listing_cached = True
+                    log.warning("%s: the volume lease moved when %s/ was looked at afresh (a mount that "
+                                "caches directory listings): not taking over on what it showed before",
+                                self.root, LEASE_DIR)
+                self.seen = again
+                self._observe(again, self.mono())
+                self.blocked = (f"the lease moved when {LEASE_DIR}/ was looked at afresh: this mount caches "
+                                "listings; watching it again")
+                return
             held_by = self.io.lock()
             if held_by is not None:
                 self.blocked = held_by
@@ -589,7 +637,7 @@ class VolumeLease:
             self.blocked = f"cannot read or write {LEASE_DIR}/: {exc}"
             return
         self.epoch, self.seq, self.deadline = epoch, 0, t0 + self.duration
-        self.seen = Seen(rec.to_bytes(), rec, epoch)
+        self.seen, self._mine = Seen(rec.to_bytes(), rec, epoch), rec
         self.error = self.blocked = None
         try:
             self.io.forget_claims_before(epoch - KEEP_CLAIMS)

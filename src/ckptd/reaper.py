@@ -392,6 +392,14 @@ class Reaper:
                 if why_not is not None:
                     undone = self._undo(target, trash_fd, c.name, run_fd, c.rel, why_not)
                     return refuse(f"{why_not}; {undone}")
+                # Looked at once more under its new name, which no cache has seen: a FUSE client
+                # that caches listings (sshfs, rclone, s3fs, gcsfuse) showed the re-check above
+                # its listing from before a pin written on another host.
+                why_not = _pinned_at(target, trash_fd)
+                if why_not is not None:
+                    undone = self._undo(target, trash_fd, c.name, run_fd, c.rel, why_not,
+                                        how="on a stale look")
+                    return refuse(f"{why_not}; {undone}")
                 self._finished.add(target)
             finally:
                 os.close(trash_fd)
@@ -402,7 +410,7 @@ class Reaper:
         return Result(decision, Outcome.TRASHED, f"moved to {shown}", into / target)
 
     def _undo(self, name: str, trash_fd: int, back: str, back_fd: int, rel: str, why: str, *,
-              review: bool = True) -> str:
+              review: bool = True, how: str = "without the lease") -> str:
         """Move `name` (under `trash_fd`) back to `back` (under `back_fd`), where a rename made
         without the lease took it from; never over what is there now. Where that name is taken,
         it stays in the trash, renamed `<name>%review` (`review`), which no purge removes.
@@ -411,8 +419,8 @@ class Reaper:
         try:
             _rename_noreplace(name, trash_fd, back, back_fd)
         except FileNotFoundError:
-            log.error("%s was renamed into %s/ without the lease (%s) and is no longer there: the "
-                      "leader that holds it now restored or purged it", rel, TRASH_DIR, why)
+            log.error("%s was renamed into %s/ %s (%s) and is no longer there: the "
+                      "leader that holds it now restored or purged it", rel, TRASH_DIR, how, why)
             return "gone from the trash since (see the leader's journal)"
         except OSError as exc:
             kept = name
@@ -422,12 +430,12 @@ class Reaper:
                     kept = f"{name}{REVIEW}"
                 except OSError as again:
                     log.error("cannot mark %s/%s for review: %s", TRASH_DIR, name, again)
-            log.error("%s was renamed into %s/ without the lease (%s) and cannot be moved back (%s): "
+            log.error("%s was renamed into %s/ %s (%s) and cannot be moved back (%s): "
                       "it is in %s, never purged: look at it and move it back or delete it by hand",
-                      rel, TRASH_DIR, why, exc, self.trash / kept)
+                      rel, TRASH_DIR, how, why, exc, self.trash / kept)
             self._record("review", trash=str(self.trash / kept), **where)
             return f"cannot move it back ({exc.strerror}): left in {TRASH_DIR}/{kept} for review"
-        log.error("%s was renamed into %s/ without the lease (%s): moved back", rel, TRASH_DIR, why)
+        log.error("%s was renamed into %s/ %s (%s): moved back", rel, TRASH_DIR, how, why)
         self._record("restored", **where)
         return "moved back"
 
@@ -1299,6 +1307,27 @@ class _Stop(Exception):
         super().__init__(why)
         self.outcome = outcome
         self.why = why
+
+
+def _pinned_at(name: str, parent_fd: int) -> str | None:
+    """Why `name` (just renamed under `parent_fd`) must go back: a pin at its top, by a listing of
+    it (a lookup of the pin's name alone could be answered from a negative cache), or a listing
+    that cannot be had. None: neither, or a checkpoint that is a file (its pin, beside it, was
+    re-checked before the rename)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+    except NotADirectoryError:
+        return None
+    except OSError as exc:
+        return f"cannot look at it in the trash: {exc}"
+    try:
+        if layouts.PIN_FILE in os.listdir(fd):
+            return "pinned (its pin seen only under its name in the trash: a mount that caches listings)"
+        return None
+    except OSError as exc:
+        return f"cannot look at it in the trash: {exc}"
+    finally:
+        os.close(fd)
 
 
 def _contents(dir_fd: int) -> dict[str, tuple[int, int, int, int]] | None:

@@ -620,6 +620,12 @@ MUTS = [
       equivalent="a beat newer than the record read is a stale read, refused by CM1's check; a beat that "
                  "changes with the record changes the observed bytes too", edits=[(LE,
    "        key = (seen.raw, seen.max_claim, seen.beat)", "        key = (seen.raw, seen.max_claim, None)")]),
+ dict(id="FL1", what="standby: looks afresh (after changing .ckptd/ itself) before it takes over", tests="lease", edits=[(LE,
+   "            self.io.probe(self.me)\n            again = self.io.read()", "            again = seen")]),
+ dict(id="FL2", what="leader: a late write of an older epoch is written over, not obeyed", tests="lease", edits=[(LE,
+   "                rec = self._mine\n", "                pass\n")]),
+ dict(id="FL3", what="a deletion's entry looked at under its trash name: a pin seen there sends it back", tests="lease",
+      edits=[(R, "                why_not = _pinned_at(target, trash_fd)", "                why_not = None")]),
  dict(id="CO1", what="coherent = false: volume leadership never leads", tests=[T+"test_caching_mount.py"], edits=[(LE,
    "    elif kind == \"volume\" and coherent is False:", "    elif False:")]),
  dict(id="AC1", what="attribute_cache added to quiet where the mount table cannot tell", tests=[T+"test_fuse_quiet.py"], edits=[(MO,
