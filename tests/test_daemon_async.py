@@ -51,10 +51,10 @@ async def test_inotify_paths_reach_the_loop_on_its_thread(tmp_path):
 async def test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walked_again(tmp_path):
     """A real IN_Q_OVERFLOW cannot be produced deterministically here (it needs the kernel queue,
     fs.inotify.max_queued_events, to fill faster than the loop drains it, and that limit is the
-    whole machine's), so the overflow event the kernel would send is fed to the watcher's parser.
-    A directory created meanwhile (its creation event lost with the rest) is watched at the next
-    reconcile."""
-    from ckptd import watch
+    whole machine's), so the overflow event the kernel would send (wd -1, IN_Q_OVERFLOW) is fed to
+    watchdog's InotifyFD.handle_event, where its reader thread would hand it. A directory created
+    meanwhile (its creation event lost with the rest) is watched at the next reconcile."""
+    from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent
 
     loop = asyncio.get_running_loop()
     overflowed = asyncio.Event()
@@ -65,7 +65,8 @@ async def test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walke
         ckpt = tmp_path / "checkpoint-1"
         ckpt.mkdir()
         await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
-        watcher._dispatch(watch.EVENT.pack(-1, watch.IN_Q_OVERFLOW, 0, 0))
+        overflow = InotifyEvent(-1, InotifyConstants.IN_Q_OVERFLOW, 0, b"")
+        await asyncio.to_thread(watcher._inotify.handle_event, overflow)
         await asyncio.wait_for(overflowed.wait(), 10)
         lost = ckpt / "global_step1"
         await asyncio.to_thread(lost.mkdir)
@@ -89,9 +90,11 @@ async def test_a_directory_created_inside_a_watched_checkpoint_is_watched_at_onc
             arrived.set()
 
     await asyncio.to_thread(lambda: None)  # the loop's executor thread, started before counting
-    threads = threading.active_count()
+    before = threading.active_count()
     watcher = Watcher(loop, on_path, lambda: None)
     watcher.start()
+    threads = threading.active_count()
+    assert threads == before + 1  # watchdog's reader, the one thread whatever the number of watches
     try:
         ckpt = tmp_path / "checkpoint-1"
         ckpt.mkdir()
@@ -119,6 +122,79 @@ async def test_watching_only_what_is_asked(tmp_path):
         assert watcher.count() == 1  # a unwatched; a missing path is skipped, not an error
     finally:
         await asyncio.to_thread(watcher.stop)
+
+
+async def test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_polling(tmp_path, caplog):
+    """ENOSPC from inotify_add_watch (fs.inotify.max_user_watches reached), provoked for real: the
+    limit is lowered to 0 (no new watch for this user) for the two reconciles only, and restored."""
+    limit = Path("/proc/sys/fs/inotify/max_user_watches")
+    try:
+        old = limit.read_text()
+        limit.write_text(old)
+    except OSError as exc:
+        pytest.skip(f"fs.inotify.max_user_watches cannot be written here ({exc}): ENOSPC cannot be provoked")
+    watcher = Watcher(asyncio.get_running_loop(), lambda p: None, lambda: None)
+    watcher.start()
+    key = (str(tmp_path), False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckptd.watch"):
+            try:
+                limit.write_text("0")
+                watcher.reconcile({key})
+                watcher.reconcile({key})  # asked again while the limit lasts
+            finally:
+                limit.write_text(old)
+        assert watcher.count() == 0 and watcher.failed == {str(tmp_path)}
+        assert len([r for r in caplog.records if "watch limit reached" in r.getMessage()]) == 1
+        await asyncio.to_thread(watcher.reconcile, {key})
+        assert watcher.count() == 1 and not watcher.failed  # watched again once the limit allows it
+    finally:
+        await asyncio.to_thread(watcher.stop)
+
+
+async def test_a_directory_watched_for_two_keys_gives_one_hint_per_event(tmp_path):
+    """One callback per kernel watch: a run directory that is also an in-flight checkpoint's top
+    (watched for both) does not hand each event over twice."""
+    loop = asyncio.get_running_loop()
+    seen: list[str] = []
+    last = asyncio.Event()
+
+    def on_path(path: str) -> None:
+        seen.append(path)
+        if path.endswith("last"):
+            last.set()
+
+    watcher = Watcher(loop, on_path, lambda: None)
+    watcher.start()
+    try:
+        await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), False), (str(tmp_path), True)})
+        assert watcher.count() == 2 and watcher.kernel_watches() == 1
+        (tmp_path / "shard.pt").write_bytes(b"x")
+        (tmp_path / "last").write_bytes(b"x")  # read after the shard's events: same watch, in order
+        await asyncio.wait_for(last.wait(), 10)
+        assert seen.count(str(tmp_path / "shard.pt")) == 2  # IN_CREATE, IN_CLOSE_WRITE: once each
+        await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
+        assert watcher.kernel_watches() == 1  # still watched for the other key
+    finally:
+        await asyncio.to_thread(watcher.stop)
+
+
+async def test_stopping_joins_the_reader_and_closes_the_descriptor(tmp_path):
+    watcher = Watcher(asyncio.get_running_loop(), lambda p: None, lambda: None)
+    watcher.start()
+    reader = watcher._inotify
+    fd = reader._inotify_fd
+    assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify"
+    assert not os.get_inheritable(fd)  # watchdog's inotify_init() has no IN_CLOEXEC: set after it
+    await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
+    await asyncio.to_thread(watcher.stop)
+    assert not reader.is_alive() and watcher.count() == 0
+    try:
+        now = os.readlink(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:
+        now = None
+    assert now != "anon_inode:inotify"  # closed (the number may be another file's by now)
+    await asyncio.to_thread(watcher.stop)  # twice: nothing to do
 
 
 async def test_auto_observer_reads_the_filesystem_type(tmp_path):
