@@ -49,27 +49,38 @@ async def test_inotify_paths_reach_the_loop_on_its_thread(tmp_path):
 
 
 async def test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walked_again(tmp_path):
-    """A real IN_Q_OVERFLOW cannot be produced deterministically here (it needs the kernel queue,
-    fs.inotify.max_queued_events, to fill faster than the loop drains it, and that limit is the
-    whole machine's), so the overflow event the kernel would send (wd -1, IN_Q_OVERFLOW) is fed to
-    watchdog's InotifyFD.handle_event, where its reader thread would hand it. A directory created
-    meanwhile (its creation event lost with the rest) is watched at the next reconcile."""
-    from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent
-
+    """A real IN_Q_OVERFLOW: the watcher's descriptor is made with a queue of one event
+    (fs.inotify.max_queued_events is read once, by inotify_init: lowered for the start only, and
+    restored), and its reader is held (by the watcher's lock, which every callback takes) while
+    the checkpoint is written: the kernel drops what does not fit, among it the creation of a
+    directory, which is therefore not watched until the reconcile after the overflow walks the
+    recursive watch again."""
+    queued = Path("/proc/sys/fs/inotify/max_queued_events")
+    try:
+        old = queued.read_text()
+        queued.write_text(old)
+    except OSError as exc:
+        pytest.skip(f"fs.inotify.max_queued_events cannot be written here ({exc}): no overflow to provoke")
     loop = asyncio.get_running_loop()
     overflowed = asyncio.Event()
     seen: list[str] = []
     watcher = Watcher(loop, seen.append, overflowed.set)
-    watcher.start()
+    try:
+        queued.write_text("1")
+        watcher.start()
+    finally:
+        queued.write_text(old)
     try:
         ckpt = tmp_path / "checkpoint-1"
         ckpt.mkdir()
         await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
-        overflow = InotifyEvent(-1, InotifyConstants.IN_Q_OVERFLOW, 0, b"")
-        await asyncio.to_thread(watcher._inotify.handle_event, overflow)
-        await asyncio.wait_for(overflowed.wait(), 10)
         lost = ckpt / "global_step1"
-        await asyncio.to_thread(lost.mkdir)
+        with watcher._lock:  # the reader waits on its first event; the rest fill the queue of one
+            for name in ("a", "b"):
+                (ckpt / name).write_bytes(b"x")
+            lost.mkdir()
+        await asyncio.wait_for(overflowed.wait(), 10)
+        assert watcher.kernel_watches() == 1  # the creation of global_step1 was dropped
         await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
         assert watcher.kernel_watches() == 2
         await asyncio.to_thread((lost / "shard.pt").write_bytes, b"x")
