@@ -51,8 +51,8 @@ async def test_inotify_paths_reach_the_loop_on_its_thread(tmp_path):
 async def test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walked_again(tmp_path):
     """A real IN_Q_OVERFLOW: the watcher's descriptor is made with a queue of one event
     (fs.inotify.max_queued_events is read once, by inotify_init: lowered for the start only, and
-    restored), and its reader is held (by the watcher's lock, which every callback takes) while
-    the checkpoint is written: the kernel drops what does not fit, among it the creation of a
+    restored), and its reader is held (the loop, blocked while the checkpoint is written and
+    holding the watcher's lock, which the reader takes): the kernel drops what does not fit, among it the creation of a
     directory, which is therefore not watched until the reconcile after the overflow walks the
     recursive watch again."""
     queued = Path("/proc/sys/fs/inotify/max_queued_events")
@@ -75,7 +75,7 @@ async def test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walke
         ckpt.mkdir()
         await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
         lost = ckpt / "global_step1"
-        with watcher._lock:  # the reader waits on its first event; the rest fill the queue of one
+        with watcher._lock:  # nothing is read meanwhile: the events fill the queue of one
             for name in ("a", "b"):
                 (ckpt / name).write_bytes(b"x")
             lost.mkdir()
@@ -105,7 +105,7 @@ async def test_a_directory_created_inside_a_watched_checkpoint_is_watched_at_onc
     watcher = Watcher(loop, on_path, lambda: None)
     watcher.start()
     threads = threading.active_count()
-    assert threads == before + 1  # watchdog's reader, the one thread whatever the number of watches
+    assert threads == before  # read on the loop: no thread at all
     try:
         ckpt = tmp_path / "checkpoint-1"
         ckpt.mkdir()
@@ -164,7 +164,7 @@ async def test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_po
 
 
 async def test_a_directory_watched_for_two_keys_gives_one_hint_per_event(tmp_path):
-    """One callback per kernel watch: a run directory that is also an in-flight checkpoint's top
+    """One kernel watch, one hint per event: a run directory that is also an in-flight checkpoint's top
     (watched for both) does not hand each event over twice."""
     loop = asyncio.get_running_loop()
     seen: list[str] = []
@@ -190,16 +190,15 @@ async def test_a_directory_watched_for_two_keys_gives_one_hint_per_event(tmp_pat
         await asyncio.to_thread(watcher.stop)
 
 
-async def test_stopping_joins_the_reader_and_closes_the_descriptor(tmp_path):
+async def test_stopping_closes_the_descriptor(tmp_path):
     watcher = Watcher(asyncio.get_running_loop(), lambda p: None, lambda: None)
     watcher.start()
-    reader = watcher._inotify
-    fd = reader._inotify_fd
+    fd = watcher._fd
     assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify"
-    assert not os.get_inheritable(fd)  # watchdog's inotify_init() has no IN_CLOEXEC: set after it
+    assert not os.get_inheritable(fd)  # inotify_init1(IN_CLOEXEC)
     await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
     await asyncio.to_thread(watcher.stop)
-    assert not reader.is_alive() and watcher.count() == 0
+    assert watcher._fd is None and watcher.count() == 0
     try:
         now = os.readlink(f"/proc/self/fd/{fd}")
     except FileNotFoundError:

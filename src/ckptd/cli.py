@@ -1131,13 +1131,6 @@ def setup_logging(verbose: bool, log_format: str = "text", timestamps: bool = Fa
     root.handlers[:] = [handler]
     root.propagate = False
     root.setLevel(logging.DEBUG if verbose else logging.INFO if timestamps else logging.WARNING)
-    # watchdog's inotify reader (ckptd/watch.py) logs a queue overflow on its own logger
-    # (watchdog/observers/inotify_c.py, InotifyFD.handle_event): in ckptd's format, not
-    # logging's unformatted last resort.
-    wd = logging.getLogger("watchdog")
-    wd.handlers[:] = [handler]
-    wd.propagate = False
-    wd.setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Narrow inotify watches: one inotify descriptor for all of them, read by watchdog's reader thread.
+"""Narrow inotify watches: one inotify instance for all of them, read on the event loop.
 
 What is watched (see `RootTracker.wanted_watches`): the directories on the way
 to runs and the run directories, not recursively, and the checkpoints still in
@@ -8,17 +8,18 @@ and close-after-write are asked for: a rank writing 64 MiB in 4 KiB chunks
 would otherwise queue 16k modify events, and our own reads would queue
 open/access events. Events are hints only; the daemon always looks at the disk.
 
-The descriptor is ckptd's own instance of watchdog's `InotifyFD`
-(watchdog/observers/inotify_c.py), not an `Observer`: one inotify descriptor for
-any number of watches, each registered with ckptd's mask and one callback
-(`add_callback`/`remove_callbacks`), and one reader thread that calls
-`on_event`, `on_watch_deleted` and `on_queue_overflow`. The callbacks queue
-paths and hand them to the event loop with `loop.call_soon_threadsafe`, one
-hand-over per batch, never one thread per watch. watchdog's `Observer`, used
-before, runs an emitter thread per watch behind that reader: in a save storm
-(100 checkpoints of 29 files written at once by another process,
-`bench/storm.py`) it handed over the last event of a checkpoint p50 146-376 ms
-and p99 0.37-0.9 s after the write, with 104 threads.
+One inotify descriptor, registered with the event loop (`loop.add_reader`):
+reading an event costs no thread and no hop between threads; the path goes
+straight to the daemon's hint queue. watchdog's observer, used before, runs an
+emitter thread per watch behind a shared reader thread: in a save storm (100
+checkpoints of 29 files written at once by another process, `bench/storm.py`)
+it handed over the last event of a checkpoint p50 146-376 ms and p99
+0.37-0.9 s after the write, with 104 threads; this reader, p50 under 1 ms and
+p99 42-119 ms, with none (same machine, same storm). watchdog 7.1's `InotifyFD`
+(one descriptor, per-watch callbacks, one reader thread handing paths over with
+`call_soon_threadsafe`) was tried in its place and measured worse: detection
+latency p99 +18 to +72 ms in each of three alternated runs, the look at the end
+of the quiet period twice as late, one thread more (BENCHMARKS.md).
 
 inotify queue overflow (IN_Q_OVERFLOW: the kernel dropped events) is handed to
 the daemon, which rescans what is in flight; the watches of new directories
@@ -32,37 +33,32 @@ polling does the work.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
-import itertools
 import logging
 import os
+import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from watchdog.utils import UnsupportedLibcError
-
 from ckptd.mounts import filesystem_type, is_remote
-
-try:  # binds libc's inotify calls at import; raises where the C library has none
-    from watchdog.observers.inotify_c import InotifyConstants as IN
-    from watchdog.observers.inotify_c import InotifyEvent, InotifyFD
-except (ImportError, UnsupportedLibcError, OSError) as exc:  # not Linux, or a libc without inotify
-    IN = InotifyEvent = InotifyFD = None  # type: ignore[assignment,misc]
-    _UNAVAILABLE = str(exc)
 
 log = logging.getLogger(__name__)
 
 # Logical watches (a directory, or an in-flight checkpoint's tree); beyond this many the rest is
-# polled. A watch costs no thread, only the kernel's own: fs.inotify.max_user_watches.
+# polled. A watch costs no thread now, only the kernel's own: fs.inotify.max_user_watches.
 MAX_WATCHES = 4096
 
-# <sys/inotify.h>, as watchdog names them
-MASK = 0 if IN is None else (
-    IN.IN_CREATE | IN.IN_DELETE | IN.IN_MOVED_FROM | IN.IN_MOVED_TO | IN.IN_CLOSE_WRITE | IN.IN_DELETE_SELF
-    | IN.IN_MOVE_SELF | IN.IN_ONLYDIR | IN.IN_DONT_FOLLOW | IN.IN_EXCL_UNLINK
+# <sys/inotify.h>
+IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x8, 0x40, 0x80, 0x100, 0x200
+IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW, IN_IGNORED, IN_ISDIR = 0x400, 0x800, 0x4000, 0x8000, 0x40000000
+IN_ONLYDIR, IN_DONT_FOLLOW, IN_EXCL_UNLINK = 0x01000000, 0x02000000, 0x04000000
+MASK = (
+    IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_SELF
+    | IN_ONLYDIR | IN_DONT_FOLLOW | IN_EXCL_UNLINK
 )  # fmt: skip
-THREAD_NAME = "ckptd-inotify"
+EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then `len` bytes of NUL-padded name
 
 
 def choose_observer(path: Path, configured: str) -> tuple[str, str]:
@@ -77,25 +73,35 @@ def choose_observer(path: Path, configured: str) -> tuple[str, str]:
     return "inotify", f"{mount} is {fstype}"
 
 
+class _Libc:
+    """inotify_init1, inotify_add_watch, inotify_rm_watch from the C library (as watchdog binds them)."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.init1 = libc.inotify_init1
+        self.init1.argtypes, self.init1.restype = [ctypes.c_int], ctypes.c_int
+        self.add = libc.inotify_add_watch
+        self.add.argtypes, self.add.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32], ctypes.c_int
+        self.rm = libc.inotify_rm_watch
+        self.rm.argtypes, self.rm.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+
+
 Key = tuple[str, bool]  # (path, recursive)
 
 
 class _Dir:
-    __slots__ = ("cid", "owners", "path")
+    __slots__ = ("owners", "path")
 
-    def __init__(self, path: str, cid: int):
+    def __init__(self, path: str):
         self.path = path
-        self.cid = cid  # the id of ckptd's one callback on this kernel watch, in watchdog's Watch
         self.owners: set[Key] = set()
 
 
 class Watcher:
-    """The inotify watches of every root: one descriptor, read by one thread (watchdog's).
+    """The inotify watches of every root: one descriptor, read on `loop`.
 
     `on_path(path)` and `on_overflow()` are called on the loop's thread. `reconcile` may
     block (adding a recursive watch walks the tree): call it off the loop (it locks).
-    `on_event`, `on_watch_deleted` and `on_queue_overflow` are watchdog's `WatchCallback`:
-    called on its reader thread.
     """
 
     def __init__(
@@ -104,12 +110,11 @@ class Watcher:
         self._loop = loop
         self._on_path = on_path
         self._on_overflow = on_overflow
-        self._inotify: InotifyFD | None = None
+        self._fd: int | None = None
+        self._libc: _Libc | None = None
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)  # callback ids: unique, so watchdog never finds one twice on a watch
         self._watches: dict[Key, set[int]] = {}  # logical watch -> its kernel watch descriptors
         self._dirs: dict[int, _Dir] = {}  # kernel watch descriptor -> the directory
-        self._pending: list[str] = []  # read, not yet handed to the loop
         self._rewalk = False  # after an overflow: walk every recursive watch again
         self.failed: set[str] = set()
         self.capped = False
@@ -117,33 +122,53 @@ class Watcher:
     # --- life ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Create the descriptor and start its reader thread."""
-        if InotifyFD is None:
-            log.warning("inotify unavailable (%s): polling only", _UNAVAILABLE)
-            return
+        """Create the descriptor and read it on the loop (call on the loop's thread)."""
         try:
-            ifd = InotifyFD()
-        except OSError as exc:  # no inotify here, or fs.inotify.max_user_instances
+            self._libc = _Libc()
+            fd = self._libc.init1(os.O_NONBLOCK | os.O_CLOEXEC)
+            if fd < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+        except (OSError, AttributeError) as exc:  # no inotify here, or fs.inotify.max_user_instances
             log.warning("inotify unavailable (%s): polling only", exc)
             return
-        # InotifyFD._create_inotify_fd calls inotify_init(), without IN_CLOEXEC: a program
-        # exec'd by the daemon would hold the descriptor (and every watch) open.
-        os.set_inheritable(ifd._inotify_fd, False)
-        ifd.name = THREAD_NAME
-        self._inotify = ifd
-        ifd.start()
+        self._fd = fd
+        self._loop.add_reader(fd, self._read)
 
     def stop(self) -> None:
-        """Close the descriptor and join its reader thread; from any thread but that one."""
+        """Close the descriptor; from any thread."""
+        if self._fd is None:
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop or self._loop.is_closed():
+            self._close()
+            return
+        done = threading.Event()
+
+        def close() -> None:
+            self._close()
+            done.set()
+
+        try:
+            self._loop.call_soon_threadsafe(close)
+        except RuntimeError:  # the loop is closing
+            self._close()
+            return
+        done.wait(10)
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        if not self._loop.is_closed():
+            self._loop.remove_reader(fd)
+        os.close(fd)  # drops every kernel watch with it
         with self._lock:
-            ifd, self._inotify = self._inotify, None
             self._watches.clear()
             self._dirs.clear()
-            self._pending.clear()
-        if ifd is None:
-            return
-        ifd.stop()  # InotifyFD.close: removes every watch, wakes the reader through its pipe
-        ifd.join(10)
 
     def count(self) -> int:
         """Logical watches: directories, and in-flight checkpoints' trees."""
@@ -167,7 +192,7 @@ class Watcher:
                 sorted(wanted - keep, key=lambda k: k[0].count("/"))[: max(0, MAX_WATCHES - len(keep))]
             )
             wanted = set(sorted(keep)[:MAX_WATCHES])
-        if self._inotify is None:
+        if self._fd is None:
             return
         with self._lock:
             rewalk, self._rewalk = self._rewalk, False
@@ -177,7 +202,7 @@ class Watcher:
         for key in new:
             dirs = _tree(key[0]) if key[1] else [key[0]]  # walked outside the lock: events go on
             with self._lock:
-                if self._inotify is not None:
+                if self._fd is not None:
                     self._watch(key, dirs)
 
     def _watch(self, key: Key, dirs: list[str]) -> None:
@@ -187,31 +212,18 @@ class Watcher:
             wd = self._add(d)
             if wd is not None:
                 wds.add(wd)
-                self._dirs[wd].owners.add(key)
+                self._dirs.setdefault(wd, _Dir(d)).owners.add(key)
             elif d == key[0] and not wds:
                 return  # the watched directory itself could not be watched: polling covers it
         self._watches[key] = wds
 
     def _add(self, path: str) -> int | None:
-        """The kernel watch on `path`, with ckptd's callback on it (under the lock); None: polled."""
-        ifd = self._inotify
-        assert ifd is not None
-        cid = next(self._ids)
-        try:
-            wd = ifd.add_callback(os.fsencode(path), MASK, self, cid)
-        except OSError as exc:
-            err = exc.errno or 0
-        else:
-            if wd < 0:  # InotifyFD._raise_error lets EACCES through and keeps a Watch for wd -1
-                ifd.remove_callbacks([(wd, cid)])
-                err = errno.EACCES
-            else:
-                self.failed.discard(path)
-                if wd in self._dirs:  # already watched for another key: one callback per kernel watch
-                    ifd.remove_callbacks([(wd, cid)])
-                else:
-                    self._dirs[wd] = _Dir(path, cid)
-                return wd
+        assert self._libc is not None and self._fd is not None
+        wd = self._libc.add(self._fd, os.fsencode(path), MASK)
+        if wd >= 0:
+            self.failed.discard(path)
+            return wd
+        err = ctypes.get_errno()
         if err in (errno.ENOENT, errno.ENOTDIR):
             return None  # gone already; the next poll notices
         if path not in self.failed:
@@ -226,9 +238,7 @@ class Watcher:
         return None
 
     def _unwatch(self, key: Key) -> None:
-        ifd = self._inotify
-        assert ifd is not None
-        gone = []
+        assert self._libc is not None and self._fd is not None
         for wd in self._watches.pop(key, ()):
             d = self._dirs.get(wd)
             if d is None:
@@ -236,63 +246,61 @@ class Watcher:
             d.owners.discard(key)
             if not d.owners:
                 del self._dirs[wd]
-                gone.append((wd, d.cid))
-        if gone:
-            # inotify_rm_watch: EINVAL where the kernel dropped the watch already (watchdog ignores it)
-            ifd.remove_callbacks(gone)
+                self._libc.rm(self._fd, wd)  # EINVAL if the kernel dropped it already: fine
 
-    # --- events (watchdog's reader thread) ----------------------------------------
+    # --- events (the loop's thread) --------------------------------------------------
 
-    def on_event(self, event: InotifyEvent) -> None:
-        """Queue the event's path for the loop; watch a directory created inside a recursive watch."""
-        with self._lock:
-            d = self._dirs.get(event.wd)
-            if d is None:
+    def _read(self) -> None:
+        while self._fd is not None:
+            try:
+                buf = os.read(self._fd, 64 * 1024)
+            except BlockingIOError:
                 return
-            path = os.path.join(d.path, os.fsdecode(event.name)) if event.name else d.path
-            if event.mask & IN.IN_ISDIR and event.mask & (IN.IN_CREATE | IN.IN_MOVED_TO):
-                for key in [k for k in d.owners if k[1]]:
-                    self._grow(key, path)
-            self._pending.append(path)
-            first = len(self._pending) == 1  # else a hand-over is on its way and takes this one too
-        if first:
-            self._hand(self._deliver)
+            except OSError as exc:
+                log.warning("reading inotify events failed: %s", exc)
+                return
+            self._dispatch(buf)
 
-    def on_watch_deleted(self, wd: int) -> None:
-        """IN_IGNORED: the kernel dropped the watch (its directory was deleted, or unmounted)."""
+    def _dispatch(self, buf: bytes) -> None:
+        """Hand each event's path to `on_path`; watch directories created inside recursive watches."""
+        paths: list[str] = []
+        overflowed = False
+        off = 0
         with self._lock:
-            d = self._dirs.pop(wd, None)
-            for key in d.owners if d is not None else ():
-                self._watches.get(key, set()).discard(wd)
-
-    def on_queue_overflow(self) -> None:
-        """IN_Q_OVERFLOW (watchdog logs it as a warning): rescan, and walk recursive watches again."""
-        with self._lock:
+            while off + EVENT.size <= len(buf):
+                wd, mask, _, n = EVENT.unpack_from(buf, off)
+                name = buf[off + EVENT.size : off + EVENT.size + n].split(b"\0", 1)[0]
+                off += EVENT.size + n
+                if mask & IN_Q_OVERFLOW:
+                    overflowed = True
+                    continue
+                d = self._dirs.get(wd)
+                if d is None:
+                    continue
+                if mask & IN_IGNORED:  # its directory was deleted (or unmounted)
+                    del self._dirs[wd]
+                    for key in d.owners:
+                        self._watches.get(key, set()).discard(wd)
+                    continue
+                path = os.path.join(d.path, os.fsdecode(name)) if name else d.path
+                if mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
+                    for key in [k for k in d.owners if k[1]]:
+                        self._grow(key, path)
+                paths.append(path)
+        if overflowed:
             self._rewalk = True
-        self._hand(self._on_overflow)
+            log.warning("inotify queue overflow: events were lost")
+            self._on_overflow()
+        for path in paths:
+            self._on_path(path)
 
     def _grow(self, key: Key, path: str) -> None:
         """A directory created (or moved) inside a recursive watch: watch it and what it holds."""
-        if self._inotify is None:
-            return
         for d in _tree(path):
             wd = self._add(d)
             if wd is not None:
                 self._watches.setdefault(key, set()).add(wd)
-                self._dirs[wd].owners.add(key)
-
-    def _hand(self, fn: Callable[[], None]) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn)
-        except RuntimeError:  # the loop is closed: the daemon is gone
-            pass
-
-    def _deliver(self) -> None:
-        """On the loop: every path read since the last hand-over, in the order read."""
-        with self._lock:
-            paths, self._pending = self._pending, []
-        for path in paths:
-            self._on_path(path)
+                self._dirs.setdefault(wd, _Dir(d)).owners.add(key)
 
 
 def _tree(path: str) -> list[str]:
