@@ -49,26 +49,38 @@ async def test_inotify_paths_reach_the_loop_on_its_thread(tmp_path):
 
 
 async def test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walked_again(tmp_path):
-    """A real IN_Q_OVERFLOW cannot be produced deterministically here (it needs the kernel queue,
-    fs.inotify.max_queued_events, to fill faster than the loop drains it, and that limit is the
-    whole machine's), so the overflow event the kernel would send is fed to the watcher's parser.
-    A directory created meanwhile (its creation event lost with the rest) is watched at the next
-    reconcile."""
-    from ckptd import watch
-
+    """A real IN_Q_OVERFLOW: the watcher's descriptor is made with a queue of one event
+    (fs.inotify.max_queued_events is read once, by inotify_init: lowered for the start only, and
+    restored), and its reader is held (the loop, blocked while the checkpoint is written and
+    holding the watcher's lock, which the reader takes): the kernel drops what does not fit, among it the creation of a
+    directory, which is therefore not watched until the reconcile after the overflow walks the
+    recursive watch again."""
+    queued = Path("/proc/sys/fs/inotify/max_queued_events")
+    try:
+        old = queued.read_text()
+        queued.write_text(old)
+    except OSError as exc:
+        pytest.skip(f"fs.inotify.max_queued_events cannot be written here ({exc}): no overflow to provoke")
     loop = asyncio.get_running_loop()
     overflowed = asyncio.Event()
     seen: list[str] = []
     watcher = Watcher(loop, seen.append, overflowed.set)
-    watcher.start()
+    try:
+        queued.write_text("1")
+        watcher.start()
+    finally:
+        queued.write_text(old)
     try:
         ckpt = tmp_path / "checkpoint-1"
         ckpt.mkdir()
         await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
-        watcher._dispatch(watch.EVENT.pack(-1, watch.IN_Q_OVERFLOW, 0, 0))
-        await asyncio.wait_for(overflowed.wait(), 10)
         lost = ckpt / "global_step1"
-        await asyncio.to_thread(lost.mkdir)
+        with watcher._lock:  # nothing is read meanwhile: the events fill the queue of one
+            for name in ("a", "b"):
+                (ckpt / name).write_bytes(b"x")
+            lost.mkdir()
+        await asyncio.wait_for(overflowed.wait(), 10)
+        assert watcher.kernel_watches() == 1  # the creation of global_step1 was dropped
         await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
         assert watcher.kernel_watches() == 2
         await asyncio.to_thread((lost / "shard.pt").write_bytes, b"x")
@@ -89,9 +101,11 @@ async def test_a_directory_created_inside_a_watched_checkpoint_is_watched_at_onc
             arrived.set()
 
     await asyncio.to_thread(lambda: None)  # the loop's executor thread, started before counting
-    threads = threading.active_count()
+    before = threading.active_count()
     watcher = Watcher(loop, on_path, lambda: None)
     watcher.start()
+    threads = threading.active_count()
+    assert threads == before  # read on the loop: no thread at all
     try:
         ckpt = tmp_path / "checkpoint-1"
         ckpt.mkdir()
@@ -119,6 +133,78 @@ async def test_watching_only_what_is_asked(tmp_path):
         assert watcher.count() == 1  # a unwatched; a missing path is skipped, not an error
     finally:
         await asyncio.to_thread(watcher.stop)
+
+
+async def test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_polling(tmp_path, caplog):
+    """ENOSPC from inotify_add_watch (fs.inotify.max_user_watches reached), provoked for real: the
+    limit is lowered to 0 (no new watch for this user) for the two reconciles only, and restored."""
+    limit = Path("/proc/sys/fs/inotify/max_user_watches")
+    try:
+        old = limit.read_text()
+        limit.write_text(old)
+    except OSError as exc:
+        pytest.skip(f"fs.inotify.max_user_watches cannot be written here ({exc}): ENOSPC cannot be provoked")
+    watcher = Watcher(asyncio.get_running_loop(), lambda p: None, lambda: None)
+    watcher.start()
+    key = (str(tmp_path), False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckptd.watch"):
+            try:
+                limit.write_text("0")
+                watcher.reconcile({key})
+                watcher.reconcile({key})  # asked again while the limit lasts
+            finally:
+                limit.write_text(old)
+        assert watcher.count() == 0 and watcher.failed == {str(tmp_path)}
+        assert len([r for r in caplog.records if "watch limit reached" in r.getMessage()]) == 1
+        await asyncio.to_thread(watcher.reconcile, {key})
+        assert watcher.count() == 1 and not watcher.failed  # watched again once the limit allows it
+    finally:
+        await asyncio.to_thread(watcher.stop)
+
+
+async def test_a_directory_watched_for_two_keys_gives_one_hint_per_event(tmp_path):
+    """One kernel watch, one hint per event: a run directory that is also an in-flight checkpoint's top
+    (watched for both) does not hand each event over twice."""
+    loop = asyncio.get_running_loop()
+    seen: list[str] = []
+    last = asyncio.Event()
+
+    def on_path(path: str) -> None:
+        seen.append(path)
+        if path.endswith("last"):
+            last.set()
+
+    watcher = Watcher(loop, on_path, lambda: None)
+    watcher.start()
+    try:
+        await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), False), (str(tmp_path), True)})
+        assert watcher.count() == 2 and watcher.kernel_watches() == 1
+        (tmp_path / "shard.pt").write_bytes(b"x")
+        (tmp_path / "last").write_bytes(b"x")  # read after the shard's events: same watch, in order
+        await asyncio.wait_for(last.wait(), 10)
+        assert seen.count(str(tmp_path / "shard.pt")) == 2  # IN_CREATE, IN_CLOSE_WRITE: once each
+        await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
+        assert watcher.kernel_watches() == 1  # still watched for the other key
+    finally:
+        await asyncio.to_thread(watcher.stop)
+
+
+async def test_stopping_closes_the_descriptor(tmp_path):
+    watcher = Watcher(asyncio.get_running_loop(), lambda p: None, lambda: None)
+    watcher.start()
+    fd = watcher._fd
+    assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify"
+    assert not os.get_inheritable(fd)  # inotify_init1(IN_CLOEXEC)
+    await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
+    await asyncio.to_thread(watcher.stop)
+    assert watcher._fd is None and watcher.count() == 0
+    try:
+        now = os.readlink(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:
+        now = None
+    assert now != "anon_inode:inotify"  # closed (the number may be another file's by now)
+    await asyncio.to_thread(watcher.stop)  # twice: nothing to do
 
 
 async def test_auto_observer_reads_the_filesystem_type(tmp_path):

@@ -9,8 +9,9 @@ Shape (after uvicorn): `startup() -> main_loop() -> shutdown()`.
   (zero_to_fp32, minutes for a large model) runs on a third, one at a time,
   while the filesystem thread goes on tracking, settling and deleting; what it
   made goes into place on the filesystem thread (`_ConsolidationJob`).
-- watchdog's threads hand paths to the loop (`watch.py`); the loop queues them
-  as hints for the worker, which folds them in at its next step.
+- The inotify descriptor (`watch.py`) is read on the loop, no thread of its
+  own; the loop queues the paths as hints for the worker, which folds them in
+  at its next step.
 - The loop sleeps on an `asyncio.Event` until the earliest deadline: a
   checkpoint's quiet period ending, a debounced hint, the next targeted poll
   (which runs in inotify mode too, since inotify drops events), the next
@@ -471,7 +472,7 @@ class Daemon:
         return max(0.0, min(times, default=now + 60) - now)
 
     def _on_path(self, path: str) -> None:
-        """From watchdog (via call_soon_threadsafe): a hint for the worker."""
+        """From the inotify reader on the loop (`watch.py`): a hint for the worker."""
         self._hints.append(path)
         self._wake.set()
 

@@ -15,7 +15,11 @@ emitter thread per watch behind a shared reader thread: in a save storm (100
 checkpoints of 29 files written at once by another process, `bench/storm.py`)
 it handed over the last event of a checkpoint p50 146-376 ms and p99
 0.37-0.9 s after the write, with 104 threads; this reader, p50 under 1 ms and
-p99 42-119 ms, with none (same machine, same storm).
+p99 42-119 ms, with none (same machine, same storm). watchdog 7.1's `InotifyFD`
+(one descriptor, per-watch callbacks, one reader thread handing paths over with
+`call_soon_threadsafe`) was tried in its place and measured worse: detection
+latency p99 +18 to +72 ms in each of three alternated runs, the look at the end
+of the quiet period twice as late, one thread more (BENCHMARKS.md).
 
 inotify queue overflow (IN_Q_OVERFLOW: the kernel dropped events) is handed to
 the daemon, which rescans what is in flight; the watches of new directories

@@ -1054,4 +1054,15 @@ MUTS = [
    " or (key != run and path_matches(key, rule.match)):", ":")]),
  dict(id="LX5", what="the reaper's anchors are the merged run's", tests=[T+"test_lightning_runs.py"], edits=[(R,
    "        for run in experiments(self.scanner.root, runs):", "        for run in runs:")]),
+ # --- the inotify hints (watch.py, ctypes, read on the loop): hints only, but a lost one costs a poll_interval
+ dict(id="WA1", what="a directory created inside a recursive watch is not watched", tests=[T+"test_daemon_async.py::test_a_directory_created_inside_a_watched_checkpoint_is_watched_at_once"], edits=[("watch.py",
+   "                    for key in [k for k in d.owners if k[1]]:\n                        self._grow(key, path)\n", "                    pass\n")]),
+ dict(id="WA2", what="a queue overflow is not handed to the daemon (no rescan)", tests=[T+"test_daemon_async.py::test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walked_again"], edits=[("watch.py",
+   "            self._on_overflow()", "            pass")]),
+ dict(id="WA3", what="after an overflow the recursive watches are not walked again", tests=[T+"test_daemon_async.py::test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walked_again"], edits=[("watch.py",
+   "            self._rewalk = True", "            self._rewalk = False")]),
+ dict(id="WA4", what="an exhausted watch limit (ENOSPC) raises instead of leaving the path to polling", tests=[T+"test_daemon_async.py::test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_polling"], edits=[("watch.py",
+   "        err = ctypes.get_errno()\n        if err in (errno.ENOENT, errno.ENOTDIR):", "        err = ctypes.get_errno()\n        if err == errno.ENOSPC:\n            raise OSError(err, os.strerror(err))\n        if err in (errno.ENOENT, errno.ENOTDIR):")]),
+ dict(id="WA5", what="a directory watched for two keys loses its kernel watch when one key lets go", tests=[T+"test_daemon_async.py::test_a_directory_watched_for_two_keys_gives_one_hint_per_event"], edits=[("watch.py",
+   "            if not d.owners:", "            if True:")]),
 ]
