@@ -12,6 +12,7 @@ A framework that uses another's contract calls it (the Trainer under DeepSpeed: 
 from __future__ import annotations
 
 import errno
+import os
 import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -53,10 +54,26 @@ class Save:
     mp_world_size: int
     removed: frozenset[str]  # optimizer shards a slim marker lists as removed on purpose
     pattern: Pattern | None
-    # DeepSpeed's shard census of one tag directory ("" for the checkpoint itself), remembered by the engine
-    deepspeed: Callable[[str], tuple[Check, dsmeta.WorldSizes | None]]
-    # trainer_state.json's check and contents, parsed again only when the file changed
-    trainer_state: Callable[[], tuple[Check, TrainerState | None]]
+    # What the engine remembers between inspections while a file's identity stays the same
+    # (verdicts.py): `remembered(kind, entry, read)` is `read()`'s value, or the one remembered for
+    # the same file. An OSError from `read` passes through, not remembered.
+    remembered: Callable[[str, Entry, Callable[[], object]], object] = lambda kind, entry, read: read()
+    # A trainer state with its log history kept once per run (`Verdicts.share_history`)
+    share_history: Callable[[TrainerState, str], TrainerState] = lambda ts, run: ts
+
+    def deepspeed(self, gs: str) -> tuple[Check, dsmeta.WorldSizes | None]:
+        """DeepSpeed's shard census of one tag directory ("" for the checkpoint itself), its world
+        sizes read once while the model states are the same (frameworks/deepspeed.py)."""
+        from ckptd.frameworks import deepspeed  # its contract; imported here, as it imports this module
+
+        return deepspeed.census(self, gs)
+
+    def trainer_state(self) -> tuple[Check, TrainerState | None]:
+        """trainer_state.json's check and contents, parsed again only when the file changed
+        (frameworks/hf.py)."""
+        from ckptd.frameworks import hf  # its contract; imported here, as it imports this module
+
+        return hf.remembered_trainer_state(self)
 
 
 @dataclass
@@ -121,6 +138,15 @@ class Framework:
         """Why its name and contents disagree on its step (a warning, not completeness evidence)."""
         return []
 
+    # Whole-file checkpoints it writes in an archive format, by suffix: "zip" (torch.save's) or
+    # "tar"; the engine's file integrity check reads each one's end (evidence.file_problem).
+    whole_file_formats: tuple[tuple[str, str], ...] = ()
+
+    def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:
+        """The entries of the run directory (`names`) that its own resume pointers or "last" copies
+        name, each with why: what the next resume loads, never deleted. {} for a framework with none."""
+        return {}
+
 
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # JSON a framework writes (trainer_state.json, an index)
 MAX_POINTER_BYTES = 4096
@@ -163,3 +189,27 @@ def read_pointer(path: Path) -> str:
     if len(raw) > MAX_POINTER_BYTES:
         raise OSError(errno.EFBIG, f"longer than {MAX_POINTER_BYTES} bytes", str(path))
     return raw.decode("utf-8", "surrogateescape").strip()
+
+
+def pointer_target(run_path: Path, text: str) -> set[str]:
+    """The entries of `run_path` a resume pointer holding the relative or absolute path `text` makes
+    a framework load when it joins it to the run directory (`os.path.join(load_dir, tag)`). What the
+    join lands on, or below, names the run's entry it lies in (a tag `checkpoint-10/global_step10`
+    keeps checkpoint-10). Both the lexical normpath and the resolved path count: a symlink on the
+    way (or a symlinked root spelled another way) may make them differ, and keeping both is never
+    less safe. Outside the run: nothing here."""
+    if not text:
+        return set()
+    joined = os.path.join(run_path, text)
+    out = set()
+    for target, top in ((os.path.normpath(joined), os.path.normpath(run_path)),
+                        (os.path.realpath(joined), os.path.realpath(run_path))):
+        if target.startswith(top.rstrip("/") + "/"):
+            out.add(target[len(top.rstrip("/")) + 1 :].split("/", 1)[0])
+    return out
+
+
+def unreadable_names_all(found: dict[str, str], names: Collection[str], why: str) -> None:
+    """A pointer that is there but cannot be read may name any entry of the run: every one is named by it."""
+    for name in names:
+        found.setdefault(name, why)

@@ -10,7 +10,7 @@ Lightning's FSDP `.ckpt/`): the engine asks `metadata_check` of every directory 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from ckptd import layouts
 from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
@@ -98,3 +98,13 @@ class DCP(Framework):
 
 
 FRAMEWORK = DCP()
+
+
+def nested_metadata(files: Mapping[str, Entry], dirs: Iterable[str], skip_top: bool) -> Iterator[Check]:
+    """Any directory inside a checkpoint holding *.distcp files (`dirs`, sorted) needs its .metadata,
+    whichever framework's checkpoint holds it; the top one only when the checkpoint is not itself DCP's
+    (`skip_top`: its own evidence judged it)."""
+    for d in dirs:
+        if d == "" and skip_top:
+            continue
+        yield _dcp_metadata(files, d)  # type: ignore[arg-type]

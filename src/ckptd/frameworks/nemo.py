@@ -43,6 +43,8 @@ _NEMO_DIR_MARKERS = frozenset({"weights", "context", "metadata.json", "common.pt
 
 class NeMo(Framework):
     layout = layouts.NEMO
+    # a `.ckpt` file is Lightning's torch.save zip; a `.nemo` a tar (save_restore_connector.py)
+    whole_file_formats = ((".ckpt", "zip"), (".nemo", "tar"))
 
     def recognised_inside(self, name: str, children: Collection[str]) -> bool:
         """A NeMo-named directory is a checkpoint only named `.ckpt`/`.nemo` or holding what NeMo's
