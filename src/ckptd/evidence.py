@@ -43,10 +43,15 @@ from pathlib import Path
 from ckptd import attestation, frameworks, fwmetrics, layouts, mounts, slim, space, volread
 from ckptd import verdicts as verdicts_
 from ckptd.config import Pattern, format_age, format_duration, format_size, pin_matches
-from ckptd.frameworks import dcp
-from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES, RunContext, Save, read_pointer  # noqa: F401
-from ckptd.frameworks.dcp import _WRITTEN_LAST
-from ckptd.frameworks.deepspeed import _MODEL_STATES, _OPTIM
+from ckptd.frameworks import dcp, deepspeed
+from ckptd.frameworks.base import (  # noqa: F401 (MAX_TRAINER_STATE_BYTES, read_pointer: re-exported)
+    MAX_TRAINER_STATE_BYTES,
+    MTIME_SLACK,
+    SAVE_SPAN,
+    RunContext,
+    Save,
+    read_pointer,
+)
 from ckptd.frameworks.deepspeed import LATEST as DEEPSPEED_LATEST  # noqa: F401 (re-exported: its old home)
 from ckptd.frameworks.hf import (  # noqa: F401 (re-exported: their old home)
     TRAINER_STATE,
@@ -509,14 +514,6 @@ def save_files(layout: str, rel: str) -> bool:
 # counts is there (a slow rank's old shard among them). What gives it away is order: a file the
 # framework writes *after* another, in one save, older than it.
 ONE_SAVE = "one save"
-# Tolerated disorder between two files that one save writes in order: mtime granularity (2s on some
-# filesystems) and the clocks of nodes that set their own mtimes (Lustre clients) a few seconds apart.
-# A job re-saving the same step that soon after the first save does not happen: it restarts first.
-MTIME_SLACK = 10.0
-# Between files of one save written by different ranks, with no barrier between them: a rank's
-# optimizer shard may end before rank 0 has finished writing the model states, by at most the time
-# that one file takes to write. Larger than that: the shard is from another save.
-SAVE_SPAN = 30 * 60.0
 
 
 def _tags(layout: str, files: dict[str, Entry]) -> list[str]:
@@ -569,47 +566,9 @@ def one_save(
             if gap > MTIME_SLACK:
                 why = f"{name} is {format_age(gap)} older than {e.rel}"
                 problems.append((gap, f"{why}, which {who} writes before it"))
-    for d, (newest_ns, newest) in distcp.items():
-        for last in _WRITTEN_LAST:
-            marker = files.get(f"{d}/{last}" if d else last)
-            if marker is None or marker.kind != "f":
-                continue
-            checked = True
-            gap = (newest_ns - marker.mtime_ns) / 1e9
-            if gap > MTIME_SLACK:
-                why = f"{f'{d}/' if d else ''}{last} is {format_age(gap)} older than {newest}"
-                problems.append((gap, f"{why}, which is written before it"))
-    for tag in tags:
-        prefix = f"{tag}/" if tag else ""
-        here = {
-            rel[len(prefix) :]: e for rel, e in files.items() if rel.startswith(prefix) and e.kind == "f"
-        }
-        # (dp rank or None, mp rank) -> its model states: ZeRO-3's per rank, else mp_rank_XX's
-        states = {
-            (int(m[1]) if m[1] is not None else None, int(m[2])): (m[0], e)
-            for n, e in here.items()
-            if (m := _MODEL_STATES.fullmatch(n))
-        }
-        for name, shard in here.items():
-            if not (o := _OPTIM.fullmatch(name)):
-                continue
-            rank, mp = int(o[2]), int(o[3])
-            # The model states the same process wrote just before this shard (ZeRO-3's own, or
-            # mp_rank_XX's, written by data-parallel rank 0), else rank 0's: one lookup a shard.
-            found = states.get((rank, mp)) or states.get((None, mp))
-            if found is None:
-                continue
-            checked = True
-            ms_name, e = found
-            same = (rank, mp) in states or rank == 0
-            gap = (e.mtime_ns - shard.mtime_ns) / 1e9
-            if gap > (MTIME_SLACK if same else SAVE_SPAN):
-                who = "the same rank" if same else "DeepSpeed"
-                why = (
-                    f"rank {rank}'s shard {prefix}{name} is {format_age(gap)} older than {prefix}{ms_name}, "
-                    f"which {who} writes before it"
-                )
-                problems.append((gap, why))
+    for found, more in (dcp.metadata_order(files, distcp), deepspeed.shard_order(files, tags)):
+        checked = checked or found
+        problems += more
     if problems:
         _, worst = max(problems)
         more = f" (and {len(problems) - 1} more out of order)" if len(problems) > 1 else ""

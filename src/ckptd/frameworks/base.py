@@ -1,12 +1,14 @@
 """The protocol every framework module answers, and the census helpers several of them share.
 
 The engine (evidence.Inspector) walks a checkpoint once and hands its framework a `Save`: the
-entries by path, the run directory around it, and the few readers whose results the engine
-remembers between inspections (DeepSpeed's world sizes, trainer_state.json). The framework
-answers with its `Evidence`, and with what the engine asks of every checkpoint: which file it
-writes last and what before it (`last_written`, `written_before`), which files a save writes
-(`save_file`), its DeepSpeed tag directories (`tags`), the metrics its files carry (`metrics`).
-A framework that uses another's contract calls it (the Trainer under DeepSpeed: `save.deepspeed`).
+entries by path, the run directory around it, and `remembered`, the engine's memory of what was
+read from a file while its identity stays the same (DeepSpeed's world sizes, trainer_state.json
+use it). The framework answers with its `Evidence`, and with what the engine asks of every
+checkpoint: which file it writes last and what before it (`last_written`, `written_before`), which
+files a save writes (`save_file`), its DeepSpeed tag directories (`tags`), the metrics its files
+carry (`metrics`), the whole-file archives it writes (`whole_file_formats`); and of every run
+directory: what its resume pointers and "last" copies name (`resume_pointers`). A framework that
+uses another's contract calls it (the Trainer under DeepSpeed: `save.deepspeed`).
 """
 
 from __future__ import annotations
@@ -146,6 +148,18 @@ class Framework:
         """The entries of the run directory (`names`) that its own resume pointers or "last" copies
         name, each with why: what the next resume loads, never deleted. {} for a framework with none."""
         return {}
+
+
+# One save's order (evidence.one_save). Tolerated disorder between two files that one save writes
+# in order: mtime granularity (2s on some filesystems) and the clocks of nodes that set their own
+# mtimes (Lustre clients) a few seconds apart. A job re-saving the same step that soon after the
+# first save does not happen: it restarts first.
+MTIME_SLACK = 10.0
+# Between files of one save written by different ranks, with no barrier between them: a rank's
+# optimizer shard may end before rank 0 has finished writing the model states, by at most the time
+# that one file takes to write. Larger than that: the shard is from another save.
+SAVE_SPAN = 30 * 60.0
+OrderProblems = list[tuple[float, str]]  # (seconds out of order, why): files from two saves
 
 
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # JSON a framework writes (trainer_state.json, an index)

@@ -13,7 +13,16 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from ckptd import layouts
-from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
+from ckptd.config import format_age
+from ckptd.frameworks.base import (
+    MTIME_SLACK,
+    Evidence,
+    Framework,
+    OrderProblems,
+    Save,
+    _known_world,
+    _rank_files,
+)
 from ckptd.model import Check, Entry, Verdict
 
 PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
@@ -108,3 +117,24 @@ def nested_metadata(files: Mapping[str, Entry], dirs: Iterable[str], skip_top: b
         if d == "" and skip_top:
             continue
         yield _dcp_metadata(files, d)  # type: ignore[arg-type]
+
+
+def metadata_order(
+    files: Mapping[str, Entry], distcp: Mapping[str, tuple[int, str]]
+) -> tuple[bool, OrderProblems]:
+    """For one save's order (`evidence.one_save`): each directory's last-written file (DCP's
+    `.metadata`, megatron-core's `metadata.json`: `_WRITTEN_LAST`) not older than the newest *.distcp
+    beside it (`distcp`: directory -> its newest one's (mtime, path)). Returns whether any was there
+    to tell by, and the problems."""
+    checked, problems = False, []
+    for d, (newest_ns, newest) in distcp.items():
+        for last in _WRITTEN_LAST:
+            marker = files.get(f"{d}/{last}" if d else last)
+            if marker is None or marker.kind != "f":
+                continue
+            checked = True
+            gap = (newest_ns - marker.mtime_ns) / 1e9
+            if gap > MTIME_SLACK:
+                why = f"{f'{d}/' if d else ''}{last} is {format_age(gap)} older than {newest}"
+                problems.append((gap, f"{why}, which is written before it"))
+    return checked, problems

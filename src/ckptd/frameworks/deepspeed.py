@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 from ckptd import dsmeta, layouts, mounts, slim
 from ckptd import verdicts as verdicts_
+from ckptd.config import format_age
 from ckptd.frameworks.base import (
+    MTIME_SLACK,
+    SAVE_SPAN,
     Evidence,
     Framework,
+    OrderProblems,
     Save,
     pointer_target,
     read_pointer,
@@ -167,6 +171,48 @@ def census(save: Save, gs: str) -> tuple[Check, dsmeta.WorldSizes | None]:
         else ""
     )
     return Check(name, PASSED, f"{present}/{len(expected)} files present{gone}, {kind} ({origin})"), sizes
+
+
+def shard_order(files: Mapping[str, Entry], tags: Iterable[str]) -> tuple[bool, OrderProblems]:
+    """For one save's order (`evidence.one_save`), in each tag directory (`tags`, "" for the
+    checkpoint itself): each rank's optimizer shard not older than the model states its process
+    wrote before it (engine.py save_checkpoint: _save_checkpoint, then _save_zero_checkpoint), and
+    no shard long older than rank 0's (`SAVE_SPAN`: no barrier between ranks). `files`: the
+    trainer's (ckptd's own left out). Returns whether any shard had model states to tell by, and
+    the problems."""
+    checked, problems = False, []
+    for tag in tags:
+        prefix = f"{tag}/" if tag else ""
+        here = {
+            rel[len(prefix) :]: e for rel, e in files.items() if rel.startswith(prefix) and e.kind == "f"
+        }
+        # (dp rank or None, mp rank) -> its model states: ZeRO-3's per rank, else mp_rank_XX's
+        states = {
+            (int(m[1]) if m[1] is not None else None, int(m[2])): (m[0], e)
+            for n, e in here.items()
+            if (m := _MODEL_STATES.fullmatch(n))
+        }
+        for name, shard in here.items():
+            if not (o := _OPTIM.fullmatch(name)):
+                continue
+            rank, mp = int(o[2]), int(o[3])
+            # The model states the same process wrote just before this shard (ZeRO-3's own, or
+            # mp_rank_XX's, written by data-parallel rank 0), else rank 0's: one lookup a shard.
+            found = states.get((rank, mp)) or states.get((None, mp))
+            if found is None:
+                continue
+            checked = True
+            ms_name, e = found
+            same = (rank, mp) in states or rank == 0
+            gap = (e.mtime_ns - shard.mtime_ns) / 1e9
+            if gap > (MTIME_SLACK if same else SAVE_SPAN):
+                who = "the same rank" if same else "DeepSpeed"
+                why = (
+                    f"rank {rank}'s shard {prefix}{name} is {format_age(gap)} older than {prefix}{ms_name}, "
+                    f"which {who} writes before it"
+                )
+                problems.append((gap, why))
+    return checked, problems
 
 
 # --- the resume pointer `latest` -----------------------------------------------------------
