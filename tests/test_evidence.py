@@ -456,15 +456,15 @@ def test_world_size_cache_is_keyed_by_file_identity(tmp_path, monkeypatch):
 
 
 def test_trainer_state_is_parsed_again_only_when_it_changed(tmp_path, monkeypatch):
-    from ckptd import evidence
+    from ckptd.frameworks import hf
 
     inspector = later_inspector()
     ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, losses={10: 0.5}, mtime=OLD)
     cand = layouts.recognise_by_name(ckpt.name, True)
     ctx = RunContext(tmp_path / "run", frozenset(os.listdir(tmp_path / "run")))
     parses = []
-    real_parse = evidence.parse_trainer_state
-    monkeypatch.setattr(evidence, "parse_trainer_state", lambda data: parses.append(1) or real_parse(data))
+    real_parse = hf.parse_trainer_state
+    monkeypatch.setattr(hf, "parse_trainer_state", lambda data: parses.append(1) or real_parse(data))
     first = inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
     second = inspector.inspect(tmp_path, "run", ctx, cand, now=NOW)
     assert len(parses) == 1 and second.trainer_state == first.trainer_state

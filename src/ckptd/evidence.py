@@ -36,17 +36,29 @@ import json
 import os
 import stat
 import struct
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from ckptd import attestation, dsmeta, frameworks, fwmetrics, layouts, mounts, slim, space, volread
+from ckptd import attestation, frameworks, fwmetrics, layouts, mounts, slim, space, volread
 from ckptd import verdicts as verdicts_
 from ckptd.config import Pattern, format_age, format_duration, format_size, pin_matches
-from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES, RunContext, Save, read_pointer
-from ckptd.frameworks.dcp import _WRITTEN_LAST, _dcp_metadata
-from ckptd.frameworks.deepspeed import _MODEL_STATES, _OPTIM, _ZERO3_MODEL
-from ckptd.frameworks.hf import TRAINER_STATE
+from ckptd.frameworks import dcp, deepspeed
+from ckptd.frameworks.base import (  # noqa: F401 (MAX_TRAINER_STATE_BYTES, read_pointer: re-exported)
+    MAX_TRAINER_STATE_BYTES,
+    MTIME_SLACK,
+    SAVE_SPAN,
+    RunContext,
+    Save,
+    read_pointer,
+)
+from ckptd.frameworks.deepspeed import LATEST as DEEPSPEED_LATEST  # noqa: F401 (re-exported: its old home)
+from ckptd.frameworks.hf import (  # noqa: F401 (re-exported: their old home)
+    TRAINER_STATE,
+    _trainer_state,
+    parse_trainer_state,
+)
+from ckptd.frameworks.lightning import last_link_targets  # noqa: F401 (re-exported: its old home)
 from ckptd.frameworks.megatron import _megatron_core, _megatron_tracker, megatron_iteration  # noqa: F401
 from ckptd.frameworks.orbax import _orbax  # noqa: F401 (re-exported: its old home)
 from ckptd.frameworks.pattern import EVIDENCE, QUIET_ALONE
@@ -60,9 +72,7 @@ from ckptd.model import (  # Entry: re-exported, it is evidence's word
     Entry,
     Slimming,
     State,
-    TrainerState,
     Verdict,
-    as_metric,
 )
 from ckptd.weights import WeightsReader
 
@@ -113,7 +123,7 @@ def walk(path: Path) -> list[Entry]:
             for e in it:
                 try:
                     est = e.stat(follow_symlinks=False)
-                    kind = _kind(est.st_mode)
+                    kind = _KINDS.get(stat.S_IFMT(est.st_mode), "o")
                     if kind == "d" and (est.st_dev != st.st_dev or mounts.is_mount_root(e.path)):
                         kind = MOUNT  # another filesystem: seen, never entered, never deleted
                 except FileNotFoundError:
@@ -132,6 +142,9 @@ def walk(path: Path) -> list[Entry]:
     return out
 
 
+_KINDS = {stat.S_IFDIR: "d", stat.S_IFREG: "f", stat.S_IFLNK: "l"}  # `_kind`'s, by file type
+
+
 def _kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "d"
@@ -146,10 +159,6 @@ def _kind(mode: int) -> str:
 # (trainer_state.json, the slim marker, megatron-core's metadata.json, indexes, configs), and what each
 # framework names in its `read_whole` (Orbax's metadata and metrics).
 _READ_WHOLE = frozenset().union(*(fw.read_whole for fw in frameworks.REGISTRY))
-
-
-def _read_whole(e: Entry) -> bool:
-    return e.kind == "f" and (e.rel.endswith(".json") or e.rel in _READ_WHOLE)
 
 
 def fingerprint(entries: list[Entry]) -> str:
@@ -216,20 +225,22 @@ class Inspector:
         except TooDeep as exc:
             entries, too_deep = exc.entries, Check("walk", UNKNOWN, f"not fully inspected: {exc}")
         files = {e.rel: e for e in entries}
-        newest_ns = max(e.mtime_ns for e in entries)
-        trainer_state: TrainerState | None = None
+        fw = frameworks.get(cand.layout)
+        marker = read_slim_marker(path, files) if cand.is_dir else None
+        removed = frozenset(p for p, _ in marker.removed) if isinstance(marker, slim.Marker) else frozenset()
+        surveyed = bool(fw.slim_weights) and (marker is None or isinstance(marker, slim.Marker))
+        seen = _Pass(entries, path.name, fw, slim.removable_file(fw.checkpoint_is_tag, cand.name, slim_files)
+                     if surveyed else None)
+        newest_ns = seen.newest_ns
+        trainer_state = None
         rel = cand.name if run_rel == "." else f"{run_rel}/{cand.name}"
         digest = fingerprint(entries)
         self._look = self.verdicts.begin(str(path), entries)
-        marker = read_slim_marker(path, files) if cand.is_dir else None
-        removed = frozenset(p for p, _ in marker.removed) if isinstance(marker, slim.Marker) else frozenset()
 
         checks = [quiet(rel, digest, newest_ns) if quiet is not None else self._quiet(newest_ns, now)]
-        fw = frameworks.get(cand.layout)
         save = Save(
             path, files, run, cand, world_size, self.mp_world_size, removed, pattern,
-            deepspeed=lambda gs: self._deepspeed(path, gs, files, world_size, removed),
-            trainer_state=lambda: self._trainer_state(path, files),
+            remembered=self._remembered, share_history=self.verdicts.share_history,
         )
         found = fw.evidence(save)
         checks.extend(found.checks)
@@ -238,35 +249,38 @@ class Inspector:
             user = frameworks.USER_PATTERN.evidence(save)  # the user's pattern over a known save
             checks.extend(user.checks)
             ranks = ranks if ranks is not None else user.ranks
-        checks.extend(_nested_dcp(files, skip_top=fw.owns_top_dcp))
-        checks.extend(one_save(files, last=fw.last_written, tags=fw.tags(files)))
-        integrity = _integrity(path, entries, self._file_problem)
+        checks.extend(dcp.nested_metadata(files, sorted(seen.distcp_dirs), skip_top=fw.owns_top_dcp))
+        checks.extend(one_save(seen.theirs, seen.distcp, seen.before_last, fw.last_written, fw.tags(files)))
+        integrity = _integrity(path, seen.integrity, self._file_problem)
         checks.append(integrity)
         # The training job's commit records, whatever the framework (attestation.py); none: [].
         checks.extend(attestation.checks(path, files, removed) if cand.is_dir else ())
         metrics, metric_problem = fw.metrics(save, metric, integrity.verdict is PASSED, self.ckpt_scores.read)
         if too_deep is not None:
             checks.append(too_deep)
-        if marker is None or isinstance(marker, slim.Marker):
-            slimming = slim.survey(cand.layout, cand.name, files, slim_files, marker)
+        if surveyed:
+            slimming = slim.survey(
+                cand.layout, cand.name, files, slim_files, marker, removable=seen.removable  # type: ignore[arg-type]
+            )
             if slimming.removable and marker is None and slim_weights:  # the dtypes of what a slim keeps
-                seen = self._weights.read(path, files)
-                slimming = slim.survey(cand.layout, cand.name, files, slim_files, None, seen, slim_weights)
+                weights = self._weights.read(path, files)
+                slimming = slim.survey(
+                    cand.layout, cand.name, files, slim_files, None, weights, slim_weights, seen.removable
+                )
+        elif marker is None or isinstance(marker, slim.Marker):
+            slimming = Slimming()  # a framework whose saves are never slimmed
         else:
             slimming = Slimming(slimmed=True)  # unreadable marker: not full, and nothing to do
         if marker is not None:
             checks.append(_slimmed(files, marker))
 
         pinned = layouts.PIN_FILE in files if cand.is_dir else f"{cand.name}{layouts.PIN_FILE}" in run.names
-        saved_at, written_at, touched_at = _save_times(
-            entries, marker, newest_ns, cand.layout, slimming.consolidated
-        )
-        inside = tuple(e.rel for e in entries if e.kind == MOUNT)
-        dirs = [e.rel for e in entries if e.kind == "d"]
-        holds = layouts.held(cand.layout, files, dirs) if cand.is_dir else []
+        saved_at, written_at, touched_at = _times(seen, marker, slimming.consolidated)
+        inside = tuple(seen.mounts)
+        holds = layouts.held(cand.layout, files, seen.dirs) if cand.is_dir else []
         if mounts.is_mount_root(path):
             inside = ("", *inside)
-        self.verdicts.end(self._look, entries, digest, (e for e in entries if _read_whole(e)))
+        self.verdicts.end(self._look, entries, digest, seen.read_whole)
         size, shared = space.footprint(entries)
         return Checkpoint(
             root=root,
@@ -301,36 +315,21 @@ class Inspector:
             return read()
         return self._look.verdict(kind, entry, read)
 
-    def _file_problem(self, checkpoint: Path, e: Entry) -> str | None:
-        """`file_problem` of the checkpoint's entry `e`, remembered while the file is the same: an
-        unchanged file is read once (and its path not even built).
+    def _file_problem(self, checkpoint: str, e: Entry) -> str | None:
+        """`file_problem` of the entry `e` of the checkpoint at `checkpoint`, remembered while the file
+        is the same: an unchanged file is read once (and its path not even built).
 
         A read that failed (an I/O error) is a problem this time and not remembered.
         """
 
         def read() -> str | None:
-            return file_problem(os.path.join(checkpoint, e.rel) if e.rel else checkpoint, e)
+            return file_problem(f"{checkpoint}/{e.rel}" if e.rel else checkpoint, e)
 
+        look = self._look
         try:
-            return self._remembered(verdicts_.FILE, e, read)  # type: ignore[return-value]
+            return read() if look is None else look.verdict(verdicts_.FILE, e, read)
         except OSError as exc:
             return f" could not be read: {exc.strerror or exc}"
-
-    def _trainer_state(self, path: Path, files: dict[str, Entry]) -> tuple[Check, TrainerState | None]:
-        """Parsed again only when the file changed: an in-flight checkpoint is looked at every poll,
-        and a long run's log history takes tens of milliseconds to parse."""
-        entry = files.get(TRAINER_STATE)
-        if entry is None or entry.kind != "f":
-            return _trainer_state(path, files)
-
-        def read() -> tuple[Check, TrainerState | None]:
-            check, ts = _trainer_state(path, files)
-            return check, (self.verdicts.share_history(ts, str(path.parent)) if ts is not None else None)
-
-        try:
-            return self._remembered(verdicts_.TRAINER_STATE, entry, read)  # type: ignore[return-value]
-        except OSError as exc:  # not remembered: read again next time
-            return Check(TRAINER_STATE, FAILED, f"unreadable: {type(exc).__name__}: {exc}"), None
 
     def _quiet(self, newest_ns: int, now: float) -> Check:
         age = now - newest_ns / 1e9
@@ -341,133 +340,131 @@ class Inspector:
             return Check(QUIET, FAILED, f"last change {age:.1f}s ago, quiet_period={period}")
         return Check(QUIET, PASSED, f"unchanged for {format_age(age)} (quiet_period={period})")
 
-    def _world_sizes(
-        self, ckpt: Path, gs: str, files: dict[str, Entry], stage3: bool, world_size: int | None
-    ) -> dsmeta.WorldSizes | str:
-        """World sizes from the model-states file, else from config; or why not."""
-        name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage3 else "mp_rank_00_model_states.pt"
-        rel = f"{gs}/{name}" if gs else name
-        entry = files.get(rel)
-        if entry is not None:
 
-            def read() -> dsmeta.WorldSizes | str:
-                try:
-                    return dsmeta.read_world_sizes(ckpt / rel)
-                except dsmeta.MetadataUnavailable as exc:
-                    return str(exc)
 
-            found = self._remembered(verdicts_.WORLD, entry, read)  # an OSError: the volume is failing
-            if isinstance(found, dsmeta.WorldSizes):
-                return found
-            why = found
-        else:
-            why = f"{name} missing"
-        if world_size is not None:
-            return dsmeta.WorldSizes(world_size, self.mp_world_size, None, "config world_size")
-        return why
+# --- one pass over a checkpoint's entries -----------------------------------------------------
 
-    def _deepspeed(
-        self,
-        ckpt: Path,
-        gs: str,
-        files: dict[str, Entry],
-        world_size: int | None,
-        removed: frozenset[str] = frozenset(),
-    ) -> tuple[Check, dsmeta.WorldSizes | None]:
-        """The shard census of one `global_step*` directory (`gs`; "" for `ckpt` itself).
+# Every name ckptd puts inside a checkpoint (the pin, the slim marker, its work directory, the job's
+# commit records) holds this: an entry without it is no one's but the trainer's, asked nothing more.
+_OWN_MARK = "ckptd"
+if not all(_OWN_MARK in n for n in (layouts.PIN_FILE, slim.MARKER, slim.LEGACY_WORK_DIR,
+                                    attestation.RECORD_DIR)):
+    raise ImportError(f"a name ckptd writes into checkpoints lacks {_OWN_MARK!r}: `_Pass` would miss it")
+_OWN_TOP = frozenset({slim.MARKER, f"{slim.MARKER}.tmp", layouts.PIN_FILE})  # `_save_times`'s, at the top
+# The files the integrity check reads the end of: torch.save's zips and safetensors at any depth, and
+# a checkpoint that is itself one file in the archive format its framework writes (`whole_file_formats`).
+_CHECKED_SUFFIXES = (*ZIP_SUFFIXES, SAFETENSORS_SUFFIX)
+_WHOLE_FILE_FORMATS = {suffix: fmt for fw in frameworks.REGISTRY for suffix, fmt in fw.whole_file_formats}
+_WHOLE_FILE_SUFFIXES = tuple(_WHOLE_FILE_FORMATS)
+_TAR_SUFFIXES = tuple(suffix for suffix, fmt in _WHOLE_FILE_FORMATS.items() if fmt == "tar")
 
-        Optimizer shards that a slim marker lists as `removed` are not demanded.
-        """
-        name = f"deepspeed shards{f' ({gs})' if gs else ''}"
-        prefix = f"{gs}/" if gs else ""
-        # A FIFO, socket or device named like a shard is not one (nothing can load it, and the
-        # consolidator would block reading it): only files, or links to them, are present.
-        here = {
-            rel[len(prefix) :]
-            for rel, e in files.items()
-            if rel.startswith(prefix)
-            and "/" not in rel[len(prefix) :]
-            and (e.kind in ("f", "l") or rel == gs)
-        }
-        slimmed = {
-            n
-            for rel in removed
-            if rel.startswith(prefix) and _OPTIM.fullmatch(n := rel[len(prefix) :]) and n not in here
-        }
-        here_or_slimmed = here | slimmed
-        stage3 = any(_ZERO3_MODEL.fullmatch(n) for n in here)
-        sizes = self._world_sizes(ckpt, gs, files, stage3, world_size)
-        if isinstance(sizes, str):
-            if not here - {""}:
-                return Check(name, FAILED, f"{gs or 'directory'} is empty"), None
-            return Check(name, UNKNOWN, f"cannot count shards: {sizes}"), None
-        # Optimizer shards are expected from what the checkpoint itself shows: ZeRO-3 names, a
-        # ZeRO stage or bf16 in the saved ds_config, the model states' own structure
-        # (`WorldSizes.shards`: a ds_config saved as a path says nothing), or any shard present.
-        shard_present = any(_OPTIM.fullmatch(n) for n in here_or_slimmed)
-        bf16 = any(n.startswith("bf16_zero_pp_rank_") for n in here_or_slimmed) or (
-            not shard_present and bool(sizes.bf16)
-        )
-        zero = stage3 or (sizes.stage or 0) > 0 or sizes.shards or shard_present
-        expected: list[str] = []
-        for m in range(sizes.mp):
-            if stage3:
-                expected += [f"zero_pp_rank_{r}_mp_rank_{m:02d}_model_states.pt" for r in range(sizes.dp)]
-            else:
-                expected.append(f"mp_rank_{m:02d}_model_states.pt")
-            if zero:
-                opt = "bf16_" if bf16 else ""
-                expected += [
-                    f"{opt}zero_pp_rank_{r}_mp_rank_{m:02d}_optim_states.pt" for r in range(sizes.dp)
-                ]
-        missing = [n for n in expected if n not in here_or_slimmed]
-        origin = f"dp_world_size={sizes.dp}, mp_world_size={sizes.mp} from {sizes.source}"
-        if missing:
-            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-            return Check(name, FAILED, f"{shown} missing ({origin})"), sizes
-        if stage3:
-            kind = "ZeRO-3"
-        elif sizes.stage is not None:
-            kind = f"ZeRO-{sizes.stage}"
-        else:
-            kind = "ZeRO" if zero else "no ZeRO"
-        present = len(expected) - len(slimmed & set(expected))
-        gone = (
-            f", {len(expected) - present} optimizer shards removed by slimming"
-            if present < len(expected)
-            else ""
-        )
-        return Check(name, PASSED, f"{present}/{len(expected)} files present{gone}, {kind} ({origin})"), sizes
+
+class _Pass:
+    """What the checks need of a checkpoint's entries, from one loop over them: each entry is
+    classified once (the trainer's or ckptd's own, a file a save wrote, one whose end the integrity
+    check reads, one a slim would remove, one read whole) and the checks are fed the results."""
+
+    __slots__ = ("before_last", "dirs", "distcp", "distcp_dirs", "fw", "integrity", "known", "mounts",
+                 "newest_ns", "read_whole", "removable", "theirs", "timed")
+
+    def __init__(self, entries: list[Entry], name: str, fw: frameworks.Framework,
+                 removable: Callable[[str], bool] | None):
+        self.fw = fw
+        last_before = fw.last_written[2] if fw.last_written is not None else None
+        newest = entries[0].mtime_ns
+        theirs: dict[str, Entry] = {}  # not ckptd's own (`_ckptd_own`): `one_save`'s
+        timed: list[Entry] = []  # the files that say when it was saved (`_save_times`)
+        integrity: list[Entry] = []
+        distcp_dirs: set[str] = set()  # every directory holding a `*.distcp` entry (DCP's .metadata demanded)
+        distcp: dict[str, tuple[int, str]] = {}  # directory -> its newest *.distcp file, not ckptd's
+        before_last: list[Entry] = []  # the trainer's files its framework writes before its last-written one
+        known: dict[str, bool] = {}  # that answer, by path, for `_not_rewritten`
+        dirs: list[str] = []
+        mounts_: list[str] = []
+        read_whole: list[Entry] = []
+        slimmed: list[tuple[str, int]] | None = [] if removable is not None else None
+        for e in entries:
+            rel, kind = e.rel, e.kind
+            if e.mtime_ns > newest:
+                newest = e.mtime_ns
+            maybe_own = _OWN_MARK in rel
+            own = maybe_own and _ckptd_own(rel)
+            if not own:
+                theirs[rel] = e
+            if rel.endswith(".distcp"):
+                d = rel.rpartition("/")[0]
+                distcp_dirs.add(d)
+                if kind == "f" and not own:
+                    distcp[d] = max(distcp.get(d, (0, "")), (e.mtime_ns, rel))
+            if kind == "f":
+                if last_before is not None and not own:
+                    known[rel] = hit = last_before(rel)
+                    if hit:
+                        before_last.append(e)
+                if not maybe_own or not (
+                    rel in _OWN_TOP or slim.in_work_dir(rel) or attestation.is_metadata(rel)
+                ):
+                    timed.append(e)
+                if rel:
+                    if rel.endswith(_CHECKED_SUFFIXES):
+                        integrity.append(e)
+                    if rel.endswith(".json") or rel in _READ_WHOLE:
+                        read_whole.append(e)
+                    if slimmed is not None and removable(rel):  # type: ignore[misc]
+                        slimmed.append((rel, e.size))
+                elif name.endswith(_CHECKED_SUFFIXES) or name.endswith(_WHOLE_FILE_SUFFIXES):
+                    integrity.append(e)  # the checkpoint is this one file
+            elif kind == "d":
+                dirs.append(rel)
+            elif kind == MOUNT:
+                mounts_.append(rel)
+        self.newest_ns = newest
+        self.theirs, self.timed, self.integrity, self.before_last, self.known = (
+            theirs, timed, integrity, before_last, known)
+        self.distcp_dirs, self.distcp, self.dirs, self.mounts, self.read_whole = (
+            distcp_dirs, distcp, dirs, mounts_, read_whole)
+        self.removable = tuple(sorted(slimmed)) if slimmed is not None else None
+
+
+def _times(
+    seen: _Pass, marker: slim.Marker | str | None, consolidated: ConsolidatedWeights | None
+) -> tuple[float, float, float]:
+    """`_save_times` of the files the pass found, less the weights ckptd consolidated."""
+    return _save_times(seen.timed, marker, seen.newest_ns, seen.fw, consolidated, seen.known)
 
 
 def _save_times(
-    entries: list[Entry],
+    timed: list[Entry],
     marker: slim.Marker | str | None,
     newest_ns: int,
-    layout: str = "",
+    fw: frameworks.Framework,
     consolidated: ConsolidatedWeights | None = None,
+    known: dict[str, bool] | None = None,
 ) -> tuple[float, float, float]:
     """(saved_at, written_at, touched_at): the oldest mtime of the checkpoint's files, the newest of
-    the files its framework writes in a save (`save_files`), and the newest of any of its files.
+    the files its framework writes in a save (`save_file`), and the newest of any of its files.
 
     Directories are left out (adding a pin or touching one moves their mtime), and so are
     ckptd's own files (the pin, the slim marker, weights it consolidated, its work directory):
     none of them says when the trainer saved. `written_at` leaves out, besides, what was added
     to the checkpoint after its save (an evaluation's results.json, a zero_to_fp32 conversion):
     an old checkpoint given a new file is not the run's newest save. Where
-    the layout's own files cannot be told (`save_files` has none for it), every file counts.
+    the layout's own files cannot be told (`save_file` is False for all), every file counts.
     A checkpoint with no such file (an empty directory) falls back to its newest mtime. Nor does
     a file the framework writes last in its save, rewritten later (`_not_rewritten`: sed -i over
     trainer_state.json after a move), move `written_at`; `touched_at` counts it.
+
+    `timed`: the pass's files (`_Pass`) less the pin, the slim marker (and its temp name), the
+    work directory and the job's commit records; here less the weights ckptd consolidated.
     """
-    own = slim.ckptd_files(marker if isinstance(marker, slim.Marker) else None) | {layouts.PIN_FILE}
+    own = slim.ckptd_files(marker if isinstance(marker, slim.Marker) else None) - _OWN_TOP
     if consolidated is not None:  # fp32/ consolidated before the slim that will record it
         own |= {consolidated.index, *(path for path, _, _ in consolidated.files)}
-    theirs = [e for e in entries if e.kind == "f" and e.rel not in own and not slim.in_work_dir(e.rel)]
-    theirs = [e for e in theirs if not attestation.is_metadata(e.rel)]  # .ckptd/: the job's commit records
+    theirs = [e for e in timed if e.rel not in own] if own else timed
     if not theirs:
         return newest_ns / 1e9, newest_ns / 1e9, newest_ns / 1e9
-    saved = _not_rewritten([e for e in theirs if save_files(layout, e.rel)], layout)
+    save_file = fw.save_file
+    saved = _not_rewritten([e for e in theirs if save_file(e.rel)], fw, known)
     saved = [e.mtime_ns for e in saved] or [e.mtime_ns for e in theirs]
     return min(e.mtime_ns for e in theirs) / 1e9, max(saved) / 1e9, max(e.mtime_ns for e in theirs) / 1e9
 
@@ -475,23 +472,28 @@ def _save_times(
 # A save's last-written files rewritten after it: a script fixing paths in every
 # trainer_state.json after a move (sed -i writes a new file) gives each the time of the fix, in
 # shell order, and the old checkpoint fixed last would be the run's newest save. The framework
-# writes such a file right after the others of its save (`_written_before`), in the same process:
+# writes such a file right after the others of its save (`written_before`), in the same process:
 # seconds after them, minutes at most on a slow filesystem. One much newer than all of them was
 # rewritten later, and its mtime does not say when the save ended. The bound is `SAVE_SPAN`, the
 # most one save's files are apart in `one_save`: a real save is never excluded, and a rewrite
 # within it moves `written_at` by no more than a save can take.
-def _written_before(layout: str, rel: str) -> Callable[[str], bool] | None:
-    """The files the framework writes before `rel` in one save, if it writes `rel` last; else None."""
-    return frameworks.get(layout).written_before(rel)
-
-
-def _not_rewritten(saved: list[Entry], layout: str) -> list[Entry]:
+def _not_rewritten(
+    saved: list[Entry], fw: frameworks.Framework, known: dict[str, bool] | None = None
+) -> list[Entry]:
     """`saved` less each last-written file more than `SAVE_SPAN` newer than every file its framework
-    writes before it (`_written_before`). Kept where none of those is there: nothing to tell by."""
+    writes before it (`written_before`). Kept where none of those is there: nothing to tell by.
+    `known`: what the framework's last-written file's `written_before` answered, by path (the pass)."""
     kept = []
+    last_before = fw.last_written[2] if fw.last_written is not None else None
     for e in saved:
-        before = _written_before(layout, e.rel)
-        ahead = [o.mtime_ns for o in saved if o is not e and before(o.rel)] if before is not None else []
+        before = fw.written_before(e.rel)
+        if before is None:
+            ahead = []
+        elif before is last_before and known is not None:
+            ahead = [o.mtime_ns for o in saved if o is not e and (
+                known[o.rel] if o.rel in known else before(o.rel))]
+        else:
+            ahead = [o.mtime_ns for o in saved if o is not e and before(o.rel)]
         if not ahead or e.mtime_ns - max(ahead) <= SAVE_SPAN * 1e9:
             kept.append(e)
     return kept
@@ -512,14 +514,6 @@ def save_files(layout: str, rel: str) -> bool:
 # counts is there (a slow rank's old shard among them). What gives it away is order: a file the
 # framework writes *after* another, in one save, older than it.
 ONE_SAVE = "one save"
-# Tolerated disorder between two files that one save writes in order: mtime granularity (2s on some
-# filesystems) and the clocks of nodes that set their own mtimes (Lustre clients) a few seconds apart.
-# A job re-saving the same step that soon after the first save does not happen: it restarts first.
-MTIME_SLACK = 10.0
-# Between files of one save written by different ranks, with no barrier between them: a rank's
-# optimizer shard may end before rank 0 has finished writing the model states, by at most the time
-# that one file takes to write. Larger than that: the shard is from another save.
-SAVE_SPAN = 30 * 60.0
 
 
 def _tags(layout: str, files: dict[str, Entry]) -> list[str]:
@@ -540,7 +534,11 @@ def _ckptd_own(rel: str) -> bool:
 
 
 def one_save(
-    files: dict[str, Entry], *, last: tuple[str, str, Callable[[str], bool]] | None, tags: Iterable[str]
+    files: dict[str, Entry],
+    distcp: dict[str, tuple[int, str]],
+    before_last: list[Entry],
+    last: tuple[str, str, Callable[[str], bool]] | None,
+    tags: Iterable[str],
 ) -> list[Check]:
     """Whether the checkpoint's files are from one save, by the order its framework writes them:
     the Trainer's trainer_state.json after everything else it saves (`_BEFORE_TRAINER_STATE`, every
@@ -553,66 +551,24 @@ def one_save(
 
     Only "older than" counts: a file added after the save (an evaluation's output, zero_to_fp32's
     weights) is newer, never a reason. A copy that did not keep mtimes (cp -r without -p) can
-    break the order: its checkpoints are kept, and `plan` says so (planner.decide)."""
-    files = {rel: e for rel, e in files.items() if not _ckptd_own(rel)}
+    break the order: its checkpoints are kept, and `plan` says so (planner.decide).
+
+    Fed by the pass over the entries (`_Pass`): `files` less ckptd's own, each directory's newest
+    *.distcp file, the files written before the framework's last-written one (`last`)."""
     problems: list[tuple[float, str]] = []  # (seconds out of order, why)
     checked = False
     name, who, before = last if last is not None else ("", "", None)
     ts = files.get(name) if before is not None else None
     if ts is not None and ts.kind == "f" and before is not None:
-        for rel, e in files.items():
-            if e.kind == "f" and before(rel):
-                checked = True
-                gap = (e.mtime_ns - ts.mtime_ns) / 1e9
-                if gap > MTIME_SLACK:
-                    why = f"{name} is {format_age(gap)} older than {rel}"
-                    problems.append((gap, f"{why}, which {who} writes before it"))
-    distcp: dict[str, tuple[int, str]] = {}  # directory -> its newest *.distcp (mtime, path)
-    for rel, e in files.items():
-        if e.kind == "f" and rel.endswith(".distcp"):
-            d = rel.rpartition("/")[0]
-            distcp[d] = max(distcp.get(d, (0, "")), (e.mtime_ns, rel))
-    for d, (newest_ns, newest) in distcp.items():
-        for last in _WRITTEN_LAST:
-            marker = files.get(f"{d}/{last}" if d else last)
-            if marker is None or marker.kind != "f":
-                continue
+        for e in before_last:  # the trainer's files `before` names (the pass asked it of each)
             checked = True
-            gap = (newest_ns - marker.mtime_ns) / 1e9
+            gap = (e.mtime_ns - ts.mtime_ns) / 1e9
             if gap > MTIME_SLACK:
-                why = f"{f'{d}/' if d else ''}{last} is {format_age(gap)} older than {newest}"
-                problems.append((gap, f"{why}, which is written before it"))
-    for tag in tags:
-        prefix = f"{tag}/" if tag else ""
-        here = {
-            rel[len(prefix) :]: e for rel, e in files.items() if rel.startswith(prefix) and e.kind == "f"
-        }
-        # (dp rank or None, mp rank) -> its model states: ZeRO-3's per rank, else mp_rank_XX's
-        states = {
-            (int(m[1]) if m[1] is not None else None, int(m[2])): (m[0], e)
-            for n, e in here.items()
-            if (m := _MODEL_STATES.fullmatch(n))
-        }
-        for name, shard in here.items():
-            if not (o := _OPTIM.fullmatch(name)):
-                continue
-            rank, mp = int(o[2]), int(o[3])
-            # The model states the same process wrote just before this shard (ZeRO-3's own, or
-            # mp_rank_XX's, written by data-parallel rank 0), else rank 0's: one lookup a shard.
-            found = states.get((rank, mp)) or states.get((None, mp))
-            if found is None:
-                continue
-            checked = True
-            ms_name, e = found
-            same = (rank, mp) in states or rank == 0
-            gap = (e.mtime_ns - shard.mtime_ns) / 1e9
-            if gap > (MTIME_SLACK if same else SAVE_SPAN):
-                who = "the same rank" if same else "DeepSpeed"
-                why = (
-                    f"rank {rank}'s shard {prefix}{name} is {format_age(gap)} older than {prefix}{ms_name}, "
-                    f"which {who} writes before it"
-                )
-                problems.append((gap, why))
+                why = f"{name} is {format_age(gap)} older than {e.rel}"
+                problems.append((gap, f"{why}, which {who} writes before it"))
+    for found, more in (dcp.metadata_order(files, distcp), deepspeed.shard_order(files, tags)):
+        checked = checked or found
+        problems += more
     if problems:
         _, worst = max(problems)
         more = f" (and {len(problems) - 1} more out of order)" if len(problems) > 1 else ""
@@ -682,49 +638,6 @@ def step_mismatch(ckpt: Checkpoint, names: Iterable[str]) -> list[str]:
     return fw.step_mismatch(ckpt.name, ckpt.step, list(names), ckpt.trainer_state)
 
 
-def _trainer_state(path: Path, files: dict[str, Entry]) -> tuple[Check, TrainerState | None]:
-    entry = files.get(TRAINER_STATE)
-    if entry is None or entry.kind != "f":
-        return Check(TRAINER_STATE, FAILED, "missing (the Trainer writes it last)"), None
-    if entry.size > MAX_TRAINER_STATE_BYTES:
-        return Check(TRAINER_STATE, FAILED, f"{entry.size} bytes: larger than this tool will parse"), None
-    with volread.open_file(path / TRAINER_STATE) as f:  # an OSError is not a verdict: the caller's to handle
-        raw = f.read(MAX_TRAINER_STATE_BYTES + 1)
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        return Check(TRAINER_STATE, FAILED, f"unreadable: {type(exc).__name__}: {exc}"), None
-    if not isinstance(data, dict):
-        return Check(TRAINER_STATE, FAILED, "not a JSON object"), None
-    ts = parse_trainer_state(data)
-    return Check(TRAINER_STATE, PASSED, f"parsed (global_step={ts.global_step})"), ts
-
-
-def parse_trainer_state(data: dict) -> TrainerState:
-    """The parts of a trainer_state.json retention uses; anything malformed is ignored."""
-    history: dict[int, dict[str, object]] = {}
-    log = data.get("log_history")
-    for item in log if isinstance(log, list) else ():
-        if (
-            isinstance(item, dict)
-            and isinstance(item.get("step"), int)
-            and not isinstance(item["step"], bool)
-        ):
-            history.setdefault(item["step"], {}).update(item)
-    best = data.get("best_model_checkpoint")
-    best_name = os.path.basename(os.path.normpath(best)) if isinstance(best, str) and best else None
-    best_metric = data.get("best_metric")
-    step = data.get("global_step")
-    return TrainerState(
-        global_step=step if isinstance(step, int) and not isinstance(step, bool) else None,
-        best_model_checkpoint=best_name,
-        best_metric=as_metric(best_metric)  # type: ignore[arg-type]
-        if isinstance(best_metric, int | float) and not isinstance(best_metric, bool)
-        else None,
-        history=history,
-    )
-
-
 def on_quiet_alone(c: Checkpoint) -> bool:
     """Whether nothing but quiet proves this checkpoint finished (a user pattern without evidence)."""
     for k in c.checks:  # noqa: SIM110 (a loop, not any(): planning asks this of every checkpoint)
@@ -775,142 +688,35 @@ def with_sibling_census(ckpts: Iterable[Checkpoint]) -> list[Checkpoint]:
     return done
 
 
-DEEPSPEED_LATEST = "latest"
-
-
 def resume_pointers(run_path: Path, names: Collection[str]) -> dict[str, str]:
-    """The checkpoints a framework's own resume pointer names in a run directory, each with the
-    pointer's name: DeepSpeed's `latest` (the tag `load_checkpoint` loads; a user rolls it back
-    to resume from an earlier one) and Megatron's tracker. Not completeness evidence (rank 0
-    writes `latest` before the other ranks finish), but never deleted: the next resume loads it.
-
-    Read as the frameworks read them (`pointer_target`): `global_step10/`, `./global_step10` and
-    the absolute path all name global_step10. A pointer that is there but cannot be read (a
-    FIFO, EACCES, EIO, longer than a pointer can be) may name any checkpoint of the run, so
-    every one is named by it: kept, saying why, until it can be read. Guessing (or ignoring
-    it, as if absent) could delete the very checkpoint the next resume loads.
-    """
+    """The checkpoints of a run directory (`names`: its entries) that a framework's own resume
+    pointer or "last" copy names, each with why, asked of every framework (`Framework.resume_pointers`:
+    DeepSpeed's `latest`, Megatron's tracker, Lightning's and NeMo's `*last*` links). Not
+    completeness evidence (rank 0 writes `latest` before the other ranks finish), but never
+    deleted: the next resume loads it. A pointer that is there but cannot be read may name any
+    checkpoint of the run, so every one is named by it: kept, saying why, until it can be read.
+    Guessing (or ignoring it, as if absent) could delete the very checkpoint the next resume loads.
+    The first framework to name an entry says why."""
     found: dict[str, str] = {}
-    for pointer, label in ((DEEPSPEED_LATEST, "DeepSpeed's latest"), (layouts.MEGATRON_TRACKER, None)):
-        if pointer not in names:
-            continue
-        label = label or pointer
-        try:
-            text = read_pointer(run_path / pointer)
-        except FileNotFoundError:
-            continue  # gone since the listing: as if never there
-        except OSError as exc:
-            why = f"{label} (unreadable: {exc.strerror or exc}; it may name any checkpoint here)"
-            for name in names:
-                found.setdefault(name, why)
-            continue
-        named, why = pointer_target(run_path, pointer, text), label
-        if not named and pointer == DEEPSPEED_LATEST and os.path.isabs(text):
-            named, why = _absolute_elsewhere(run_path, text, names, label)
-        for name in named:
+    for fw in frameworks.REGISTRY:
+        for name, why in fw.resume_pointers(run_path, names).items():
             found.setdefault(name, why)
-    for name, why in last_link_targets(run_path, names).items():
-        found.setdefault(name, why)
     return found
 
 
-def last_link_targets(run_path: Path, names: Collection[str]) -> dict[str, str]:
-    """The checkpoints a `*last*` symlink of the run names: Lightning's `last.ckpt` with
-    save_last="link" (a link to the file it saved last, what ckpt_path="last" loads), NeMo's
-    `-last` links. Deleting the target leaves the link dangling and the resume with nothing to
-    load, so it is kept like what a resume pointer names. The link is read with os.readlink and
-    resolved as `pointer_target` resolves a pointer: only entries of this run are named. A link
-    whose target cannot be read may name any checkpoint here: every one is named by it."""
-    found: dict[str, str] = {}
-    for link in sorted(n for n in names if "last" in n.lower()):
-        try:
-            text = os.readlink(run_path / link)
-        except FileNotFoundError:
-            continue  # gone since the listing
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                continue  # not a symlink: a copy, not a pointer
-            why = f"{link} (a symlink that cannot be read: {exc.strerror or exc}; it may name any of them)"
-            for other in names:
-                found.setdefault(other, why)
-            continue
-        for name in pointer_target(run_path, link, text):
-            if name != link:
-                found.setdefault(name, f"{link} (a symlink to it)")
-    return found
+FileProblem = Callable[[str, "Entry"], str | None]  # (the checkpoint's path, one of its entries)
 
 
-def _absolute_elsewhere(
-    run_path: Path, text: str, names: Collection[str], label: str
-) -> tuple[set[str], str]:
-    """What an absolute `latest` that does not resolve inside the run names here. Another host
-    may mount the volume at another path (the trainer's node writes /data/ckpt/run/global_step10,
-    this one sees /vol/run): through a mount of the same directory seen here (a bind
-    mount: `mounts.located_in`), the run's entry it lies in; an existing directory elsewhere, not
-    this run's, nothing here; otherwise a last component naming one of the run's entries names it,
-    and any other cannot be told: it may name any checkpoint here, as an unreadable pointer."""
-    target = os.path.normpath(text)
-    rel = mounts.located_in(target, run_path)
-    if rel is not None:
-        return ({rel.split("/", 1)[0]} if rel != "." else set()), label
-    if os.path.isdir(target):
-        return set(), label  # a directory of its own, elsewhere: DeepSpeed loads that, not ours
-    name = os.path.basename(target)
-    if name in names and name != DEEPSPEED_LATEST:
-        return {name}, f"{label} (an absolute path not seen here, taken to name its last component {name})"
-    why = f"{label} ({target[:200]!r} is not seen here; it may name any checkpoint here)"
-    return set(names), why
-
-
-def pointer_target(run_path: Path, pointer: str, text: str) -> set[str]:
-    """The entries of `run_path` the resume pointer `pointer` holding `text` makes the framework
-    load, resolved as the framework resolves it: DeepSpeed `os.path.join(load_dir, tag)`
-    (engine.py load_checkpoint, zero_to_fp32), Megatron `os.path.join(path, 'iter_{:07d}')`
-    or 'release'. What the join lands on, or below, names the run's entry it lies in (a tag
-    `checkpoint-10/global_step10` keeps checkpoint-10). Both the lexical normpath and the
-    resolved path count: a symlink on the way (or a symlinked root spelled another way) may
-    make them differ, and keeping both is never less safe. Outside the run: nothing here."""
-    if pointer == layouts.MEGATRON_TRACKER:
-        iteration = megatron_iteration(text)
-        if iteration is None and text != "release":
-            return set()  # Megatron refuses it (and exits): it resumes from nothing
-        text = "release" if iteration is None else f"iter_{iteration:07d}"
-    if not text:
-        return set()
-    joined = os.path.join(run_path, text)
-    out = set()
-    for target, top in ((os.path.normpath(joined), os.path.normpath(run_path)),
-                        (os.path.realpath(joined), os.path.realpath(run_path))):
-        if target.startswith(top.rstrip("/") + "/"):
-            out.add(target[len(top.rstrip("/")) + 1 :].split("/", 1)[0])
-    return out
-
-
-def _nested_dcp(files: dict[str, Entry], skip_top: bool) -> Iterator[Check]:
-    """Any directory inside a checkpoint holding *.distcp files needs its .metadata."""
-    dirs = sorted({rel.rpartition("/")[0] for rel in files if rel.endswith(".distcp")})
-    for d in dirs:
-        if d == "" and skip_top:
-            continue
-        yield _dcp_metadata(files, d)
-
-
-FileProblem = Callable[[Path, "Entry"], str | None]  # (the checkpoint, one of its entries)
-
-
-def _integrity(path: Path, entries: list[Entry], problem: FileProblem) -> Check:
+def _integrity(path: Path, checked: list[Entry], problem: FileProblem) -> Check:
+    """Every file whose end says whether it is whole (`checked`, from the pass: torch.save zips and
+    safetensors at any depth, a whole-file checkpoint in its archive format) read for `problem`."""
     bad: list[str] = []
-    count = 0
-    for e in entries:
-        if e.kind != "f":
-            continue
-        name = e.rel or path.name
-        whole_file = not e.rel and name.endswith((".ckpt", ".nemo"))  # the checkpoint is this one file
-        if name.endswith((*ZIP_SUFFIXES, SAFETENSORS_SUFFIX)) or whole_file:
-            count += 1
-            why = problem(path, e)
-            if why:
-                bad.append(f"{name}{why}")
+    where = os.fspath(path)
+    for e in checked:
+        why = problem(where, e)
+        if why:
+            bad.append(f"{e.rel or path.name}{why}")
+    count = len(checked)
     if bad:
         shown = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
         return Check("file integrity", FAILED, shown)
@@ -920,12 +726,13 @@ def _integrity(path: Path, entries: list[Entry], problem: FileProblem) -> Check:
 
 
 def file_problem(path: str | Path, e: Entry) -> str | None:
-    """Why one torch, safetensors or .nemo file is not whole (as a suffix to its name), or None."""
+    """Why one zip (torch.save's), safetensors or tar file is not whole (as a suffix to its name),
+    or None: a tar by the suffix a framework names for it (`whole_file_formats`), else a zip."""
     name = os.fspath(path)  # `path` is the file itself
     if name.endswith(SAFETENSORS_SUFFIX):
         problem = safetensors_problem(path, e.size)
         return f": {problem}" if problem else None
-    if name.endswith(".nemo"):
+    if name.endswith(_TAR_SUFFIXES):
         problem = tar_problem(path, e.size)
         return f": {problem}" if problem else None
     if e.size == 0:
@@ -1013,17 +820,17 @@ MAX_TAR_MEMBERS = 100_000
 
 
 def tar_problem(path: str | Path, size: int) -> str | None:
-    """Why a `.nemo` archive (a tar NeMo writes in place: save_restore_connector.py, `tarfile.open(
-    filename, "w:")`, no marker, not atomic) is not whole, or None.
+    """Why a tar archive (one a framework writes in place, with no marker and not atomically: NeMo's
+    `.nemo`, save_restore_connector.py `tarfile.open(filename, "w:")`) is not whole, or None.
 
-    Walks the member headers (one pread each, a .nemo has a handful): every member's data must lie
-    within the file, and the archive must end in tar's end-of-archive zero blocks. A gzip-compressed
-    one (older NeMo) cannot be checked without reading it all, and is said so.
+    Walks the member headers (one pread each, such an archive has a handful): every member's data
+    must lie within the file, and the archive must end in tar's end-of-archive zero blocks. A
+    gzip-compressed one cannot be checked without reading it all, and passes unchecked.
     """
     fd = volread.open_regular(path)  # an OSError is not a verdict (NotRegularFile: never read)
     try:
         if os.pread(fd, 2, 0) == b"\x1f\x8b":
-            return None  # gzip: its end cannot be checked cheaply; NeMo writes plain tar since 1.x
+            return None  # gzip: its end cannot be checked cheaply (NeMo writes plain tar since 1.x)
         if size < 2 * TAR_BLOCK or size % TAR_BLOCK:
             return f"{size} bytes: not a whole number of tar blocks (truncated?)"
         offset = 0

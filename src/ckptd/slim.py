@@ -88,7 +88,10 @@ def matches_any(path: str, globs: tuple[str, ...]) -> bool:
     a survey asks this for every file of every checkpoint."""
     p = path.split("/")
     for segments in _segment_matchers(globs).get(len(p), ()):
-        if all(m(a) for a, m in zip(p, segments, strict=True)):
+        for a, m in zip(p, segments, strict=True):
+            if not m(a):
+                break
+        else:
             return True
     return False
 
@@ -256,6 +259,7 @@ def survey(
     marker: Marker | None,
     weights: WeightsSeen | None = None,
     slim_weights: str = "fp32",
+    removable: tuple[tuple[str, int], ...] | None = None,
 ) -> Slimming:
     """What slimming would remove from one checkpoint and which weights it would keep.
 
@@ -275,21 +279,9 @@ def survey(
     fw = _framework(layout)
     if not fw.slim_weights:
         return Slimming()
-    prefix = f"{name}/" if fw.checkpoint_is_tag else ""
-    leftover = f"{LEGACY_WORK_DIR}/"
-    globs = tuple(slim_files)
-    removable = tuple(
-        sorted(
-            (rel, e.size)
-            for rel, e in files.items()
-            if e.kind == "f"
-            and rel
-            and (
-                rel.startswith(leftover)
-                or (not never_removed(rel) and matches_any(prefix + rel, globs))
-            )
-        )
-    )
+    if removable is None:  # else the caller's pass over the entries asked `removable_file` of each
+        test = removable_file(fw.checkpoint_is_tag, name, slim_files)
+        removable = tuple(sorted((rel, e.size) for rel, e in files.items() if e.kind == "f" and test(rel)))
 
     def present(rel: str) -> bool:
         return rel in files and files[rel].kind == "f"
@@ -331,6 +323,22 @@ def survey(
         return Slimming(False, removable, None, None, f"{why} and {blocker}{opt_out}")
     keeps = f"fp32 weights consolidated from {source} into {WEIGHTS_DIR}/ first ({why})"
     return Slimming(False, removable, None, source, None, keeps=keeps, dtype="fp32")
+
+
+def removable_file(checkpoint_is_tag: bool, name: str, slim_files: Collection[str]) -> Callable[[str], bool]:
+    """Whether a slim removes the regular file at `rel` (not "", the checkpoint itself) of the
+    checkpoint `name` (`survey`): a leftover of ckptd's work directory, or a file `slim_files`
+    matches, relative to the DeepSpeed save_dir, that slimming does not always keep (`never_removed`)."""
+    prefix = f"{name}/" if checkpoint_is_tag else ""
+    leftover = f"{LEGACY_WORK_DIR}/"
+    globs = tuple(slim_files)
+
+    def test(rel: str) -> bool:
+        return bool(rel) and (
+            rel.startswith(leftover) or (matches_any(prefix + rel, globs) and not never_removed(rel))
+        )
+
+    return test
 
 
 def _consolidated(

@@ -1,19 +1,22 @@
 """The protocol every framework module answers, and the census helpers several of them share.
 
 The engine (evidence.Inspector) walks a checkpoint once and hands its framework a `Save`: the
-entries by path, the run directory around it, and the few readers whose results the engine
-remembers between inspections (DeepSpeed's world sizes, trainer_state.json). The framework
-answers with its `Evidence`, and with what the engine asks of every checkpoint: which file it
-writes last and what before it (`last_written`, `written_before`), which files a save writes
-(`save_file`), its DeepSpeed tag directories (`tags`), the metrics its files carry (`metrics`).
-Retention and `ckptd latest` ask which run a directory of checkpoints belongs to (`run_key`): the
-directory itself, unless the framework puts each launch of one run in a directory of its own.
-A framework that uses another's contract calls it (the Trainer under DeepSpeed: `save.deepspeed`).
+entries by path, the run directory around it, and `remembered`, the engine's memory of what was
+read from a file while its identity stays the same (DeepSpeed's world sizes, trainer_state.json
+use it). The framework answers with its `Evidence`, and with what the engine asks of every
+checkpoint: which file it writes last and what before it (`last_written`, `written_before`), which
+files a save writes (`save_file`), its DeepSpeed tag directories (`tags`), the metrics its files
+carry (`metrics`), the whole-file archives it writes (`whole_file_formats`); and of every run
+directory: what its resume pointers and "last" copies name (`resume_pointers`). Retention and
+`ckptd latest` ask which run a directory of checkpoints belongs to (`run_key`): the directory
+itself, unless the framework puts each launch of one run in a directory of its own. A framework
+that uses another's contract calls it (the Trainer under DeepSpeed: `save.deepspeed`).
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -55,10 +58,26 @@ class Save:
     mp_world_size: int
     removed: frozenset[str]  # optimizer shards a slim marker lists as removed on purpose
     pattern: Pattern | None
-    # DeepSpeed's shard census of one tag directory ("" for the checkpoint itself), remembered by the engine
-    deepspeed: Callable[[str], tuple[Check, dsmeta.WorldSizes | None]]
-    # trainer_state.json's check and contents, parsed again only when the file changed
-    trainer_state: Callable[[], tuple[Check, TrainerState | None]]
+    # What the engine remembers between inspections while a file's identity stays the same
+    # (verdicts.py): `remembered(kind, entry, read)` is `read()`'s value, or the one remembered for
+    # the same file. An OSError from `read` passes through, not remembered.
+    remembered: Callable[[str, Entry, Callable[[], object]], object] = lambda kind, entry, read: read()
+    # A trainer state with its log history kept once per run (`Verdicts.share_history`)
+    share_history: Callable[[TrainerState, str], TrainerState] = lambda ts, run: ts
+
+    def deepspeed(self, gs: str) -> tuple[Check, dsmeta.WorldSizes | None]:
+        """DeepSpeed's shard census of one tag directory ("" for the checkpoint itself), its world
+        sizes read once while the model states are the same (frameworks/deepspeed.py)."""
+        from ckptd.frameworks import deepspeed  # its contract; imported here, as it imports this module
+
+        return deepspeed.census(self, gs)
+
+    def trainer_state(self) -> tuple[Check, TrainerState | None]:
+        """trainer_state.json's check and contents, parsed again only when the file changed
+        (frameworks/hf.py)."""
+        from ckptd.frameworks import hf  # its contract; imported here, as it imports this module
+
+        return hf.remembered_trainer_state(self)
 
 
 @dataclass
@@ -193,6 +212,27 @@ class Framework:
         (Lightning's `lightning_logs/version_N/checkpoints`). From the path alone: no I/O."""
         return rel
 
+    # Whole-file checkpoints it writes in an archive format, by suffix: "zip" (torch.save's) or
+    # "tar"; the engine's file integrity check reads each one's end (evidence.file_problem).
+    whole_file_formats: tuple[tuple[str, str], ...] = ()
+
+    def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:
+        """The entries of the run directory (`names`) that its own resume pointers or "last" copies
+        name, each with why: what the next resume loads, never deleted. {} for a framework with none."""
+        return {}
+
+
+# One save's order (evidence.one_save). Tolerated disorder between two files that one save writes
+# in order: mtime granularity (2s on some filesystems) and the clocks of nodes that set their own
+# mtimes (Lustre clients) a few seconds apart. A job re-saving the same step that soon after the
+# first save does not happen: it restarts first.
+MTIME_SLACK = 10.0
+# Between files of one save written by different ranks, with no barrier between them: a rank's
+# optimizer shard may end before rank 0 has finished writing the model states, by at most the time
+# that one file takes to write. Larger than that: the shard is from another save.
+SAVE_SPAN = 30 * 60.0
+OrderProblems = list[tuple[float, str]]  # (seconds out of order, why): files from two saves
+
 
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # JSON a framework writes (trainer_state.json, an index)
 MAX_POINTER_BYTES = 4096
@@ -235,3 +275,27 @@ def read_pointer(path: Path) -> str:
     if len(raw) > MAX_POINTER_BYTES:
         raise OSError(errno.EFBIG, f"longer than {MAX_POINTER_BYTES} bytes", str(path))
     return raw.decode("utf-8", "surrogateescape").strip()
+
+
+def pointer_target(run_path: Path, text: str) -> set[str]:
+    """The entries of `run_path` a resume pointer holding the relative or absolute path `text` makes
+    a framework load when it joins it to the run directory (`os.path.join(load_dir, tag)`). What the
+    join lands on, or below, names the run's entry it lies in (a tag `checkpoint-10/global_step10`
+    keeps checkpoint-10). Both the lexical normpath and the resolved path count: a symlink on the
+    way (or a symlinked root spelled another way) may make them differ, and keeping both is never
+    less safe. Outside the run: nothing here."""
+    if not text:
+        return set()
+    joined = os.path.join(run_path, text)
+    out = set()
+    for target, top in ((os.path.normpath(joined), os.path.normpath(run_path)),
+                        (os.path.realpath(joined), os.path.realpath(run_path))):
+        if target.startswith(top.rstrip("/") + "/"):
+            out.add(target[len(top.rstrip("/")) + 1 :].split("/", 1)[0])
+    return out
+
+
+def unreadable_names_all(found: dict[str, str], names: Collection[str], why: str) -> None:
+    """A pointer that is there but cannot be read may name any entry of the run: every one is named by it."""
+    for name in names:
+        found.setdefault(name, why)

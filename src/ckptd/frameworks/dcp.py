@@ -10,9 +10,18 @@ Lightning's FSDP `.ckpt/`): the engine asks `metadata_check` of every directory 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 
-from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
+from ckptd.config import format_age
+from ckptd.frameworks.base import (
+    MTIME_SLACK,
+    Evidence,
+    Framework,
+    OrderProblems,
+    Save,
+    _known_world,
+    _rank_files,
+)
 from ckptd.frameworks.hfweights import SAFETENSORS_INDEX
 from ckptd.layouts import Candidate
 from ckptd.model import Check, Entry, Verdict
@@ -143,3 +152,34 @@ class DCP(Framework):
 
 
 FRAMEWORK = DCP()
+
+
+def nested_metadata(files: Mapping[str, Entry], dirs: Iterable[str], skip_top: bool) -> Iterator[Check]:
+    """Any directory inside a checkpoint holding *.distcp files (`dirs`, sorted) needs its .metadata,
+    whichever framework's checkpoint holds it; the top one only when the checkpoint is not itself DCP's
+    (`skip_top`: its own evidence judged it)."""
+    for d in dirs:
+        if d == "" and skip_top:
+            continue
+        yield _dcp_metadata(files, d)  # type: ignore[arg-type]
+
+
+def metadata_order(
+    files: Mapping[str, Entry], distcp: Mapping[str, tuple[int, str]]
+) -> tuple[bool, OrderProblems]:
+    """For one save's order (`evidence.one_save`): each directory's last-written file (DCP's
+    `.metadata`, megatron-core's `metadata.json`: `_WRITTEN_LAST`) not older than the newest *.distcp
+    beside it (`distcp`: directory -> its newest one's (mtime, path)). Returns whether any was there
+    to tell by, and the problems."""
+    checked, problems = False, []
+    for d, (newest_ns, newest) in distcp.items():
+        for last in _WRITTEN_LAST:
+            marker = files.get(f"{d}/{last}" if d else last)
+            if marker is None or marker.kind != "f":
+                continue
+            checked = True
+            gap = (newest_ns - marker.mtime_ns) / 1e9
+            if gap > MTIME_SLACK:
+                why = f"{f'{d}/' if d else ''}{last} is {format_age(gap)} older than {newest}"
+                problems.append((gap, f"{why}, which is written before it"))
+    return checked, problems

@@ -4,20 +4,36 @@
 (`[bf16_]zero_pp_rank_<r>_mp_rank_<m>_optim_states.pt`) and the model states (`mp_rank_<m>_model_states.pt`,
 one per data-parallel rank under ZeRO-3) into `<save_dir>/<tag>/`, and rank 0 writes `latest`
 before the other ranks finish: `latest` is a resume pointer, never completeness evidence. The
-census (every rank's shard, the world sizes from the model states' own metadata) is the engine's
-(`evidence.Inspector._deepspeed`, which remembers what it read); the frameworks that save through
-DeepSpeed (the Trainer, accelerate, Lightning's DeepSpeedStrategy) ask for it on their tags.
+census (every rank's shard, the world sizes from the model states' own metadata, remembered by the
+engine while the file is the same) is `census` here; the frameworks that save through DeepSpeed (the
+Trainer, accelerate, Lightning's DeepSpeedStrategy) ask for it on their tags (`Save.deepspeed`).
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
 
-from ckptd import slim
-from ckptd.frameworks.base import Evidence, Framework, Save
+from ckptd import dsmeta, mounts, slim
+from ckptd import verdicts as verdicts_
+from ckptd.config import format_age
+from ckptd.frameworks.base import (
+    MTIME_SLACK,
+    SAVE_SPAN,
+    Evidence,
+    Framework,
+    OrderProblems,
+    Save,
+    pointer_target,
+    read_pointer,
+    unreadable_names_all,
+)
 from ckptd.layouts import Candidate
-from ckptd.model import Entry
+from ckptd.model import Check, Entry, Verdict
+
+PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
 LAYOUT = "deepspeed"
 _NAME = re.compile(r"global_step(\d+)")  # engine.save_checkpoint's default tag: f"global_step{global_steps}"
@@ -104,5 +120,200 @@ class DeepSpeed(Framework):
     def save_file(self, rel: str) -> bool:
         return bool(_DS_FILE.fullmatch(rel))
 
+    def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:
+        return latest_pointer(run_path, names)
+
 
 FRAMEWORK = DeepSpeed()
+
+
+# --- the shard census ----------------------------------------------------------------------
+
+
+def _world_sizes(save: Save, gs: str, stage3: bool) -> dsmeta.WorldSizes | str:
+    """World sizes from the model-states file, else from config; or why not."""
+    name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage3 else "mp_rank_00_model_states.pt"
+    rel = f"{gs}/{name}" if gs else name
+    entry = save.files.get(rel)
+    if entry is not None:
+        ckpt = save.path
+
+        def read() -> dsmeta.WorldSizes | str:
+            try:
+                return dsmeta.read_world_sizes(ckpt / rel)
+            except dsmeta.MetadataUnavailable as exc:
+                return str(exc)
+
+        found = save.remembered(verdicts_.WORLD, entry, read)  # an OSError: the volume is failing
+        if isinstance(found, dsmeta.WorldSizes):
+            return found
+        why = found
+    else:
+        why = f"{name} missing"
+    if save.world_size is not None:
+        return dsmeta.WorldSizes(save.world_size, save.mp_world_size, None, "config world_size")
+    return why  # type: ignore[return-value]
+
+
+def census(save: Save, gs: str) -> tuple[Check, dsmeta.WorldSizes | None]:
+    """The shard census of one `global_step*` directory (`gs`; "" for the checkpoint itself).
+
+    Optimizer shards that a slim marker lists as `removed` are not demanded.
+    """
+    files, removed = save.files, save.removed
+    name = f"deepspeed shards{f' ({gs})' if gs else ''}"
+    prefix = f"{gs}/" if gs else ""
+    # A FIFO, socket or device named like a shard is not one (nothing can load it, and the
+    # consolidator would block reading it): only files, or links to them, are present.
+    here = {
+        rel[len(prefix) :]
+        for rel, e in files.items()
+        if rel.startswith(prefix)
+        and "/" not in rel[len(prefix) :]
+        and (e.kind in ("f", "l") or rel == gs)
+    }
+    slimmed = {
+        n
+        for rel in removed
+        if rel.startswith(prefix) and _OPTIM.fullmatch(n := rel[len(prefix) :]) and n not in here
+    }
+    here_or_slimmed = here | slimmed
+    stage3 = any(_ZERO3_MODEL.fullmatch(n) for n in here)
+    sizes = _world_sizes(save, gs, stage3)
+    if isinstance(sizes, str):
+        if not here - {""}:
+            return Check(name, FAILED, f"{gs or 'directory'} is empty"), None
+        return Check(name, UNKNOWN, f"cannot count shards: {sizes}"), None
+    # Optimizer shards are expected from what the checkpoint itself shows: ZeRO-3 names, a
+    # ZeRO stage or bf16 in the saved ds_config, the model states' own structure
+    # (`WorldSizes.shards`: a ds_config saved as a path says nothing), or any shard present.
+    shard_present = any(_OPTIM.fullmatch(n) for n in here_or_slimmed)
+    bf16 = any(n.startswith("bf16_zero_pp_rank_") for n in here_or_slimmed) or (
+        not shard_present and bool(sizes.bf16)
+    )
+    zero = stage3 or (sizes.stage or 0) > 0 or sizes.shards or shard_present
+    expected: list[str] = []
+    for m in range(sizes.mp):
+        if stage3:
+            expected += [f"zero_pp_rank_{r}_mp_rank_{m:02d}_model_states.pt" for r in range(sizes.dp)]
+        else:
+            expected.append(f"mp_rank_{m:02d}_model_states.pt")
+        if zero:
+            opt = "bf16_" if bf16 else ""
+            expected += [
+                f"{opt}zero_pp_rank_{r}_mp_rank_{m:02d}_optim_states.pt" for r in range(sizes.dp)
+            ]
+    missing = [n for n in expected if n not in here_or_slimmed]
+    origin = f"dp_world_size={sizes.dp}, mp_world_size={sizes.mp} from {sizes.source}"
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        return Check(name, FAILED, f"{shown} missing ({origin})"), sizes
+    if stage3:
+        kind = "ZeRO-3"
+    elif sizes.stage is not None:
+        kind = f"ZeRO-{sizes.stage}"
+    else:
+        kind = "ZeRO" if zero else "no ZeRO"
+    present = len(expected) - len(slimmed & set(expected))
+    gone = (
+        f", {len(expected) - present} optimizer shards removed by slimming"
+        if present < len(expected)
+        else ""
+    )
+    return Check(name, PASSED, f"{present}/{len(expected)} files present{gone}, {kind} ({origin})"), sizes
+
+
+def shard_order(files: Mapping[str, Entry], tags: Iterable[str]) -> tuple[bool, OrderProblems]:
+    """For one save's order (`evidence.one_save`), in each tag directory (`tags`, "" for the
+    checkpoint itself): each rank's optimizer shard not older than the model states its process
+    wrote before it (engine.py save_checkpoint: _save_checkpoint, then _save_zero_checkpoint), and
+    no shard long older than rank 0's (`SAVE_SPAN`: no barrier between ranks). `files`: the
+    trainer's (ckptd's own left out). Returns whether any shard had model states to tell by, and
+    the problems."""
+    checked, problems = False, []
+    for tag in tags:
+        prefix = f"{tag}/" if tag else ""
+        here = {
+            rel[len(prefix) :]: e for rel, e in files.items() if rel.startswith(prefix) and e.kind == "f"
+        }
+        # (dp rank or None, mp rank) -> its model states: ZeRO-3's per rank, else mp_rank_XX's
+        states = {
+            (int(m[1]) if m[1] is not None else None, int(m[2])): (m[0], e)
+            for n, e in here.items()
+            if (m := _MODEL_STATES.fullmatch(n))
+        }
+        for name, shard in here.items():
+            if not (o := _OPTIM.fullmatch(name)):
+                continue
+            rank, mp = int(o[2]), int(o[3])
+            # The model states the same process wrote just before this shard (ZeRO-3's own, or
+            # mp_rank_XX's, written by data-parallel rank 0), else rank 0's: one lookup a shard.
+            found = states.get((rank, mp)) or states.get((None, mp))
+            if found is None:
+                continue
+            checked = True
+            ms_name, e = found
+            same = (rank, mp) in states or rank == 0
+            gap = (e.mtime_ns - shard.mtime_ns) / 1e9
+            if gap > (MTIME_SLACK if same else SAVE_SPAN):
+                who = "the same rank" if same else "DeepSpeed"
+                why = (
+                    f"rank {rank}'s shard {prefix}{name} is {format_age(gap)} older than {prefix}{ms_name}, "
+                    f"which {who} writes before it"
+                )
+                problems.append((gap, why))
+    return checked, problems
+
+
+# --- the resume pointer `latest` -----------------------------------------------------------
+
+LATEST = "latest"
+
+
+def latest_pointer(run_path: Path, names: Collection[str]) -> dict[str, str]:
+    """What DeepSpeed's `latest` names (the tag `load_checkpoint` loads; a user rolls it back to
+    resume from an earlier one), read as engine.py load_checkpoint reads it: `os.path.join(load_dir,
+    tag)` (`pointer_target`), so `global_step10/`, `./global_step10` and the absolute path all name
+    global_step10. Rank 0 writes it before the other ranks finish: not completeness evidence, but
+    never deleted. One that is there but cannot be read (a FIFO, EACCES, EIO, longer than a pointer
+    can be) may name any checkpoint of the run: every one is named by it, kept until it can be read."""
+    found: dict[str, str] = {}
+    if LATEST not in names:
+        return found
+    label = "DeepSpeed's latest"
+    try:
+        text = read_pointer(run_path / LATEST)
+    except FileNotFoundError:
+        return found  # gone since the listing: as if never there
+    except OSError as exc:
+        why = f"{label} (unreadable: {exc.strerror or exc}; it may name any checkpoint here)"
+        unreadable_names_all(found, names, why)
+        return found
+    named, why = pointer_target(run_path, text), label
+    if not named and os.path.isabs(text):
+        named, why = _absolute_elsewhere(run_path, text, names, label)
+    for name in named:
+        found.setdefault(name, why)
+    return found
+
+
+def _absolute_elsewhere(
+    run_path: Path, text: str, names: Collection[str], label: str
+) -> tuple[set[str], str]:
+    """What an absolute `latest` that does not resolve inside the run names here. Another host
+    may mount the volume at another path (the trainer's node writes /data/ckpt/run/global_step10,
+    this one sees /vol/run): through a mount of the same directory seen here (a bind
+    mount: `mounts.located_in`), the run's entry it lies in; an existing directory elsewhere, not
+    this run's, nothing here; otherwise a last component naming one of the run's entries names it,
+    and any other cannot be told: it may name any checkpoint here, as an unreadable pointer."""
+    target = os.path.normpath(text)
+    rel = mounts.located_in(target, run_path)
+    if rel is not None:
+        return ({rel.split("/", 1)[0]} if rel != "." else set()), label
+    if os.path.isdir(target):
+        return set(), label  # a directory of its own, elsewhere: DeepSpeed loads that, not ours
+    name = os.path.basename(target)
+    if name in names and name != LATEST:
+        return {name}, f"{label} (an absolute path not seen here, taken to name its last component {name})"
+    why = f"{label} ({target[:200]!r} is not seen here; it may name any checkpoint here)"
+    return set(names), why

@@ -10,16 +10,28 @@ the weights and trainer_state.json.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 
+from ckptd import verdicts as verdicts_
+from ckptd import volread
 from ckptd.frameworks import copyin, deepspeed, hfweights
-from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
+from ckptd.frameworks.base import (
+    MAX_TRAINER_STATE_BYTES,
+    Evidence,
+    Framework,
+    Save,
+    _known_world,
+    _rank_files,
+)
 from ckptd.frameworks.deepspeed import _global_step_dirs
 from ckptd.layouts import Candidate
-from ckptd.model import Check, Entry, TrainerState, Verdict
+from ckptd.model import Check, Entry, TrainerState, Verdict, as_metric
 
-PASSED = Verdict.PASSED
+PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
 LAYOUT = "hf"
 TRAINER_STATE = "trainer_state.json"
 _NAME = re.compile(r"checkpoint-(\d+)")  # Trainer._save_checkpoint: f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
@@ -140,3 +152,67 @@ class Trainer(Framework):
 
 
 FRAMEWORK = Trainer()
+
+
+# --- trainer_state.json ------------------------------------------------------------------
+
+
+def remembered_trainer_state(save: Save) -> tuple[Check, TrainerState | None]:
+    """`_trainer_state`, parsed again only when the file changed: an in-flight checkpoint is looked
+    at every poll, and a long run's log history takes tens of milliseconds to parse."""
+    path, files = save.path, save.files
+    entry = files.get(TRAINER_STATE)
+    if entry is None or entry.kind != "f":
+        return _trainer_state(path, files)
+
+    def read() -> tuple[Check, TrainerState | None]:
+        check, ts = _trainer_state(path, files)
+        return check, (save.share_history(ts, str(path.parent)) if ts is not None else None)
+
+    try:
+        return save.remembered(verdicts_.TRAINER_STATE, entry, read)  # type: ignore[return-value]
+    except OSError as exc:  # not remembered: read again next time
+        return Check(TRAINER_STATE, FAILED, f"unreadable: {type(exc).__name__}: {exc}"), None
+
+
+def _trainer_state(path: Path, files: Mapping[str, Entry]) -> tuple[Check, TrainerState | None]:
+    entry = files.get(TRAINER_STATE)
+    if entry is None or entry.kind != "f":
+        return Check(TRAINER_STATE, FAILED, "missing (the Trainer writes it last)"), None
+    if entry.size > MAX_TRAINER_STATE_BYTES:
+        return Check(TRAINER_STATE, FAILED, f"{entry.size} bytes: larger than this tool will parse"), None
+    with volread.open_file(path / TRAINER_STATE) as f:  # an OSError is not a verdict: the caller's to handle
+        raw = f.read(MAX_TRAINER_STATE_BYTES + 1)
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        return Check(TRAINER_STATE, FAILED, f"unreadable: {type(exc).__name__}: {exc}"), None
+    if not isinstance(data, dict):
+        return Check(TRAINER_STATE, FAILED, "not a JSON object"), None
+    ts = parse_trainer_state(data)
+    return Check(TRAINER_STATE, PASSED, f"parsed (global_step={ts.global_step})"), ts
+
+
+def parse_trainer_state(data: dict) -> TrainerState:
+    """The parts of a trainer_state.json retention uses; anything malformed is ignored."""
+    history: dict[int, dict[str, object]] = {}
+    log = data.get("log_history")
+    for item in log if isinstance(log, list) else ():
+        if (
+            isinstance(item, dict)
+            and isinstance(item.get("step"), int)
+            and not isinstance(item["step"], bool)
+        ):
+            history.setdefault(item["step"], {}).update(item)
+    best = data.get("best_model_checkpoint")
+    best_name = os.path.basename(os.path.normpath(best)) if isinstance(best, str) and best else None
+    best_metric = data.get("best_metric")
+    step = data.get("global_step")
+    return TrainerState(
+        global_step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+        best_model_checkpoint=best_name,
+        best_metric=as_metric(best_metric)  # type: ignore[arg-type]
+        if isinstance(best_metric, int | float) and not isinstance(best_metric, bool)
+        else None,
+        history=history,
+    )

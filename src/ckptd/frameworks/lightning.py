@@ -14,14 +14,15 @@ included.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from ckptd import dsmeta, layouts
 from ckptd.frameworks import nemo
-from ckptd.frameworks.base import Evidence, Framework, Metrics, Save
+from ckptd.frameworks.base import Evidence, Framework, Metrics, Save, pointer_target, unreadable_names_all
 from ckptd.frameworks.megatron import MEGATRON_CORE_METADATA
 from ckptd.layouts import CONSUMED_SAMPLES, EPOCH, STEP, Candidate, name_fields
 from ckptd.model import CKPT_STATE, FILE_NAME, Check, Entry, Reading, Verdict
@@ -101,6 +102,8 @@ def metrics(save: Save, metric: str | None, whole: bool, scores: Callable) -> Me
 class Lightning(Framework):
     layout = LAYOUT
     held_suffixes = (".ckpt",)
+    # a `.ckpt` file is a torch.save zip (fabric/utilities/cloud_io.py _atomic_save)
+    whole_file_formats = ((".ckpt", "zip"),)
 
     def evidence(self, save: Save) -> Evidence:
         cand, run = save.cand, save.run
@@ -127,6 +130,8 @@ class Lightning(Framework):
 
     def resume_copy(self, name: str) -> str | None:
         return LAST_COPY_NOTE if is_last_copy(name) else None
+    def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:
+        return last_link_targets(run_path, names)
 
 
 FRAMEWORK = Lightning()
@@ -242,3 +247,26 @@ def _number(score: object) -> float | None:
             return None
         return value
     return None
+def last_link_targets(run_path: Path, names: Collection[str]) -> dict[str, str]:
+    """The checkpoints a `*last*` symlink of the run names: ModelCheckpoint's `last.ckpt` with
+    save_last="link" (a link to the file it saved last, what ckpt_path="last" loads), and NeMo's
+    `-last` links (NeMo's callback is a ModelCheckpoint). Deleting the target leaves the link dangling
+    and the resume with nothing to load, so it is kept like what a resume pointer names. The link is
+    read with os.readlink and resolved as a pointer is (`pointer_target`): only entries of this run
+    are named. A link whose target cannot be read may name any checkpoint here: every one is named by it."""
+    found: dict[str, str] = {}
+    for link in sorted(n for n in names if "last" in n.lower()):
+        try:
+            text = os.readlink(run_path / link)
+        except FileNotFoundError:
+            continue  # gone since the listing
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                continue  # not a symlink: a copy, not a pointer
+            why = f"{link} (a symlink that cannot be read: {exc.strerror or exc}; it may name any of them)"
+            unreadable_names_all(found, names, why)
+            continue
+        for name in pointer_target(run_path, text):
+            if name != link:
+                found.setdefault(name, f"{link} (a symlink to it)")
+    return found

@@ -11,12 +11,21 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from ckptd import volread
 from ckptd.frameworks import dcp
-from ckptd.frameworks.base import MAX_POINTER_BYTES, Evidence, Framework, RunContext, Save, read_pointer
+from ckptd.frameworks.base import (
+    MAX_POINTER_BYTES,
+    Evidence,
+    Framework,
+    RunContext,
+    Save,
+    pointer_target,
+    read_pointer,
+    unreadable_names_all,
+)
 from ckptd.layouts import Candidate
 from ckptd.model import Check, Entry, Verdict
 
@@ -138,5 +147,33 @@ class Megatron(Framework):
     def written_before(self, rel: str) -> Callable[[str], bool] | None:
         return dcp.written_after_shards(rel) if rel.rpartition("/")[2] in dcp._WRITTEN_LAST else None
 
+    def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:
+        return tracker_pointer(run_path, names)
+
 
 FRAMEWORK = Megatron()
+
+
+def tracker_pointer(run_path: Path, names: Collection[str]) -> dict[str, str]:
+    """What the tracker names: the iteration the next resume loads, `os.path.join(path,
+    'iter_{:07d}')` or 'release' (checkpointing.py get_checkpoint_name), never deleted. A tracker
+    Megatron refuses (and exits on) names nothing; one that is there but cannot be read may name
+    any checkpoint of the run: every one is named by it, kept until it can be read."""
+    found: dict[str, str] = {}
+    tracker = TRACKER
+    if tracker not in names:
+        return found
+    try:
+        text = read_pointer(run_path / tracker)
+    except FileNotFoundError:
+        return found  # gone since the listing: as if never there
+    except OSError as exc:
+        why = f"{tracker} (unreadable: {exc.strerror or exc}; it may name any checkpoint here)"
+        unreadable_names_all(found, names, why)
+        return found
+    iteration = megatron_iteration(text)
+    if iteration is None and text != "release":
+        return found  # Megatron refuses it (and exits): it resumes from nothing
+    for name in pointer_target(run_path, "release" if iteration is None else f"iter_{iteration:07d}"):
+        found.setdefault(name, tracker)
+    return found

@@ -64,6 +64,8 @@ _NEMO_DIR_MARKERS = frozenset({"weights", "context", "metadata.json", "common.pt
 class NeMo(Framework):
     layout = LAYOUT
     held_suffixes = (".ckpt", ".nemo")
+    # a `.ckpt` file is Lightning's torch.save zip; a `.nemo` a tar (save_restore_connector.py)
+    whole_file_formats = ((".ckpt", "zip"), (".nemo", "tar"))
 
     def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:
         """A name NeMo's template (or, for a directory, any ModelCheckpoint template) writes: a
