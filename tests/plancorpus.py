@@ -22,7 +22,8 @@ from pathlib import Path
 
 from ckptd import planner
 from ckptd.config import Root
-from ckptd.evidence import EVIDENCE, ONE_SAVE, QUIET_ALONE
+from ckptd.evidence import ONE_SAVE
+from ckptd.frameworks.pattern import EVIDENCE, QUIET_ALONE
 from ckptd.layouts import PIN_FILE
 from ckptd.model import (
     FILE_NAME,

@@ -20,6 +20,7 @@ from ckptd import evidence
 from ckptd.config import Retention, Root
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.evidence import MAX_WALK_DEPTH, TooDeep, walk
+from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES
 from ckptd.journal import Journal, read_journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.model import State, Verdict
@@ -239,7 +240,7 @@ def test_malformed_trainer_state(tmp_path, content, expected):
 def test_a_huge_trainer_state_is_not_read(tmp_path):
     ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
     with open(ckpt / "trainer_state.json", "r+b") as f:
-        f.truncate(evidence.MAX_TRAINER_STATE_BYTES + 1)  # sparse: costs no disk
+        f.truncate(MAX_TRAINER_STATE_BYTES + 1)  # sparse: costs no disk
     age(ckpt, OLD)
     c = Scanner(Root(path=tmp_path, world_size=2)).runs(now=NOW)[0].checkpoints[0]
     check = next(k for k in c.checks if k.name == "trainer_state.json")

@@ -23,7 +23,8 @@ from ckptd.config import Retention, Root, parse_config, path_matches
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.errors import ConfigError
 from ckptd.evidence import Entry, resume_pointers
-from ckptd.frameworks import orbax, torchtitan
+from ckptd.frameworks import hf, megatron, orbax, torchtitan
+from ckptd.frameworks.base import read_pointer
 from ckptd.journal import Journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.planner import Scanner, decide
@@ -131,7 +132,7 @@ def test_a_megatron_tracker_megatron_refuses_names_nothing_and_breaks_nothing(tm
     (run / layouts.MEGATRON_TRACKER).write_text(text)
     assert resume_pointers(run, os.listdir(run)) == {}
     cand = layouts.Candidate("iter_0000100", 100, "megatron", True)
-    check = evidence._megatron_tracker(evidence.RunContext(run, frozenset(os.listdir(run))), cand)
+    check = megatron._megatron_tracker(evidence.RunContext(run, frozenset(os.listdir(run))), cand)
     assert check.verdict is evidence.UNKNOWN
 
 
@@ -418,13 +419,13 @@ def as_file(size: int = 4096) -> Entry:
 
 READERS = {
     "slim marker": (slim.MARKER, lambda d, f: evidence.read_slim_marker(d, {slim.MARKER: as_file()})),
-    "trainer_state.json": (evidence.TRAINER_STATE,
-                           lambda d, f: evidence._trainer_state(d, {evidence.TRAINER_STATE: as_file()})),
+    "trainer_state.json": (hf.TRAINER_STATE,
+                           lambda d, f: hf._trainer_state(d, {hf.TRAINER_STATE: as_file()})),
     "torchtitan index": (torchtitan.HF_INDEX,
-                         lambda d, f: evidence._torchtitan(d, {torchtitan.HF_INDEX: as_file()})),
+                         lambda d, f: torchtitan._torchtitan(d, {torchtitan.HF_INDEX: as_file()})),
     "megatron-core metadata.json": ("metadata.json",
-                                    lambda d, f: evidence._megatron_core(d, {"metadata.json": as_file()}, "")),
-    "orbax metadata": (orbax.METADATA, lambda d, f: evidence._orbax(
+                                    lambda d, f: megatron._megatron_core(d, {"metadata.json": as_file()}, "")),
+    "orbax metadata": (orbax.METADATA, lambda d, f: orbax._orbax(
         layouts.Candidate("1", 1, "orbax", True), d, {orbax.METADATA: as_file()})),
     "orbax metrics": (orbax.METRICS_FILE, lambda d, f: orbax.from_orbax(d)),
     "torch zip": ("model.pt", lambda d, f: evidence.file_problem(f, as_file())),
@@ -432,8 +433,8 @@ READERS = {
     "nemo tar": ("model.nemo", lambda d, f: evidence.file_problem(f, as_file())),
     "model states": ("mp_rank_00_model_states.pt", lambda d, f: dsmeta.read_world_sizes(f)),
     "model states (zip)": ("mp_rank_00_model_states.pt", lambda d, f: dsmeta.read_plain_data(f)),
-    "deepspeed latest": ("latest", lambda d, f: evidence.read_pointer(f)),
-    "megatron tracker": (layouts.MEGATRON_TRACKER, lambda d, f: evidence.read_pointer(f)),
+    "deepspeed latest": ("latest", lambda d, f: read_pointer(f)),
+    "megatron tracker": (megatron.TRACKER, lambda d, f: read_pointer(f)),
 }
 
 

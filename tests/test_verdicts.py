@@ -547,12 +547,12 @@ def test_the_recheck_reads_every_file_even_what_this_process_read(tmp_path, read
 def test_a_cache_from_other_checks_or_layouts_is_ignored(tmp_path, monkeypatch):
     """The cache is versioned by the code its verdicts and restored checkpoints came from: the
     checks (evidence, dsmeta, slim), and since the merge also layouts (commit files, markers),
-    fwmetrics, mounts, config (patterns) and planner (the restore)."""
+    mounts, config (patterns) and planner (the restore)."""
     from ckptd import verdicts
 
     monkeypatch.setattr(verdicts, "_LOGIC", None)
     before = verdicts.logic_version()
-    for name in ("layouts", "fwmetrics", "mounts", "planner", "volread", "weights"):
+    for name in ("layouts", "mounts", "planner", "volread", "weights"):
         code = tmp_path / name
         shutil.copytree(verdicts._CODE_DIR, code, ignore=shutil.ignore_patterns("__pycache__"))
         with open(code / f"{name}.py", "a") as f:

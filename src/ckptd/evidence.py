@@ -40,29 +40,11 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from ckptd import attestation, frameworks, fwmetrics, layouts, mounts, slim, space, volread
+from ckptd import attestation, frameworks, layouts, mounts, slim, space, volread
 from ckptd import verdicts as verdicts_
 from ckptd.config import Pattern, format_age, format_duration, format_size, pin_matches
-from ckptd.frameworks import dcp, deepspeed
-from ckptd.frameworks.base import (  # noqa: F401 (MAX_TRAINER_STATE_BYTES, read_pointer: re-exported)
-    MAX_TRAINER_STATE_BYTES,
-    MTIME_SLACK,
-    SAVE_SPAN,
-    RunContext,
-    Save,
-    read_pointer,
-)
-from ckptd.frameworks.deepspeed import LATEST as DEEPSPEED_LATEST  # noqa: F401 (re-exported: its old home)
-from ckptd.frameworks.hf import (  # noqa: F401 (re-exported: their old home)
-    TRAINER_STATE,
-    _trainer_state,
-    parse_trainer_state,
-)
-from ckptd.frameworks.lightning import last_link_targets  # noqa: F401 (re-exported: its old home)
-from ckptd.frameworks.megatron import _megatron_core, _megatron_tracker, megatron_iteration  # noqa: F401
-from ckptd.frameworks.orbax import _orbax  # noqa: F401 (re-exported: its old home)
-from ckptd.frameworks.pattern import EVIDENCE, QUIET_ALONE
-from ckptd.frameworks.torchtitan import _torchtitan  # noqa: F401 (re-exported: its old home)
+from ckptd.frameworks import EVIDENCE, NESTED_PART_SUFFIX, QUIET_ALONE
+from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES, MTIME_SLACK, SAVE_SPAN, RunContext, Save
 from ckptd.layouts import Candidate
 from ckptd.model import (  # Entry: re-exported, it is evidence's word
     QUIET,
@@ -187,7 +169,7 @@ class Inspector:
         self.mp_world_size = mp_world_size
         self.verdicts = verdicts if verdicts is not None else verdicts_.Verdicts()
         self._look: verdicts_.Look | None = None  # the inspection in progress
-        self.ckpt_scores = fwmetrics.CkptScores()  # Lightning's ModelCheckpoint scores (torch)
+        self.ckpt_scores = frameworks.MetricFileCache()  # metrics read from inside files (torch)
         self._weights = WeightsReader()  # the dtypes of the weights a slim would keep
 
     def inspect(
@@ -213,7 +195,7 @@ class Inspector:
         wall clock (one-shot commands have nothing better).
         `world_size` stands in for DeepSpeed's dp_world_size when the
         checkpoint's own metadata cannot be read. `metric` (retention's) is looked for
-        inside a Lightning `.ckpt` when its name does not carry it (`fwmetrics`).
+        inside a Lightning `.ckpt` when its name does not carry it (`frameworks.MetricFileCache`).
         `slim_weights` (None: the run is not slimmed) has the weights' dtypes read for
         `slim.survey`.
         """
@@ -249,7 +231,7 @@ class Inspector:
             user = frameworks.USER_PATTERN.evidence(save)  # the user's pattern over a known save
             checks.extend(user.checks)
             ranks = ranks if ranks is not None else user.ranks
-        checks.extend(dcp.nested_metadata(files, sorted(seen.distcp_dirs), skip_top=fw.owns_top_dcp))
+        checks.extend(frameworks.nested_checks(files, sorted(seen.distcp_dirs), skip_top=fw.owns_top_dcp))
         checks.extend(one_save(seen.theirs, seen.distcp, seen.before_last, fw.last_written, fw.tags(files)))
         integrity = _integrity(path, seen.integrity, self._file_problem)
         checks.append(integrity)
@@ -391,7 +373,7 @@ class _Pass:
             own = maybe_own and _ckptd_own(rel)
             if not own:
                 theirs[rel] = e
-            if rel.endswith(".distcp"):
+            if rel.endswith(NESTED_PART_SUFFIX):
                 d = rel.rpartition("/")[0]
                 distcp_dirs.add(d)
                 if kind == "f" and not own:
@@ -566,7 +548,7 @@ def one_save(
             if gap > MTIME_SLACK:
                 why = f"{name} is {format_age(gap)} older than {e.rel}"
                 problems.append((gap, f"{why}, which {who} writes before it"))
-    for found, more in (dcp.metadata_order(files, distcp), deepspeed.shard_order(files, tags)):
+    for found, more in frameworks.order_problems(files, distcp, tags):
         checked = checked or found
         problems += more
     if problems:

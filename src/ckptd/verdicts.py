@@ -43,7 +43,7 @@ is read again.
   tick of a lagging volume clock keeps its identity): a deletion rests on what the
   files say now, never on this cache.
 - **Versioned by code**: the logic digest covers every module a look or a restore
-  depends on (evidence, dsmeta, model, slim, layouts, fwmetrics, mounts, config,
+  depends on (evidence, dsmeta, model, slim, layouts, mounts, config,
   planner, this one); a restored checkpoint carries every field evidence computes
   (save times, rank count, mount points, metrics) so that the sibling census and
   the anchors see what a fresh look would.
@@ -701,7 +701,7 @@ _LOGIC: str | None = None
 
 _CODE_DIR = Path(__file__).parent
 LOGIC_MODULES = (
-    "evidence", "dsmeta", "model", "slim", "layouts", "fwmetrics",
+    "evidence", "dsmeta", "model", "slim", "layouts",
     "mounts", "config", "planner", "volread", "weights", "space", "attestation", "attest",
 )
 

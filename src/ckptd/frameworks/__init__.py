@@ -17,7 +17,7 @@ then `BY_CONTENTS`), so a framework's place here is its place in recognition.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from ckptd.frameworks import (
     accelerate,
@@ -32,7 +32,9 @@ from ckptd.frameworks import (
     pattern,
     torchtitan,
 )
-from ckptd.frameworks.base import Framework
+from ckptd.frameworks.base import Framework, OrderProblems
+from ckptd.frameworks.pattern import EVIDENCE, QUIET_ALONE  # noqa: F401 (the engine's words for quiet alone)
+from ckptd.model import Check, Entry
 
 REGISTRY: tuple[Framework, ...] = (
     hf.FRAMEWORK,
@@ -83,3 +85,28 @@ def get(layout: str) -> Framework:
     """The framework whose checkpoints have `layout`; a user pattern's for anything else (nothing
     but what the user named, or quiet, says it is finished)."""
     return _BY_LAYOUT.get(layout, USER_PATTERN)
+
+
+# Contracts that other frameworks' saves hold inside them, asked of every checkpoint whichever
+# framework it is: a DCP directory (torchtitan's steps, Lightning's FSDP `.ckpt/`, megatron-core's
+# `iter_N/`) needs its `.metadata` after its `*.distcp`; DeepSpeed's shards (the Trainer's and
+# accelerate's checkpoints hold a tag) keep their order. The engine's pass collects the directories
+# holding a part (`NESTED_PART_SUFFIX`) and asks these; it names neither framework.
+NESTED_PART_SUFFIX = dcp.DATA_SUFFIX
+# Metrics some frameworks keep inside their files (Lightning's ModelCheckpoint state in a `.ckpt`),
+# read once per file identity: the engine keeps one and hands its `read` to `Framework.metrics`.
+MetricFileCache = lightning.CkptScores
+
+
+def nested_checks(files: Mapping[str, Entry], part_dirs: Iterable[str], skip_top: bool) -> Iterator[Check]:
+    """The checks of the DCP directories inside a checkpoint (`dcp.nested_metadata`)."""
+    return dcp.nested_metadata(files, part_dirs, skip_top=skip_top)
+
+
+def order_problems(
+    files: Mapping[str, Entry], newest_parts: Mapping[str, tuple[int, str]], tags: Iterable[str]
+) -> tuple[tuple[bool, OrderProblems], ...]:
+    """For one save's order (`evidence.one_save`): DCP's `.metadata` after each directory's newest
+    `*.distcp` (`dcp.metadata_order`), DeepSpeed's optimizer shards after their model states in each
+    tag directory (`deepspeed.shard_order`). Each: (whether it found files to compare, problems)."""
+    return (dcp.metadata_order(files, newest_parts), deepspeed.shard_order(files, tags))

@@ -28,6 +28,7 @@ from ckptd.model import Check, Entry, Verdict
 
 PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
 
+DATA_SUFFIX = ".distcp"  # each rank's data files, __<rank>_<i>.distcp (filesystem.py _FileSystemWriter)
 LAYOUT = "dcp"
 _LAST_INT = re.compile(r"(\d+)(?!.*\d)")
 # Numbered DCP directories frameworks put inside a checkpoint as its parts: FSDP's under the
