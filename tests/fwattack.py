@@ -212,6 +212,9 @@ LOADERS = {"deepspeed": _deepspeed, "dcp": _dcp, "orbax": _orbax, "accelerate": 
 def main(framework: str, spec: str) -> int:
     for k, v in fwgen._CHILD_ENV.items():
         os.environ.setdefault(k, v)
+    if framework == "write-lightning":  # SPEC is the output directory: two epochs of fwgen's default run
+        fwgen._lightning_fit(Path(spec), "team-a/run-default", 2)
+        return 0
     items = json.loads(Path(spec).read_text())
     out = {}
     for item in items:
@@ -222,6 +225,18 @@ def main(framework: str, spec: str) -> int:
             out[item["key"]] = "error in the loader: " + fwgen._error(exc)
     sys.stdout.write(json.dumps(out) + "\n")
     return 0
+
+
+def write_lightning(out: Path, timeout: float = 300) -> Path:
+    """Lightning's ModelCheckpoint (save_top_k=-1, save_last=True), two epochs, in a fresh process: the run."""
+    import subprocess
+
+    env = {**os.environ, **fwgen._CHILD_ENV}
+    proc = subprocess.run([sys.executable, __file__, "write-lightning", str(out)], capture_output=True, text=True,
+                          env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"fwattack write-lightning exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return out / "team-a" / "run-default"
 
 
 def load(framework: str, items: list[dict], workdir: Path, timeout: float = 600) -> dict[str, str]:

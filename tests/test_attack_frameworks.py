@@ -128,7 +128,8 @@ def _plan(root: Path, tmp: Path) -> dict[str, dict]:
 
 
 def _judge(tmp: Path, framework: str, base_run: Path, newest: str, older: str, cases: dict,
-           item: Callable[[Path], dict]) -> dict[str, dict]:
+           item: Callable[[Path], dict], truth_of: Callable[[list[dict]], dict[str, str]] | None = None,
+           ) -> dict[str, dict]:
     """Copy ``base_run`` once per case under ``tmp/<framework>``, damage its ``newest`` checkpoint, then
     one `ckptd plan` over them all and one loader process: {case: {state, older_action, truth, ...}}."""
     root = tmp / framework
@@ -141,7 +142,7 @@ def _judge(tmp: Path, framework: str, base_run: Path, newest: str, older: str, c
             age(run, time.time() - AGE)  # the damage is old news: only the evidence can tell
     plan = _plan(root, tmp)
     items = [{"key": name, **item(root / name / newest)} for name in cases]
-    truth = fwattack.load(framework, items, tmp)
+    truth = truth_of(items) if truth_of else fwattack.load(framework, items, tmp)
     out = {}
     for name in cases:
         new_row = plan.get(str(root / name / newest), {})
@@ -501,3 +502,99 @@ def deepspeed_judged(tmp_path_factory):
 @pytest.mark.parametrize("case", _cases("deepspeed", DEEPSPEED_CASES, DEEPSPEED_KNOWN))
 def test_deepspeed_damaged_newest(deepspeed_judged, case):
     _check(deepspeed_judged, case)
+
+
+# --- single-file checkpoints: Lightning's .ckpt, Keras's .keras and .weights.h5 --------------------
+
+
+def cut(n: int) -> Callable[[Path], None]:
+    """The last ``n`` bytes never arrived (a copy one write short), the mtime kept."""
+    def apply(ckpt: Path) -> None:
+        _keep_times(ckpt, lambda: os.truncate(ckpt, ckpt.stat().st_size - n))
+    return apply
+
+
+def rsync_killed_file(ckpt: Path) -> None:
+    """rsync killed in this file: only its temporary ``.<name>.XXXXXX``, half written, is there."""
+    data = ckpt.read_bytes()
+    ckpt.unlink()
+    (ckpt.parent / f".{ckpt.name}.Q3x9Zk").write_bytes(data[: len(data) // 2])
+
+
+SINGLE_FILE_CASES = {
+    "intact": intact,
+    "zero": zero(""),
+    "half": half(""),
+    "cut-last-byte": cut(1),
+    "cut-last-22-bytes": cut(22),  # exactly a zip's end-of-central-directory record
+    "rsync-killed": rsync_killed_file,
+}
+LIGHTNING_KNOWN: dict[str, str] = {}
+_LIGHTNING_CKPTS = "lightning_logs/version_0/checkpoints"
+
+
+@pytest.fixture(scope="module")
+def lightning_judged(tmp_path_factory):
+    _skip_unless("lightning")
+    tmp = tmp_path_factory.mktemp("atk-lightning")
+    run = fwattack.write_lightning(tmp / "gen")
+    return _judge(tmp, "lightning", run, f"{_LIGHTNING_CKPTS}/epoch=1-step=4.ckpt",
+                  f"{_LIGHTNING_CKPTS}/epoch=0-step=2.ckpt", SINGLE_FILE_CASES, lambda p: {"path": str(p)})
+
+
+@pytest.mark.parametrize("case", _cases("lightning", SINGLE_FILE_CASES, LIGHTNING_KNOWN))
+def test_lightning_damaged_newest(lightning_judged, case):
+    _check(lightning_judged, case)
+
+
+def _keras_truth(kind: str, tmp: Path) -> Callable[[list[dict]], dict[str, str]]:
+    """Keras's own loader (fwkeras.py check: load_model, or load_weights into the model) over a copy of
+    every damaged file, one process: {case: verdict}."""
+    import subprocess
+    import sys
+
+    suffix = ".keras" if kind == "keras" else ".weights.h5"
+
+    def truth_of(items: list[dict]) -> dict[str, str]:
+        d = tmp / "truth" / "run"
+        d.mkdir(parents=True)
+        for it in items:
+            if Path(it["path"]).is_file():
+                shutil.copyfile(it["path"], d / f"{it['key']}{suffix}")
+        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fwkeras.py")), str(tmp / "truth"),
+                               "run", kind, "check"], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, **fwgen._CHILD_ENV})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        out = {}
+        for it in items:
+            verdict = got.get(f"{it['key']}{suffix}", "fails: not there")
+            out[it["key"]] = "full" if verdict == "loads" else verdict if verdict.startswith("fails") \
+                else f"fails: {verdict}"
+        return out
+    return truth_of
+
+
+KERAS_KNOWN: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", params=["keras", "weights"])
+def keras_judged(request, tmp_path_factory):
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("keras") is None:
+        pytest.skip("keras is not installed")
+    kind = request.param
+    tmp = tmp_path_factory.mktemp(f"atk-keras-{kind}")
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fwkeras.py")), str(tmp / "gen"), "run", kind],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **fwgen._CHILD_ENV})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = sorted(p.name for p in (tmp / "gen" / "run").iterdir())  # epoch=01 .. epoch=03, oldest first
+    return _judge(tmp, f"keras-{kind}", tmp / "gen" / "run", names[-1], names[-2], SINGLE_FILE_CASES,
+                  lambda p: {"path": str(p)}, _keras_truth(kind, tmp))
+
+
+@pytest.mark.parametrize("case", _cases("keras", SINGLE_FILE_CASES, KERAS_KNOWN))
+def test_keras_damaged_newest(keras_judged, case):
+    _check(keras_judged, case)
