@@ -110,6 +110,21 @@ def resaved_rank0(ckpt: Path) -> None:
 resaved_rank0.keeps_times = True  # type: ignore[attr-defined]
 
 
+def stray(name: str) -> Callable[[Path], None]:
+    """A file no save and no copier of this checkpoint wrote, every real file whole (an editor's or a
+    sync tool's leftover from rewriting trainer_state.json by hand, the rewrite itself finished)."""
+    def apply(ckpt: Path) -> None:
+        (ckpt / name).write_text("{}")
+    return apply
+
+
+def stale_tag(ckpt: Path) -> None:
+    """An older DeepSpeed tag inside the checkpoint (copied in with it; `latest` still names the right
+    one): DeepSpeed loads only the tag `latest` names."""
+    older = sorted(ckpt.parent.glob("checkpoint-*/global_step*"))[0]
+    shutil.copytree(older, ckpt / older.name)
+
+
 def intact(ckpt: Path) -> None:
     """No damage: the control (ckptd and the loader must both take it)."""
 
@@ -383,6 +398,7 @@ TRAINER_CASES = {
     "rsync-killed-in-scheduler": rsync_killed("scheduler.pt"),
     "rsync-killed-in-optimizer": rsync_killed("optimizer.pt"),
     "smallest-first-copy-killed-at-90pct": smallest_first_killed(0.9),
+    "stray-tmp-beside-whole-files": stray("trainer_state.json.tmp"),
 }
 TRAINER_KNOWN = {
     "drop-optimizer": "BROKEN (silent): a Trainer checkpoint without optimizer.pt is complete to ckptd; the "
@@ -394,6 +410,8 @@ TRAINER_KNOWN = {
     "drop-rng_state": "BROKEN (silent): rng_state.pth missing though the run's older checkpoint has it; the "
                       "Trainer warns 'Didn't find an RNG file' and goes on",
     "zero-config": "BROKEN: an empty config.json (power loss) passes; Trainer resume raises JSONDecodeError",
+    "stray-tmp-beside-whole-files": "safe-but-wrong: a stray trainer_state.json.tmp beside whole files holds the "
+                                    "checkpoint incomplete forever (copy leftovers); the Trainer resumes from it in full",
 }
 
 
@@ -475,6 +493,7 @@ DEEPSPEED_CASES = {
     "zero-model-states": zero("global_step20/mp_rank_00_model_states.pt"),
     "half-optim-shard": half("global_step20/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
     "drop-zero_to_fp32": drop("zero_to_fp32.py"),
+    "stale-older-tag-beside": stale_tag,
 }
 _DS_LATEST = ("BROKEN: DeepSpeed's latest is not evidence to ckptd, but load_checkpoint(tag=None), as the Trainer "
               "resumes, reads it: {what}; ckptd calls the checkpoint complete, the resume fails")
