@@ -47,9 +47,10 @@ def _torchtitan(path: Path, files: dict[str, Entry]) -> Check:
 
 class Torchtitan(Framework):
     layout = layouts.TORCHTITAN
+    read_whole = frozenset({".metadata"})  # dcp.storage_check reads what it names
 
     def evidence(self, save: Save) -> Evidence:
-        return Evidence([_torchtitan(save.path, save.files)])
+        return Evidence([_torchtitan(save.path, save.files), *dcp.storage_checks(save.path, save.files)])
 
     def save_file(self, rel: str) -> bool:
         return dcp.save_file(rel)
