@@ -66,6 +66,10 @@ class Evidence:
     checks: list[Check] = field(default_factory=list)
     ranks: int | None = None  # per-rank files counted without a known world size (against_siblings)
     trainer_state: TrainerState | None = None
+    # The kinds of file the save wrote that the checkpoint itself cannot say it must have (one
+    # optimizer file per prepared optimizer, the Trainer's optimizer.pt unless save_only_model):
+    # one its run's earlier complete checkpoints all have is missing (evidence.against_sibling_kinds).
+    kinds: frozenset[str] | None = None
 
 
 class Framework:
