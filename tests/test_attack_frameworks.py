@@ -3,10 +3,13 @@
 Every case starts from checkpoints the framework itself wrote (fwgen.py, fwweights.py), damages the
 newest one of a run as a crash, a killed copier or a power loss would (a file missing, cut short or
 emptied with its mtime kept, a killed rsync's temporary file in place of the last file), then asks
-`ckptd plan` (keep_last=1, keep_best=0) what it makes of the run, and the framework's own loader
-(fwattack.py: dcp.load, Orbax restore, accelerate load_state, Trainer resume) what it makes of the
-damaged checkpoint. They must agree: ckptd calls the damaged checkpoint complete (and so deletes the
-older, loadable one under keep_last=1) exactly when the loader restores everything from it.
+`ckptd plan` (keep_last=1, keep_best=0) what it makes of the run. The framework's own loader
+(fwattack.py: dcp.load, Orbax restore, accelerate load_state, Trainer resume) said what it makes of
+each damaged checkpoint: the `*_TRUTH` tables hold its verdicts, and ckptd must agree with them:
+it calls the damaged checkpoint complete (and so deletes the older, loadable one under keep_last=1)
+exactly when the loader restores everything from it. The loaders take ~10 minutes on 2 cores, so
+the default run asserts ckptd against the tables only; `--run-slow` runs every loader again
+(test_the_loaders_agree_with_the_tables) and fails where one disagrees with its table.
 
 Cases where ckptd is wrong are xfail(strict=True), with what it does wrong: BROKEN (it calls complete
 what the loader cannot resume from, and deletes the one the user needs) or safe-but-wrong (it holds
@@ -24,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import fwattack
-import fwweights
 import pytest
 
 from ckptd.demo import age
@@ -142,11 +144,21 @@ def _plan(root: Path, tmp: Path) -> dict[str, dict]:
     return {row["path"]: row for row in json.loads(proc.stdout)["checkpoints"]}
 
 
+class Judged(dict):
+    """{case: {state, reasons, older_action, truth, item}}, and how to ask the loader (`_loader_agrees`)."""
+
+    def __init__(self, out: dict, framework: str, tmp: Path, truth_of: Callable | None):
+        super().__init__(out)
+        self.framework, self.tmp, self.truth_of = framework, tmp, truth_of
+
+
 def _judge(tmp: Path, framework: str, base_run: Path, newest: str, older: str, cases: dict,
-           item: Callable[[Path], dict], truth_of: Callable[[list[dict]], dict[str, str]] | None = None,
-           ) -> dict[str, dict]:
+           item: Callable[[Path], dict], table: dict[str, str],
+           truth_of: Callable[[list[dict]], dict[str, str]] | None = None) -> Judged:
     """Copy ``base_run`` once per case under ``tmp/<framework>``, damage its ``newest`` checkpoint, then
-    one `ckptd plan` over them all and one loader process: {case: {state, older_action, truth, ...}}."""
+    one `ckptd plan` over them all: {case: {state, older_action, truth, ...}}, the truth from ``table``
+    (what the loader said of each damage; `test_the_loaders_agree_with_the_tables` asks it again)."""
+    assert set(table) == set(cases), f"the table and the cases differ: {set(table) ^ set(cases)}"
     root = tmp / framework
     for name, damage in cases.items():
         run = root / name
@@ -156,24 +168,34 @@ def _judge(tmp: Path, framework: str, base_run: Path, newest: str, older: str, c
         if not getattr(damage, "keeps_times", False):
             age(run, time.time() - AGE)  # the damage is old news: only the evidence can tell
     plan = _plan(root, tmp)
-    items = [{"key": name, **item(root / name / newest)} for name in cases]
-    truth = truth_of(items) if truth_of else fwattack.load(framework, items, tmp)
     out = {}
     for name in cases:
         new_row = plan.get(str(root / name / newest), {})
         old_row = plan.get(str(root / name / older), {})
         out[name] = {"state": new_row.get("state"), "reasons": new_row.get("reasons"),
-                     "older_action": old_row.get("action"), "truth": truth[name]}
+                     "older_action": old_row.get("action"), "truth": table[name],
+                     "item": {"key": name, **item(root / name / newest)}}
     if dump := os.environ.get("CKPTD_ATTACK_DUMP"):  # a developer's record of every verdict
         with open(dump, "a") as f:
             f.write(json.dumps({"framework": framework, "base": base_run.name, "judged": out}) + "\n")
-    return out
+    return Judged(out, framework, tmp, truth_of)
+
+
+def _loader_agrees(judged: Judged) -> None:
+    """The framework's own loader (fwattack.py, or Keras's through ``truth_of``) over every damaged
+    checkpoint, in one process: its verdict ("full", "partial: ...", "fails: ...") must be the table's."""
+    items = [got["item"] for got in judged.values()]
+    truth = judged.truth_of(items) if judged.truth_of else fwattack.load(judged.framework, items, judged.tmp)
+    wrong = {name: {"table": got["truth"], "loader": truth[name]} for name, got in judged.items()
+             if truth[name].partition(":")[0] != got["truth"]}
+    assert not wrong, f"{judged.framework}: the loader disagrees with the table:\n{json.dumps(wrong, indent=1)}"
 
 
 # Damage the loader survives, but that a save killed mid-way leaves the same way, so ckptd must hold it:
 # Orbax in commit-file mode (options the directory does not record) writes commit_success.txt last, and
 # a save killed before it restores with default options too (FWGEN_NOTES.md, "Orbax").
 AMBIGUOUS = {("orbax", "drop-commit_success")}
+FULL, PARTIAL, FAILS = "full", "partial", "fails"  # the loader restores everything; silently not; raises
 
 
 def _check(judged: dict[str, dict], case: str, framework: str = "") -> None:
@@ -212,17 +234,25 @@ DCP_CASES = {
     "rsync-killed-in-rank1-distcp": rsync_killed("__1_0.distcp"),
     "resaved-in-place-killed-after-rank0": resaved_rank0,
 }
+DCP_TRUTH = {  # the loader's verdict on each (fwattack.py; checked by --run-slow)
+    "intact": FULL,
+    "drop-metadata": FAILS,
+    "drop-rank0-distcp": FAILS,
+    "drop-rank1-distcp": FAILS,
+    "zero-rank1-distcp": FAILS,
+    "half-rank1-distcp": FAILS,
+    "zero-metadata": FAILS,
+    "rsync-killed-in-rank1-distcp": FAILS,
+    "resaved-in-place-killed-after-rank0": PARTIAL,
+}
 DCP_KNOWN: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
-def dcp_base(tmp_path_factory) -> Path:
+def dcp_base(dcp_volume, tmp_path_factory) -> Path:
     """torchtitan-named DCP run, 2 ranks: checkpoint/step-10 and step-20, both whole."""
-    _skip_unless("dcp")
-    tmp = tmp_path_factory.mktemp("atk-dcp-gen")
-    vol = fwgen.generate("dcp", tmp / "gen", timeout=300)["dcp"]
-    base = tmp / "titan"
-    shutil.copytree(vol["out_dir"] / "titan-a", base)
+    base = tmp_path_factory.mktemp("atk-dcp-gen") / "titan"
+    shutil.copytree(dcp_volume["out_dir"] / "titan-a", base)
     shutil.rmtree(base / "checkpoint" / "step-30")  # the killed save: the run's newest is then step-20
     return base
 
@@ -231,7 +261,7 @@ def dcp_base(tmp_path_factory) -> Path:
 def dcp_judged(dcp_base, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("atk-dcp")
     return _judge(tmp, "dcp", dcp_base, "checkpoint/step-20", "checkpoint/step-10", DCP_CASES,
-                  lambda p: {"path": str(p), "step": 20})
+                  lambda p: {"path": str(p), "step": 20}, DCP_TRUTH)
 
 
 @pytest.mark.parametrize("case", _cases("dcp", DCP_CASES, DCP_KNOWN))
@@ -294,16 +324,30 @@ ORBAX_CASES = {
     "smallest-first-copy-killed-at-half": smallest_first_killed(0.5),
     "smallest-first-copy-killed-at-90pct": smallest_first_killed(0.9),
 }
+ORBAX_TRUTH = {  # the loader's verdict on each (fwattack.py; checked by --run-slow)
+    "intact": FULL,
+    "drop-commit_success": FULL,
+    "drop-CHECKPOINT_METADATA": FULL,
+    "drop-item-METADATA": FULL,
+    "drop-item-manifest": FAILS,
+    "drop-item-commit_success": FULL,
+    "drop-item-sharding": FULL,
+    "drop-item-array_metadatas": FULL,
+    "drop-ocdbt-process-dir": FULL,
+    "drop-ocdbt-process-manifest": FULL,
+    "drop-ocdbt-data": FULL,
+    "drop-item-data": FAILS,
+    "smallest-first-copy-killed-at-half": FAILS,
+    "smallest-first-copy-killed-at-90pct": FULL,
+}
 ORBAX_KNOWN: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
-def orbax_judged(tmp_path_factory):
-    _skip_unless("orbax")
+def orbax_judged(orbax_volume, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("atk-orbax")
-    vol = fwgen.generate_orbax(tmp / "gen")
-    return _judge(tmp, "orbax", vol["out_dir"] / "step_prefix", "step_200", "step_100", ORBAX_CASES,
-                  lambda p: {"run": str(p.parent), "step": 200, "options": {"step_prefix": "step"}})
+    return _judge(tmp, "orbax", orbax_volume["out_dir"] / "step_prefix", "step_200", "step_100", ORBAX_CASES,
+                  lambda p: {"run": str(p.parent), "step": 200, "options": {"step_prefix": "step"}}, ORBAX_TRUTH)
 
 
 @pytest.mark.parametrize("case", _cases("orbax", ORBAX_CASES, ORBAX_KNOWN))
@@ -312,14 +356,6 @@ def test_orbax_damaged_newest(orbax_judged, case):
 
 
 # --- accelerate save_state and the HF Trainer (fwweights: one process each) ------------------------
-
-
-@pytest.fixture(scope="module")
-def weights_volume(tmp_path_factory):
-    _skip_unless("trainer")
-    out = tmp_path_factory.mktemp("atk-weights") / "gen"
-    fwweights.generate(out)
-    return out
 
 
 ACCELERATE_CASES = {
@@ -336,14 +372,28 @@ ACCELERATE_CASES = {
     "rsync-killed-in-scheduler": rsync_killed("scheduler.bin"),
     "rsync-killed-in-optimizer": rsync_killed("optimizer.bin"),
 }
+ACCELERATE_TRUTH = {  # the loader's verdict on each (fwattack.py; checked by --run-slow)
+    "intact": FULL,
+    "drop-model": FAILS,
+    "drop-optimizer": FAILS,
+    "drop-scheduler": FAILS,
+    "drop-random_states": PARTIAL,
+    "zero-model": FAILS,
+    "zero-optimizer": FAILS,
+    "zero-scheduler": FAILS,
+    "zero-random_states": PARTIAL,
+    "half-optimizer": FAILS,
+    "rsync-killed-in-scheduler": FAILS,
+    "rsync-killed-in-optimizer": FAILS,
+}
 ACCELERATE_KNOWN: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
 def accelerate_judged(weights_volume, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("atk-acc")
-    return _judge(tmp, "accelerate", weights_volume / "accelerate-safetensors", "step_20", "step_10",
-                  ACCELERATE_CASES, lambda p: {"path": str(p)})
+    return _judge(tmp, "accelerate", weights_volume["out_dir"] / "accelerate-safetensors", "step_20", "step_10",
+                  ACCELERATE_CASES, lambda p: {"path": str(p)}, ACCELERATE_TRUTH)
 
 
 @pytest.mark.parametrize("case", _cases("accelerate", ACCELERATE_CASES, ACCELERATE_KNOWN))
@@ -373,6 +423,28 @@ TRAINER_CASES = {
     "smallest-first-copy-killed-at-90pct": smallest_first_killed(0.9),
     "stray-tmp-beside-whole-files": stray("trainer_state.json.tmp"),
 }
+TRAINER_TRUTH = {  # the loader's verdict on each (fwattack.py; checked by --run-slow)
+    "intact": FULL,
+    "drop-config": FULL,
+    "drop-generation_config": FULL,
+    "drop-model": FAILS,
+    "drop-optimizer": PARTIAL,
+    "drop-scheduler": PARTIAL,
+    "drop-rng_state": PARTIAL,
+    "drop-trainer_state": FAILS,
+    "drop-training_args": FULL,
+    "zero-config": FAILS,
+    "zero-model": FAILS,
+    "zero-optimizer": FAILS,
+    "zero-scheduler": FAILS,
+    "zero-rng_state": FAILS,
+    "zero-trainer_state": FAILS,
+    "half-model": FAILS,
+    "rsync-killed-in-scheduler": FAILS,
+    "rsync-killed-in-optimizer": FAILS,
+    "smallest-first-copy-killed-at-90pct": PARTIAL,
+    "stray-tmp-beside-whole-files": FULL,
+}
 TRAINER_KNOWN = {
     # Left as is: copy_leftovers cannot tell a stray `*.tmp` from a copier's in-flight file; held, never lost.
     "stray-tmp-beside-whole-files": "safe-but-wrong: a stray trainer_state.json.tmp beside whole files holds the "
@@ -383,8 +455,8 @@ TRAINER_KNOWN = {
 @pytest.fixture(scope="module")
 def trainer_judged(weights_volume, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("atk-trainer")
-    return _judge(tmp, "trainer", weights_volume / "trainer-safetensors", "checkpoint-4", "checkpoint-2",
-                  TRAINER_CASES, lambda p: {"path": str(p), "step": 4})
+    return _judge(tmp, "trainer", weights_volume["out_dir"] / "trainer-safetensors", "checkpoint-4",
+                  "checkpoint-2", TRAINER_CASES, lambda p: {"path": str(p), "step": 4}, TRAINER_TRUTH)
 
 
 @pytest.mark.parametrize("case", _cases("trainer", TRAINER_CASES, TRAINER_KNOWN))
@@ -401,14 +473,23 @@ SHARDED_CASES = {
     "half-shard-3": half("model-00003-of-00003.safetensors"),
     "rsync-killed-in-shard-3": rsync_killed("model-00003-of-00003.safetensors"),
 }
+SHARDED_TRUTH = {  # the loader's verdict on each (fwattack.py; checked by --run-slow)
+    "intact": FULL,
+    "drop-shard-2": FAILS,
+    "drop-index": FAILS,
+    "zero-index": FAILS,
+    "zero-shard-2": FAILS,
+    "half-shard-3": FAILS,
+    "rsync-killed-in-shard-3": FAILS,
+}
 SHARDED_KNOWN: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
 def sharded_judged(weights_volume, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("atk-sharded")
-    return _judge(tmp, "trainer", weights_volume / "trainer-sharded", "checkpoint-4", "checkpoint-2",
-                  SHARDED_CASES, lambda p: {"path": str(p), "step": 4})
+    return _judge(tmp, "trainer", weights_volume["out_dir"] / "trainer-sharded", "checkpoint-4", "checkpoint-2",
+                  SHARDED_CASES, lambda p: {"path": str(p), "step": 4}, SHARDED_TRUTH)
 
 
 @pytest.mark.parametrize("case", _cases("sharded", SHARDED_CASES, SHARDED_KNOWN))
@@ -423,14 +504,22 @@ SAVE_ONLY_MODEL_CASES = {
     "zero-model": zero("model.safetensors"),
     "drop-trainer_state": drop("trainer_state.json"),
 }
+SAVE_ONLY_MODEL_TRUTH = {  # the loader's verdict on each (fwattack.py; checked by --run-slow)
+    "intact": FULL,
+    "drop-config": FULL,
+    "drop-model": FAILS,
+    "zero-model": FAILS,
+    "drop-trainer_state": FAILS,
+}
 SAVE_ONLY_MODEL_KNOWN: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
 def save_only_model_judged(weights_volume, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("atk-som")
-    return _judge(tmp, "trainer", weights_volume / "trainer-save-only-model", "checkpoint-4", "checkpoint-2",
-                  SAVE_ONLY_MODEL_CASES, lambda p: {"path": str(p), "step": 4, "save_only_model": True})
+    return _judge(tmp, "trainer", weights_volume["out_dir"] / "trainer-save-only-model", "checkpoint-4",
+                  "checkpoint-2", SAVE_ONLY_MODEL_CASES,
+                  lambda p: {"path": str(p), "step": 4, "save_only_model": True}, SAVE_ONLY_MODEL_TRUTH)
 
 
 @pytest.mark.parametrize("case", _cases("save-only-model", SAVE_ONLY_MODEL_CASES, SAVE_ONLY_MODEL_KNOWN))
@@ -460,6 +549,18 @@ DEEPSPEED_CASES = {
     "drop-zero_to_fp32": drop("zero_to_fp32.py"),
     "stale-older-tag-beside": stale_tag,
 }
+DEEPSPEED_TRUTH = {  # the loader's verdict on each (fwattack.py; checked by --run-slow)
+    "intact": FULL,
+    "drop-latest": FAILS,
+    "zero-latest": FAILS,
+    "latest-names-a-missing-tag": FAILS,
+    "drop-optim-shard": FAILS,
+    "drop-model-states": FAILS,
+    "zero-model-states": FAILS,
+    "half-optim-shard": FAILS,
+    "drop-zero_to_fp32": FULL,
+    "stale-older-tag-beside": FULL,
+}
 DEEPSPEED_KNOWN: dict[str, str] = {}
 
 
@@ -474,7 +575,7 @@ def deepspeed_judged(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("atk-ds")
     dsgen.generate(tmp / "gen" / "run", world_size=1, stage=2, layout="hf", steps=(10, 20))
     return _judge(tmp, "deepspeed", tmp / "gen" / "run", "checkpoint-20", "checkpoint-10", DEEPSPEED_CASES,
-                  lambda p: {"path": str(p), "step": 20})
+                  lambda p: {"path": str(p), "step": 20}, DEEPSPEED_TRUTH)
 
 
 @pytest.mark.parametrize("case", _cases("deepspeed", DEEPSPEED_CASES, DEEPSPEED_KNOWN))
@@ -507,6 +608,14 @@ SINGLE_FILE_CASES = {
     "cut-last-22-bytes": cut(22),  # exactly a zip's end-of-central-directory record
     "rsync-killed": rsync_killed_file,
 }
+SINGLE_FILE_TRUTH = {  # the loader's verdict on each (fwattack.py; checked by --run-slow)
+    "intact": FULL,
+    "zero": FAILS,
+    "half": FAILS,
+    "cut-last-byte": FAILS,
+    "cut-last-22-bytes": FAILS,
+    "rsync-killed": FAILS,
+}
 LIGHTNING_KNOWN: dict[str, str] = {}
 _LIGHTNING_CKPTS = "lightning_logs/version_0/checkpoints"
 
@@ -517,7 +626,8 @@ def lightning_judged(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("atk-lightning")
     run = fwattack.write_lightning(tmp / "gen")
     return _judge(tmp, "lightning", run, f"{_LIGHTNING_CKPTS}/epoch=1-step=4.ckpt",
-                  f"{_LIGHTNING_CKPTS}/epoch=0-step=2.ckpt", SINGLE_FILE_CASES, lambda p: {"path": str(p)})
+                  f"{_LIGHTNING_CKPTS}/epoch=0-step=2.ckpt", SINGLE_FILE_CASES, lambda p: {"path": str(p)},
+                  SINGLE_FILE_TRUTH)
 
 
 @pytest.mark.parametrize("case", _cases("lightning", SINGLE_FILE_CASES, LIGHTNING_KNOWN))
@@ -570,7 +680,7 @@ def keras_judged(request, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = sorted(p.name for p in (tmp / "gen" / "run").iterdir())  # epoch=01 .. epoch=03, oldest first
     return _judge(tmp, f"keras-{kind}", tmp / "gen" / "run", names[-1], names[-2], SINGLE_FILE_CASES,
-                  lambda p: {"path": str(p)}, _keras_truth(kind, tmp))
+                  lambda p: {"path": str(p)}, SINGLE_FILE_TRUTH, _keras_truth(kind, tmp))
 
 
 @pytest.mark.parametrize("case", _cases("keras", SINGLE_FILE_CASES, KERAS_KNOWN))
@@ -590,9 +700,9 @@ def _prune(root: Path, tmp: Path) -> str:
     return proc.stdout
 
 
-def _trainer_run(weights_volume: Path, root: Path) -> Path:
+def _trainer_run(weights_volume: dict, root: Path) -> Path:
     run = root / "team" / "run"
-    shutil.copytree(weights_volume / "trainer-safetensors", run)
+    shutil.copytree(weights_volume["out_dir"] / "trainer-safetensors", run)
     age(run, time.time() - AGE)
     return run
 
@@ -616,14 +726,14 @@ def test_a_symlinked_newest_checkpoint_does_not_make_the_real_one_deletable(weig
     """checkpoint-6 is a symlink to a checkpoint outside the root (an operator's `ln -s` to the archive):
     ckptd must neither touch the archive nor count the link as the run's newest and delete checkpoint-4."""
     archive = tmp_path / "archive" / "checkpoint-6"
-    shutil.copytree(weights_volume / "trainer-safetensors" / "checkpoint-4", archive)
+    shutil.copytree(weights_volume["out_dir"] / "trainer-safetensors" / "checkpoint-4", archive)
     run = _trainer_run(weights_volume, tmp_path / "vol")
     (run / "checkpoint-6").symlink_to(archive, target_is_directory=True)
     age(archive, time.time() - AGE)
     _prune(tmp_path / "vol", tmp_path)
     assert (run / "checkpoint-4" / "trainer_state.json").is_file()
     assert sorted(p.name for p in archive.iterdir()) == sorted(
-        p.name for p in (weights_volume / "trainer-safetensors" / "checkpoint-4").iterdir())
+        p.name for p in (weights_volume["out_dir"] / "trainer-safetensors" / "checkpoint-4").iterdir())
 
 
 def test_a_checkpoint_copied_in_under_a_higher_step_keeps_the_newest_written(weights_volume, tmp_path):
@@ -652,3 +762,34 @@ def test_latest_passes_over_a_deepspeed_checkpoint_without_its_latest_file(deeps
     run = next(tmp_path_factory.getbasetemp().glob("atk-ds*/deepspeed/drop-latest"))
     proc = run_ckptd("latest", run, "--quiet-period", "0")
     assert proc.stdout.strip() == str(run / "checkpoint-10"), proc.stdout + proc.stderr
+
+
+# --- the tables against the loaders (--run-slow: each loader resumes every damaged checkpoint) ---------
+
+
+_JUDGED = ("dcp_judged", "orbax_judged", "accelerate_judged", "trainer_judged", "sharded_judged",
+           "save_only_model_judged", "deepspeed_judged", "lightning_judged")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("judged", _JUDGED)
+def test_the_loaders_agree_with_the_tables(request, judged):
+    _loader_agrees(request.getfixturevalue(judged))
+
+
+@pytest.mark.slow
+def test_keras_loader_agrees_with_the_table(keras_judged):
+    _loader_agrees(keras_judged)
+
+
+@pytest.mark.parametrize("missing", ["optimizer.pt", "scheduler.pt", "rng_state.pth"])
+def test_a_runs_first_trainer_checkpoint_missing_a_state_file_is_incomplete(weights_volume, tmp_path, missing):
+    """No earlier checkpoint to compare with (the sibling census has nothing): the checkpoint itself says
+    it was no save_only_model save (the other state files are there), so the missing one is demanded."""
+    run = _trainer_run(weights_volume, tmp_path / "vol")
+    (run / "checkpoint-2" / missing).unlink()
+    age(run, time.time() - AGE)
+    rows = _plan(tmp_path / "vol", tmp_path)
+    row = rows[str(run / "checkpoint-2")]
+    assert row["state"] != "complete", row
+    assert any(missing.partition(".")[0] in r for r in row["reasons"]), row

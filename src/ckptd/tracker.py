@@ -437,8 +437,8 @@ class RootTracker:
             if old is not None:
                 self._vanish(rs, name, changes)
             return
-        siblings = rs.checkpoints.values()
-        fresh = against_sibling_kinds(against_siblings(fresh, siblings), siblings)
+        fresh = against_siblings(fresh, rs.checkpoints.values())
+        fresh = against_sibling_kinds(fresh, rs.checkpoints.values())
         if fresh.state is State.INCOMPLETE:
             stall = self.settler.stall_check(fresh.rel, self.clock())
             if stall is not None:
