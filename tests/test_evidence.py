@@ -705,6 +705,7 @@ def ddp_checkpoint(run: Path, step: int, ranks: int, mtime: float) -> Path:
     ck = run / f"checkpoint-{step}"
     ck.mkdir(parents=True)
     write_zip(ck / "optimizer.pt", 64)
+    write_zip(ck / "scheduler.pt", 16)  # the Trainer writes it with optimizer.pt (_save_optimizer_and_scheduler)
     write_zip(ck / "pytorch_model.bin", 64)  # WEIGHTS_NAME, as transformers 4 saved it
     for r in range(ranks):
         write_zip(ck / f"rng_state_{r}.pth", 16)
