@@ -789,7 +789,7 @@ def against_sibling_kinds(c: Checkpoint, siblings: Iterable[Checkpoint]) -> Chec
     order = (c.saved_at, c.step)
     earlier = [
         s for s in siblings
-        if s.name != c.name and s.kinds is not None and s.layout == c.layout and s.state is State.COMPLETE
+        if s.name != c.name and s.kinds is not None and s.state is State.COMPLETE
         and (s.saved_at, s.step) < order
     ]
     if not earlier:
