@@ -560,6 +560,7 @@ def _encode_checkpoint(rec: Record) -> dict[str, Any] | None:
         "mounts": list(c.mounts),
         "holds": list(c.holds),
         "ranks": c.ranks,
+        "kinds": None if c.kinds is None else sorted(c.kinds),
         "metrics": [[n, r.value, r.source] for n, r in c.metrics],
         "metric_problem": c.metric_problem,
         "ctx": rec.context,
@@ -608,6 +609,7 @@ def _decode_checkpoint(rec: Record, doc: dict[str, Any], check: Callable[[Any, A
         mounts=tuple(str(m) for m in doc["mounts"]),
         holds=tuple(str(h) for h in doc["holds"]),
         ranks=None if doc["ranks"] is None else int(doc["ranks"]),
+        kinds=None if (k := doc.get("kinds")) is None else frozenset(map(str, k)),
         metrics=tuple(
             (str(n), Reading(v if isinstance(v, str) else float(v), str(src))) for n, v, src in doc["metrics"]
         ),

@@ -100,12 +100,15 @@ def _kind(rel: str) -> str | None:
     return None
 
 
-def _state_files(files: Mapping[str, Entry], tags: list[str]) -> tuple[Check, frozenset[str]]:
+def _state_files(
+    files: Mapping[str, Entry], tags: list[str], removed: frozenset[str] = frozenset()
+) -> tuple[Check, frozenset[str]]:
     """The optimizer, scheduler and RNG files a save that is not `save_only_model` writes: one of
     them there says the save was not model-only, and then the others must be there too. The kinds
     present are returned for the run's census (a checkpoint missing all of them looks model-only)."""
     name = "trainer state files"
     kinds = frozenset(k for rel, e in files.items() if e.kind == "f" and (k := _kind(rel)))
+    kinds |= {k for rel in removed if (k := _kind(rel))}  # what a slim removed on purpose (its marker)
     if not kinds and not tags:
         return Check(name, PASSED, "none (save_only_model; the run's other checkpoints are asked too)"), kinds
     required = ["rng_state.pth"]
@@ -187,7 +190,7 @@ class Trainer(Framework):
         checks.append(copyin.copy_leftovers(files))
         tags = _global_step_dirs(files)
         checks.append(hfweights.weights_check(save.path, files, who="the Trainer", tags=tags))
-        state_check, kinds = _state_files(files, tags)
+        state_check, kinds = _state_files(files, tags, save.removed)
         checks.append(state_check)
         checks.append(_json_files(save.path, files))
         return Evidence(checks, ranks, trainer_state, kinds)
