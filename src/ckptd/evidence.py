@@ -230,6 +230,9 @@ class Inspector:
             path, files, run, cand, world_size, self.mp_world_size, removed, pattern,
             deepspeed=lambda gs: self._deepspeed(path, gs, files, world_size, removed),
             trainer_state=lambda: self._trainer_state(path, files),
+            remembered=lambda rel, read: (
+                self._remembered(verdicts_.FRAMEWORK, files[rel], read) if rel in files else read()
+            ),
         )
         found = fw.evidence(save)
         checks.extend(found.checks)

@@ -96,6 +96,7 @@ MAX_PERSISTED_HISTORY = 100_000  # log-history steps per trainer state written t
 _ATTESTATION = (ATTESTED, COMMIT_RECORDS, SAVE_LEASE)  # checks from commit records (attestation.py)
 
 FILE, WORLD, TRAINER_STATE = "file", "world", "ts"  # kinds of verdict
+FRAMEWORK = "fw"  # a framework module's own read of one file (Save.remembered): a JSON value
 
 Identity = tuple[int, int, int, int, int]  # (dev, ino, size, mtime_ns, ctime_ns)
 Key = tuple[str, str]  # (kind, path relative to the checkpoint)
@@ -660,6 +661,8 @@ def _encode_verdict(kind: str, value: Any, rows: dict[int, int], table: list[lis
                 refs.append(i)
             encoded["ts"] = [ts.global_step, ts.best_model_checkpoint, ts.best_metric, refs]
         return encoded
+    if kind == FRAMEWORK:
+        return {"v": value}
     return None
 
 
@@ -688,6 +691,8 @@ def _decode_verdict(
             global_step, best, best_metric, refs = value["ts"]
             ts = TrainerState(global_step, best, best_metric, history([table[i] for i in refs]))
         return (check, ts)
+    if kind == FRAMEWORK:
+        return value["v"]
     raise ValueError(f"unknown verdict kind {kind!r}")
 
 

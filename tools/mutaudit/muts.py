@@ -1036,7 +1036,7 @@ MUTS = [
  dict(id="AF4", what="Orbax: an OCDBT item's manifest and data demanded", tests=[T+"test_attack_frameworks.py::test_orbax_damaged_newest"],
       edits=[("frameworks/orbax.py", "        if (why := _ocdbt_database(files, item)) is not None:", "        if False:")]),
  dict(id="AF5", what="Trainer+DeepSpeed: latest demanded, naming a tag that is there", tests=[T+"test_attack_frameworks.py::test_deepspeed_damaged_newest"],
-      edits=[("frameworks/hf.py", "        if census:\n            checks.append(_deepspeed_latest(save.path, files))", "        if False:\n            pass")]),
+      edits=[("frameworks/hf.py", "        if census:\n            checks.append(_deepspeed_latest(save.path, files, save.remembered))", "        if False:\n            pass")]),
  dict(id="AF6", what="Trainer: optimizer/scheduler/rng files demanded together (not save_only_model)",
       tests=[T+"test_attack_frameworks.py::test_a_runs_first_trainer_checkpoint_missing_a_state_file_is_incomplete"],
       edits=[("frameworks/hf.py", "    missing = [k for k in sorted(required) if k not in kinds]", "    missing = []")]),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ckptd import layouts, volread
 from ckptd.frameworks import copyin, hfweights
-from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
+from ckptd.frameworks.base import Evidence, Framework, Remembered, Save, _known_world, _rank_files, read_now
 from ckptd.frameworks.deepspeed import _DS_FILE, _deepspeed_tag_dirs
 from ckptd.model import Check, Entry, Verdict
 
@@ -74,12 +74,12 @@ def _pickle_problem(path: Path, size: int) -> str | None:
     return None if tail.endswith(b".") else "is a pickle cut short (no STOP opcode at its end)"
 
 
-def _pickles_check(path: Path, files: Mapping[str, Entry]) -> Check:
+def _pickles_check(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> Check:
     name = "accelerate pickles"
     rels = sorted(rel for rel, e in files.items() if e.kind == "f" and _PICKLES.fullmatch(rel))
     for rel in rels:
         try:
-            why = _pickle_problem(path / rel, files[rel].size)
+            why = remembered(rel, lambda rel=rel: _pickle_problem(path / rel, files[rel].size))
         except OSError as exc:
             return Check(name, UNKNOWN, f"{rel} unreadable: {type(exc).__name__}: {exc}")
         if why is not None:
@@ -102,7 +102,7 @@ class Accelerate(Framework):
         checks.append(hfweights.weights_check(save.path, files, who="accelerate", tags=tags))
         object_check, kinds = _object_files(files)
         checks.append(object_check)
-        checks.append(_pickles_check(save.path, files))
+        checks.append(_pickles_check(save.path, files, save.remembered))
         return Evidence(checks, ranks, kinds=kinds)
 
     def tags(self, files: Mapping[str, Entry]) -> list[str]:

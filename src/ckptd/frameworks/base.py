@@ -57,6 +57,10 @@ class Save:
     deepspeed: Callable[[str], tuple[Check, dsmeta.WorldSizes | None]]
     # trainer_state.json's check and contents, parsed again only when the file changed
     trainer_state: Callable[[], tuple[Check, TrainerState | None]]
+    # remembered(rel, read): read()'s JSON-able result on the file `rel`, or the one remembered while
+    # that file is the same (verdicts.FRAMEWORK): a look at an unchanged checkpoint opens nothing.
+    # An OSError from read() passes through and is not remembered.
+    remembered: Callable[[str, Callable[[], object]], object] = lambda rel, read: read()
 
 
 @dataclass
@@ -124,6 +128,14 @@ class Framework:
     def step_mismatch(self, name: str, step: int, names: list[str], ts: TrainerState | None) -> list[str]:
         """Why its name and contents disagree on its step (a warning, not completeness evidence)."""
         return []
+
+
+Remembered = Callable[[str, Callable[[], object]], object]  # Save.remembered
+
+
+def read_now(rel: str, read: Callable[[], object]) -> object:
+    """Save.remembered without a memory (a check called outside an inspection)."""
+    return read()
 
 
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # JSON a framework writes (trainer_state.json, an index)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ckptd import layouts, volread
-from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
+from ckptd.frameworks.base import Evidence, Framework, Remembered, Save, _known_world, _rank_files, read_now
 from ckptd.model import Check, Entry, Verdict
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
@@ -92,8 +92,8 @@ class DCP(Framework):
         files = save.files
         if ".metadata" not in files and any(_RANK_METADATA.fullmatch(r) for r in files):
             check, ranks = _rank_metadata(files, "", _known_world(save.world_size, save.mp_world_size))
-            return Evidence([check, *storage_checks(save.path, files)], ranks)
-        return Evidence([_dcp_metadata(files, ""), *storage_checks(save.path, files)])
+            return Evidence([check, *storage_checks(save.path, files, "", save.remembered)], ranks)
+        return Evidence([_dcp_metadata(files, ""), *storage_checks(save.path, files, "", save.remembered)])
 
     def save_file(self, rel: str) -> bool:
         return save_file(rel)
@@ -183,7 +183,9 @@ def storage_extents(raw: bytes) -> dict[str, int]:
     return extents
 
 
-def storage_check(path: Path, files: Mapping[str, Entry], meta_rel: str) -> Check:
+def storage_check(
+    path: Path, files: Mapping[str, Entry], meta_rel: str, remembered: Remembered = read_now
+) -> Check:
     """Whether every file `meta_rel` (a `.metadata` or a rank's `__<rank>.metadata`, relative to the
     checkpoint `path`) names in its storage_data is there, a regular file, and reaches the furthest
     byte it names there."""
@@ -195,12 +197,21 @@ def storage_check(path: Path, files: Mapping[str, Entry], meta_rel: str) -> Chec
         return Check(name, FAILED, f"{meta_rel} is not a regular file")
     if e.size > MAX_METADATA_BYTES:
         return Check(name, UNKNOWN, f"{meta_rel}: {e.size} bytes, too large to read")
+
+    def read() -> dict[str, object]:
+        try:
+            return {"extents": storage_extents(volread.read_bytes(path / meta_rel, MAX_METADATA_BYTES + 1))}
+        except ValueError as exc:
+            return {"error": str(exc)}
+
     try:
-        extents = storage_extents(volread.read_bytes(path / meta_rel, MAX_METADATA_BYTES + 1))
+        found = remembered(meta_rel, read)
     except OSError as exc:
         return Check(name, UNKNOWN, f"{meta_rel} unreadable: {type(exc).__name__}: {exc}")
-    except ValueError as exc:
-        why = "empty (a power loss after the rename?)" if e.size == 0 else str(exc)
+    extents = found.get("extents") if isinstance(found, dict) else None
+    if not isinstance(extents, dict):
+        error = found.get("error") if isinstance(found, dict) else found
+        why = "empty (a power loss after the rename?)" if e.size == 0 else str(error)
         return Check(name, FAILED, f"{meta_rel} {why}: dcp.load cannot read it")
     if not extents:
         return Check(name, PASSED, f"{meta_rel} names no data files")
@@ -216,11 +227,13 @@ def storage_check(path: Path, files: Mapping[str, Entry], meta_rel: str) -> Chec
     return Check(name, PASSED, f"the {len(extents)} data files {meta_rel} names, whole")
 
 
-def storage_checks(path: Path, files: Mapping[str, Entry], d: str = "") -> list[Check]:
+def storage_checks(
+    path: Path, files: Mapping[str, Entry], d: str = "", remembered: Remembered = read_now
+) -> list[Check]:
     """`storage_check` of the directory's `.metadata`, or of every rank's `__<rank>.metadata`
     (use_collectives=False) when there is no global one; none when there is neither."""
     here = f"{d}/" if d else ""
     if here + ".metadata" in files:
-        return [storage_check(path, files, here + ".metadata")]
+        return [storage_check(path, files, here + ".metadata", remembered)]
     ranks = sorted(r for r in files if r.startswith(here) and _RANK_METADATA.fullmatch(r[len(here):]))
-    return [storage_check(path, files, r) for r in ranks]
+    return [storage_check(path, files, r, remembered) for r in ranks]

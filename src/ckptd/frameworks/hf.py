@@ -17,7 +17,16 @@ from pathlib import Path
 
 from ckptd import layouts, slim, volread
 from ckptd.frameworks import copyin, hfweights
-from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files, read_pointer
+from ckptd.frameworks.base import (
+    Evidence,
+    Framework,
+    Remembered,
+    Save,
+    _known_world,
+    _rank_files,
+    read_now,
+    read_pointer,
+)
 from ckptd.frameworks.deepspeed import _global_step_dirs
 from ckptd.model import Check, Entry, TrainerState, Verdict
 
@@ -59,7 +68,7 @@ def _rng_states(files: dict[str, Entry], world: int | None) -> tuple[Check, int 
     return _rank_files(files, _RNG, world, name="rng states")
 
 
-def _deepspeed_latest(path: Path, files: Mapping[str, Entry]) -> Check:
+def _deepspeed_latest(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> Check:
     """DeepSpeed's `latest` inside a Trainer checkpoint holding `global_step*/`: the Trainer resumes
     through transformers integrations/deepspeed.py `deepspeed_load_checkpoint`, which calls
     `engine.load_checkpoint(checkpoint_path)` with tag=None; DeepSpeed's runtime/engine.py
@@ -72,7 +81,7 @@ def _deepspeed_latest(path: Path, files: Mapping[str, Entry]) -> Check:
     if pointer not in files:
         return Check(name, FAILED, "latest missing: the Trainer resumes through load_checkpoint(tag=None)")
     try:
-        tag = read_pointer(path / pointer)
+        tag = str(remembered(pointer, lambda: read_pointer(path / pointer)))
     except OSError as exc:
         return Check(name, FAILED, f"{pointer} unreadable: {type(exc).__name__}: {exc}")
     if not tag:
@@ -151,14 +160,14 @@ def _json_problem(path: Path, size: int) -> str | None:
     return None
 
 
-def _json_files(path: Path, files: Mapping[str, Entry]) -> Check:
+def _json_files(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> Check:
     """Every JSON file the save wrote at its top parses (trainer_state.json has its own check)."""
     name = "trainer json files"
     rels = sorted(rel for rel, e in files.items() if e.kind == "f" and "/" not in rel
                   and rel.endswith(".json") and rel != TRAINER_STATE)
     for rel in rels:
         try:
-            why = _json_problem(path / rel, files[rel].size)
+            why = remembered(rel, lambda rel=rel: _json_problem(path / rel, files[rel].size))
         except OSError as exc:
             return Check(name, UNKNOWN, f"{rel} unreadable: {type(exc).__name__}: {exc}")
         if why is not None:
@@ -181,7 +190,7 @@ class Trainer(Framework):
         census = [save.deepspeed(d) for d in _global_step_dirs(files)]
         checks.extend(check for check, _ in census)
         if census:
-            checks.append(_deepspeed_latest(save.path, files))
+            checks.append(_deepspeed_latest(save.path, files, save.remembered))
         worlds = [w.dp * w.mp for _, w in census if w is not None]
         if not worlds:  # a DDP job's world size, from the config
             worlds = [w] if (w := _known_world(save.world_size, save.mp_world_size)) else []
@@ -192,7 +201,7 @@ class Trainer(Framework):
         checks.append(hfweights.weights_check(save.path, files, who="the Trainer", tags=tags))
         state_check, kinds = _state_files(files, tags, save.removed)
         checks.append(state_check)
-        checks.append(_json_files(save.path, files))
+        checks.append(_json_files(save.path, files, save.remembered))
         return Evidence(checks, ranks, trainer_state, kinds)
 
     def tags(self, files: Mapping[str, Entry]) -> list[str]:

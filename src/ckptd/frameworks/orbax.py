@@ -19,7 +19,9 @@ from ckptd.frameworks.base import (
     Evidence,
     Framework,
     Metrics,
+    Remembered,
     Save,
+    read_now,
 )
 from ckptd.layouts import Candidate
 from ckptd.model import Check, Entry, Verdict
@@ -71,7 +73,8 @@ class Orbax(Framework):
     items_like_steps = True  # in commit-file mode each item has its own commit_success.txt
 
     def evidence(self, save: Save) -> Evidence:
-        return Evidence([_orbax(save.cand, save.path, save.files), items_check(save.path, save.files)])
+        items = items_check(save.path, save.files, save.remembered)
+        return Evidence([_orbax(save.cand, save.path, save.files), items])
 
     def save_file(self, rel: str) -> bool:
         return rel in (layouts.ORBAX_COMMIT, layouts.ORBAX_METADATA)
@@ -106,18 +109,27 @@ _OCDBT_MANIFEST = "manifest.ocdbt"
 _OCDBT_PROCESS = "ocdbt.process_"
 
 
-def _item_metadata_says_ocdbt(path: Path, files: Mapping[str, Entry], item: str) -> bool:
+def _item_metadata_says_ocdbt(
+    path: Path, files: Mapping[str, Entry], item: str, remembered: Remembered = read_now
+) -> bool:
     """Whether `<item>/_METADATA` (PyTree handler's JSON) records `use_ocdbt: true`; False when it
     is absent or unreadable (then only the item's own OCDBT files say it)."""
     e = files.get(f"{item}/_METADATA")
     if e is None or e.kind != "f" or e.size > MAX_TRAINER_STATE_BYTES:
         return False
+
+    def read() -> bool:
+        try:
+            with volread.open_file(path / item / "_METADATA") as f:
+                doc = json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1))
+        except (ValueError, RecursionError):
+            return False
+        return isinstance(doc, dict) and doc.get("use_ocdbt") is True
+
     try:
-        with volread.open_file(path / item / "_METADATA") as f:
-            doc = json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1))
-    except (OSError, ValueError, RecursionError):
+        return remembered(f"{item}/_METADATA", read) is True
+    except OSError:
         return False
-    return isinstance(doc, dict) and doc.get("use_ocdbt") is True
 
 
 def _ocdbt_database(files: Mapping[str, Entry], db: str) -> str | None:
@@ -136,7 +148,7 @@ def _ocdbt_database(files: Mapping[str, Entry], db: str) -> str | None:
     return None
 
 
-def items_check(path: Path, files: Mapping[str, Entry]) -> Check:
+def items_check(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> Check:
     """Every item directory of the step that is an OCDBT database (by its own files, or by its
     `_METADATA`) holds its merged manifest and data."""
     name = "orbax items"
@@ -146,7 +158,7 @@ def items_check(path: Path, files: Mapping[str, Entry]) -> Check:
         here = {rel[len(item) + 1:] for rel in files if rel.startswith(f"{item}/")}
         processes = sorted({r.split("/", 1)[0] for r in here if r.startswith(_OCDBT_PROCESS)})
         ocdbt = bool(processes) or _OCDBT_MANIFEST in here or "d" in here
-        if not ocdbt and not _item_metadata_says_ocdbt(path, files, item):
+        if not ocdbt and not _item_metadata_says_ocdbt(path, files, item, remembered):
             continue
         counted += 1
         # Only the merged database: Orbax restores from it with a process's database gone

@@ -50,7 +50,8 @@ class Torchtitan(Framework):
     read_whole = frozenset({".metadata"})  # dcp.storage_check reads what it names
 
     def evidence(self, save: Save) -> Evidence:
-        return Evidence([_torchtitan(save.path, save.files), *dcp.storage_checks(save.path, save.files)])
+        storage = dcp.storage_checks(save.path, save.files, "", save.remembered)
+        return Evidence([_torchtitan(save.path, save.files), *storage])
 
     def save_file(self, rel: str) -> bool:
         return dcp.save_file(rel)
