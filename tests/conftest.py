@@ -24,6 +24,7 @@ from fwfixtures import (  # noqa: E402, F401  (session fixtures: real framework 
     lightning_volume,
     orbax_volume,
     trainer_volume,
+    weights_volume,
 )
 
 # The best checkpoint is the oldest: the seed's case.

@@ -51,6 +51,17 @@ def fw_torch_volumes(tmp_path_factory) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
+def weights_volume(tmp_path_factory) -> dict[str, Any]:
+    """fwweights' Trainer and accelerate runs, each form of weights they write: {out_dir, runs}."""
+    import fwweights
+
+    for framework in ("trainer", "accelerate"):
+        _skip_if_missing(framework)
+    out = tmp_path_factory.mktemp("fw-weights")
+    return {"out_dir": out, "runs": fwweights.generate(out)}
+
+
+@pytest.fixture(scope="session")
 def orbax_volume(tmp_path_factory) -> dict[str, Any]:
     """Orbax CheckpointManager runs; step-3 saves killed at five points of the commit."""
     _skip_if_missing("orbax")

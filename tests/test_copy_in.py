@@ -22,24 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import fwweights
 import pytest
 
-import fwgen
 from conftest import run_ckptd
 
 pytestmark = pytest.mark.frameworks
 
 HOUR = 3600.0
-
-
-@pytest.fixture(scope="session")
-def weights_volume(tmp_path_factory) -> dict[str, Any]:
-    for framework in ("trainer", "accelerate"):
-        if (why := fwgen.missing(framework)) is not None:
-            pytest.skip(why)
-    out = tmp_path_factory.mktemp("fw-weights")
-    return {"out_dir": out, "runs": fwweights.generate(out)}
 
 
 def copy_run(volume: dict[str, Any], run: str, root: Path) -> Path:

@@ -241,12 +241,18 @@ def test_plain_trainer_checkpoint_without_deepspeed(tmp_path):
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 5, "log_history": []}))
     write_zip(ckpt / "optimizer.pt", 10)
+    write_zip(ckpt / "scheduler.pt", 10)  # written with optimizer.pt (Trainer._save_optimizer_and_scheduler)
     write_zip(ckpt / "rng_state.pth", 10)
     _safetensors(ckpt / "model.safetensors", {"w": 16})
     age(ckpt, OLD)
     c = scan(tmp_path)["run/checkpoint-5"]
     assert c.state is State.COMPLETE, c.checks
-    assert checks(c)["file integrity"] == (Verdict.PASSED, "3 torch/safetensors files intact")
+    assert checks(c)["file integrity"] == (Verdict.PASSED, "4 torch/safetensors files intact")
+    (ckpt / "scheduler.pt").unlink()  # optimizer.pt says the save was not save_only_model
+    age(ckpt, OLD)
+    c = scan(tmp_path)["run/checkpoint-5"]
+    assert c.state is State.INCOMPLETE
+    assert checks(c)["trainer state files"][0] is Verdict.FAILED
 
 
 def test_truncated_torch_file_fails_integrity(tmp_path):
@@ -377,7 +383,11 @@ def test_dcp_needs_metadata(tmp_path):
             (d / ".metadata").write_bytes(b"meta")
         age(d, OLD)
     found = scan(tmp_path)
-    assert found["run/step_100"].state is State.COMPLETE
+    # b"meta" is no DCP metadata pickle: what it names cannot be read (real saves: test_frameworks.py,
+    # test_attack_frameworks.py), so .metadata's presence alone no longer makes the step complete
+    assert found["run/step_100"].state is State.INCOMPLETE
+    assert checks(found["run/step_100"])["dcp storage (.metadata)"][0] is Verdict.FAILED
+    assert checks(found["run/step_100"])["dcp .metadata"][0] is Verdict.PASSED
     assert found["run/step_200"].state is State.INCOMPLETE
 
 
@@ -706,6 +716,7 @@ def ddp_checkpoint(run: Path, step: int, ranks: int, mtime: float) -> Path:
     ck = run / f"checkpoint-{step}"
     ck.mkdir(parents=True)
     write_zip(ck / "optimizer.pt", 64)
+    write_zip(ck / "scheduler.pt", 16)  # the Trainer writes it with optimizer.pt (_save_optimizer_and_scheduler)
     write_zip(ck / "pytorch_model.bin", 64)  # WEIGHTS_NAME, as transformers 4 saved it
     for r in range(ranks):
         write_zip(ck / f"rng_state_{r}.pth", 16)

@@ -176,8 +176,8 @@ def test_a_settled_checkpoint_keeps_no_per_file_record(tmp_path):
     s = scanner(tmp_path, clock=lambda: time.time_ns() + 3600 * 10**9)
     by_rel(s)
     rec = s.verdicts._records[str(ckpt)]
-    assert rec.whole and len(rec.files) == 2  # the world sizes and the trainer state
-    assert {k for k, _ in rec.verdicts} == {"world", "ts"}
+    assert rec.whole and len(rec.files) == 3  # the world sizes, the trainer state, the tag `latest` names
+    assert {k for k, _ in rec.verdicts} == {"world", "ts", "fw"}  # fw: latest, config.json (frameworks' reads)
 
 
 # --- across processes: the cache in state_dir --------------------------------------

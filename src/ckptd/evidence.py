@@ -223,6 +223,9 @@ class Inspector:
         save = Save(
             path, files, run, cand, world_size, self.mp_world_size, removed, pattern,
             remembered=self._remembered, share_history=self.verdicts.share_history,
+            remembered_file=lambda rel, read: (
+                self._remembered(verdicts_.FRAMEWORK, files[rel], read) if rel in files else read()
+            ),
         )
         found = fw.evidence(save)
         checks.extend(found.checks)
@@ -281,6 +284,7 @@ class Inspector:
             mounts=inside,
             holds=tuple(holds),
             ranks=ranks,
+            kinds=found.kinds,
             pinned=pinned or _matches_pin(rel, pins),
             trainer_state=trainer_state,
             slim=slimming,
@@ -666,8 +670,37 @@ def with_sibling_census(ckpts: Iterable[Checkpoint]) -> list[Checkpoint]:
     incomplete no longer counts as a complete sibling for the next."""
     done: list[Checkpoint] = []
     for c in sorted(ckpts, key=lambda c: (c.saved_at, c.step, c.name)):
-        done.append(against_siblings(c, done))
+        done.append(against_sibling_kinds(against_siblings(c, done), done))
     return done
+
+
+FILE_CENSUS = "file census"
+
+
+def against_sibling_kinds(c: Checkpoint, siblings: Iterable[Checkpoint]) -> Checkpoint:
+    """`c`, made incomplete if it lacks a kind of file (`Checkpoint.kinds`, its framework's) that
+    every complete checkpoint of the run saved before it has: a save's optimizer.bin that never
+    arrived looks, from inside the checkpoint, like a run that prepared no optimizer. A run that
+    really stopped saving one (the Trainer resumed with save_only_model) is held, saying why."""
+    if c.kinds is None:
+        return c
+    order = (c.saved_at, c.step)
+    earlier = [
+        s for s in siblings
+        if s.name != c.name and s.kinds is not None and s.state is State.COMPLETE
+        and (s.saved_at, s.step) < order
+    ]
+    if not earlier:
+        return c
+    missing = sorted(frozenset.intersection(*(s.kinds for s in earlier if s.kinds is not None)) - c.kinds)
+    if not missing:
+        return c
+    last = max(earlier, key=lambda s: (s.saved_at, s.step))
+    why = (
+        f"{', '.join(missing)} missing, which every complete checkpoint of the run before it has "
+        f"(the last: {last.name}): a file that never arrived, or the job stopped saving it"
+    )
+    return replace(c, checks=(*c.checks, Check(FILE_CENSUS, FAILED, why)))
 
 
 def resume_pointers(run_path: Path, names: Collection[str]) -> dict[str, str]:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ckptd.config import Root
 from ckptd.discover import RunDir, depth_of, find_runs
-from ckptd.evidence import against_siblings, resume_pointers
+from ckptd.evidence import against_sibling_kinds, against_siblings, resume_pointers
 from ckptd.layouts import TRASH_DIR, Candidate
 from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
 from ckptd.planner import Scanner, run_context
@@ -439,6 +439,7 @@ class RootTracker:
                 self._vanish(rs, name, changes)
             return
         fresh = against_siblings(fresh, rs.checkpoints.values())
+        fresh = against_sibling_kinds(fresh, rs.checkpoints.values())
         if fresh.state is State.INCOMPLETE:
             stall = self.settler.stall_check(fresh.rel, self.clock())
             if stall is not None:

@@ -96,6 +96,7 @@ MAX_PERSISTED_HISTORY = 100_000  # log-history steps per trainer state written t
 _ATTESTATION = (ATTESTED, COMMIT_RECORDS, SAVE_LEASE)  # checks from commit records (attestation.py)
 
 FILE, WORLD, TRAINER_STATE = "file", "world", "ts"  # kinds of verdict
+FRAMEWORK = "fw"  # a framework module's own read of one file (Save.remembered): a JSON value
 
 Identity = tuple[int, int, int, int, int]  # (dev, ino, size, mtime_ns, ctime_ns)
 Key = tuple[str, str]  # (kind, path relative to the checkpoint)
@@ -560,6 +561,7 @@ def _encode_checkpoint(rec: Record) -> dict[str, Any] | None:
         "mounts": list(c.mounts),
         "holds": list(c.holds),
         "ranks": c.ranks,
+        "kinds": None if c.kinds is None else sorted(c.kinds),
         "metrics": [[n, r.value, r.source] for n, r in c.metrics],
         "metric_problem": c.metric_problem,
         "ctx": rec.context,
@@ -608,6 +610,7 @@ def _decode_checkpoint(rec: Record, doc: dict[str, Any], check: Callable[[Any, A
         mounts=tuple(str(m) for m in doc["mounts"]),
         holds=tuple(str(h) for h in doc["holds"]),
         ranks=None if doc["ranks"] is None else int(doc["ranks"]),
+        kinds=None if (k := doc.get("kinds")) is None else frozenset(map(str, k)),
         metrics=tuple(
             (str(n), Reading(v if isinstance(v, str) else float(v), str(src))) for n, v, src in doc["metrics"]
         ),
@@ -658,6 +661,8 @@ def _encode_verdict(kind: str, value: Any, rows: dict[int, int], table: list[lis
                 refs.append(i)
             encoded["ts"] = [ts.global_step, ts.best_model_checkpoint, ts.best_metric, refs]
         return encoded
+    if kind == FRAMEWORK:
+        return {"v": value}
     return None
 
 
@@ -686,6 +691,8 @@ def _decode_verdict(
             global_step, best, best_metric, refs = value["ts"]
             ts = TrainerState(global_step, best, best_metric, history([table[i] for i in refs]))
         return (check, ts)
+    if kind == FRAMEWORK:
+        return value["v"]
     raise ValueError(f"unknown verdict kind {kind!r}")
 
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 
+from ckptd import volread
 from ckptd.frameworks import copyin, hfweights
-from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
+from ckptd.frameworks.base import Evidence, Framework, Remembered, Save, _known_world, _rank_files, read_now
 from ckptd.frameworks.deepspeed import _DS_FILE, _deepspeed_tag_dirs
 from ckptd.layouts import EPOCH, SAVE, STEP, Candidate
-from ckptd.model import Entry
+from ckptd.model import Check, Entry, Verdict
+
+PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
 LAYOUT = "accelerate"
 # `checkpoint_<n>` with automatic_checkpoint_naming (a save counter), `step_<n>`/`epoch_<n>` as its
@@ -36,6 +40,62 @@ _ACCELERATE_BEFORE = re.compile(r"(?:optimizer|scheduler|sampler)(?:_\d+)?\.(?:b
 
 def _before_random_states(rel: str) -> bool:
     return bool(_ACCELERATE_BEFORE.fullmatch(rel) or ("/" in rel and _DS_FILE.fullmatch(rel)))
+
+
+# save_accelerator_state (accelerate checkpointing.py) writes one file per prepared object:
+# optimizer.bin, optimizer_1.bin, ...; scheduler.bin, ...; sampler.bin, ... (FSDP: the optimizer
+# through save_fsdp_optimizer, `optimizer_<i>.bin` or `optimizer_<i>/`); scaler.pt with a scaler.
+# The checkpoint cannot say how many were prepared, so: the i-th present means 0..i-1 must be,
+# and a kind the run's earlier complete checkpoints all have must be (against_sibling_kinds).
+_PER_OBJECT = re.compile(r"(optimizer|scheduler|sampler)(?:_(\d+))?(?:\.bin|\.pt)?|scaler\.pt")
+
+
+def _object_files(files: Mapping[str, Entry]) -> tuple[Check, frozenset[str]]:
+    name = "accelerate objects"
+    kinds = frozenset(rel for rel in files if "/" not in rel and _PER_OBJECT.fullmatch(rel))
+    for what in ("optimizer", "scheduler", "sampler"):
+        # the first object's file has no index (optimizer.bin), the i-th `_<i>`
+        present = {int(m[2] or 0) for rel in kinds if (m := _PER_OBJECT.fullmatch(rel)) and m[1] == what}
+        n = max(present, default=-1) + 1
+        if len(present) < n:  # indices 0..n-1 all there exactly when n distinct ones are
+            gap = next(i for i in range(n) if i not in present)  # at most len(present)+1 steps
+            missing = what if gap == 0 else f"{what}_{gap}"
+            why = f"{what}_{n - 1} present, {missing}.bin missing (one file per prepared object)"
+            return Check(name, FAILED, why), kinds
+    return Check(name, PASSED, ", ".join(sorted(kinds)) or "none (no optimizer, scheduler or sampler)"), kinds
+
+
+# random_states_<i>.pkl and custom_checkpoint_<i>.pkl are torch.save files (checkpointing.py
+# save_accelerator_state, save_custom_state): a zip archive, or with the legacy serializer a plain
+# pickle. load_state swallows an unreadable RNG file and goes on without it. Checked without
+# unpickling: not empty, and ending as its format ends, a zip in its end-of-central-directory
+# record (torch writes no comment), a pickle in its STOP opcode.
+_PICKLES = re.compile(r"(?:random_states|custom_checkpoint)_\d+\.pkl")
+
+
+def _pickle_problem(path: Path, size: int) -> str | None:
+    if size == 0:
+        return "is empty"
+    with volread.open_file(path) as f:
+        head = f.read(4)
+        f.seek(max(0, size - 22))
+        tail = f.read(22)
+    if head == b"PK\x03\x04":
+        return None if len(tail) == 22 and tail.startswith(b"PK\x05\x06") else "is a zip cut short"
+    return None if tail.endswith(b".") else "is a pickle cut short (no STOP opcode at its end)"
+
+
+def _pickles_check(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> Check:
+    name = "accelerate pickles"
+    rels = sorted(rel for rel, e in files.items() if e.kind == "f" and _PICKLES.fullmatch(rel))
+    for rel in rels:
+        try:
+            why = remembered(rel, lambda rel=rel: _pickle_problem(path / rel, files[rel].size))
+        except OSError as exc:
+            return Check(name, UNKNOWN, f"{rel} unreadable: {type(exc).__name__}: {exc}")
+        if why is not None:
+            return Check(name, FAILED, f"{rel} {why}: load_state cannot restore it")
+    return Check(name, PASSED, f"{len(rels)} whole" if rels else "none")
 
 
 class Accelerate(Framework):
@@ -60,7 +120,10 @@ class Accelerate(Framework):
         checks.append(copyin.copy_leftovers(files))
         tags = _deepspeed_tag_dirs(files)
         checks.append(hfweights.weights_check(save.path, files, who="accelerate", tags=tags))
-        return Evidence(checks, ranks)
+        object_check, kinds = _object_files(files)
+        checks.append(object_check)
+        checks.append(_pickles_check(save.path, files, save.remembered_file))
+        return Evidence(checks, ranks, kinds=kinds)
 
     def tags(self, files: Mapping[str, Entry]) -> list[str]:
         return _deepspeed_tag_dirs(files)

@@ -78,6 +78,10 @@ class Save:
         from ckptd.frameworks import hf  # its contract; imported here, as it imports this module
 
         return hf.remembered_trainer_state(self)
+    # remembered_file(rel, read): read()'s JSON-able result on the file `rel`, or the one remembered
+    # while that file is the same (verdicts.FRAMEWORK): a look at an unchanged checkpoint opens
+    # nothing. An OSError from read() passes through and is not remembered.
+    remembered_file: Callable[[str, Callable[[], object]], object] = lambda rel, read: read()
 
 
 @dataclass
@@ -87,6 +91,10 @@ class Evidence:
     checks: list[Check] = field(default_factory=list)
     ranks: int | None = None  # per-rank files counted without a known world size (against_siblings)
     trainer_state: TrainerState | None = None
+    # The kinds of file the save wrote that the checkpoint itself cannot say it must have (one
+    # optimizer file per prepared optimizer, the Trainer's optimizer.pt unless save_only_model):
+    # one its run's earlier complete checkpoints all have is missing (evidence.against_sibling_kinds).
+    kinds: frozenset[str] | None = None
 
 
 class Framework:
@@ -232,6 +240,14 @@ MTIME_SLACK = 10.0
 # that one file takes to write. Larger than that: the shard is from another save.
 SAVE_SPAN = 30 * 60.0
 OrderProblems = list[tuple[float, str]]  # (seconds out of order, why): files from two saves
+
+
+Remembered = Callable[[str, Callable[[], object]], object]  # Save.remembered
+
+
+def read_now(rel: str, read: Callable[[], object]) -> object:
+    """Save.remembered without a memory (a check called outside an inspection)."""
+    return read()
 
 
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # JSON a framework writes (trainer_state.json, an index)

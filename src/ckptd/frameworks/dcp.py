@@ -9,24 +9,31 @@ Lightning's FSDP `.ckpt/`): the engine asks `metadata_check` of every directory 
 
 from __future__ import annotations
 
+import io
+import pickle
 import re
+import struct
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from pathlib import Path
 
+from ckptd import volread
 from ckptd.config import format_age
 from ckptd.frameworks.base import (
     MTIME_SLACK,
     Evidence,
     Framework,
     OrderProblems,
+    Remembered,
     Save,
     _known_world,
     _rank_files,
+    read_now,
 )
 from ckptd.frameworks.hfweights import SAFETENSORS_INDEX
 from ckptd.layouts import Candidate
 from ckptd.model import Check, Entry, Verdict
 
-PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
+PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
 DATA_SUFFIX = ".distcp"  # each rank's data files, __<rank>_<i>.distcp (filesystem.py _FileSystemWriter)
 LAYOUT = "dcp"
@@ -126,6 +133,7 @@ def save_file(rel: str) -> bool:
 class DCP(Framework):
     layout = LAYOUT
     owns_top_dcp = True
+    read_whole = frozenset({".metadata"})  # storage_check reads what it names
 
     def recognise_contents(self, name: str, children: Collection[str]) -> Candidate | None:
         if looks_like_dcp(children) and (m := _LAST_INT.search(name)):
@@ -142,8 +150,9 @@ class DCP(Framework):
         files = save.files
         if ".metadata" not in files and any(_RANK_METADATA.fullmatch(r) for r in files):
             check, ranks = _rank_metadata(files, "", _known_world(save.world_size, save.mp_world_size))
-            return Evidence([check], ranks)
-        return Evidence([_dcp_metadata(files, "")])
+            return Evidence([check, *storage_checks(save.path, files, "", save.remembered_file)], ranks)
+        storage = storage_checks(save.path, files, "", save.remembered_file)
+        return Evidence([_dcp_metadata(files, ""), *storage])
 
     def save_file(self, rel: str) -> bool:
         return save_file(rel)
@@ -184,3 +193,135 @@ def metadata_order(
                 why = f"{f'{d}/' if d else ''}{last} is {format_age(gap)} older than {newest}"
                 problems.append((gap, f"{why}, which is written before it"))
     return checked, problems
+# --- what `.metadata` names: every file of storage_data there, and long enough ----------------------
+#
+# DCP's `.metadata` (and a rank's `__<rank>.metadata`) is a pickle of
+# torch/distributed/checkpoint/metadata.py `Metadata`, whose `storage_data` maps each MetadataIndex
+# to a filesystem.py `_StorageInfo(relative_path, offset, length)`: the byte range of every item in
+# the rank files (FileSystemWriter.finish pickles it; FileSystemReader.read_metadata unpickles it,
+# read_data opens `relative_path` and reads `length` bytes at `offset`). A rank's `.distcp` missing,
+# empty, cut short, or in a killed rsync's temporary name leaves `.metadata` naming what is not
+# there, and dcp.load fails. ckptd reads the pickle with an Unpickler that never imports or calls
+# anything: the classes it admits (DCP's metadata classes and the few torch and pathlib names their
+# state holds) are stand-ins that only record their arguments and state, and any other global
+# refuses the file. A pickle from a shared volume is never handed to `pickle.load`.
+
+_ADMITTED = {
+    "torch.distributed.checkpoint.metadata": None,  # Metadata, MetadataIndex, *StorageMetadata, ...
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": None,
+    "torch": None,  # torch.Size, the dtypes (torch.float32 ...)
+    "torch.serialization": {"_get_layout"},
+    "torch._utils": None,
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice", "complex"},
+}
+MAX_METADATA_BYTES = 256 * 1024 * 1024  # a large model's .metadata is tens of MB
+
+
+class _Stub:
+    """A stand-in for a class the pickle names: it records what it is built from, and nothing else."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.args, self.state = args, None
+
+    def __setstate__(self, state: object) -> None:
+        self.state = state
+
+    def __setitem__(self, key: object, value: object) -> None:  # an OrderedDict's items
+        pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> type:
+        names = _ADMITTED.get(module, ())
+        if names is not None and name not in names:
+            raise pickle.UnpicklingError(f"{module}.{name} is not one of DCP's metadata classes")
+        return type(name, (_Stub,), {})
+
+    def persistent_load(self, pid: object) -> object:
+        raise pickle.UnpicklingError("persistent ids are not DCP metadata")
+
+
+def _stub_field(obj: object, name: str) -> object:
+    state = obj.state if isinstance(obj, _Stub) else None
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
+        state = {**(state[0] or {}), **state[1]}
+    return state.get(name) if isinstance(state, dict) else None
+
+
+def storage_extents(raw: bytes) -> dict[str, int]:
+    """{relative_path: the furthest byte (offset + length) `storage_data` names in it}, from a
+    `.metadata` pickle. Raises ValueError when it is not one (empty, cut short, another global)."""
+    try:
+        meta = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, KeyError,
+            TypeError, ValueError, struct.error, RecursionError, MemoryError) as exc:
+        raise ValueError(f"not a DCP metadata pickle: {type(exc).__name__}: {exc}") from None
+    storage = _stub_field(meta, "storage_data")
+    if not isinstance(storage, dict):
+        raise ValueError("not a DCP metadata pickle: no storage_data")
+    extents: dict[str, int] = {}
+    for info in storage.values():
+        rel, offset, length = (_stub_field(info, k) for k in ("relative_path", "offset", "length"))
+        if not isinstance(rel, str) or not isinstance(offset, int) or not isinstance(length, int):
+            raise ValueError("not a DCP metadata pickle: a storage_data entry without a byte range")
+        extents[rel] = max(extents.get(rel, 0), offset + length)
+    return extents
+
+
+def storage_check(
+    path: Path, files: Mapping[str, Entry], meta_rel: str, remembered: Remembered = read_now
+) -> Check:
+    """Whether every file `meta_rel` (a `.metadata` or a rank's `__<rank>.metadata`, relative to the
+    checkpoint `path`) names in its storage_data is there, a regular file, and reaches the furthest
+    byte it names there."""
+    d = meta_rel.rpartition("/")[0]
+    here = f"{d}/" if d else ""
+    name = f"dcp storage ({meta_rel})"
+    e = files.get(meta_rel)
+    if e is None or e.kind != "f":
+        return Check(name, FAILED, f"{meta_rel} is not a regular file")
+    if e.size > MAX_METADATA_BYTES:
+        return Check(name, UNKNOWN, f"{meta_rel}: {e.size} bytes, too large to read")
+
+    def read() -> dict[str, object]:
+        try:
+            return {"extents": storage_extents(volread.read_bytes(path / meta_rel, MAX_METADATA_BYTES + 1))}
+        except ValueError as exc:
+            return {"error": str(exc)}
+
+    try:
+        found = remembered(meta_rel, read)
+    except OSError as exc:
+        return Check(name, UNKNOWN, f"{meta_rel} unreadable: {type(exc).__name__}: {exc}")
+    extents = found.get("extents") if isinstance(found, dict) else None
+    if not isinstance(extents, dict):
+        error = found.get("error") if isinstance(found, dict) else found
+        why = "empty (a power loss after the rename?)" if e.size == 0 else str(error)
+        return Check(name, FAILED, f"{meta_rel} {why}: dcp.load cannot read it")
+    if not extents:
+        return Check(name, PASSED, f"{meta_rel} names no data files")
+    for rel, end in sorted(extents.items()):
+        if rel.startswith("/") or ".." in rel.split("/"):
+            return Check(name, UNKNOWN, f"{meta_rel} names {rel!r}, outside the checkpoint")
+        data = files.get(here + rel)
+        if data is None or data.kind != "f":
+            return Check(name, FAILED, f"{here}{rel} missing ({meta_rel} names it; dcp.load fails)")
+        if data.size < end:
+            why = f"{here}{rel} is {data.size} bytes, {meta_rel} names bytes up to {end}: cut short"
+            return Check(name, FAILED, why)
+    return Check(name, PASSED, f"the {len(extents)} data files {meta_rel} names, whole")
+
+
+def storage_checks(
+    path: Path, files: Mapping[str, Entry], d: str = "", remembered: Remembered = read_now
+) -> list[Check]:
+    """`storage_check` of the directory's `.metadata`, or of every rank's `__<rank>.metadata`
+    (use_collectives=False) when there is no global one; none when there is neither."""
+    here = f"{d}/" if d else ""
+    if here + ".metadata" in files:
+        return [storage_check(path, files, here + ".metadata", remembered)]
+    ranks = sorted(r for r in files if r.startswith(here) and _RANK_METADATA.fullmatch(r[len(here):]))
+    return [storage_check(path, files, r, remembered) for r in ranks]

@@ -23,15 +23,18 @@ from ckptd.frameworks.base import (
     MAX_TRAINER_STATE_BYTES,
     Evidence,
     Framework,
+    Remembered,
     Save,
     _known_world,
     _rank_files,
+    read_now,
+    read_pointer,
 )
 from ckptd.frameworks.deepspeed import _global_step_dirs
 from ckptd.layouts import Candidate
 from ckptd.model import Check, Entry, TrainerState, Verdict, as_metric
 
-PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
+PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 LAYOUT = "hf"
 TRAINER_STATE = "trainer_state.json"
 _NAME = re.compile(r"checkpoint-(\d+)")  # Trainer._save_checkpoint: f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
@@ -82,12 +85,120 @@ def _rng_states(files: dict[str, Entry], world: int | None) -> tuple[Check, int 
     return _rank_files(files, _RNG, world, name="rng states")
 
 
+def _deepspeed_latest(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> Check:
+    """DeepSpeed's `latest` inside a Trainer checkpoint holding `global_step*/`: the Trainer resumes
+    through transformers integrations/deepspeed.py `deepspeed_load_checkpoint`, which calls
+    `engine.load_checkpoint(checkpoint_path)` with tag=None; DeepSpeed's runtime/engine.py
+    `load_checkpoint` then reads the tag from `latest` (`latest_universal` for a universal
+    checkpoint), stripped, and without it returns None, which the Trainer raises on. So `latest`
+    must be a file naming a tag directory that is there. Required, never trusted: rank 0 writes it
+    before the other ranks finish, so the shard census still decides whether the save is whole."""
+    name = "deepspeed latest"
+    pointer = next((p for p in ("latest", "latest_universal") if p in files), "latest")
+    if pointer not in files:
+        return Check(name, FAILED, "latest missing: the Trainer resumes through load_checkpoint(tag=None)")
+    try:
+        tag = str(remembered(pointer, lambda: read_pointer(path / pointer)))
+    except OSError as exc:
+        return Check(name, FAILED, f"{pointer} unreadable: {type(exc).__name__}: {exc}")
+    if not tag:
+        return Check(name, FAILED, f"{pointer} is empty: load_checkpoint would look for tag ''")
+    if tag.startswith("/") or ".." in tag.split("/"):
+        return Check(name, UNKNOWN, f"{pointer} names {tag[:200]!r}, outside the checkpoint")
+    e = files.get(tag.rstrip("/"))
+    if e is None or e.kind != "d":
+        return Check(name, FAILED, f"{pointer} names {tag[:200]!r}, which is not a directory here")
+    return Check(name, PASSED, f"{pointer} names {tag}, present")
+
+
+# What Trainer._save_checkpoint writes unless `save_only_model` (transformers trainer.py): then
+# _save_optimizer_and_scheduler writes optimizer.pt (DeepSpeed: its tag instead; FSDP:
+# save_fsdp_optimizer's optimizer*.bin or optimizer_0/) and scheduler.pt (not under DeepSpeed with
+# its own scheduler), _save_scaler scaler.pt when there is a scaler, _save_rng_state always its
+# rng_state.pth (rng_state_<rank>.pth with several processes).
+_STATE_KINDS = re.compile(r"optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth")
+_FSDP_OPTIMIZER = re.compile(r"optimizer(?:_\d+)?(?:\.bin|/.*)?")
+
+
+def _kind(rel: str) -> str | None:
+    if "/" not in rel and _STATE_KINDS.fullmatch(rel):
+        return "rng_state.pth" if rel.startswith("rng_state") else rel
+    return None
+
+
+def _state_files(
+    files: Mapping[str, Entry], tags: list[str], removed: frozenset[str] = frozenset()
+) -> tuple[Check, frozenset[str]]:
+    """The optimizer, scheduler and RNG files a save that is not `save_only_model` writes: one of
+    them there says the save was not model-only, and then the others must be there too. The kinds
+    present are returned for the run's census (a checkpoint missing all of them looks model-only)."""
+    name = "trainer state files"
+    kinds = frozenset(k for rel, e in files.items() if e.kind == "f" and (k := _kind(rel)))
+    kinds |= {k for rel in removed if (k := _kind(rel))}  # what a slim removed on purpose (its marker)
+    if not kinds and not tags:
+        return Check(name, PASSED, "none (save_only_model; the run's other checkpoints are asked too)"), kinds
+    required = ["rng_state.pth"]
+    fsdp = any(_FSDP_OPTIMIZER.fullmatch(rel) and rel != "optimizer.pt" for rel in files)
+    if not tags:
+        required.append("scheduler.pt")
+        if not fsdp:
+            required.append("optimizer.pt")
+    missing = [k for k in sorted(required) if k not in kinds]
+    if missing:
+        shown = ", ".join("rng_state[_<rank>].pth" if k == "rng_state.pth" else k for k in missing)
+        beside = ", ".join(sorted(kinds | set(tags)))
+        why = f"{shown} missing: the Trainer writes it with {beside} unless save_only_model"
+        return Check(name, FAILED, why), kinds
+    return Check(name, PASSED, f"{', '.join(sorted(kinds))} (not save_only_model)"), kinds
+
+
+# The JSON files save_model writes beside the weights (config.json, generation_config.json, the
+# tokenizer's, adapter_config.json): transformers' from_pretrained, which a resume runs
+# (Trainer._load_from_checkpoint: PretrainedConfig.from_json_file), raises on one that does not
+# parse. A small one is parsed; a large one (a tokenizer.json) must begin and end as JSON does.
+_JSON_PARSED_BYTES = 1024 * 1024
+
+
+def _json_problem(path: Path, size: int) -> str | None:
+    if size == 0:
+        return "is empty"
+    try:
+        if size <= _JSON_PARSED_BYTES:
+            json.loads(volread.read_bytes(path, _JSON_PARSED_BYTES + 1))
+            return None
+        with volread.open_file(path) as f:
+            head = f.read(4096).lstrip()[:1]
+            f.seek(max(0, size - 4096))
+            tail = f.read(4096).rstrip()[-1:]
+    except (ValueError, RecursionError) as exc:
+        return f"does not parse: {type(exc).__name__}: {str(exc)[:120]}"
+    if (head, tail) not in ((b"{", b"}"), (b"[", b"]")):
+        return "does not end as it begins (cut short?)"
+    return None
+
+
+def _json_files(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> Check:
+    """Every JSON file the save wrote at its top parses (trainer_state.json has its own check)."""
+    name = "trainer json files"
+    rels = sorted(rel for rel, e in files.items() if e.kind == "f" and "/" not in rel
+                  and rel.endswith(".json") and rel != TRAINER_STATE)
+    for rel in rels:
+        try:
+            why = remembered(rel, lambda rel=rel: _json_problem(path / rel, files[rel].size))
+        except OSError as exc:
+            return Check(name, UNKNOWN, f"{rel} unreadable: {type(exc).__name__}: {exc}")
+        if why is not None:
+            return Check(name, FAILED, f"{rel} {why}: from_pretrained raises on it")
+    return Check(name, PASSED, f"{len(rels)} JSON files parse" if rels else "no other JSON files")
+
+
 class Trainer(Framework):
     layout = LAYOUT
     named_alone = True
     names_first = True
     last_written = (TRAINER_STATE, "the Trainer", _before_trainer_state)
     slim_weights = WEIGHTS_FILES
+    read_whole = frozenset({"latest", "latest_universal"})  # _deepspeed_latest reads the tag it names
 
     def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:
         m = _NAME.fullmatch(name) if is_dir else None
@@ -100,6 +211,8 @@ class Trainer(Framework):
         checks.append(ts_check)
         census = [save.deepspeed(d) for d in _global_step_dirs(files)]
         checks.extend(check for check, _ in census)
+        if census:
+            checks.append(_deepspeed_latest(save.path, files, save.remembered_file))
         worlds = [w.dp * w.mp for _, w in census if w is not None]
         if not worlds:  # a DDP job's world size, from the config
             worlds = [w] if (w := _known_world(save.world_size, save.mp_world_size)) else []
@@ -108,7 +221,10 @@ class Trainer(Framework):
         checks.append(copyin.copy_leftovers(files))
         tags = _global_step_dirs(files)
         checks.append(hfweights.weights_check(save.path, files, who="the Trainer", tags=tags))
-        return Evidence(checks, ranks, trainer_state)
+        state_check, kinds = _state_files(files, tags, save.removed)
+        checks.append(state_check)
+        checks.append(_json_files(save.path, files, save.remembered_file))
+        return Evidence(checks, ranks, trainer_state, kinds)
 
     def tags(self, files: Mapping[str, Entry]) -> list[str]:
         return _global_step_dirs(files)

@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 from ckptd import volread
-from ckptd.frameworks.base import MAX_POINTER_BYTES, Evidence, Framework, Metrics, Save
+from ckptd.frameworks.base import (
+    MAX_POINTER_BYTES,
+    MAX_TRAINER_STATE_BYTES,
+    Evidence,
+    Framework,
+    Metrics,
+    Remembered,
+    Save,
+    read_now,
+)
 from ckptd.layouts import Candidate
 from ckptd.model import ORBAX_METRICS, Check, Entry, Reading, Verdict, as_metric
 
@@ -91,7 +100,8 @@ class Orbax(Framework):
         return None
 
     def evidence(self, save: Save) -> Evidence:
-        return Evidence([_orbax(save.cand, save.path, save.files)])
+        items = items_check(save.path, save.files, save.remembered_file)
+        return Evidence([_orbax(save.cand, save.path, save.files), items])
 
     def save_file(self, rel: str) -> bool:
         return rel in (COMMIT, METADATA)
@@ -120,3 +130,78 @@ def from_orbax(path: Path) -> Metrics:
     if not isinstance(doc, dict):
         return (), f"{METRICS_FILE} is not a JSON object"
     return tuple((str(k), Reading(as_metric(v), ORBAX_METRICS)) for k, v in doc.items()), None
+# --- each item's own files: commit_success.txt is not proof its data arrived -------------------------
+#
+# A PyTree/Standard item saved with OCDBT (the default, `use_ocdbt: true` in its `_METADATA`) is a
+# tensorstore OCDBT database: `<item>/manifest.ocdbt` (format_utils.is_ocdbt_checkpoint: without it
+# Orbax reads the item as not OCDBT and restore fails) and its `d/` data files, merged from each
+# process's own database `<item>/ocdbt.process_<i>/{manifest.ocdbt, d/}`, which the merged one keeps
+# referencing (serialization/ocdbt_utils.py merge_ocdbt_per_process_files); a process's database
+# is how ckptd knows an item is OCDBT when the merged manifest is gone. A copier that sends small
+# files first brings both commit_success.txt files long before the data: the step's own commit says
+# the save finished, never that this copy of it is whole. ckptd cannot read the manifest's references
+# (a binary b-tree), so it asks that each database be there with at least one data file, none empty.
+
+_OCDBT_MANIFEST = "manifest.ocdbt"
+_OCDBT_PROCESS = "ocdbt.process_"
+
+
+def _item_metadata_says_ocdbt(
+    path: Path, files: Mapping[str, Entry], item: str, remembered: Remembered = read_now
+) -> bool:
+    """Whether `<item>/_METADATA` (PyTree handler's JSON) records `use_ocdbt: true`; False when it
+    is absent or unreadable (then only the item's own OCDBT files say it)."""
+    e = files.get(f"{item}/_METADATA")
+    if e is None or e.kind != "f" or e.size > MAX_TRAINER_STATE_BYTES:
+        return False
+
+    def read() -> bool:
+        try:
+            with volread.open_file(path / item / "_METADATA") as f:
+                doc = json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1))
+        except (ValueError, RecursionError):
+            return False
+        return isinstance(doc, dict) and doc.get("use_ocdbt") is True
+
+    try:
+        return remembered(f"{item}/_METADATA", read) is True
+    except OSError:
+        return False
+
+
+def _ocdbt_database(files: Mapping[str, Entry], db: str) -> str | None:
+    """Why the OCDBT database at `db` (relative to the step) is not there whole, or None."""
+    manifest = files.get(f"{db}/{_OCDBT_MANIFEST}")
+    if manifest is None or manifest.kind != "f":
+        return f"{db}/{_OCDBT_MANIFEST} missing"
+    if manifest.size == 0:
+        return f"{db}/{_OCDBT_MANIFEST} is empty"
+    data = [(rel, e) for rel, e in files.items() if rel.startswith(f"{db}/d/") and e.kind == "f"]
+    if not data:
+        return f"{db}/d/ has no data files"
+    empty = sorted(rel for rel, e in data if e.size == 0)
+    if empty:
+        return f"{empty[0]} is empty"
+    return None
+
+
+def items_check(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> Check:
+    """Every item directory of the step that is an OCDBT database (by its own files, or by its
+    `_METADATA`) holds its merged manifest and data."""
+    name = "orbax items"
+    items = sorted(rel for rel, e in files.items() if e.kind == "d" and "/" not in rel)
+    counted = 0
+    for item in items:
+        here = {rel[len(item) + 1:] for rel in files if rel.startswith(f"{item}/")}
+        processes = sorted({r.split("/", 1)[0] for r in here if r.startswith(_OCDBT_PROCESS)})
+        ocdbt = bool(processes) or _OCDBT_MANIFEST in here or "d" in here
+        if not ocdbt and not _item_metadata_says_ocdbt(path, files, item, remembered):
+            continue
+        counted += 1
+        # Only the merged database: Orbax restores from it with a process's database gone
+        # (measured, tests/test_attack_frameworks.py: drop-ocdbt-process-dir restores in full).
+        if (why := _ocdbt_database(files, item)) is not None:
+            return Check(name, FAILED, f"{why}: the item's OCDBT data is not all there (restore fails)")
+    if not counted:
+        return Check(name, PASSED, "no OCDBT items")
+    return Check(name, PASSED, f"{counted} OCDBT item(s): manifest.ocdbt and data files")

@@ -54,6 +54,7 @@ def _torchtitan(path: Path, files: dict[str, Entry]) -> Check:
 
 class Torchtitan(Framework):
     layout = LAYOUT
+    read_whole = frozenset({".metadata"})  # dcp.storage_check reads what it names
 
     def makes_dir(self, name: str) -> bool:
         return name == "checkpoint"  # <dump_folder>/checkpoint/step-<N>/ (CheckpointManager's folder)
@@ -66,7 +67,8 @@ class Torchtitan(Framework):
         return None
 
     def evidence(self, save: Save) -> Evidence:
-        return Evidence([_torchtitan(save.path, save.files)])
+        storage = dcp.storage_checks(save.path, save.files, "", save.remembered_file)
+        return Evidence([_torchtitan(save.path, save.files), *storage])
 
     def save_file(self, rel: str) -> bool:
         return dcp.save_file(rel)
