@@ -96,7 +96,7 @@ MAX_PERSISTED_HISTORY = 100_000  # log-history steps per trainer state written t
 _ATTESTATION = (ATTESTED, COMMIT_RECORDS, SAVE_LEASE)  # checks from commit records (attestation.py)
 
 FILE, WORLD, TRAINER_STATE = "file", "world", "ts"  # kinds of verdict
-FRAMEWORK = "fw"  # a framework module's own read of one file (Save.remembered): a JSON value
+FRAMEWORK = "fw"  # a framework module's own read of one file (Save.remembered_file): a JSON value
 
 Identity = tuple[int, int, int, int, int]  # (dev, ino, size, mtime_ns, ctime_ns)
 Key = tuple[str, str]  # (kind, path relative to the checkpoint)

@@ -242,11 +242,11 @@ SAVE_SPAN = 30 * 60.0
 OrderProblems = list[tuple[float, str]]  # (seconds out of order, why): files from two saves
 
 
-Remembered = Callable[[str, Callable[[], object]], object]  # Save.remembered
+Remembered = Callable[[str, Callable[[], object]], object]  # Save.remembered_file
 
 
 def read_now(rel: str, read: Callable[[], object]) -> object:
-    """Save.remembered without a memory (a check called outside an inspection)."""
+    """Save.remembered_file without a memory (a check called outside an inspection)."""
     return read()
 
 
