@@ -73,7 +73,7 @@ def test_dry_run_reaches_the_reaper_and_moves_nothing(volume, tmp_path):
     ("tamper", "why"),
     [
         # a resumed job re-saving the same step: size changes, mtime put back
-        (lambda ck: (ck / "config.json").write_text("{changed}") or age(ck, OLD), "changed since the plan was made"),
+        (lambda ck: (ck / "config.json").write_text('{"changed": true}') or age(ck, OLD), "changed since the plan was made"),
         (lambda ck: (ck / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
          or age(ck, OLD), "no longer complete (incomplete)"),
         (lambda ck: os.utime(ck / "config.json", (NOW - 1, NOW - 1)), "no longer complete (writing)"),
