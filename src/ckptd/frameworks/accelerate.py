@@ -14,7 +14,16 @@ from pathlib import Path
 
 from ckptd import volread
 from ckptd.frameworks import copyin, hfweights
-from ckptd.frameworks.base import Evidence, Framework, Remembered, Save, _known_world, _rank_files, read_now
+from ckptd.frameworks.base import (
+    Evidence,
+    Framework,
+    Remembered,
+    Save,
+    _known_world,
+    _rank_files,
+    files_whole,
+    read_now,
+)
 from ckptd.frameworks.deepspeed import _DS_FILE, _deepspeed_tag_dirs
 from ckptd.layouts import EPOCH, SAVE, STEP, Candidate
 from ckptd.model import Check, Entry, Verdict
@@ -88,14 +97,8 @@ def _pickle_problem(path: Path, size: int) -> str | None:
 def _pickles_check(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> Check:
     name = "accelerate pickles"
     rels = sorted(rel for rel, e in files.items() if e.kind == "f" and _PICKLES.fullmatch(rel))
-    for rel in rels:
-        try:
-            why = remembered(rel, lambda rel=rel: _pickle_problem(path / rel, files[rel].size))
-        except OSError as exc:
-            return Check(name, UNKNOWN, f"{rel} unreadable: {type(exc).__name__}: {exc}")
-        if why is not None:
-            return Check(name, FAILED, f"{rel} {why}: load_state cannot restore it")
-    return Check(name, PASSED, f"{len(rels)} whole" if rels else "none")
+    failed = files_whole(name, path, files, rels, _pickle_problem, "load_state cannot restore it", remembered)
+    return failed or Check(name, PASSED, f"{len(rels)} whole" if rels else "none")
 
 
 class Accelerate(Framework):

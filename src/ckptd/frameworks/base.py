@@ -250,6 +250,28 @@ def read_now(rel: str, read: Callable[[], object]) -> object:
     return read()
 
 
+def files_whole(
+    name: str,
+    path: Path,
+    files: Mapping[str, Entry],
+    rels: list[str],
+    problem: Callable[[Path, int], str | None],
+    fails: str,
+    remembered: Remembered = read_now,
+) -> Check | None:
+    """The first of `rels` (sorted) whose `problem(path / rel, size)` is not None, as `name`'s
+    failed check ending in `fails` (what the framework's loader then does), or unknown where a file
+    cannot be read; None when every one is whole. Each answer is remembered by file identity."""
+    for rel in rels:
+        try:
+            why = remembered(rel, lambda rel=rel: problem(path / rel, files[rel].size))
+        except OSError as exc:
+            return Check(name, Verdict.UNKNOWN, f"{rel} unreadable: {type(exc).__name__}: {exc}")
+        if why is not None:
+            return Check(name, Verdict.FAILED, f"{rel} {why}: {fails}")
+    return None
+
+
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # JSON a framework writes (trainer_state.json, an index)
 MAX_POINTER_BYTES = 4096
 

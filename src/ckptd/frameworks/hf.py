@@ -27,6 +27,7 @@ from ckptd.frameworks.base import (
     Save,
     _known_world,
     _rank_files,
+    files_whole,
     read_now,
     read_pointer,
 )
@@ -182,14 +183,8 @@ def _json_files(path: Path, files: Mapping[str, Entry], remembered: Remembered =
     name = "trainer json files"
     rels = sorted(rel for rel, e in files.items() if e.kind == "f" and "/" not in rel
                   and rel.endswith(".json") and rel != TRAINER_STATE)
-    for rel in rels:
-        try:
-            why = remembered(rel, lambda rel=rel: _json_problem(path / rel, files[rel].size))
-        except OSError as exc:
-            return Check(name, UNKNOWN, f"{rel} unreadable: {type(exc).__name__}: {exc}")
-        if why is not None:
-            return Check(name, FAILED, f"{rel} {why}: from_pretrained raises on it")
-    return Check(name, PASSED, f"{len(rels)} JSON files parse" if rels else "no other JSON files")
+    failed = files_whole(name, path, files, rels, _json_problem, "from_pretrained raises on it", remembered)
+    return failed or Check(name, PASSED, f"{len(rels)} JSON files parse" if rels else "no other JSON files")
 
 
 class Trainer(Framework):
