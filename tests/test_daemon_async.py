@@ -413,21 +413,21 @@ async def test_a_failing_look_backs_off_doubling_up_to_the_reconcile_interval(tm
 
 async def test_a_stop_does_not_wait_for_a_look_at_the_volume_that_hangs(tmp_path, monkeypatch):
     """A hung NFS mount: the look never returns. The stop goes ahead to shutdown (STOPPING=1) at once."""
-    import ckptd.daemon
+    import ckptd.daemon.core
 
     root = tmp_path / "vol"
     hf_deepspeed_checkpoint(root / "job", 1, world=2)
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state")
     loop = asyncio.get_running_loop()
     entered, stopping, release = asyncio.Event(), asyncio.Event(), threading.Event()
-    real_notify = ckptd.daemon.notify
+    real_notify = ckptd.daemon.core.notify
 
     def notify(*fields):
         if "STOPPING=1" in fields:
             stopping.set()
         return real_notify(*fields)
 
-    monkeypatch.setattr(ckptd.daemon, "notify", notify)
+    monkeypatch.setattr(ckptd.daemon.core, "notify", notify)
     daemon = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
     task = asyncio.create_task(daemon.serve())
     try:

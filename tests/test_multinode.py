@@ -217,7 +217,7 @@ def test_check_config_warns_about_the_attribute_cache_and_names_the_leadership(t
 
 @pytest.mark.asyncio
 async def test_the_daemon_watches_quiet_for_longer_on_a_caching_mount_and_says_so(tmp_path, monkeypatch, caplog):
-    from ckptd import daemon as daemon_module
+    from ckptd.daemon import core as daemon_module
     from ckptd.config import load_config
     from ckptd.mounts import parse_mountinfo
 

@@ -119,7 +119,7 @@ def test_the_looks_at_what_a_first_scan_found_say_how_far_they_have_got(tmp_path
     import logging
 
     from ckptd.config import load_config
-    from ckptd.daemon import SCAN_PROGRESS_EVERY, Daemon
+    from ckptd.daemon.core import SCAN_PROGRESS_EVERY, Daemon
 
     cfg = many_checkpoints(tmp_path, n=40)
     now = [1000.0]

@@ -43,9 +43,9 @@ class Consolidators:
     """
 
     def __init__(self, monkeypatch, loop: asyncio.AbstractEventLoop):
-        import ckptd.daemon
+        import ckptd.daemon.core
 
-        monkeypatch.setattr(ckptd.daemon, "SHUTDOWN_TIMEOUT", SAFETY_NET + 15)
+        monkeypatch.setattr(ckptd.daemon.core, "SHUTDOWN_TIMEOUT", SAFETY_NET + 15)
         self.started: asyncio.Queue[Held] = asyncio.Queue()
         self.all: list[Held] = []
         self.fail = False

@@ -71,7 +71,7 @@ SETS = {
     "attack3": [T+"test_attack_round3.py", T+"test_slim.py"],
 }
 
-R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
+R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon/core.py", "config.py"
 LE, MO = "lease.py", "mounts.py"
 RS = "resume.py"
 OX, NM, LG, DP = "frameworks/orbax.py", "frameworks/nemo.py", "frameworks/lightning.py", "frameworks/dcp.py"
@@ -1048,7 +1048,7 @@ MUTS = [
  dict(id="SP8", what="a file FIEMAP cannot answer for counts as freeing nothing", tests="space", edits=[("extents.py",
    "            log.debug(\"FIEMAP on %s: %s: counted as freeing nothing\", name, exc)\n            out += allocated\n",
    "            log.debug(\"FIEMAP on %s: %s: counted as freeing nothing\", name, exc)\n")]),
- dict(id="SP9", what="the daemon's free space counts what waits in the trash", tests="space", edits=[("daemon.py",
+ dict(id="SP9", what="the daemon's free space counts what waits in the trash", tests="space", edits=[(DM,
    "                pending += waiting_in_trash(rt.root.path)", "                pass")]),
  # --- a Lightning experiment is one run across its version_N (frameworks.run_key, planner.experiments)
  dict(id="LX1", what="Lightning's version_N of one experiment are one run", tests=[T+"test_lightning_runs.py"], edits=[(
