@@ -11,7 +11,7 @@ Each prints one JSON document on stdout.
   against the previous one, in CPU seconds, stat calls and directory listings.
 - `tick CONFIG --ticks N`: where an idle `ckptd run` spends a tick: the daemon
   runs in this process (its loop on a thread); once every checkpoint is complete,
-  its filesystem thread is handed N poll ticks (`Daemon._tick` with a poll and a
+  its filesystem thread is handed N poll ticks (`Tick.run` (daemon/tick.py) with a poll and a
   state-file write due) and one reconcile tick, and the parts of a tick are timed
   on their own: the poll, the state document, its JSON encoding. Thread CPU time.
 - `tracker CONFIG --cycles N --in-flight K`: what one cycle of ckptd's targeted
@@ -301,13 +301,13 @@ def daemon_ticks(config_path: Path, ticks: int) -> dict:
 
     def poll_tick() -> None:
         rt.next_poll = 0.0
-        daemon._state_written = -1e9  # the state file is due too, as at every poll
-        daemon._tick()
+        daemon.state_file.written = -1e9  # the state file is due too, as at every poll
+        daemon.tick.run()
 
     def reconcile_tick() -> None:
         rt.next_reconcile = 0.0
-        daemon._state_written = -1e9
-        daemon._tick()
+        daemon.state_file.written = -1e9
+        daemon.tick.run()
 
     doc = daemon.state()
     out = {
@@ -335,7 +335,7 @@ def daemon_ticks(config_path: Path, ticks: int) -> dict:
 def idle_hours(config_path: Path, *, warmup: float, hours: float, count: bool, backoff: bool) -> dict:
     """The daemon's filesystem thread through idle hours, on a fake monotonic clock.
 
-    `Daemon._tick` is driven as `main_loop` would drive it (the clock jumps to the next
+    `Tick.run` (daemon/tick.py) is driven as `main_loop` would drive it (the clock jumps to the next
     deadline instead of sleeping): polls every poll_interval, reconciles every
     reconcile_interval, the state file at every poll. After `warmup` hours (caches warm,
     back-offs settled), `hours` more are measured: thread CPU, or (with `count`) the metadata
@@ -354,9 +354,9 @@ def idle_hours(config_path: Path, *, warmup: float, hours: float, count: bool, b
     daemon = Daemon(config, dry_run=True, clock=lambda: clock[0], install_signals=False)
     daemon.watcher = None
     for root in config.roots:
-        daemon.roots.append(daemon._runtime(root, config))
+        daemon.roots.append(daemon.keeper.runtime(root, config))
     c0 = time.thread_time()
-    daemon._first_scan()
+    daemon.tick.first_scan()
     first_scan_s = time.thread_time() - c0
     per_root: dict[str, float] = Counter()
     for rt in daemon.roots:
@@ -383,7 +383,7 @@ def idle_hours(config_path: Path, *, warmup: float, hours: float, count: bool, b
                 return {"ticks": ticks, "polls": polls, "reconciles": reconciles}
             polls += sum(clock[0] >= rt.next_poll for rt in daemon.roots)
             reconciles += sum(clock[0] >= rt.next_reconcile for rt in daemon.roots)
-            daemon._tick()
+            daemon.tick.run()
             ticks += 1
 
     run(warmup * 3600)

@@ -131,12 +131,12 @@ def test_the_daemon_counts_what_waits_in_the_trash_for_min_free(tmp_path, mount)
     daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
     daemon.watcher = None
     for r in daemon.config.roots:
-        daemon.roots.append(daemon._runtime(r, daemon.config))
-    daemon._first_scan()
+        daemon.roots.append(daemon.keeper.runtime(r, daemon.config))
+    daemon.tick.first_scan()
     daemon.roots[0].tracker.step(now[0])
     now[0] += 2
     daemon.roots[0].tracker.step(now[0])
-    daemon._retention()
+    daemon.retention.run()
     rows = daemon.state()["roots"][0]["runs"][0]["checkpoints"]
     actions = {c["name"]: (c["action"], c["reasons"]) for c in rows}
     assert actions["checkpoint-1000"][0] == "keep", actions

@@ -364,13 +364,13 @@ async def test_a_reload_can_switch_dry_run_on_and_drop_a_pattern(tmp_path, logs)
 
 
 def ticked_daemon(cfg: Path, clock) -> tuple[Daemon, object]:
-    """A dry-run Daemon for one root, first scan done, not served: the test drives `_tick`,
-    `_retention` and `state` itself, on its own clock."""
+    """A dry-run Daemon for one root, first scan done, not served: the test drives `tick.run`,
+    `retention.run` and `state` itself, on its own clock."""
     daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=clock, install_signals=False)
     daemon.watcher = None
-    rt = daemon._runtime(daemon.config.roots[0], daemon.config)
+    rt = daemon.keeper.runtime(daemon.config.roots[0], daemon.config)
     daemon.roots.append(rt)
-    daemon._first_scan()
+    daemon.tick.first_scan()
     while rt.tracker.unseen:  # the first looks, which the daemon's first ticks after READY take
         rt.tracker.step(clock())
     return daemon, rt
@@ -399,11 +399,11 @@ async def test_a_failing_look_backs_off_doubling_up_to_the_reconcile_interval(tm
     delays = []
     for _ in range(8):
         now[0] = rt.next_poll
-        daemon._tick()
+        daemon.tick.run()
         delays.append(rt.next_poll - now[0])
     monkeypatch.undo()
     now[0] = rt.next_poll
-    daemon._tick()
+    daemon.tick.run()
     delays.append(rt.next_poll - now[0])
     assert delays == [2, 4, 8, 16, 32, 60, 60, 60, 1]
     said = [r.getMessage() for r in logs.records if r.levelno >= logging.ERROR]
@@ -437,7 +437,7 @@ async def test_a_stop_does_not_wait_for_a_look_at_the_volume_that_hangs(tmp_path
             loop.call_soon_threadsafe(entered.set)
             release.wait(60)
 
-        monkeypatch.setattr(daemon, "_tick", hung_tick)
+        monkeypatch.setattr(daemon.tick, "run", hung_tick)
         daemon._wake.set()
         await asyncio.wait_for(entered.wait(), 30)
         daemon.request_stop("test")
@@ -482,7 +482,7 @@ async def test_the_state_file_shows_each_checkpoints_decision_and_encodes_unchan
     daemon, rt = ticked_daemon(cfg, lambda: now[0])
     now[0] += 2
     rt.tracker.step(now[0])
-    daemon._retention()
+    daemon.retention.run()
 
     def rows():
         return daemon.state()["roots"][0]["runs"][0]["checkpoints"]
@@ -491,13 +491,13 @@ async def test_the_state_file_shows_each_checkpoints_decision_and_encodes_unchan
     assert [(r["name"], r["state"], r["action"]) for r in first] == [
         ("checkpoint-1", "complete", "delete"), ("checkpoint-2", "complete", "delete"),
         ("checkpoint-3", "complete", "keep")]
-    encoded = daemon._runs_cache[rt.root.path][1]
+    encoded = daemon.state_file.runs_cache[rt.root.path][1]
     rt.tracker.poll()  # nothing changed: the runs are not encoded again
-    assert rows() == first and daemon._runs_cache[rt.root.path][1] is encoded
+    assert rows() == first and daemon.state_file.runs_cache[rt.root.path][1] is encoded
     (root / "job" / "checkpoint-1" / "late.txt").write_text("x")
     rt.tracker.full_scan()  # a reconcile: a directory of checkpoint-1 changed, so it is looked at
     assert [r["state"] for r in rows()] == ["writing", "complete", "complete"]
-    daemon._retention()  # checkpoint-1 is not deleted any more: the decision changed too
+    daemon.retention.run()  # checkpoint-1 is not deleted any more: the decision changed too
     assert [(r["name"], r["action"]) for r in rows()] == [
         ("checkpoint-1", "keep"), ("checkpoint-2", "delete"), ("checkpoint-3", "keep")]
 
@@ -531,7 +531,7 @@ async def test_a_refusal_sends_the_tracker_to_look_at_what_changed_in_place(tmp_
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
     rt.tracker.full_scan()
     assert str(rt.tracker.runs["job"].checkpoints["checkpoint-2"].state) == "complete"  # unseen
-    daemon._retention()  # decides to delete checkpoint-1; the re-check finds the anchor broken
+    daemon.retention.run()  # decides to delete checkpoint-1; the re-check finds the anchor broken
     # looked at again after the refusal: no longer complete, and checkpoint-1 is still there
     assert str(rt.tracker.runs["job"].checkpoints["checkpoint-2"].state) != "complete"
     assert (root / "job" / "checkpoint-1").is_dir()
@@ -552,13 +552,13 @@ async def test_a_missing_root_does_not_stop_retention_on_the_others(tmp_path):
     daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
     daemon.watcher = None
     for root in daemon.config.roots:
-        daemon.roots.append(daemon._runtime(root, daemon.config))
-    daemon._first_scan()
+        daemon.roots.append(daemon.keeper.runtime(root, daemon.config))
+    daemon.tick.first_scan()
     daemon.roots[0].tracker.step(now[0])  # the first looks, after READY
     now[0] += 2
     daemon.roots[0].tracker.step(now[0])
     b.rmdir()  # unmounted
-    daemon._retention()
+    daemon.retention.run()
     actions = [r["action"] for r in daemon.state()["roots"][0]["runs"][0]["checkpoints"]]
     assert actions == ["delete", "delete", "keep"]
 

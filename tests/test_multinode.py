@@ -217,8 +217,8 @@ def test_check_config_warns_about_the_attribute_cache_and_names_the_leadership(t
 
 @pytest.mark.asyncio
 async def test_the_daemon_watches_quiet_for_longer_on_a_caching_mount_and_says_so(tmp_path, monkeypatch, caplog):
-    from ckptd.daemon import core as daemon_module
     from ckptd.config import load_config
+    from ckptd.daemon import Daemon, roots
     from ckptd.mounts import parse_mountinfo
 
     root = tmp_path / "vol"
@@ -227,8 +227,8 @@ async def test_the_daemon_watches_quiet_for_longer_on_a_caching_mount_and_says_s
     cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 's'}'\nleadership = 'local'\n"
                    f"[[roots]]\npath = '{root}'\nquiet_period = '2s'\nallow_short_quiet_period = true\nworld_size = 2\n")
     captured = parse_mountinfo(nfs_mountinfo(tmp_path, "acregmin=5,acregmax=5,acdirmin=5,acdirmax=5,"))
-    monkeypatch.setattr(daemon_module, "read_mounts", lambda: captured)
-    d = daemon_module.Daemon(load_config(cfg), config_path=cfg, install_signals=False)
+    monkeypatch.setattr(roots, "read_mounts", lambda: captured)
+    d = Daemon(load_config(cfg), config_path=cfg, install_signals=False)
     task = asyncio.create_task(d.serve())
     try:
         await asyncio.wait_for(d.ready.wait(), 30)

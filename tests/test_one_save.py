@@ -473,9 +473,9 @@ async def test_a_deletion_refused_because_it_changed_takes_the_checkpoint_back_t
     now = [1000.0]
     daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
     daemon.watcher = None
-    rt = daemon._runtime(daemon.config.roots[0], daemon.config)
+    rt = daemon.keeper.runtime(daemon.config.roots[0], daemon.config)
     daemon.roots.append(rt)
-    daemon._first_scan()
+    daemon.tick.first_scan()
     while rt.tracker.unseen:  # the first looks, after READY
         rt.tracker.step(now[0])
     now[0] += 2
@@ -485,14 +485,14 @@ async def test_a_deletion_refused_because_it_changed_takes_the_checkpoint_back_t
         rows = daemon.state()["roots"][0]["runs"][0]["checkpoints"]
         return {r["name"]: (r["state"], r["action"]) for r in rows}
 
-    daemon._retention()
+    daemon.retention.run()
     assert seen()["checkpoint-2"] == ("complete", "delete")
     resave(root / "job" / "checkpoint-2", ["global_step2/mp_rank_00_model_states.pt", "latest"],
            when=time.time() - 30)  # a second job re-saves it; its trainer_state.json is still the old one
-    daemon._retention()  # the reaper's re-check refuses it (dry run: it would have trashed it)
+    daemon.retention.run()  # the reaper's re-check refuses it (dry run: it would have trashed it)
     assert seen()["checkpoint-2"][0] in ("writing", "settling")
     now[0] += 2
     rt.tracker.step(now[0])
     assert seen()["checkpoint-2"][0] == "incomplete"  # quiet, and two saves
-    daemon._retention()
+    daemon.retention.run()
     assert seen()["checkpoint-2"][1] == "keep"

@@ -119,27 +119,28 @@ def test_the_looks_at_what_a_first_scan_found_say_how_far_they_have_got(tmp_path
     import logging
 
     from ckptd.config import load_config
-    from ckptd.daemon.core import SCAN_PROGRESS_EVERY, Daemon
+    from ckptd.daemon import Daemon
+    from ckptd.daemon.narration import SCAN_PROGRESS_EVERY
 
     cfg = many_checkpoints(tmp_path, n=40)
     now = [1000.0]
     daemon = Daemon(load_config(cfg), config_path=cfg, dry_run=True, clock=lambda: now[0], install_signals=False)
     daemon.watcher = None
-    rt = daemon._runtime(daemon.config.roots[0], daemon.config)
+    rt = daemon.keeper.runtime(daemon.config.roots[0], daemon.config)
     daemon.roots.append(rt)
-    daemon._first_scan()
+    daemon.tick.first_scan()
     assert len(rt.tracker.unseen) == 40
     caplog.set_level(logging.INFO, logger="ckptd")
     for _ in range(30):  # what the daemon's ticks would look at, ten at a time
         rt.tracker.unseen.popleft()
-    daemon._say_first_looks(now[0] + SCAN_PROGRESS_EVERY - 1)
+    daemon.narrator.first_looks(now[0] + SCAN_PROGRESS_EVERY - 1)
     assert "found at start" not in caplog.text  # not yet: 10 s between lines
-    daemon._say_first_looks(now[0] + SCAN_PROGRESS_EVERY)
+    daemon.narrator.first_looks(now[0] + SCAN_PROGRESS_EVERY)
     assert f"{tmp_path / 'vol'}: looked at 30 of the 40 checkpoints found at start (75%)" in caplog.messages
     rt.tracker.unseen.clear()
-    daemon._say_first_looks(now[0] + 3 * SCAN_PROGRESS_EVERY)
+    daemon.narrator.first_looks(now[0] + 3 * SCAN_PROGRESS_EVERY)
     assert sum("found at start" in m for m in caplog.messages) == 1  # done: nothing more to say
-    assert daemon._looks_due == {}
+    assert daemon.narrator.looks_due == {}
 
 
 def test_a_slow_step_of_prune_says_what_it_waits_for_on_a_terminal():

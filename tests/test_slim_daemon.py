@@ -139,7 +139,7 @@ async def test_a_running_consolidation_shows_in_status(tmp_path, monkeypatch, lo
         first = await held.next()
         job = daemon.state()["consolidation"]
         assert (job["root"], job["checkpoint"], job["from"]) == (str(root), "job/checkpoint-1", "global_step1")
-        daemon._write_state(force=True)
+        daemon.state_file.write(force=True)
         status = await asyncio.to_thread(run_ckptd, "status", "-c", cfg, env=state_env)
         assert status.returncode == 0, status.stderr
         assert f"  consolidating job/checkpoint-1 in {root} (fp32 weights from global_step1): running " in status.stdout
