@@ -172,7 +172,7 @@ def _run_one(ctx: Context, shape: Shape) -> tuple[list[Row], Section]:
             "Rewriting it only when something changed (the heartbeat apart), and keeping the in-flight "
             f"checkpoints as a set instead of re-deriving {tick['checkpoints']:,} states three times a tick, "
             f"would leave about {fmt_time(rest)} a tick, {100 * rest / interval:.2g} % (changes in "
-            "`daemon.py` and `tracker.py`)."
+            "`daemon/` and `tracker.py`)."
         )
     rows.append(
         Row(NAME, f"{shape.name}: CPU % over {window:g} s, inotify", f"{r['pct']:.2g} %",

@@ -95,7 +95,7 @@ def _why(observer: str, name: str, story: list[tuple[float, str]], quiet: float,
             "when the quiet period ran out, and started the quiet period again. Looking once more at a "
             "checkpoint right after its watch is added (or counting its quiet period from the first look "
             f"after the watch) would close the gap; at the defaults (poll_interval {DEFAULT_POLL_S:g} s, "
-            "quiet_period 60 s) it can cost up to 10 s (a change in `daemon.py`/`tracker.py`, left to "
+            "quiet_period 60 s) it can cost up to 10 s (a change in `daemon/`/`tracker.py`, left to "
             "their owner)."
         )
     elif observer == "polling" and late:

@@ -7,7 +7,7 @@ that matters there, more than CPU. Counted two ways, checked against each other:
 - In-process (`python -m bench.probe reconcile` and `hours --count`): wrappers around
   os.stat, os.lstat, DirEntry.stat, os.scandir, os.listdir, os.open and open (io.open)
   count what ckptd asks for on paths below the root. Deterministic, and it can run an
-  idle hour on a fake monotonic clock: `Daemon._tick` driven as `main_loop` drives it,
+  idle hour on a fake monotonic clock: `Tick.run` (daemon/tick.py) driven as `main_loop` drives it,
   the clock jumping to each deadline (360 polls and 12 reconciles at the defaults).
 - `strace -f -y` of the same probe, between marker stats around each phase: the system
   calls that reach the kernel. A listing is an `openat(O_DIRECTORY)`, an `fstat` of it and
