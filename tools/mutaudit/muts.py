@@ -1002,7 +1002,7 @@ MUTS = [
  dict(id="AT12", what="records that list no file do not stand in for the quiet period", tests="attest",
    edits=[("attestation.py", "    if not listings:  # records", "    if False:  # records")]),
  dict(id="AR3a", what="a done slim with optimizer files again is kept, not finished as interrupted", tests="attack3",
-   edits=[(SL, "        if marker.done and any(not in_work_dir(rel) for rel, _ in removable):", "        if False:")]),
+   edits=[(SL, "    if marker.done and any(not in_work_dir(rel) for rel, _ in removable):", "    if False:")]),
  dict(id="AR3c", what="no room for the state_dir lock's pid line: the flock holds, the prune goes on", tests="attack3",
    edits=[(R, "                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):\n                    os.close(fd)\n",
            "                if True:\n                    os.close(fd)\n")]),
