@@ -23,7 +23,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from ckptd import mounts
-from ckptd.config import Config, _loc, _message, read_toml, refusals
+from ckptd.config import Config, read_toml, refusals
+from ckptd.config.loading import _loc, _message
 from ckptd.errors import ConfigError, UsageError
 
 

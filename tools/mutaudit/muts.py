@@ -71,8 +71,9 @@ SETS = {
     "attack3": [T+"test_attack_round3.py", T+"test_slim.py"],
 }
 
-R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
+R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config/models.py"
 LE, MO = "lease.py", "mounts.py"
+CL = "config/loading.py"
 RS = "resume.py"
 OX, NM, LG, DP = "frameworks/orbax.py", "frameworks/nemo.py", "frameworks/lightning.py", "frameworks/dcp.py"
 SL, W, K = "slim.py", "weights.py", "consolidate.py"
@@ -515,10 +516,10 @@ MUTS = [
    tests=[T+"test_redteam2.py::test_configured_roots_overlapping_through_a_bind_mount_are_refused"], edits=[
    ("mounts.py", "    return rel if identity(os.path.join(real_top, rel)) == own else None", "    return None")]),
  dict(id="C9g", what="configured roots overlap by identity, not only by path", tests=[
-   T+"test_redteam2.py::test_configured_roots_overlapping_through_a_bind_mount_are_refused"], edits=[("config.py",
+   T+"test_redteam2.py::test_configured_roots_overlapping_through_a_bind_mount_are_refused"], edits=[("config/models.py",
    "                if _overlap(str(a.path), str(b.path), table):", "                if False and _overlap(str(a.path), str(b.path), table):")]),
  dict(id="C9h", what="an absolute pin through a symlink to the root pins (resolved, not refused)", tests=[
-   T+"test_redteam2.py::test_an_absolute_pin_through_a_symlink_to_the_root_pins"], edits=[("config.py",
+   T+"test_redteam2.py::test_an_absolute_pin_through_a_symlink_to_the_root_pins"], edits=[("config/models.py",
    "    rel = mounts.located_in(head, root)\n", "    rel = None\n")]),
  dict(id="RP1", what="an absolute latest not resolving inside the run is looked at again (another host's mount path)",
    tests=[T+"test_redteam2.py::test_an_absolute_latest_through_another_mount_point_is_kept",
@@ -962,13 +963,13 @@ MUTS = [
    "    found = holder(path.parent, ((root.path, root) for root in config.roots))", "    found = None")]),
  dict(id="RT3j", what="latest(config=Config): the configured root by mounts.holder", tests="rt3", edits=[(RS,
    "        found = mounts.holder(path, ((root.path, root) for root in config.roots))", "        found = None")]),
- dict(id="CF-R1", what="a system directory or / accepted as a root", tests="refusals", edits=[(C,
+ dict(id="CF-R1", what="a system directory or / accepted as a root", tests="refusals", edits=[(CL,
    "            why = system_path(root.path) or holds(root.path, config.daemon.state_dir)",
    "            why = holds(root.path, config.daemon.state_dir)")]),
- dict(id="CF-R2", what="a root holding the state_dir accepted", tests="refusals", edits=[(C,
+ dict(id="CF-R2", what="a root holding the state_dir accepted", tests="refusals", edits=[(CL,
    "            why = system_path(root.path) or holds(root.path, config.daemon.state_dir)",
    "            why = system_path(root.path)")]),
- dict(id="CF-Q1", what="a quiet_period below the floor accepted", tests="refusals", edits=[(C,
+ dict(id="CF-Q1", what="a quiet_period below the floor accepted", tests="refusals", edits=[(CL,
    "        if root.quiet_period < QUIET_FLOOR and not root.allow_short_quiet_period:",
    "        if False:")]),
  dict(id="TB1", what="the time buckets keep nothing", tests="time_buckets", edits=[(RU,
