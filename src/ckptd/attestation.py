@@ -193,6 +193,131 @@ def _latest_save(records: list[Record], leases: list[Lease], now: float) -> tupl
     return kept_records, kept_leases
 
 
+def _lease_checks(
+    leases: list[Lease], done: set[tuple[int, str | None]], now: float
+) -> tuple[list[Check], list[str]]:
+    """The checks of the leases whose save is in progress (heartbeat recent) and the problems of those
+    whose heartbeat stopped; `done`: the (rank, token) of the saves that committed."""
+    live: list[Check] = []
+    abandoned: list[str] = []
+    for lease in sorted(leases, key=lambda x: x.rank):
+        if (lease.rank, lease.token) in done:
+            continue  # its save committed; the lease outlived it (killed between the two)
+        age = now - lease.beat_at
+        who = f"rank {lease.rank}'s save ({lease.host}, pid {lease.pid})"
+        if age <= stale_after(lease):  # a future mtime too: a clock ahead is not a stopped heartbeat
+            beat = format_age(max(age, 0))
+            live.append(Check(SAVE_LEASE, Verdict.FAILED, f"{who} in progress: heartbeat {beat} ago"))
+        else:
+            abandoned.append(
+                f"abandoned: rank {lease.rank}'s save stopped at {_iso(lease.beat_at)} "
+                f"(no heartbeat for {format_age(age)}, {lease.host} pid {lease.pid})"
+            )
+    return live, abandoned
+
+
+def _missing_ranks(have: set[int], world: int) -> str:
+    """The first few ranks of 0..world-1 without a record, "3, 5 ..." (a record may claim any world size)."""
+    missing: list[int] = []
+    for r in range(world):  # stops after the 9th missing: as many turns as records, and 9
+        if r not in have:
+            missing.append(r)
+            if len(missing) > 8:
+                break
+    return ", ".join(map(str, missing[:8])) + (" ..." if world - len(have) > 8 else "")
+
+
+def _disagreements(records: list[Record]) -> list[str]:
+    """What the records say against one another: two world sizes, ranks without a record, two steps."""
+    out: list[str] = []
+    worlds = sorted({r.world_size for r in records})
+    if len(worlds) > 1:
+        out.append(f"records disagree on the world size ({', '.join(map(str, worlds))})")
+    elif worlds:
+        world = worlds[0]
+        have = {r.rank for r in records}  # each in 0..world-1 (parse_record)
+        if len(have) < world:
+            shown = _missing_ranks(have, world)
+            out.append(f"committed by {len(have)}/{world} ranks; no record from rank {shown}")
+    steps = sorted({r.step for r in records if r.step is not None})
+    if len(steps) > 1:
+        out.append(f"records disagree on the step ({', '.join(map(str, steps))})")
+    return out
+
+
+def _listings(records: list[Record]) -> dict[str, list[tuple[int, int, int]]]:
+    """Each listed path's listings, [(size, mtime_ns, rank)], the earliest committed first.
+
+    A file may be listed by several ranks: on a shared filesystem a rank lists what changed since
+    its save began, another rank's file mid-write among it. The rank that wrote it listed it
+    whole, after writing it: one listing that the disk agrees with is enough."""
+    listings: dict[str, list[tuple[int, int, int]]] = {}
+    for r in sorted(records, key=lambda r: r.committed_at):
+        for path, size, mtime_ns in r.files:
+            listings.setdefault(path, []).append((size, mtime_ns, r.rank))
+    return listings
+
+
+def _against_disk(
+    listings: Mapping[str, list[tuple[int, int, int]]], files: Mapping[str, Entry], removed: Collection[str]
+) -> tuple[list[str], list[str], list[str]]:
+    """The listed files that are not there, those at a size no listing gives, and those at a listed
+    size but another mtime (the worst said first: a file missing, then changed)."""
+    gone: list[str] = []
+    resized: list[str] = []
+    touched: list[str] = []
+    for path, listed in sorted(listings.items()):
+        e = files.get(path)
+        size, _, rank = listed[-1]
+        if e is None and path in removed:
+            continue  # slimmed away by ckptd, as its marker records
+        if e is None or e.kind != "f":
+            gone.append(f"rank {rank}'s record lists {path}, which is not there")
+        elif not any(e.size == s and abs(e.mtime_ns - m) <= MTIME_SLACK_NS for s, m, _ in listed):
+            if all(e.size != s for s, _, _ in listed):
+                resized.append(f"rank {rank}'s record lists {path} at {size} bytes, the disk has {e.size}")
+            else:
+                touched.append(f"{path} changed after rank {rank}'s record (its mtime differs)")
+    return gone, resized, touched
+
+
+def _passed(
+    records: list[Record],
+    listings: Mapping[str, list[tuple[int, int, int]]],
+    files: Mapping[str, Entry],
+    touched: list[str],
+) -> Check:
+    """The check of records that agree with one another and with the disk (`touched`: the listed
+    files at another mtime): attested, or commit records that leave the quiet period in force."""
+    world = records[0].world_size  # one world size by now (_disagreements)
+    at = _iso(max(r.committed_at for r in records))
+    if touched:
+        # Every file there at the size a record lists, but some at another mtime: a copy that did
+        # not keep mtimes (`cp -r`), or a rewrite in place. The records no longer describe those
+        # files, so they vouch for nothing; they veto nothing either: judged as without them (quiet
+        # period, the framework's checks). Missing or resized files above still fail.
+        more = f" (and {len(touched) - 1} more)" if len(touched) > 1 else ""
+        why = f"committed by {world}/{world} ranks at {at}; {touched[0]}{more}: judged on quiet too"
+        return Check(COMMIT_RECORDS, Verdict.PASSED, why)
+    said = f"committed by {world}/{world} ranks at {at}; every listed file as recorded"
+    # When the save began, by the disk as much as by the records: the oldest mtime of a listed file
+    # bounds it whatever a record says of itself (a started_at in the future hides nothing).
+    starts = [min(r.started_at or r.committed_at, r.committed_at) * 1e9 for r in records]
+    starts += [files[p].mtime_ns for p in listings if p in files]
+    began_ns = int(min(starts)) - MTIME_SLACK_NS
+    unlisted = sorted(
+        rel for rel, e in files.items()
+        if e.kind == "f" and rel not in listings and not is_metadata(rel) and e.mtime_ns > began_ns
+    )  # fmt: skip
+    if not listings:  # records that name no file vouch for none: what is there may be in flight
+        return Check(COMMIT_RECORDS, Verdict.PASSED, f"{said}; no record lists a file: judged on quiet too")
+    if unlisted:
+        shown = ", ".join(unlisted[:3]) + (" ..." if len(unlisted) > 3 else "")
+        why = f"{said}; no record lists {shown}: judged on quiet too"
+        return Check(COMMIT_RECORDS, Verdict.PASSED, why)
+    return Check(ATTESTED, Verdict.PASSED, said)
+
+
 def judge(
     records: list[Record],
     leases: list[Lease],
@@ -208,92 +333,16 @@ def judge(
         return []
     records, leases = _latest_save(records, leases, now)
     done = {(r.rank, r.token) for r in records if r.token is not None}
-    out: list[Check] = []
-    failed: list[str] = list(problems)
-    for lease in sorted(leases, key=lambda x: x.rank):
-        if (lease.rank, lease.token) in done:
-            continue  # its save committed; the lease outlived it (killed between the two)
-        age = now - lease.beat_at
-        who = f"rank {lease.rank}'s save ({lease.host}, pid {lease.pid})"
-        if age <= stale_after(lease):  # a future mtime too: a clock ahead is not a stopped heartbeat
-            beat = format_age(max(age, 0))
-            out.append(Check(SAVE_LEASE, Verdict.FAILED, f"{who} in progress: heartbeat {beat} ago"))
-        else:
-            failed.append(
-                f"abandoned: rank {lease.rank}'s save stopped at {_iso(lease.beat_at)} "
-                f"(no heartbeat for {format_age(age)}, {lease.host} pid {lease.pid})"
-            )
-    if out:
-        return out  # a live lease blocks judgement whatever the records say
-    worlds = sorted({r.world_size for r in records})
-    if len(worlds) > 1:
-        failed.append(f"records disagree on the world size ({', '.join(map(str, worlds))})")
-    elif worlds:
-        world = worlds[0]
-        have = {r.rank for r in records}  # each in 0..world-1 (parse_record)
-        if len(have) < world:
-            missing: list[int] = []  # the first few: a record may claim any world size
-            for r in range(world):  # stops after the 9th missing: as many turns as records, and 9
-                if r not in have:
-                    missing.append(r)
-                    if len(missing) > 8:
-                        break
-            shown = ", ".join(map(str, missing[:8])) + (" ..." if world - len(have) > 8 else "")
-            failed.append(f"committed by {len(have)}/{world} ranks; no record from rank {shown}")
-    steps = sorted({r.step for r in records if r.step is not None})
-    if len(steps) > 1:
-        failed.append(f"records disagree on the step ({', '.join(map(str, steps))})")
-    # A file may be listed by several ranks: on a shared filesystem a rank lists what changed since
-    # its save began, another rank's file mid-write among it. The rank that wrote it listed it
-    # whole, after writing it: one listing that the disk agrees with is enough.
-    listings: dict[str, list[tuple[int, int, int]]] = {}  # path -> [(size, mtime_ns, rank)]
-    for r in sorted(records, key=lambda r: r.committed_at):
-        for path, size, mtime_ns in r.files:
-            listings.setdefault(path, []).append((size, mtime_ns, r.rank))
-    gone, resized, touched = [], [], []  # the worst said first: a file missing, then changed
-    for path, listed in sorted(listings.items()):
-        e = files.get(path)
-        size, mtime_ns, rank = listed[-1]
-        if e is None and path in removed:
-            continue  # slimmed away by ckptd, as its marker records
-        if e is None or e.kind != "f":
-            gone.append(f"rank {rank}'s record lists {path}, which is not there")
-        elif not any(e.size == s and abs(e.mtime_ns - m) <= MTIME_SLACK_NS for s, m, _ in listed):
-            if all(e.size != s for s, _, _ in listed):
-                resized.append(f"rank {rank}'s record lists {path} at {size} bytes, the disk has {e.size}")
-            else:
-                touched.append(f"{path} changed after rank {rank}'s record (its mtime differs)")
-    failed += gone + resized
+    live, abandoned = _lease_checks(leases, done, now)
+    if live:
+        return live  # a live lease blocks judgement whatever the records say
+    listings = _listings(records)
+    gone, resized, touched = _against_disk(listings, files, removed)
+    failed = [*problems, *abandoned, *_disagreements(records), *gone, *resized]
     if failed:
         more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
         return [Check(COMMIT_RECORDS, Verdict.FAILED, f"{failed[0]}{more}")]
-    world = worlds[0]
-    at = _iso(max(r.committed_at for r in records))
-    if touched:
-        # Every file there at the size a record lists, but some at another mtime: a copy that did
-        # not keep mtimes (`cp -r`), or a rewrite in place. The records no longer describe those
-        # files, so they vouch for nothing; they veto nothing either: judged as without them (quiet
-        # period, the framework's checks). Missing or resized files above still fail.
-        more = f" (and {len(touched) - 1} more)" if len(touched) > 1 else ""
-        why = f"committed by {world}/{world} ranks at {at}; {touched[0]}{more}: judged on quiet too"
-        return [Check(COMMIT_RECORDS, Verdict.PASSED, why)]
-    said = f"committed by {world}/{world} ranks at {at}; every listed file as recorded"
-    # When the save began, by the disk as much as by the records: the oldest mtime of a listed file
-    # bounds it whatever a record says of itself (a started_at in the future hides nothing).
-    starts = [min(r.started_at or r.committed_at, r.committed_at) * 1e9 for r in records]
-    starts += [files[p].mtime_ns for p in listings if p in files]
-    began_ns = int(min(starts)) - MTIME_SLACK_NS
-    unlisted = sorted(
-        rel for rel, e in files.items()
-        if e.kind == "f" and rel not in listings and not is_metadata(rel) and e.mtime_ns > began_ns
-    )  # fmt: skip
-    if not listings:  # records that name no file vouch for none: what is there may be in flight
-        return [Check(COMMIT_RECORDS, Verdict.PASSED, f"{said}; no record lists a file: judged on quiet too")]
-    if unlisted:
-        shown = ", ".join(unlisted[:3]) + (" ..." if len(unlisted) > 3 else "")
-        why = f"{said}; no record lists {shown}: judged on quiet too"
-        return [Check(COMMIT_RECORDS, Verdict.PASSED, why)]
-    return [Check(ATTESTED, Verdict.PASSED, said)]
+    return [_passed(records, listings, files, touched)]
 
 
 def checks(path: Path, files: Mapping[str, Entry], removed: Collection[str] = frozenset()) -> list[Check]:

@@ -23,7 +23,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from ckptd import mounts
-from ckptd.config import Config, _loc, _message, read_toml, refusals
+from ckptd.config import Config, read_toml, refusals
+from ckptd.config.loading import _loc, _message
 from ckptd.errors import ConfigError, UsageError
 
 
@@ -84,6 +85,116 @@ def settings_in(env: Mapping[str, str]) -> list[str]:
     return sorted(k for k in env if k in KNOWN and k != "CKPTD_CONFIG" and env[k].strip())
 
 
+class _Blame:
+    """Whom a problem at a config location (`roots[0].retention.keep_last`) is reported against:
+    the variable or command-line flag that set the key there, else the file."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.origins: list[tuple[re.Pattern[str], str]] = []  # error location -> the variable to blame
+        # a table's location, a key in it, its variable
+        self.tables: list[tuple[re.Pattern[str], str, str]] = []
+
+    def setter(self, where: str) -> str | None:
+        """The variable or flag that set the key at `where`, if one did."""
+        return next((name for pattern, name in self.origins if pattern.match(where)), None)
+
+    def validation_line(self, where: str, message: str) -> str:
+        """A validation error at `where` as reported: against the variable that set the key, or
+        against the variable of a key its table's message names, else against the file."""
+        blame = self.setter(where)
+        table = next((name for pattern, key, name in self.tables
+                      if pattern.match(where) and re.search(rf"\b{key}\b", message)), None)  # fmt: skip
+        if blame is not None:
+            return f"{blame}: {message}"
+        if table is not None:
+            return f"{table}: {message} ({self.source}: {where})"
+        return f"{self.source}: {where}: {message}"
+
+    def refusal_line(self, where: str, why: str) -> str:
+        blame = self.setter(where)
+        return f"{blame}: {where}: {why}" if blame else f"{self.source}: {where}: {why}"
+
+
+def _apply_roots(
+    data: dict[str, Any], env: Mapping[str, str], roots: Sequence[Path], blame: _Blame
+) -> list[tuple[str, ...]]:
+    """Replace the file's roots with `roots` from the command line, or `$CKPTD_ROOTS`; the subtrees
+    each root is restricted to (see `_pick_roots`)."""
+    scopes: list[tuple[str, ...]] = []
+    if roots:
+        data["roots"], scopes = _pick_roots(data, [os.path.normpath(os.path.abspath(p)) for p in roots])
+    elif env.get(ROOTS, "").strip():
+        paths = [p for p in env[ROOTS].split(":") if p.strip()]
+        data["roots"], scopes = _pick_roots(
+            data, [os.path.normpath(p) if os.path.isabs(p) else p for p in paths]
+        )
+        blame.origins.append((re.compile(r"^roots(\[\d+\]\.path)?$"), ROOTS))
+    return scopes
+
+
+def _apply_variables(data: dict[str, Any], env: Mapping[str, str], blame: _Blame) -> list[str]:
+    """Set the keys the `CKPTD_*` variables name (in every root, for a root's key); the problems
+    of the values that do not parse."""
+    problems: list[str] = []
+    for name, (where, key, parse) in VARIABLES.items():
+        text = env.get(name, "")
+        if not text.strip():
+            continue
+        try:
+            value = parse(text)
+        except ValueError as exc:
+            problems.append(f"{name}: {exc}")
+            continue
+        if where == "daemon":
+            _table(data, "daemon")[key] = value
+            blame.origins.append((re.compile(rf"^daemon\.{key}$"), name))
+        else:
+            for root in _tables(data, "roots"):
+                table = root if where == "root" else _table(root, "retention")
+                table[key] = value
+            at = r"roots\[\d+\]" + (r"\.retention" if where == "retention" else "")
+            blame.origins.append((re.compile(rf"^{at}\.{key}$"), name))
+            # a problem of the table the key is in that names the key ("keep_total replaces
+            # keep_last", the file setting keep_last) is the variable's too: both are named
+            blame.tables.append((re.compile(rf"^{at}$"), key, name))
+    return problems
+
+
+def _apply_flags(data: dict[str, Any], retention: Mapping[str, tuple[str, Any]], blame: _Blame) -> None:
+    """Set each retention flag's key in every root's retention and every run rule that sets it;
+    --keep-last or --keep-best drops keep_total (the other way to count) wherever it is set."""
+    for key, (flag, value) in retention.items():
+        for root in _tables(data, "roots"):
+            _table(root, "retention")[key] = value
+            for rule in _tables(root, "runs"):
+                if key in rule:
+                    rule[key] = value
+            if key in ("keep_last", "keep_best"):
+                _table(root, "retention").pop("keep_total", None)
+                for rule in _tables(root, "runs"):
+                    rule.pop("keep_total", None)
+        blame.origins.insert(0, (re.compile(rf"^roots\[\d+\]\.(retention|runs\[\d+\])\.{key}$"), flag))
+
+
+def _validated(data: dict[str, Any], blame: _Blame) -> Config:
+    """`data` as a Config; ConfigError with each problem (validation's, then the refusals') against
+    whom `blame` names, one line per variable, not one per root."""
+    problems: list[str] = []
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        for err in exc.errors():
+            line = blame.validation_line(_loc(err["loc"]), _message(err))
+            if line not in problems:  # one line per variable, not one per root
+                problems.append(line)
+        raise ConfigError(problems) from None
+    problems = [blame.refusal_line(where, why) for where, why in refusals(config)]
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
 def effective_config(
     path: Path | None,
     env: Mapping[str, str],
@@ -97,78 +208,13 @@ def effective_config(
     run rule that sets it; --keep-last or --keep-best replaces keep_total (the other way to
     count) wherever it is set."""
     data = read_toml(path) if path is not None else {}
-    source = str(path) if path is not None else "<defaults>"
-    problems: list[str] = []
-    origins: list[tuple[re.Pattern[str], str]] = []  # error location -> the variable to blame
-    tables: list[tuple[re.Pattern[str], str, str]] = []  # a table's location, a key in it, its variable
-
-    scopes: list[tuple[str, ...]] = []
-    if roots:
-        data["roots"], scopes = _pick_roots(data, [os.path.normpath(os.path.abspath(p)) for p in roots])
-    elif env.get(ROOTS, "").strip():
-        paths = [p for p in env[ROOTS].split(":") if p.strip()]
-        data["roots"], scopes = _pick_roots(
-            data, [os.path.normpath(p) if os.path.isabs(p) else p for p in paths]
-        )
-        origins.append((re.compile(r"^roots(\[\d+\]\.path)?$"), ROOTS))
-
-    for name, (where, key, parse) in VARIABLES.items():
-        text = env.get(name, "")
-        if not text.strip():
-            continue
-        try:
-            value = parse(text)
-        except ValueError as exc:
-            problems.append(f"{name}: {exc}")
-            continue
-        if where == "daemon":
-            _table(data, "daemon")[key] = value
-            origins.append((re.compile(rf"^daemon\.{key}$"), name))
-        else:
-            for root in _tables(data, "roots"):
-                table = root if where == "root" else _table(root, "retention")
-                table[key] = value
-            at = r"roots\[\d+\]" + (r"\.retention" if where == "retention" else "")
-            origins.append((re.compile(rf"^{at}\.{key}$"), name))
-            # a problem of the table the key is in that names the key ("keep_total replaces
-            # keep_last", the file setting keep_last) is the variable's too: both are named
-            tables.append((re.compile(rf"^{at}$"), key, name))
+    blame = _Blame(str(path) if path is not None else "<defaults>")
+    scopes = _apply_roots(data, env, roots, blame)
+    problems = _apply_variables(data, env, blame)
     if problems:
         raise ConfigError(problems)
-    for key, (flag, value) in (retention or {}).items():
-        for root in _tables(data, "roots"):
-            _table(root, "retention")[key] = value
-            for rule in _tables(root, "runs"):
-                if key in rule:
-                    rule[key] = value
-            if key in ("keep_last", "keep_best"):
-                _table(root, "retention").pop("keep_total", None)
-                for rule in _tables(root, "runs"):
-                    rule.pop("keep_total", None)
-        origins.insert(0, (re.compile(rf"^roots\[\d+\]\.(retention|runs\[\d+\])\.{key}$"), flag))
-
-    try:
-        config = Config.model_validate(data)
-    except ValidationError as exc:
-        for err in exc.errors():
-            where, message = _loc(err["loc"]), _message(err)
-            blame = next((name for pattern, name in origins if pattern.match(where)), None)
-            table = next((name for pattern, key, name in tables
-                          if pattern.match(where) and re.search(rf"\b{key}\b", message)), None)
-            if blame is not None:
-                line = f"{blame}: {message}"
-            elif table is not None:
-                line = f"{table}: {message} ({source}: {where})"
-            else:
-                line = f"{source}: {where}: {message}"
-            if line not in problems:  # one line per variable, not one per root
-                problems.append(line)
-        raise ConfigError(problems) from None
-    for where, why in refusals(config):
-        blame = next((name for pattern, name in origins if pattern.match(where)), None)
-        problems.append(f"{blame}: {where}: {why}" if blame else f"{source}: {where}: {why}")
-    if problems:
-        raise ConfigError(problems)
+    _apply_flags(data, retention or {}, blame)
+    config = _validated(data, blame)
     if any(scopes):
         pairs = zip(config.roots, scopes, strict=True)
         config = config.model_copy(update={"roots": tuple(r.restricted(s) if s else r for r, s in pairs)})

@@ -15,6 +15,10 @@ import importlib
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckptd.frameworks.base import Framework
 
 # What a checkpoint's number counts, when it is not a training step (`Candidate.unit`): ckptd
 # orders a run by it, then by time, and says so in `plan`.
@@ -155,56 +159,72 @@ def held(layout: str, rels: Collection[str], dirs: Collection[str]) -> list[str]
     fws = _registry()
     held_files = (*fws.HELD_SUFFIXES, PIN_FILE)
     items = sorted([(d, True) for d in dirs if d] + [(f, False) for f in rels if f.endswith(held_files)])
-    kids: dict[str, list[str]] | None = None
-
-    def children(rel: str) -> list[str]:  # listed once, and only if a directory's name is not enough
-        nonlocal kids
-        if kids is None:
-            kids = {}
-            for r in rels:
-                if r:
-                    parent, _, name = r.rpartition("/")
-                    kids.setdefault(parent, []).append(name)
-        return kids.get(rel, [])
-
-    dir_set = set(dirs)
-
-    def dir_names(parent: str) -> set[str]:
-        return {c for c in children(parent) if (f"{parent}/{c}" if parent else c) in dir_set}
-
+    tree = _Tree(rels, dirs)
     own = framework(layout)
     found: list[str] = []
     seen: set[str] = set()
     for rel, is_dir in items:
-        parent, _, name = rel.rpartition("/")
-        if seen and parent:
-            parts = parent.split("/")
-            if any("/".join(parts[: i + 1]) in seen for i in range(len(parts))):
-                continue  # a part of a checkpoint already listed
-        if name.endswith(PIN_FILE):
-            if parent or name != PIN_FILE:  # `.ckptd-keep` at its top pins the checkpoint itself
-                found.append(rel)
-                seen.add(rel)
-            continue
-        if not is_dir and not name.endswith(fws.HELD_SUFFIXES):
-            continue  # only the frameworks' file saves are files
-        tag = not parent and is_dir and not own.checkpoint_is_tag
-        if tag and any(f.recognise_name(name, True) for f in fws.TAGS):
-            continue  # its own DeepSpeed tag (the Trainer's global_stepN/), the common case: no more to do
-        cand = recognise(name, is_dir, lambda rel=rel: children(rel))
-        if cand is None and name.endswith(fws.HELD_SUFFIXES) and resume_copy(name) is not None:
-            found.append(rel)  # a nested run's last.ckpt: what its resume loads
+        if _inside_listed(rel, seen):
+            continue  # a part of a checkpoint already listed
+        if _is_held(rel, is_dir, own, tree):
+            found.append(rel)
             seen.add(rel)
-            continue
-        if cand is None:
-            continue
-        if framework(cand.layout).part_inside(name, lambda parent=parent: dir_names(parent)):
-            continue  # its own part (FSDP's pytorch_model_fsdp_0/), whose .metadata the evidence demands
-        if not parent and own.items_like_steps and framework(cand.layout) is own and not cand.in_progress:
-            continue  # an Orbax item (its own commit_success.txt, in commit-file mode)
-        found.append(rel)
-        seen.add(rel)
     return found
+
+
+class _Tree:
+    """A checkpoint directory's entries from its walk (`rels`, `dirs` among them), each directory's
+    children listed once, and only if a directory's name is not enough."""
+
+    def __init__(self, rels: Collection[str], dirs: Collection[str]) -> None:
+        self.rels = rels
+        self.dir_set = set(dirs)
+        self.kids: dict[str, list[str]] | None = None
+
+    def children(self, rel: str) -> list[str]:
+        if self.kids is None:
+            self.kids = {}
+            for r in self.rels:
+                if r:
+                    parent, _, name = r.rpartition("/")
+                    self.kids.setdefault(parent, []).append(name)
+        return self.kids.get(rel, [])
+
+    def dir_names(self, parent: str) -> set[str]:
+        return {c for c in self.children(parent) if (f"{parent}/{c}" if parent else c) in self.dir_set}
+
+
+def _inside_listed(rel: str, seen: Collection[str]) -> bool:
+    """Whether `rel` lies in a directory already listed as held."""
+    parent = rel.rpartition("/")[0]
+    if seen and parent:
+        parts = parent.split("/")
+        return any("/".join(parts[: i + 1]) in seen for i in range(len(parts)))
+    return False
+
+
+def _is_held(rel: str, is_dir: bool, own: Framework, tree: _Tree) -> bool:
+    """Whether the entry `rel` of a checkpoint of the framework `own` is held (`held`): a pin below
+    its top, a nested run's resume copy, or a checkpoint that is not its own part."""
+    fws = _registry()
+    parent, _, name = rel.rpartition("/")
+    if name.endswith(PIN_FILE):
+        return bool(parent) or name != PIN_FILE  # `.ckptd-keep` at its top pins the checkpoint itself
+    if not is_dir and not name.endswith(fws.HELD_SUFFIXES):
+        return False  # only the frameworks' file saves are files
+    tag = not parent and is_dir and not own.checkpoint_is_tag
+    if tag and any(f.recognise_name(name, True) for f in fws.TAGS):
+        return False  # its own DeepSpeed tag (the Trainer's global_stepN/), the common case: no more to do
+    cand = recognise(name, is_dir, lambda: tree.children(rel))
+    if cand is None and name.endswith(fws.HELD_SUFFIXES) and resume_copy(name) is not None:
+        return True  # a nested run's last.ckpt: what its resume loads
+    if cand is None:
+        return False
+    if framework(cand.layout).part_inside(name, lambda: tree.dir_names(parent)):
+        return False  # its own part (FSDP's pytorch_model_fsdp_0/), whose .metadata the evidence demands
+    # an Orbax item (its own commit_success.txt, in commit-file mode) is its own part
+    item = not parent and own.items_like_steps and framework(cand.layout) is own and not cand.in_progress
+    return not item
 
 
 def recognise(

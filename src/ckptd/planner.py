@@ -531,6 +531,112 @@ def world_size_warning(root: Root, run: Run) -> str | None:
     )
 
 
+def _evidence_warnings(run: Run) -> list[str]:
+    """What the run's checkpoints say of the evidence: complete on quiet alone, held whole (a run
+    inside a checkpoint), more than one holding files from two saves. One pass over the run."""
+    alone = 0
+    held: list[str] = []
+    mixed: list[str] = []
+    for c in run.checkpoints:  # one pass: every checkpoint of every run
+        # A checkpoint with files from two saves has a failed check: never complete.
+        if c.state is State.COMPLETE:
+            if on_quiet_alone(c):
+                alone += 1
+        elif mixed_save(c):
+            mixed.append(c.name)
+        if c.holds:
+            held.append(
+                f"{c.path}: {rules.held_reason(c)}: kept whole, and nothing inside it is managed "
+                "(move that run out of the checkpoint to manage it)"
+            )
+    warnings: list[str] = []
+    if alone:
+        warnings.append(
+            f"{run.path}: {alone} checkpoint(s) complete on quiet alone: nothing in them "
+            "proves a save finished; name the evidence in the pattern (require = [...], ranks = ...)"
+        )
+    warnings += held
+    if len(mixed) > 1:  # a job re-saves one checkpoint at a time
+        shown = ", ".join(mixed[:3]) + (f" and {len(mixed) - 3} more" if len(mixed) > 3 else "")
+        warnings.append(
+            f"{run.path}: {len(mixed)} checkpoints hold files from two saves ({shown}), kept while "
+            "so: more than a re-save in place in flight; copied without their mtimes (cp -r without "
+            "-p, rsync without -t)? `ckptd verify` names the files out of order"
+        )
+    return warnings
+
+
+def _decide_run(root: Root, run: Run) -> tuple[list[Decision], list[str]]:
+    """One run's decisions under its retention (max_size included, min_free not) and its warnings."""
+    retention, _ = root.retention_for(rule_dir(run))
+    ds = policy.decide_run(run, retention)
+    warnings = list(policy.metric_warnings(run, retention, ds))
+    if (world := world_size_warning(root, run)) is not None:
+        warnings.append(world)
+    warnings += _evidence_warnings(run)
+    if retention.max_size is not None:
+        ds, w = policy.enforce_max_size(ds, retention.max_size)
+        warnings += w
+    return ds, warnings
+
+
+def _min_free_devices(
+    roots: list[tuple[Root, list[Run]]], device: Callable[[Path], int]
+) -> tuple[list[list[Root]], list[str]]:
+    """The roots with a min_free, grouped by filesystem (min_free is per filesystem: roots on the
+    same device share one budget), and the warnings of the roots it cannot apply to."""
+    by_device: dict[int, list[Root]] = defaultdict(list)
+    warnings: list[str] = []
+    for root, _ in roots:
+        if root.retention.min_free is not None and root.scope:
+            warnings.append(
+                f"{root.path}: min_free={root.retention.min_free} not applied: this covers only "
+                f"{', '.join(root.scope)} of the root (min_free is per filesystem: name the whole root)"
+            )
+        elif root.retention.min_free is not None:
+            by_device[device(root.path)].append(root)
+    return list(by_device.values()), warnings
+
+
+def _enforce_min_free(
+    decisions: list[Decision],
+    dev_roots: list[Root],
+    space: Callable[[Path], DiskSpace],
+    extents_held: Callable[[Path], Callable[[Checkpoint], int] | None],
+    trash: Callable[[Path], int] | None,
+) -> tuple[list[Decision], list[str]]:
+    """`decisions` with the min_free of the roots on one filesystem (`dev_roots`) applied to those
+    of its checkpoints, and the warnings that gives."""
+    paths = {r.path for r in dev_roots}
+    disk = space(dev_roots[0].path)
+    if trash is not None:
+        disk = DiskSpace(free=disk.free + sum(trash(r.path) for r in dev_roots), total=disk.total)
+    floors = [r.retention.min_free for r in dev_roots if r.retention.min_free is not None]
+    floor = max(floors, key=lambda f: f.required(disk.total))
+    # The checkpoints' roots, by identity (a run's checkpoints share one Path): most often all
+    # of them are on this filesystem, and every decision is.
+    seen = {id(d.checkpoint.root): d.checkpoint.root for d in decisions}
+    if all(p in paths for p in seen.values()):
+        idx = list(range(len(decisions)))
+    else:
+        idx = [i for i, d in enumerate(decisions) if d.checkpoint.root in paths]
+    where = ", ".join(sorted(str(p) for p in paths))
+    updated, w = policy.enforce_min_free(
+        [decisions[i] for i in idx],
+        free=disk.free,
+        total=disk.total,
+        floor=floor,
+        where=where,
+        held=extents_held(dev_roots[0].path),
+    )
+    if len(idx) == len(decisions):  # one filesystem: every decision
+        return updated, w
+    decisions = list(decisions)
+    for i, d in zip(idx, updated, strict=True):
+        decisions[i] = d
+    return decisions, w
+
+
 def decide(
     roots: list[tuple[Root, list[Run]]],
     space: Callable[[Path], DiskSpace] = disk_space,
@@ -552,81 +658,12 @@ def decide(
             rels = [c.rel for run in runs for c in run.checkpoints]
             warnings += unmatched_paths(root, rels, run_names([r.rel for r in runs]))
         for run in experiments(root, with_whole_steps(runs)):
-            retention, _ = root.retention_for(rule_dir(run))
-            ds = policy.decide_run(run, retention)
-            warnings += policy.metric_warnings(run, retention, ds)
-            if (world := world_size_warning(root, run)) is not None:
-                warnings.append(world)
-            alone = 0
-            held: list[str] = []
-            mixed: list[str] = []
-            for c in run.checkpoints:  # one pass: every checkpoint of every run
-                # A checkpoint with files from two saves has a failed check: never complete.
-                if c.state is State.COMPLETE:
-                    if on_quiet_alone(c):
-                        alone += 1
-                elif mixed_save(c):
-                    mixed.append(c.name)
-                if c.holds:
-                    held.append(
-                        f"{c.path}: {rules.held_reason(c)}: kept whole, and nothing inside it is managed "
-                        "(move that run out of the checkpoint to manage it)"
-                    )
-            if alone:
-                warnings.append(
-                    f"{run.path}: {alone} checkpoint(s) complete on quiet alone: nothing in them "
-                    "proves a save finished; name the evidence in the pattern (require = [...], ranks = ...)"
-                )
-            warnings += held
-            if len(mixed) > 1:  # a job re-saves one checkpoint at a time
-                shown = ", ".join(mixed[:3]) + (f" and {len(mixed) - 3} more" if len(mixed) > 3 else "")
-                warnings.append(
-                    f"{run.path}: {len(mixed)} checkpoints hold files from two saves ({shown}), kept while "
-                    "so: more than a re-save in place in flight; copied without their mtimes (cp -r without "
-                    "-p, rsync without -t)? `ckptd verify` names the files out of order"
-                )
-            if retention.max_size is not None:
-                ds, w = policy.enforce_max_size(ds, retention.max_size)
-                warnings += w
+            ds, w = _decide_run(root, run)
+            warnings += w
             decisions += ds
-
-    # min_free is per filesystem: roots on the same device share one budget.
-    by_device: dict[int, list[Root]] = defaultdict(list)
-    for root, _ in roots:
-        if root.retention.min_free is not None and root.scope:
-            warnings.append(
-                f"{root.path}: min_free={root.retention.min_free} not applied: this covers only "
-                f"{', '.join(root.scope)} of the root (min_free is per filesystem: name the whole root)"
-            )
-        elif root.retention.min_free is not None:
-            by_device[device(root.path)].append(root)
-    for dev_roots in by_device.values():
-        paths = {r.path for r in dev_roots}
-        disk = space(dev_roots[0].path)
-        if trash is not None:
-            disk = DiskSpace(free=disk.free + sum(trash(r.path) for r in dev_roots), total=disk.total)
-        floors = [r.retention.min_free for r in dev_roots if r.retention.min_free is not None]
-        floor = max(floors, key=lambda f: f.required(disk.total))
-        # The checkpoints' roots, by identity (a run's checkpoints share one Path): most often all
-        # of them are on this filesystem, and every decision is.
-        seen = {id(d.checkpoint.root): d.checkpoint.root for d in decisions}
-        if all(p in paths for p in seen.values()):
-            idx = list(range(len(decisions)))
-        else:
-            idx = [i for i, d in enumerate(decisions) if d.checkpoint.root in paths]
-        where = ", ".join(sorted(str(p) for p in paths))
-        updated, w = policy.enforce_min_free(
-            [decisions[i] for i in idx],
-            free=disk.free,
-            total=disk.total,
-            floor=floor,
-            where=where,
-            held=extents_held(dev_roots[0].path),
-        )
-        if len(idx) == len(decisions):  # one filesystem: every decision
-            decisions = updated
-        else:
-            for i, d in zip(idx, updated, strict=True):
-                decisions[i] = d
+    devices, w = _min_free_devices(roots, device)
+    warnings += w
+    for dev_roots in devices:
+        decisions, w = _enforce_min_free(decisions, dev_roots, space, extents_held, trash)
         warnings += w
     return Plan(tuple(decisions), tuple(warnings))

@@ -27,7 +27,7 @@ from ckptd.model import ConsolidatedWeights, Slimming
 
 if TYPE_CHECKING:
     from ckptd.frameworks.base import Framework
-    from ckptd.model import Entry, WeightsSeen
+    from ckptd.model import Dtypes, Entry, WeightsSeen
 
 MARKER = ".ckptd-slim.json"
 MARKER_VERSION = 1
@@ -282,22 +282,9 @@ def survey(
     if removable is None:  # else the caller's pass over the entries asked `removable_file` of each
         test = removable_file(fw.checkpoint_is_tag, name, slim_files)
         removable = tuple(sorted((rel, e.size) for rel, e in files.items() if e.kind == "f" and test(rel)))
-
-    def present(rel: str) -> bool:
-        return rel in files and files[rel].kind == "f"
-
-    candidates = fw.slim_weights
-    saved = next((w for w in candidates if present(w)), None)
     if marker is not None:
-        named = f"{marker.weights}, named by its slim marker"
-        # A slim writes "done" only once every file it listed has gone (reaper.slim_one); optimizer
-        # files here after that were put back by someone, to resume from it: theirs to keep.
-        if marker.done and any(not in_work_dir(rel) for rel, _ in removable):
-            return Slimming(True, (), marker.weights if present(marker.weights) else None, keeps=named,
-                            restored=True)
-        if present(marker.weights):
-            return Slimming(True, removable, marker.weights, keeps=named)
-        return Slimming(True, removable, None, None, f"{named}, is missing")
+        return _slimmed(marker, files, removable)
+    saved = next((w for w in fw.slim_weights if _present(files, w)), None)
     seen = weights.dtypes.get(saved) if weights is not None and saved is not None else None
     dtype = dtype_name(seen) if isinstance(seen, frozenset) else None
     if not removable:
@@ -309,6 +296,38 @@ def survey(
     if consolidated is not None:
         keeps = f"fp32 weights consolidated from {consolidated.source} into {WEIGHTS_DIR}/"
         return Slimming(False, removable, consolidated.index, None, None, keeps, consolidated, "fp32")
+    return _unconsolidated(saved, seen, dtype, slim_weights, removable, source, blocker or occupied)
+
+
+def _present(files: Mapping[str, Entry], rel: str) -> bool:
+    return rel in files and files[rel].kind == "f"
+
+
+def _slimmed(marker: Marker, files: Mapping[str, Entry], removable: tuple[tuple[str, int], ...]) -> Slimming:
+    """A checkpoint with a slim marker (`survey`): what is left to remove, the weights it names."""
+    named = f"{marker.weights}, named by its slim marker"
+    # A slim writes "done" only once every file it listed has gone (reaper.slim_one); optimizer
+    # files here after that were put back by someone, to resume from it: theirs to keep.
+    if marker.done and any(not in_work_dir(rel) for rel, _ in removable):
+        return Slimming(True, (), marker.weights if _present(files, marker.weights) else None, keeps=named,
+                        restored=True)
+    if _present(files, marker.weights):
+        return Slimming(True, removable, marker.weights, keeps=named)
+    return Slimming(True, removable, None, None, f"{named}, is missing")
+
+
+def _unconsolidated(
+    saved: str | None,
+    seen: Dtypes | None,
+    dtype: str | None,
+    slim_weights: str,
+    removable: tuple[tuple[str, int], ...],
+    source: str | None,
+    blocker: str | None,
+) -> Slimming:
+    """A checkpoint without ckptd's fp32/ weights (`survey`): its own weights file `saved` as saved
+    (fp32, or whatever `dtype` with "as-saved"), else fp32 weights to consolidate from `source`
+    first, unless `blocker` says why none can be."""
     if saved is not None:
         fp32 = isinstance(seen, frozenset) and is_fp32(seen)
         if fp32 or slim_weights == "as-saved":
@@ -318,7 +337,6 @@ def survey(
         opt_out = f'; slim_weights = "as-saved" would keep {saved} alone'
     else:
         why, opt_out = "no weights file", ""
-    blocker = blocker or occupied
     if blocker is not None:
         return Slimming(False, removable, None, None, f"{why} and {blocker}{opt_out}")
     keeps = f"fp32 weights consolidated from {source} into {WEIGHTS_DIR}/ first ({why})"

@@ -4,7 +4,7 @@
 stale (tests/test_docs.py does the same). Two pages, one source of truth each:
 
 - docs/reference/configuration.md: every key of config.toml, from the pydantic models'
-  field descriptions (src/ckptd/config.py). A field without a description is an error here,
+  field descriptions (src/ckptd/config/models.py). A field without a description is an error here,
   so a new key cannot reach users undocumented.
 - docs/reference/cli.md: every command and option, from the argparse parser
   (ckptd.cli.build_parser), so `--help` and the page say the same.
@@ -137,7 +137,8 @@ def _described(model: type[BaseModel], names: Iterator[str]) -> Iterator[tuple[s
     for name in names:
         field = model.model_fields[name]
         if not (field.description or "").strip():
-            raise UndocumentedError(f"{model.__name__}.{name} has no description (src/ckptd/config.py)")
+            where = "src/ckptd/config/models.py"
+            raise UndocumentedError(f"{model.__name__}.{name} has no description ({where})")
         yield name, field
 
 
@@ -147,7 +148,7 @@ def _table(
 ) -> list[str]:
     doc = (model.__doc__ or "").strip()
     if not doc:
-        raise UndocumentedError(f"{model.__name__} has no docstring (src/ckptd/config.py)")
+        raise UndocumentedError(f"{model.__name__} has no docstring (src/ckptd/config/models.py)")
     out = [f"## `{heading}` {{#{anchor}}}", "", _prose(doc), ""]
     if intro:
         out += [intro, ""]
@@ -171,7 +172,7 @@ def configuration_page() -> str:
     root = Root(path=Path("/placeholder"))
     list(_described(Config, iter(Config.model_fields)))  # the top level's own two keys
     lines = [
-        GENERATED.format(source="the models in src/ckptd/config.py"),
+        GENERATED.format(source="the models in src/ckptd/config/models.py"),
         "# Configuration reference",
         "",
         "Every key of the config file (`-c CONFIG`, else `$CKPTD_CONFIG`, else `/etc/ckptd/config.toml`).",

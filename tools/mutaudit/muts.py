@@ -71,8 +71,9 @@ SETS = {
     "attack3": [T+"test_attack_round3.py", T+"test_slim.py"],
 }
 
-R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon/core.py", "config.py"
+R, E, P, L, D, S, DM, C = "reaper.py", "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon/core.py", "config/models.py"
 LE, MO = "lease.py", "mounts.py"
+CL = "config/loading.py"
 DRO, DT, DRE, DCO, DRL = "daemon/roots.py", "daemon/tick.py", "daemon/retention.py", "daemon/consolidation.py", "daemon/reload.py"
 RS = "resume.py"
 OX, NM, LG, DP = "frameworks/orbax.py", "frameworks/nemo.py", "frameworks/lightning.py", "frameworks/dcp.py"
@@ -514,10 +515,10 @@ MUTS = [
    tests=[T+"test_redteam2.py::test_configured_roots_overlapping_through_a_bind_mount_are_refused"], edits=[
    ("mounts.py", "    return rel if identity(os.path.join(real_top, rel)) == own else None", "    return None")]),
  dict(id="C9g", what="configured roots overlap by identity, not only by path", tests=[
-   T+"test_redteam2.py::test_configured_roots_overlapping_through_a_bind_mount_are_refused"], edits=[("config.py",
+   T+"test_redteam2.py::test_configured_roots_overlapping_through_a_bind_mount_are_refused"], edits=[("config/models.py",
    "                if _overlap(str(a.path), str(b.path), table):", "                if False and _overlap(str(a.path), str(b.path), table):")]),
  dict(id="C9h", what="an absolute pin through a symlink to the root pins (resolved, not refused)", tests=[
-   T+"test_redteam2.py::test_an_absolute_pin_through_a_symlink_to_the_root_pins"], edits=[("config.py",
+   T+"test_redteam2.py::test_an_absolute_pin_through_a_symlink_to_the_root_pins"], edits=[("config/models.py",
    "    rel = mounts.located_in(head, root)\n", "    rel = None\n")]),
  dict(id="RP1", what="an absolute latest not resolving inside the run is looked at again (another host's mount path)",
    tests=[T+"test_redteam2.py::test_an_absolute_latest_through_another_mount_point_is_kept",
@@ -764,15 +765,15 @@ MUTS = [
    "        holds = layouts.held(cand.layout, files, seen.dirs) if cand.is_dir else []",
    "        holds = layouts.held(cand.layout, files, seen.dirs) if False else []")]),
  dict(id="HR4", what="a pin below a checkpoint's top is held", tests="held", edits=[(L,
-   "            if parent or name != PIN_FILE:", "            if False:")]),
+   "        return bool(parent) or name != PIN_FILE", "        return False")]),
  dict(id="HR5", what="checkpoints recognised by contents (Orbax steps) are held too", tests="held", edits=[(L,
-   "        cand = recognise(name, is_dir, lambda rel=rel: children(rel))",
-   "        cand = recognise_by_name(name, is_dir)")]),
+   "    cand = recognise(name, is_dir, lambda: tree.children(rel))",
+   "    cand = recognise_by_name(name, is_dir)")]),
  dict(id="HR6", what="a checkpoint holding a run is never slimmed", tests="held", edits=[(P,
    "c.pinned or c.mounts or c.holds:", "c.pinned or c.mounts:")]),
  dict(id="HR7", what="a nested run's last copy (last.ckpt) is held", tests="held", edits=[(L,
-   "        if cand is None and name.endswith(fws.HELD_SUFFIXES) and resume_copy(name) is not None:",
-   "        if False:")]),
+   "    if cand is None and name.endswith(fws.HELD_SUFFIXES) and resume_copy(name) is not None:",
+   "    if False:")]),
  dict(id="MP1", what="NeMo's unfinished marker above the rank directories", tests="held", edits=[("frameworks/nemo.py",
    "        if os.path.lexists(run.path.parent / marker):", "        if False:")]),
  dict(id="MP2", what="a Lightning-named file in a rank directory consults NeMo's marker", tests="held", edits=[("frameworks/lightning.py",
@@ -875,7 +876,7 @@ MUTS = [
    tests="one_save", edits=[("frameworks/accelerate.py",
    "    last_written = (\"random_states_0.pkl\", \"accelerate\", _before_random_states)\n", "")]),
  dict(id="OS6", what="plan says when more than one checkpoint of a run holds two saves", tests="one_save", edits=[(
-   "planner.py", "            if len(mixed) > 1:", "            if False:")]),
+   "planner.py", "    if len(mixed) > 1:", "    if False:")]),
  dict(id="OS7", what="the daemon looks again at a checkpoint whose deletion the reaper refused", tests="one_save",
    edits=[(DRE,
    "        if result.outcome is Outcome.REFUSED:\n", "        if False:\n")]),
@@ -963,13 +964,13 @@ MUTS = [
    "    found = holder(path.parent, ((root.path, root) for root in config.roots))", "    found = None")]),
  dict(id="RT3j", what="latest(config=Config): the configured root by mounts.holder", tests="rt3", edits=[(RS,
    "        found = mounts.holder(path, ((root.path, root) for root in config.roots))", "        found = None")]),
- dict(id="CF-R1", what="a system directory or / accepted as a root", tests="refusals", edits=[(C,
+ dict(id="CF-R1", what="a system directory or / accepted as a root", tests="refusals", edits=[(CL,
    "            why = system_path(root.path) or holds(root.path, config.daemon.state_dir)",
    "            why = holds(root.path, config.daemon.state_dir)")]),
- dict(id="CF-R2", what="a root holding the state_dir accepted", tests="refusals", edits=[(C,
+ dict(id="CF-R2", what="a root holding the state_dir accepted", tests="refusals", edits=[(CL,
    "            why = system_path(root.path) or holds(root.path, config.daemon.state_dir)",
    "            why = system_path(root.path)")]),
- dict(id="CF-Q1", what="a quiet_period below the floor accepted", tests="refusals", edits=[(C,
+ dict(id="CF-Q1", what="a quiet_period below the floor accepted", tests="refusals", edits=[(CL,
    "        if root.quiet_period < QUIET_FLOOR and not root.allow_short_quiet_period:",
    "        if False:")]),
  dict(id="TB1", what="the time buckets keep nothing", tests="time_buckets", edits=[(RU,
@@ -1003,7 +1004,7 @@ MUTS = [
  dict(id="AT12", what="records that list no file do not stand in for the quiet period", tests="attest",
    edits=[("attestation.py", "    if not listings:  # records", "    if False:  # records")]),
  dict(id="AR3a", what="a done slim with optimizer files again is kept, not finished as interrupted", tests="attack3",
-   edits=[(SL, "        if marker.done and any(not in_work_dir(rel) for rel, _ in removable):", "        if False:")]),
+   edits=[(SL, "    if marker.done and any(not in_work_dir(rel) for rel, _ in removable):", "    if False:")]),
  dict(id="AR3c", what="no room for the state_dir lock's pid line: the flock holds, the prune goes on", tests="attack3",
    edits=[(R, "                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):\n                    os.close(fd)\n",
            "                if True:\n                    os.close(fd)\n")]),
@@ -1044,8 +1045,8 @@ MUTS = [
  dict(id="SP6", what="what was renamed aside at the root's top is counted", tests="space", edits=[("reaper.py",
    "                total += _size(root / name)\n", "                pass\n")]),
  dict(id="SP7", what="the plan adds what waits in the trash to the free space", tests="space", edits=[("planner.py",
-   "            disk = DiskSpace(free=disk.free + sum(trash(r.path) for r in dev_roots), total=disk.total)",
-   "            pass")]),
+   "        disk = DiskSpace(free=disk.free + sum(trash(r.path) for r in dev_roots), total=disk.total)",
+   "        pass")]),
  dict(id="SP8", what="a file FIEMAP cannot answer for counts as freeing nothing", tests="space", edits=[("extents.py",
    "            log.debug(\"FIEMAP on %s: %s: counted as freeing nothing\", name, exc)\n            out += allocated\n",
    "            log.debug(\"FIEMAP on %s: %s: counted as freeing nothing\", name, exc)\n")]),

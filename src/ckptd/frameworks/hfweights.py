@@ -52,6 +52,67 @@ def index_shards(path: Path, files: Mapping[str, Entry], index: str) -> list[str
     return sorted({str(v) for v in weight_map.values()})
 
 
+def _present(files: Mapping[str, Entry], rel: str) -> bool:
+    e = files.get(rel)
+    return e is not None and e.kind == "f"
+
+
+# Each form a save's weights may take: its check where the save holds weights in that form, else
+# None. `weights_check` tries them in order; the first that finds weights decides.
+
+
+def _indexed(path: Path, files: Mapping[str, Entry], tags: Iterable[str]) -> Check | None:
+    """Sharded: an index, and every shard it names."""
+    for index in INDEXES:
+        if _present(files, index):
+            shards = index_shards(path, files, index)
+            if isinstance(shards, str):
+                return Check(WEIGHTS, Verdict.FAILED, shards)
+            missing = [s for s in shards if not _present(files, s)]
+            if missing:
+                n = len(shards)
+                why = f"{missing[0]} missing ({n - len(missing)}/{n} shards named by {index})"
+                return Check(WEIGHTS, Verdict.FAILED, why)
+            return Check(WEIGHTS, Verdict.PASSED, f"{index} and its {len(shards)} shards")
+    return None
+
+
+def _single(path: Path, files: Mapping[str, Entry], tags: Iterable[str]) -> Check | None:
+    """One file (a model's or an adapter's), and accelerate's numbered further models beside it."""
+    found = next((w for w in SINGLE if _present(files, w)), None)
+    if found is None:
+        return None
+    numbered = sorted(int(m[1]) for rel in files if (m := _NUMBERED.fullmatch(rel)) and _present(files, rel))
+    # accelerate numbers each model after the first: model_2 without model_1 lost one
+    gap = next((i for i in range(1, len(numbered) + 1) if i not in numbered), None)
+    if numbered and gap is not None and gap < max(numbered):
+        why = f"model {gap}'s weights missing beside model {max(numbered)}'s"
+        return Check(WEIGHTS, Verdict.FAILED, why)
+    more = f" (+{len(numbered)} more models)" if numbered else ""
+    return Check(WEIGHTS, Verdict.PASSED, f"{found}{more}")
+
+
+def _fsdp(path: Path, files: Mapping[str, Entry], tags: Iterable[str]) -> Check | None:
+    """FSDP's, through accelerate: a full or per-rank state dict, or a DCP directory."""
+    fsdp = sorted(rel for rel in files if _FSDP.fullmatch(rel) and _present(files, rel))
+    if fsdp:
+        return Check(WEIGHTS, Verdict.PASSED, f"FSDP's {fsdp[0].partition('/')[0]}")
+    return None
+
+
+def _deepspeed_tag(path: Path, files: Mapping[str, Entry], tags: Iterable[str]) -> Check | None:
+    """The model states in one of DeepSpeed's tag directories `tags`."""
+    for tag in tags:
+        prefix = f"{tag}/" if tag else ""
+        states = (rel for rel in files if rel.startswith(prefix) and rel.endswith("model_states.pt"))
+        if any(_present(files, rel) for rel in states):
+            return Check(WEIGHTS, Verdict.PASSED, f"in DeepSpeed's {tag or 'tag'} (model states)")
+    return None
+
+
+_FORMS = (_indexed, _single, _fsdp, _deepspeed_tag)
+
+
 def weights_check(
     path: Path, files: Mapping[str, Entry], *, who: str, tags: Iterable[str] = ()
 ) -> Check:
@@ -59,39 +120,10 @@ def weights_check(
     index naming every shard, an adapter, FSDP's, or a DeepSpeed tag directory in `tags` holding
     the model states (the Trainer under ZeRO-3 without gathering saves no other weights; the tag's
     own census is checked beside this). Failed when none is, naming what was looked for."""
-
-    def present(rel: str) -> bool:
-        e = files.get(rel)
-        return e is not None and e.kind == "f"
-
-    for index in INDEXES:
-        if present(index):
-            shards = index_shards(path, files, index)
-            if isinstance(shards, str):
-                return Check(WEIGHTS, Verdict.FAILED, shards)
-            missing = [s for s in shards if not present(s)]
-            if missing:
-                n = len(shards)
-                why = f"{missing[0]} missing ({n - len(missing)}/{n} shards named by {index})"
-                return Check(WEIGHTS, Verdict.FAILED, why)
-            return Check(WEIGHTS, Verdict.PASSED, f"{index} and its {len(shards)} shards")
-    numbered = sorted(int(m[1]) for rel in files if (m := _NUMBERED.fullmatch(rel)) and present(rel))
-    found = next((w for w in SINGLE if present(w)), None)
-    if found is not None:
-        # accelerate numbers each model after the first: model_2 without model_1 lost one
-        gap = next((i for i in range(1, len(numbered) + 1) if i not in numbered), None)
-        if numbered and gap is not None and gap < max(numbered):
-            why = f"model {gap}'s weights missing beside model {max(numbered)}'s"
-            return Check(WEIGHTS, Verdict.FAILED, why)
-        more = f" (+{len(numbered)} more models)" if numbered else ""
-        return Check(WEIGHTS, Verdict.PASSED, f"{found}{more}")
-    fsdp = sorted(rel for rel in files if _FSDP.fullmatch(rel) and present(rel))
-    if fsdp:
-        return Check(WEIGHTS, Verdict.PASSED, f"FSDP's {fsdp[0].partition('/')[0]}")
-    for tag in tags:
-        prefix = f"{tag}/" if tag else ""
-        if any(rel.startswith(prefix) and rel.endswith("model_states.pt") and present(rel) for rel in files):
-            return Check(WEIGHTS, Verdict.PASSED, f"in DeepSpeed's {tag or 'tag'} (model states)")
+    for form in _FORMS:
+        check = form(path, files, tags)
+        if check is not None:
+            return check
     why = (
         f"no model weights ({', '.join(SINGLE[:2])}, an index and its shards, an adapter, FSDP's, "
         "DeepSpeed's): "

@@ -1,18 +1,14 @@
-"""The config: TOML in, validated pydantic models out.
+"""The config's models: `[daemon]`, `[[roots]]` with `[roots.retention]`, `[[roots.runs]]` and
+`[[roots.patterns]]`, and the document they make up (`Config`).
 
-Every model forbids unknown keys, so a typo (`keep_lats = 3`) is an error
-rather than a silently ignored line. Errors come back as one line per
-problem, pointing into the document: `config.toml: roots[0].retention.keep_last:
-must be >= 0 (got -1)`.
+Every model forbids unknown keys, so a typo (`keep_lats = 3`) is an error rather than a silently
+ignored line. The config reference (docs/reference/configuration.md) is generated from these
+models' descriptions (`python -m tools.docgen`).
 """
 
 from __future__ import annotations
 
-import math
 import os
-import re
-import tomllib
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -21,176 +17,19 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    PlainSerializer,
     PrivateAttr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
 from ckptd import mounts
-from ckptd.errors import ConfigError
+from ckptd.config.units import Duration, FreeSpaceFloor, Size, format_duration, parse_listen
 from ckptd.slim import DEFAULT_SLIM_FILES
-
-DEFAULT_CONFIG_PATH = Path("/etc/ckptd/config.toml")
 
 # Retention's thinning by time, finest first (rules.time_buckets).
 TIME_BUCKETS = ("keep_hourly", "keep_daily", "keep_weekly", "keep_monthly")
 # Below this, a save's own pauses look quiet (Root.allow_short_quiet_period).
 QUIET_FLOOR = 5.0
-# Never a root unless Root.allow_any_path: these and everything under them ...
-SYSTEM_TREES = ("/proc", "/sys", "/dev", "/etc", "/usr", "/boot", "/bin", "/sbin", "/lib", "/lib32",
-                "/lib64", "/libx32", "/run")
-# ... and these themselves (a volume may well be mounted under /var/lib or /mnt, not as it).
-SYSTEM_DIRS = ("/", "/var", "/var/lib", "/var/log", "/var/cache", "/var/spool", "/var/tmp", "/tmp",
-               "/home", "/root", "/mnt", "/media", "/opt", "/srv")
-
-# --- units ---------------------------------------------------------------
-
-_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "p": 1000**5,
-    "pb": 1000**5,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-    "pib": 1024**5,
-}
-_NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_duration(value: Any) -> float:
-    """`"90s"`, `"6h"`, `"1.5d"` or a number of seconds -> seconds."""
-    if isinstance(value, bool):
-        raise ValueError("expected a duration like '90s' or '6h'")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str):
-        m = _NUMBER_UNIT.match(value)
-        if not m or m[2].lower() not in _DURATION_UNITS:
-            raise ValueError(f"expected a duration like '90s', '10m', '6h' or '7d' (got {value!r})")
-        seconds = float(m[1]) * _DURATION_UNITS[m[2].lower()]
-    else:
-        raise ValueError("expected a duration like '90s' or '6h'")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"must be a finite, non-negative duration (got {value!r})")
-    return seconds
-
-
-def parse_size(value: Any) -> int:
-    """`"500GiB"`, `"1.5TB"` or a number of bytes -> bytes."""
-    if isinstance(value, bool):
-        raise ValueError("expected a size like '500GiB'")
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, str):
-        m = _NUMBER_UNIT.match(value)
-        if not m or m[2].lower() not in _SIZE_UNITS:
-            raise ValueError(f"expected a size like '500GiB', '2TB' or a number of bytes (got {value!r})")
-        size = int(float(m[1]) * _SIZE_UNITS[m[2].lower()])
-    else:
-        raise ValueError("expected a size like '500GiB' or a number of bytes")
-    if size < 0:
-        raise ValueError(f"must be >= 0 (got {value!r})")
-    return size
-
-
-def format_duration(seconds: float) -> str:
-    for unit in ("w", "d", "h", "m", "s"):
-        n = _DURATION_UNITS[unit]
-        if seconds >= n and seconds % n == 0:
-            return f"{int(seconds // n)}{unit}"
-    return f"{seconds:g}s"
-
-
-def format_age(seconds: float) -> str:
-    """An elapsed time for people, two units at most: `12s`, `5m12s`, `3h0m`, `2d3h`.
-
-    Not for config values (`format_duration` writes those exactly, to be read back).
-    """
-    s = max(0, round(seconds))
-    for big, small, unit, sub in ((86400, 3600, "d", "h"), (3600, 60, "h", "m"), (60, 1, "m", "s")):
-        if s >= big:
-            return f"{s // big}{unit}{s % big // small}{sub}"
-    return f"{s}s"
-
-
-def format_size(size: float) -> str:
-    """Bytes for humans: `1.5GiB`, `312B`."""
-    for unit in ("PiB", "TiB", "GiB", "MiB", "KiB"):
-        n = _SIZE_UNITS[unit.lower()]
-        if size >= n:
-            return f"{size / n:.1f}{unit}"
-    return f"{int(size)}B"
-
-
-def _format_size_exact(size: int) -> str:
-    for unit in ("PiB", "TiB", "GiB", "MiB", "KiB"):
-        n = _SIZE_UNITS[unit.lower()]
-        if size >= n and size % n == 0:
-            return f"{size // n}{unit}"
-    return str(size)
-
-
-class FreeSpace(BaseModel):
-    """A free-space floor: absolute bytes, or a percentage of the filesystem."""
-
-    model_config = ConfigDict(frozen=True)
-    bytes: int | None = None
-    percent: float | None = None
-
-    def required(self, total_bytes: int) -> int:
-        if self.percent is not None:
-            return math.ceil(total_bytes * self.percent / 100)
-        assert self.bytes is not None
-        return self.bytes
-
-    def __str__(self) -> str:
-        return f"{self.percent:g}%" if self.percent is not None else _format_size_exact(self.bytes or 0)
-
-
-def parse_free_space(value: Any) -> FreeSpace:
-    if isinstance(value, FreeSpace):
-        return value
-    if isinstance(value, str) and value.strip().endswith("%"):
-        try:
-            percent = float(value.strip()[:-1])
-        except ValueError:
-            raise ValueError(f"expected a percentage like '10%' (got {value!r})") from None
-        if not 0 <= percent < 100:
-            raise ValueError(f"a percentage must be in [0, 100) (got {value!r})")
-        return FreeSpace(percent=percent)
-    return FreeSpace(bytes=parse_size(value))
-
-
-Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(format_duration)]
-Size = Annotated[int, BeforeValidator(parse_size), PlainSerializer(_format_size_exact)]
-FreeSpaceFloor = Annotated[FreeSpace, BeforeValidator(parse_free_space), PlainSerializer(str)]
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """`"127.0.0.1:9464"`, `"[::1]:9464"` -> (host, port). The host is required: where the
-    metrics are exposed is a choice to write down, not a default."""
-    host, sep, port = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"put an IPv6 address in brackets, e.g. '[::1]:9464' (got {value!r})")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port, e.g. '127.0.0.1:9464' (got {value!r})")
-    return host, int(port)
-
 
 def default_state_dir() -> Path:
     """$STATE_DIRECTORY (systemd's StateDirectory=), else $XDG_STATE_HOME/ckptd, else ~/.local/state/ckptd."""
@@ -718,184 +557,5 @@ class Config(_Strict):
         return roots
 
 
-def refusals(config: Config) -> list[tuple[str, str]]:
-    """(key, why) for each root that cannot be meant, unless its own key says it is (exit 78).
-
-    Checked on every config ckptd reads (`parse_config`, `envconfig.effective_config`), after
-    the models: `path = "/"` walked /proc and other jobs' temp directories and proposed
-    deletions there; `quiet_period = 0` takes a save that pauses for a moment for finished.
-    """
-    out = []
-    for i, root in enumerate(config.roots):
-        if not root.allow_any_path:
-            why = system_path(root.path) or holds(root.path, config.daemon.state_dir)
-            if why is not None:
-                out.append((f"roots[{i}].path", (
-                    f"{str(root.path)!r} {why}: name the directory that holds the runs, "
-                    "or set allow_any_path = true in its [[roots]] if it is meant"
-                )))
-        if root.quiet_period < QUIET_FLOOR and not root.allow_short_quiet_period:
-            out.append((f"roots[{i}].quiet_period", (
-                f"{format_duration(root.quiet_period)} is below {QUIET_FLOOR:g}s: a save pauses that "
-                "long between its own writes, so a checkpoint still being written would look finished; "
-                "set allow_short_quiet_period = true in its [[roots]] if nothing writes there while "
-                "ckptd looks (a finished job, a test)"
-            )))
-    return out
-
-
-def system_path(path: Path) -> str | None:
-    """Why `path` (as written, and as it resolves: /data -> /) is no place for runs, or None."""
-    for p in dict.fromkeys((os.path.normpath(path), os.path.realpath(path))):
-        if p == "/":
-            return "is the whole filesystem"
-        if p in SYSTEM_DIRS:
-            return f"is the system directory {p}"
-        top = next((t for t in SYSTEM_TREES if p == t or p.startswith(f"{t}/")), None)
-        if top is not None:
-            return f"is in the system directory {top}"
-    return None
-
-
-def holds(root: Path, state_dir: Path) -> str | None:
-    """Why a root may not hold the state directory (its journal, locks and caches), or None."""
-    for r, s in ((os.path.normpath(root), os.path.normpath(state_dir)),
-                 (os.path.realpath(root), os.path.realpath(state_dir))):
-        if s == r or s.startswith(r.rstrip("/") + "/"):
-            return f"holds daemon.state_dir {str(state_dir)!r}"
-    return None
-
-
 def _overlap(a: str, b: str, table: list[mounts.Mount]) -> bool:
     return mounts.located_in(a, b, table) is not None or mounts.located_in(b, a, table) is not None
-
-
-# --- loading -------------------------------------------------------------
-
-
-def _loc(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in ("function-after", "function-before", "function-plain") or part.startswith(
-            ("function-", "constrained-")
-        ):
-            continue
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "(top level)"
-
-
-def _tables() -> dict[tuple[str, ...], tuple[str, type[BaseModel]]]:
-    """Where each model sits in the document (key path without indexes) and how a user writes it."""
-    return {
-        (): ("the top level", Config),
-        ("daemon",): ("[daemon]", Daemon),
-        ("roots",): ("[[roots]]", Root),
-        ("roots", "retention"): ("[roots.retention]", Retention),
-        ("roots", "runs"): ("[[roots.runs]]", RunRule),
-    }
-
-
-def _unknown_key_hint(loc: tuple[int | str, ...]) -> str:
-    """For `keep_last` under [[roots]]: where it belongs; for a typo: the nearest valid key."""
-    import difflib
-
-    names = tuple(str(p) for p in loc if not isinstance(p, int))
-    if not names:
-        return ""
-    *parent, key = names
-    tables = _tables()
-    here = tables.get(tuple(parent))
-    if here is None:
-        return ""
-    others = [(table, model) for path, (table, model) in tables.items() if path != tuple(parent)]
-    elsewhere = [table for table, model in others if key in model.model_fields]
-    if elsewhere:
-        return f"; {key} belongs in {elsewhere[0]}, not {here[0]}"
-    close = difflib.get_close_matches(key, sorted(here[1].model_fields), n=1, cutoff=0.7)
-    if close:
-        return f" (did you mean {close[0]}?)"
-    for table, model in others:
-        close = difflib.get_close_matches(key, sorted(model.model_fields), n=1, cutoff=0.8)
-        if close:
-            return f" (did you mean {close[0]}, in {table}?)"
-    return ""
-
-
-def _message(err: Mapping[str, Any]) -> str:
-    kind = err["type"]
-    msg = err["msg"]
-    if kind == "extra_forbidden":
-        return "unknown key" + _unknown_key_hint(tuple(err["loc"]))
-    if kind == "missing":
-        return "required key is missing"
-    msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
-    ctx = err.get("ctx") or {}
-    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[
-            kind
-        ]
-        bound = next(iter(ctx.values()), "?")
-        return f"must be {op} {bound} (got {err.get('input')!r})"
-    if kind in (
-        "int_type",
-        "int_parsing",
-        "int_from_float",
-        "bool_type",
-        "bool_parsing",
-        "string_type",
-        "float_type",
-        "float_parsing",
-        "literal_error",
-        "dict_type",
-        "list_type",
-        "tuple_type",
-        "model_type",
-    ):
-        return f"{msg[0].lower()}{msg[1:]} (got {err.get('input')!r})"
-    return msg
-
-
-def format_validation_error(source: str, exc: ValidationError) -> list[str]:
-    return [f"{source}: {_loc(e['loc'])}: {_message(e)}" for e in exc.errors()]
-
-
-def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
-    try:
-        config = Config.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(source, exc)) from None
-    refused = refusals(config)
-    if refused:
-        raise ConfigError([f"{source}: {key}: {why}" for key, why in refused])
-    return config
-
-
-def load_config(path: Path) -> Config:
-    return parse_config(read_toml(path), str(path))
-
-
-def read_toml(path: Path) -> dict[str, Any]:
-    """The config file as a TOML document, not yet validated."""
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError([f"{path}: no such file"]) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"{path}: invalid TOML: {exc}"]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"{path}: cannot read: {exc}"]) from None
-
-
-def find_config(explicit: str | None) -> Path | None:
-    """`-c`, then `$CKPTD_CONFIG`, then /etc/ckptd/config.toml if it exists."""
-    if explicit:
-        return Path(explicit)
-    if os.environ.get("CKPTD_CONFIG"):
-        return Path(os.environ["CKPTD_CONFIG"])
-    if DEFAULT_CONFIG_PATH.exists():
-        return DEFAULT_CONFIG_PATH
-    return None

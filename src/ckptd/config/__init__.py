@@ -1,0 +1,96 @@
+"""The config: TOML in, validated pydantic models out.
+
+Every model forbids unknown keys, so a typo (`keep_lats = 3`) is an error
+rather than a silently ignored line. Errors come back as one line per
+problem, pointing into the document: `config.toml: roots[0].retention.keep_last:
+must be >= 0 (got -1)`.
+
+- `units`: durations, sizes, free-space floors and `host:port`, parsed and formatted.
+- `models`: `[daemon]`, `[[roots]]`, `[roots.retention]`, `[[roots.runs]]`, `[[roots.patterns]]`
+  and the paths they name (pins, run rules); the config reference is generated from them.
+- `loading`: finding and reading the file, one line per validation error, the refusals (exit 78).
+
+`from ckptd.config import ...` is the API; the modules are how it is laid out.
+"""
+
+from ckptd.config.loading import (
+    DEFAULT_CONFIG_PATH,
+    SYSTEM_DIRS,
+    SYSTEM_TREES,
+    find_config,
+    format_validation_error,
+    holds,
+    load_config,
+    parse_config,
+    read_toml,
+    refusals,
+    system_path,
+)
+from ckptd.config.models import (
+    QUIET_FLOOR,
+    TIME_BUCKETS,
+    Config,
+    Daemon,
+    Pattern,
+    Retention,
+    Root,
+    RunRule,
+    default_state_dir,
+    inferred_mode,
+    path_matches,
+    pin_matches,
+    relative_spelling,
+)
+from ckptd.config.units import (
+    Duration,
+    FreeSpace,
+    FreeSpaceFloor,
+    Size,
+    format_age,
+    format_duration,
+    format_size,
+    parse_duration,
+    parse_free_space,
+    parse_listen,
+    parse_size,
+)
+from ckptd.errors import ConfigError  # what loading raises: one line per problem
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "QUIET_FLOOR",
+    "SYSTEM_DIRS",
+    "SYSTEM_TREES",
+    "TIME_BUCKETS",
+    "Config",
+    "ConfigError",
+    "Daemon",
+    "Duration",
+    "FreeSpace",
+    "FreeSpaceFloor",
+    "Pattern",
+    "Retention",
+    "Root",
+    "RunRule",
+    "Size",
+    "default_state_dir",
+    "find_config",
+    "format_age",
+    "format_duration",
+    "format_size",
+    "format_validation_error",
+    "holds",
+    "inferred_mode",
+    "load_config",
+    "parse_config",
+    "parse_duration",
+    "parse_free_space",
+    "parse_listen",
+    "parse_size",
+    "path_matches",
+    "pin_matches",
+    "read_toml",
+    "refusals",
+    "relative_spelling",
+    "system_path",
+]
