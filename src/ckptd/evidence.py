@@ -33,6 +33,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import operator
 import os
 import stat
 import struct
@@ -93,6 +94,8 @@ def walk(path: Path) -> list[Entry]:
     if not stat.S_ISDIR(st.st_mode):
         return out
     stack: list[tuple[str, str | Path, int]] = [("", path, 0)]
+    append, new = out.append, tuple.__new__  # Entry's fields in order, without its __new__'s call
+    kind_of, ifmt, dev = _KINDS.get, stat.S_IFMT, st.st_dev  # locals: looked up once, not per entry
     while stack:
         rel, d, depth = stack.pop()
         if depth >= MAX_WALK_DEPTH:
@@ -105,8 +108,8 @@ def walk(path: Path) -> list[Entry]:
             for e in it:
                 try:
                     est = e.stat(follow_symlinks=False)
-                    kind = _KINDS.get(stat.S_IFMT(est.st_mode), "o")
-                    if kind == "d" and (est.st_dev != st.st_dev or mounts.is_mount_root(e.path)):
+                    kind = kind_of(ifmt(est.st_mode), "o")
+                    if kind == "d" and (est.st_dev != dev or mounts.is_mount_root(e.path)):
                         kind = MOUNT  # another filesystem: seen, never entered, never deleted
                 except FileNotFoundError:
                     continue
@@ -115,10 +118,8 @@ def walk(path: Path) -> list[Entry]:
                         raise TooDeep(out, f"paths too long to walk at {rel[:80]}...") from None
                     raise
                 erel = f"{rel}/{e.name}" if rel else e.name
-                out.append(
-                    Entry(erel, kind, est.st_size, est.st_mtime_ns, est.st_ctime_ns, est.st_ino, est.st_dev,
-                          est.st_blocks, est.st_nlink)
-                )
+                append(new(Entry, (erel, kind, est.st_size, est.st_mtime_ns, est.st_ctime_ns, est.st_ino,
+                                   est.st_dev, est.st_blocks, est.st_nlink)))
                 if kind == "d":
                     stack.append((erel, e.path, depth + 1))
     return out
@@ -144,10 +145,12 @@ _READ_WHOLE = frozenset().union(*(fw.read_whole for fw in frameworks.REGISTRY))
 
 
 def fingerprint(entries: list[Entry]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for e in sorted(entries, key=lambda e: e.rel):
-        h.update(f"{e.rel}\0{e.kind}\0{e.size}\0{e.mtime_ns}\n".encode("utf-8", "surrogateescape"))
-    return h.hexdigest()
+    # One update of the joined lines: the digest of a stream does not depend on how it is cut.
+    text = "".join([f"{e.rel}\0{e.kind}\0{e.size}\0{e.mtime_ns}\n" for e in sorted(entries, key=_rel)])
+    return hashlib.blake2b(text.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
+
+
+_rel = operator.itemgetter(0)  # an Entry's rel
 
 
 # (path relative to the root, fingerprint, newest mtime in ns) -> the quiet check
@@ -798,7 +801,8 @@ def _zip_directory_ok(fd: int, size: int) -> bool:
         inside = tail_at <= at and at + n <= size  # else read it: the file may have grown since its stat
         return tail[at - tail_at : at - tail_at + n] if inside else os.pread(fd, n, at)
 
-    eocd_at, record = size - 22, pread(22, size - 22)
+    # The last 22 bytes lie in the tail (it ends at `size`, 22 bytes or more): `pread(22, size - 22)`.
+    eocd_at, record = size - 22, tail[size - 22 - tail_at :]
     if not (record[:4] == _EOCD and record[20:22] == b"\0\0"):  # not torch's: a comment follows it
         n = min(size, _EOCD_SEARCH)
         end = os.pread(fd, n, size - n)

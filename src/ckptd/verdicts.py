@@ -156,7 +156,7 @@ class Look:
     def verdict(self, kind: str, entry: Entry, read: Callable[[], Any]) -> Any:
         """The verdict on `entry` from a remembered read, or `read()`'s (an OSError passes through)."""
         key = (kind, entry.rel)
-        ident = identity(entry)
+        ident = (entry.dev, entry.ino, entry.size, entry.mtime_ns, entry.ctime_ns)  # identity(entry), inline
         old = self.old
         if old is not None:
             found: tuple[Any] | None = None
@@ -179,7 +179,9 @@ class Look:
             self.whole = False
             raise
         if self.started_ns - max(entry.mtime_ns, entry.ctime_ns) >= RACY_NS:
-            self._keep(key, ident, value)
+            self.files[key] = (ident, value)  # `_keep`, inline: asked of every torch file
+            if kind != FILE or value is not None:
+                self.verdicts[key] = value
         else:
             self.whole = False  # racily clean: read again next time
         return value
