@@ -587,7 +587,7 @@ def read_slim_marker(path: Path, files: dict[str, Entry]) -> slim.Marker | str |
         return "not a regular file of sensible size"
     try:
         with volread.open_file(path / slim.MARKER) as f:
-            return slim.parse_marker(json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1)))
+            return slim.parse_marker(json.loads(volread.read_upto(f, MAX_TRAINER_STATE_BYTES + 1)))
     except (OSError, ValueError, RecursionError) as exc:
         return f"{type(exc).__name__}: {exc}"
 
