@@ -246,19 +246,8 @@ class Inspector:
         metrics, metric_problem = fw.metrics(save, metric, integrity.verdict is PASSED, self.ckpt_scores.read)
         if too_deep is not None:
             checks.append(too_deep)
-        if surveyed:
-            slimming = slim.survey(
-                cand.layout, cand.name, files, slim_files, marker, removable=seen.removable  # type: ignore[arg-type]
-            )
-            if slimming.removable and marker is None and slim_weights:  # the dtypes of what a slim keeps
-                weights = self._weights.read(path, files)
-                slimming = slim.survey(
-                    cand.layout, cand.name, files, slim_files, None, weights, slim_weights, seen.removable
-                )
-        elif marker is None or isinstance(marker, slim.Marker):
-            slimming = Slimming()  # a framework whose saves are never slimmed
-        else:
-            slimming = Slimming(slimmed=True)  # unreadable marker: not full, and nothing to do
+        slimming = self._slimming(path, cand, files, marker, seen.removable if surveyed else None,
+                                  slim_files, slim_weights)
         if marker is not None:
             checks.append(_slimmed(files, marker))
 
@@ -295,6 +284,31 @@ class Inspector:
             metrics=metrics,
             metric_problem=metric_problem,
         )
+
+    def _slimming(
+        self,
+        path: Path,
+        cand: Candidate,
+        files: dict[str, Entry],
+        marker: slim.Marker | str | None,
+        removable: tuple[tuple[str, int], ...] | None,
+        slim_files: tuple[str, ...],
+        slim_weights: str | None,
+    ) -> Slimming:
+        """What a slim would do to the checkpoint (`slim.survey`); `removable`: the files a slim would
+        remove (`_Pass`), None where its saves are not surveyed (a framework never slimmed, or a
+        marker that cannot be read)."""
+        if removable is None:
+            if marker is None or isinstance(marker, slim.Marker):
+                return Slimming()  # a framework whose saves are never slimmed
+            return Slimming(slimmed=True)  # unreadable marker: not full, and nothing to do
+        slimming = slim.survey(
+            cand.layout, cand.name, files, slim_files, marker, removable=removable  # type: ignore[arg-type]
+        )
+        if slimming.removable and marker is None and slim_weights:  # the dtypes of what a slim keeps
+            weights = self._weights.read(path, files)
+            slimming = slim.survey(cand.layout, cand.name, files, slim_files, None, weights, slim_weights, removable)
+        return slimming
 
     # --- checks ----------------------------------------------------------
 
@@ -349,9 +363,10 @@ _TAR_SUFFIXES = tuple(suffix for suffix, fmt in _WHOLE_FILE_FORMATS.items() if f
 
 
 class _Pass:
-    """What the checks need of a checkpoint's entries, from one loop over them: each entry is
+    """What the checks need of a checkpoint's entries, from one loop over them: each file is
     classified once (the trainer's or ckptd's own, a file a save wrote, one whose end the integrity
-    check reads, one a slim would remove, one read whole) and the checks are fed the results."""
+    check reads, one a slim would remove, one read whole) and the checks are fed the results;
+    the directories, mount points and DCP parts are picked out by comprehensions beside it."""
 
     __slots__ = ("before_last", "dirs", "distcp", "distcp_dirs", "fw", "integrity", "known", "mounts",
                  "newest_ns", "read_whole", "removable", "theirs", "timed")
@@ -360,59 +375,69 @@ class _Pass:
                  removable: Callable[[str], bool] | None):
         self.fw = fw
         last_before = fw.last_written[2] if fw.last_written is not None else None
-        newest = entries[0].mtime_ns
         theirs: dict[str, Entry] = {}  # not ckptd's own (`_ckptd_own`): `one_save`'s
         timed: list[Entry] = []  # the files that say when it was saved (`_save_times`)
         integrity: list[Entry] = []
-        distcp_dirs: set[str] = set()  # every directory holding a `*.distcp` entry (DCP's .metadata demanded)
-        distcp: dict[str, tuple[int, str]] = {}  # directory -> its newest *.distcp file, not ckptd's
         before_last: list[Entry] = []  # the trainer's files its framework writes before its last-written one
         known: dict[str, bool] = {}  # that answer, by path, for `_not_rewritten`
-        dirs: list[str] = []
-        mounts_: list[str] = []
         read_whole: list[Entry] = []
         slimmed: list[tuple[str, int]] | None = [] if removable is not None else None
         for e in entries:
-            rel, kind = e.rel, e.kind
-            if e.mtime_ns > newest:
-                newest = e.mtime_ns
+            rel = e.rel
             maybe_own = _OWN_MARK in rel
             own = maybe_own and _ckptd_own(rel)
             if not own:
                 theirs[rel] = e
-            if rel.endswith(NESTED_PART_SUFFIX):
-                d = rel.rpartition("/")[0]
-                distcp_dirs.add(d)
-                if kind == "f" and not own:
-                    distcp[d] = max(distcp.get(d, (0, "")), (e.mtime_ns, rel))
-            if kind == "f":
-                if last_before is not None and not own:
-                    known[rel] = hit = last_before(rel)
-                    if hit:
-                        before_last.append(e)
-                if not maybe_own or not (
-                    rel in _OWN_TOP or slim.in_work_dir(rel) or attestation.is_metadata(rel)
-                ):
-                    timed.append(e)
-                if rel:
-                    if rel.endswith(_CHECKED_SUFFIXES):
-                        integrity.append(e)
-                    if rel.endswith(".json") or rel in _READ_WHOLE:
-                        read_whole.append(e)
-                    if slimmed is not None and removable(rel):  # type: ignore[misc]
-                        slimmed.append((rel, e.size))
-                elif name.endswith(_CHECKED_SUFFIXES) or name.endswith(_WHOLE_FILE_SUFFIXES):
+            if e.kind != "f":
+                continue
+            if last_before is not None and not own:
+                known[rel] = hit = last_before(rel)
+                if hit:
+                    before_last.append(e)
+            if not maybe_own or not _untimed(rel):
+                timed.append(e)
+            if not rel:
+                if name.endswith(_CHECKED_SUFFIXES) or name.endswith(_WHOLE_FILE_SUFFIXES):
                     integrity.append(e)  # the checkpoint is this one file
-            elif kind == "d":
-                dirs.append(rel)
-            elif kind == MOUNT:
-                mounts_.append(rel)
-        self.newest_ns = newest
+                continue
+            if rel.endswith(_CHECKED_SUFFIXES):
+                integrity.append(e)
+            if rel.endswith(".json") or rel in _READ_WHOLE:
+                read_whole.append(e)
+            if slimmed is not None and removable(rel):  # type: ignore[misc]
+                slimmed.append((rel, e.size))
+        self.newest_ns = max([e.mtime_ns for e in entries])
         self.theirs, self.timed, self.integrity, self.before_last, self.known = (
             theirs, timed, integrity, before_last, known)
-        self.distcp_dirs, self.distcp, self.dirs, self.mounts, self.read_whole = (
-            distcp_dirs, distcp, dirs, mounts_, read_whole)
+        self.dirs, self.mounts = _of_kind(entries, "d"), _of_kind(entries, MOUNT)
+        self.distcp_dirs, self.distcp = _distcp_parts(entries, theirs)
+        self.read_whole = read_whole
         self.removable = tuple(sorted(slimmed)) if slimmed is not None else None
+
+
+def _untimed(rel: str) -> bool:
+    """Whether ckptd's file `rel` is one that says nothing of when the trainer saved (`_save_times`):
+    the pin or slim marker at the top, its work directory, the job's commit records."""
+    return rel in _OWN_TOP or slim.in_work_dir(rel) or attestation.is_metadata(rel)
+
+
+def _of_kind(entries: list[Entry], kind: str) -> list[str]:
+    return [e.rel for e in entries if e.kind == kind]
+
+
+def _distcp_parts(entries: list[Entry], theirs: dict[str, Entry]) -> tuple[set[str], dict[str, tuple[int, str]]]:
+    """Every directory holding a `*.distcp` entry (DCP's .metadata demanded there), and each one's
+    newest *.distcp file that is the trainer's (in `theirs`, not ckptd's own): `one_save`'s."""
+    dirs: set[str] = set()
+    newest: dict[str, tuple[int, str]] = {}
+    for e in entries:
+        rel = e.rel
+        if rel.endswith(NESTED_PART_SUFFIX):
+            d = rel.rpartition("/")[0]
+            dirs.add(d)
+            if e.kind == "f" and rel in theirs:
+                newest[d] = max(newest.get(d, (0, "")), (e.mtime_ns, rel))
+    return dirs, newest
 
 
 def _times(
