@@ -156,7 +156,7 @@ class Look:
     def verdict(self, kind: str, entry: Entry, read: Callable[[], Any]) -> Any:
         """The verdict on `entry` from a remembered read, or `read()`'s (an OSError passes through)."""
         key = (kind, entry.rel)
-        ident = (entry.dev, entry.ino, entry.size, entry.mtime_ns, entry.ctime_ns)  # identity(entry), inline
+        ident = identity(entry)
         old = self.old
         if old is not None:
             found: tuple[Any] | None = None
