@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import dsmeta, evidence, layouts
+from ckptd import dsmeta, evidence, layouts, wholefile
 from ckptd.config import Root
 from ckptd.demo import age, deepspeed_files, hf_deepspeed_checkpoint, write_model_states, write_zip
 from ckptd.discover import find_runs
-from ckptd.evidence import Inspector, RunContext, safetensors_problem
+from ckptd.evidence import Inspector, RunContext
 from ckptd.frameworks import nemo
 from ckptd.model import State, Verdict
 from ckptd.planner import Scanner
 from ckptd.verdicts import RACY_NS, Verdicts
+from ckptd.wholefile import safetensors_problem
 
 NOW = 1_800_000_000.0
 OLD = NOW - 3600
@@ -587,12 +588,12 @@ def test_every_prefix_of_a_real_torch_file_is_incomplete(tmp_path):
     torch = pytest.importorskip("torch")
     path = tmp_path / "states.pt"
     data = _torch_save(path, {"w": torch.arange(40.0), "step": 7, "name": "x" * 50})
-    assert evidence._is_zip(path, len(data))
+    assert wholefile._is_zip(path, len(data))
     cut = tmp_path / "cut.pt"
     accepted = []
     for n in range(len(data)):
         cut.write_bytes(data[:n])
-        if evidence._is_zip(cut, n):
+        if wholefile._is_zip(cut, n):
             accepted.append(n)
     assert accepted == []
 
@@ -605,11 +606,11 @@ def test_a_torch_file_whose_directory_is_longer_than_the_tail_read_at_once(tmp_p
     data = _torch_save(path, {f"t{i}": torch.zeros(2) for i in range(400)})
     record = data.rfind(b"PK\x05\x06")
     directory = struct.unpack_from("<I", data, record + 16)[0]
-    assert len(data) - directory > 2 * evidence._TAIL  # the directory starts well before the tail
-    assert evidence._is_zip(path, len(data))
+    assert len(data) - directory > 2 * wholefile._TAIL  # the directory starts well before the tail
+    assert wholefile._is_zip(path, len(data))
     for cut in (1, 22, 23, 98, len(data) - directory, len(data) // 2):
         path.write_bytes(data[: len(data) - cut])
-        assert not evidence._is_zip(path, len(data) - cut), cut
+        assert not wholefile._is_zip(path, len(data) - cut), cut
 
 
 def test_a_half_written_file_holding_a_whole_zip_is_incomplete(tmp_path):
@@ -630,9 +631,9 @@ def test_a_half_written_file_holding_a_whole_zip_is_incomplete(tmp_path):
     assert end > len(payload)  # the inner zip sits inside the torch file
     path.write_bytes(data[:end])  # killed right after writing the inner zip's end record
     assert zipfile.is_zipfile(path), "the state that fooled the old check"
-    assert not evidence._is_zip(path, end)
+    assert not wholefile._is_zip(path, end)
     entry = evidence.Entry("optim.pt", "f", end, 0)
-    assert evidence.file_problem(path, entry) == " is not a complete zip archive (truncated?)"
+    assert wholefile.file_problem(path, entry) == " is not a complete zip archive (truncated?)"
 
 
 @pytest.mark.parametrize("entries", [1, 70_000])  # 70k entries: Python writes zip64 end records
@@ -646,10 +647,10 @@ def test_other_writers_zips_pass_whole_and_fail_cut(tmp_path, entries, comment):
             z.writestr(f"f{i}", b"")
         z.comment = comment
     data = path.read_bytes()
-    assert evidence._is_zip(path, len(data))
+    assert wholefile._is_zip(path, len(data))
     for cut in (1, 21, 22, 23, len(comment) + 22, len(data) // 2):
         path.write_bytes(data[: len(data) - cut])
-        assert not evidence._is_zip(path, len(data) - cut), cut
+        assert not wholefile._is_zip(path, len(data) - cut), cut
 
 
 def test_an_end_record_whose_numbers_add_up_must_point_at_a_directory_entry(tmp_path):
@@ -659,9 +660,9 @@ def test_an_end_record_whose_numbers_add_up_must_point_at_a_directory_entry(tmp_
     record = b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, 1, 1, 40, 60, 0)
     path = tmp_path / "torn.pt"
     path.write_bytes(body + record)
-    assert not evidence._is_zip(path, len(body) + len(record))
+    assert not wholefile._is_zip(path, len(body) + len(record))
     path.write_bytes(body[:60] + b"PK\x01\x02" + body[64:] + record)  # now an entry starts there
-    assert evidence._is_zip(path, len(body) + len(record))
+    assert wholefile._is_zip(path, len(body) + len(record))
 
 
 # --- when a checkpoint was saved: a pin or a touch does not move it (issue 11, item 4) ---------

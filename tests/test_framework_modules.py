@@ -105,7 +105,7 @@ FRAMEWORK_IMPORT = re.compile(rf"^ckptd\.frameworks\.({'|'.join(_FW_MODULES)})$"
 # Generic modules (or single literals in them) that may name a framework, each with why. An entry
 # that no longer matches anything fails the test: remove it.
 ALLOWED: dict[str, str] = {
-    "evidence.py:.safetensors": "a file format whose header the integrity check reads, not a framework",
+    "wholefile.py:.safetensors": "a file format whose header the integrity check reads, not a framework",
     "demo.py": "writes demo checkpoints in each framework's own layout (`ckptd demo`): its files by design",
     "cli/common.py:deepspeed": "a Python package `doctor` checks slimming can import, not a layout",
     "cli/common.py:safetensors": "a Python package `doctor` checks slimming can import",

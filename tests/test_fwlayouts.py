@@ -20,11 +20,11 @@ from ckptd import layouts
 from ckptd.config import Retention, Root
 from ckptd.demo import age, write_zip
 from ckptd.discover import depth_of, find_runs
-from ckptd.evidence import tar_problem
 from ckptd.frameworks import lightning
 from ckptd.model import State
 from ckptd.planner import Scanner
 from ckptd.policy import decide_run, metric_warnings
+from ckptd.wholefile import tar_problem
 
 NOW = 1_800_000_000.0
 OLD = NOW - 3600

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import dsmeta, evidence, layouts, mounts, slim, volread
+from ckptd import dsmeta, evidence, layouts, mounts, slim, volread, wholefile
 from ckptd.config import Retention, Root, parse_config, path_matches
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.errors import ConfigError
@@ -428,9 +428,9 @@ READERS = {
     "orbax metadata": (orbax.METADATA, lambda d, f: orbax._orbax(
         layouts.Candidate("1", 1, "orbax", True), d, {orbax.METADATA: as_file()})),
     "orbax metrics": (orbax.METRICS_FILE, lambda d, f: orbax.from_orbax(d)),
-    "torch zip": ("model.pt", lambda d, f: evidence.file_problem(f, as_file())),
-    "safetensors": ("model.safetensors", lambda d, f: evidence.file_problem(f, as_file())),
-    "nemo tar": ("model.nemo", lambda d, f: evidence.file_problem(f, as_file())),
+    "torch zip": ("model.pt", lambda d, f: wholefile.file_problem(f, as_file())),
+    "safetensors": ("model.safetensors", lambda d, f: wholefile.file_problem(f, as_file())),
+    "nemo tar": ("model.nemo", lambda d, f: wholefile.file_problem(f, as_file())),
     "model states": ("mp_rank_00_model_states.pt", lambda d, f: dsmeta.read_world_sizes(f)),
     "model states (zip)": ("mp_rank_00_model_states.pt", lambda d, f: dsmeta.read_plain_data(f)),
     "deepspeed latest": ("latest", lambda d, f: read_pointer(f)),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import dsmeta, evidence
+from ckptd import dsmeta, evidence, wholefile
 from ckptd.config import Root
 from ckptd.demo import age, hf_deepspeed_checkpoint
 from ckptd.evidence import Entry
@@ -48,8 +48,8 @@ def by_rel(s: Scanner) -> dict:
 def reads(monkeypatch) -> list[str]:
     """Every file whose contents are read for a verdict (zip tails and headers, world sizes, trainer state)."""
     seen: list[str] = []
-    real_problem, real_world, real_ts = evidence.file_problem, dsmeta.read_world_sizes, hf._trainer_state
-    monkeypatch.setattr(evidence, "file_problem", lambda p, e: seen.append(str(p)) or real_problem(p, e))
+    real_problem, real_world, real_ts = wholefile.file_problem, dsmeta.read_world_sizes, hf._trainer_state
+    monkeypatch.setattr(wholefile, "file_problem", lambda p, e: seen.append(str(p)) or real_problem(p, e))
     monkeypatch.setattr(dsmeta, "read_world_sizes", lambda p: seen.append(str(p)) or real_world(p))
     monkeypatch.setattr(hf, "_trainer_state", lambda p, f: seen.append(str(p)) or real_ts(p, f))
     return seen

@@ -60,8 +60,8 @@ from pathlib import Path
 
 from ckptd import dsmeta, slim
 from ckptd.config import format_duration
-from ckptd.evidence import safetensors_problem
 from ckptd.weights import read_header
+from ckptd.wholefile import safetensors_problem
 
 PARENT_ENV = "CKPTD_CONSOLIDATE_PARENT"  # the parent's pid: the child dies with it
 

@@ -13,8 +13,8 @@ Why each check exists:
 - trainer_state.json: the Trainer's rank 0 writes it last, after DeepSpeed's
   final barrier. rng_state_<rank>.pth files have no barrier, so count them.
 - file integrity: torch.save files are zip archives, whose directory sits at
-  the end, so a truncated one has no end record at its very end (`_is_zip`); a safetensors
-  header's offsets must fit the file.
+  the end, so a truncated one has no end record at its very end; a safetensors
+  header's offsets must fit the file (wholefile.py reads them).
 - native markers: DCP's `.metadata` (the coordinator writes it after every
   rank), Orbax's tmp directory and commit file, NeMo's `-unfinished` marker,
   Megatron's tracker, megatron-core's `metadata.json` (written last), torchtitan's
@@ -33,14 +33,14 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import operator
 import os
 import stat
-import struct
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from ckptd import attestation, frameworks, layouts, mounts, slim, space, volread
+from ckptd import attestation, frameworks, layouts, mounts, slim, space, volread, wholefile
 from ckptd import verdicts as verdicts_
 from ckptd.config import Pattern, format_age, format_duration, format_size, pin_matches
 from ckptd.frameworks import EVIDENCE, NESTED_PART_SUFFIX, QUIET_ALONE
@@ -57,11 +57,6 @@ from ckptd.model import (  # Entry: re-exported, it is evidence's word
     Verdict,
 )
 from ckptd.weights import WeightsReader
-
-ZIP_SUFFIXES = (".pt", ".pth", ".bin")
-SAFETENSORS_SUFFIX = ".safetensors"
-MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # safetensors itself refuses headers over 100 MB
-
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
@@ -93,6 +88,8 @@ def walk(path: Path) -> list[Entry]:
     if not stat.S_ISDIR(st.st_mode):
         return out
     stack: list[tuple[str, str | Path, int]] = [("", path, 0)]
+    append, new = out.append, tuple.__new__  # Entry's fields in order, without its __new__'s call
+    kind_of, ifmt, dev = _KINDS.get, stat.S_IFMT, st.st_dev  # locals: looked up once, not per entry
     while stack:
         rel, d, depth = stack.pop()
         if depth >= MAX_WALK_DEPTH:
@@ -105,8 +102,8 @@ def walk(path: Path) -> list[Entry]:
             for e in it:
                 try:
                     est = e.stat(follow_symlinks=False)
-                    kind = _KINDS.get(stat.S_IFMT(est.st_mode), "o")
-                    if kind == "d" and (est.st_dev != st.st_dev or mounts.is_mount_root(e.path)):
+                    kind = kind_of(ifmt(est.st_mode), "o")
+                    if kind == "d" and (est.st_dev != dev or mounts.is_mount_root(e.path)):
                         kind = MOUNT  # another filesystem: seen, never entered, never deleted
                 except FileNotFoundError:
                     continue
@@ -115,10 +112,8 @@ def walk(path: Path) -> list[Entry]:
                         raise TooDeep(out, f"paths too long to walk at {rel[:80]}...") from None
                     raise
                 erel = f"{rel}/{e.name}" if rel else e.name
-                out.append(
-                    Entry(erel, kind, est.st_size, est.st_mtime_ns, est.st_ctime_ns, est.st_ino, est.st_dev,
-                          est.st_blocks, est.st_nlink)
-                )
+                append(new(Entry, (erel, kind, est.st_size, est.st_mtime_ns, est.st_ctime_ns, est.st_ino,
+                                   est.st_dev, est.st_blocks, est.st_nlink)))
                 if kind == "d":
                     stack.append((erel, e.path, depth + 1))
     return out
@@ -144,10 +139,12 @@ _READ_WHOLE = frozenset().union(*(fw.read_whole for fw in frameworks.REGISTRY))
 
 
 def fingerprint(entries: list[Entry]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for e in sorted(entries, key=lambda e: e.rel):
-        h.update(f"{e.rel}\0{e.kind}\0{e.size}\0{e.mtime_ns}\n".encode("utf-8", "surrogateescape"))
-    return h.hexdigest()
+    # One update of the joined lines: the digest of a stream does not depend on how it is cut.
+    text = "".join([f"{e.rel}\0{e.kind}\0{e.size}\0{e.mtime_ns}\n" for e in sorted(entries, key=_rel)])
+    return hashlib.blake2b(text.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
+
+
+_rel = operator.itemgetter(0)  # an Entry's rel
 
 
 # (path relative to the root, fingerprint, newest mtime in ns) -> the quiet check
@@ -243,19 +240,8 @@ class Inspector:
         metrics, metric_problem = fw.metrics(save, metric, integrity.verdict is PASSED, self.ckpt_scores.read)
         if too_deep is not None:
             checks.append(too_deep)
-        if surveyed:
-            slimming = slim.survey(
-                cand.layout, cand.name, files, slim_files, marker, removable=seen.removable  # type: ignore[arg-type]
-            )
-            if slimming.removable and marker is None and slim_weights:  # the dtypes of what a slim keeps
-                weights = self._weights.read(path, files)
-                slimming = slim.survey(
-                    cand.layout, cand.name, files, slim_files, None, weights, slim_weights, seen.removable
-                )
-        elif marker is None or isinstance(marker, slim.Marker):
-            slimming = Slimming()  # a framework whose saves are never slimmed
-        else:
-            slimming = Slimming(slimmed=True)  # unreadable marker: not full, and nothing to do
+        slimming = self._slimming(path, cand, files, marker, seen.removable if surveyed else None,
+                                  slim_files, slim_weights)
         if marker is not None:
             checks.append(_slimmed(files, marker))
 
@@ -293,6 +279,33 @@ class Inspector:
             metric_problem=metric_problem,
         )
 
+    def _slimming(
+        self,
+        path: Path,
+        cand: Candidate,
+        files: dict[str, Entry],
+        marker: slim.Marker | str | None,
+        removable: tuple[tuple[str, int], ...] | None,
+        slim_files: tuple[str, ...],
+        slim_weights: str | None,
+    ) -> Slimming:
+        """What a slim would do to the checkpoint (`slim.survey`); `removable`: the files a slim would
+        remove (`_Pass`), None where its saves are not surveyed (a framework never slimmed, or a
+        marker that cannot be read)."""
+        if removable is None:
+            if marker is None or isinstance(marker, slim.Marker):
+                return Slimming()  # a framework whose saves are never slimmed
+            return Slimming(slimmed=True)  # unreadable marker: not full, and nothing to do
+        slimming = slim.survey(
+            cand.layout, cand.name, files, slim_files, marker, removable=removable  # type: ignore[arg-type]
+        )
+        if slimming.removable and marker is None and slim_weights:  # the dtypes of what a slim keeps
+            weights = self._weights.read(path, files)
+            slimming = slim.survey(
+                cand.layout, cand.name, files, slim_files, None, weights, slim_weights, removable
+            )
+        return slimming
+
     # --- checks ----------------------------------------------------------
 
     def _remembered(self, kind: str, entry: Entry, read: Callable[[], object]) -> object:
@@ -309,7 +322,7 @@ class Inspector:
         """
 
         def read() -> str | None:
-            return file_problem(f"{checkpoint}/{e.rel}" if e.rel else checkpoint, e)
+            return wholefile.file_problem(f"{checkpoint}/{e.rel}" if e.rel else checkpoint, e)
 
         look = self._look
         try:
@@ -339,16 +352,15 @@ if not all(_OWN_MARK in n for n in (layouts.PIN_FILE, slim.MARKER, slim.LEGACY_W
 _OWN_TOP = frozenset({slim.MARKER, f"{slim.MARKER}.tmp", layouts.PIN_FILE})  # `_save_times`'s, at the top
 # The files the integrity check reads the end of: torch.save's zips and safetensors at any depth, and
 # a checkpoint that is itself one file in the archive format its framework writes (`whole_file_formats`).
-_CHECKED_SUFFIXES = (*ZIP_SUFFIXES, SAFETENSORS_SUFFIX)
-_WHOLE_FILE_FORMATS = {suffix: fmt for fw in frameworks.REGISTRY for suffix, fmt in fw.whole_file_formats}
-_WHOLE_FILE_SUFFIXES = tuple(_WHOLE_FILE_FORMATS)
-_TAR_SUFFIXES = tuple(suffix for suffix, fmt in _WHOLE_FILE_FORMATS.items() if fmt == "tar")
+_CHECKED_SUFFIXES = (*wholefile.ZIP_SUFFIXES, wholefile.SAFETENSORS_SUFFIX)
+_WHOLE_FILE_SUFFIXES = tuple(wholefile.WHOLE_FILE_FORMATS)
 
 
 class _Pass:
-    """What the checks need of a checkpoint's entries, from one loop over them: each entry is
+    """What the checks need of a checkpoint's entries, from one loop over them: each file is
     classified once (the trainer's or ckptd's own, a file a save wrote, one whose end the integrity
-    check reads, one a slim would remove, one read whole) and the checks are fed the results."""
+    check reads, one a slim would remove, one read whole) and the checks are fed the results;
+    the directories, mount points and DCP parts are picked out by comprehensions beside it."""
 
     __slots__ = ("before_last", "dirs", "distcp", "distcp_dirs", "fw", "integrity", "known", "mounts",
                  "newest_ns", "read_whole", "removable", "theirs", "timed")
@@ -357,59 +369,71 @@ class _Pass:
                  removable: Callable[[str], bool] | None):
         self.fw = fw
         last_before = fw.last_written[2] if fw.last_written is not None else None
-        newest = entries[0].mtime_ns
         theirs: dict[str, Entry] = {}  # not ckptd's own (`_ckptd_own`): `one_save`'s
         timed: list[Entry] = []  # the files that say when it was saved (`_save_times`)
         integrity: list[Entry] = []
-        distcp_dirs: set[str] = set()  # every directory holding a `*.distcp` entry (DCP's .metadata demanded)
-        distcp: dict[str, tuple[int, str]] = {}  # directory -> its newest *.distcp file, not ckptd's
         before_last: list[Entry] = []  # the trainer's files its framework writes before its last-written one
         known: dict[str, bool] = {}  # that answer, by path, for `_not_rewritten`
-        dirs: list[str] = []
-        mounts_: list[str] = []
         read_whole: list[Entry] = []
         slimmed: list[tuple[str, int]] | None = [] if removable is not None else None
         for e in entries:
-            rel, kind = e.rel, e.kind
-            if e.mtime_ns > newest:
-                newest = e.mtime_ns
+            rel = e.rel
             maybe_own = _OWN_MARK in rel
             own = maybe_own and _ckptd_own(rel)
             if not own:
                 theirs[rel] = e
-            if rel.endswith(NESTED_PART_SUFFIX):
-                d = rel.rpartition("/")[0]
-                distcp_dirs.add(d)
-                if kind == "f" and not own:
-                    distcp[d] = max(distcp.get(d, (0, "")), (e.mtime_ns, rel))
-            if kind == "f":
-                if last_before is not None and not own:
-                    known[rel] = hit = last_before(rel)
-                    if hit:
-                        before_last.append(e)
-                if not maybe_own or not (
-                    rel in _OWN_TOP or slim.in_work_dir(rel) or attestation.is_metadata(rel)
-                ):
-                    timed.append(e)
-                if rel:
-                    if rel.endswith(_CHECKED_SUFFIXES):
-                        integrity.append(e)
-                    if rel.endswith(".json") or rel in _READ_WHOLE:
-                        read_whole.append(e)
-                    if slimmed is not None and removable(rel):  # type: ignore[misc]
-                        slimmed.append((rel, e.size))
-                elif name.endswith(_CHECKED_SUFFIXES) or name.endswith(_WHOLE_FILE_SUFFIXES):
+            if e.kind != "f":
+                continue
+            if last_before is not None and not own:
+                known[rel] = hit = last_before(rel)
+                if hit:
+                    before_last.append(e)
+            if not maybe_own or not _untimed(rel):
+                timed.append(e)
+            if not rel:
+                if name.endswith(_CHECKED_SUFFIXES) or name.endswith(_WHOLE_FILE_SUFFIXES):
                     integrity.append(e)  # the checkpoint is this one file
-            elif kind == "d":
-                dirs.append(rel)
-            elif kind == MOUNT:
-                mounts_.append(rel)
-        self.newest_ns = newest
+                continue
+            if rel.endswith(_CHECKED_SUFFIXES):
+                integrity.append(e)
+            if rel.endswith(".json") or rel in _READ_WHOLE:
+                read_whole.append(e)
+            if slimmed is not None and removable(rel):  # type: ignore[misc]
+                slimmed.append((rel, e.size))
+        self.newest_ns = max([e.mtime_ns for e in entries])
         self.theirs, self.timed, self.integrity, self.before_last, self.known = (
             theirs, timed, integrity, before_last, known)
-        self.distcp_dirs, self.distcp, self.dirs, self.mounts, self.read_whole = (
-            distcp_dirs, distcp, dirs, mounts_, read_whole)
+        self.dirs, self.mounts = _of_kind(entries, "d"), _of_kind(entries, MOUNT)
+        self.distcp_dirs, self.distcp = _distcp_parts(entries, theirs)
+        self.read_whole = read_whole
         self.removable = tuple(sorted(slimmed)) if slimmed is not None else None
+
+
+def _untimed(rel: str) -> bool:
+    """Whether ckptd's file `rel` is one that says nothing of when the trainer saved (`_save_times`):
+    the pin or slim marker at the top, its work directory, the job's commit records."""
+    return rel in _OWN_TOP or slim.in_work_dir(rel) or attestation.is_metadata(rel)
+
+
+def _of_kind(entries: list[Entry], kind: str) -> list[str]:
+    return [e.rel for e in entries if e.kind == kind]
+
+
+def _distcp_parts(
+    entries: list[Entry], theirs: dict[str, Entry]
+) -> tuple[set[str], dict[str, tuple[int, str]]]:
+    """Every directory holding a `*.distcp` entry (DCP's .metadata demanded there), and each one's
+    newest *.distcp file that is the trainer's (in `theirs`, not ckptd's own): `one_save`'s."""
+    dirs: set[str] = set()
+    newest: dict[str, tuple[int, str]] = {}
+    for e in entries:
+        rel = e.rel
+        if rel.endswith(NESTED_PART_SUFFIX):
+            d = rel.rpartition("/")[0]
+            dirs.add(d)
+            if e.kind == "f" and rel in theirs:
+                newest[d] = max(newest.get(d, (0, "")), (e.mtime_ns, rel))
+    return dirs, newest
 
 
 def _times(
@@ -584,7 +608,7 @@ def read_slim_marker(path: Path, files: dict[str, Entry]) -> slim.Marker | str |
         return "not a regular file of sensible size"
     try:
         with volread.open_file(path / slim.MARKER) as f:
-            return slim.parse_marker(json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1)))
+            return slim.parse_marker(json.loads(volread.read_upto(f, MAX_TRAINER_STATE_BYTES + 1)))
     except (OSError, ValueError, RecursionError) as exc:
         return f"{type(exc).__name__}: {exc}"
 
@@ -738,170 +762,6 @@ def _integrity(path: Path, checked: list[Entry], problem: FileProblem) -> Check:
     return Check(
         "file integrity", PASSED, f"{count} torch/safetensors files intact" if count else "no torch files"
     )
-
-
-def file_problem(path: str | Path, e: Entry) -> str | None:
-    """Why one zip (torch.save's), safetensors or tar file is not whole (as a suffix to its name),
-    or None: a tar by the suffix a framework names for it (`whole_file_formats`), else a zip."""
-    name = os.fspath(path)  # `path` is the file itself
-    if name.endswith(SAFETENSORS_SUFFIX):
-        problem = safetensors_problem(path, e.size)
-        return f": {problem}" if problem else None
-    if name.endswith(_TAR_SUFFIXES):
-        problem = tar_problem(path, e.size)
-        return f": {problem}" if problem else None
-    if e.size == 0:
-        return " is empty"
-    if not _is_zip(path, e.size):
-        return " is not a complete zip archive (truncated?)"
-    return None
-
-
-_EOCD = b"PK\x05\x06"  # end of central directory: the last thing a zip writer writes
-_EOCD64_LOCATOR = b"PK\x06\x07"
-_EOCD64 = b"PK\x06\x06"
-_CENTRAL = b"PK\x01\x02"  # a central directory entry
-_EOCD_SEARCH = 22 + 0xFFFF  # the record, and the longest comment it may carry
-
-
-def _is_zip(path: str | Path, size: int) -> bool:
-    """Whether the file ends exactly in a zip's end record, consistent with its central directory.
-
-    A file cut off mid-write can still hold a whole zip *inside* it (a tensor whose bytes
-    happen to be one), and `zipfile.is_zipfile` accepts an end record anywhere in the last
-    64 KiB. So: the end record must end the file (with its comment, if any), the central
-    directory it points at must end exactly where the record (or torch's zip64 record,
-    which it writes even for small files) begins, and an entry must start there. Three
-    preads for a torch.save file.
-    An OSError is not a verdict: it passes through, so that it is not remembered.
-    """
-    fd = volread.open_regular(path)
-    try:
-        return _zip_directory_ok(fd, size)
-    except struct.error:
-        return False
-    finally:
-        os.close(fd)
-
-
-_TAIL = 8192  # bytes read at once from a zip's end: torch's end records and central directory fit
-
-
-def _zip_directory_ok(fd: int, size: int) -> bool:
-    if size < 22:
-        return False
-    tail_at = max(0, size - _TAIL)
-    tail = os.pread(fd, size - tail_at, tail_at)  # one read where three were: the records are at the end
-
-    def pread(n: int, at: int) -> bytes:
-        """`os.pread(fd, n, at)`, from the tail already read when it lies there."""
-        inside = tail_at <= at and at + n <= size  # else read it: the file may have grown since its stat
-        return tail[at - tail_at : at - tail_at + n] if inside else os.pread(fd, n, at)
-
-    eocd_at, record = size - 22, pread(22, size - 22)
-    if not (record[:4] == _EOCD and record[20:22] == b"\0\0"):  # not torch's: a comment follows it
-        n = min(size, _EOCD_SEARCH)
-        end = os.pread(fd, n, size - n)
-        i = end.rfind(_EOCD)
-        while i >= 0 and not (
-            len(end) - i >= 22 and i + 22 + struct.unpack_from("<H", end, i + 20)[0] == len(end)
-        ):
-            i = end.rfind(_EOCD, 0, i)
-        if i < 0:
-            return False
-        eocd_at, record = size - n + i, end[i : i + 22]
-    disk, cd_disk, here, total, cd_size, cd_offset = struct.unpack_from("<4xHHHHII", record)
-    if disk or cd_disk or here != total:
-        return False  # a multi-disk archive: no torch file is one
-    maxed = 0xFFFF in (here, total) or 0xFFFFFFFF in (cd_size, cd_offset)
-    candidates = []  # (where the central directory must end, its size, its offset)
-    if eocd_at >= 20 + 56 and (locator := pread(20, eocd_at - 20))[:4] == _EOCD64_LOCATOR:
-        (at,) = struct.unpack_from("<Q", locator, 8)
-        zip64 = pread(56, at) if at < eocd_at else b""
-        whole = len(zip64) == 56 and zip64[:4] == _EOCD64
-        if whole and at + 12 + struct.unpack_from("<Q", zip64, 4)[0] == eocd_at - 20:
-            size64, offset64 = struct.unpack_from("<QQ", zip64, 40)
-            candidates.append((at, size64, offset64))
-    if not maxed:
-        candidates.append((eocd_at, cd_size, cd_offset))
-    for end, length, offset in candidates:
-        if offset + length == end and (length == 0 or pread(4, offset) == _CENTRAL):
-            return True
-    return False
-
-
-TAR_BLOCK = 512
-MAX_TAR_MEMBERS = 100_000
-
-
-def tar_problem(path: str | Path, size: int) -> str | None:
-    """Why a tar archive (one a framework writes in place, with no marker and not atomically: NeMo's
-    `.nemo`, save_restore_connector.py `tarfile.open(filename, "w:")`) is not whole, or None.
-
-    Walks the member headers (one pread each, such an archive has a handful): every member's data
-    must lie within the file, and the archive must end in tar's end-of-archive zero blocks. A
-    gzip-compressed one cannot be checked without reading it all, and passes unchecked.
-    """
-    fd = volread.open_regular(path)  # an OSError is not a verdict (NotRegularFile: never read)
-    try:
-        if os.pread(fd, 2, 0) == b"\x1f\x8b":
-            return None  # gzip: its end cannot be checked cheaply (NeMo writes plain tar since 1.x)
-        if size < 2 * TAR_BLOCK or size % TAR_BLOCK:
-            return f"{size} bytes: not a whole number of tar blocks (truncated?)"
-        offset = 0
-        for _ in range(MAX_TAR_MEMBERS):
-            header = os.pread(fd, TAR_BLOCK, offset)
-            if len(header) < TAR_BLOCK:
-                return "ends inside a tar header (truncated?)"
-            if header == bytes(TAR_BLOCK):
-                return None if os.pread(fd, TAR_BLOCK, offset + TAR_BLOCK) == bytes(TAR_BLOCK) else (
-                    "no end-of-archive blocks (truncated?)")
-            stored = header[148:156].split(b"\0")[0].strip()
-            if not stored or int(stored, 8) != sum(header[:148]) + 8 * 32 + sum(header[156:]):
-                return f"a tar header at byte {offset} has a bad checksum (truncated or not a tar)"
-            field = header[124:136]
-            if field[0] & 0x80:  # GNU base-256, for members over 8 GiB
-                length = int.from_bytes(field[1:], "big")
-            else:
-                length = int(field.split(b"\0")[0].strip() or b"0", 8)
-            offset += TAR_BLOCK + -(-length // TAR_BLOCK) * TAR_BLOCK
-            if offset > size:
-                return "a member runs past the end of the file (truncated?)"
-        return f"more than {MAX_TAR_MEMBERS} members: not checked further"
-    except ValueError as exc:  # an OSError passes through: not remembered (verdicts.py)
-        return f"unreadable: {exc}"
-    finally:
-        os.close(fd)
-
-
-def safetensors_problem(path: str | Path, size: int) -> str | None:
-    """Why a safetensors file is not whole, or None."""
-    if size < 8:
-        return f"{size} bytes: too short for a header"
-    try:
-        with volread.open_file(path) as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                return f"header length {n} runs past the end of the file ({size} bytes)"
-            if n > MAX_SAFETENSORS_HEADER:
-                return f"header length {n} is larger than this tool will parse"
-            header = json.loads(f.read(n))
-    except (ValueError, struct.error, RecursionError) as exc:  # an OSError passes through: not a verdict
-        return f"unreadable header: {exc}"
-    if not isinstance(header, dict):
-        return "header is not a JSON object"
-    data_len = size - 8 - n
-    end = 0
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-            return f"tensor {key!r} has no data_offsets"
-        end = max(end, offsets[1])
-    if end > data_len:
-        return f"tensors need {end} data bytes, the file has {data_len} (truncated?)"
-    return None
 
 
 def _matches_pin(rel: str, pins: frozenset[str]) -> bool:

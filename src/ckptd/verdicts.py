@@ -179,7 +179,9 @@ class Look:
             self.whole = False
             raise
         if self.started_ns - max(entry.mtime_ns, entry.ctime_ns) >= RACY_NS:
-            self._keep(key, ident, value)
+            self.files[key] = (ident, value)  # `_keep`, inline: asked of every torch file
+            if kind != FILE or value is not None:
+                self.verdicts[key] = value
         else:
             self.whole = False  # racily clean: read again next time
         return value

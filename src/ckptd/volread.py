@@ -55,4 +55,17 @@ def open_file(path: str | os.PathLike[str], *, follow_symlinks: bool = False) ->
 def read_bytes(path: str | os.PathLike[str], limit: int, *, follow_symlinks: bool = False) -> bytes:
     """At most `limit` bytes from the start of the regular file at `path`."""
     with open_file(path, follow_symlinks=follow_symlinks) as f:
-        return f.read(limit)
+        return read_upto(f, limit)
+
+
+def read_upto(f: BinaryIO, limit: int) -> bytes:
+    """`f.read(limit)` (up to `limit` bytes, or to the end), from its current position, without
+    allocating `limit` bytes first: `read(n)` makes an n-byte buffer before it reads, and a limit
+    of 64 MiB for a 300-byte trainer_state.json cost ~180 us a file (an mmap and munmap each).
+    One read of the size fstat gives, plus one byte, reaches the end; a file that grew since is
+    read on, to `limit`, as `read(limit)` would."""
+    want = min(limit, max(0, os.fstat(f.fileno()).st_size - f.tell()) + 1)
+    data = f.read(want)
+    if len(data) < want or want >= limit:
+        return data  # the end, or the limit
+    return data + f.read(limit - want)

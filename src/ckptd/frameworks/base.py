@@ -221,7 +221,7 @@ class Framework:
         return rel
 
     # Whole-file checkpoints it writes in an archive format, by suffix: "zip" (torch.save's) or
-    # "tar"; the engine's file integrity check reads each one's end (evidence.file_problem).
+    # "tar"; the engine's file integrity check reads each one's end (wholefile.file_problem).
     whole_file_formats: tuple[tuple[str, str], ...] = ()
 
     def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:

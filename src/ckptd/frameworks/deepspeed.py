@@ -160,23 +160,8 @@ def census(save: Save, gs: str) -> tuple[Check, dsmeta.WorldSizes | None]:
 
     Optimizer shards that a slim marker lists as `removed` are not demanded.
     """
-    files, removed = save.files, save.removed
     name = f"deepspeed shards{f' ({gs})' if gs else ''}"
-    prefix = f"{gs}/" if gs else ""
-    # A FIFO, socket or device named like a shard is not one (nothing can load it, and the
-    # consolidator would block reading it): only files, or links to them, are present.
-    here = {
-        rel[len(prefix) :]
-        for rel, e in files.items()
-        if rel.startswith(prefix)
-        and "/" not in rel[len(prefix) :]
-        and (e.kind in ("f", "l") or rel == gs)
-    }
-    slimmed = {
-        n
-        for rel in removed
-        if rel.startswith(prefix) and _OPTIM.fullmatch(n := rel[len(prefix) :]) and n not in here
-    }
+    here, slimmed = _present(save.files, save.removed, gs)
     here_or_slimmed = here | slimmed
     stage3 = any(_ZERO3_MODEL.fullmatch(n) for n in here)
     sizes = _world_sizes(save, gs, stage3)
@@ -192,6 +177,46 @@ def census(save: Save, gs: str) -> tuple[Check, dsmeta.WorldSizes | None]:
         not shard_present and bool(sizes.bf16)
     )
     zero = stage3 or (sizes.stage or 0) > 0 or sizes.shards or shard_present
+    expected = _expected(sizes, stage3, zero, bf16)
+    missing = [n for n in expected if n not in here_or_slimmed]
+    origin = f"dp_world_size={sizes.dp}, mp_world_size={sizes.mp} from {sizes.source}"
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        return Check(name, FAILED, f"{shown} missing ({origin})"), sizes
+    present = len(expected) - len(slimmed & set(expected))
+    gone = (
+        f", {len(expected) - present} optimizer shards removed by slimming"
+        if present < len(expected)
+        else ""
+    )
+    kind = _zero_kind(sizes, stage3, zero)
+    return Check(name, PASSED, f"{present}/{len(expected)} files present{gone}, {kind} ({origin})"), sizes
+
+
+def _present(files: Mapping[str, Entry], removed: frozenset[str], gs: str) -> tuple[set[str], set[str]]:
+    """The names directly in the tag directory `gs` ("" for the checkpoint itself; "" names it),
+    and the optimizer shards a slim marker lists as removed that are not there."""
+    prefix = f"{gs}/" if gs else ""
+    # A FIFO, socket or device named like a shard is not one (nothing can load it, and the
+    # consolidator would block reading it): only files, or links to them, are present.
+    here = {
+        rel[len(prefix) :]
+        for rel, e in files.items()
+        if rel.startswith(prefix)
+        and "/" not in rel[len(prefix) :]
+        and (e.kind in ("f", "l") or rel == gs)
+    }
+    slimmed = {
+        n
+        for rel in removed
+        if rel.startswith(prefix) and _OPTIM.fullmatch(n := rel[len(prefix) :]) and n not in here
+    }
+    return here, slimmed
+
+
+def _expected(sizes: dsmeta.WorldSizes, stage3: bool, zero: bool, bf16: bool) -> list[str]:
+    """The files one save of these world sizes writes into its tag directory: the model states
+    (ZeRO-3's one per data-parallel rank), and each rank's optimizer shard under ZeRO."""
     expected: list[str] = []
     for m in range(sizes.mp):
         if stage3:
@@ -203,24 +228,15 @@ def census(save: Save, gs: str) -> tuple[Check, dsmeta.WorldSizes | None]:
             expected += [
                 f"{opt}zero_pp_rank_{r}_mp_rank_{m:02d}_optim_states.pt" for r in range(sizes.dp)
             ]
-    missing = [n for n in expected if n not in here_or_slimmed]
-    origin = f"dp_world_size={sizes.dp}, mp_world_size={sizes.mp} from {sizes.source}"
-    if missing:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        return Check(name, FAILED, f"{shown} missing ({origin})"), sizes
+    return expected
+
+
+def _zero_kind(sizes: dsmeta.WorldSizes, stage3: bool, zero: bool) -> str:
     if stage3:
-        kind = "ZeRO-3"
-    elif sizes.stage is not None:
-        kind = f"ZeRO-{sizes.stage}"
-    else:
-        kind = "ZeRO" if zero else "no ZeRO"
-    present = len(expected) - len(slimmed & set(expected))
-    gone = (
-        f", {len(expected) - present} optimizer shards removed by slimming"
-        if present < len(expected)
-        else ""
-    )
-    return Check(name, PASSED, f"{present}/{len(expected)} files present{gone}, {kind} ({origin})"), sizes
+        return "ZeRO-3"
+    if sizes.stage is not None:
+        return f"ZeRO-{sizes.stage}"
+    return "ZeRO" if zero else "no ZeRO"
 
 
 def shard_order(files: Mapping[str, Entry], tags: Iterable[str]) -> tuple[bool, OrderProblems]:

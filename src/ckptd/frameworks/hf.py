@@ -293,7 +293,7 @@ def _trainer_state(path: Path, files: Mapping[str, Entry]) -> tuple[Check, Train
     if entry.size > MAX_TRAINER_STATE_BYTES:
         return Check(TRAINER_STATE, FAILED, f"{entry.size} bytes: larger than this tool will parse"), None
     with volread.open_file(path / TRAINER_STATE) as f:  # an OSError is not a verdict: the caller's to handle
-        raw = f.read(MAX_TRAINER_STATE_BYTES + 1)
+        raw = volread.read_upto(f, MAX_TRAINER_STATE_BYTES + 1)
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:
