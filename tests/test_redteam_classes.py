@@ -29,7 +29,8 @@ from ckptd.journal import Journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.planner import Scanner, decide
 from ckptd.policy import Action
-from ckptd.reaper import Outcome, Reaper
+from ckptd.removal.outcome import Outcome
+from ckptd.removal.reaper import Reaper
 
 from conftest import run_ckptd
 

@@ -50,22 +50,17 @@ from ckptd.lease import (
     coherence_note,
     volume_leader_seen,
 )
+from ckptd.locks import RootLock
 from ckptd.metrics import Metrics, unmet_budgets
 from ckptd.model import QUIET, SAVE_LEASE, Action, Checkpoint, State, Verdict
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
 from ckptd.notify import notify, watchdog_interval
 from ckptd.planner import DiskSpace, decide, disk_space
 from ckptd.policy import Decision
-from ckptd.reaper import (
-    DRY_RUN_NOTE,
-    Outcome,
-    Reaper,
-    Result,
-    RootLock,
-    Work,
-    lower_priority,
-    waiting_in_trash,
-)
+from ckptd.removal.consolidation import Work
+from ckptd.removal.outcome import DRY_RUN_NOTE, Outcome, Result
+from ckptd.removal.purge import lower_priority, waiting_in_trash
+from ckptd.removal.reaper import Reaper
 from ckptd.tracker import Changes, RootTracker
 from ckptd.watch import Watcher, choose_observer
 
@@ -917,7 +912,7 @@ class Daemon:
     def _space(self, path: Path) -> DiskSpace:
         """Free space on `path`'s filesystem, counting what its roots hold in the trash as freed:
         what this daemon moved there, and what waits there longer (another process's, one a killed
-        prune left: reaper.waiting_in_trash).
+        prune left: removal.purge.waiting_in_trash).
 
         While a purge runs, an entry it is removing may be counted with what statvfs sees freed
         already: free space is overestimated for a moment, so min_free deletes less, never more.

@@ -2,7 +2,7 @@
 
 Two kinds of leadership, chosen by `[daemon] leadership`:
 
-- `local` (`LocalLeadership`): the flock in `state_dir/locks/` (`reaper.RootLock`). Enough when
+- `local` (`LocalLeadership`): the flock in `state_dir/locks/` (`locks.RootLock`). Enough when
   every ckptd that could delete in the root runs on this host with this state_dir.
 - `volume` (`VolumeLease`): a lease recorded on the volume itself, in `<root>/.ckptd/` (hidden:
   discovery never descends into it or takes it for a checkpoint), so ckptd on any host that
@@ -93,6 +93,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.layouts import LEASE_DIR
+from ckptd.locks import LockHeld, RootLock, RootLockUnavailable
 from ckptd.mounts import Mount, attribute_cache, coherence, is_remote, mount_of, read_mounts
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,7 @@ class RecordIO:
         self.root = root
         self.dir = root / LEASE_DIR
         self._lock_fd: int | None = None
-        self._root_lock: Any = None  # reaper.RootLock on <root>/.ckptd/local.lock, while leading
+        self._root_lock: Any = None  # locks.RootLock on <root>/.ckptd/local.lock, while leading
 
     def _open_dir(self, create: bool = True) -> int:
         """`.ckptd/` opened afresh (an open revalidates the directory on NFS: see the module doc).
@@ -363,12 +364,10 @@ class RecordIO:
             self._lock_fd = None
 
     def lock_root(self) -> str | None:
-        """Take `<root>/.ckptd/local.lock` (`reaper.RootLock`, the root's own lock alone) for the
+        """Take `<root>/.ckptd/local.lock` (`locks.RootLock`, the root's own lock alone) for the
         tenure: a ckptd with `leadership = "local"` holds it while it deletes here, and the two
         must never both delete. None if taken (or on a read-only root: the lease alone decides),
         else why not."""
-        from ckptd.reaper import LockHeld, RootLock, RootLockUnavailable
-
         if self._root_lock is None:
             self._root_lock = RootLock(None, self.root)
         if self._root_lock.held:
@@ -738,7 +737,7 @@ class VolumeLease:
 
 
 class LocalLeadership:
-    """The single-host case: the flock in `state_dir/locks/` (reaper.RootLock)."""
+    """The single-host case: the flock in `state_dir/locks/` (locks.RootLock)."""
 
     kind = "local"
 
@@ -751,8 +750,6 @@ class LocalLeadership:
         return self.lock.held
 
     def step(self) -> None:
-        from ckptd.reaper import LockHeld
-
         if self.lock.held:
             return
         try:

@@ -290,7 +290,7 @@ def survey(
     saved = next((w for w in candidates if present(w)), None)
     if marker is not None:
         named = f"{marker.weights}, named by its slim marker"
-        # A slim writes "done" only once every file it listed has gone (reaper.slim_one); optimizer
+        # A slim writes "done" only once every file it listed has gone (Reaper.slim_one); optimizer
         # files here after that were put back by someone, to resume from it: theirs to keep.
         if marker.done and any(not in_work_dir(rel) for rel, _ in removable):
             return Slimming(True, (), marker.weights if present(marker.weights) else None, keeps=named,
