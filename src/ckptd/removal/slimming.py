@@ -73,11 +73,7 @@ class Slimming:
             self._record("failed", why=why, **fields)
             return Result(decision, Outcome.FAILED, why)
 
-        why_not = self.recheck(decision, anchors)
-        if why_not is None and s.blocker is not None:
-            why_not = f"cannot slim: {s.blocker}"
-        if why_not is None and not s.removable:
-            why_not = "no optimizer state to remove"
+        why_not = self._slim_problem(decision, anchors)
         if why_not is not None:
             return refuse(why_not)
         moving = f"move {len(s.removable)} optimizer files ({format_size(s.removable_bytes)}) to {TRASH_DIR}/"
@@ -98,24 +94,10 @@ class Slimming:
         previous = read_slim_marker(c.path, {e.rel: e for e in before})
         if isinstance(previous, str):
             return refuse(f"{slim.MARKER} unreadable: {previous}")
-        done = ""
-        if previous is not None:
-            weights = previous.document["weights"]
-        elif s.weights is None:
-            try:
-                weights = self._consolidate_inline(decision, before, anchors)
-            except _Stop as stop:
-                return refuse(stop.why) if stop.outcome is Outcome.REFUSED else fail(stop.why)
-            done = f"consolidated {s.source} into {slim.WEIGHTS_DIR}/ ({_made(weights)}); "
-        elif s.consolidated is not None:
-            try:
-                weights = self._consolidated_weights(c, s.consolidated)
-            except OSError as exc:
-                return refuse(f"cannot read {s.consolidated.index}: {exc}")
-        else:
-            weights = {"path": s.weights, "bytes": _entry_size(before, s.weights), "consolidated": False}
-            if s.dtype is not None:
-                weights["dtype"] = s.dtype
+        try:
+            weights, done = self._weights_kept(decision, before, previous, anchors)
+        except _Stop as stop:
+            return refuse(stop.why) if stop.outcome is Outcome.REFUSED else fail(stop.why)
 
         already = list(previous.removed) if previous is not None else []
         planned = already + [f for f in s.removable if f[0] not in {p for p, _ in already}]
@@ -137,36 +119,10 @@ class Slimming:
             self._write_marker(c, "removing", planned, weights, decision)
         except OSError as exc:
             return fail(f"cannot prepare {TRASH_DIR}/, journal or {slim.MARKER}: {exc}")
-        moved: list[tuple[str, int]] = []
-        for rel, size in s.removable:
-            # Both ends through descriptors opened without following symlinks: a global_step*
-            # directory swapped for a link cannot bring files from elsewhere into the trash.
-            sub, _, name = rel.rpartition("/")
-            why_not = self._fenced()
-            if why_not is not None:  # the marker says "removing": the next leader finishes it
-                return refuse(f"moved {len(moved)} of {len(s.removable)} files, then: {why_not}")
-            try:
-                (target / rel).parent.mkdir(parents=True, exist_ok=True)
-                src_fd = open_dir_nofollow(self.root, f"{c.rel}/{sub}" if sub else c.rel)
-                try:
-                    dst_fd = open_dir_nofollow(self.root, str((target / rel).parent.relative_to(self.root)))
-                    try:
-                        os.rename(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
-                        why_not = self._fenced(after=True)  # as after a checkpoint's rename
-                        if why_not is not None:
-                            undone = self._undo(name, dst_fd, name, src_fd, f"{c.rel}/{rel}", why_not,
-                                                review=False)
-                            return refuse(f"moved {len(moved)} of {len(s.removable)} files, then: "
-                                          f"{why_not}; {undone}")
-                    finally:
-                        os.close(dst_fd)
-                finally:
-                    os.close(src_fd)
-            except FileNotFoundError:
-                continue  # gone already, as the marker says: nothing to move
-            except OSError as exc:  # the marker says "removing": the next run tries again
-                return fail(f"moved {len(moved)} of {len(s.removable)} files, then: {exc}")
-            moved.append((rel, size))
+        try:
+            moved = self._move_optimizer_files(c, target)
+        except _Stop as stop:
+            return refuse(stop.why) if stop.outcome is Outcome.REFUSED else fail(stop.why)
         self._finished.add(target.name)
         freed = sum(size for _, size in moved)
         try:
@@ -178,6 +134,79 @@ class Slimming:
         where = target.relative_to(self.root)
         detail = f"{done}moved {len(moved)} optimizer files ({format_size(freed)}) to {where}"
         return Result(decision, Outcome.SLIMMED, detail, target, freed)
+
+    def _slim_problem(self, decision: Decision, anchors: Anchors) -> str | None:
+        """Why `decision`'s slim must not be carried out now (its re-check, `recheck`, or nothing
+        that may be removed), or None."""
+        s = decision.checkpoint.slim
+        why_not = self.recheck(decision, anchors)
+        if why_not is None and s.blocker is not None:
+            why_not = f"cannot slim: {s.blocker}"
+        if why_not is None and not s.removable:
+            why_not = "no optimizer state to remove"
+        return why_not
+
+    def _weights_kept(
+        self, decision: Decision, before: list[Entry], previous: slim.Marker | None, anchors: Anchors
+    ) -> tuple[dict, str]:
+        """Step 1 of `slim_one`: the marker's account of the weights it keeps (consolidated first
+        where it has none of its own), and what was done for them, for the result's line. Raises
+        `_Stop`."""
+        c = decision.checkpoint
+        s = c.slim
+        done = ""
+        if previous is not None:
+            weights = previous.document["weights"]
+        elif s.weights is None:
+            weights = self._consolidate_inline(decision, before, anchors)
+            done = f"consolidated {s.source} into {slim.WEIGHTS_DIR}/ ({_made(weights)}); "
+        elif s.consolidated is not None:
+            try:
+                weights = self._consolidated_weights(c, s.consolidated)
+            except OSError as exc:
+                raise _Stop(Outcome.REFUSED, f"cannot read {s.consolidated.index}: {exc}") from None
+        else:
+            weights = {"path": s.weights, "bytes": _entry_size(before, s.weights), "consolidated": False}
+            if s.dtype is not None:
+                weights["dtype"] = s.dtype
+        return weights, done
+
+    def _move_optimizer_files(self, c: Checkpoint, target: Path) -> list[tuple[str, int]]:
+        """Step 4 of `slim_one`: each optimizer file renamed into `target` in the trash, the fence
+        asked before each and again after. Returns what moved; raises `_Stop` (the marker says
+        "removing" then, and the next run or leader finishes it)."""
+        s = c.slim
+        moved: list[tuple[str, int]] = []
+        for rel, size in s.removable:
+            # Both ends through descriptors opened without following symlinks: a global_step*
+            # directory swapped for a link cannot bring files from elsewhere into the trash.
+            sub, _, name = rel.rpartition("/")
+            so_far = f"moved {len(moved)} of {len(s.removable)} files, then"
+            why_not = self._fenced()
+            if why_not is not None:  # the marker says "removing": the next leader finishes it
+                raise _Stop(Outcome.REFUSED, f"{so_far}: {why_not}")
+            try:
+                (target / rel).parent.mkdir(parents=True, exist_ok=True)
+                src_fd = open_dir_nofollow(self.root, f"{c.rel}/{sub}" if sub else c.rel)
+                try:
+                    dst_fd = open_dir_nofollow(self.root, str((target / rel).parent.relative_to(self.root)))
+                    try:
+                        os.rename(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+                        why_not = self._fenced(after=True)  # as after a checkpoint's rename
+                        if why_not is not None:
+                            undone = self._undo(name, dst_fd, name, src_fd, f"{c.rel}/{rel}", why_not,
+                                                review=False)
+                            raise _Stop(Outcome.REFUSED, f"{so_far}: {why_not}; {undone}")
+                    finally:
+                        os.close(dst_fd)
+                finally:
+                    os.close(src_fd)
+            except FileNotFoundError:
+                continue  # gone already, as the marker says: nothing to move
+            except OSError as exc:  # the marker says "removing": the next run tries again
+                raise _Stop(Outcome.FAILED, f"{so_far}: {exc}") from None
+            moved.append((rel, size))
+        return moved
 
     def _write_marker(
         self, c: Checkpoint, state: str, removed: list[tuple[str, int]], weights: dict, decision: Decision
