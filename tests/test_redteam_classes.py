@@ -512,7 +512,7 @@ def test_a_fifo_in_a_run_neither_hangs_prune_nor_deletes_what_it_could_protect(t
 def test_a_fifo_as_the_volume_lease_record_is_read_as_a_garbled_record(tmp_path):
     """<root>/.ckptd/leader.json is on the volume too: a FIFO there is a record that does not
     parse (as a torn one), read without blocking."""
-    from ckptd.lease import RECORD, RecordIO
+    from ckptd.leaserecord import RECORD, RecordIO
 
     (tmp_path / layouts.LEASE_DIR).mkdir()
     os.mkfifo(tmp_path / layouts.LEASE_DIR / RECORD)

@@ -73,7 +73,7 @@ SETS = {
 
 E, P, L, D, S, DM, C = "evidence.py", "policy.py", "layouts.py", "dsmeta.py", "settle.py", "daemon.py", "config.py"
 LE, MO = "lease.py", "mounts.py"
-RMF, RMR, RMT, RMS, RMC, RMP, RMJ, RMO, RMX = "removal/fs.py", "removal/recheck.py", "removal/trash.py", "removal/slimming.py", "removal/consolidation.py", "removal/purge.py", "removal/record.py", "removal/outcome.py", "removal/reaper.py"
+RMF, RMR, RMT, RMS, RMC, RMP, RMX = "removal/fs.py", "removal/recheck.py", "removal/trash.py", "removal/slimming.py", "removal/consolidation.py", "removal/purge.py", "removal/reaper.py"
 LK, LR = "locks.py", "leaserecord.py"  # the root locks; the lease record on the volume and its I/O
 RS = "resume.py"
 OX, NM, LG, DP = "frameworks/orbax.py", "frameworks/nemo.py", "frameworks/lightning.py", "frameworks/dcp.py"
@@ -565,11 +565,11 @@ MUTS = [
                  "sets the deadline to -inf or writes another epoch into the record, both checked after", edits=[(LE,
    "            if self.epoch != epoch:", "            if False:")]),
  dict(id="V4", what="standby: watched unrenewed for duration + margin", tests="lease", edits=[(LE,
-   "                if unchanged_for < duration + margin:", "                if False:")]),
+   "        if unchanged_for < duration + margin:", "        if False:")]),
  dict(id="V5", what="standby: wall-clock expiry + margin", tests="lease", edits=[(LE,
-   "                if rec is not None and rec.epoch == seen.epoch and self.wall() <= rec.expires + margin:", "                if False:")]),
+   "        if rec is not None and rec.epoch == seen.epoch and self.wall() <= rec.expires + margin:", "        if False:")]),
  dict(id="V6", what="standby: the larger of its own and the record's duration", tests="lease", edits=[(LE,
-   "                duration = max(self.duration, rec.duration if rec else 0.0)", "                duration = self.duration")]),
+   "        duration = max(self.duration, rec.duration if rec else 0.0)", "        duration = self.duration")]),
  dict(id="V7", what="takeover: the epoch claimed exclusively", tests="lease", edits=[(LE,
    "            if not self.io.claim(epoch, self.me):", "            if not (self.io.claim(epoch, self.me) or True):")]),
  dict(id="V8", what="renewal: stands down (and drops its lock) once its deadline passed", tests="multinode", edits=[(LE,
@@ -622,7 +622,7 @@ MUTS = [
    "    if True:")]),
  dict(id="CM1", what="standby: stale reads of the record (older than the directory's beat) never claim", tests="lease", edits=[(LE,
    "            if seen.stale:\n                if not (self.blocked", "            if False:\n                if not (self.blocked")]),
- dict(id="CM2", what="lease: renewals visible as directory entries (beats)", tests=[T+"test_lease.py", T+"test_caching_mount.py"], edits=[(LE,
+ dict(id="CM2", what="lease: renewals visible as directory entries (beats)", tests=[T+"test_lease.py", T+"test_caching_mount.py"], edits=[(LR,
    "        beats = [b for b in map(_beat, names) if b is not None]", "        beats = []")]),
  dict(id="CM3", what="standby: the beat is part of what must stay unchanged", tests=[T+"test_lease.py", T+"test_caching_mount.py"],
       equivalent="a beat newer than the record read is a stale read, refused by CM1's check; a beat that "
@@ -856,7 +856,7 @@ MUTS = [
  dict(id="RT14", what="the DeepSpeed census counts no FIFO as a shard", tests="rtclasses", edits=[("frameworks/deepspeed.py",
    "        and (e.kind in (\"f\", \"l\") or rel == gs)\n",
    "")]),
- dict(id="RT15", what="the lease record is read without blocking", tests="rtclasses", edits=[(LE,
+ dict(id="RT15", what="the lease record is read without blocking", tests="rtclasses", edits=[(LR,
    "                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK\n",
    "                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC\n")]),
  # --- red team items 5 and 7: files from two saves; the save time, not later additions
