@@ -28,6 +28,11 @@ from ckptd.removal.trash import Trashing
 
 
 class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
+    """Carries out one root's plan (`execute`), each deletion and slim re-checked first; purges its
+    trash (`purge`); hands a slim's consolidation to the caller's worker (`begin_consolidation`,
+    `finish_consolidation`). Each base is one job of it, in a module of its own; the state they
+    share is set here."""
+
     def __init__(
         self,
         scanner: Scanner,
