@@ -23,7 +23,6 @@ from bench.context import Context
 from bench.measure import check, fmt_bytes, fmt_ratio, fmt_time, median, run_child, settle, spread
 from bench.report import Row, Section
 from bench.volume import HOUR, write_checkpoint
-from ckptd import reaper as reaper_module
 from ckptd import rules
 from ckptd.config import Retention, Root
 from ckptd.evidence import walk
@@ -31,7 +30,9 @@ from ckptd.journal import Journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.model import Action
 from ckptd.planner import Scanner, decide
-from ckptd.reaper import Outcome, Reaper
+from ckptd.removal import trash as trash_module
+from ckptd.removal.outcome import Outcome
+from ckptd.removal.reaper import Reaper
 
 NAME = "7. deletion"
 TARGET_S = 0.010
@@ -90,14 +91,14 @@ def gone_from_run(ctx: Context, work: Path, *, world: int, shard: int, reps: int
         t0 = time.perf_counter()
         assert reaper.recheck(decision, anchor) is None
         out["recheck"].append(time.perf_counter() - t0)
-        reaper_module.os = timed_os  # type: ignore[assignment]
+        trash_module.os = timed_os  # type: ignore[assignment]
         try:
             t0 = time.perf_counter()
             result = reaper.trash_one(decision, anchor)
             out["trash_one"].append(time.perf_counter() - t0)
             out["gone"].append(timed_os.renamed_at - t0)
         finally:
-            reaper_module.os = os
+            trash_module.os = os
         assert result.outcome is Outcome.TRASHED and not target.exists(), result.detail
         out["rename"].append(timed_os.rename_s)
         if not i % 2:

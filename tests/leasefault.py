@@ -1,6 +1,6 @@
 """`ckptd run --foreground --log-format json ARGS...` with faults injected into its volume lease's writes.
 
-The injection seam is `ckptd.lease.RecordIO.write`, the one method through which the lease
+The injection seam is `ckptd.leaserecord.RecordIO.write`, the one method through which the lease
 record is written (renewals, takeovers, release). While the file named by
 $CKPTD_TEST_LEASE_FAULT exists, every call raises OSError with the errno named in it
 (`EIO`, `ESTALE`): what a network filesystem returns when the server or the client's
@@ -16,14 +16,14 @@ import errno
 import os
 import sys
 
-from ckptd import lease
+from ckptd import leaserecord
 from ckptd.cli import main
 
 TRIGGER = os.environ["CKPTD_TEST_LEASE_FAULT"]
-_real_write = lease.RecordIO.write
+_real_write = leaserecord.RecordIO.write
 
 
-def _write(self: lease.RecordIO, record: lease.Record) -> None:
+def _write(self: leaserecord.RecordIO, record: leaserecord.Record) -> None:
     try:
         with open(TRIGGER) as f:
             name = f.read().strip()
@@ -33,7 +33,7 @@ def _write(self: lease.RecordIO, record: lease.Record) -> None:
     raise OSError(code, f"{os.strerror(code)} (injected)")
 
 
-lease.RecordIO.write = _write  # type: ignore[method-assign]
+leaserecord.RecordIO.write = _write  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     sys.exit(main(["run", "--foreground", "--log-format", "json", *sys.argv[1:]]))

@@ -1,6 +1,6 @@
 """`ckptd run --foreground -v --log-format json ARGS...` held or killed at its lease record's writes.
 
-The seam is `ckptd.lease.RecordIO.write`, the one method through which the lease record is written
+The seam is `ckptd.leaserecord.RecordIO.write`, the one method through which the lease record is written
 (claims, renewals, release; tests/leasefault.py uses it too). Two faults, each in a window too
 narrow for a signal from another process to land in:
 
@@ -23,18 +23,18 @@ import os
 import signal
 import sys
 
-from ckptd import lease
+from ckptd import leaserecord
 from ckptd.cli import main
 
 HOLD = os.environ.get("CKPTD_TEST_LEASE_HOLD")
 HOLD_READ = os.environ.get("CKPTD_TEST_LEASE_HOLD_READ")
 DIE = os.environ.get("CKPTD_TEST_LEASE_DIE")
-_real_write = lease.RecordIO.write
-_real_read = lease.RecordIO.read
+_real_write = leaserecord.RecordIO.write
+_real_read = leaserecord.RecordIO.read
 log = logging.getLogger("ckptd.test")
 
 
-def _write(self: lease.RecordIO, record: lease.Record) -> None:
+def _write(self: leaserecord.RecordIO, record: leaserecord.Record) -> None:
     if DIE:
         os.kill(os.getpid(), signal.SIGKILL)
     if HOLD and os.path.exists(HOLD):
@@ -45,7 +45,7 @@ def _write(self: lease.RecordIO, record: lease.Record) -> None:
     return _real_write(self, record)
 
 
-def _read(self: lease.RecordIO):
+def _read(self: leaserecord.RecordIO):
     seen = _real_read(self)
     if HOLD_READ and os.path.exists(HOLD_READ):
         log.warning("holding after a lease read (test)")
@@ -55,8 +55,8 @@ def _read(self: lease.RecordIO):
     return seen
 
 
-lease.RecordIO.write = _write  # type: ignore[method-assign]
-lease.RecordIO.read = _read  # type: ignore[method-assign]
+leaserecord.RecordIO.write = _write  # type: ignore[method-assign]
+leaserecord.RecordIO.read = _read  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     sys.exit(main(["run", "--foreground", "-v", "--log-format", "json", *sys.argv[1:]]))

@@ -15,8 +15,8 @@ import logging
 import os
 import sys
 
-from ckptd import reaper
 from ckptd.cli import main
+from ckptd.removal import reaper
 
 FIFOS = os.environ["CKPTD_TEST_FENCE_FIFOS"]
 _real = reaper.Reaper._fenced

@@ -14,7 +14,7 @@ from pathlib import Path
 from test_multinode import ckpts, node_config
 
 from ckptd.layouts import LEASE_DIR
-from ckptd.lease import RECORD
+from ckptd.leaserecord import RECORD
 
 from conftest import run_ckptd
 from daemonproc import DaemonProc

@@ -13,7 +13,8 @@ from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.errors import EX_NOINPUT, EX_USAGE
 from ckptd.journal import read_journal
 from ckptd.layouts import TRASH_DIR
-from ckptd.reaper import DRY_RUN_NOTE, RootLock
+from ckptd.locks import RootLock
+from ckptd.removal.outcome import DRY_RUN_NOTE
 
 from conftest import run_ckptd
 

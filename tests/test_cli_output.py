@@ -21,7 +21,7 @@ import pytest
 from ckptd.config import format_size
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.errors import EX_CONFIG, EX_IOERR, EX_NOINPUT, EX_USAGE
-from ckptd.reaper import DRY_RUN_NOTE
+from ckptd.removal.outcome import DRY_RUN_NOTE
 
 from conftest import REPO, run_ckptd
 

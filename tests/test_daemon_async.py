@@ -450,7 +450,7 @@ async def test_a_stop_does_not_wait_for_a_look_at_the_volume_that_hangs(tmp_path
 
 async def test_a_standby_decides_but_never_deletes(tmp_path, logs):
     """Another ckptd holds the root's lock (here: the test): this one observes only."""
-    from ckptd.reaper import RootLock
+    from ckptd.locks import RootLock
 
     root = tmp_path / "vol"
     for step in (1, 2, 3):

@@ -24,9 +24,9 @@ from test_slim import unconsolidated as unconsolidated
 from ckptd import slim
 from ckptd.journal import read_journal
 from ckptd.layouts import LEASE_DIR, TRASH_DIR
-from ckptd.lease import RECORD, Holder, Record, RecordIO
+from ckptd.leaserecord import RECORD, Holder, Record, RecordIO
 from ckptd.policy import Action
-from ckptd.reaper import Outcome
+from ckptd.removal.outcome import Outcome
 
 
 class Fence:

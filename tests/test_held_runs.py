@@ -21,7 +21,8 @@ from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.journal import Journal
 from ckptd.model import Action
 from ckptd.planner import Scanner, decide
-from ckptd.reaper import Outcome, Reaper
+from ckptd.removal.outcome import Outcome
+from ckptd.removal.reaper import Reaper
 
 from conftest import run_ckptd
 from fwfixtures import copy_volume

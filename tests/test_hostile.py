@@ -25,7 +25,8 @@ from ckptd.journal import Journal, read_journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.model import State, Verdict
 from ckptd.planner import Scanner, decide
-from ckptd.reaper import Outcome, Reaper
+from ckptd.removal.outcome import Outcome
+from ckptd.removal.reaper import Reaper
 
 from conftest import run_ckptd
 

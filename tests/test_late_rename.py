@@ -22,13 +22,13 @@ from test_multinode import D, M, ckpts, listing, node_config
 from test_reaper import names
 from test_reaper import volume as volume
 
-from ckptd import reaper as reaper_module
 from ckptd.config import Retention, Root
 from ckptd.demo import age
 from ckptd.journal import Journal, read_journal
 from ckptd.layouts import PIN_FILE, TRASH_DIR
 from ckptd.planner import Scanner, decide
-from ckptd.reaper import Reaper
+from ckptd.removal import trash
+from ckptd.removal.reaper import Reaper
 
 from conftest import REPO
 from daemonproc import DaemonProc
@@ -141,7 +141,7 @@ def foreign(volume: Path, reaper, plan, step: int) -> str:
     """Checkpoint-`step` moved into the trash as another process's reaper names it, not by this one."""
     c = next(d.checkpoint for d in plan.decisions if d.checkpoint.step == step)
     (volume / TRASH_DIR).mkdir(mode=0o700, exist_ok=True)
-    name = reaper_module._trash_name(c, reaper.clock())
+    name = trash._trash_name(c, reaper.clock())
     os.rename(c.path, volume / TRASH_DIR / name)
     return name
 
@@ -196,8 +196,8 @@ def test_another_process_s_entry_that_is_protected_now_goes_back(volume, live, s
 def test_a_trash_name_says_where_it_came_from(volume, live):
     _reaper, plan = live
     c = plan.decisions[0].checkpoint
-    name = reaper_module._trash_name(c, 1.0)
-    assert reaper_module._trash_origin(name) == ("run/checkpoint-10", "")
-    assert reaper_module._trash_origin(f"{name}%slim") == ("run/checkpoint-10", "%slim")
-    assert reaper_module._trash_origin("1-aaaa-run%checkpoint-10") is None  # an older ckptd's: unknown
-    assert reaper_module._trash_origin("planted") is None
+    name = trash._trash_name(c, 1.0)
+    assert trash._trash_origin(name) == ("run/checkpoint-10", "")
+    assert trash._trash_origin(f"{name}%slim") == ("run/checkpoint-10", "%slim")
+    assert trash._trash_origin("1-aaaa-run%checkpoint-10") is None  # an older ckptd's: unknown
+    assert trash._trash_origin("planted") is None

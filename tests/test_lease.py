@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.layouts import LEASE_DIR
-from ckptd.lease import RECORD, Holder, Record, RecordIO, Seen, VolumeLease
+from ckptd.lease import VolumeLease
+from ckptd.leaserecord import RECORD, Holder, Record, RecordIO, Seen
 
 
 class Clock:

@@ -26,7 +26,8 @@ from ckptd.config import Root, load_config
 from ckptd.journal import Journal
 from ckptd.model import Run
 from ckptd.planner import Scanner, decide
-from ckptd.reaper import Outcome, Reaper
+from ckptd.removal.outcome import Outcome
+from ckptd.removal.reaper import Reaper
 
 from conftest import run_ckptd
 from daemonproc import DaemonProc, write_config

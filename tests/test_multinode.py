@@ -23,7 +23,7 @@ import pytest
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.journal import read_journal
 from ckptd.layouts import LEASE_DIR
-from ckptd.lease import RECORD
+from ckptd.leaserecord import RECORD
 
 from conftest import REPO, run_ckptd
 from daemonproc import DaemonProc

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from ckptd import mounts as mounts_module
-from ckptd import reaper as reaper_module
 from ckptd.config import Retention, Root
 from ckptd.demo import age, hf_deepspeed_checkpoint
 from ckptd.evidence import walk
@@ -24,7 +23,9 @@ from ckptd.layouts import TRASH_DIR
 from ckptd.mounts import is_mount_root
 from ckptd.planner import Scanner, decide
 from ckptd.policy import Action
-from ckptd.reaper import Outcome, Reaper
+from ckptd.removal import fs
+from ckptd.removal.outcome import Outcome
+from ckptd.removal.reaper import Reaper
 
 from conftest import run_ckptd
 
@@ -144,7 +145,7 @@ def test_the_purge_never_crosses_into_a_mount_inside_the_trash(tmp_path, mount, 
     fd = os.open(trash, os.O_RDONLY | os.O_DIRECTORY)
     try:
         with pytest.raises(OSError, match=r"mount point|another filesystem"):
-            reaper_module._remove_tree("1-aaaa-run%checkpoint-10", fd, os.fstat(fd).st_dev)
+            fs._remove_tree("1-aaaa-run%checkpoint-10", fd, os.fstat(fd).st_dev)
     finally:
         os.close(fd)
     assert (dataset / "x").read_text() == "precious"
@@ -161,7 +162,7 @@ def test_the_remover_never_enters_a_bind_mount(tmp_path, mount):
     fd = os.open(trash, os.O_RDONLY | os.O_DIRECTORY)
     try:
         with pytest.raises(OSError, match="mount point"):
-            reaper_module._remove_tree("entry", fd, os.fstat(fd).st_dev)
+            fs._remove_tree("entry", fd, os.fstat(fd).st_dev)
     finally:
         os.close(fd)
     assert (dataset / "x").read_text() == "precious"

@@ -8,14 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import reaper as reaper_module
 from ckptd.config import Retention, Root
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.journal import Journal, read_journal
 from ckptd.layouts import PIN_FILE, TRASH_DIR
+from ckptd.locks import LockHeld, RootLock
 from ckptd.planner import Scanner, decide
 from ckptd.policy import Action
-from ckptd.reaper import LockHeld, Outcome, Reaper, RootLock
+from ckptd.removal import fs
+from ckptd.removal.outcome import Outcome
+from ckptd.removal.reaper import Reaper
 
 NOW = 1_800_000_000.0
 OLD = NOW - 3600
@@ -336,7 +338,7 @@ def test_a_purge_is_journaled_before_the_removal(volume, tmp_path, monkeypatch):
     saying the entry was being purged (found by the crash test: its journal could not agree)."""
     reaper, plan, _ = make(volume, tmp_path)
     reaper.execute(plan.decisions)
-    real_remove, seen = reaper_module._remove_tree, []
+    real_remove, seen = fs._remove_tree, []
 
     def remove_tree(entry, parent_fd, dev, depth=0):
         if depth == 0:  # a trash entry, not a directory inside one
@@ -344,7 +346,7 @@ def test_a_purge_is_journaled_before_the_removal(volume, tmp_path, monkeypatch):
             seen.append((last["event"], Path(last["trash"]).name == entry))
         return real_remove(entry, parent_fd, dev, depth)
 
-    monkeypatch.setattr(reaper_module, "_remove_tree", remove_tree)
+    monkeypatch.setattr(fs, "_remove_tree", remove_tree)
     assert reaper.purge()[0] == 3
     assert seen == [("purging", True)] * 3
 

@@ -18,7 +18,8 @@ from rtkit import config, prune
 from ckptd.config import Retention, Root
 from ckptd.journal import Journal
 from ckptd.planner import Scanner, decide
-from ckptd.reaper import Outcome, Reaper
+from ckptd.removal.outcome import Outcome
+from ckptd.removal.reaper import Reaper
 from ckptd.verdicts import Verdicts
 
 from conftest import run_ckptd

@@ -29,7 +29,8 @@ from ckptd.journal import Journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.planner import Scanner, decide
 from ckptd.policy import Action
-from ckptd.reaper import Outcome, Reaper
+from ckptd.removal.outcome import Outcome
+from ckptd.removal.reaper import Reaper
 
 from conftest import run_ckptd
 
@@ -511,7 +512,7 @@ def test_a_fifo_in_a_run_neither_hangs_prune_nor_deletes_what_it_could_protect(t
 def test_a_fifo_as_the_volume_lease_record_is_read_as_a_garbled_record(tmp_path):
     """<root>/.ckptd/leader.json is on the volume too: a FIFO there is a record that does not
     parse (as a torn one), read without blocking."""
-    from ckptd.lease import RECORD, RecordIO
+    from ckptd.leaserecord import RECORD, RecordIO
 
     (tmp_path / layouts.LEASE_DIR).mkdir()
     os.mkfifo(tmp_path / layouts.LEASE_DIR / RECORD)

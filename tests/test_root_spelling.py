@@ -17,7 +17,7 @@ import pytest
 
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.errors import EX_USAGE
-from ckptd.reaper import RootLock
+from ckptd.locks import RootLock
 
 from conftest import run_ckptd
 

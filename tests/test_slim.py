@@ -20,7 +20,8 @@ from ckptd.layouts import PIN_FILE, TRASH_DIR
 from ckptd.model import State, Verdict
 from ckptd.planner import Scanner, decide
 from ckptd.policy import Action
-from ckptd.reaper import Outcome, Reaper
+from ckptd.removal.outcome import Outcome
+from ckptd.removal.reaper import Reaper
 
 from conftest import run_ckptd
 
@@ -239,7 +240,7 @@ def settle_weights(ck: Path) -> None:
 def two_phase(root: Path, tmp_path: Path, monkeypatch, during=lambda out_dir: None):
     """The daemon's way: the slim comes back DEFERRED, the consolidation is begun, run (here by the
     fake consolidator), finished; returns (reaper, result of finishing, work)."""
-    import ckptd.reaper
+    import ckptd.removal.consolidation
 
     fake_consolidator(monkeypatch, during)
     reaper, plan, _ = reaper_for(root, tmp_path, keep_last=2, keep_full_last=1)
@@ -247,10 +248,10 @@ def two_phase(root: Path, tmp_path: Path, monkeypatch, during=lambda out_dir: No
     assert (deferred.outcome, deferred.detail) == (Outcome.DEFERRED, "consolidating fp32 weights from global_step10 "
                                                                      "first")
     work = reaper.begin_consolidation(deferred.decision, deferred.anchors)
-    assert isinstance(work, ckptd.reaper.Work) and work.path.is_dir() and not any(work.path.iterdir())
+    assert isinstance(work, ckptd.removal.consolidation.Work) and work.path.is_dir() and not any(work.path.iterdir())
     try:
-        out = ckptd.reaper.Consolidation(work.save_dir, work.tag, work.model_states, work.path,
-                                         source_fingerprint=work.source_fingerprint, timeout=None).run()
+        out = ckptd.removal.consolidation.Consolidation(work.save_dir, work.tag, work.model_states, work.path,
+                                                        source_fingerprint=work.source_fingerprint, timeout=None).run()
     except Exception as exc:  # handed on, as the daemon does
         out = exc
     return reaper, reaper.finish_consolidation(work, out), work
@@ -401,7 +402,7 @@ def test_a_failed_consolidation_leaves_its_output_in_the_trash_only(tmp_path, mo
 
 
 def test_leftovers_of_a_crash_go_to_the_trash_at_the_next_start(tmp_path):
-    from ckptd.reaper import WORK_DIR
+    from ckptd.removal.consolidation import WORK_DIR
 
     root = tmp_path / "vol"
     ds_run(root, bf16)
@@ -661,17 +662,17 @@ def test_the_markers_temp_file_is_created_exclusively_and_never_through_a_link(t
                                                                                monkeypatch):
     """A symlink planted under the temp name after ckptd removed it (a lost race): the open
     must fail rather than truncate what the link points to."""
-    import ckptd.reaper
+    import ckptd.removal.slimming
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
-    real_unlink = ckptd.reaper._unlink_at
+    real_unlink = ckptd.removal.slimming._unlink_at
 
     def unlink_then_plant(name, dir_fd):
         real_unlink(name, dir_fd)
         os.symlink(victim, name, dir_fd=dir_fd)
 
-    monkeypatch.setattr(ckptd.reaper, "_unlink_at", unlink_then_plant)
+    monkeypatch.setattr(ckptd.removal.slimming, "_unlink_at", unlink_then_plant)
     reaper, plan, _ = reaper_for(trainer_volume, tmp_path, keep_last=3, keep_full_last=1)
     results = reaper.execute(plan.decisions)
     assert [r.outcome for r in results] == [Outcome.FAILED] * 2
@@ -786,7 +787,7 @@ def unconsolidated(tmp_path: Path) -> Path:
 def fake_consolidator(monkeypatch, during=lambda out_dir: None):
     """Writes what the real child writes (one shard, the index with ckptd's record), reports it
     as the parent's check would, then calls `during`: between the check and the move into place."""
-    import ckptd.reaper
+    import ckptd.removal.consolidation
 
     class Fake:
         def __init__(self, save_dir, tag, model_states, out_dir, *, source_fingerprint, timeout):
@@ -797,7 +798,7 @@ def fake_consolidator(monkeypatch, during=lambda out_dir: None):
             during(self.out_dir)
             return out
 
-    monkeypatch.setattr(ckptd.reaper, "Consolidation", Fake)
+    monkeypatch.setattr(ckptd.removal.consolidation, "Consolidation", Fake)
 
 
 def write_consolidated(out_dir: Path, tag: str, source_fingerprint: str):
@@ -832,7 +833,7 @@ def untouched(ck: Path) -> bool:
 
 def no_work_left(root: Path) -> bool:
     """Nothing of the consolidation is left in the work area: a failed one's output is in the trash."""
-    from ckptd.reaper import WORK_DIR
+    from ckptd.removal.consolidation import WORK_DIR
 
     return not any((root / WORK_DIR).iterdir())
 
@@ -884,11 +885,12 @@ def test_the_anchor_is_looked_at_again_after_consolidating(unconsolidated, tmp_p
 
 def test_weights_that_appear_while_consolidating_are_not_overwritten(unconsolidated, tmp_path, monkeypatch):
     """An fp32/ lands after the last look at the checkpoint's entries, just before the rename."""
-    import ckptd.reaper
+    import ckptd.removal.consolidation
+    import ckptd.removal.slimming
 
     ck = unconsolidated / "run" / "checkpoint-10"
     fake_consolidator(monkeypatch)
-    real_walk, walks = ckptd.reaper.walk, []
+    real_walk, walks = ckptd.removal.slimming.walk, []
 
     def walk_then_plant(path):
         entries = real_walk(path)
@@ -898,7 +900,8 @@ def test_weights_that_appear_while_consolidating_are_not_overwritten(unconsolida
             (ck / "fp32" / "mine.txt").write_text("the user's own")
         return entries
 
-    monkeypatch.setattr(ckptd.reaper, "walk", walk_then_plant)
+    for module in (ckptd.removal.slimming, ckptd.removal.consolidation):  # each walk, counted in order
+        monkeypatch.setattr(module, "walk", walk_then_plant)
     _, [result] = slim_first(unconsolidated, tmp_path)
     assert (result.outcome, result.detail) == (Outcome.REFUSED, "fp32/ appeared while consolidating")
     assert os.listdir(ck / "fp32") == ["mine.txt"] and untouched(ck) and no_work_left(unconsolidated)
@@ -906,11 +909,12 @@ def test_weights_that_appear_while_consolidating_are_not_overwritten(unconsolida
 
 def test_a_change_right_after_the_weights_went_into_place_stops_the_slim(unconsolidated, tmp_path, monkeypatch):
     """`prune` slims straight after consolidating: the checkpoint is looked at once more in between."""
-    import ckptd.reaper
+    import ckptd.removal.consolidation
+    import ckptd.removal.slimming
 
     ck = unconsolidated / "run" / "checkpoint-10"
     fake_consolidator(monkeypatch)
-    real_walk, walks = ckptd.reaper.walk, []
+    real_walk, walks = ckptd.removal.slimming.walk, []
 
     def walk_then_write(path):
         walks.append(path)
@@ -918,7 +922,8 @@ def test_a_change_right_after_the_weights_went_into_place_stops_the_slim(unconso
             (ck / "notes.txt").write_text("a late write")
         return real_walk(path)
 
-    monkeypatch.setattr(ckptd.reaper, "walk", walk_then_write)
+    for module in (ckptd.removal.slimming, ckptd.removal.consolidation):  # each walk, counted in order
+        monkeypatch.setattr(module, "walk", walk_then_write)
     _, [result] = slim_first(unconsolidated, tmp_path)
     assert (result.outcome, result.detail) == (Outcome.REFUSED, "changed while its weights were being consolidated")
     assert untouched(ck) and (ck / "fp32" / slim.INDEX).exists()  # added, and nothing removed
@@ -991,14 +996,14 @@ def test_a_consolidation_finished_after_dry_run_was_switched_on_is_not_moved_int
     def dry_run_on(out_dir):
         reaper.dry_run = True
 
-    import ckptd.reaper
+    import ckptd.removal.consolidation
 
     fake_consolidator(monkeypatch, dry_run_on)
     reaper, plan, _ = reaper_for(root, tmp_path, keep_last=2, keep_full_last=1)
     [deferred] = reaper.execute(plan.decisions, consolidate=False)
     work = reaper.begin_consolidation(deferred.decision, deferred.anchors)
-    out = ckptd.reaper.Consolidation(work.save_dir, work.tag, work.model_states, work.path,
-                                     source_fingerprint=work.source_fingerprint, timeout=None).run()
+    out = ckptd.removal.consolidation.Consolidation(work.save_dir, work.tag, work.model_states, work.path,
+                                                    source_fingerprint=work.source_fingerprint, timeout=None).run()
     result = reaper.finish_consolidation(work, out)
     assert (result.outcome, result.detail) == (
         Outcome.REFUSED, "dry run: not moved into place (dry run; not actually removing anything)")

@@ -23,7 +23,7 @@ from ckptd.config import load_config
 from ckptd.consolidate import ConsolidationFailed
 from ckptd.daemon import Daemon
 from ckptd.demo import hf_deepspeed_checkpoint
-from ckptd.reaper import WORK_DIR
+from ckptd.removal.consolidation import WORK_DIR
 
 from daemonproc import write_config
 
@@ -34,7 +34,7 @@ SAFETY_NET = 45  # a stand-in never holds longer; the daemon's bounded shutdown 
 
 
 class Consolidators:
-    """Stand-ins for `ckptd.reaper.Consolidation`: each holds until released or cancelled.
+    """Stand-ins for `ckptd.removal.consolidation.Consolidation`: each holds until released or cancelled.
 
     A daemon that did not stop its consolidation would wait for it at shutdown, then `os._exit`:
     in-process, the test run itself would end, with status 0. So the shutdown bound is raised
@@ -76,9 +76,9 @@ class Consolidators:
                     raise ConsolidationFailed("zero_to_fp32 took longer than 2h")
                 return write_consolidated(self.out_dir, self.tag, self.fp)
 
-        import ckptd.reaper
+        import ckptd.removal.consolidation
 
-        monkeypatch.setattr(ckptd.reaper, "Consolidation", Held)
+        monkeypatch.setattr(ckptd.removal.consolidation, "Consolidation", Held)
 
     async def next(self, timeout: float = 30):
         return await asyncio.wait_for(self.started.get(), timeout)

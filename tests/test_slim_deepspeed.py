@@ -28,7 +28,7 @@ from ckptd.consolidate import PAUSE_FIFO_ENV
 from ckptd.demo import age
 from ckptd.journal import read_journal
 from ckptd.layouts import LEASE_DIR
-from ckptd.reaper import WORK_DIR
+from ckptd.removal.consolidation import WORK_DIR
 
 import dsgen
 from conftest import run_ckptd

@@ -2,26 +2,16 @@
 
 Two kinds of leadership, chosen by `[daemon] leadership`:
 
-- `local` (`LocalLeadership`): the flock in `state_dir/locks/` (`reaper.RootLock`). Enough when
+- `local` (`LocalLeadership`): the flock in `state_dir/locks/` (`locks.RootLock`). Enough when
   every ckptd that could delete in the root runs on this host with this state_dir.
 - `volume` (`VolumeLease`): a lease recorded on the volume itself, in `<root>/.ckptd/` (hidden:
   discovery never descends into it or takes it for a checkpoint), so ckptd on any host that
   mounts the root sees it. `auto` (the default) means `volume` on network filesystems
   (`mounts.is_remote`) and `local` elsewhere. Every host must resolve to the same kind.
 
-The volume lease, in `<root>/.ckptd/`:
-
-- `leader.lock`: held with a POSIX lock (`lockf`, F_SETLK) for the whole tenure. NFSv4 (and v3
-  with the NLM), Lustre mounted with `flock`, GPFS and CephFS enforce these across the cluster;
-  where they do not (NFS `nolock` or `local_lock=posix|all`, a FUSE filesystem), the lock only
-  keeps this host's processes apart and the lease below does the work. It is never relied on
-  alone: a lock server can hand a lock on after a partition, and `nolock` succeeds everywhere.
-- `epoch-<N>`: the claim of epoch N, created with O_CREAT|O_EXCL. Exclusive create is atomic
-  on the server for NFSv3 and v4 (the Linux client sends an EXCLUSIVE CREATE with a verifier),
-  and on Lustre, GPFS and CephFS: two standbys that decide to take over at once cannot both
-  claim the same epoch. The holder of the highest epoch is the only one that may lead.
-- `leader.json`: the lease record: the holder (host, pid, process start, a random id), the
-  epoch, a wall-clock expiry, a renewal counter `seq`, the holder's duration and margin.
+What is on the volume (`leader.lock`, the `epoch-<N>` claims, the record `leader.json` and its
+`beat-<epoch>-<seq>` names), how it is written and read, and what the filesystem must give for
+that to hold: leaserecord.py.
 
 Rules:
 
@@ -52,21 +42,6 @@ Rules:
   epoch, its deadline has not passed, and the record on the volume still names it at that
   epoch with no later claim. The deadline is looked at after the read, so a read that hung
   counts against it.
-
-What the filesystem must give for this to hold (why the record is written as it is):
-
-- Atomic replacement: the record is written to a temp file, fsynced, closed, renamed over
-  `leader.json`, and the directory fsynced. A reader sees the old record or the new one,
-  never half of one: rename is atomic on the NFS server, and on Lustre, GPFS and CephFS.
-- Fresh reads. NFS close-to-open consistency promises that an open() after another client's
-  close() sees that client's data: the Linux client revalidates a file's attributes on every
-  open (and drops cached pages when they changed). A rename, though, changes the directory,
-  and a cached name may still lead to the old file until the directory's attributes are
-  looked at again; so a reader first opens `.ckptd/` itself (an open revalidates a directory
-  too, and a changed directory invalidates the names cached under it), then opens
-  `leader.json` relative to that descriptor. Mounted `nocto`, none of this holds: volume
-  leadership refuses to lead there (a daemon that cannot be sure deletes nothing). Lustre,
-  GPFS and CephFS are cache-coherent (LDLM locks, tokens, caps): every read is fresh.
 - What no lease can close: a process stopped between its last check and the rename itself
   (SIGSTOP, a VM paused for longer than the margin) can still rename once after its lease
   ran out. Only fencing by the storage could prevent that; none of these filesystems offers
@@ -75,330 +50,28 @@ What the filesystem must give for this to hold (why the record is written as it 
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import functools
-import json
 import logging
-import os
-import socket
-import stat
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from ckptd.layouts import LEASE_DIR
+from ckptd.leaserecord import RECORD, Holder, Record, RecordIO, Seen
+from ckptd.locks import LockHeld
 from ckptd.mounts import Mount, attribute_cache, coherence, is_remote, mount_of, read_mounts
 
 log = logging.getLogger(__name__)
 
-RECORD = "leader.json"
-LOCK = "leader.lock"
-CLAIM_PREFIX = "epoch-"
-BEAT_PREFIX = "beat-"  # beat-<epoch>-<seq>: each write of the record also makes a new name
-PROBE_PREFIX = ".probe-"  # made and removed before a takeover (RecordIO.probe)
 KEEP_CLAIMS = 4  # the leader removes older claim files than its epoch minus this
 
 
 def boottime() -> float:
     """Monotonic seconds that also count time suspended (a deadline must pass during a suspend)."""
     return time.clock_gettime(time.CLOCK_BOOTTIME)
-
-
-def _process_start() -> float:
-    """This process's start time, by the wall clock."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time()
-
-
-@dataclass(frozen=True)
-class Holder:
-    host: str
-    pid: int
-    start: float  # the process's start, wall clock
-    id: str  # random: tells this process from a later one with the same host and pid
-
-    @classmethod
-    def me(cls) -> Holder:
-        return cls(socket.gethostname(), os.getpid(), round(_process_start(), 3), uuid.uuid4().hex)
-
-    def describe(self) -> str:
-        return f"{self.host} pid {self.pid}"
-
-
-@dataclass(frozen=True)
-class Record:
-    """`leader.json`."""
-
-    epoch: int
-    holder: Holder
-    expires: float  # wall clock
-    renewed: float  # wall clock
-    seq: int  # renewals at this epoch
-    duration: float
-    margin: float
-    since: float = 0.0  # wall clock: when this epoch was taken
-    released: bool = False
-
-    def to_bytes(self) -> bytes:
-        return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
-
-    @classmethod
-    def parse(cls, raw: bytes) -> Record:
-        """Raises ValueError on anything that is not a whole record."""
-        try:
-            doc = json.loads(raw)
-            holder = Holder(**doc.pop("holder"))
-            rec = cls(holder=holder, **doc)
-        except (TypeError, KeyError, AttributeError) as exc:
-            raise ValueError(f"not a lease record: {exc}") from None
-        if not isinstance(rec.epoch, int) or not isinstance(rec.seq, int):
-            raise ValueError("not a lease record: epoch and seq must be integers")
-        for value in (rec.expires, rec.renewed, rec.duration, rec.margin, rec.since):
-            if not isinstance(value, int | float):
-                raise ValueError("not a lease record: times must be numbers")
-        return rec
-
-
-@dataclass(frozen=True)
-class Seen:
-    """One look at `.ckptd/`: the record as read (raw, and parsed if it parses), the highest claim,
-    and the renewal the directory's names show (`beat-<epoch>-<seq>`)."""
-
-    raw: bytes | None  # None: no record
-    record: Record | None  # None: none, or it does not parse
-    max_claim: int  # 0: none
-    beat: tuple[int, int] | None = None  # (epoch, seq) of the newest beat entry; None: none
-
-    @property
-    def stale(self) -> bool:
-        """Whether the record read is older than the renewal the directory shows: a read served
-        from a cache (a FUSE mount with kernel_cache or a long attr/entry timeout)."""
-        if self.beat is None or self.record is None:  # none, or unreadable: watched as before
-            return False
-        return (self.record.epoch, self.record.seq) < self.beat
-
-    @property
-    def epoch(self) -> int:
-        return max(self.record.epoch if self.record else 0, self.max_claim)
-
-
-class RecordIO:
-    """The lease's I/O on the volume, one method per operation.
-
-    This is the seam through which tests inject what a network filesystem does to the record
-    (EIO, ESTALE): no filesystem that runs here can be made to fail one file on demand.
-    """
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.dir = root / LEASE_DIR
-        self._lock_fd: int | None = None
-        self._root_lock: Any = None  # reaper.RootLock on <root>/.ckptd/local.lock, while leading
-
-    def _open_dir(self, create: bool = True) -> int:
-        """`.ckptd/` opened afresh (an open revalidates the directory on NFS: see the module doc).
-
-        Without `create`, raises FileNotFoundError when it is not there."""
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            try:
-                return os.open(LEASE_DIR, flags, dir_fd=root_fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                try:
-                    os.mkdir(LEASE_DIR, 0o755, dir_fd=root_fd)
-                except FileExistsError:
-                    pass
-                return os.open(LEASE_DIR, flags, dir_fd=root_fd)
-        finally:
-            os.close(root_fd)
-
-    def read(self) -> Seen:
-        try:
-            dir_fd = self._open_dir(create=False)  # an observer (a dry run) writes nothing
-        except FileNotFoundError:
-            return Seen(None, None, 0)
-        try:
-            try:
-                # O_NONBLOCK and a regular-file check: a FIFO planted here would block the open
-                # forever (volread's rule, from a descriptor here).
-                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-                fd = os.open(RECORD, flags, dir_fd=dir_fd)
-            except FileNotFoundError:
-                raw = None
-            else:
-                try:
-                    raw = os.read(fd, 1 << 16) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-                finally:
-                    os.close(fd)
-            names = os.listdir(dir_fd)
-        finally:
-            os.close(dir_fd)
-        record = None
-        if raw is not None:
-            try:
-                record = Record.parse(raw)
-            except ValueError:
-                pass
-        claims = [c for c in map(_claim_number, names) if c is not None]
-        beats = [b for b in map(_beat, names) if b is not None]
-        return Seen(raw, record, max(claims, default=0), max(beats, default=None))
-
-    def write(self, record: Record) -> None:
-        """Atomically: a temp file, fsynced, renamed over the record, the directory fsynced."""
-        dir_fd = self._open_dir()
-        try:
-            tmp = f".{RECORD}.{record.holder.id[:12]}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                         dir_fd=dir_fd)
-            try:
-                os.write(fd, record.to_bytes())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, RECORD, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            # The renewal as a new name too: a client that caches a file's contents and the
-            # lookup of its name (FUSE kernel_cache, entry_timeout) goes on returning the old
-            # record, but a directory opened afresh is listed by the filesystem itself.
-            beat = f"{BEAT_PREFIX}{record.epoch}-{record.seq}"
-            with contextlib.suppress(FileExistsError):  # a release rewrites the last renewal's
-                os.close(os.open(beat, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                 0o644, dir_fd=dir_fd))
-            for name in os.listdir(dir_fd):
-                if name != beat and _beat(name) is not None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name, dir_fd=dir_fd)
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-    def probe(self, holder: Holder) -> None:
-        """Create and remove a name in `.ckptd/`: a FUSE client that caches directory listings and
-        contents (sshfs, rclone, s3fs, gcsfuse) drops what it holds for a directory it changes
-        itself, so the look after this is the filesystem's own, not the cache's."""
-        dir_fd = self._open_dir()
-        try:
-            name = f"{PROBE_PREFIX}{holder.id[:12]}"
-            with contextlib.suppress(FileExistsError):
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                os.close(os.open(name, flags, 0o644, dir_fd=dir_fd))
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
-
-    def claim(self, epoch: int, holder: Holder) -> bool:
-        """Create `epoch-<N>` exclusively; False if another host claimed it first."""
-        dir_fd = self._open_dir()
-        try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            try:
-                fd = os.open(f"{CLAIM_PREFIX}{epoch}", flags, 0o644, dir_fd=dir_fd)
-            except FileExistsError:
-                return False
-            try:
-                os.write(fd, f"{holder.host} {holder.pid} {holder.id}\n".encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.fsync(dir_fd)
-            return True
-        finally:
-            os.close(dir_fd)
-
-    def forget_claims_before(self, epoch: int) -> None:
-        dir_fd = self._open_dir()
-        try:
-            for name in os.listdir(dir_fd):
-                n = _claim_number(name)
-                if n is not None and n < epoch:
-                    try:
-                        os.unlink(name, dir_fd=dir_fd)
-                    except FileNotFoundError:
-                        pass
-        finally:
-            os.close(dir_fd)
-
-    def lock(self) -> str | None:
-        """Take the POSIX lock on `leader.lock`: None if taken (or locks are not available
-        here, which the lease covers), else who has it."""
-        if self._lock_fd is not None:
-            return None
-        dir_fd = self._open_dir()
-        try:
-            fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                return "another process holds its lock"
-            # ENOLCK: NFS without a lock manager; ENOSYS: Lustre mounted noflock (its default).
-            if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                log.info("%s: no POSIX locks here (%s): the lease alone decides", self.dir, exc.strerror)
-                return None
-            raise
-        self._lock_fd = fd
-        return None
-
-    def unlock(self) -> None:
-        # Closing the descriptor drops the POSIX lock (and every POSIX lock this process holds
-        # on the file: nothing else in ckptd opens it).
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    def lock_root(self) -> str | None:
-        """Take `<root>/.ckptd/local.lock` (`reaper.RootLock`, the root's own lock alone) for the
-        tenure: a ckptd with `leadership = "local"` holds it while it deletes here, and the two
-        must never both delete. None if taken (or on a read-only root: the lease alone decides),
-        else why not."""
-        from ckptd.reaper import LockHeld, RootLock, RootLockUnavailable
-
-        if self._root_lock is None:
-            self._root_lock = RootLock(None, self.root)
-        if self._root_lock.held:
-            return None
-        try:
-            self._root_lock.acquire()
-        except RootLockUnavailable as exc:
-            return str(exc)
-        except LockHeld:
-            return (f"a ckptd with leadership = \"local\" deletes here (it holds "
-                    f"{self._root_lock.root_path}): every ckptd that deletes in a root must use the same "
-                    "leadership")
-        return None
-
-    def unlock_root(self) -> None:
-        if self._root_lock is not None:
-            self._root_lock.release()
-
-
-def _beat(name: str) -> tuple[int, int] | None:
-    if not name.startswith(BEAT_PREFIX):
-        return None
-    epoch, _, seq = name[len(BEAT_PREFIX):].partition("-")
-    return (int(epoch), int(seq)) if epoch.isdigit() and seq.isdigit() else None
-
-
-def _claim_number(name: str) -> int | None:
-    if name.startswith(CLAIM_PREFIX) and name[len(CLAIM_PREFIX):].isdigit():
-        return int(name[len(CLAIM_PREFIX):])
-    return None
 
 
 class VolumeLease:
@@ -578,21 +251,10 @@ class VolumeLease:
                 self.blocked = (f"reads of {LEASE_DIR}/{RECORD} are stale here (the directory shows renewal "
                                 f"{seen.beat}): a caching mount; not taking over")
                 return
-            rec = seen.record
-            if seen.raw is None and seen.max_claim == 0:
-                pass  # never held: free
-            elif rec is not None and rec.released and rec.epoch >= seen.max_claim:
-                pass  # handed back by a leader that stopped: free
-            else:
-                duration = max(self.duration, rec.duration if rec else 0.0)
-                margin = max(self.margin, rec.margin if rec else 0.0)
-                if unchanged_for < duration + margin:
-                    self.blocked = (f"waiting for the lease to go unrenewed for {duration + margin:g}s "
-                                    f"(unchanged for {unchanged_for:.1f}s)")
-                    return
-                if rec is not None and rec.epoch == seen.epoch and self.wall() <= rec.expires + margin:
-                    self.blocked = f"{rec.holder.describe()}'s lease has not expired (+{margin:g}s margin)"
-                    return
+            why = self._not_free(seen, unchanged_for)
+            if why is not None:
+                self.blocked = why
+                return
             # Every rule says take it: look once more, after changing the directory ourselves. A
             # client that caches listings as well as contents shows neither the record nor the
             # beats move while a live leader renews; it drops them for a directory it changes.
@@ -643,6 +305,24 @@ class VolumeLease:
             self.io.forget_claims_before(epoch - KEEP_CLAIMS)
         except OSError:
             pass
+
+    def _not_free(self, seen: Seen, unchanged_for: float) -> str | None:
+        """Why the rules do not let a standby take the lease as `seen` (watched unchanged for
+        `unchanged_for` seconds) shows it, or None: never held, handed back, or unrenewed for the
+        duration plus the margin and expired by the wall clock (see the module doc)."""
+        rec = seen.record
+        if seen.raw is None and seen.max_claim == 0:
+            return None  # never held: free
+        if rec is not None and rec.released and rec.epoch >= seen.max_claim:
+            return None  # handed back by a leader that stopped: free
+        duration = max(self.duration, rec.duration if rec else 0.0)
+        margin = max(self.margin, rec.margin if rec else 0.0)
+        if unchanged_for < duration + margin:
+            return (f"waiting for the lease to go unrenewed for {duration + margin:g}s "
+                    f"(unchanged for {unchanged_for:.1f}s)")
+        if rec is not None and rec.epoch == seen.epoch and self.wall() <= rec.expires + margin:
+            return f"{rec.holder.describe()}'s lease has not expired (+{margin:g}s margin)"
+        return None
 
     def release(self) -> None:
         """Stop leading; if held, say so in the record so a standby need not wait for it to expire."""
@@ -738,7 +418,7 @@ class VolumeLease:
 
 
 class LocalLeadership:
-    """The single-host case: the flock in `state_dir/locks/` (reaper.RootLock)."""
+    """The single-host case: the flock in `state_dir/locks/` (locks.RootLock)."""
 
     kind = "local"
 
@@ -751,8 +431,6 @@ class LocalLeadership:
         return self.lock.held
 
     def step(self) -> None:
-        from ckptd.reaper import LockHeld
-
         if self.lock.held:
             return
         try:

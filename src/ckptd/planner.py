@@ -649,7 +649,7 @@ def decide(
     `extents_held(root)`: on a filesystem that shares extents, what deleting each checkpoint leaves
     allocated (extents.py), for `min_free`; None where st_blocks is what deleting frees.
     `trash(root)`: what waits in the root's trash to be purged, counted as free for `min_free`
-    (reaper.waiting_in_trash; the daemon's `space` counts it itself).
+    (removal.purge.waiting_in_trash; the daemon's `space` counts it itself).
     """
     decisions: list[Decision] = []
     warnings: list[str] = []

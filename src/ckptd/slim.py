@@ -306,7 +306,7 @@ def _present(files: Mapping[str, Entry], rel: str) -> bool:
 def _slimmed(marker: Marker, files: Mapping[str, Entry], removable: tuple[tuple[str, int], ...]) -> Slimming:
     """A checkpoint with a slim marker (`survey`): what is left to remove, the weights it names."""
     named = f"{marker.weights}, named by its slim marker"
-    # A slim writes "done" only once every file it listed has gone (reaper.slim_one); optimizer
+    # A slim writes "done" only once every file it listed has gone (removal.slimming); optimizer
     # files here after that were put back by someone, to resume from it: theirs to keep.
     if marker.done and any(not in_work_dir(rel) for rel, _ in removable):
         return Slimming(True, (), marker.weights if _present(files, marker.weights) else None, keeps=named,

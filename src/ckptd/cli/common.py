@@ -18,7 +18,7 @@ from ckptd.mounts import holder, quiet_for, read_mounts
 from ckptd.planner import Scanner, decide
 from ckptd.policy import Plan
 from ckptd.progress import Progress
-from ckptd.reaper import waiting_in_trash
+from ckptd.removal.purge import waiting_in_trash
 
 
 def config_path(args: argparse.Namespace) -> Path | None:

@@ -10,7 +10,7 @@ from ckptd.config import format_size
 from ckptd.errors import EX_IOERR, EX_OK
 from ckptd.model import Action, Checkpoint
 from ckptd.policy import Decision
-from ckptd.reaper import Outcome
+from ckptd.removal.outcome import Outcome
 
 
 def report_result(result: Any, totals: dict, would: dict[str, list[int]], note: str) -> int:

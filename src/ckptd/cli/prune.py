@@ -16,11 +16,14 @@ from ckptd.config import Config, Root, format_size
 from ckptd.errors import EX_OK
 from ckptd.journal import Journal
 from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership
+from ckptd.locks import RootLock
 from ckptd.model import Action
 from ckptd.mounts import read_mounts
 from ckptd.planner import Scanner, decide
 from ckptd.progress import Progress, Ticker
-from ckptd.reaper import DRY_RUN_NOTE, Outcome, Reaper, RootLock, waiting_in_trash
+from ckptd.removal.outcome import DRY_RUN_NOTE, Outcome
+from ckptd.removal.purge import waiting_in_trash
+from ckptd.removal.reaper import Reaper
 
 
 def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadership | None, str | None]:

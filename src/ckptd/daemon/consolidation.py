@@ -17,7 +17,8 @@ from ckptd.consolidate import Consolidation
 from ckptd.daemon.roots import RootRuntime
 from ckptd.model import Action, Checkpoint
 from ckptd.policy import Decision
-from ckptd.reaper import Outcome, Result, Work
+from ckptd.removal.consolidation import Work
+from ckptd.removal.outcome import Outcome, Result
 
 if TYPE_CHECKING:
     from ckptd.daemon.core import Daemon

@@ -54,7 +54,8 @@ from ckptd.errors import ConfigError
 from ckptd.journal import Journal
 from ckptd.metrics import Metrics
 from ckptd.notify import notify, watchdog_interval
-from ckptd.reaper import DRY_RUN_NOTE, lower_priority
+from ckptd.removal.outcome import DRY_RUN_NOTE
+from ckptd.removal.purge import lower_priority
 from ckptd.watch import Watcher
 
 # One logger for all of the daemon's rooms: its name is in every JSON log line ("logger").

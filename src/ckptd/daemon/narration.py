@@ -18,7 +18,7 @@ from ckptd.config import format_age, format_duration, format_size
 from ckptd.model import QUIET, SAVE_LEASE, Action, Checkpoint, State, Verdict
 from ckptd.planner import decide
 from ckptd.policy import Decision
-from ckptd.reaper import DRY_RUN_NOTE
+from ckptd.removal.outcome import DRY_RUN_NOTE
 
 if TYPE_CHECKING:
     from ckptd.daemon.core import Daemon

@@ -16,7 +16,8 @@ from ckptd.metrics import unmet_budgets
 from ckptd.model import Action, State
 from ckptd.planner import DiskSpace, decide, disk_space
 from ckptd.policy import Decision
-from ckptd.reaper import DRY_RUN_NOTE, Outcome, Result, waiting_in_trash
+from ckptd.removal.outcome import DRY_RUN_NOTE, Outcome, Result
+from ckptd.removal.purge import waiting_in_trash
 
 if TYPE_CHECKING:
     from ckptd.daemon.core import Daemon
@@ -206,7 +207,7 @@ class Retention:
     def space(self, path: Path) -> DiskSpace:
         """Free space on `path`'s filesystem, counting what its roots hold in the trash as freed:
         what this daemon moved there, and what waits there longer (another process's, one a killed
-        prune left: reaper.waiting_in_trash).
+        prune left: removal.purge.waiting_in_trash).
 
         While a purge runs, an entry it is removing may be counted with what statvfs sees freed
         already: free space is overestimated for a moment, so min_free deletes less, never more.

@@ -16,8 +16,9 @@ from ckptd.lease import (
     coherence_note,
     volume_leader_seen,
 )
+from ckptd.locks import RootLock
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
-from ckptd.reaper import Reaper, RootLock
+from ckptd.removal.reaper import Reaper
 from ckptd.tracker import RootTracker
 from ckptd.watch import choose_observer
 

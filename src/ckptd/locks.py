@@ -1,0 +1,166 @@
+"""One deleter per root on this host: `RootLock`, the flocks every ckptd that deletes in a root
+takes, in its `state_dir` and in `<root>/.ckptd/local.lock`. The local leadership is that lock
+(`lease.LocalLeadership`); a volume lease's leader holds the root's own for its tenure
+(`leaserecord.RecordIO.lock_root`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import stat
+from pathlib import Path
+
+from ckptd import layouts
+
+log = logging.getLogger(__name__)
+
+
+class LockHeld(Exception):
+    pass
+
+
+class RootLockUnavailable(LockHeld):
+    """`<root>/.ckptd/local.lock` cannot be taken, on a root that is not read-only: deleting
+    there could go on beside a ckptd with another state_dir, so nobody here deletes."""
+
+
+ROOT_LOCK = "local.lock"  # in <root>/.ckptd/: the lock every ckptd on this host deleting in the root takes
+
+
+class RootLock:
+    """One deleter per root: an exclusive flock on a file in `state_dir`, keyed by the root, and
+    one on `<root>/.ckptd/local.lock`, the root's own.
+
+    The first alone let a prune with another state_dir (a user's cron, a sidecar with its own
+    state volume) delete beside the daemon leading the root: the second is the same
+    file for every ckptd on this host, whatever its state_dir or its spelling of the root. It is
+    taken where it can be: a root on a read-only filesystem (where nothing is deleted anyway) has
+    the state_dir lock alone, and so, with a warning, has a full one where the lock was never made
+    (it is made at the first run with room, and stays). Anything else that keeps it from being
+    taken (`.ckptd` a file, not ours to write, the lock not a regular file, a flock refused)
+    raises `RootLockUnavailable`: the state_dir lock alone would let two ckptds delete at once.
+    The kernel releases both when the holder exits, however it exits.
+
+    Without a `state_dir`, the root's own lock alone: what a volume lease's leader holds for its
+    tenure (`VolumeLease`), so that it and a ckptd with `leadership = "local"` exclude each
+    other. On NFS the Linux client sends a flock to the server as a whole-file POSIX lock, so
+    this holds across hosts there too; on a FUSE filesystem it holds on this host only.
+    """
+
+    def __init__(self, state_dir: Path | None, root: Path):
+        digest = hashlib.sha256(os.fsencode(os.path.realpath(root))).hexdigest()[:16]
+        self.path = state_dir / "locks" / f"{digest}.lock" if state_dir is not None else None
+        self.root = root
+        self.root_path = root / layouts.LEASE_DIR / ROOT_LOCK
+        self._fd: int | None = None
+        self._root_fd: int | None = None
+        self._held = False
+
+    def acquire(self, *, blocking: bool = False) -> None:
+        fd = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                os.close(fd)
+                raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.path})") from None
+        try:
+            root_fd = self._root_lock(blocking)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        if fd is not None:
+            # Who holds it, for a person reading the file; the flock is what excludes. On a full
+            # disk (state_dir on the very volume to be freed) the line may need a block there is
+            # not: left out, or the prune that would free it could not start.
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()} {self.root}\n".encode(errors="surrogateescape"))
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    os.close(fd)
+                    if root_fd is not None:
+                        os.close(root_fd)
+                    raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
+                log.warning("%s: no room for the holder's pid line (%s); the lock holds all the same",
+                            self.path, exc.strerror)
+        self._fd, self._root_fd, self._held = fd, root_fd, True
+
+    def _root_lock(self, blocking: bool) -> int | None:
+        """The flock on `<root>/.ckptd/local.lock` (None where it cannot be had: see the class).
+        Opened without following a symlink planted for `.ckptd` or the lock."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(layouts.LEASE_DIR, 0o755, dir_fd=root_fd)
+                dir_fd = os.open(layouts.LEASE_DIR, flags, dir_fd=root_fd)
+            finally:
+                os.close(root_fd)
+            try:
+                fd = os.open(ROOT_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                             0o644, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.EROFS:
+                log.debug("%s: no lock in the root itself (%s): the state_dir lock alone", self.root, exc)
+                return None
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self.path is not None:
+                # A full disk, the very occasion min_free exists for, with no lock made here while
+                # there was room: refusing would leave it full. Said, not silent.
+                log.warning("%s: cannot create %s (%s): only the state_dir lock %s excludes other "
+                            "ckptds here; one with another state_dir could delete at the same time",
+                            self.root, self.root_path, exc.strerror, self.path)
+                return None
+            raise self._unavailable(exc.strerror) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise self._unavailable("not a regular file")
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.root_path})") from None
+        except RootLockUnavailable:
+            os.close(fd)
+            raise
+        except OSError as exc:
+            os.close(fd)
+            raise self._unavailable(exc.strerror) from None
+        return fd
+
+    def _unavailable(self, why: str) -> RootLockUnavailable:
+        return RootLockUnavailable(
+            f"cannot take {self.root_path} ({why}): deleting nothing in {self.root}, since a ckptd with "
+            f"another state_dir could delete there at the same time; make {self.root / layouts.LEASE_DIR} "
+            "a directory ckptd can write"
+        )
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def release(self) -> None:
+        self._held = False
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RootLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,303 @@
+"""Purging: the trash emptied from directory file descriptors, never following a symlink and never
+entering another filesystem (`fs._remove_tree`). Trash left by a crash is purged at the next start.
+What this process did not trash itself waits, and is re-checked against protection as the run
+stands then (`Purging._not_yet`). Also what the trash holds for `min_free` (`waiting_in_trash`),
+and the priority the purge runs at (`lower_priority`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from ckptd import layouts, mounts
+from ckptd.config import pin_matches
+from ckptd.discover import find_run
+from ckptd.evidence import resume_pointers, walk
+from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, recognise_by_name
+from ckptd.model import State
+from ckptd.planner import Scanner
+from ckptd.removal.fs import _DIR_FLAGS, _another_filesystem, _identity, _remove_at, _size, open_dir_nofollow
+from ckptd.removal.trash import REVIEW, _trash_origin
+
+log = logging.getLogger(__name__)
+
+WAIT = "not in the trash long enough"  # `Purging._not_yet`
+# Why the trash cannot be made: full, over quota, read-only, not ours to write (or the root gone)
+_NO_TRASH = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+class Purging:
+    """Part of `Reaper` (removal/reaper.py): the trash emptied of what may go."""
+
+    root: Path
+    scanner: Scanner
+    dry_run: bool
+    clock: Callable[[], float]
+    purged: dict[Path, int]
+    _finished: set[str]
+    foreign_wait: float
+    waiting: int
+    _purging: bool
+
+    def purge(self, stop: Callable[[], bool] = lambda: False) -> tuple[int, int]:
+        """Delete what may go from the trash. Returns (entries purged, bytes freed).
+
+        Works from a descriptor of the trash directory opened without following
+        symlinks, and never follows one inside it. `stop` is asked between
+        entries: a daemon shutting down leaves the rest for its next start.
+        Checkpoints renamed into the root under a hidden name when there was no room
+        for the trash (`HIDDEN_TRASH`) are purged first, by the same rules; then the trash
+        is made if it is missing and there is room (at start-up and after each pass: on a
+        full disk it is there already).
+
+        Only what this process trashed and confirmed under its fence goes at once. Anything else
+        (another host's, an earlier run's, a rename made late by a process stopped before it)
+        waits until it has been in the trash `foreign_wait` seconds, enough for a late renamer
+        to see it lost the lease and move it back, and is then re-checked against protection as
+        it stands (`_protected`): a checkpoint pinned, named by its run's resume pointer, or
+        newer than every complete one left in its run is moved back, not purged. `%review`
+        entries are never purged.
+        """
+        if self.dry_run:
+            return 0, 0
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            log.error("not purging %s: %s", self.root, exc)
+            return 0, 0
+        self._purging = True
+        self.waiting = 0
+        try:
+            try:
+                hidden = sorted(n for n in os.listdir(root_fd) if n.startswith(HIDDEN_TRASH))
+                count, freed = self._purge_entries(root_fd, self.root, hidden, stop)
+            finally:
+                os.close(root_fd)
+            try:
+                trash_fd = self._open_trash()
+            except OSError as exc:
+                # No room (or no right) to make it: nothing is in it either; a rename says why later.
+                if exc.errno in _NO_TRASH:
+                    log.debug("no %s: %s", self.trash, exc)
+                else:
+                    log.error("not purging %s: %s", self.trash, exc)
+                return count, freed
+            try:
+                names = sorted(os.listdir(trash_fd))
+                more, more_bytes = self._purge_entries(trash_fd, self.trash, names, stop)
+            finally:
+                os.close(trash_fd)
+        finally:
+            self._purging = False
+        return count + more, freed + more_bytes
+
+    def _purge_entries(
+        self, dir_fd: int, where_path: Path, names: list[str], stop: Callable[[], bool]
+    ) -> tuple[int, int]:
+        """Remove each of `names` in the directory `dir_fd` (at `where_path`) that may go, journalled."""
+        count = freed = review = 0
+        for entry in names:
+            if stop():
+                break
+            if entry.endswith(REVIEW):
+                review += 1
+                continue
+            if entry not in self._finished:
+                why = self._not_yet(entry, dir_fd, hidden=where_path == self.root)
+                if why is not None:
+                    self.waiting += why == WAIT
+                    continue
+            size = _size(where_path / entry)
+            where = dict(root=str(self.root), trash=str(where_path / entry), bytes=size)
+            # The intent first, as for every other step: killed between the removal and the
+            # "purged" record, the journal still says this entry was being purged. Unlike a
+            # rename, a purge goes ahead when the journal cannot be written (ENOSPC): its
+            # entry was journaled when it was trashed, and freeing space is the way out.
+            inside = mounts.mounts_below(where_path / entry, mounts.read_mounts())
+            if inside:  # mounted after it was trashed, or on a kernel where statx cannot tell
+                log.error("not purging %s: it holds a mount point (%s)", where_path / entry, inside[0])
+                continue
+            self._record("purging", **where)
+            try:
+                _remove_at(entry, dir_fd)
+            except OSError as exc:
+                log.error("cannot purge %s: %s", where_path / entry, exc)
+                continue
+            count += 1
+            freed += size
+            self.purged[where_path / entry] = size
+            self._finished.discard(entry)
+            log.debug("purged %s (%d bytes)", where_path / entry, size)
+            self._record("purged", **where)
+        if review:
+            log.warning("%s: %d entries held for review (never purged): move each back or delete it by hand",
+                        where_path, review)
+        return count, freed
+
+    def trash_pending(self) -> bool:
+        """Whether the trash holds what a purge should look at that this process did not put
+        there (another process's, maybe a late rename): the daemon asks at each poll. A name
+        listing, nothing more; False while a purge runs."""
+        if self.dry_run or self._purging:
+            return False
+        try:
+            names = os.listdir(self.trash)
+        except OSError:
+            return False
+        return any(n not in self._finished and not n.endswith(REVIEW) for n in names)
+
+    def _not_yet(self, entry: str, trash_fd: int, *, hidden: bool = False) -> str | None:
+        """Why an entry this process did not trash is not purged now (WAIT: it has not been in
+        the trash long enough; else it was moved back, or held), or None: purge it. `hidden`: a
+        `.ckptd-trash.*` name at the root's top, not in the trash: one whose name does not say
+        where it came from is not something ckptd moved aside (a person's, or a spoof), and is
+        left alone."""
+        try:
+            age = self.clock() - os.stat(entry, dir_fd=trash_fd, follow_symlinks=False).st_ctime
+        except FileNotFoundError:
+            return "gone"
+        if age < self.foreign_wait:  # a rename changes the ctime: the time it came in
+            return WAIT
+        origin = _trash_origin(entry)
+        if origin is None and hidden:
+            log.warning("%s: not named as ckptd names what it moves aside: left alone, never purged",
+                        self.root / entry)
+            return "not ckptd's"
+        if origin is None or origin[1]:
+            # Origin unknown, a slim's optimizer files, a consolidation's work: purged, unless a
+            # pin is at its top (a pinned checkpoint moved in by hand, or under a name made to
+            # look like a slim's): with nowhere known to move it back to, held for review.
+            if _identity(f"{entry}/{layouts.PIN_FILE}", trash_fd) is not None:
+                log.error("%s/%s holds a %s: held for review, never purged: move it back by hand",
+                          TRASH_DIR, entry, layouts.PIN_FILE)
+                with contextlib.suppress(OSError):
+                    os.rename(entry, f"{entry}{REVIEW}", src_dir_fd=trash_fd, dst_dir_fd=trash_fd)
+                return "pinned"
+            return None
+        rel = origin[0]
+        try:
+            why = self._protected(entry, trash_fd, rel)
+        except OSError as exc:
+            why = f"cannot re-check it ({exc})"
+        if why is None:
+            return None
+        run_rel, _, name = rel.rpartition("/")
+        try:
+            run_fd = open_dir_nofollow(self.root, run_rel or ".")
+        except OSError as exc:
+            log.error("%s/%s is %s but its run cannot be opened (%s): held for review, never purged",
+                      TRASH_DIR, entry, why, exc)
+            with contextlib.suppress(OSError):
+                os.rename(entry, f"{entry}{REVIEW}", src_dir_fd=trash_fd, dst_dir_fd=trash_fd)
+            return why
+        try:
+            undone = self._undo(entry, trash_fd, name, run_fd, rel, f"found in the trash {why}")
+        finally:
+            os.close(run_fd)
+        return f"{why}: {undone}"
+
+    def _protected(self, entry: str, trash_fd: int, rel: str) -> str | None:
+        """Why a checkpoint found in the trash must go back to `rel`, as the run stands now."""
+        run_rel, _, name = rel.rpartition("/")
+        run_rel = run_rel or "."
+        run_path = self.root if run_rel == "." else self.root / run_rel
+        if not run_path.is_dir():
+            return None  # its run is gone as a whole: nothing to go back to
+        is_dir = stat.S_ISDIR(os.stat(entry, dir_fd=trash_fd, follow_symlinks=False).st_mode)
+        names = os.listdir(run_path)
+        retention, _ = self.scanner.root.retention_for(run_rel)
+        pin_inside = is_dir and _identity(f"{entry}/{layouts.PIN_FILE}", trash_fd) is not None
+        pin_beside = f"{name}{layouts.PIN_FILE}" in names
+        if pin_inside or pin_beside or any(pin_matches(rel, p) for p in retention.pins):
+            return "pinned"
+        pointer = resume_pointers(run_path, names).get(name)
+        if pointer is not None:
+            return f"named by {pointer}"
+        mine = recognise_by_name(name, is_dir, self.scanner.patterns)
+        if mine is None:
+            return "not recognised by its name, so not known to be older than the run's newest"
+        # It may go only if it would be neither of the run's anchors now: some complete checkpoint
+        # left is newer by step, and some is newer by time (its save ended after every file of
+        # this entry was written: a new job's lower steps, written last, are the newest by time).
+        entries = walk(Path(f"/proc/self/fd/{trash_fd}") / entry)
+        written = max((e.mtime_ns for e in entries if e.kind == "f"), default=entries[0].mtime_ns) / 1e9
+        run = find_run(self.root, run_rel, patterns=self.scanner.patterns)
+        now = self.clock()
+        by_step = by_time = False
+        candidates = run.candidates if run is not None else ()
+        others = [c for c in candidates if c.unit == mine.unit and c.name != name]
+        for cand in sorted(others, key=lambda c: c.step, reverse=True):
+            fresh = self.scanner.reinspect(run_rel, cand.name, now=now)
+            if fresh is None or fresh.state is not State.COMPLETE:
+                continue
+            by_step = by_step or fresh.step > mine.step
+            by_time = by_time or fresh.written_at >= written
+            if by_step and by_time:
+                return None
+        return "newer than every complete checkpoint left in its run (by step or by time)"
+
+
+def waiting_in_trash(root: Path) -> int:
+    """What purging `root`'s trash frees, however long its entries still wait (another process's
+    wait `foreign_wait`; one a killed prune left): `min_free` counts it as free already, so it
+    deletes nothing more for space a purge frees anyway. The trash's entries and what was renamed
+    into the root's top under ckptd's hidden name; not those held for review, nor a hidden name
+    ckptd did not give (never purged: `Reaper._not_yet`), nor a trash on another filesystem."""
+    total = 0
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        for name in os.listdir(root_fd):
+            ours = name.startswith(HIDDEN_TRASH) and _trash_origin(name) is not None
+            if ours and not name.endswith(REVIEW):
+                total += _size(root / name)
+        try:
+            trash_fd = os.open(TRASH_DIR, _DIR_FLAGS, dir_fd=root_fd)
+        except OSError:
+            return total
+        try:
+            if _another_filesystem(TRASH_DIR, root_fd, trash_fd, root / TRASH_DIR) is not None:
+                return total
+            for name in os.listdir(trash_fd):
+                if not name.endswith(REVIEW):
+                    total += _size(root / TRASH_DIR / name)
+        finally:
+            os.close(trash_fd)
+    except OSError:
+        return total
+    finally:
+        os.close(root_fd)
+    return total
+
+
+def lower_priority() -> None:
+    """Make the calling thread nice 19 and idle I/O class, so purging yields to training I/O.
+
+    Both are per-thread on Linux (setpriority and ioprio_set take a thread id).
+    Best effort: a sandbox may forbid either.
+    """
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except OSError as exc:
+        log.debug("cannot lower CPU priority: %s", exc)
+    number = {"x86_64": 251, "aarch64": 30}.get(os.uname().machine)
+    if number is None:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ioprio_who_process, ioprio_class_idle = 1, 3
+        if libc.syscall(number, ioprio_who_process, tid, ioprio_class_idle << 13) != 0:
+            log.debug("cannot set idle I/O priority: %s", os.strerror(ctypes.get_errno()))
+    except OSError as exc:
+        log.debug("cannot set idle I/O priority: %s", exc)
