@@ -2,22 +2,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
-# Test the tree these tests sit in, not whichever copy of ckptd is installed (an editable
-# install points at one checkout; a git worktree beside it would otherwise test that one).
-# The variable carries it to every `python -m ckptd` the tests start.
-sys.path.insert(0, str(REPO / "src"))
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
-
-import dsgen  # noqa: E402
-from fwfixtures import (  # noqa: E402, F401  (session fixtures: real framework volumes)
+from tests.support import child_pythonpath, dsgen
+from tests.support.common import LOSSES
+from tests.support.fwfixtures import (  # noqa: F401  (session fixtures: real framework volumes)
     accelerate_volume,
     dcp_volume,
     fw_torch_volumes,
@@ -27,8 +19,10 @@ from fwfixtures import (  # noqa: E402, F401  (session fixtures: real framework 
     weights_volume,
 )
 
-# The best checkpoint is the oldest: the seed's case.
-LOSSES = {10: 0.20, 20: 0.90, 30: 0.80, 40: 0.70}
+# Test the tree these tests sit in, not whichever copy of ckptd is installed: pyproject.toml's
+# pytest `pythonpath` puts this checkout's src/ (and its root, for tests.support) first on sys.path;
+# the variable carries both to every `python -m ckptd` and `python -m tests.support.*` the tests start.
+os.environ["PYTHONPATH"] = child_pythonpath()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -102,21 +96,6 @@ def bindfs():
         subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
 
-def run_ckptd(*args: str | os.PathLike[str], env: dict[str, str] | None = None, timeout: float = 120,
-              cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """The real `ckptd` command line, as a subprocess."""
-    full_env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_CONFIG", "NOTIFY_SOCKET")}
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "ckptd", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        cwd=cwd,
-    )
-
-
 @pytest.fixture
 def state_env(tmp_path: Path) -> dict[str, str]:
     """Point the default state_dir at a directory of the test's own, beside tmp_path rather than
@@ -124,7 +103,7 @@ def state_env(tmp_path: Path) -> dict[str, str]:
     return {"XDG_STATE_HOME": str(tmp_path.with_name(tmp_path.name + "-xdg-state"))}
 
 
-# --- real DeepSpeed volumes, generated once per session (dsgen.py; DSGEN_NOTES.md) ----------
+# --- real DeepSpeed volumes, generated once per session (tests/support/dsgen.py; DSGEN_NOTES.md there) ----------
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 A record lets ckptd count a save complete without the quiet period, so every case here runs with
 `quiet_period = "1d"`: whatever is complete in it is complete *because of* its records. The
-checkpoints are real: tests/attestgen.py's HF Trainer runs (2-process DDP, gloo, with
+checkpoints are real: tests/support/attestgen.py's HF Trainer runs (2-process DDP, gloo, with
 `ckptd.integrations.hf.AttestCallback`) and its accelerate `save_state`, one generation per module,
 copied per test with every mtime kept (`shutil.copytree` is `cp -p`). Where a case needs a state no
 framework writes (a forged or garbled record), its docstring says so. ckptd runs as the real CLI
@@ -26,11 +26,9 @@ from typing import Any
 import pytest
 
 from ckptd.demo import age
-
-import fwgen
+from tests.support import fwgen
 
 pytestmark = pytest.mark.frameworks
-TESTS = Path(__file__).parent
 
 
 # A job killed mid-save (trainer-killed: 2 processes, SIGKILL inside checkpoint-4's save) restarted an
@@ -38,11 +36,10 @@ TESTS = Path(__file__).parent
 # checkpoint-4 again, in place, into the same output_dir.
 _RESTART = r"""
 import os, sys
-sys.path.insert(0, sys.argv[2])
 for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
     os.environ.pop(k, None)
 from pathlib import Path
-import fwgen
+from tests.support import fwgen
 from ckptd.integrations.hf import AttestCallback
 out = Path(sys.argv[1])
 trainer = fwgen._trainer_parts(out, 4, ddp_backend=None)
@@ -53,20 +50,20 @@ trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
 
 @pytest.fixture(scope="module")
 def gen(tmp_path_factory) -> Path:
-    """tests/attestgen.py's volume (trainer-whole: checkpoint-2 and -4; trainer-killed; accelerate),
+    """tests/support/attestgen.py's volume (trainer-whole: checkpoint-2 and -4; trainer-killed; accelerate),
     and trainer-restarted: trainer-killed's run, its leases an hour old, resumed on one process."""
     for fw in ("trainer", "accelerate"):
         if (why := fwgen.missing(fw)) is not None:
             pytest.skip(why)
     out = tmp_path_factory.mktemp("attack-attest")
     env = {**os.environ, **fwgen._CHILD_ENV}
-    proc = subprocess.run([sys.executable, str(TESTS / "attestgen.py"), str(out)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tests.support.attestgen", str(out)], capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     restarted = out / "trainer-restarted"
     shutil.copytree(out / "trainer-killed", restarted, symlinks=True)
     _age_leases(restarted / "checkpoint-4", 3600)
-    proc = subprocess.run([sys.executable, "-c", _RESTART, str(restarted), str(TESTS)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _RESTART, str(restarted)], capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
@@ -504,7 +501,7 @@ def test_daemon_acts_on_records_but_never_on_a_killed_save(gen, tmp_path):
     save's leases, heartbeat stopped an hour ago), quiet_period 1 day, keep_last = 1. The records
     let it delete trainer-whole's checkpoint-2 at once; in the same passes it keeps trainer-killed's
     checkpoint-4 (abandoned, incomplete) and checkpoint-2 (its newest complete)."""
-    from daemonproc import DaemonProc
+    from tests.support.daemonproc import DaemonProc
 
     root, cfg = _volume(gen, tmp_path, "trainer-whole", "trainer-killed")
     _age_leases(root / "trainer-killed/checkpoint-4", 3600)

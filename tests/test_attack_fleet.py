@@ -24,9 +24,8 @@ from test_late_rename import wait_stopped
 from test_multinode import ckpts, lease_record, listing, logged_at, node_config, trashed
 
 from ckptd.layouts import PIN_FILE
-
-from conftest import REPO, run_ckptd
-from daemonproc import DaemonProc
+from tests.support.common import run_ckptd
+from tests.support.daemonproc import DaemonProc
 
 # Everything a FUSE client can be told to cache: file contents across opens, attributes,
 # name lookups (positive and negative).
@@ -101,7 +100,7 @@ def fuse():
 
 @pytest.fixture
 def cachefs(fuse):
-    """cachefs(source, point, ttl): tests/cachefs.py, a FUSE mount that caches attributes,
+    """cachefs(source, point, ttl): tests/support/cachefs.py, a FUSE mount that caches attributes,
     listings and contents for `ttl` seconds (as sshfs, rclone, s3fs, gcsfuse do)."""
     try:
         import fuse as _fusepy  # noqa: F401
@@ -109,7 +108,7 @@ def cachefs(fuse):
         pytest.skip(f"fusepy is not installed or finds no libfuse 2 ({e}): pip install fusepy")
 
     def do(source: Path, point: Path, ttl: float, *subtype: str) -> Bindfs:
-        return fuse(source, point, command=[sys.executable, str(REPO / "tests" / "cachefs.py"), str(source), str(point),
+        return fuse(source, point, command=[sys.executable, "-m", "tests.support.cachefs", str(source), str(point),
                                             str(ttl), *subtype])
 
     return do
@@ -230,13 +229,13 @@ def test_a_pin_written_meanwhile_is_seen_through_a_negative_entry_cache(tmp_path
 
 
 def seamed(tmp_path: Path, name: str, root: Path, **env: str) -> DaemonProc:
-    return DaemonProc("-c", node_config(tmp_path, name, root), command=[sys.executable, str(REPO / "tests" / "leaseseam.py")],
+    return DaemonProc("-c", node_config(tmp_path, name, root), command=[sys.executable, "-m", "tests.support.leaseseam"],
                       env=env)
 
 
 def test_a_renewal_written_after_a_takeover_does_not_depose_the_new_leader(tmp_path, fuse):
     """A decides a renewal, and is held before its write reaches the volume (a paused VM, a hung
-    mount: tests/leaseseam.py) past its lease; B, another host (a FUSE mount), takes over. Then
+    mount: tests/support/leaseseam.py) past its lease; B, another host (a FUSE mount), takes over. Then
     A's write lands. B must stay leader, A must not delete, and nobody else may claim."""
     root = tmp_path / "vol"
     ckpts(root, 1)
@@ -297,7 +296,7 @@ def test_a_deposed_leader_that_stops_does_not_release_the_new_leaders_lease(tmp_
 
 
 def test_a_claimant_killed_before_its_record_does_not_keep_the_volume_leaderless(tmp_path, fuse):
-    """A creates `epoch-1` and is killed (-9) before it writes the record (tests/leaseseam.py).
+    """A creates `epoch-1` and is killed (-9) before it writes the record (tests/support/leaseseam.py).
     Another host must still come to lead, within a few lease durations."""
     root = tmp_path / "vol"
     ckpts(root, 1, 2)
@@ -315,7 +314,7 @@ def test_a_claimant_killed_before_its_record_does_not_keep_the_volume_leaderless
 
 def test_a_standby_behind_a_listing_cache_does_not_depose_a_live_leader(tmp_path, cachefs):
     """B sees the volume through a mount that caches attributes, listings and contents for 30 s
-    (tests/cachefs.py, as sshfs or rclone do): neither the record nor the beats change there while
+    (tests/support/cachefs.py, as sshfs or rclone do): neither the record nor the beats change there while
     A renews. Left at the defaults (coherent unset), B must not take the lease from A."""
     root = tmp_path / "vol"
     ckpts(root, 1)
@@ -330,7 +329,7 @@ def test_a_standby_behind_a_listing_cache_does_not_depose_a_live_leader(tmp_path
 
 
 def test_two_hosts_behind_listing_caches_never_delete_at_once(tmp_path, cachefs):
-    """Each host sees the volume through its own caching mount (tests/cachefs.py, 4 s: longer than
+    """Each host sees the volume through its own caching mount (tests/support/cachefs.py, 4 s: longer than
     the lease and its margin). Whoever leads, the other's view of the record and the beats stands
     still. Count the takeovers, and check each trashing against who held the lease then."""
     root = tmp_path / "vol"
@@ -422,7 +421,7 @@ def test_a_prune_behind_a_listing_cache_does_not_delete_a_checkpoint_pinned_mean
 
 
 def test_a_standby_paused_after_its_look_does_not_act_on_that_look(tmp_path, fuse):
-    """B, a standby, reads A's record and is paused (tests/leaseseam.py) for longer than the lease
+    """B, a standby, reads A's record and is paused (tests/support/leaseseam.py) for longer than the lease
     and its margin while A renews. When B runs again, what it read says the lease expired and
     has gone unrenewed for longer than D + M on B's clock; A is alive. B must not take over."""
     root = tmp_path / "vol"

@@ -26,13 +26,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import fwattack
 import pytest
 
 from ckptd.demo import age
-
-import fwgen
-from conftest import run_ckptd
+from tests.support import fwattack, fwgen
+from tests.support.common import run_ckptd
 
 AGE = 3600.0  # every file this long ago (os.utime): quiet periods are over without waiting
 
@@ -286,7 +284,7 @@ def test_latest_passes_over_a_dcp_step_missing_a_rank_file(dcp_base, tmp_path):
 
 
 def test_the_daemon_keeps_the_loadable_dcp_step_beside_a_broken_newer_one(dcp_base, tmp_path):
-    from daemonproc import DaemonProc
+    from tests.support.daemonproc import DaemonProc
 
     root = tmp_path / "vol"
     run = _dcp_copied_in_by_a_killed_rsync(dcp_base, root)
@@ -566,7 +564,7 @@ DEEPSPEED_KNOWN: dict[str, str] = {}
 
 @pytest.fixture(scope="module")
 def deepspeed_judged(tmp_path_factory):
-    import dsgen
+    from tests.support import dsgen
 
     if (why := fwgen.missing("dcp")) is not None:
         pytest.skip(why)
@@ -649,7 +647,7 @@ def _keras_truth(kind: str, tmp: Path) -> Callable[[list[dict]], dict[str, str]]
         for it in items:
             if Path(it["path"]).is_file():
                 shutil.copyfile(it["path"], d / f"{it['key']}{suffix}")
-        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fwkeras.py")), str(tmp / "truth"),
+        proc = subprocess.run([sys.executable, "-m", "tests.support.fwkeras", str(tmp / "truth"),
                                "run", kind, "check"], capture_output=True, text=True, timeout=300,
                               env={**os.environ, **fwgen._CHILD_ENV})
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -675,7 +673,7 @@ def keras_judged(request, tmp_path_factory):
         pytest.skip("keras is not installed")
     kind = request.param
     tmp = tmp_path_factory.mktemp(f"atk-keras-{kind}")
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fwkeras.py")), str(tmp / "gen"), "run", kind],
+    proc = subprocess.run([sys.executable, "-m", "tests.support.fwkeras", str(tmp / "gen"), "run", kind],
                           capture_output=True, text=True, timeout=300, env={**os.environ, **fwgen._CHILD_ENV})
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = sorted(p.name for p in (tmp / "gen" / "run").iterdir())  # epoch=01 .. epoch=03, oldest first

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 
 def _demo(tmp_path: Path, **retention: object) -> tuple[Path, Path]:
@@ -338,7 +338,7 @@ def test_a_pin_file_below_the_top_does_not_make_the_newest_incomplete(tmp_path):
 
 
 def test_a_prune_with_another_state_dir_does_not_delete_beside_a_daemon_without_a_root_lock(tmp_path):
-    from daemonproc import DaemonProc
+    from tests.support.daemonproc import DaemonProc
 
     cfg, root = _demo(tmp_path)
     (root / ".ckptd").write_text("x\n")

@@ -10,15 +10,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-import fwgen
-from daemonproc import DaemonProc, write_config
+from tests.support import child_pythonpath, fwgen
+from tests.support.daemonproc import DaemonProc, write_config
 
 pytestmark = pytest.mark.frameworks
-HERE = Path(__file__).parent
 
 
 def _at(line: dict) -> float:
@@ -32,10 +30,10 @@ def test_the_daemon_counts_an_attested_save_complete_without_the_quiet_period(tm
     root.mkdir()
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state", root_extra="max_depth = 3",
                        retention="keep_last = 1\nkeep_best = 0")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     with DaemonProc("-c", cfg) as daemon:
         daemon.wait_message("ready")
-        proc = subprocess.run([sys.executable, str(HERE / "attestgen.py"), str(root), "trainer-whole"],
+        proc = subprocess.run([sys.executable, "-m", "tests.support.attestgen", str(root), "trainer-whole"],
                               capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         run = root / "trainer-whole"
@@ -67,17 +65,17 @@ def test_a_trainer_deepspeed_run_with_a_slow_rank_best_oldest_and_a_resume(tmp_p
     pytest.importorskip("deepspeed")
     if (why := fwgen.missing("trainer")) is not None:
         pytest.skip(why)
-    import attestgen
+    from tests.support import attestgen
 
     root = tmp_path / "vol"
     root.mkdir()
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
                        root_extra="max_depth = 3\nquiet_period = '2s'\nallow_short_quiet_period = true",
                        retention="keep_last = 1\nkeep_best = 1")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     with DaemonProc("-c", cfg) as daemon:
         daemon.wait_message("ready")
-        proc = subprocess.run([sys.executable, str(HERE / "attestgen.py"), str(root), "trainer-ds"],
+        proc = subprocess.run([sys.executable, "-m", "tests.support.attestgen", str(root), "trainer-ds"],
                               capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         made = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -16,10 +16,9 @@ from ckptd import attestation
 from ckptd.config import Root
 from ckptd.model import ATTESTED, State
 from ckptd.planner import Scanner
-
-import dsgen
-from conftest import run_ckptd
-from daemonproc import DaemonProc, write_config
+from tests.support import dsgen
+from tests.support.common import run_ckptd
+from tests.support.daemonproc import DaemonProc, write_config
 
 pytestmark = pytest.mark.deepspeed
 

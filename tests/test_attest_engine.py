@@ -17,8 +17,7 @@ from ckptd.config import Retention, Root
 from ckptd.model import ATTESTED, COMMIT_RECORDS, QUIET, State, Verdict
 from ckptd.planner import Scanner
 from ckptd.policy import decide_run
-
-import fwgen
+from tests.support import fwgen
 
 pytestmark = pytest.mark.frameworks
 

@@ -19,12 +19,10 @@ from ckptd.config import Root
 from ckptd.demo import age
 from ckptd.model import ATTESTED, COMMIT_RECORDS, SAVE_LEASE, State
 from ckptd.planner import Scanner
-
-import fwgen
-from conftest import run_ckptd
+from tests.support import child_pythonpath, fwgen
+from tests.support.common import run_ckptd
 
 pytestmark = pytest.mark.frameworks
-HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +31,8 @@ def attested(tmp_path_factory) -> Path:
         if (why := fwgen.missing(fw)) is not None:
             pytest.skip(why)
     out = tmp_path_factory.mktemp("attestgen")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
-    proc = subprocess.run([sys.executable, str(HERE / "attestgen.py"), str(out)], capture_output=True,
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.attestgen", str(out)], capture_output=True,
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out

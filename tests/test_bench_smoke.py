@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from tests.support.common import REPO
 
 BENCHMARKS = (
     "1. cold start",

@@ -15,9 +15,8 @@ from test_multinode import ckpts, node_config
 
 from ckptd.layouts import LEASE_DIR
 from ckptd.lease import RECORD
-
-from conftest import run_ckptd
-from daemonproc import DaemonProc
+from tests.support.common import run_ckptd
+from tests.support.daemonproc import DaemonProc
 
 CACHING = ("kernel_cache", "attr_timeout=30", "entry_timeout=30")
 

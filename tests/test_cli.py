@@ -14,8 +14,7 @@ from ckptd.errors import EX_NOINPUT, EX_USAGE
 from ckptd.journal import read_journal
 from ckptd.layouts import TRASH_DIR
 from ckptd.reaper import DRY_RUN_NOTE, RootLock
-
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 LOSSES = {100: 0.31, 200: 0.52, 300: 0.47, 400: 0.44, 500: 0.40, 600: 0.45}
 

@@ -22,8 +22,7 @@ from ckptd.config import format_size
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.errors import EX_CONFIG, EX_IOERR, EX_NOINPUT, EX_USAGE
 from ckptd.reaper import DRY_RUN_NOTE
-
-from conftest import REPO, run_ckptd
+from tests.support.common import REPO, run_ckptd
 
 EX_PIPE = 141
 

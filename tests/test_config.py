@@ -22,8 +22,7 @@ from ckptd.config import (
     parse_size,
 )
 from ckptd.errors import EX_CONFIG
-
-from conftest import REPO, run_ckptd
+from tests.support.common import REPO, run_ckptd
 
 EXAMPLE = REPO / "config.example.toml"
 # "# key = value", "# [[table]]", "# # comment" inside an example: a line to uncomment

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 
 from ckptd.config import Config, ConfigError, Retention, Root, parse_config
 from ckptd.errors import EX_CONFIG, EX_IOERR, EX_NOINPUT, EX_USAGE
-
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 KEYS = sorted(set(Config.model_fields) | set(Root.model_fields) | set(Retention.model_fields)
               | {"state_dir", "dry_run", "log_format", "path", "match", "bogus"})

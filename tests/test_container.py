@@ -25,9 +25,8 @@ import pytest
 
 from ckptd import __version__
 from ckptd.envconfig import KNOWN, effective_config
-
-from conftest import REPO
-from daemonproc import DaemonProc
+from tests.support.common import REPO
+from tests.support.daemonproc import DaemonProc
 
 yaml = pytest.importorskip("yaml", reason="needs PyYAML (the test extra)")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 pytestmark = pytest.mark.frameworks
 

@@ -32,8 +32,7 @@ from ckptd.demo import age, write_zip
 from ckptd.evidence import fingerprint, walk
 from ckptd.journal import read_journal
 from ckptd.layouts import TRASH_DIR
-
-from daemonproc import DaemonProc, write_config
+from tests.support.daemonproc import DaemonProc, write_config
 
 STEPS = 16
 KEPT = [f"iter_{s:07d}" for s in (STEPS - 1, STEPS)]

@@ -20,11 +20,10 @@ from ckptd.config import format_size
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.journal import read_journal
 from ckptd.layouts import TRASH_DIR
+from tests.support.common import REPO, run_ckptd
+from tests.support.daemonproc import DaemonProc, write_config
 
-from conftest import REPO, run_ckptd
-from daemonproc import DaemonProc, write_config
-
-SIMTRAIN = REPO / "tests" / "simtrain.py"
+SIMTRAIN = REPO / "tests" / "support" / "simtrain.py"
 MODES = {
     "inotify": "observer = 'inotify'\npoll_interval = '10s'",
     # polling only: no inotify at all, so every completion is found by the targeted poller

@@ -22,8 +22,7 @@ from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.errors import RootMissingError
 from ckptd.mounts import filesystem_type
 from ckptd.watch import Watcher, choose_observer
-
-from daemonproc import write_config
+from tests.support.daemonproc import write_config
 
 pytestmark = pytest.mark.asyncio
 

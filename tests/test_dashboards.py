@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import REPO
+from tests.support.common import REPO
 
 RULES = REPO / "deploy" / "prometheus" / "ckptd-alerts.yml"
 RULE_TESTS = REPO / "deploy" / "prometheus" / "ckptd-alerts.test.yml"

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import fwgen
-from conftest import run_ckptd
+from tests.support import fwgen
+from tests.support.common import run_ckptd
 
 pytestmark = pytest.mark.frameworks
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +27,7 @@ def dcp_local(tmp_path_factory) -> Path:
         pytest.skip(why)
     out = tmp_path_factory.mktemp("dcp-local")
     env = {**os.environ, **fwgen._CHILD_ENV}
-    proc = subprocess.run([sys.executable, str(HERE / "fwdcp_local.py"), str(out)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tests.support.fwdcp_local", str(out)], capture_output=True, text=True,
                           env=env, timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     return out

@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 
 from ckptd.demo import age
-
-import dsgen
-from conftest import LOSSES, run_ckptd
-from daemonproc import DaemonProc
+from tests.support import dsgen
+from tests.support.common import LOSSES, run_ckptd
+from tests.support.daemonproc import DaemonProc
 
 pytestmark = [
     pytest.mark.deepspeed,

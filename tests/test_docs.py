@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from pydantic import Field, create_model
 
-from conftest import REPO
+from tests.support.common import REPO
 
 sys.path.insert(0, str(REPO))  # tools/ is not installed: it is run from a checkout
 

@@ -12,9 +12,8 @@ from ckptd.daemon import Daemon
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.envconfig import KNOWN, effective_config
 from ckptd.errors import EX_CONFIG
-
-from conftest import REPO, run_ckptd
-from daemonproc import write_config
+from tests.support.common import REPO, run_ckptd
+from tests.support.daemonproc import write_config
 
 
 def two_roots(tmp_path: Path) -> Path:

@@ -683,7 +683,7 @@ def test_pinning_an_old_checkpoint_makes_nothing_deletable(tmp_path, state_env):
     a moment before were deleted. End to end through `ckptd plan`."""
     import time
 
-    from conftest import run_ckptd
+    from tests.support.common import run_ckptd
 
     root = tmp_path / "vol"
     hour = 3600
@@ -793,7 +793,7 @@ def test_a_pattern_names_the_evidence_that_completes_its_checkpoints(tmp_path):
 
 
 def test_plan_says_plainly_when_checkpoints_are_complete_on_quiet_alone(tmp_path, state_env):
-    from conftest import run_ckptd
+    from tests.support.common import run_ckptd
 
     root = tmp_path / "vol"
     for step in (1, 2, 3):

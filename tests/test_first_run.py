@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 
 from ckptd.config import format_size
-
-from conftest import run_ckptd
-from daemonproc import DaemonProc, write_config
+from tests.support.common import run_ckptd
+from tests.support.daemonproc import DaemonProc, write_config
 
 SIMTRAIN = Path(__file__).with_name("simtrain.py")
 TEXT_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}[+-]\d{4}) (DEBUG|INFO|WARNING|ERROR) (.*)")

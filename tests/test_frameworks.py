@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from conftest import run_ckptd
-from fwfixtures import copy_volume
+from tests.support.common import run_ckptd
+from tests.support.fwfixtures import copy_volume
 
 pytestmark = pytest.mark.frameworks
 

@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 from ckptd.demo import age, write_zip
-
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 CACHING = ("attr_timeout=30", "entry_timeout=30")
 

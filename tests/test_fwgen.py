@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-import fwgen
-from fwfixtures import copy_volume
+from tests.support import fwgen
+from tests.support.fwfixtures import copy_volume
 
 pytestmark = pytest.mark.frameworks
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.health import judge
-
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 NOW = 1_800_000_000.0
 STATE = Path("/var/lib/ckptd")

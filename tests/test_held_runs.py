@@ -22,9 +22,8 @@ from ckptd.journal import Journal
 from ckptd.model import Action
 from ckptd.planner import Scanner, decide
 from ckptd.reaper import Outcome, Reaper
-
-from conftest import run_ckptd
-from fwfixtures import copy_volume
+from tests.support.common import run_ckptd
+from tests.support.fwfixtures import copy_volume
 
 OLD = time.time() - 86400
 

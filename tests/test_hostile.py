@@ -26,8 +26,7 @@ from ckptd.layouts import TRASH_DIR
 from ckptd.model import State, Verdict
 from ckptd.planner import Scanner, decide
 from ckptd.reaper import Outcome, Reaper
-
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 NOW = 1_800_000_000.0
 OLD = NOW - 3600

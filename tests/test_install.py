@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from tests.support.common import REPO
 
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 

@@ -1,4 +1,4 @@
-"""Keras 3's ModelCheckpoint, on saves Keras itself wrote on the CPU (tests/fwkeras.py), the last one
+"""Keras 3's ModelCheckpoint, on saves Keras itself wrote on the CPU (tests/support/fwkeras.py), the last one
 killed inside its save (SIGKILL as the weights store closes): `.keras` archives and `.weights.h5`
 files. Whole saves are complete with their metrics from the file name; the killed one is incomplete
 and named why; `ckptd latest` passes over it; keep_last=1 keeps the last one Keras loads.
@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 pytestmark = pytest.mark.frameworks
-HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "KERAS_BACKEND": "torch", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 
@@ -28,12 +27,12 @@ def keras_volume(tmp_path_factory) -> tuple[Path, dict[str, str]]:
         pytest.skip("keras is not installed (the test extra installs it)")
     out = tmp_path_factory.mktemp("keras")
     for run, kind in (("archive", "keras"), ("weights", "weights")):
-        proc = subprocess.run([sys.executable, str(HERE / "fwkeras.py"), str(out), run, kind, "3"], env=ENV,
+        proc = subprocess.run([sys.executable, "-m", "tests.support.fwkeras", str(out), run, kind, "3"], env=ENV,
                               capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
         assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-3000:]  # killed in epoch 3's save
     truth = {}
     for run, kind in (("archive", "keras"), ("weights", "weights")):
-        proc = subprocess.run([sys.executable, str(HERE / "fwkeras.py"), str(out), run, kind, "check"], env=ENV,
+        proc = subprocess.run([sys.executable, "-m", "tests.support.fwkeras", str(out), run, kind, "check"], env=ENV,
                               capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
         assert proc.returncode == 0, proc.stderr[-3000:]
         truth.update({f"{run}/{k}": v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()})

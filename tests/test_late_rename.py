@@ -2,7 +2,7 @@
 
 Real `ckptd run` processes, two "hosts" on one volume, short leases as in test_multinode: each
 its own state_dir, and the second sees the volume through a FUSE mount of it (bindfs), so that,
-as between two hosts, the stopped leader's POSIX lock does not keep it from taking over. The stop lands exactly in the window through tests/stopfault.py (its docstring
+as between two hosts, the stopped leader's POSIX lock does not keep it from taking over. The stop lands exactly in the window through tests/support/stopfault.py (its docstring
 says why a seam). Meanwhile the checkpoint the stopped leader is about to delete is pinned, and
 the other daemon takes the lease. Without the checks after each rename, the stopped leader's
 rename moved the pinned checkpoint into the trash and the new leader's purge deleted it.
@@ -29,9 +29,7 @@ from ckptd.journal import Journal, read_journal
 from ckptd.layouts import PIN_FILE, TRASH_DIR
 from ckptd.planner import Scanner, decide
 from ckptd.reaper import Reaper
-
-from conftest import REPO
-from daemonproc import DaemonProc
+from tests.support.daemonproc import DaemonProc
 
 
 def wait_stopped(pid: int, timeout: float = 30) -> None:
@@ -45,12 +43,12 @@ def wait_stopped(pid: int, timeout: float = 30) -> None:
 
 
 def leader_that_waits(tmp_path: Path, root: Path, *where: str) -> DaemonProc:
-    """`ckptd run` on `root` that waits at its fence, `where` (tests/stopfault.py)."""
+    """`ckptd run` on `root` that waits at its fence, `where` (tests/support/stopfault.py)."""
     fifos = tmp_path / "fifos"
     fifos.mkdir()
     for w in where:
         os.mkfifo(fifos / w)
-    return DaemonProc("-c", node_config(tmp_path, "a", root), command=[sys.executable, str(REPO / "tests" / "stopfault.py")],
+    return DaemonProc("-c", node_config(tmp_path, "a", root), command=[sys.executable, "-m", "tests.support.stopfault"],
                       env={"CKPTD_TEST_FENCE_FIFOS": str(fifos)})
 
 

@@ -27,9 +27,8 @@ from ckptd.journal import Journal
 from ckptd.model import Run
 from ckptd.planner import Scanner, decide
 from ckptd.reaper import Outcome, Reaper
-
-from conftest import run_ckptd
-from daemonproc import DaemonProc, write_config
+from tests.support.common import run_ckptd
+from tests.support.daemonproc import DaemonProc, write_config
 
 pytestmark = pytest.mark.frameworks
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-from daemonproc import DaemonProc, write_config
+from tests.support.common import REPO
+from tests.support.daemonproc import DaemonProc, write_config
 
-SIMTRAIN = REPO / "tests" / "simtrain.py"
+SIMTRAIN = REPO / "tests" / "support" / "simtrain.py"
 
 
 def rss_mib(pid: int) -> float:

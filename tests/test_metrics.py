@@ -18,9 +18,8 @@ import pytest
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.errors import EX_CONFIG, EX_IOERR
 from ckptd.journal import read_journal
-
-from conftest import run_ckptd
-from daemonproc import DaemonProc, write_config
+from tests.support.common import run_ckptd
+from tests.support.daemonproc import DaemonProc, write_config
 
 prometheus_parser = pytest.importorskip("prometheus_client.parser", reason="needs ckptd[metrics]")
 

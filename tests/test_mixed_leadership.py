@@ -11,9 +11,8 @@ from pathlib import Path
 from test_multinode import ckpts, listing, node_config
 
 from ckptd.layouts import LEASE_DIR
-
-from conftest import run_ckptd
-from daemonproc import DaemonProc
+from tests.support.common import run_ckptd
+from tests.support.daemonproc import DaemonProc
 
 
 def local_config(tmp: Path, name: str, root: Path, *, keep_last: int) -> Path:

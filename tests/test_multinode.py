@@ -24,9 +24,8 @@ from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.journal import read_journal
 from ckptd.layouts import LEASE_DIR
 from ckptd.lease import RECORD
-
-from conftest import REPO, run_ckptd
-from daemonproc import DaemonProc
+from tests.support.common import run_ckptd
+from tests.support.daemonproc import DaemonProc
 
 D, M = 1.5, 0.5
 
@@ -108,11 +107,11 @@ def test_two_nodes_one_deletes_and_a_killed_leader_is_replaced_after_its_lease(t
 
 @pytest.mark.parametrize("fault", ["EIO", "ESTALE"])
 def test_a_leader_whose_renewals_fail_stops_deleting_before_its_lease_can_be_taken(tmp_path, fault):
-    """The leader's writes of the lease record fail (injected: tests/leasefault.py says why a seam)."""
+    """The leader's writes of the lease record fail (injected: tests/support/leasefault.py says why a seam)."""
     root = tmp_path / "vol"
     ckpts(root, 1, 2)
     trigger = tmp_path / "fault"
-    a = DaemonProc("-c", node_config(tmp_path, "a", root), command=[sys.executable, str(REPO / "tests" / "leasefault.py")],
+    a = DaemonProc("-c", node_config(tmp_path, "a", root), command=[sys.executable, "-m", "tests.support.leasefault"],
                    env={"CKPTD_TEST_LEASE_FAULT": str(trigger)})
     b = None
     try:

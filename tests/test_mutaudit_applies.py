@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from conftest import REPO
+from tests.support.common import REPO
 
 
 def _muts():

@@ -23,8 +23,7 @@ import pytest
 
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.mounts import attribute_cache, mount_of, quiet_for, read_mounts
-
-from daemonproc import DaemonProc
+from tests.support.daemonproc import DaemonProc
 
 
 def why_no_nfs() -> str | None:

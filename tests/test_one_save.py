@@ -34,9 +34,8 @@ from ckptd.planner import Scanner, decide
 from ckptd.policy import decide_run
 from ckptd.rules import anchors
 from ckptd.tracker import HINT_DEBOUNCE
-
-from conftest import run_ckptd
-from fwfixtures import copy_volume
+from tests.support.common import run_ckptd
+from tests.support.fwfixtures import copy_volume
 
 NOW = 1_800_000_000.0
 OLD = NOW - 86400  # the first job's save: a day ago

@@ -25,8 +25,7 @@ from ckptd.mounts import is_mount_root
 from ckptd.planner import Scanner, decide
 from ckptd.policy import Action
 from ckptd.reaper import Outcome, Reaper
-
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 OLD = 1_700_000_000.0
 

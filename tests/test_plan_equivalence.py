@@ -1,8 +1,8 @@
 """Planning gave the same plan before it was made faster: every decision (action, reasons, protection,
-metric and its source) and every warning, on tests/plancorpus.py's corpus (varied hand-made runs, the
+metric and its source) and every warning, on tests/support/plancorpus.py's corpus (varied hand-made runs, the
 benchmark's runs and test_policy.py's table), against the plans recorded in tests/data/plan_decisions.json
 by the code before (commit 908e05b). A change that means to change decisions regenerates the file
-(`python3 tests/plancorpus.py`) and says so in its commit."""
+(`python3 -m tests.support.plancorpus`) and says so in its commit."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from plancorpus import FIXTURE, plan_doc, scenarios
+from tests.support.plancorpus import FIXTURE, plan_doc, scenarios
 
 RECORDED = json.loads(FIXTURE.read_text())
 SCENARIOS = scenarios()

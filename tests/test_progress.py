@@ -9,8 +9,8 @@ import re
 import time
 from pathlib import Path
 
-from conftest import run_ckptd
-from daemonproc import DaemonProc, write_config
+from tests.support.common import run_ckptd
+from tests.support.daemonproc import DaemonProc, write_config
 
 
 def test_status_says_how_long_a_checkpoint_has_been_settling_when_it_is_asked(tmp_path, state_env):

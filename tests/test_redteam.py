@@ -19,13 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
-from rtkit import config, no_deepspeed, prune
 
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
-
-import dsgen
-from conftest import run_ckptd
-from fwfixtures import copy_volume
+from tests.support import dsgen
+from tests.support.common import run_ckptd
+from tests.support.fwfixtures import copy_volume
+from tests.support.rtkit import config, no_deepspeed, prune
 
 OLD = time.time() - 86400  # a day ago: every quiet period is over
 

@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from rtkit import config, no_deepspeed, prune
 
 from ckptd.demo import age, deepspeed_files, hf_deepspeed_checkpoint, write_model_states, write_zip
-
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
+from tests.support.rtkit import config, no_deepspeed, prune
 
 OLD = time.time() - 86400  # a day ago: every quiet period is over
 
@@ -351,7 +350,7 @@ def test_a_prune_with_another_state_dir_waits_for_the_daemon_leading_the_root(tm
     different locks on the same root. The prune goes ahead and deletes while the daemon leads (its
     plan, consolidations and trash at the same time), each journalling in its own state_dir.
     Nothing protected is deleted by this alone (each deleter re-checks), hence a near-miss."""
-    from daemonproc import DaemonProc, write_config
+    from tests.support.daemonproc import DaemonProc, write_config
 
     root = tmp_path / "vol"
     for step in (1, 2, 3):

@@ -13,16 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
-from rtkit import config, prune
 
 from ckptd.config import Retention, Root
 from ckptd.journal import Journal
 from ckptd.planner import Scanner, decide
 from ckptd.reaper import Outcome, Reaper
 from ckptd.verdicts import Verdicts
-
-from conftest import run_ckptd
-from fwfixtures import copy_volume
+from tests.support.common import run_ckptd
+from tests.support.fwfixtures import copy_volume
+from tests.support.rtkit import config, prune
 
 # --- 1. A file rewritten in place: the cache, and the reaper's last check ---------------------
 

@@ -30,8 +30,7 @@ from ckptd.layouts import TRASH_DIR
 from ckptd.planner import Scanner, decide
 from ckptd.policy import Action
 from ckptd.reaper import Outcome, Reaper
-
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 OLD = time.time() - 86400
 NOW = time.time()

@@ -19,8 +19,7 @@ from ckptd import slim
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.errors import RootMissingError, UsageError
 from ckptd.resume import find_latest, latest
-
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 NOW = time.time()
 OLD = NOW - 3600

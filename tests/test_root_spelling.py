@@ -18,8 +18,7 @@ import pytest
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.errors import EX_USAGE
 from ckptd.reaper import RootLock
-
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 OLD = time.time() - 3600
 
@@ -127,7 +126,7 @@ def test_min_free_is_not_applied_to_a_subtree(vol, tmp_path):
 
 def test_the_daemon_on_a_subdirectory_is_the_configured_root_restricted(vol):
     """`ckptd run /vol/team -c cfg`: the root's pins and lock, only the subtree's runs."""
-    from daemonproc import DaemonProc
+    from tests.support.daemonproc import DaemonProc
 
     root, cfg = vol
     cfg.write_text(cfg.read_text().replace("[[roots]]\n", "[[roots]]\nquiet_period = '0s'\nallow_short_quiet_period = true\n", 1))

@@ -24,8 +24,7 @@ from ckptd.consolidate import ConsolidationFailed
 from ckptd.daemon import Daemon
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.reaper import WORK_DIR
-
-from daemonproc import write_config
+from tests.support.daemonproc import write_config
 
 pytestmark = pytest.mark.asyncio
 
@@ -129,7 +128,7 @@ async def test_tracking_and_deleting_go_on_while_a_consolidation_runs(tmp_path, 
 async def test_a_running_consolidation_shows_in_status(tmp_path, monkeypatch, logs, state_env):  # noqa: F811
     """`ckptd status` (a real one, reading the state file) names the consolidation running, and
     for how long; the state document holds it while it runs, and not after."""
-    from conftest import run_ckptd
+    from tests.support.common import run_ckptd
 
     root, cfg = volume(tmp_path)
     held = Consolidators(monkeypatch, asyncio.get_running_loop())

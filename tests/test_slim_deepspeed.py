@@ -29,10 +29,9 @@ from ckptd.demo import age
 from ckptd.journal import read_journal
 from ckptd.layouts import LEASE_DIR
 from ckptd.reaper import WORK_DIR
-
-import dsgen
-from conftest import run_ckptd
-from daemonproc import DaemonProc
+from tests.support import dsgen
+from tests.support.common import run_ckptd
+from tests.support.daemonproc import DaemonProc
 
 pytestmark = [
     pytest.mark.deepspeed,
@@ -562,7 +561,7 @@ def test_the_consolidation_benchmark_runs(zero2_bf16_bare_3ranks):
     """`python -m bench.consolidation --quick` on a tiny real checkpoint (a minute: five children
     importing torch and deepspeed), so that the benchmark does not rot; its figures come from the
     full run, by hand."""
-    from conftest import REPO
+    from tests.support.common import REPO
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "bench.consolidation", "--quick", "--checkpoint",

@@ -9,7 +9,7 @@ from datetime import datetime
 
 from test_multinode import ckpts, listing, node_config
 
-from daemonproc import DaemonProc
+from tests.support.daemonproc import DaemonProc
 
 
 def at(line: dict) -> float:

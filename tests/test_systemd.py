@@ -27,8 +27,7 @@ import pytest
 
 from ckptd.demo import age
 from ckptd.errors import EX_CONFIG, EX_NOINPUT, EX_USAGE
-
-from conftest import REPO
+from tests.support.common import REPO
 
 UNITS = ["ckptd.service", "ckptd@.service"]
 TARGETS = ["ckptd.service", "ckptd@mnt-experiments.service"]

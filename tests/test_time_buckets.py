@@ -123,8 +123,7 @@ def demo_volume(tmp_path, state_env):
     import time
 
     from ckptd.demo import age
-
-    from conftest import run_ckptd
+    from tests.support.common import run_ckptd
 
     assert run_ckptd("demo", tmp_path / "demo", env=state_env).returncode == 0
     config = tmp_path / "demo" / "ckptd.toml"
@@ -139,7 +138,7 @@ def demo_volume(tmp_path, state_env):
 def plan_rows(config, state_env, *flags):
     import json
 
-    from conftest import run_ckptd
+    from tests.support.common import run_ckptd
 
     proc = run_ckptd("plan", "-c", config, "--json", *flags, env=state_env)
     assert proc.returncode == 0, proc.stderr
@@ -147,7 +146,7 @@ def plan_rows(config, state_env, *flags):
 
 
 def test_retention_flags_override_the_config_for_one_call(tmp_path, state_env):
-    from conftest import run_ckptd
+    from tests.support.common import run_ckptd
 
     config = demo_volume(tmp_path, state_env)
     kept = lambda rows: sorted(k for k, c in rows.items() if c["action"] == "keep" and c["state"] == "complete")  # noqa: E731
@@ -177,7 +176,7 @@ def test_retention_flags_override_the_config_for_one_call(tmp_path, state_env):
 
 
 def test_a_bad_retention_flag_is_one_line_naming_the_flag(tmp_path, state_env):
-    from conftest import run_ckptd
+    from tests.support.common import run_ckptd
 
     config = demo_volume(tmp_path, state_env)
     proc = run_ckptd("plan", "-c", config, "--keep-within", "soon", env=state_env)

@@ -407,7 +407,7 @@ def test_the_reapers_recheck_never_rests_on_the_cache(tmp_path):
 def test_prune_with_a_lying_cache_deletes_nothing_it_must_not(tmp_path, lie):
     """End to end: the lie makes the truncated newest checkpoint look complete, so the plan deletes
     the older one; the reaper's re-check of the anchor (read afresh) refuses."""
-    from conftest import run_ckptd
+    from tests.support.common import run_ckptd
 
     root = tmp_path / "vol"
     hf_deepspeed_checkpoint(root / "run", 10, world=2)

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 
 from ckptd.demo import age
-
-from conftest import run_ckptd
-from daemonproc import DaemonProc
-from fwfixtures import copy_volume
+from tests.support.common import run_ckptd
+from tests.support.daemonproc import DaemonProc
+from tests.support.fwfixtures import copy_volume
 
 
 def config(tmp_path: Path, root: Path, extra: str) -> Path:

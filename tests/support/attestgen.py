@@ -1,7 +1,7 @@
 """Saves with ckptd's commit records, written by the frameworks' own code (fwgen's forked jobs).
 
-    python tests/attestgen.py OUT [trainer-whole]    # OUT/trainer-whole, OUT/trainer-killed, OUT/accelerate
-    python tests/attestgen.py OUT trainer-ds         # OUT/trainer-ds only
+    python -m tests.support.attestgen OUT [trainer-whole]    # OUT/trainer-whole, OUT/trainer-killed, OUT/accelerate
+    python -m tests.support.attestgen OUT trainer-ds         # OUT/trainer-ds only
 
 - trainer-whole: the HF Trainer, 2-process DDP (gloo), checkpoint-2 and -4, with
   `ckptd.integrations.hf.AttestCallback` (heartbeat 0.2 s).
@@ -29,9 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import fwgen
+from tests.support import fwgen
 
 HEARTBEAT = 0.2
 SLOW_S = 5.0  # rank 1's delay in checkpoint-6's save: longer than the test's quiet period (2 s)
@@ -70,8 +68,7 @@ def _trainer_ds_job(rank: int, world: int, out: str, run: str, max_steps: int, r
     from transformers import TrainerCallback
 
     from ckptd.integrations.hf import AttestCallback
-
-    import dsgen
+    from tests.support import dsgen
 
     dsgen._skip_shm_build()  # gloo collectives, no g++ build of DeepSpeed's shm op (dsgen.py)
     fwgen.EVAL_LOSSES = TRAINER_DS_LOSSES  # what fwgen's ChosenEvalLoss reports as eval_loss
@@ -141,7 +138,7 @@ def main(out: Path, only: str | None = None) -> int:
                      "torch._dynamo", "accelerate", "safetensors.torch")
     ctl = Path(tempfile.mkdtemp(prefix="attestgen-ctl-"))
     if only == "trainer-ds":
-        import dsgen
+        from tests.support import dsgen
 
         for k, v in dsgen._CHILD_ENV.items():  # DS_ACCELERATOR=cpu among them
             os.environ.setdefault(k, v)

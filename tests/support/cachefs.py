@@ -1,5 +1,5 @@
 """A passthrough FUSE filesystem that caches what it reads, as sshfs, rclone's VFS, s3fs and
-gcsfuse do: `python tests/cachefs.py SOURCE MOUNTPOINT TTL [SUBTYPE]`, in the foreground.
+gcsfuse do: `python -m tests.support.cachefs SOURCE MOUNTPOINT TTL [SUBTYPE]`, in the foreground.
 
 Each path's attributes (getattr), directory listing (readdir) and file contents (read) are kept
 for TTL seconds from when they were fetched, whatever the source does meanwhile; what this

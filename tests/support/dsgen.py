@@ -6,10 +6,10 @@ with ``engine.save_checkpoint`` at each requested step.  See DSGEN_NOTES.md
 for what ends up on disk and for measured timings.
 
 Test-side use (this module imports neither torch nor deepspeed at import time;
-the DeepSpeed job always runs in a fresh ``python tests/dsgen.py ...``
+the DeepSpeed job always runs in a fresh ``python -m tests.support.dsgen ...``
 subprocess, killed as a process group on timeout)::
 
-    from dsgen import generate, start
+    from tests.support.dsgen import generate, start
     info = generate(tmp_path, world_size=2, stage=2, layout="hf", steps=(10, 20))
 
     run = start(tmp_path, stage=2, layout="bare", steps=(10, 20),
@@ -21,7 +21,7 @@ subprocess, killed as a process group on timeout)::
 
 CLI::
 
-    python tests/dsgen.py OUT --world-size 2 --stage 3 --bf16 --layout bare --steps 10 20
+    python -m tests.support.dsgen OUT --world-size 2 --stage 3 --bf16 --layout bare --steps 10 20
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.support import child_pythonpath
+
 __all__ = [
     "EVENT_PREFIX",
     "SLOW_MARKER",
@@ -55,7 +57,6 @@ __all__ = [
 
 SLOW_MARKER = ".slow_rank_waiting"
 EVENT_PREFIX = "@@dsgen "
-_HERE = Path(__file__).resolve()
 
 # Environment for the DeepSpeed subprocess.  DS_ACCELERATOR=cpu stops the
 # accelerator auto-detection; the thread caps keep 2-4 ranks from
@@ -181,7 +182,7 @@ def _cli_args(
 
 
 class Run:
-    """A running ``python tests/dsgen.py`` subprocess (see :func:`start`)."""
+    """A running ``python -m tests.support.dsgen`` subprocess (see :func:`start`)."""
 
     def __init__(self, out_dir: Path, argv: list[str], timeout: float, env: Mapping[str, str] | None):
         self.out_dir = out_dir
@@ -193,10 +194,11 @@ class Run:
         self._t0 = time.monotonic()
         child_env = dict(os.environ)
         child_env.update(_CHILD_ENV)
+        child_env["PYTHONPATH"] = child_pythonpath()
         if env:
             child_env.update(env)
         self.proc = subprocess.Popen(
-            [sys.executable, str(_HERE), *argv],
+            [sys.executable, "-m", "tests.support.dsgen", *argv],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

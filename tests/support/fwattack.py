@@ -1,6 +1,6 @@
 """The frameworks' own loaders, run over damaged checkpoints: the ground truth for test_attack_frameworks.py.
 
-``python tests/fwattack.py FRAMEWORK SPEC.json`` loads every checkpoint SPEC lists
+``python -m tests.support.fwattack FRAMEWORK SPEC.json`` loads every checkpoint SPEC lists
 (``[{"key": ..., "path": ..., ...}]``) with FRAMEWORK's own loader, in this one process, and prints
 one JSON line ``{key: verdict}``. A verdict is ``"full"`` (the loader ran and restored everything the
 save wrote: the values, the step, the optimizer and scheduler, the RNG), ``"partial: <what was
@@ -23,10 +23,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import fwgen  # noqa: E402
+from tests.support import child_pythonpath, fwgen
 
 
 def _err(exc: BaseException) -> str:
@@ -177,7 +174,7 @@ def _deepspeed(item: dict) -> str:
     if not _DS_ENGINE:
         import deepspeed
 
-        import dsgen
+        from tests.support import dsgen
 
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", LOCAL_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(fwgen._free_port()), DS_ACCELERATOR="cpu")
@@ -231,8 +228,8 @@ def write_lightning(out: Path, timeout: float = 300) -> Path:
     """Lightning's ModelCheckpoint (save_top_k=-1, save_last=True), two epochs, in a fresh process: the run."""
     import subprocess
 
-    env = {**os.environ, **fwgen._CHILD_ENV}
-    proc = subprocess.run([sys.executable, __file__, "write-lightning", str(out)], capture_output=True, text=True,
+    env = {**os.environ, **fwgen._CHILD_ENV, "PYTHONPATH": child_pythonpath()}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.fwattack", "write-lightning", str(out)], capture_output=True, text=True,
                           env=env, timeout=timeout, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise RuntimeError(f"fwattack write-lightning exited {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -245,8 +242,8 @@ def load(framework: str, items: list[dict], workdir: Path, timeout: float = 600)
 
     spec = workdir / f"{framework}-spec.json"
     spec.write_text(json.dumps(items))
-    env = {**os.environ, **fwgen._CHILD_ENV}
-    proc = subprocess.run([sys.executable, __file__, framework, str(spec)], capture_output=True, text=True,
+    env = {**os.environ, **fwgen._CHILD_ENV, "PYTHONPATH": child_pythonpath()}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.fwattack", framework, str(spec)], capture_output=True, text=True,
                           env=env, timeout=timeout, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise RuntimeError(f"fwattack {framework} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

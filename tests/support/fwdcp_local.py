@@ -1,6 +1,6 @@
 """Real DCP saves with `use_collectives=False`, for tests/test_dcp_local_metadata.py.
 
-``python tests/fwdcp_local.py OUT``: two gloo ranks on the CPU each `dcp.save(...,
+``python -m tests.support.fwdcp_local OUT``: two gloo ranks on the CPU each `dcp.save(...,
 use_collectives=False)` into OUT/run/step_10 and step_20: every rank writes its `__<rank>_0.distcp`
 and its own `__<rank>.metadata` (torch/distributed/checkpoint/filesystem.py _FileSystemWriter.finish,
 `_get_metadata_path(rank)`), and no global `.metadata`. Then each rank loads step_20 back with

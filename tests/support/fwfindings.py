@@ -1,6 +1,6 @@
 """What ckptd says about each framework volume, beside what the framework itself says (a table).
 
-    python tests/fwfindings.py [OUT] [--frameworks orbax,dcp,...] [--reuse]
+    PYTHONPATH=src python -m tests.support.fwfindings [OUT] [--frameworks orbax,dcp,...] [--reuse]
 
 Generates the volumes with fwgen.py (or, with --reuse, reads OUT/fwgen.json from an earlier run),
 ages every entry an hour with os.utime (so the default 60 s quiet period is over), then runs this
@@ -22,14 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-_HERE = Path(__file__).resolve().parent
-REPO = _HERE.parent
-sys.path.insert(0, str(_HERE))
-sys.path.insert(0, str(REPO / "src"))
-
-from ckptd.demo import age  # noqa: E402
-
-import fwgen  # noqa: E402
+from ckptd.demo import age
+from tests.support import REPO, fwgen
 
 
 def ckptd(*args: str, state: Path) -> tuple[int, Any]:

@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 
 from ckptd.demo import age
-
-import fwgen
+from tests.support import fwgen
 
 TORCH_FRAMEWORKS = ("dcp", "accelerate", "trainer", "lightning")
 
@@ -53,7 +52,7 @@ def fw_torch_volumes(tmp_path_factory) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="session")
 def weights_volume(tmp_path_factory) -> dict[str, Any]:
     """fwweights' Trainer and accelerate runs, each form of weights they write: {out_dir, runs}."""
-    import fwweights
+    from tests.support import fwweights
 
     for framework in ("trainer", "accelerate"):
         _skip_if_missing(framework)

@@ -10,9 +10,9 @@ coordinator SIGKILLs the writer's whole process group; then the framework's own 
 FWGEN_NOTES.md has what ends up on disk, the save orders (with the upstream source cited) and timings.
 
 Test-side use (this module imports no framework; everything runs in a fresh
-``python tests/fwgen.py FRAMEWORK OUT`` coordinator, killed as a process group on timeout)::
+``python -m tests.support.fwgen FRAMEWORK OUT`` coordinator, killed as a process group on timeout)::
 
-    from fwgen import generate_orbax, missing
+    from tests.support.fwgen import generate_orbax, missing
     if (why := missing("orbax")) is None:
         info = generate_orbax(tmp_path / "vol")
         info["checkpoints"]        # one record per checkpoint: path, run, step, killed, truth
@@ -20,8 +20,8 @@ Test-side use (this module imports no framework; everything runs in a fresh
 
 CLI::
 
-    python tests/fwgen.py orbax OUT          # or accelerate, lightning, trainer, dcp
-    python tests/fwgen.py all OUT            # each framework under OUT/<framework>/
+    python -m tests.support.fwgen orbax OUT          # or accelerate, lightning, trainer, dcp
+    python -m tests.support.fwgen all OUT            # each framework under OUT/<framework>/
 
 Process shape, per framework: the coordinator imports the framework once (except jax, which must not
 be forked after it starts), then forks one process group per job (the writers, 1 or 2 ranks; gloo
@@ -54,6 +54,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.support import child_pythonpath
+
 __all__ = [
     "EVENT_PREFIX",
     "FRAMEWORKS",
@@ -68,7 +70,6 @@ __all__ = [
 ]
 
 EVENT_PREFIX = "@@fwgen "
-_HERE = Path(__file__).resolve()
 
 # What each generator needs importable (top-level names, looked up without importing them).
 FRAMEWORKS: dict[str, tuple[str, ...]] = {
@@ -150,12 +151,13 @@ def generate(frameworks: str | Sequence[str], out_dir, *, timeout: float = 600,
     out.mkdir(parents=True, exist_ok=True)
     child_env = dict(os.environ)
     child_env.update(_CHILD_ENV)
+    child_env["PYTHONPATH"] = child_pythonpath()
     child_env.update(env or {})
     t0 = time.monotonic()
     lines: collections.deque[str] = collections.deque(maxlen=3000)
     events: list[dict[str, Any]] = []
     proc = subprocess.Popen(
-        [sys.executable, str(_HERE), ",".join(names), str(out)],
+        [sys.executable, "-m", "tests.support.fwgen", ",".join(names), str(out)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

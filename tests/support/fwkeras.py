@@ -1,6 +1,6 @@
 """Real Keras 3 ModelCheckpoint saves, one of them killed mid-save, for tests/test_keras.py.
 
-``python tests/fwkeras.py OUT RUN KIND [KILL_EPOCH | check]``, KIND ``keras`` or ``weights``: a tiny model
+``python -m tests.support.fwkeras OUT RUN KIND [KILL_EPOCH | check]``, KIND ``keras`` or ``weights``: a tiny model
 fits 3 epochs on the CPU (torch backend) with ``keras.callbacks.ModelCheckpoint`` writing
 ``OUT/RUN/model-epoch={epoch:02d}-val_loss={val_loss:.3f}.keras`` (``model.save``: a zip written in
 place, saving_lib.save_model) or ``...weights.h5`` (``save_weights_only=True``: HDF5 written in

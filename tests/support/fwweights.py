@@ -1,6 +1,6 @@
 """Real Trainer and accelerate saves in each form their weights take, for the copy-in tests.
 
-``python tests/fwweights.py OUT`` writes, with the frameworks' own saving code, one process each:
+``python -m tests.support.fwweights OUT`` writes, with the frameworks' own saving code, one process each:
 
 - ``trainer-safetensors/``: the Trainer's default (``model.safetensors``), checkpoint-2 and -4;
 - ``trainer-sharded/``: the same with save_pretrained's ``max_shard_size`` lowered so that the
@@ -23,10 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import fwgen  # noqa: E402
+from tests.support import child_pythonpath, fwgen
 
 REQUIRES = ("torch", "transformers", "accelerate", "safetensors")
 
@@ -70,8 +67,8 @@ def main(out: Path) -> int:
 
 def generate(out: Path, timeout: float = 600) -> dict[str, list[str]]:
     """Run this script in a fresh process (CPU only, offline); its {run: checkpoints}."""
-    env = {**os.environ, **fwgen._CHILD_ENV}
-    proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, env=env,
+    env = {**os.environ, **fwgen._CHILD_ENV, "PYTHONPATH": child_pythonpath()}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.fwweights", str(out)], capture_output=True, text=True, env=env,
                           timeout=timeout, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise RuntimeError(f"fwweights exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -1,7 +1,7 @@
 """`ckptd run --foreground -v --log-format json ARGS...` held or killed at its lease record's writes.
 
 The seam is `ckptd.lease.RecordIO.write`, the one method through which the lease record is written
-(claims, renewals, release; tests/leasefault.py uses it too). Two faults, each in a window too
+(claims, renewals, release; tests/support/leasefault.py uses it too). Two faults, each in a window too
 narrow for a signal from another process to land in:
 
 - $CKPTD_TEST_LEASE_HOLD names a path: while a FIFO is there, the next write logs "holding a

@@ -7,7 +7,7 @@ Hand-made checkpoints, as the scan would leave them: planning is pure, and the s
 (a pinned slimmed checkpoint holding a mount, NaN metrics from three sources, rank directories
 with different newest steps...) are combinations no framework run would produce in a test's time.
 
-    python3 tests/plancorpus.py          # rewrite tests/data/plan_decisions.json from the code as it is
+    PYTHONPATH=src python3 -m tests.support.plancorpus          # rewrite tests/data/plan_decisions.json from the code as it is
 
 Regenerate only on a commit whose decisions are known good (it records what the code decides).
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 from ckptd import planner
@@ -38,9 +37,7 @@ from ckptd.model import (
 )
 
 HERE = Path(__file__).resolve().parent
-FIXTURE = HERE / "data" / "plan_decisions.json"
-if str(HERE.parent) not in sys.path:  # bench.planning's runs, as the benchmark plans them
-    sys.path.insert(0, str(HERE.parent))
+FIXTURE = HERE.parent / "data" / "plan_decisions.json"
 
 P, F, U = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 CHECKS = {

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_ckptd
+from tests.support.common import run_ckptd
 
 no_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("torch") is None,

@@ -8,7 +8,7 @@ directory is still the one it created: a checkpoint renamed or deleted under
 a writer is reported as a violation. The pauses here simulate slow ranks and
 training time; nothing is synchronised by them.
 
-    python tests/simtrain.py RUN_DIR --world 4 --steps 10 20 30 --slow-rank 3 --slow-delay 2
+    python -m tests.support.simtrain RUN_DIR --world 4 --steps 10 20 30 --slow-rank 3 --slow-delay 2
 
 Prints one JSON document: {"saves": [...], "violations": [...]}.
 """

@@ -45,7 +45,7 @@ MAX_METRICS_BYTES = 1024 * 1024
 
 def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
     """Orbax's own verdict on a step directory (orbax/checkpoint/_src/path/atomicity.py; the facts
-    are in tests/FWGEN_NOTES.md).
+    are in tests/support/FWGEN_NOTES.md).
 
     Saved through a tmp directory renamed into place (AtomicRenameTemporaryPath, the default
     on local filesystems), the final name is Orbax's proof. Saved in place (CommitFileTemporaryPath,
