@@ -1,77 +1,16 @@
-"""Attack, round 3 (an outside attacker's reproductions, from the docs and real files).
-
-Each hole is an xfail(strict=True): it passes while the hole is open and fails once it is fixed.
-Near-misses (safe, but a wrong answer that would lead a user to delete by hand) are marked alike.
-"""
+"""Space with ckptd's own files on the volume: what waits in the trash counts toward min_free (prune and
+the daemon), a reflink copy keeps its extents allocated, and a full disk that holds the state_dir is
+named and nothing moved."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
 from tests.support.common import run_ckptd
-
-
-def _demo(tmp_path: Path, **retention: object) -> tuple[Path, Path]:
-    """`ckptd demo` (Trainer+DeepSpeed and Megatron runs), quiet_period 0s: (config, root)."""
-    proc = run_ckptd("demo", tmp_path / "demo")
-    assert proc.returncode == 0, proc.stderr
-    cfg = tmp_path / "demo" / "ckptd.toml"
-    text = cfg.read_text().replace(
-        'quiet_period = "60s"', 'quiet_period = "0s"\nallow_short_quiet_period = true')
-    for k, v in retention.items():
-        text = text.replace("[roots.retention]\n", f"[roots.retention]\n{k} = {json.dumps(v)}\n", 1)
-    cfg.write_text(text)
-    return cfg, tmp_path / "demo" / "experiments"
-
-
-def _prune(cfg: Path) -> str:
-    proc = run_ckptd("prune", "-c", cfg)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
-
-
-# --- 1. The trash: what ckptd purges that it did not put there ---------------------------------
-
-
-def test_a_pinned_checkpoint_moved_into_the_trash_by_hand_is_not_purged(tmp_path):
-    cfg, root = _demo(tmp_path)
-    ckpt = root / "roberta-mlm" / "checkpoint-1000"
-    (ckpt / ".ckptd-keep").touch()
-    (root / ".ckptd-trash").mkdir(exist_ok=True)
-    os.rename(ckpt, root / ".ckptd-trash" / "checkpoint-1000")
-    _prune(cfg)
-    _prune(cfg)
-    held = root / ".ckptd-trash" / "checkpoint-1000%review"  # where ckptd holds it, never purged
-    assert any((p / ".ckptd-keep").exists() for p in (held, root / ".ckptd-trash" / "checkpoint-1000", ckpt))
-
-
-def test_a_pinned_checkpoint_under_a_slim_looking_name_is_not_purged(tmp_path):
-    cfg, root = _demo(tmp_path)
-    ckpt = root / "roberta-mlm" / "checkpoint-1000"
-    (ckpt / ".ckptd-keep").touch()
-    (root / ".ckptd-trash").mkdir(exist_ok=True)
-    spoof = root / ".ckptd-trash" / "1700000000-deadbeef-roberta-mlm%2Fcheckpoint-1000%slim"
-    os.rename(ckpt, spoof)
-    _prune(cfg)
-    _prune(cfg)
-    held = spoof.with_name(spoof.name + "%review")
-    assert any((p / ".ckptd-keep").exists() for p in (held, spoof, ckpt))
-
-
-@pytest.mark.parametrize("name", [".ckptd-trash.rescued", ".ckptd-trash.bak"])
-def test_an_operators_copy_beside_the_trash_is_not_purged(tmp_path, name):
-    cfg, root = _demo(tmp_path)
-    import shutil
-
-    shutil.copytree(root / "roberta-mlm" / "checkpoint-500", root / name, symlinks=True)
-    (root / f"{name}.txt").write_text("what I rescued from the trash\n")
-    _prune(cfg)
-    assert (root / name).exists() and (root / f"{name}.txt").exists()
-
+from tests.support.rtkit import prune
 
 # --- 2. min_free and what waits in the trash ------------------------------------------------------
 
@@ -112,7 +51,7 @@ def test_min_free_counts_what_waits_in_the_trash(tmp_path, mount, where):
               root / f"{where}1796160000-0123abcd-roberta-mlm%2Fcheckpoint-500")
     free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
     assert free < 2.5 * 2**20 < free + 1_000_000
-    _prune(cfg)
+    prune(cfg)
     assert (root / "roberta-mlm" / "checkpoint-1000").is_dir(), "keep_last=4 kept it; the trash met min_free"
 
 
@@ -140,46 +79,6 @@ def test_the_daemon_counts_what_waits_in_the_trash_for_min_free(tmp_path, mount)
     rows = daemon.state()["roots"][0]["runs"][0]["checkpoints"]
     actions = {c["name"]: (c["action"], c["reasons"]) for c in rows}
     assert actions["checkpoint-1000"][0] == "keep", actions
-
-
-# --- 3. Pins ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("below", ["global_step1000", "global_step1000/mp_rank_00_model_states.pt"])
-def test_a_pin_inside_a_checkpoint_keeps_the_checkpoint(tmp_path, below):
-    cfg, root = _demo(tmp_path)
-    pinned = root / "roberta-mlm" / "checkpoint-1000" / below
-    assert pinned.exists()
-    cfg.write_text(cfg.read_text().replace(
-        "[roots.retention]\n", f"[roots.retention]\npins = ['roberta-mlm/checkpoint-1000/{below}']\n", 1))
-    _prune(cfg)
-    assert pinned.exists()
-
-
-# --- 4. The purge's re-check of a late rename: the run's newest complete by time ------------------
-
-
-def test_a_late_rename_of_the_newest_by_time_is_moved_back(tmp_path):
-    cfg, root = _demo(tmp_path)
-    run = root / "roberta-mlm"
-    ckpt = run / "checkpoint-1000"  # not the best (checkpoint-500), outside keep_last=2 by step
-    import time
-
-    t = time.time() - 600  # written last, 10 minutes ago: the run's newest complete by time
-    for dirpath, dirnames, filenames in os.walk(ckpt):
-        for n in dirnames + filenames:
-            os.utime(os.path.join(dirpath, n), (t, t), follow_symlinks=False)
-    os.utime(ckpt, (t, t))
-    plan = run_ckptd("plan", "-c", cfg, "--json")
-    rows = json.loads(plan.stdout)["checkpoints"]
-    (row,) = [c for c in rows if c["path"].endswith("roberta-mlm/checkpoint-1000")]
-    assert row["action"] == "keep", row
-    # What a leader stopped between its checks and its rename leaves, found by the next purge.
-    (root / ".ckptd-trash").mkdir(exist_ok=True)
-    entry = root / ".ckptd-trash" / f"{int(time.time())}-0badc0de-roberta-mlm%2Fcheckpoint-1000"
-    os.rename(ckpt, entry)
-    _prune(cfg)
-    assert ckpt.is_dir() or entry.exists()
 
 
 # --- 5. A full disk that holds the state directory too ---------------------------------------------
@@ -283,79 +182,7 @@ def test_min_free_does_not_delete_what_a_reflink_copy_keeps_allocated(tmp_path, 
                    "[roots.retention]\nkeep_last = 4\nkeep_best = 0\n"
                    "min_free = '80MB'\n")
     free_before = os.statvfs(xfs).f_bavail * os.statvfs(xfs).f_frsize
-    out = _prune(cfg)
+    out = prune(cfg)
     free_after = os.statvfs(xfs).f_bavail * os.statvfs(xfs).f_frsize
     assert free_after - free_before < 1_000_000  # the reflink copy holds every block: nothing was freed
     assert (run / "checkpoint-500").is_dir() and (run / "checkpoint-1000").is_dir(), out
-
-
-# --- 7. A slimmed checkpoint made whole again -----------------------------------------------------
-
-
-def _slimmed_marker(ckpt: Path, step: int) -> None:
-    """What ckptd's slim leaves (`.ckptd-slim.json`, state done, listing the optimizer shards it moved
-    and the fp32 model.safetensors it kept), the shards then restored by the user from a backup."""
-    torch = pytest.importorskip("torch")
-    safetensors_torch = pytest.importorskip("safetensors.torch")
-    weights = ckpt / "model.safetensors"
-    safetensors_torch.save_file({"w": torch.zeros(4, 4)}, str(weights))
-    tag = ckpt / f"global_step{step}"
-    opt = sorted(p.name for p in tag.iterdir() if p.name.endswith("optim_states.pt"))
-    st = (ckpt / "trainer_state.json").stat()
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
-    doc = {"ckptd_slim": 1, "state": "done", "time": st.st_mtime + 60,
-           "removed": [{"path": f"global_step{step}/{n}", "bytes": (tag / n).stat().st_size} for n in opt],
-           "bytes_freed": sum((tag / n).stat().st_size for n in opt),
-           "weights": {"path": "model.safetensors", "bytes": weights.stat().st_size, "consolidated": False,
-                       "dtype": "fp32"},
-           "reasons": ["keep_last=2 (#2 newest)"]}
-    (ckpt / ".ckptd-slim.json").write_text(json.dumps(doc))
-
-
-def test_optimizer_state_restored_into_a_slimmed_checkpoint_is_not_removed_again(tmp_path):
-    cfg, root = _demo(tmp_path)
-    ckpt = root / "roberta-mlm" / "checkpoint-1500"
-    _slimmed_marker(ckpt, 1500)
-    assert "keep_full_last" not in cfg.read_text()
-    _prune(cfg)
-    left = sorted(p.name for p in (ckpt / "global_step1500").iterdir())
-    assert any(n.endswith("optim_states.pt") for n in left), left
-
-
-# --- 8. Near-miss: ckptd's own pin file taken for a file of the save ----------------------------------
-
-
-def test_a_pin_file_below_the_top_does_not_make_the_newest_incomplete(tmp_path):
-    cfg, root = _demo(tmp_path)
-    run = root / "roberta-mlm"
-    (run / "checkpoint-2000" / "global_step2000" / ".ckptd-keep").touch()
-    proc = run_ckptd("latest", run, "-c", cfg)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().endswith("checkpoint-2000"), proc.stdout + proc.stderr
-
-
-# --- 9. Two deleters on one root, when <root>/.ckptd cannot be a directory ----------------------------
-
-
-def test_a_prune_with_another_state_dir_does_not_delete_beside_a_daemon_without_a_root_lock(tmp_path):
-    from tests.support.daemonproc import DaemonProc
-
-    cfg, root = _demo(tmp_path)
-    (root / ".ckptd").write_text("x\n")
-    daemon_cfg = tmp_path / "daemon.toml"
-    daemon_cfg.write_text(cfg.read_text().replace("quiet_period = \"0s\"", "quiet_period = \"1h\"")
-                          .replace(str(tmp_path / "demo" / "state"), str(tmp_path / "state-a")))
-    daemon_cfg.write_text(daemon_cfg.read_text().replace("[daemon]\n", "[daemon]\nleadership = 'local'\n", 1))
-    prune_cfg = tmp_path / "prune.toml"
-    prune_cfg.write_text(cfg.read_text().replace(str(tmp_path / "demo" / "state"), str(tmp_path / "state-b"))
-                         .replace("[daemon]\n", "[daemon]\nleadership = 'local'\n", 1))
-    # Where <root>/.ckptd cannot be a directory, the root's own lock cannot be taken: neither the
-    # daemon nor the prune deletes there (the daemon stands by, the prune exits 75), each saying why.
-    unavailable = f"cannot take {root / '.ckptd' / 'local.lock'} (Not a directory): deleting nothing in {root}"
-    with DaemonProc("-c", daemon_cfg) as d:
-        d.wait_message(f"{root}: standby, observing only: {unavailable}")
-        proc = run_ckptd("prune", "-c", prune_cfg)
-        d.stop()
-    assert proc.returncode == 75, proc.stdout + proc.stderr
-    assert unavailable in proc.stderr, proc.stderr
-    assert all((root / "roberta-mlm" / f"checkpoint-{s}").is_dir() for s in (500, 1000, 1500, 2000))
