@@ -384,7 +384,7 @@ def test_dcp_needs_metadata(tmp_path):
         age(d, OLD)
     found = scan(tmp_path)
     # b"meta" is no DCP metadata pickle: what it names cannot be read (real saves: test_frameworks.py,
-    # test_attack_frameworks.py), so .metadata's presence alone no longer makes the step complete
+    # tests/completeness/test_damaged_saves.py), so .metadata's presence alone no longer makes the step complete
     assert found["run/step_100"].state is State.INCOMPLETE
     assert checks(found["run/step_100"])["dcp storage (.metadata)"][0] is Verdict.FAILED
     assert checks(found["run/step_100"])["dcp .metadata"][0] is Verdict.PASSED

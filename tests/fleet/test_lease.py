@@ -381,7 +381,7 @@ def test_an_unreadable_record_beside_a_beat_is_still_taken_after_the_full_durati
 
 class ListingCachingIO(OneProcessIO):
     """Reads of `.ckptd/` served whole from a cache, listing and record alike, as sshfs, rclone,
-    s3fs and gcsfuse do (tests/support/cachefs.py shows it on a real FUSE mount in test_attack_fleet.py):
+    s3fs and gcsfuse do (tests/support/cachefs.py shows it on a real FUSE mount in tests/fleet/test_hosts_behind_caches.py):
     the first look, whatever was written since, until this process changes the directory itself
     (which such a client drops its cache for)."""
 

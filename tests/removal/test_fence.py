@@ -192,7 +192,7 @@ async def test_the_daemon_fences_its_deletions_with_the_volume_lease(tmp_path, l
 
 def test_a_pin_seen_only_under_its_name_in_the_trash_sends_it_back(volume, tmp_path, monkeypatch):
     """The re-check passed on a stale look (a FUSE client that caches listings showed the
-    checkpoint's listing from before a pin written on another host: test_attack_fleet.py shows it
+    checkpoint's listing from before a pin written on another host: tests/fleet/test_hosts_behind_caches.py shows it
     on a real one): the look under its new name in the trash, which no cache has seen, finds the
     pin, and it goes back."""
     from ckptd.layouts import PIN_FILE

@@ -1,4 +1,4 @@
-"""The frameworks' own loaders, run over damaged checkpoints: the ground truth for test_attack_frameworks.py.
+"""The frameworks' own loaders, run over damaged checkpoints: the ground truth for tests/completeness/test_damaged_saves.py.
 
 ``python -m tests.support.fwattack FRAMEWORK SPEC.json`` loads every checkpoint SPEC lists
 (``[{"key": ..., "path": ..., ...}]``) with FRAMEWORK's own loader, in this one process, and prints

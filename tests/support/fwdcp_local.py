@@ -1,4 +1,4 @@
-"""Real DCP saves with `use_collectives=False`, for tests/test_dcp_local_metadata.py.
+"""Real DCP saves with `use_collectives=False`, for tests/completeness/test_dcp_local_metadata.py.
 
 ``python -m tests.support.fwdcp_local OUT``: two gloo ranks on the CPU each `dcp.save(...,
 use_collectives=False)` into OUT/run/step_10 and step_20: every rank writes its `__<rank>_0.distcp`

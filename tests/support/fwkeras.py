@@ -1,4 +1,4 @@
-"""Real Keras 3 ModelCheckpoint saves, one of them killed mid-save, for tests/test_keras.py.
+"""Real Keras 3 ModelCheckpoint saves, one of them killed mid-save, for tests/completeness/test_keras.py.
 
 ``python -m tests.support.fwkeras OUT RUN KIND [KILL_EPOCH | check]``, KIND ``keras`` or ``weights``: a tiny model
 fits 3 epochs on the CPU (torch backend) with ``keras.callbacks.ModelCheckpoint`` writing
