@@ -22,6 +22,7 @@ from ckptd.frameworks import nemo
 from ckptd.model import State, Verdict
 from ckptd.planner import Scanner
 from ckptd.verdicts import RACY_NS, Verdicts
+from tests.support.ddpfiles import ddp_checkpoint
 
 NOW = 1_800_000_000.0
 OLD = NOW - 3600
@@ -708,21 +709,6 @@ def test_pinning_an_old_checkpoint_makes_nothing_deletable(tmp_path, state_env):
 
 
 # --- a rank census without a known world size learns from the run (issue 11, 9a) -------------
-
-
-def ddp_checkpoint(run: Path, step: int, ranks: int, mtime: float) -> Path:
-    """A Trainer DDP checkpoint (no DeepSpeed): weights, optimizer, one rng_state per rank. Made by
-    hand: the real Trainer's volumes are in test_frameworks.py; this varies the rank count."""
-    ck = run / f"checkpoint-{step}"
-    ck.mkdir(parents=True)
-    write_zip(ck / "optimizer.pt", 64)
-    write_zip(ck / "scheduler.pt", 16)  # the Trainer writes it with optimizer.pt (_save_optimizer_and_scheduler)
-    write_zip(ck / "pytorch_model.bin", 64)  # WEIGHTS_NAME, as transformers 4 saved it
-    for r in range(ranks):
-        write_zip(ck / f"rng_state_{r}.pth", 16)
-    (ck / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
-    age(ck, mtime)
-    return ck
 
 
 def test_a_checkpoint_one_rank_short_of_the_runs_last_complete_one_is_incomplete(tmp_path):

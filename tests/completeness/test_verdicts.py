@@ -491,7 +491,7 @@ def test_a_restored_checkpoint_is_the_looked_at_one_in_every_field(tmp_path):
     rank keep_best. Only the quiet check is judged afresh."""
     import dataclasses
 
-    from test_evidence import ddp_checkpoint
+    from tests.support.ddpfiles import ddp_checkpoint
 
     root = tmp_path / "vol"
     ddp_checkpoint(root / "run", 100, 8, time.time() - 7200)
@@ -514,7 +514,7 @@ def test_a_restart_keeps_the_sibling_rank_census(tmp_path):
     """Rank 7 of a DDP job never wrote its rng_state: only the run's earlier checkpoint (8 ranks)
     shows it. Restored without its rank count and save time, the census was skipped, and the
     short checkpoint became the run's newest complete one (keep_last=1: the last loadable goes)."""
-    from test_evidence import ddp_checkpoint
+    from tests.support.ddpfiles import ddp_checkpoint
 
     root = tmp_path / "vol"
     ddp_checkpoint(root / "run", 100, 8, time.time() - 7200)

@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from ckptd.config import load_config
 from ckptd.daemon import Daemon
@@ -23,6 +22,7 @@ from ckptd.errors import RootMissingError
 from ckptd.mounts import filesystem_type
 from ckptd.watch import Watcher, choose_observer
 from tests.support.daemonproc import write_config
+from tests.support.logwatch import logs as logs
 
 pytestmark = pytest.mark.asyncio
 
@@ -234,44 +234,6 @@ async def test_reload_validates_first_and_keeps_the_old_config(tmp_path):
         daemon.request_stop("test")
         assert await asyncio.wait_for(task, 30) == 0
     assert not list(Path(tmp_path / "state").glob("daemon.*.json"))
-
-
-class LogWatch(logging.Handler):
-    """Collects the daemon's log records; `wait` blocks (async) until one matches."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        super().__init__(logging.DEBUG)
-        self.loop = loop
-        self.records: list[logging.LogRecord] = []
-        self.changed = asyncio.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-        self.loop.call_soon_threadsafe(self.changed.set)
-
-    def messages(self, text: str) -> list[str]:
-        return [m for r in self.records if text in (m := r.getMessage())]
-
-    async def wait(self, text: str, timeout: float = 30) -> None:
-        async def until() -> None:
-            while not self.messages(text):
-                self.changed.clear()
-                await self.changed.wait()
-
-        await asyncio.wait_for(until(), timeout)
-
-
-@pytest_asyncio.fixture
-async def logs():
-    """The daemon's log records, at DEBUG, for the test's event loop."""
-    watch = LogWatch(asyncio.get_running_loop())
-    logger = logging.getLogger("ckptd")
-    old_level = logger.level
-    logger.addHandler(watch)
-    logger.setLevel(logging.DEBUG)
-    yield watch
-    logger.removeHandler(watch)
-    logger.setLevel(old_level)
 
 
 async def test_a_flaky_volume_is_logged_once_backed_off_and_nothing_is_deleted(tmp_path, monkeypatch, logs):

@@ -242,11 +242,10 @@ def test_completion_latency_is_measured_once_from_first_sighting():
 def test_a_budget_that_cannot_be_met_is_named_by_root_and_key():
     """ckptd_budget_unmet's source: the plan's own warnings and reasons (policy._take_oldest,
     keep_total's "over keep_total"), from a real plan of checkpoints that no budget may take."""
-    from test_policy import ck, run_of
-
     from ckptd.config import FreeSpace, Retention, Root
     from ckptd.metrics import unmet_budgets
     from ckptd.planner import DiskSpace, decide
+    from tests.support.memruns import ck, run_of
 
     pinned = run_of(ck(1, pinned=True, size=100), ck(2, size=100))  # both protected: newest, pinned
     r = Root(path=Path("/vol"), retention=Retention(keep_last=1, keep_best=0, max_size=50,

@@ -28,25 +28,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.common import REPO
+from tests.support.readme import ci_lines, readme_test_command
 
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-
-
-def readme_block_after(marker: str) -> str:
-    """The first ```sh block after the paragraph that contains `marker`."""
-    text = (REPO / "README.md").read_text()
-    rest = text[text.index(marker):]
-    m = re.search(r"```sh\n(.*?)```", rest, re.S)
-    assert m, f"no sh block after {marker!r}"
-    return m[1].strip()
-
-
-def readme_test_command() -> str:
-    return readme_block_after("Run the tests.")
-
-
-def ci_lines() -> list[str]:
-    return [line for line in (REPO / ".ci" / "run").read_text().splitlines() if not line.startswith("#")]
 
 
 def test_ci_runs_the_readme_test_command_verbatim():

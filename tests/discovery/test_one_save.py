@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_tracker import start, tracker
 
 from ckptd import evidence, layouts
 from ckptd.config import Retention, Root
@@ -36,6 +35,7 @@ from ckptd.rules import anchors
 from ckptd.tracker import HINT_DEBOUNCE
 from tests.support.common import run_ckptd
 from tests.support.fwfixtures import copy_volume
+from tests.support.tracking import start, tracker
 
 NOW = 1_800_000_000.0
 OLD = NOW - 86400  # the first job's save: a day ago

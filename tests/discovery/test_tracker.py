@@ -16,19 +16,8 @@ from ckptd.model import State, Verdict
 from ckptd.settle import Settler
 from ckptd.tracker import HINT_DEBOUNCE, RootTracker
 from ckptd.verdicts import RACY_NS
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> float:
-        self.t += seconds
-        return self.t
-
+from tests.support.tracking import Clock, start, tracker
+from tests.support.tracking import clock as clock
 
 # --- the settler (pure) --------------------------------------------------------
 
@@ -70,26 +59,6 @@ def test_stalled_after_stall_after():
 
 
 # --- the tracker ---------------------------------------------------------------
-
-
-@pytest.fixture
-def clock():
-    return Clock()
-
-
-def tracker(root: Path, clock: Clock, **kw) -> RootTracker:
-    t = RootTracker(Root(path=root, quiet_period=60, world_size=2, **kw), clock)
-    # The wall clock the verdicts' racy-clean rule reads: the test's files count as written well
-    # before each look (as they are, one quiet period before, outside a test).
-    t.scanner.verdicts.clock_ns = lambda: time.time_ns() + 10 * RACY_NS
-    return t
-
-
-def start(t: RootTracker) -> None:
-    """What the daemon does at start-up: the first scan, then (after READY) the first looks."""
-    t.full_scan()
-    while t.unseen:
-        t.step(t.clock())
 
 
 def states(t: RootTracker) -> dict[str, State]:
@@ -276,7 +245,7 @@ def test_a_future_mtime_is_not_quiet_for_the_daemon_either(tmp_path, clock):
 
 
 def test_the_daemon_learns_a_runs_rank_count_from_its_complete_checkpoints(tmp_path, clock):
-    from test_evidence import ddp_checkpoint
+    from tests.support.ddpfiles import ddp_checkpoint
 
     run = tmp_path / "run"
     ddp_checkpoint(run, 100, 8, 1_700_000_000.0)
@@ -575,7 +544,6 @@ def test_after_missed_events_a_rescan_finds_every_checkpoint_saved_meanwhile(tmp
     t.rescan_in_flight()
     assert {rel for rel in states(t) if rel.endswith("checkpoint-20")} == {
         f"team{r % 3}/run{r}/checkpoint-20" for r in range(30)}
-
 
 
 # --- start-up: READY before every file is looked at ------------------------------------------

@@ -11,12 +11,11 @@ import json
 import threading
 from pathlib import Path
 
-from test_multinode import ckpts, node_config
-
 from ckptd.layouts import LEASE_DIR
 from ckptd.lease import RECORD
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
+from tests.support.nodes import ckpts, node_config
 
 CACHING = ("kernel_cache", "attr_timeout=30", "entry_timeout=30")
 

@@ -20,12 +20,11 @@ import time
 from pathlib import Path
 
 import pytest
-from test_late_rename import wait_stopped
-from test_multinode import ckpts, lease_record, listing, logged_at, node_config, trashed
 
 from ckptd.layouts import PIN_FILE
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
+from tests.support.nodes import ckpts, lease_record, listing, logged_at, node_config, trashed, wait_stopped
 
 # Everything a FUSE client can be told to cache: file contents across opens, attributes,
 # name lookups (positive and negative).

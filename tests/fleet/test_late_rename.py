@@ -13,14 +13,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from test_multinode import D, M, ckpts, listing, node_config
-from test_reaper import names
-from test_reaper import volume as volume
 
 from ckptd import reaper as reaper_module
 from ckptd.config import Retention, Root
@@ -30,16 +26,9 @@ from ckptd.layouts import PIN_FILE, TRASH_DIR
 from ckptd.planner import Scanner, decide
 from ckptd.reaper import Reaper
 from tests.support.daemonproc import DaemonProc
-
-
-def wait_stopped(pid: int, timeout: float = 30) -> None:
-    """Until the kernel says the process is stopped (state T), bounded."""
-    tick = threading.Event()  # never set: a timer between looks at /proc
-    for _ in range(int(timeout / 0.02)):
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
-            return
-        tick.wait(0.02)
-    raise AssertionError(f"pid {pid} did not stop within {timeout}s")
+from tests.support.nodes import D, M, ckpts, listing, node_config, wait_stopped
+from tests.support.volumes import names
+from tests.support.volumes import volume as volume
 
 
 def leader_that_waits(tmp_path: Path, root: Path, *where: str) -> DaemonProc:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_multinode import ckpts, listing, node_config
-
 from ckptd.layouts import LEASE_DIR
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
+from tests.support.nodes import ckpts, listing, node_config
 
 
 def local_config(tmp: Path, name: str, root: Path, *, keep_last: int) -> Path:

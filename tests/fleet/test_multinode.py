@@ -15,53 +15,14 @@ import os
 import sys
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.journal import read_journal
-from ckptd.layouts import LEASE_DIR
-from ckptd.lease import RECORD
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
-
-D, M = 1.5, 0.5
-
-
-def node_config(tmp: Path, name: str, root: Path, *, keep_last: int = 1, lease: str = "",
-                duration: float = D, margin: float = M) -> Path:
-    path = tmp / f"{name}.toml"
-    path.write_text(
-        f"[daemon]\nstate_dir = '{tmp / name}'\nleadership = 'volume'\n"
-        f"lease_duration = '{duration}s'\nlease_margin = '{margin}s'\n{lease}\n"
-        f"[[roots]]\npath = '{root}'\nquiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2\npoll_interval = '0.3s'\n"
-        f"[roots.retention]\nkeep_last = {keep_last}\nkeep_best = 0\n"
-    )
-    return path
-
-
-def lease_record(root: Path) -> dict:
-    return json.loads((root / LEASE_DIR / RECORD).read_text())
-
-
-def trashed(state_dir: Path) -> list[tuple[str, float]]:
-    return [(Path(r["path"]).name, r["time"]) for r in read_journal(state_dir) if r["event"] == "trashed"]
-
-
-def logged_at(line: dict) -> float:
-    """A JSON log line's time (cli.JsonFormatter: ISO 8601 with its offset, "Z" for UTC, milliseconds)."""
-    return datetime.fromisoformat(line["time"]).timestamp()
-
-
-def ckpts(root: Path, *steps: int) -> None:
-    for step in steps:
-        hf_deepspeed_checkpoint(root / "job", step, world=2)
-
-
-def listing(run: Path) -> list[str]:
-    return sorted(p.name for p in run.iterdir() if not p.name.startswith("."))
+from tests.support.nodes import D, M, ckpts, lease_record, listing, logged_at, node_config, trashed
 
 
 def test_two_nodes_one_deletes_and_a_killed_leader_is_replaced_after_its_lease(tmp_path):

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from test_multinode import ckpts, listing, node_config
-
 from tests.support.daemonproc import DaemonProc
+from tests.support.nodes import ckpts, listing, node_config
 
 
 def at(line: dict) -> float:

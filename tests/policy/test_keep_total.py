@@ -12,11 +12,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_policy import COMPLETE, INCOMPLETE, ROOT, ck
 
 from ckptd.config import ConfigError, Retention, Root, parse_config
 from ckptd.model import Checkpoint, Run, TrainerState
 from ckptd.policy import Action, decide_run, metric_warnings
+from tests.support.memruns import COMPLETE, INCOMPLETE, ROOT, ck
 
 
 def run_with_best(steps, best: int | None, *, mtimes: dict[int, float] | None = None, checks=None) -> Run:

@@ -4,55 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from ckptd.config import FreeSpace, Retention
 from ckptd.model import Check, Checkpoint, Run, TrainerState, Verdict
 from ckptd.policy import Action, decide_run, enforce_max_size, enforce_min_free, metric_warnings
+from tests.support.memruns import COMPLETE, INCOMPLETE, ROOT, ck, run_of
 
-ROOT = Path("/vol")
-COMPLETE = (Check("quiet", Verdict.PASSED, "quiet"),)
 WRITING = (Check("quiet", Verdict.FAILED, "changed 1s ago"),)
-INCOMPLETE = (
-    Check("quiet", Verdict.PASSED, "quiet"),
-    Check("deepspeed shards", Verdict.FAILED, "rank 3 missing"),
-)
-
-
-def ck(
-    step: int,
-    checks=COMPLETE,
-    *,
-    size: int = 10,
-    pinned: bool = False,
-    mtime: float | None = None,
-    losses: dict[int, object] | None = None,
-    best: int | None = None,
-) -> Checkpoint:
-    ts = None
-    if losses is not None or best is not None:
-        history = {s: {"eval_loss": v} for s, v in (losses or {}).items() if s <= step}
-        ts = TrainerState(step, f"checkpoint-{best}" if best is not None else None, None, history)
-    return Checkpoint(
-        ROOT,
-        "run",
-        f"checkpoint-{step}",
-        step,
-        "hf",
-        checks,
-        size_bytes=size,
-        newest_mtime=float(step if mtime is None else mtime),
-        saved_at=float(step if mtime is None else mtime),
-        written_at=float(step if mtime is None else mtime),
-        pinned=pinned,
-        trainer_state=ts,
-    )
-
-
-def run_of(*ckpts: Checkpoint) -> Run:
-    return Run(ROOT, "run", tuple(ckpts))
 
 
 def kept(decisions) -> list[int]:

@@ -10,11 +10,11 @@ import datetime
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_policy import ck, run_of
 
 from ckptd.config import Retention
 from ckptd.model import Action, Checkpoint
 from ckptd.policy import decide_run
+from tests.support.memruns import ck, run_of
 
 
 def at(text: str) -> float:

@@ -151,7 +151,7 @@ def test_the_site_builds_strictly(tmp_path):
 
 
 def test_ci_builds_the_site_after_the_readmes_test_command():
-    from test_install import ci_lines, readme_test_command
+    from tests.support.readme import ci_lines, readme_test_command
 
     lines = ci_lines()
     test_at = lines.index(readme_test_command())

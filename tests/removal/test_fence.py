@@ -15,11 +15,6 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from test_daemon_async import LogWatch
-from test_reaper import make, names
-from test_reaper import volume as volume
-from test_slim import fake_consolidator, reaper_for
-from test_slim import unconsolidated as unconsolidated
 
 from ckptd import slim
 from ckptd.journal import read_journal
@@ -27,6 +22,11 @@ from ckptd.layouts import LEASE_DIR, TRASH_DIR
 from ckptd.lease import RECORD, Holder, Record, RecordIO
 from ckptd.policy import Action
 from ckptd.reaper import Outcome
+from tests.support.logwatch import LogWatch
+from tests.support.slimkit import fake_consolidator, reaper_for
+from tests.support.slimkit import unconsolidated as unconsolidated
+from tests.support.volumes import make, names
+from tests.support.volumes import volume as volume
 
 
 class Fence:

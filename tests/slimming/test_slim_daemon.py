@@ -15,8 +15,6 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_daemon_async import logs  # noqa: F401 - the fixture
-from test_slim import write_consolidated
 
 from ckptd import slim
 from ckptd.config import load_config
@@ -25,6 +23,8 @@ from ckptd.daemon import Daemon
 from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.reaper import WORK_DIR
 from tests.support.daemonproc import write_config
+from tests.support.logwatch import logs  # noqa: F401 - the fixture
+from tests.support.slimkit import write_consolidated
 
 pytestmark = pytest.mark.asyncio
 

@@ -221,7 +221,7 @@ def _bench_scenarios() -> list[tuple[str, list[tuple[Root, list[Run]]], int, int
 
 def _policy_table_scenarios() -> list[tuple[str, list[tuple[Root, list[Run]]], int, int]]:
     """test_policy.py's table of retentions and losses, planned whole."""
-    import test_policy
+    from tests.policy import test_policy
 
     mark = next(m for m in test_policy.test_keep_rules.pytestmark if m.name == "parametrize")
     out = []
