@@ -15,6 +15,7 @@ import pytest
 from ckptd import attest, attestation
 from ckptd.evidence import walk
 from ckptd.model import ATTESTED, COMMIT_RECORDS, QUIET, SAVE_LEASE, Check, State, Verdict, classify
+from tests.support.common import REPO
 
 NOW = 1_800_000_000.0
 
@@ -395,7 +396,7 @@ def test_the_writer_and_the_integrations_import_no_framework_and_no_ckptd_depend
         "heavy = ('pydantic', 'transformers', 'torch', 'accelerate', 'deepspeed', 'lightning', 'watchdog')\n"
         "print([m for m in heavy if m in sys.modules])"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

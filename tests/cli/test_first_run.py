@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 from ckptd.config import format_size
-from tests.support.common import run_ckptd
+from tests.support.common import REPO, run_ckptd
 from tests.support.daemonproc import DaemonProc, write_config
 
-SIMTRAIN = Path(__file__).with_name("simtrain.py")
+SIMTRAIN = REPO / "tests" / "support" / "simtrain.py"
 TEXT_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}[+-]\d{4}) (DEBUG|INFO|WARNING|ERROR) (.*)")
 CHECKPOINTS = 10  # in the demo: 6 Trainer + DeepSpeed, 4 Megatron
 

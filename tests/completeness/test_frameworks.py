@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.common import run_ckptd
+from tests.support.common import REPO, run_ckptd
 from tests.support.fwfixtures import copy_volume
 
 pytestmark = pytest.mark.frameworks
@@ -190,7 +190,7 @@ def test_lightning_metric_inside_the_ckpt_without_torch_is_missing_and_plan_says
     root = copy_volume(lightning_volume, tmp_path / "vol")
     run = "team-a/run-default"
     cfg = default_config(tmp_path, root / run, keep_last=1, keep_best=1, metric="val_loss")
-    notorch = str(Path(__file__).resolve().parent.parent / "bench" / "notorch")
+    notorch = str(REPO / "bench" / "notorch")
     proc = run_ckptd("plan", "-c", cfg, "--json", env={"PYTHONPATH": f"{notorch}:{os.environ['PYTHONPATH']}"})
     doc = json.loads(proc.stdout)
     assert {r["action"] for r in doc["checkpoints"]} == {"keep"}  # keep_missing_metric
