@@ -32,6 +32,8 @@ from ckptd.demo import age
 from tests.support import fwattack, fwgen
 from tests.support.common import run_ckptd
 
+pytestmark = pytest.mark.frameworks  # every case starts from saves a framework wrote itself
+
 AGE = 3600.0  # every file this long ago (os.utime): quiet periods are over without waiting
 
 
@@ -576,6 +578,7 @@ def deepspeed_judged(tmp_path_factory):
                   lambda p: {"path": str(p), "step": 20}, DEEPSPEED_TRUTH)
 
 
+@pytest.mark.deepspeed
 @pytest.mark.parametrize("case", _cases("deepspeed", DEEPSPEED_CASES, DEEPSPEED_KNOWN))
 def test_deepspeed_damaged_newest(deepspeed_judged, case):
     _check(deepspeed_judged, case)
@@ -755,6 +758,7 @@ def test_latest_passes_over_an_orbax_step_whose_data_never_arrived(orbax_judged,
     assert proc.stdout.strip() == str(run / "step_100"), proc.stdout + proc.stderr
 
 
+@pytest.mark.deepspeed
 def test_latest_passes_over_a_deepspeed_checkpoint_without_its_latest_file(deepspeed_judged, tmp_path_factory):
     assert deepspeed_judged["drop-latest"]["truth"].startswith("fails")
     run = next(tmp_path_factory.getbasetemp().glob("atk-ds*/deepspeed/drop-latest"))

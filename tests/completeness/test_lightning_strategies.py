@@ -58,6 +58,7 @@ def test_a_lightning_deepspeed_checkpoint_missing_a_shard_is_not_complete(zero3_
 # --- near-miss: Lightning's FSDP sharded checkpoints are megatron-core ones missing metadata.json -
 
 
+@pytest.mark.frameworks
 def test_lightning_fsdp_sharded_checkpoints_can_be_complete(tmp_path):
     """Lightning's FSDPStrategy with state_dict_type="sharded" saves each checkpoint as a directory
     named like the file (`epoch=0-step=100.ckpt/`): torch.distributed.checkpoint's files, then
@@ -85,6 +86,7 @@ def test_lightning_fsdp_sharded_checkpoints_can_be_complete(tmp_path):
     assert len(rows) == 2 and all(" complete " in r for r in rows), proc.stdout
 
 
+@pytest.mark.frameworks
 def test_a_lightning_fsdp_sharded_checkpoint_without_dcp_metadata_is_not_complete(tmp_path):
     """The other side of the one above: Lightning's FSDP checkpoint directory is complete by DCP's
     evidence, so without `.metadata` (the coordinator's, written after every rank's data) it is
@@ -126,6 +128,7 @@ t.fit(M(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.rand
 """
 
 
+@pytest.mark.frameworks
 def test_the_target_of_lightnings_last_link_is_kept(tmp_path):
     """Lightning's ModelCheckpoint(save_last="link") makes last.ckpt a symlink to the file it saved
     last, instead of a copy (lightning/pytorch/callbacks/model_checkpoint.py _save_last_checkpoint,

@@ -8,6 +8,8 @@ import os
 import shutil
 import time
 
+import pytest
+
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 from tests.support.fwfixtures import copy_volume
 from tests.support.rtkit import config, dcp_save, names, prune
@@ -86,6 +88,7 @@ def test_nemo_model_parallel_ranks_are_one_checkpoint(tmp_path):
     assert (ck / "mp_rank_00" / step200).is_file(), "rank 0's part of the last whole step was deleted"
 
 
+@pytest.mark.frameworks
 def test_a_dcp_run_written_inside_a_checkpoint_is_not_deleted_with_it(tmp_path):
     """The red team's item 2 again, with torch.distributed.checkpoint: a fine-tuning script given
     `--output_dir out/checkpoint-500` (the checkpoint it starts from) saves its own steps there

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.support import fwgen
+from tests.support import fwgen, refuse_in_light_test
 
 HEARTBEAT = 0.2
 SLOW_S = 5.0  # rank 1's delay in checkpoint-6's save: longer than the test's quiet period (2 s)
@@ -162,4 +162,5 @@ def main(out: Path, only: str | None = None) -> int:
 
 
 if __name__ == "__main__":
+    refuse_in_light_test("a real Trainer run (tests/support/attestgen.py)")
     sys.exit(main(Path(sys.argv[1]).resolve(), *sys.argv[2:3]))

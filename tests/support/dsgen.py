@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.support import child_pythonpath
+from tests.support import child_pythonpath, refuse_in_light_test
 
 __all__ = [
     "EVENT_PREFIX",
@@ -874,4 +874,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    refuse_in_light_test("a DeepSpeed job (tests/support/dsgen.py)")
     sys.exit(main())

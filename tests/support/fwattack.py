@@ -23,7 +23,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from tests.support import child_pythonpath, fwgen
+from tests.support import child_pythonpath, fwgen, refuse_in_light_test
 
 
 def _err(exc: BaseException) -> str:
@@ -251,4 +251,5 @@ def load(framework: str, items: list[dict], workdir: Path, timeout: float = 600)
 
 
 if __name__ == "__main__":
+    refuse_in_light_test("a framework's own loader (tests/support/fwattack.py)")
     sys.exit(main(sys.argv[1], sys.argv[2]))

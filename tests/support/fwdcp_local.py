@@ -14,6 +14,8 @@ import os
 import socket
 import sys
 
+from tests.support import refuse_in_light_test
+
 
 def _job(rank: int, world: int, out: str, port: int) -> None:
     import torch
@@ -48,4 +50,5 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
+    refuse_in_light_test("a torch.distributed.checkpoint save (tests/support/fwdcp_local.py)")
     sys.exit(main(sys.argv[1]))

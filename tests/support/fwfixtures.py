@@ -5,7 +5,8 @@ record per checkpoint with ``path``, ``abs_path``, ``run``, ``step``, ``killed``
 framework's own verdict).  A volume is generated once per session and shared: copy it
 (:func:`copy_volume`) before changing anything in it.  A fixture skips, with the reason, when its
 framework is not installed; that is decided without importing the framework (jax and transformers
-take seconds).
+take seconds). Each is kept across runs (tests/support/volcache.py: keyed by the packages' versions
+and the generators' source; CKPTD_TESTS_NO_CACHE=1 turns it off); a session gets its own copy.
 
 The torch frameworks (DCP, accelerate, the Trainer, Lightning) come from one coordinator process,
 so torch and what they share are imported once; the first fixture asked for generates all four.
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from ckptd.demo import age
-from tests.support import fwgen
+from tests.support import fwgen, volcache
 
 TORCH_FRAMEWORKS = ("dcp", "accelerate", "trainer", "lightning")
 
@@ -46,7 +47,8 @@ def fw_torch_volumes(tmp_path_factory) -> dict[str, dict[str, Any]]:
     names = [n for n in TORCH_FRAMEWORKS if fwgen.missing(n) is None]
     if not names:
         return {}
-    return fwgen.generate(names, tmp_path_factory.mktemp("fw-torch"), timeout=600)
+    return volcache.generated("fw-torch", names, ("fwgen.py",), tmp_path_factory.mktemp("fw-torch"),
+                              lambda out: fwgen.generate(names, out, timeout=600))
 
 
 @pytest.fixture(scope="session")
@@ -57,14 +59,16 @@ def weights_volume(tmp_path_factory) -> dict[str, Any]:
     for framework in ("trainer", "accelerate"):
         _skip_if_missing(framework)
     out = tmp_path_factory.mktemp("fw-weights")
-    return {"out_dir": out, "runs": fwweights.generate(out)}
+    return volcache.generated("fw-weights", [], ("fwweights.py", "fwgen.py"), out,
+                              lambda out: {"out_dir": out, "runs": fwweights.generate(out)})
 
 
 @pytest.fixture(scope="session")
 def orbax_volume(tmp_path_factory) -> dict[str, Any]:
     """Orbax CheckpointManager runs; step-3 saves killed at five points of the commit."""
     _skip_if_missing("orbax")
-    return fwgen.generate_orbax(tmp_path_factory.mktemp("fw-orbax"))
+    return volcache.generated("fw-orbax", [], ("fwgen.py",), tmp_path_factory.mktemp("fw-orbax"),
+                              fwgen.generate_orbax)
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.support import child_pythonpath
+from tests.support import child_pythonpath, refuse_in_light_test
 
 __all__ = [
     "EVENT_PREFIX",
@@ -1363,4 +1363,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    refuse_in_light_test("a framework's own save (tests/support/fwgen.py)")
     sys.exit(main())

@@ -17,6 +17,8 @@ import signal
 import sys
 from pathlib import Path
 
+from tests.support import refuse_in_light_test
+
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 
@@ -90,6 +92,7 @@ def check(out: str, run: str, kind: str) -> int:
 
 
 if __name__ == "__main__":
+    refuse_in_light_test("Keras (tests/support/fwkeras.py)")
     if sys.argv[4:] == ["check"]:
         sys.exit(check(sys.argv[1], sys.argv[2], sys.argv[3]))
     kill = int(sys.argv[4]) if len(sys.argv) > 4 else None

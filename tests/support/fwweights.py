@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support import child_pythonpath, fwgen
+from tests.support import child_pythonpath, fwgen, refuse_in_light_test
 
 REQUIRES = ("torch", "transformers", "accelerate", "safetensors")
 
@@ -76,4 +76,5 @@ def generate(out: Path, timeout: float = 600) -> dict[str, list[str]]:
 
 
 if __name__ == "__main__":
+    refuse_in_light_test("a framework's own save (tests/support/fwweights.py)")
     sys.exit(main(Path(sys.argv[1])))
