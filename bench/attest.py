@@ -1,6 +1,6 @@
 """13. Commit records: the last rank's write of a real multi-rank DeepSpeed save → "complete".
 
-A real 2-rank DeepSpeed job (tests/dsgen.py: ZeRO-2, gloo on the CPU, `torch.multiprocessing`,
+A real 2-rank DeepSpeed job (tests/support/dsgen.py: ZeRO-2, gloo on the CPU, `torch.multiprocessing`,
 bare layout: `<run>/global_stepN/` is the checkpoint) saves N times, a pause between saves (the
 training), under a fresh `ckptd run --foreground --log-format json` (inotify, keep-all retention).
 Twice: once with `ckptd.integrations.deepspeed.wrap` on the engine (each rank's commit record
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.context import Context
 from bench.daemon import DaemonProc, is_complete, write_config
-from bench.measure import REPO, env, fmt_time, median
+from bench.measure import env, fmt_time, median
 from bench.report import Row, Section
 
 NAME = "13. commit records"
@@ -52,8 +52,7 @@ def _last_write(ckpt: Path) -> float:
 
 def measure(work: Path, *, records: bool, saves: int, quiet: float, gap: float = GAP_S) -> dict:
     """One DeepSpeed job of `saves` saves under a fresh daemon; each save's lag, in seconds."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import dsgen
+    from tests.support import dsgen
 
     root = work / "root"
     run = root / "ds"
@@ -93,8 +92,8 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
     saves = 2 if ctx.quick else 5
     section = Section(
         NAME,
-        f"A real {WORLD}-rank DeepSpeed ZeRO-2 job (tests/dsgen.py, gloo on the CPU, bare layout) saves "
-        f"{saves} times, {GAP_S:g} s of pause before each, under a fresh `ckptd run --foreground "
+        f"A real {WORLD}-rank DeepSpeed ZeRO-2 job (tests/support/dsgen.py, gloo on the CPU, bare layout) "
+        f"saves {saves} times, {GAP_S:g} s of pause before each, under a fresh `ckptd run --foreground "
         f"--log-format json` (inotify, quiet_period {quiet:g} s, keep-all); once with "
         "`ckptd.integrations.deepspeed.wrap` (commit records), once without. Lag = the daemon's "
         "`complete` line, as received − the newest mtime of the save's own files (`.ckptd/` aside). "

@@ -1,7 +1,7 @@
 """Consolidating a real ZeRO-2 checkpoint's fp32 weights: peak memory and time, ckptd vs the baselines.
 
 `python -m bench.consolidation` (minutes; not part of `python -m bench` nor of the tests' default run,
-whose smoke test runs `--quick` on a tiny checkpoint): a real DeepSpeed job (tests/dsgen.py: 2 ranks,
+whose smoke test runs `--quick` on a tiny checkpoint): a real DeepSpeed job (tests/support/dsgen.py: 2 ranks,
 ZeRO-2, bf16, on the CPU) trains an MLP of ~300M parameters (1.1 GiB of fp32 master weights) for one
 step and saves it, once: the checkpoint is cached under `--cache` (default
 `$XDG_CACHE_HOME/ckptd-bench/consolidation`), so reruns skip the generation (minutes, ~8 GiB of RAM).
@@ -35,7 +35,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SRC = REPO / "src"
-TESTS = REPO / "tests"
 
 # (hidden, layers): Linear(16, h), `layers` × Linear(h, h), Linear(h, 8)
 SHAPES = {
@@ -118,8 +117,7 @@ def generate(cache: Path, shape: tuple[int, int]) -> Path:
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
     print(f"generating a real ZeRO-2 checkpoint in {where} (once)...", file=sys.stderr, flush=True)
-    sys.path.insert(0, str(TESTS))
-    import dsgen
+    from tests.support import dsgen
 
     t0 = time.perf_counter()
     info = dsgen.generate(where / "run", world_size=2, stage=2, bf16=True, layout="bare", steps=(1,),
@@ -286,7 +284,7 @@ def bench(ctx) -> tuple[list, object]:  # (Context) -> (rows, Section); bench.* 
         NAME,
         "`python -m bench --consolidation` (opt-in: minutes and ~8 GiB to write the checkpoint once; "
         "the same measurement as `python -m bench.consolidation`): a real 2-rank ZeRO-2 bf16 job on the CPU "
-        "(tests/dsgen.py) saves an MLP once, cached under ~/.cache/ckptd-bench/consolidation; each "
+        "(tests/support/dsgen.py) saves an MLP once, cached under ~/.cache/ckptd-bench/consolidation; each "
         "variant consolidates it in a child process, interleaved, peak RSS from `wait4`. Target (issue 14, "
         "item 4): ckptd's peak above the floor within twice the largest tensor (a parameter split across "
         f"ranks is written and compared piece by piece) plus {fmt_size(OVERHEAD)} (its mappings, dropped "

@@ -1,7 +1,7 @@
 """The generated reference pages of the docs site, from the code that they describe.
 
 `python -m tools.docgen` rewrites them; `python -m tools.docgen --check` exits 1 when one is
-stale (tests/test_docs.py does the same). Two pages, one source of truth each:
+stale (tests/project/test_docs.py does the same). Two pages, one source of truth each:
 
 - docs/reference/configuration.md: every key of config.toml, from the pydantic models'
   field descriptions (src/ckptd/config/models.py). A field without a description is an error here,

@@ -45,7 +45,7 @@ MAX_METRICS_BYTES = 1024 * 1024
 
 def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
     """Orbax's own verdict on a step directory (orbax/checkpoint/_src/path/atomicity.py; the facts
-    are in tests/FWGEN_NOTES.md).
+    are in tests/support/FWGEN_NOTES.md).
 
     Saved through a tmp directory renamed into place (AtomicRenameTemporaryPath, the default
     on local filesystems), the final name is Orbax's proof. Saved in place (CommitFileTemporaryPath,
@@ -199,7 +199,7 @@ def items_check(path: Path, files: Mapping[str, Entry], remembered: Remembered =
             continue
         counted += 1
         # Only the merged database: Orbax restores from it with a process's database gone
-        # (measured, tests/test_attack_frameworks.py: drop-ocdbt-process-dir restores in full).
+        # (measured, tests/completeness/test_damaged_saves.py: drop-ocdbt-process-dir restores in full).
         if (why := _ocdbt_database(files, item)) is not None:
             return Check(name, FAILED, f"{why}: the item's OCDBT data is not all there (restore fails)")
     if not counted:

@@ -1,0 +1,96 @@
+"""Keras 3's ModelCheckpoint, on saves Keras itself wrote on the CPU (tests/support/fwkeras.py), the last one
+killed inside its save (SIGKILL as the weights store closes): `.keras` archives and `.weights.h5`
+files. Whole saves are complete with their metrics from the file name; the killed one is incomplete
+and named why; `ckptd latest` passes over it; keep_last=1 keeps the last one Keras loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.common import run_ckptd
+
+pytestmark = pytest.mark.frameworks
+ENV = {**os.environ, "KERAS_BACKEND": "torch", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="session")
+def keras_volume(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    if importlib.util.find_spec("keras") is None:
+        pytest.skip("keras is not installed (the test extra installs it)")
+    out = tmp_path_factory.mktemp("keras")
+    for run, kind in (("archive", "keras"), ("weights", "weights")):
+        proc = subprocess.run([sys.executable, "-m", "tests.support.fwkeras", str(out), run, kind, "3"], env=ENV,
+                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-3000:]  # killed in epoch 3's save
+    truth = {}
+    for run, kind in (("archive", "keras"), ("weights", "weights")):
+        proc = subprocess.run([sys.executable, "-m", "tests.support.fwkeras", str(out), run, kind, "check"], env=ENV,
+                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        truth.update({f"{run}/{k}": v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()})
+    old = os.stat(out).st_mtime - 3600
+    for dirpath, dirnames, filenames in os.walk(out):
+        for n in filenames + dirnames:
+            st = os.stat(os.path.join(dirpath, n))
+            os.utime(os.path.join(dirpath, n), (old, old + (st.st_mtime % 60)))  # an hour old, order kept
+    return out, truth
+
+
+def rows(tmp_path: Path, root: Path, **retention) -> tuple[Path, dict]:
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{root}'\n[roots.retention]\n"
+                   + "".join(f"{k} = {json.dumps(v)}\n" for k, v in retention.items()))
+    proc = run_ckptd("plan", "-c", cfg, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return cfg, {os.path.relpath(c["path"], root): c for c in json.loads(proc.stdout)["checkpoints"]}
+
+
+@pytest.mark.parametrize("run,suffix", [("archive", ".keras"), ("weights", ".weights.h5")])
+def test_keras_saves_and_the_one_killed_mid_save(keras_volume, tmp_path, run, suffix):
+    import shutil
+
+    src, truth = keras_volume
+    root = tmp_path / "vol"
+    shutil.copytree(src / run, root / run)
+    names = sorted(p.name for p in (root / run).iterdir())
+    assert len(names) == 3 and all(n.endswith(suffix) for n in names)
+    whole, killed = names[:2], names[2]
+    assert [truth[f"{run}/{n}"] for n in whole] == ["loads", "loads"] and truth[f"{run}/{killed}"] != "loads"
+    cfg, seen = rows(tmp_path, root, keep_last=1, keep_best=0)
+    for n in whole:
+        assert seen[f"{run}/{n}"]["layout"] == "keras" and seen[f"{run}/{n}"]["state"] == "complete"
+    assert seen[f"{run}/{killed}"]["state"] == "incomplete", seen[f"{run}/{killed}"]
+    assert ("not a whole zip archive" if suffix == ".keras" else "not closed") in seen[f"{run}/{killed}"]["reasons"][0]
+    proc = run_ckptd("latest", root / run, env={"CKPTD_CONFIG": ""})
+    assert proc.stdout == f"{root / run / whole[1]}\n", proc.stderr
+    assert run_ckptd("prune", "-c", cfg).returncode == 0
+    assert sorted(p.name for p in (root / run).iterdir() if not p.name.startswith(".")) == [whole[1], killed]
+
+
+def test_keras_metrics_come_from_the_file_name(keras_volume, tmp_path):
+    import shutil
+
+    src, _ = keras_volume
+    root = tmp_path / "vol"
+    shutil.copytree(src / "archive", root / "archive")
+    _, seen = rows(tmp_path, root, keep_last=1, keep_best=1, metric="val_loss", mode="min")
+    first = sorted(seen)[0]
+    assert seen[first]["metric"] is not None and seen[first]["step"] == 1, seen[first]
+
+
+def test_a_keras_file_without_a_named_epoch_is_never_touched(tmp_path):
+    """`resnet50.keras` beside `resnet101.keras` are models, not epochs 50 and 101: not recognised."""
+    from ckptd import layouts
+
+    for name in ("resnet50.keras", "model.03-0.52.keras", "best.keras", "vgg-16.weights.h5"):
+        assert layouts.recognise(name, False, lambda: []) is None, name
+    cand = layouts.recognise("model-epoch=03-val_loss=0.520.keras", False, lambda: [])
+    assert (cand.layout, cand.step, cand.unit) == ("keras", 3, "epoch")

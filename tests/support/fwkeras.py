@@ -1,0 +1,99 @@
+"""Real Keras 3 ModelCheckpoint saves, one of them killed mid-save, for tests/completeness/test_keras.py.
+
+``python -m tests.support.fwkeras OUT RUN KIND [KILL_EPOCH | check]``, KIND ``keras`` or ``weights``: a tiny model
+fits 3 epochs on the CPU (torch backend) with ``keras.callbacks.ModelCheckpoint`` writing
+``OUT/RUN/model-epoch={epoch:02d}-val_loss={val_loss:.3f}.keras`` (``model.save``: a zip written in
+place, saving_lib.save_model) or ``...weights.h5`` (``save_weights_only=True``: HDF5 written in
+place). With KILL_EPOCH, the process SIGKILLs itself inside that epoch's save, as the weights store
+closes (saving_lib.H5IOStore.close): what a job killed mid-save leaves. Each whole save is loaded
+back with keras's own loader; prints one JSON line {file: "loads" | error}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from tests.support import refuse_in_light_test
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+
+def main(out: str, run: str, kind: str, kill_epoch: int | None) -> int:
+    import keras
+    import numpy as np
+    from keras.src.saving import saving_lib
+
+    keras.utils.set_random_seed(3)
+    d = Path(out) / run
+    d.mkdir(parents=True, exist_ok=True)
+    suffix = ".keras" if kind == "keras" else ".weights.h5"
+    template = str(d / ("model-epoch={epoch:02d}-val_loss={val_loss:.3f}" + suffix))
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    model = build()
+    state = {"epoch": 0}
+    close = saving_lib.H5IOStore.close
+
+    def killing_close(self):
+        if state["epoch"] == kill_epoch:
+            os.kill(os.getpid(), signal.SIGKILL)  # inside the save: the weights not closed
+        return close(self)
+
+    saving_lib.H5IOStore.close = killing_close
+
+    class Epoch(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            state["epoch"] = epoch + 1  # ModelCheckpoint formats {epoch} as epoch + 1
+
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    checkpoint = keras.callbacks.ModelCheckpoint(template, save_weights_only=kind == "weights")
+    model.fit(x, y, validation_data=(x, y), epochs=3, batch_size=8, verbose=0, callbacks=[Epoch(), checkpoint])
+    saving_lib.H5IOStore.close = close
+    truth = {}
+    for p in sorted(d.iterdir()):
+        try:
+            if kind == "keras":
+                keras.saving.load_model(p)
+            else:
+                build().load_weights(p)
+            truth[p.name] = "loads"
+        except Exception as exc:  # the framework's own verdict
+            truth[p.name] = f"{type(exc).__name__}: {exc}"[:200]
+    print(json.dumps(truth))
+    return 0
+
+
+def check(out: str, run: str, kind: str) -> int:
+    """Load every file of a run back with Keras's own loader: {file: "loads" | error}."""
+    import keras
+
+    truth = {}
+    for p in sorted((Path(out) / run).iterdir()):
+        try:
+            if kind == "keras":
+                keras.saving.load_model(p)
+            else:
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+                model.load_weights(p)
+            truth[p.name] = "loads"
+        except Exception as exc:  # the framework's own verdict
+            truth[p.name] = f"{type(exc).__name__}: {exc}"[:200]
+    print(json.dumps(truth))
+    return 0
+
+
+if __name__ == "__main__":
+    refuse_in_light_test("Keras (tests/support/fwkeras.py)")
+    if sys.argv[4:] == ["check"]:
+        sys.exit(check(sys.argv[1], sys.argv[2], sys.argv[3]))
+    kill = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3], kill))
