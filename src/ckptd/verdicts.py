@@ -710,16 +710,18 @@ _LOGIC: str | None = None
 
 _CODE_DIR = Path(__file__).parent
 LOGIC_MODULES = (
-    "evidence", "dsmeta", "model", "slim", "layouts",
-    "mounts", "config", "planner", "volread", "weights", "space", "attestation", "attest",
+    "evidence", "wholefile", "dsmeta", "model", "slim", "layouts",
+    "mounts", "planner", "volread", "weights", "space", "attestation", "attest",
 )
+# Packages whose every module is logic: each framework's save contract decides what a look finds;
+# the config's models decide the patterns and the evidence a user names.
+LOGIC_PACKAGES = ("frameworks", "config")
 
 
 def logic_files() -> list[Path]:
-    """The files `logic_version` digests: LOGIC_MODULES, and every module of the frameworks
-    package (each framework's save contract decides what a look finds)."""
+    """The files `logic_version` digests: LOGIC_MODULES, and every module of LOGIC_PACKAGES."""
     modules = [_CODE_DIR / f"{name}.py" for name in LOGIC_MODULES]
-    return modules + sorted((_CODE_DIR / "frameworks").glob("*.py"))
+    return modules + [path for pkg in LOGIC_PACKAGES for path in sorted((_CODE_DIR / pkg).glob("*.py"))]
 
 
 def logic_version() -> str:

@@ -573,3 +573,29 @@ def test_every_framework_module_is_part_of_the_logic_version():
     modules = sorted(package.glob("*.py"))
     assert modules and set(modules) <= set(verdicts.logic_files())
     assert all(path.exists() for path in verdicts.logic_files())
+
+
+def test_every_module_a_look_reads_through_is_part_of_the_logic_version():
+    """The modules evidence.py and the whole-file readers import decide what a look finds: code
+    moved out of evidence.py into a module of its own must still discard saved verdicts when it
+    changes (a module the digest left out would let a cache hold verdicts the new code would not give)."""
+    import ast
+
+    from ckptd import verdicts
+
+    code = Path(verdicts.__file__).parent
+    digested = {path.resolve() for path in verdicts.logic_files()}
+    for name in ("evidence.py", "wholefile.py"):
+        tree = ast.parse((code / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ckptd"):
+                targets = [f"{node.module}.{a.name}" for a in node.names] if node.module == "ckptd" else [node.module]
+                for target in targets:
+                    rel = target.split(".")[1:]
+                    module, package = code.joinpath(*rel).with_suffix(".py"), code.joinpath(*rel)
+                    if target == "ckptd.verdicts":
+                        continue  # the digest's own file, hashed by logic_version itself
+                    if module.exists():
+                        assert module.resolve() in digested, f"{name} imports {target}: not in logic_files()"
+                    elif package.is_dir():
+                        assert (package / "__init__.py").resolve() in digested, f"{name} imports {target}"
