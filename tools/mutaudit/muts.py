@@ -121,7 +121,7 @@ MUTS = [
  dict(id="VC15", what="a restored checkpoint keeps touched_at (the red team's anchor in doubt)", tests="verdicts", edits=[(V,
    "        touched_at=float(doc[\"touched_at\"]),", "        touched_at=0.0,")]),
  dict(id="VC14", what="the cache is not discarded when layouts.py changes", tests="verdicts", edits=[(V,
-   "    \"evidence\", \"dsmeta\", \"model\", \"slim\", \"layouts\",\n", "    \"evidence\", \"dsmeta\", \"model\", \"slim\",\n")]),
+   "    \"evidence\", \"wholefile\", \"dsmeta\", \"model\", \"slim\", \"layouts\",\n", "    \"evidence\", \"wholefile\", \"dsmeta\", \"model\", \"slim\",\n")]),
  # --- 0b. the tracker's cheap looks (tracker.py): they must still see what changed
  dict(id="T1", what="reconcile: a complete checkpoint whose directory changed not walked", tests="tracker", edits=[(TR,
    "                look = complete_too and (deep or not self._dirs_unchanged(old))", "                look = complete_too and deep")]),
