@@ -175,3 +175,22 @@ def test_a_fifo_as_the_volume_lease_record_is_read_as_a_garbled_record(tmp_path)
     out = never_blocks(lambda: RecordIO(tmp_path).read(), tmp_path / layouts.LEASE_DIR / RECORD)
     seen = out["value"]
     assert seen.raw == b"" and seen.record is None, seen
+
+
+def test_a_fifo_named_like_a_shard_is_missing_from_the_deepspeed_census(tmp_path):
+    """The census counts files (or links to them) only: a FIFO named as rank 1's optimizer shard
+    is not that shard. Other checks may also refuse the checkpoint; this one names the shard."""
+    from ckptd.config import Root
+    from ckptd.planner import Scanner
+    from ckptd.model import Verdict
+
+    root = tmp_path / "vol"
+    hf_deepspeed_checkpoint(root / "run", 5, world=2, mtime=OLD)
+    shard = root / "run" / "checkpoint-5" / "global_step5" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.unlink()
+    os.mkfifo(shard)
+    age(root, OLD)
+    (ckpt,) = [c for run in Scanner(Root(path=root, world_size=2)).runs(now=time.time()) for c in run.checkpoints]
+    census = {c.name: c for c in ckpt.checks}["deepspeed shards (global_step5)"]
+    assert census.verdict is Verdict.FAILED, census
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt missing" in census.detail, census.detail
