@@ -784,7 +784,7 @@ MUTS = [
    "        for run in experiments(root, with_whole_steps(runs)):", "        for run in experiments(root, runs):")]),
  dict(id="MP4", what="recheck: a rank's part of the last whole step is refused", tests="held", edits=[(RMR,
    "            why = _last_whole_step(path.parent, planned.name, stat.S_ISDIR(st.st_mode), self.scanner.patterns)",
-   "        why = None")]),
+   "            why = None")]),
  dict(id="MP5", what="a scope naming some ranks of a step, not all, is refused", tests="held", edits=[("planner.py",
    "            if scoped and len(scoped) < len(group):", "            if False:")]),
  dict(id="MP6", what="tp_rank_NN_pp_rank_PPP is a rank directory too", tests="held", edits=[(NM,
