@@ -181,8 +181,8 @@ def test_a_fifo_named_like_a_shard_is_missing_from_the_deepspeed_census(tmp_path
     """The census counts files (or links to them) only: a FIFO named as rank 1's optimizer shard
     is not that shard. Other checks may also refuse the checkpoint; this one names the shard."""
     from ckptd.config import Root
-    from ckptd.planner import Scanner
     from ckptd.model import Verdict
+    from ckptd.planner import Scanner
 
     root = tmp_path / "vol"
     hf_deepspeed_checkpoint(root / "run", 5, world=2, mtime=OLD)
