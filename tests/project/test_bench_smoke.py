@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.common import REPO
 
 BENCHMARKS = (
@@ -26,6 +28,8 @@ BENCHMARKS = (
 )
 
 
+# benchmark 13 (bench/attest.py) runs a real 2-rank DeepSpeed job (tests/support/dsgen.py)
+@pytest.mark.deepspeed
 def test_quick_run_prints_every_benchmark_and_writes_the_report(tmp_path: Path):
     out = tmp_path / "BENCHMARKS.md"
     env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_CONFIG", "NOTIFY_SOCKET")}
