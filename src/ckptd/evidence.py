@@ -231,7 +231,8 @@ class Inspector:
             user = frameworks.USER_PATTERN.evidence(save)  # the user's pattern over a known save
             checks.extend(user.checks)
             ranks = ranks if ranks is not None else user.ranks
-        checks.extend(frameworks.nested_checks(files, sorted(seen.distcp_dirs), skip_top=fw.owns_top_dcp))
+        checks.extend(frameworks.nested_checks(
+            path, files, sorted(seen.distcp_dirs), fw.owns_top_dcp, save.remembered_file))
         checks.extend(one_save(seen.theirs, seen.distcp, seen.before_last, fw.last_written, fw.tags(files)))
         integrity = _integrity(path, seen.integrity, self._file_problem)
         checks.append(integrity)

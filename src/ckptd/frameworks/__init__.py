@@ -18,6 +18,7 @@ then `BY_CONTENTS`), so a framework's place here is its place in recognition.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 
 from ckptd.frameworks import (
     accelerate,
@@ -32,7 +33,7 @@ from ckptd.frameworks import (
     pattern,
     torchtitan,
 )
-from ckptd.frameworks.base import Framework, OrderProblems
+from ckptd.frameworks.base import Framework, OrderProblems, Remembered
 from ckptd.frameworks.pattern import EVIDENCE, QUIET_ALONE  # noqa: F401 (the engine's words for quiet alone)
 from ckptd.model import Check, Entry
 
@@ -98,9 +99,11 @@ NESTED_PART_SUFFIX = dcp.DATA_SUFFIX
 MetricFileCache = lightning.CkptScores
 
 
-def nested_checks(files: Mapping[str, Entry], part_dirs: Iterable[str], skip_top: bool) -> Iterator[Check]:
-    """The checks of the DCP directories inside a checkpoint (`dcp.nested_metadata`)."""
-    return dcp.nested_metadata(files, part_dirs, skip_top=skip_top)
+def nested_checks(
+    path: Path, files: Mapping[str, Entry], part_dirs: Iterable[str], skip_top: bool, remembered: Remembered
+) -> Iterator[Check]:
+    """The checks of the DCP directories inside the checkpoint at `path` (`dcp.nested_metadata`)."""
+    return dcp.nested_metadata(path, files, part_dirs, skip_top, remembered)
 
 
 def order_problems(

@@ -164,14 +164,25 @@ class DCP(Framework):
 FRAMEWORK = DCP()
 
 
-def nested_metadata(files: Mapping[str, Entry], dirs: Iterable[str], skip_top: bool) -> Iterator[Check]:
-    """Any directory inside a checkpoint holding *.distcp files (`dirs`, sorted) needs its .metadata,
-    whichever framework's checkpoint holds it; the top one only when the checkpoint is not itself DCP's
-    (`skip_top`: its own evidence judged it)."""
+def nested_metadata(
+    path: Path,
+    files: Mapping[str, Entry],
+    dirs: Iterable[str],
+    skip_top: bool,
+    remembered: Remembered = read_now,
+) -> Iterator[Check]:
+    """Any directory inside a checkpoint holding *.distcp files (`dirs`, sorted) is judged as a DCP
+    save at the top is, whichever framework's checkpoint holds it (accelerate's and the Trainer's
+    FSDP SHARDED_STATE_DICT `pytorch_model_fsdp_0/`, `optimizer_0/`): its .metadata (or every rank's
+    `__<rank>.metadata`) there, and every file its storage_data names a regular file reaching the
+    furthest byte it names (`storage_checks`, read with the same restricted unpickler); dcp.load
+    fails on a shard cut short or missing. The top one only when the checkpoint is not itself DCP's
+    (`skip_top`: its own evidence judged it). `remembered`: `Save.remembered_file`."""
     for d in dirs:
         if d == "" and skip_top:
             continue
         yield _dcp_metadata(files, d)  # type: ignore[arg-type]
+        yield from storage_checks(path, files, d, remembered)
 
 
 def metadata_order(
