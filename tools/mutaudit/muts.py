@@ -334,7 +334,7 @@ MUTS = [
    "    for d in dirs:\n        if d == \"\" and skip_top:",
    "    for d in []:\n        if d == \"\" and skip_top:")]),
  dict(id="E10c", what="nested DCP directory: its storage_data's files checked, not only its .metadata",
-   tests=[T+"test_dcp_nested.py"], edits=[("frameworks/dcp.py",
+   tests=[T+"completeness/test_dcp_nested.py"], edits=[("frameworks/dcp.py",
    "        yield from storage_checks(path, files, d, remembered)\n", "")]),
  dict(id="E10b", what="top-level DCP .metadata", tests="evidence", edits=[("frameworks/dcp.py",
    "    if rel in files:\n        return Check(where, PASSED", "    if True:\n        return Check(where, PASSED")]),

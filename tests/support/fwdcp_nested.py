@@ -1,13 +1,13 @@
-"""A real accelerate checkpoint holding a real DCP directory, for tests/test_dcp_nested.py.
+"""A real accelerate checkpoint holding a real DCP directory, for tests/completeness/test_dcp_nested.py.
 
-``python tests/fwdcp_nested.py save OUT``: accelerate's `Accelerator.save_state` (one CPU process)
+``python -m tests.support.fwdcp_nested save OUT``: accelerate's `Accelerator.save_state` (one CPU process)
 writes OUT/run/checkpoint_0, and `torch.distributed.checkpoint.save` writes the model's state dict
 into its `pytorch_model_fsdp_0/` (two data files), where accelerate's FSDP SHARDED_STATE_DICT puts it
 (accelerate/utils/fsdp_utils.py save_fsdp_model: `dist_cp.save(state_dict, storage_writer=
 FileSystemWriter(ckpt_dir))`, ckpt_dir `pytorch_model_fsdp_0`). FSDP itself cannot run on the CPU
 here, so DCP's own writer is called directly, as that function calls it. Prints "saved".
 
-``python tests/fwdcp_nested.py load CKPT``: `dcp.load` of CKPT/pytorch_model_fsdp_0 into a fresh
+``python -m tests.support.fwdcp_nested load CKPT``: `dcp.load` of CKPT/pytorch_model_fsdp_0 into a fresh
 model's state dict, compared with what was saved; prints "loaded" when DCP reads it back whole,
 else exits 1 with DCP's error.
 """
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+from tests.support import refuse_in_light_test
 
 
 def _model():
@@ -65,6 +67,7 @@ def load(ckpt: Path) -> int:
 
 
 if __name__ == "__main__":
+    refuse_in_light_test("accelerate and a torch.distributed.checkpoint save (tests/support/fwdcp_nested.py)")
     if sys.argv[1] == "save":
         save(Path(sys.argv[2]))
         sys.exit(0)

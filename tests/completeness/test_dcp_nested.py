@@ -4,7 +4,7 @@ file reaching the furthest byte it names (frameworks/dcp.py `storage_checks`), n
 `.metadata` being there.
 
 The save: a real accelerate `save_state` checkpoint, with a real DCP directory written into its
-`pytorch_model_fsdp_0/` by `torch.distributed.checkpoint.save` (tests/fwdcp_nested.py).
+`pytorch_model_fsdp_0/` by `torch.distributed.checkpoint.save` (tests/support/fwdcp_nested.py).
 accelerate's FSDP (SHARDED_STATE_DICT, which writes that directory through DCP's FileSystemWriter:
 utils/fsdp_utils.py save_fsdp_model) cannot run on the CPU here, so DCP's writer is called directly.
 Each verdict is checked against `dcp.load` on the same directory.
@@ -18,19 +18,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_dcp_local_metadata import copy_aged
-
-import fwgen
-from conftest import run_ckptd
+from tests.support import fwgen
+from tests.support.common import run_ckptd
+from tests.support.fwfixtures import copy_volume
 
 pytestmark = pytest.mark.frameworks
-HERE = Path(__file__).resolve().parent
 SHARD = "pytorch_model_fsdp_0/__0_1.distcp"
 
 
 def _child(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **fwgen._CHILD_ENV}
-    return subprocess.run([sys.executable, str(HERE / "fwdcp_nested.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tests.support.fwdcp_nested", *args], capture_output=True,
                           text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
 
 
@@ -55,7 +53,7 @@ def _loads(ckpt: Path) -> bool:
 
 
 def test_the_whole_nested_dcp_save_is_complete(nested, tmp_path):
-    root = copy_aged(nested, tmp_path / "vol")
+    root = copy_volume({"out_dir": nested}, tmp_path / "vol")
     ckpt = root / "run" / "checkpoint_0"
     assert sorted(os.listdir(ckpt / "pytorch_model_fsdp_0")) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
     proc = _verify(ckpt)
@@ -68,7 +66,7 @@ def test_the_whole_nested_dcp_save_is_complete(nested, tmp_path):
 def test_a_nested_shard_cut_short_or_missing_is_incomplete(nested, tmp_path, how):
     """The `.metadata` is there (all the old check asked), but one of the two data files it names
     is cut short (a copy or write interrupted) or gone: dcp.load fails, and so must the verdict."""
-    root = copy_aged(nested, tmp_path / "vol")
+    root = copy_volume({"out_dir": nested}, tmp_path / "vol")
     ckpt = root / "run" / "checkpoint_0"
     shard = ckpt / SHARD
     st = os.stat(shard.parent)
