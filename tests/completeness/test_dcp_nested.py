@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.support import fwgen
 from tests.support.common import run_ckptd
 from tests.support.fwfixtures import copy_volume
