@@ -83,3 +83,23 @@ def test_a_nested_shard_cut_short_or_missing_is_incomplete(nested, tmp_path, how
     why = "cut short" if how == "cut short" else "missing (pytorch_model_fsdp_0/.metadata names it; dcp.load fails)"
     assert SHARD in proc.stdout and why in proc.stdout, proc.stdout
     assert not _loads(ckpt)
+
+
+def test_a_nested_dcp_directory_with_every_data_file_gone_is_incomplete(nested, tmp_path):
+    """Both data files gone, the `.metadata` naming them left (a cleanup by `*.distcp`, a copy that
+    skipped them): the directory still is a DCP save, told by its metadata, not by its `*.distcp`
+    alone (frameworks/dcp.py `is_metadata`). dcp.load fails; the checkpoint is not complete."""
+    root = copy_volume({"out_dir": nested}, tmp_path / "vol")
+    ckpt = root / "run" / "checkpoint_0"
+    part = ckpt / "pytorch_model_fsdp_0"
+    st = os.stat(part)
+    for shard in part.glob("*.distcp"):
+        shard.unlink()
+    os.utime(part, (st.st_atime, st.st_mtime))  # aged still: only the evidence can tell
+    assert sorted(os.listdir(part)) == [".metadata"]
+    proc = _verify(ckpt)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "incomplete" in proc.stdout, proc.stdout
+    why = "pytorch_model_fsdp_0/__0_0.distcp missing (pytorch_model_fsdp_0/.metadata names it; dcp.load fails)"
+    assert "dcp storage (pytorch_model_fsdp_0/.metadata)" in proc.stdout and why in proc.stdout, proc.stdout
+    assert not _loads(ckpt)

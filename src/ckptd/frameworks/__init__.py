@@ -92,8 +92,11 @@ def get(layout: str) -> Framework:
 # framework it is: a DCP directory (torchtitan's steps, Lightning's FSDP `.ckpt/`, megatron-core's
 # `iter_N/`) needs its `.metadata` after its `*.distcp`; DeepSpeed's shards (the Trainer's and
 # accelerate's checkpoints hold a tag) keep their order. The engine's pass collects the directories
-# holding a part (`NESTED_PART_SUFFIX`) and asks these; it names neither framework.
+# holding a part (`NESTED_PART_SUFFIX`) or a DCP metadata file (`nested_metadata_file`: every part
+# deleted, the metadata still names them) and asks these; it names neither framework.
 NESTED_PART_SUFFIX = dcp.DATA_SUFFIX
+NESTED_METADATA_SUFFIX = dcp.METADATA_SUFFIX
+nested_metadata_file = dcp.is_metadata
 # Metrics some frameworks keep inside their files (Lightning's ModelCheckpoint state in a `.ckpt`),
 # read once per file identity: the engine keeps one and hands its `read` to `Framework.metrics`.
 MetricFileCache = lightning.CkptScores
