@@ -11,6 +11,7 @@ from tests.support import LIGHT_TEST, dsgen, volcache
 from tests.support.common import LOSSES, REPO
 from tests.support.fwfixtures import (  # noqa: F401  (session fixtures: real framework volumes)
     accelerate_volume,
+    dcp_one,
     dcp_volume,
     fw_torch_volumes,
     lightning_volume,
@@ -41,7 +42,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # refuse to run in a test marked neither frameworks nor deepspeed (tests.support.refuse_in_light_test).
 HEAVY_FIXTURES = {
     "deepspeed": {"zero2_hf", "zero3_bf16_bare", "zero1_bf16_bare"},
-    "frameworks": {"accelerate_volume", "dcp_volume", "fw_torch_volumes", "lightning_volume", "orbax_volume",
+    "frameworks": {"accelerate_volume", "dcp_one", "dcp_volume", "fw_torch_volumes", "lightning_volume", "orbax_volume",
                    "trainer_volume", "weights_volume"},
     "mounts": {"mount", "bindfs", "fuse", "cachefs", "loopback_export"},
 }

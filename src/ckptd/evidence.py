@@ -43,7 +43,13 @@ from pathlib import Path
 from ckptd import attestation, frameworks, layouts, mounts, slim, space, volread, wholefile
 from ckptd import verdicts as verdicts_
 from ckptd.config import Pattern, format_age, format_duration, format_size, pin_matches
-from ckptd.frameworks import EVIDENCE, NESTED_PART_SUFFIX, QUIET_ALONE
+from ckptd.frameworks import (
+    EVIDENCE,
+    NESTED_METADATA_SUFFIX,
+    NESTED_PART_SUFFIX,
+    QUIET_ALONE,
+    nested_metadata_file,
+)
 from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES, MTIME_SLACK, SAVE_SPAN, RunContext, Save
 from ckptd.layouts import Candidate
 from ckptd.model import (  # Entry: re-exported, it is evidence's word
@@ -231,7 +237,8 @@ class Inspector:
             user = frameworks.USER_PATTERN.evidence(save)  # the user's pattern over a known save
             checks.extend(user.checks)
             ranks = ranks if ranks is not None else user.ranks
-        checks.extend(frameworks.nested_checks(files, sorted(seen.distcp_dirs), skip_top=fw.owns_top_dcp))
+        checks.extend(frameworks.nested_checks(
+            path, files, sorted(seen.distcp_dirs), fw.owns_top_dcp, save.remembered_file))
         checks.extend(one_save(seen.theirs, seen.distcp, seen.before_last, fw.last_written, fw.tags(files)))
         integrity = _integrity(path, seen.integrity, self._file_problem)
         checks.append(integrity)
@@ -422,8 +429,10 @@ def _of_kind(entries: list[Entry], kind: str) -> list[str]:
 def _distcp_parts(
     entries: list[Entry], theirs: dict[str, Entry]
 ) -> tuple[set[str], dict[str, tuple[int, str]]]:
-    """Every directory holding a `*.distcp` entry (DCP's .metadata demanded there), and each one's
-    newest *.distcp file that is the trainer's (in `theirs`, not ckptd's own): `one_save`'s."""
+    """Every directory holding a `*.distcp` entry (DCP's .metadata demanded there) or DCP's metadata
+    (a `.metadata` or `__<rank>.metadata` file: a DCP save with every `*.distcp` gone is still one,
+    and what its metadata names is demanded), and each one's newest *.distcp file that is the
+    trainer's (in `theirs`, not ckptd's own): `one_save`'s."""
     dirs: set[str] = set()
     newest: dict[str, tuple[int, str]] = {}
     for e in entries:
@@ -433,6 +442,10 @@ def _distcp_parts(
             dirs.add(d)
             if e.kind == "f" and rel in theirs:
                 newest[d] = max(newest.get(d, (0, "")), (e.mtime_ns, rel))
+        elif rel.endswith(NESTED_METADATA_SUFFIX):
+            d, _, name = rel.rpartition("/")
+            if nested_metadata_file(name, e.kind):
+                dirs.add(d)
     return dirs, newest
 
 

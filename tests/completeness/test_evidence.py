@@ -403,6 +403,27 @@ def test_dcp_inside_a_trainer_checkpoint(tmp_path):
     assert checks(c)["dcp .metadata (pytorch_model_fsdp_0)"][0] is Verdict.FAILED
 
 
+def test_dcp_metadata_alone_makes_a_dcp_directory_inside_a_checkpoint(tmp_path):
+    """Every `*.distcp` gone: the directory's `.metadata` (or a rank's `__<rank>.metadata`) still makes
+    it a DCP save whose storage is demanded (real files: test_dcp_nested.py). Hand-made junk metadata
+    here, which no check may pass; a `.metadata/` directory (an Eclipse workspace) is no DCP's."""
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    for d, name in (("pytorch_model_fsdp_0", ".metadata"), ("optimizer_0", "__0.metadata")):
+        (ckpt / d).mkdir(parents=True)
+        (ckpt / d / name).write_bytes(b"m")
+    (ckpt / "ws" / ".metadata").mkdir(parents=True)
+    (ckpt / "ws" / ".metadata" / "version.ini").write_text("1")
+    (ckpt / "trainer_state.json").write_text("{}")
+    age(ckpt, OLD)
+    c = scan(tmp_path)["run/checkpoint-3"]
+    found = checks(c)
+    assert c.state is State.INCOMPLETE
+    assert found["dcp .metadata (pytorch_model_fsdp_0)"][0] is Verdict.PASSED
+    assert found["dcp storage (pytorch_model_fsdp_0/.metadata)"][0] is Verdict.FAILED
+    assert found["dcp storage (optimizer_0/__0.metadata)"][0] is Verdict.FAILED
+    assert not [name for name in found if "ws" in name], found
+
+
 def test_orbax(tmp_path):
     run = tmp_path / "run"
     (run / "100" / "default").mkdir(parents=True)

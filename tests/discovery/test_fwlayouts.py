@@ -25,6 +25,7 @@ from ckptd.model import State
 from ckptd.planner import Scanner
 from ckptd.policy import decide_run, metric_warnings
 from ckptd.wholefile import tar_problem
+from tests.support.fwdcp_one import put_dcp
 
 NOW = 1_800_000_000.0
 OLD = NOW - 3600
@@ -84,13 +85,13 @@ def test_name_fields(name, fields):
 # --- NeMo (hand-made look-alikes of what NeMo's source writes: it cannot save here) ----------------
 
 
-def nemo2_checkpoint(run: Path, name: str, *, metadata: bool = True) -> Path:
+def nemo2_checkpoint(dcp_one, run: Path, name: str, *, metadata: bool = True) -> Path:
     """NeMo 2's distributed checkpoint: <name>/weights/ holds megatron-core's files (common.pt, the
-    DCP shards and .metadata, then metadata.json last), <name>/context/ the model's config."""
+    DCP shards and .metadata, then metadata.json last), <name>/context/ the model's config. The DCP
+    files are a real save by torch's own writer (`dcp_one`): ckptd reads their .metadata."""
     ckpt = run / name
     write_zip(ckpt / "weights" / "common.pt")
-    (ckpt / "weights" / "__0_0.distcp").write_bytes(b"shard")
-    (ckpt / "weights" / ".metadata").write_bytes(b"dcp")
+    put_dcp(dcp_one, ckpt / "weights")
     if metadata:
         (ckpt / "weights" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     (ckpt / "context").mkdir()
@@ -98,15 +99,17 @@ def nemo2_checkpoint(run: Path, name: str, *, metadata: bool = True) -> Path:
     return ckpt
 
 
-def test_nemo_distributed_checkpoints_need_megatron_cores_metadata_json_and_no_marker(tmp_path):
-    """Hand-made (NeMo cannot save on a CPU torch). megatron-core writes weights/metadata.json last;
-    NeMo's `-unfinished` marker is there while it saves; `-last` copies are not steps."""
+@pytest.mark.frameworks
+def test_nemo_distributed_checkpoints_need_megatron_cores_metadata_json_and_no_marker(dcp_one, tmp_path):
+    """Hand-made (NeMo cannot save on a CPU torch), its weights/ DCP files real (`dcp_one`).
+    megatron-core writes weights/metadata.json last; NeMo's `-unfinished` marker is there while it
+    saves; `-last` copies are not steps."""
     run = tmp_path / "gpt" / "checkpoints"
-    nemo2_checkpoint(run, "gpt--val_loss=2.5000-epoch=0-consumed_samples=4000.0")
-    nemo2_checkpoint(run, "gpt--val_loss=2.4000-epoch=0-consumed_samples=8000.0", metadata=False)
-    nemo2_checkpoint(run, "gpt--val_loss=2.3000-epoch=0-consumed_samples=12000.0")
+    nemo2_checkpoint(dcp_one, run, "gpt--val_loss=2.5000-epoch=0-consumed_samples=4000.0")
+    nemo2_checkpoint(dcp_one, run, "gpt--val_loss=2.4000-epoch=0-consumed_samples=8000.0", metadata=False)
+    nemo2_checkpoint(dcp_one, run, "gpt--val_loss=2.3000-epoch=0-consumed_samples=12000.0")
     (run / "gpt--val_loss=2.3000-epoch=0-consumed_samples=12000.0-unfinished").touch()
-    nemo2_checkpoint(run, "gpt--val_loss=2.3000-epoch=0-consumed_samples=12000.0-last")
+    nemo2_checkpoint(dcp_one, run, "gpt--val_loss=2.3000-epoch=0-consumed_samples=12000.0-last")
     age(tmp_path, OLD)
     seen = scan(tmp_path)
     names = {rel.rsplit("/", 1)[1]: c for rel, c in seen.items()}
@@ -171,15 +174,16 @@ def test_a_nemo_archive_is_whole_only_with_its_members_and_end_blocks(tmp_path):
 # --- Megatron-core and torchtitan ------------------------------------------------------------------
 
 
-def test_megatron_torch_dist_needs_metadata_json_and_the_tracker(tmp_path):
-    """Hand-made (megatron-core cannot save on a CPU torch): Megatron-LM's iter_N in the torch_dist
-    format holds megatron-core's files; metadata.json is written last, the tracker after that."""
+@pytest.mark.frameworks
+def test_megatron_torch_dist_needs_metadata_json_and_the_tracker(dcp_one, tmp_path):
+    """Hand-made (megatron-core cannot save on a CPU torch), its DCP files real (`dcp_one`):
+    Megatron-LM's iter_N in the torch_dist format holds megatron-core's files; metadata.json is
+    written last, the tracker after that."""
     run = tmp_path / "gpt"
     for it, meta in ((100, True), (200, False)):
         d = run / f"iter_{it:07d}"
         write_zip(d / "common.pt")
-        (d / "__0_0.distcp").write_bytes(b"s")
-        (d / ".metadata").write_bytes(b"m")
+        put_dcp(dcp_one, d)
         if meta:
             (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     (run / "latest_checkpointed_iteration.txt").write_text("200")
@@ -312,14 +316,14 @@ def test_the_daemons_relisting_counts_depth_as_discovery_does(tmp_path):
         "lightning_logs/version_0/checkpoints", "lightning_logs/version_0/exp/run"]
 
 
-def test_torchtitans_staged_shards_are_not_a_save_it_loads(tmp_path):
-    """torchtitan stages an HF save's shards in step-N/sharded/ (a whole DCP save there) and then
-    consolidates them; killed before the index is written, step-N holds neither .metadata nor
-    model.safetensors.index.json at its top, and `_find_load_step` skips it."""
+@pytest.mark.frameworks
+def test_torchtitans_staged_shards_are_not_a_save_it_loads(dcp_one, tmp_path):
+    """torchtitan stages an HF save's shards in step-N/sharded/ (a whole DCP save there: a real one
+    by torch's writer, `dcp_one`) and then consolidates them; killed before the index is written,
+    step-N holds neither .metadata nor model.safetensors.index.json at its top, and
+    `_find_load_step` skips it."""
     staged = tmp_path / "outputs" / "checkpoint" / "step-30" / "sharded"
-    staged.mkdir(parents=True)
-    (staged / "__0_0.distcp").write_bytes(b"s")
-    (staged / ".metadata").write_bytes(b"m")
+    put_dcp(dcp_one, staged)
     age(tmp_path, OLD)
     c = scan(tmp_path)["outputs/checkpoint/step-30"]
     assert (c.layout, c.state) == ("torchtitan", State.INCOMPLETE)

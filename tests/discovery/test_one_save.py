@@ -34,6 +34,7 @@ from ckptd.policy import decide_run
 from ckptd.rules import anchors
 from ckptd.tracker import HINT_DEBOUNCE
 from tests.support.common import run_ckptd
+from tests.support.fwdcp_one import put_dcp
 from tests.support.fwfixtures import copy_volume
 from tests.support.tracking import start, tracker
 
@@ -359,14 +360,14 @@ def test_trainer_state_rewritten_after_the_save_does_not_move_its_save_time(tmp_
     assert scan(tmp_path, world_size=2)["run/checkpoint-20"].written_at == NOW - 100
 
 
-def test_megatron_metadata_json_rewritten_after_the_save_does_not_move_its_save_time(tmp_path):
-    """Hand-made (megatron-core cannot save on a CPU torch): megatron-core writes metadata.json after
-    common.pt and the shards; a path or backend fixed in it later is not a save. Likewise DCP's
-    .metadata beside them."""
+@pytest.mark.frameworks
+def test_megatron_metadata_json_rewritten_after_the_save_does_not_move_its_save_time(dcp_one, tmp_path):
+    """Hand-made (megatron-core cannot save on a CPU torch), its DCP files real (`dcp_one`):
+    megatron-core writes metadata.json after common.pt and the shards; a path or backend fixed in it
+    later is not a save. Likewise DCP's .metadata beside them."""
     d = tmp_path / "gpt" / "iter_0000100"
     write_zip(d / "common.pt")
-    (d / "__0_0.distcp").write_bytes(b"s")
-    (d / ".metadata").write_bytes(b"m")
+    put_dcp(dcp_one, d)
     (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     (tmp_path / "gpt" / "latest_checkpointed_iteration.txt").write_text("100")
     age(tmp_path, OLD)

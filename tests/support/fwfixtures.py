@@ -14,7 +14,10 @@ so torch and what they share are imported once; the first fixture asked for gene
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,23 @@ def weights_volume(tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("fw-weights")
     return volcache.generated("fw-weights", [], ("fwweights.py", "fwgen.py"), out,
                               lambda out: {"out_dir": out, "runs": fwweights.generate(out)})
+
+
+@pytest.fixture(scope="session")
+def dcp_one(tmp_path_factory) -> dict[str, Any]:
+    """One real DCP save (`.metadata`, `__0_0.distcp`) by torch's own writer in one process
+    (tests/support/fwdcp_one.py): {out_dir}. `fwdcp_one.put_dcp` copies it into a hand-made
+    look-alike of a framework that cannot save here (NeMo's weights/, megatron-core's torch_dist)."""
+    _skip_if_missing("dcp")
+
+    def make(out: Path) -> dict[str, Any]:
+        env = {**os.environ, **fwgen._CHILD_ENV}
+        proc = subprocess.run([sys.executable, "-m", "tests.support.fwdcp_one", str(out)], capture_output=True,
+                              text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+        return {"out_dir": out}
+
+    return volcache.generated("fw-dcp-one", [], ("fwdcp_one.py",), tmp_path_factory.mktemp("fw-dcp-one"), make)
 
 
 @pytest.fixture(scope="session")

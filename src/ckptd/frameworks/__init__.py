@@ -18,6 +18,7 @@ then `BY_CONTENTS`), so a framework's place here is its place in recognition.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 
 from ckptd.frameworks import (
     accelerate,
@@ -32,7 +33,7 @@ from ckptd.frameworks import (
     pattern,
     torchtitan,
 )
-from ckptd.frameworks.base import Framework, OrderProblems
+from ckptd.frameworks.base import Framework, OrderProblems, Remembered
 from ckptd.frameworks.pattern import EVIDENCE, QUIET_ALONE  # noqa: F401 (the engine's words for quiet alone)
 from ckptd.model import Check, Entry
 
@@ -91,16 +92,21 @@ def get(layout: str) -> Framework:
 # framework it is: a DCP directory (torchtitan's steps, Lightning's FSDP `.ckpt/`, megatron-core's
 # `iter_N/`) needs its `.metadata` after its `*.distcp`; DeepSpeed's shards (the Trainer's and
 # accelerate's checkpoints hold a tag) keep their order. The engine's pass collects the directories
-# holding a part (`NESTED_PART_SUFFIX`) and asks these; it names neither framework.
+# holding a part (`NESTED_PART_SUFFIX`) or a DCP metadata file (`nested_metadata_file`: every part
+# deleted, the metadata still names them) and asks these; it names neither framework.
 NESTED_PART_SUFFIX = dcp.DATA_SUFFIX
+NESTED_METADATA_SUFFIX = dcp.METADATA_SUFFIX
+nested_metadata_file = dcp.is_metadata
 # Metrics some frameworks keep inside their files (Lightning's ModelCheckpoint state in a `.ckpt`),
 # read once per file identity: the engine keeps one and hands its `read` to `Framework.metrics`.
 MetricFileCache = lightning.CkptScores
 
 
-def nested_checks(files: Mapping[str, Entry], part_dirs: Iterable[str], skip_top: bool) -> Iterator[Check]:
-    """The checks of the DCP directories inside a checkpoint (`dcp.nested_metadata`)."""
-    return dcp.nested_metadata(files, part_dirs, skip_top=skip_top)
+def nested_checks(
+    path: Path, files: Mapping[str, Entry], part_dirs: Iterable[str], skip_top: bool, remembered: Remembered
+) -> Iterator[Check]:
+    """The checks of the DCP directories inside the checkpoint at `path` (`dcp.nested_metadata`)."""
+    return dcp.nested_metadata(path, files, part_dirs, skip_top, remembered)
 
 
 def order_problems(

@@ -4,7 +4,8 @@ FileSystemWriter (torch/distributed/checkpoint/filesystem.py): every rank writes
 `__<rank>_<i>.distcp`, then the coordinator gathers their results and writes `.metadata` (through
 `.metadata.tmp`, renamed) in `finish`, last. Frameworks put DCP directories inside their own
 checkpoints (FSDP under the Trainer and accelerate, NeMo 2's `weights/`, torchtitan's steps,
-Lightning's FSDP `.ckpt/`): the engine asks `metadata_check` of every directory holding `*.distcp`.
+Lightning's FSDP `.ckpt/`): the engine asks `nested_metadata` of every directory holding `*.distcp`
+or DCP's metadata (`is_metadata`).
 """
 
 from __future__ import annotations
@@ -91,6 +92,15 @@ def _dcp_metadata(files: dict[str, Entry], d: str) -> Check:
 # (state_dict_loader.py local_step). Whole when every rank's is there: 0..world-1, or 0..n-1 with
 # no gap (and no fewer than the run's last complete save: against_siblings) when no world size is known.
 _RANK_METADATA = re.compile(r"__(\d+)\.metadata")
+METADATA_SUFFIX = ".metadata"
+
+
+def is_metadata(name: str, kind: str) -> bool:
+    """Whether the entry `name` (a base name) of `kind` is DCP's metadata: the coordinator's
+    `.metadata` or a rank's `__<rank>.metadata`, not a directory (an Eclipse workspace's `.metadata/`).
+    Its directory is a DCP save even with every `*.distcp` gone: the metadata names them, and
+    dcp.load reads them (FileSystemReader.read_data)."""
+    return kind != "d" and (name == METADATA_SUFFIX or _RANK_METADATA.fullmatch(name) is not None)
 
 
 def _rank_metadata(files: dict[str, Entry], d: str, world: int | None) -> tuple[Check, int | None]:
@@ -164,14 +174,26 @@ class DCP(Framework):
 FRAMEWORK = DCP()
 
 
-def nested_metadata(files: Mapping[str, Entry], dirs: Iterable[str], skip_top: bool) -> Iterator[Check]:
-    """Any directory inside a checkpoint holding *.distcp files (`dirs`, sorted) needs its .metadata,
-    whichever framework's checkpoint holds it; the top one only when the checkpoint is not itself DCP's
-    (`skip_top`: its own evidence judged it)."""
+def nested_metadata(
+    path: Path,
+    files: Mapping[str, Entry],
+    dirs: Iterable[str],
+    skip_top: bool,
+    remembered: Remembered = read_now,
+) -> Iterator[Check]:
+    """Any directory inside a checkpoint holding *.distcp files or DCP's metadata (`dirs`, sorted:
+    `is_metadata`, so that one with every data file gone is judged too) is judged as a DCP save at
+    the top is, whichever framework's checkpoint holds it (accelerate's and the Trainer's
+    FSDP SHARDED_STATE_DICT `pytorch_model_fsdp_0/`, `optimizer_0/`): its .metadata (or every rank's
+    `__<rank>.metadata`) there, and every file its storage_data names a regular file reaching the
+    furthest byte it names (`storage_checks`, read with the same restricted unpickler); dcp.load
+    fails on a shard cut short or missing. The top one only when the checkpoint is not itself DCP's
+    (`skip_top`: its own evidence judged it). `remembered`: `Save.remembered_file`."""
     for d in dirs:
         if d == "" and skip_top:
             continue
         yield _dcp_metadata(files, d)  # type: ignore[arg-type]
+        yield from storage_checks(path, files, d, remembered)
 
 
 def metadata_order(

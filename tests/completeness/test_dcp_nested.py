@@ -1,0 +1,105 @@
+"""A DCP directory inside another framework's save is checked as strictly as a DCP save at the top:
+its `.metadata` read with the restricted unpickler, and every file its storage_data names a regular
+file reaching the furthest byte it names (frameworks/dcp.py `storage_checks`), not only the
+`.metadata` being there.
+
+The save: a real accelerate `save_state` checkpoint, with a real DCP directory written into its
+`pytorch_model_fsdp_0/` by `torch.distributed.checkpoint.save` (tests/support/fwdcp_nested.py).
+accelerate's FSDP (SHARDED_STATE_DICT, which writes that directory through DCP's FileSystemWriter:
+utils/fsdp_utils.py save_fsdp_model) cannot run on the CPU here, so DCP's writer is called directly.
+Each verdict is checked against `dcp.load` on the same directory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import fwgen
+from tests.support.common import run_ckptd
+from tests.support.fwfixtures import copy_volume
+
+pytestmark = pytest.mark.frameworks
+SHARD = "pytorch_model_fsdp_0/__0_1.distcp"
+
+
+def _child(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **fwgen._CHILD_ENV}
+    return subprocess.run([sys.executable, "-m", "tests.support.fwdcp_nested", *args], capture_output=True,
+                          text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def nested(tmp_path_factory) -> Path:
+    if (why := fwgen.missing("accelerate")) is not None:
+        pytest.skip(why)
+    out = tmp_path_factory.mktemp("dcp-nested")
+    proc = _child("save", str(out))
+    assert proc.returncode == 0 and "saved" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return out
+
+
+def _verify(ckpt: Path) -> subprocess.CompletedProcess[str]:
+    return run_ckptd("verify", ckpt, env={"CKPTD_CONFIG": ""})
+
+
+def _loads(ckpt: Path) -> bool:
+    proc = _child("load", str(ckpt))
+    assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.returncode == 0 and "loaded" in proc.stdout
+
+
+def test_the_whole_nested_dcp_save_is_complete(nested, tmp_path):
+    root = copy_volume({"out_dir": nested}, tmp_path / "vol")
+    ckpt = root / "run" / "checkpoint_0"
+    assert sorted(os.listdir(ckpt / "pytorch_model_fsdp_0")) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    proc = _verify(ckpt)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dcp storage (pytorch_model_fsdp_0/.metadata)" in proc.stdout
+    assert _loads(ckpt)
+
+
+@pytest.mark.parametrize("how", ["cut short", "missing"])
+def test_a_nested_shard_cut_short_or_missing_is_incomplete(nested, tmp_path, how):
+    """The `.metadata` is there (all the old check asked), but one of the two data files it names
+    is cut short (a copy or write interrupted) or gone: dcp.load fails, and so must the verdict."""
+    root = copy_volume({"out_dir": nested}, tmp_path / "vol")
+    ckpt = root / "run" / "checkpoint_0"
+    shard = ckpt / SHARD
+    st = os.stat(shard.parent)
+    if how == "missing":
+        shard.unlink()
+    else:
+        os.truncate(shard, shard.stat().st_size // 2)
+        os.utime(shard, (st.st_mtime, st.st_mtime))
+    os.utime(shard.parent, (st.st_atime, st.st_mtime))  # aged still: only the evidence can tell
+    proc = _verify(ckpt)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "incomplete" in proc.stdout, proc.stdout
+    why = "cut short" if how == "cut short" else "missing (pytorch_model_fsdp_0/.metadata names it; dcp.load fails)"
+    assert SHARD in proc.stdout and why in proc.stdout, proc.stdout
+    assert not _loads(ckpt)
+
+
+def test_a_nested_dcp_directory_with_every_data_file_gone_is_incomplete(nested, tmp_path):
+    """Both data files gone, the `.metadata` naming them left (a cleanup by `*.distcp`, a copy that
+    skipped them): the directory still is a DCP save, told by its metadata, not by its `*.distcp`
+    alone (frameworks/dcp.py `is_metadata`). dcp.load fails; the checkpoint is not complete."""
+    root = copy_volume({"out_dir": nested}, tmp_path / "vol")
+    ckpt = root / "run" / "checkpoint_0"
+    part = ckpt / "pytorch_model_fsdp_0"
+    st = os.stat(part)
+    for shard in part.glob("*.distcp"):
+        shard.unlink()
+    os.utime(part, (st.st_atime, st.st_mtime))  # aged still: only the evidence can tell
+    assert sorted(os.listdir(part)) == [".metadata"]
+    proc = _verify(ckpt)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "incomplete" in proc.stdout, proc.stdout
+    why = "pytorch_model_fsdp_0/__0_0.distcp missing (pytorch_model_fsdp_0/.metadata names it; dcp.load fails)"
+    assert "dcp storage (pytorch_model_fsdp_0/.metadata)" in proc.stdout and why in proc.stdout, proc.stdout
+    assert not _loads(ckpt)
