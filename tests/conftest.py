@@ -22,11 +22,12 @@ from tests.support.fwfixtures import (  # noqa: F401  (session fixtures: real fr
 
 # Test the tree these tests sit in, not whichever copy of ckptd is installed: pyproject.toml's
 # pytest `pythonpath` puts this checkout's src/ (and its root, for tests.support) first on sys.path;
-# the variable carries src/ to every `python -m ckptd` the tests start. Not the root: with it there,
-# test_two_daemons_on_one_root_only_one_deletes_and_the_other_takes_over fails (the second daemon
-# journals checkpoint-2 as trashed; not understood yet). A `python -m tests.support.*` child finds
-# the package from its working directory, the checkout's root (pytest's rootdir); the helpers that
-# start one themselves give it the root explicitly (tests.support.child_pythonpath).
+# the variable carries src/ to every `python -m ckptd` the tests start. The root is not needed there:
+# a `python -m` child has its working directory, the checkout's root (pytest's rootdir, chdir'd to
+# here), as sys.path[0] already, which is how a `python -m tests.support.*` child finds the package
+# (the helpers that start one elsewhere give it the root explicitly: tests.support.child_pythonpath).
+# The root on it changed no import; test_two_daemons_on_one_root_only_one_deletes_and_the_other_takes_over's
+# failures then were a takeover race in ckptd (docs/design/hazards.md), fixed in removal/purge.py.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
 os.chdir(REPO)
 

@@ -25,6 +25,7 @@ from ckptd.layouts import PIN_FILE, TRASH_DIR
 from ckptd.planner import Scanner, decide
 from ckptd.removal import trash
 from ckptd.removal.reaper import Reaper
+from ckptd.settle import Settler
 from tests.support.daemonproc import DaemonProc
 from tests.support.nodes import D, M, ckpts, listing, node_config, wait_stopped
 from tests.support.volumes import names
@@ -178,6 +179,27 @@ def test_another_process_s_entry_that_is_protected_now_goes_back(volume, live, s
     assert entry not in os.listdir(volume / "run")
     last = read_journal(Path(reaper.journal.path).parent)[-1]
     assert last["event"] == "restored" and last["why"] == f"found in the trash {why}"
+
+
+def test_an_entry_waits_while_the_newer_checkpoint_is_still_settling_here(volume, live):
+    """A leader that has just taken over (its settler has not yet seen checkpoint-40 unchanged for
+    the quiet period) finds checkpoint-30 in the trash, left by the previous leader stopped before
+    its purge. Checkpoint-40 is not known complete yet, nor known not to be: the entry waits in the
+    trash, neither moved back (a false "without the lease", and the new leader trashing it again)
+    nor purged; once checkpoint-40 has settled, it is purged."""
+    reaper, plan = live
+    entry = foreign(volume, reaper, plan, 30)
+    now = [0.0]
+    settler = Settler(quiet_period=5.0)
+    reaper.scanner = Scanner(reaper.scanner.root, quiet=lambda rel, fp, _ns: settler.observe(rel, fp, now[0]))
+    reaper.foreign_wait = 0
+    assert reaper.purge() == (0, 0) and reaper.waiting == 1
+    assert os.listdir(volume / TRASH_DIR) == [entry] and "checkpoint-30" not in os.listdir(volume / "run")
+    assert [r["event"] for r in read_journal(Path(reaper.journal.path).parent)] == []
+    now[0] = 10.0  # checkpoint-40 unchanged for longer than the quiet period, by this settler
+    assert reaper.purge()[0] == 1 and reaper.waiting == 0
+    assert os.listdir(volume / TRASH_DIR) == [] and "checkpoint-30" not in os.listdir(volume / "run")
+    assert [r["event"] for r in read_journal(Path(reaper.journal.path).parent)] == ["purging", "purged"]
 
 
 def test_a_trash_name_says_where_it_came_from(volume, live):

@@ -30,6 +30,9 @@ from ckptd.removal.trash import REVIEW, _trash_origin
 log = logging.getLogger(__name__)
 
 WAIT = "not in the trash long enough"  # `Purging._not_yet`
+# `Purging._protected`: a checkpoint of the run, other than the entry, is still settling as this
+# process sees it (its quiet period not yet over by this settler): the entry waits (WAIT)
+SETTLING = "a checkpoint of its run is still settling here"
 # Why the trash cannot be made: full, over quota, read-only, not ours to write (or the root gone)
 _NO_TRASH = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM})
 
@@ -63,7 +66,8 @@ class Purging:
         waits until it has been in the trash `foreign_wait` seconds, enough for a late renamer
         to see it lost the lease and move it back, and is then re-checked against protection as
         it stands (`_protected`): a checkpoint pinned, named by its run's resume pointer, or
-        newer than every complete one left in its run is moved back, not purged. `%review`
+        newer than every complete one left in its run is moved back, not purged; while another
+        checkpoint of its run is still settling as this process sees it, the entry waits. `%review`
         entries are never purged.
         """
         if self.dry_run:
@@ -189,6 +193,8 @@ class Purging:
             why = f"cannot re-check it ({exc})"
         if why is None:
             return None
+        if why == SETTLING:
+            return WAIT
         run_rel, _, name = rel.rpartition("/")
         try:
             run_fd = open_dir_nofollow(self.root, run_rel or ".")
@@ -231,17 +237,24 @@ class Purging:
         written = max((e.mtime_ns for e in entries if e.kind == "f"), default=entries[0].mtime_ns) / 1e9
         run = find_run(self.root, run_rel, patterns=self.scanner.patterns)
         now = self.clock()
-        by_step = by_time = False
+        by_step = by_time = settling = False
         candidates = run.candidates if run is not None else ()
         others = [c for c in candidates if c.unit == mine.unit and c.name != name]
         for cand in sorted(others, key=lambda c: c.step, reverse=True):
             fresh = self.scanner.reinspect(run_rel, cand.name, now=now)
+            # The daemon's settler judges quiet by what this process itself saw: a leader that
+            # has just taken over sees the newer checkpoint the previous one had settled as
+            # settling for up to quiet_period. Not known complete yet, nor known not to be: the
+            # entry waits for that, rather than going back as if renamed without the lease.
+            settling = settling or (fresh is not None and fresh.state is State.SETTLING)
             if fresh is None or fresh.state is not State.COMPLETE:
                 continue
             by_step = by_step or fresh.step > mine.step
             by_time = by_time or fresh.written_at >= written
             if by_step and by_time:
                 return None
+        if settling:
+            return SETTLING
         return "newer than every complete checkpoint left in its run (by step or by time)"
 
 
