@@ -113,6 +113,11 @@ def test_a_trash_on_another_device_is_refused_where_the_kernel_cannot_tell_a_mou
     reaper = Reaper(scanner, Journal(tmp_path / "state"), dry_run=False, clock=lambda: NOW)
     assert reaper.purge() == (0, 0)
     assert os.listdir(root / TRASH_DIR) == ["keep-me"]
+    # and nothing is renamed towards it: refused by the device number, before any rename is tried
+    results = reaper.execute(decide([(scanner.root, scanner.runs(now=NOW))]).decisions)
+    assert [(r.outcome, r.decision.checkpoint.name) for r in results] == [(Outcome.FAILED, "checkpoint-1")]
+    assert "on another filesystem than the root" in results[0].detail, results[0].detail
+    assert sorted(os.listdir(root / "run")) == ["checkpoint-1", "checkpoint-2"]
 
 
 def test_a_bind_mount_at_the_trash_is_found_from_the_mount_table_where_statx_cannot_tell(tmp_path, mount,
