@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.common import run_ckptd
+from tests.support.reflinkfs import reflink_xfs
 from tests.support.rtkit import prune
 
 # --- 2. min_free and what waits in the trash ------------------------------------------------------
@@ -141,28 +142,13 @@ def test_a_full_disk_that_holds_the_state_dir_is_named_and_nothing_is_moved(tmp_
 # --- 6. Reflinks: blocks st_blocks counts that deleting does not free ------------------------------
 
 
-def _xfs(tmp_path: Path, mount) -> Path:
-    """A 300 MiB XFS with reflink=1 on a loop device (cp in coreutils >= 9 reflinks there by default)."""
-    import shutil
-    import subprocess
-
-    if shutil.which("mkfs.xfs") is None:
-        pytest.skip("mkfs.xfs missing (apt-get install xfsprogs)")
-    img = tmp_path / "xfs.img"
-    with open(img, "wb") as f:
-        f.truncate(300 * 2**20)
-    subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", str(img)], check=True)
-    point = tmp_path / "xfs"
-    point.mkdir()
-    mount("-o", "loop", img, point)
-    return point
 
 
 def test_min_free_does_not_delete_what_a_reflink_copy_keeps_allocated(tmp_path, mount):
     import shutil
     import subprocess
 
-    xfs = _xfs(tmp_path, mount)
+    xfs = reflink_xfs(tmp_path, mount)
     run_ckptd("demo", tmp_path / "demo")
     run = xfs / "exp" / "roberta-mlm"
     shutil.copytree(tmp_path / "demo" / "experiments" / "roberta-mlm", run, symlinks=True)

@@ -5,26 +5,13 @@ The files are plain random bytes: what is measured is the filesystem's allocatio
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from ckptd import extents
-
-
-def _xfs(tmp_path: Path, mount) -> Path:
-    if shutil.which("mkfs.xfs") is None:
-        pytest.skip("mkfs.xfs missing (apt-get install xfsprogs)")
-    img = tmp_path / "xfs.img"
-    with open(img, "wb") as f:
-        f.truncate(300 * 2**20)
-    subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", str(img)], check=True)
-    point = tmp_path / "xfs"
-    point.mkdir()
-    mount("-o", "loop", img, point)
-    return point
+from tests.support.reflinkfs import reflink_xfs
 
 
 def _allocated(path: Path) -> int:
@@ -32,7 +19,7 @@ def _allocated(path: Path) -> int:
 
 
 def test_reflinked_extents_are_held_and_unshared_ones_are_not(tmp_path, mount):
-    xfs = _xfs(tmp_path, mount)
+    xfs = reflink_xfs(tmp_path, mount)
     ckpt = xfs / "checkpoint-1"
     ckpt.mkdir()
     (ckpt / "shared.bin").write_bytes(os.urandom(4 * 2**20))

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from ckptd import slim
 from ckptd.journal import read_journal
@@ -22,7 +20,7 @@ from ckptd.layouts import LEASE_DIR, TRASH_DIR
 from ckptd.leaserecord import RECORD, Holder, Record, RecordIO
 from ckptd.policy import Action
 from ckptd.removal.outcome import Outcome
-from tests.support.logwatch import LogWatch
+from tests.support.logwatch import logs  # noqa: F401 - the fixture
 from tests.support.slimkit import fake_consolidator, reaper_for
 from tests.support.slimkit import unconsolidated as unconsolidated
 from tests.support.volumes import make, names
@@ -145,20 +143,10 @@ def test_a_slim_asks_before_each_rename(unconsolidated, tmp_path, monkeypatch, a
 
 # --- the daemon hands the reaper its lease's fence ----------------------------------------------
 
-@pytest_asyncio.fixture
-async def logs():
-    watch = LogWatch(asyncio.get_running_loop())
-    logger = logging.getLogger("ckptd")
-    old_level = logger.level
-    logger.addHandler(watch)
-    logger.setLevel(logging.DEBUG)
-    yield watch
-    logger.removeHandler(watch)
-    logger.setLevel(old_level)
 
 
 @pytest.mark.asyncio
-async def test_the_daemon_fences_its_deletions_with_the_volume_lease(tmp_path, logs):
+async def test_the_daemon_fences_its_deletions_with_the_volume_lease(tmp_path, logs):  # noqa: F811
     """The lease record is rewritten under a leader that has not renewed yet (an operator, a host
     configured with a shorter lease): its next deletion is refused at the fence."""
     from ckptd.config import load_config
