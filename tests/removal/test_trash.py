@@ -132,6 +132,13 @@ def test_a_bind_mount_at_the_trash_is_found_from_the_mount_table_where_statx_can
     reaper = Reaper(scanner, Journal(tmp_path / "state"), dry_run=False, clock=lambda: NOW)
     assert reaper.purge() == (0, 0)
     assert os.listdir(tmp_path / "elsewhere") == ["keep-me"]
+    # and nothing is renamed towards it: a bind mount keeps the device number, so only the mount
+    # table tells, before any rename is tried
+    results = reaper.execute(decide([(scanner.root, scanner.runs(now=NOW))]).decisions)
+    assert [(r.outcome, r.decision.checkpoint.name) for r in results] == [(Outcome.FAILED, "checkpoint-1")]
+    assert "a mount point" in results[0].detail, results[0].detail
+    assert sorted(os.listdir(root / "run")) == ["checkpoint-1", "checkpoint-2"]
+    assert os.listdir(tmp_path / "elsewhere") == ["keep-me"]
 
 
 def test_a_trash_that_is_a_symlink_is_never_purged_nor_filled(tmp_path):
