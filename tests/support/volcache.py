@@ -16,6 +16,7 @@ CKPTD_TESTS_NO_CACHE=1 generates afresh and stores nothing. Delete the folder to
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -100,6 +101,16 @@ def generated(name: str, args: Any, sources: Iterable[str], out: Path, make: Cal
     if root is None:
         return make(out)
     entry = root / f"{name}-{key(name, args, sources)}"
+    root.mkdir(parents=True, exist_ok=True)
+    # One generator per key at a time across processes (pytest-xdist's workers each run the session
+    # fixtures): the second waits for the first and copies what it stored instead of writing it again.
+    with open(root / f".{entry.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _generated(entry, out, make)
+
+
+def _generated(entry: Path, out: Path, make: Callable[[Path], Any]) -> Any:
+    root = entry.parent
     meta_file = entry / "meta.json"
     if meta_file.is_file():
         meta = json.loads(meta_file.read_text())
