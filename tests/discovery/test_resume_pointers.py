@@ -216,7 +216,7 @@ def test_deepspeed_latest_names_what_deepspeed_loads(tmp_path, text, named):
     ],
 )
 def test_an_absolute_latest_outside_the_run_as_seen_here(tmp_path, text, named):
-    """Red team 2: an absolute `latest` as another host mounts the volume. Not seen here, its last
+    """An absolute `latest` as another host mounts the volume. Not seen here, its last
     component names the run's checkpoint of that name; naming none, it cannot be told and keeps
     every checkpoint of the run (as an unreadable one); an existing directory elsewhere names nothing."""
     run = tmp_path / "run"
