@@ -74,15 +74,15 @@ def test_eval_output_in_an_old_checkpoint_does_not_unprotect_the_newest_save(tmp
 
 def test_trainer_state_rewritten_in_place_does_not_unprotect_the_newest_save(tmp_path):
     """A file landing in an old checkpoint, as above, with a file the Trainer does save. A run
-    resumed from checkpoint-3000 (4000 and 5000 diverged) saved checkpoint-3500: 'written last', kept. Then the run is moved
-    (`mv out /vol/archive/out`) and, as the Trainer's `best_model_checkpoint` holds the old path,
-    the paths are fixed with `sed -i` over `*/trainer_state.json` (shell order: 3000, 3500, 4000,
-    5000). sed -i writes a new file and renames it over the old one: every trainer_state.json now
-    has the time of the fix, in name order, so checkpoint-5000 is both the newest by step and
-    'written last'; `one_save` is content (trainer_state.json is newest in each). keep_last=2
-    keeps 5000 and 4000 and deletes checkpoint-3500, the resumed job's only save. The mtimes of
-    the files written before trainer_state.json (global_step*/, rng states) still tell the
-    saves' order."""
+    resumed from checkpoint-3000 (4000 and 5000 diverged) saved checkpoint-3500: 'written last',
+    kept. Then the run is moved (`mv out /vol/archive/out`) and, as the Trainer's
+    `best_model_checkpoint` holds the old path, the paths are fixed with `sed -i` over
+    `*/trainer_state.json` (shell order: 3000, 3500, 4000, 5000). sed -i writes a new file and
+    renames it over the old one: every trainer_state.json now has the time of the fix, in name
+    order, so checkpoint-5000 is both the newest by step and 'written last'; `one_save` is content
+    (trainer_state.json is newest in each). keep_last=2 keeps 5000 and 4000 and deletes
+    checkpoint-3500, the resumed job's only save. The mtimes of the files written before
+    trainer_state.json (global_step*/, rng states) still tell the saves' order."""
     root = tmp_path / "vol"
     run = root / "out"
     for step in (3000, 4000, 5000):
