@@ -156,7 +156,7 @@ def _with_cache(
 ) -> tuple[list[Row], list[str]]:
     """`ckptd plan` and a daemon restart with the verdict cache in state_dir, vs `find -printf`.
 
-    The target (issue 14, item 3) is 2× `find`; Python's own start-up (`python -c pass`, the
+    The target is 2× `find`; Python's own start-up (`python -c pass`, the
     interpreter and site, no ckptd) is shown beside it and, as the L bar allows, subtracted in
     the second ratio."""
     shape = v.shape

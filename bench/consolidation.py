@@ -227,7 +227,7 @@ OVERHEAD = 1 << 29  # the bound besides twice the largest tensor: 2 × 128 MiB o
 
 
 def bench(ctx) -> tuple[list, object]:  # (Context) -> (rows, Section); bench.* imported lazily
-    """Issue 14, item 4: consolidating a real ZeRO-2 checkpoint with ≥ 1 GiB of fp32 weights: ckptd's
+    """Consolidating a real ZeRO-2 checkpoint with ≥ 1 GiB of fp32 weights: ckptd's
     peak RSS above the floor within twice the largest tensor plus `OVERHEAD`, against eager
     zero_to_fp32 (ckptd before) and DeepSpeed's own converter, interleaved in the same run."""
     from bench.measure import fmt_time

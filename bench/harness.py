@@ -1,6 +1,6 @@
 """`python -m bench`: build synthetic volumes, run every benchmark, print the table, write BENCHMARKS.md.
 
-Benchmarks run in the issue's order; each returns its rows and a note on how
+Benchmarks run in the order of their sections' numbers; each returns its rows and a note on how
 it measured. The daemon's (latency, idle cost, its memory) start `ckptd run`
 as a child process (`bench/daemon.py`).
 """

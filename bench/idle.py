@@ -30,7 +30,7 @@ from bench.volume import Shape
 
 NAME = "4. idle cost"
 TARGET_PCT = 0.2  # with inotify, on M
-TARGET_PCT_L = 0.1  # with inotify, on L (issue 14, item 3)
+TARGET_PCT_L = 0.1  # with inotify, on L
 POLL_INTERVAL_S = 10.0  # ckptd's default poll_interval
 RECONCILE_INTERVAL_S = 300.0  # ckptd's default reconcile_interval
 OBSERVERS = ("inotify", "polling")

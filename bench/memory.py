@@ -25,7 +25,7 @@ from ckptd.watch import MAX_WATCHES
 
 NAME = "5. memory"
 TARGET_MIB = 80  # the daemon on M
-TARGET_MIB_L = 150  # the daemon on L (issue 14, item 3)
+TARGET_MIB_L = 150  # the daemon on L
 POLL_INTERVAL_S = 10.0  # ckptd's default poll_interval
 
 

@@ -1,4 +1,4 @@
-"""An outside attacker's cases against commit records (`ckptd.attest`, docs/attestation.md).
+"""Adversarial cases against commit records (`ckptd.attest`, docs/attestation.md).
 
 A record lets ckptd count a save complete without the quiet period, so every case here runs with
 `quiet_period = "1d"`: whatever is complete in it is complete *because of* its records. The

@@ -15,7 +15,7 @@ from tests.support.rtkit import names
 OLD = time.time() - 86400  # a day ago: every quiet period is over
 
 
-# --- 8. An empty ROOT argument (an unset "$VAR") is the current directory -----------------------
+# --- An empty ROOT argument (an unset "$VAR") is the current directory --------------------------
 
 
 def test_an_empty_root_argument_is_refused(tmp_path):
@@ -32,7 +32,7 @@ def test_an_empty_root_argument_is_refused(tmp_path):
     assert proc.returncode == 64, proc.stdout + proc.stderr
 
 
-# --- 4. empty path arguments -------------------------------------------------------------------
+# --- empty path arguments ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Attack from outside, with the frameworks' own writers and loaders: damaged checkpoints on a real volume.
+"""Damaged checkpoints on a real volume, judged by the frameworks' own writers and loaders.
 
 Every case starts from checkpoints the framework itself wrote (fwgen.py, fwweights.py), damages the
 newest one of a run as a crash, a killed copier or a power loss would (a file missing, cut short or

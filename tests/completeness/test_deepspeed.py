@@ -222,10 +222,10 @@ def test_real_deepspeed_job_saving_under_the_daemon(tmp_path):
 
 
 def test_a_bf16_save_killed_before_any_shard_is_incomplete_whatever_its_ds_config_says(zero1_bf16_bare, tmp_path):
-    """Issue 11, 9b: the census must not hang on reading the ZeRO stage from a ds_config dict. A
+    """The census must not hang on reading the ZeRO stage from a ds_config dict. A
     save killed after rank 0's model states and before any rank's optimizer shard (the shards are
     removed from a real checkpoint: what such a kill leaves) is incomplete, with the ds_config as
-    saved, and with it saved as a path string, as the issue's report had it (rewritten here:
+    saved, and with it saved as a path string, which a checkpoint may hold (rewritten here:
     DeepSpeed 0.19.8 always records the dict). The model states' own structure says shards
     were written (`param_shapes`), whatever the ds_config says."""
     root = copy_run(zero1_bf16_bare, tmp_path)

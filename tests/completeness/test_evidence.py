@@ -595,7 +595,7 @@ def test_an_empty_or_foreign_model_states_file_does_not_import_torch(tmp_path, c
     assert out.stdout.splitlines() == ["refused", "False"], out.stdout + out.stderr
 
 
-# --- zip integrity: the end record must end the file, consistent with its directory (issue 11, 9c) ---
+# --- zip integrity: the end record must end the file, consistent with its directory ---------------
 
 
 def _torch_save(path: Path, obj: object) -> bytes:
@@ -687,7 +687,7 @@ def test_an_end_record_whose_numbers_add_up_must_point_at_a_directory_entry(tmp_
     assert wholefile._is_zip(path, len(body) + len(record))
 
 
-# --- when a checkpoint was saved: a pin or a touch does not move it (issue 11, item 4) ---------
+# --- when a checkpoint was saved: a pin or a touch does not move it ----------------------------
 
 
 def test_save_times_leave_out_ckptds_own_files_and_directories(tmp_path):
@@ -730,7 +730,7 @@ def test_pinning_an_old_checkpoint_makes_nothing_deletable(tmp_path, state_env):
     assert deleted() == []  # before: the window moved to now, and 3 and 4 were deleted
 
 
-# --- a rank census without a known world size learns from the run (issue 11, 9a) -------------
+# --- a rank census without a known world size learns from the run ----------------------------
 
 
 def test_a_checkpoint_one_rank_short_of_the_runs_last_complete_one_is_incomplete(tmp_path):
@@ -766,7 +766,7 @@ def test_a_run_that_grew_is_fine_and_a_configured_world_size_decides(tmp_path):
     assert got["run/checkpoint-200"].state is State.COMPLETE  # ranks 0..6 there (an eighth file is not asked for)
 
 
-# --- completion evidence a user names for a pattern of their own (issue 11, item 2) ------------
+# --- completion evidence a user names for a pattern of their own --------------------------------
 
 
 def own_checkpoint(run: Path, step: int, files: list[str]) -> Path:

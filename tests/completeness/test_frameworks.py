@@ -47,8 +47,8 @@ VOLUMES = ["orbax_volume", "accelerate_volume", "trainer_volume", "dcp_volume", 
 @pytest.mark.parametrize("volume_name", VOLUMES)
 def test_ckptd_never_calls_complete_what_the_framework_refuses(request, tmp_path, volume_name):
     """Every checkpoint of every framework volume: where the framework's own loader refuses it (or
-    restores it only in part), ckptd must not call it complete. Before issue 11, seven such states
-    were 'complete' (Orbax's commit-file mode killed at four points, accelerate's, a Trainer rank's
+    restores it only in part), ckptd must not call it complete. Seven such states are easy to take
+    for complete (Orbax's commit-file mode killed at four points, accelerate's, a Trainer rank's
     missing rng_state)."""
     volume = request.getfixturevalue(volume_name)
     root = copy_volume(volume, tmp_path / "vol")
@@ -66,7 +66,7 @@ def surviving(root: Path, run: str) -> list[str]:
 
 
 def test_orbax_commit_file_mode_killed_midway_keeps_the_last_loadable_step(orbax_volume, tmp_path):
-    """Issue 11, hole 1: step 3 written in place (CommitFileTemporaryPath) and killed before
+    """Step 3 written in place (CommitFileTemporaryPath) and killed before
     commit_success.txt was judged complete, became the newest, and with keep_last=1 steps 1 and 2
     (the last one Orbax can restore) were deleted. Each of the four kill points, end to end."""
     root = copy_volume(orbax_volume, tmp_path / "vol")
@@ -84,7 +84,7 @@ def test_orbax_commit_file_mode_killed_midway_keeps_the_last_loadable_step(orbax
 
 
 def test_accelerate_save_state_directories_are_found_and_counted(accelerate_volume, tmp_path):
-    """Issue 11, hole 2: accelerate's save_state() directories had no layout (not even listed with
+    """accelerate's save_state() directories had no layout (not even listed with
     no pattern configured; with one, complete on quiet alone). Now each is found by accelerate's
     own files and is complete only with every process's random_states_<r>.pkl, rank 0's included."""
     root = copy_volume(accelerate_volume, tmp_path / "vol")
@@ -102,7 +102,7 @@ def test_accelerate_save_state_directories_are_found_and_counted(accelerate_volu
 
 
 def test_a_trainer_rank_killed_before_its_rng_state_never_costs_the_last_whole_checkpoint(trainer_volume, tmp_path):
-    """Issue 11, 9a: DDP with 2 ranks, rank 1 killed before rng_state_1.pth. 'rng_state_0 is
+    """DDP with 2 ranks, rank 1 killed before rng_state_1.pth. 'rng_state_0 is
     contiguous' passed it, it became the newest complete, and keep_last=1 deleted checkpoint-8,
     the last whole one. The run's complete checkpoints have 2 ranks' files: 1 is short."""
     root = copy_volume(trainer_volume, tmp_path / "vol")
@@ -116,7 +116,7 @@ def test_a_trainer_rank_killed_before_its_rng_state_never_costs_the_last_whole_c
 
 
 def test_metric_loss_keeps_the_trainers_own_best_checkpoint(trainer_volume, tmp_path):
-    """Issue 11, hole 6: metric_for_best_model='loss' is eval_loss to the Trainer (its best:
+    """metric_for_best_model='loss' is eval_loss to the Trainer (its best:
     checkpoint-6); ckptd ranked by the training loss (lowest at checkpoint-4) and deleted 6."""
     root = copy_volume(trainer_volume, tmp_path / "vol")
     recs = {r["path"]: r for r in trainer_volume["checkpoints"]}
@@ -142,7 +142,7 @@ def test_an_accelerate_save_killed_before_any_random_states_is_incomplete(accele
     assert "random_states_0.pkl missing" in row["reasons"][0]
 
 
-# --- issue 12: every framework's checkpoints as its users know them, and the resume side ---------
+# --- every framework's checkpoints as its users know them, and the resume side -------------------
 
 
 def default_config(tmp_path: Path, root: Path, **retention: Any) -> Path:
@@ -159,7 +159,7 @@ def test_lightning_checkpoints_with_their_metric_and_its_source_under_the_defaul
     found with the default max_depth. val_loss is read from the name where the template put it,
     else from the ModelCheckpoint state inside the .ckpt (torch is installed here), and plan says
     which; a template without a step is ordered by epoch; last.ckpt is not a step and not listed.
-    The best epoch (1) is kept in every run; before issue 12, nothing here was listed at all."""
+    The best epoch (1) is kept in every run, and no checkpoint here goes unlisted."""
     root = copy_volume(lightning_volume, tmp_path / "vol")
     doc = plan(default_config(tmp_path, root, keep_last=1, keep_best=1, metric="val_loss"))
     seen = rows(doc, root)

@@ -57,7 +57,8 @@ def test_orbax_default_mode_leaves_a_tmp_directory(orbax_volume):
 
 
 def test_orbax_commit_file_killed_step_has_the_final_name(orbax_volume):
-    """The state of issue 11, hole 1: `3/` in place, no commit_success.txt, commit timestamp null."""
+    """What a commit-file save killed before its commit leaves: `3/` in place, no commit_success.txt,
+    commit timestamp null."""
     runs, out = orbax_volume["runs"], orbax_volume["out_dir"]
     step3 = out / "commit_file" / "3"
     assert step3.is_dir() and not (step3 / "commit_success.txt").exists()
@@ -193,7 +194,7 @@ def test_trainer_complete_checkpoints_and_best(trainer_volume):
         state = json.loads((out / run / "checkpoint-8" / "trainer_state.json").read_text())
         assert Path(state["best_model_checkpoint"]).name == "checkpoint-6" and state["best_metric"] == 0.4
         # ... and the training loss, logged at the same steps, is lowest elsewhere: ranking by `loss`
-        # instead of `eval_loss` keeps a different checkpoint (issue 11, hole 6)
+        # instead of `eval_loss` keeps a different checkpoint
         train = {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
         assert min(train, key=train.get) != 6
     resumed = records(trainer_volume)["run-rng/checkpoint-8"]["truth"]

@@ -18,7 +18,7 @@ from tests.support.rtkit import config, dcp_save, no_deepspeed, prune
 OLD = time.time() - 86400  # a day ago: every quiet period is over
 
 
-# --- 4. Lightning's DeepSpeed checkpoint directory: no census of its shards ----------------------
+# --- Lightning's DeepSpeed checkpoint directory: no census of its shards -------------------------
 
 
 @pytest.mark.deepspeed
@@ -105,7 +105,7 @@ def test_a_lightning_fsdp_sharded_checkpoint_without_dcp_metadata_is_not_complet
     assert " complete " not in row and ".metadata missing" in proc.stdout, proc.stdout
 
 
-# --- 5. Lightning's last.ckpt as a link: its target is what ckpt_path="last" loads ---------------
+# --- Lightning's last.ckpt as a link: its target is what ckpt_path="last" loads ------------------
 
 _LIGHTNING_LINK_JOB = """
 import sys, torch, lightning as L

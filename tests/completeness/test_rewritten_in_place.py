@@ -18,7 +18,7 @@ from tests.support.rtkit import actions, config, no_deepspeed, prune, rename_bes
 OLD = time.time() - 86400  # a day ago: every quiet period is over
 
 
-# --- 5. A checkpoint rewritten in place (re-used output directory) -----------------------------
+# --- A checkpoint rewritten in place (re-used output directory) --------------------------------
 
 
 @pytest.mark.deepspeed
@@ -46,7 +46,7 @@ def test_a_checkpoint_rewritten_in_place_is_in_flight_until_its_save_ends(zero2_
         "the re-run's newest complete checkpoint was deleted while checkpoint-20 was in flight:\n" + out)
 
 
-# --- 7. The run's newest by time loses its protection when a file lands in an old one ----------
+# --- The run's newest by time loses its protection when a file lands in an old one -------------
 
 
 def test_eval_output_in_an_old_checkpoint_does_not_unprotect_the_newest_save(tmp_path):
@@ -69,20 +69,20 @@ def test_eval_output_in_an_old_checkpoint_does_not_unprotect_the_newest_save(tmp
     assert (run / "checkpoint-3500").is_dir(), "the resumed job's newest save was deleted"
 
 
-# --- 6. Rewriting trainer_state.json in every checkpoint moves every save time ------------------
+# --- Rewriting trainer_state.json in every checkpoint moves every save time ---------------------
 
 
 def test_trainer_state_rewritten_in_place_does_not_unprotect_the_newest_save(tmp_path):
-    """Red team item 7 with a file the Trainer does save. A run resumed from checkpoint-3000 (4000
-    and 5000 diverged) saved checkpoint-3500: 'written last', kept. Then the run is moved
-    (`mv out /vol/archive/out`) and, as the Trainer's `best_model_checkpoint` holds the old path,
-    the paths are fixed with `sed -i` over `*/trainer_state.json` (shell order: 3000, 3500, 4000,
-    5000). sed -i writes a new file and renames it over the old one: every trainer_state.json now
-    has the time of the fix, in name order, so checkpoint-5000 is both the newest by step and
-    'written last'; `one_save` is content (trainer_state.json is newest in each). keep_last=2
-    keeps 5000 and 4000 and deletes checkpoint-3500, the resumed job's only save. The mtimes of
-    the files written before trainer_state.json (global_step*/, rng states) still tell the
-    saves' order."""
+    """A file landing in an old checkpoint, as above, with a file the Trainer does save. A run
+    resumed from checkpoint-3000 (4000 and 5000 diverged) saved checkpoint-3500: 'written last',
+    kept. Then the run is moved (`mv out /vol/archive/out`) and, as the Trainer's
+    `best_model_checkpoint` holds the old path, the paths are fixed with `sed -i` over
+    `*/trainer_state.json` (shell order: 3000, 3500, 4000, 5000). sed -i writes a new file and
+    renames it over the old one: every trainer_state.json now has the time of the fix, in name
+    order, so checkpoint-5000 is both the newest by step and 'written last'; `one_save` is content
+    (trainer_state.json is newest in each). keep_last=2 keeps 5000 and 4000 and deletes
+    checkpoint-3500, the resumed job's only save. The mtimes of the files written before
+    trainer_state.json (global_step*/, rng states) still tell the saves' order."""
     root = tmp_path / "vol"
     run = root / "out"
     for step in (3000, 4000, 5000):

@@ -461,7 +461,7 @@ def test_a_runs_checkpoints_share_one_log_history(tmp_path):
     assert 20 not in shared[0] and shared[0].get(30) is None and len(shared[1]) == 2
 
 
-# --- what a restore and a re-check may rest on (deletion safety, after the merge with issue 11/12) ---
+# --- what a restore and a re-check may rest on (deletion safety) ------------------------------------
 
 
 def plain_scanner(root: Path, state: Path) -> Scanner:
@@ -546,7 +546,7 @@ def test_the_recheck_reads_every_file_even_what_this_process_read(tmp_path, read
 
 def test_a_cache_from_other_checks_or_layouts_is_ignored(tmp_path, monkeypatch):
     """The cache is versioned by the code its verdicts and restored checkpoints came from: the
-    checks (evidence, dsmeta, slim), and since the merge also layouts (commit files, markers),
+    checks (evidence, dsmeta, slim), layouts (commit files, markers),
     mounts, config (patterns) and planner (the restore)."""
     from ckptd import verdicts
 

@@ -263,7 +263,7 @@ def test_the_daemon_refuses_to_start_on_a_bad_config_or_missing_root(tmp_path, c
 
 
 def test_a_checkpoint_with_a_future_mtime_does_not_complete_under_the_daemon(tmp_path):
-    """Issue 11, item 4: `plan` called a future mtime 'writing', the daemon settled it anyway (its
+    """`plan` called a future mtime 'writing', but the daemon settled it anyway (its
     fingerprint did not change). A writer whose clock runs an hour ahead saves checkpoint-20:
     with keep_last=1 the daemon deleted checkpoint-10, the last one written on a sane clock, and
     kept one it cannot yet tell is finished. Now it waits for the clock, and deletes nothing."""

@@ -499,7 +499,7 @@ async def test_a_refusal_sends_the_tracker_to_look_at_what_changed_in_place(tmp_
 
 
 async def test_a_missing_root_does_not_stop_retention_on_the_others(tmp_path):
-    """Found in review: free space counted every root's pending trash by stat'ing each root, so
+    """Free space counted every root's pending trash by stat'ing each root, so
     one unmounted root made every pass fail ("retention skipped") for all of them."""
     a, b = tmp_path / "a", tmp_path / "b"
     for step in (1, 2, 3):

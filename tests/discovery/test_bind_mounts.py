@@ -66,7 +66,7 @@ def test_configured_roots_overlapping_through_a_bind_mount_are_refused(tmp_path,
     assert (run / "checkpoint-1").is_dir(), "checkpoint-1, pinned by /vol's retention, was deleted through /mnt"
 
 
-# --- 6. One answer to "which configured root holds this path" -----------------------------------
+# --- One answer to "which configured root holds this path" --------------------------------------
 
 
 @pytest.mark.frameworks

@@ -45,7 +45,7 @@ def test_a_fifo_where_ckptd_reads_does_not_hang_it(tmp_path, where):
     assert proc.returncode == 0, proc.stderr
 
 
-# --- 5. files ckptd reads that are not regular files -------------------------------------------
+# --- files ckptd reads that are not regular files ----------------------------------------------
 
 
 def never_blocks(fn, fifo: Path):

@@ -1,4 +1,4 @@
-"""Layouts as their frameworks name them, on a real filesystem (issue 12, items 1-3).
+"""Layouts as their frameworks name them, on a real filesystem.
 
 The frameworks that can run here write their own volumes (test_frameworks.py). NeMo and
 Megatron-core cannot save on a CPU-only torch (FWGEN_NOTES.md: megatron-core calls

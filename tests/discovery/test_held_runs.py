@@ -1,6 +1,6 @@
 """What ckptd takes to be one checkpoint: a checkpoint directory that holds checkpoints (a run of
 its own, or a pin) is never deleted as one, and NeMo's model-parallel rank directories are judged
-together (the red team's reproductions are in test_runs_inside_checkpoints.py; here, the other
+together (test_runs_inside_checkpoints.py holds one case of each class; here, the other
 members of each class). Real files, the real CLI; real Orbax and DCP files from fwgen.py where
 the shape exists; hand-made where no installed framework makes it, and the test says so.
 """

@@ -54,7 +54,7 @@ def test_this_process_sees_its_own_root_mount():
     assert mount_of("/", mounts) is not None
 
 
-# --- network filesystems' attribute caches (issue 13, item 2) -------------------------------
+# --- network filesystems' attribute caches ---------------------------------------------------
 # Captured lines in the shapes the kernel writes (fs/nfs/super.c, nfs_show_mount_options): the
 # ac* values appear only when they differ from nfs(5)'s defaults, `actimeo=N` shows as the four
 # ac* values, `noac`/`nocto`/`nolock` as flags. This kernel has no NFS client (CONFIG_NFS_FS is
@@ -110,7 +110,7 @@ def test_coherent_cifs_unknown_and_local_filesystems():
 @pytest.mark.parametrize(
     ("point", "quiet", "effective", "warns"),
     [
-        ("/mnt/default", 60, 120, "watched as 120s"),  # the issue's case: 60s of cache, 60s quiet
+        ("/mnt/default", 60, 120, "watched as 120s"),  # nfs(5)'s defaults: 60s of cache, 60s quiet
         ("/mnt/actimeo", 60, 65, "watched as 65s"),
         ("/mnt/noac", 60, 60, None),
         ("/mnt/lustre", 60, 60, None),

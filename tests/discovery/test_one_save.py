@@ -1,4 +1,4 @@
-"""Which save a checkpoint's files belong to, and when it was saved (red team, items 5 and 7).
+"""Which save a checkpoint's files belong to, and when it was saved.
 
 1. A checkpoint re-saved in place (a job resumed into the same output directory) holds files from
    two saves until the new one ends; every file a census counts is there, the old save's among
@@ -339,7 +339,7 @@ def sed_i(path: Path, when: float) -> None:
 
 
 def test_trainer_state_rewritten_after_the_save_does_not_move_its_save_time(tmp_path):
-    """Red team 2, item 6: the Trainer writes trainer_state.json right after the rest of its save
+    """The Trainer writes trainer_state.json right after the rest of its save
     (rng states, `latest`, the global_step shards). Within `SAVE_SPAN` of them it is the save's
     end; much newer (paths fixed with sed -i after a move), it was rewritten later and only
     `touched_at` counts it. A checkpoint with none of the files written before it: it counts."""

@@ -1,4 +1,4 @@
-"""`ckptd latest` and `ckptd.latest()`: the checkpoint a restart should load (issue 12, item 6).
+"""`ckptd latest` and `ckptd.latest()`: the checkpoint a restart should load.
 
 Synthetic Trainer checkpoints on a real filesystem (ckptd.demo's writers), ages set with os.utime;
 the frameworks' own volumes, and their own loaders' verdicts, are in test_frameworks.py.

@@ -40,7 +40,7 @@ from tests.support.rtkit import (
 OLD = time.time() - 86400  # a day ago: every quiet period is over
 
 
-# --- 1. DeepSpeed's `latest`, rolled back by hand with a trailing slash or ./ -------------------
+# --- DeepSpeed's `latest`, rolled back by hand with a trailing slash or ./ ----------------------
 
 
 @pytest.mark.deepspeed
@@ -68,7 +68,7 @@ def test_latest_rolled_back_with_a_trailing_slash_is_still_the_resume_pointer(ze
     assert (root / "run" / "global_step10").is_dir(), f"`latest` says {spelling!r}, and global_step10 was deleted"
 
 
-# --- 9. `latest` rolled back to a checkpoint while it is being consolidated for slimming ---------
+# --- `latest` rolled back to a checkpoint while it is being consolidated for slimming ------------
 
 
 @pytest.mark.deepspeed
@@ -130,7 +130,7 @@ def bare_deepspeed(run: Path, step: int, *, world: int = 2, mtime: float | None 
     return gs
 
 
-# --- 2. DeepSpeed's `latest` holding an absolute path as the trainer's node mounts the volume --
+# --- DeepSpeed's `latest` holding an absolute path as the trainer's node mounts the volume -----
 
 
 def test_an_absolute_latest_through_another_mount_point_is_kept(tmp_path):
@@ -178,7 +178,7 @@ def test_the_reapers_last_check_decides_again_from_the_files(trainer_volume, tmp
 NOW = time.time()
 
 
-# --- 1. resume pointers, read as the frameworks read them ----------------------------------------
+# --- resume pointers, read as the frameworks read them -------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -216,7 +216,7 @@ def test_deepspeed_latest_names_what_deepspeed_loads(tmp_path, text, named):
     ],
 )
 def test_an_absolute_latest_outside_the_run_as_seen_here(tmp_path, text, named):
-    """Red team 2: an absolute `latest` as another host mounts the volume. Not seen here, its last
+    """An absolute `latest` as another host mounts the volume. Not seen here, its last
     component names the run's checkpoint of that name; naming none, it cannot be told and keeps
     every checkpoint of the run (as an unreadable one); an existing directory elsewhere names nothing."""
     run = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""A ROOT on the command line spelled differently from the configured root (issue 11, item 5).
+"""A ROOT on the command line spelled differently from the configured root.
 
 `ckptd prune /vol/team -c cfg` (a directory inside the configured root /vol), or a symlink to
 /vol, ran with the built-in defaults: pins and overrides were ignored, pinned checkpoints

@@ -17,7 +17,7 @@ from tests.support.rtkit import config, dcp_save, names, prune
 OLD = time.time() - 86400  # a day ago: every quiet period is over
 
 
-# --- 2. A directory holding checkpoints taken for one checkpoint --------------------------------
+# --- A directory holding checkpoints taken for one checkpoint -----------------------------------
 
 
 def test_a_run_written_inside_a_checkpoint_directory_is_not_deleted_with_it(tmp_path):
@@ -60,7 +60,7 @@ def test_a_pattern_named_directory_holding_orbax_steps_is_a_run(orbax_volume, tm
     assert names(root / "jax" / "ckpt_1") == ["1", "2", "3", "4"]
 
 
-# --- 6. NeMo's model-parallel layout: one checkpoint in several directories ----------------------
+# --- NeMo's model-parallel layout: one checkpoint in several directories -------------------------
 
 
 def test_nemo_model_parallel_ranks_are_one_checkpoint(tmp_path):
@@ -90,8 +90,9 @@ def test_nemo_model_parallel_ranks_are_one_checkpoint(tmp_path):
 
 @pytest.mark.frameworks
 def test_a_dcp_run_written_inside_a_checkpoint_is_not_deleted_with_it(tmp_path):
-    """The red team's item 2 again, with torch.distributed.checkpoint: a fine-tuning script given
-    `--output_dir out/checkpoint-500` (the checkpoint it starts from) saves its own steps there
+    """The run inside a checkpoint directory above, again with torch.distributed.checkpoint: a
+    fine-tuning script given `--output_dir out/checkpoint-500` (the checkpoint it starts from) saves
+    its own steps there
     with dcp.save as step_10/, step_20/ (ckptd's `dcp` layout: 'the last number in the name').
     layouts.held counts DCP directories nowhere, as parts of the checkpoint (FSDP's
     pytorch_model_fsdp_0/), and the evidence's own DCP check passes them ('.metadata present').

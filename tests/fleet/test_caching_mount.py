@@ -84,9 +84,10 @@ def test_a_mount_declared_incoherent_is_never_led(tmp_path, bindfs):
 
 
 def test_both_nodes_on_caching_mounts_one_deleter_through_a_kill_and_a_restart(tmp_path, bindfs):
-    """As an outsider would try it: every node through its own caching FUSE mount. The leader is
-    killed (-9); the standby takes over; the killed node comes back, its mount still caching the
-    record it wrote last, and must stand by rather than take its old epoch for unrenewed."""
+    """As a user following the docs would set it up: every node through its own caching FUSE
+    mount. The leader is killed (-9); the standby takes over; the killed node comes back, its mount
+    still caching the record it wrote last, and must stand by rather than take its old epoch for
+    unrenewed."""
     root = tmp_path / "vol"
     ckpts(root, 1, 2)
     via_a = bindfs(root, tmp_path / "vol-a", *CACHING)

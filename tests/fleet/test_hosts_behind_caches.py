@@ -1,6 +1,6 @@
-"""Attack on the fleet: several ckptd "hosts" on one volume, some through caching FUSE mounts.
+"""Several ckptd "hosts" on one volume, some through caching FUSE mounts, in adversarial cases.
 
-An outside attacker's reproductions, from the docs alone (docs/many-nodes.md): real `ckptd run
+Each case is set up from the docs alone (docs/many-nodes.md), as a user would: real `ckptd run
 --foreground` processes, each with its own state_dir; a "host" that sees the volume through a
 bindfs mount has its own POSIX locks and flocks (the kernel keeps a FUSE mount's apart from the
 source's) and the caches its options set. Processes are paused with SIGSTOP, a mount hung by

@@ -1,4 +1,4 @@
-"""Many nodes, one volume (issue 13): real `ckptd run` processes with their own state_dirs.
+"""Many nodes, one volume: real `ckptd run` processes with their own state_dirs.
 
 Two daemons with different state_dirs stand for two hosts: their local locks cannot see each
 other, so only the volume lease (lease.py) keeps them to one deleter. Short leases (1.5s,
@@ -127,7 +127,7 @@ def test_prune_on_another_node_does_not_delete_while_a_daemon_leads_the_volume(t
     assert lease_record(root)["epoch"] == 2 and lease_record(root)["released"]
 
 
-# --- item 2: the attribute cache, read from a captured mountinfo (this kernel has no NFS client) ---
+# --- the attribute cache, read from a captured mountinfo (this kernel has no NFS client) ---------
 
 def nfs_mountinfo(point: Path, options: str) -> str:
     return (

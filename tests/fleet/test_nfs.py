@@ -2,7 +2,7 @@
 
 Runs only where the kernel has an NFS client and server and Debian's tools are installed
 (`apt-get install nfs-kernel-server`, which brings nfs-common's mount.nfs), as root. Where
-it cannot, the skip reason says exactly what is missing; item 2 of issue 13 is then covered by
+it cannot, the skip reason says exactly what is missing; NFS's attribute caches are then covered by
 captured mountinfo lines (test_mounts.py, test_multinode.py).
 
 On the machine this was written on it could not run: its kernel (6.18, /proc/config.gz) is

@@ -38,7 +38,7 @@ def test_a_prune_with_another_state_dir_waits_for_the_daemon_leading_the_root(tm
     assert proc.returncode == 75, f"prune ran beside the leading daemon (exit {proc.returncode}):\n{proc.stdout}"
 
 
-# --- 9. Two deleters on one root, when <root>/.ckptd cannot be a directory ----------------------------
+# --- Two deleters on one root, when <root>/.ckptd cannot be a directory -------------------------------
 
 
 def test_a_prune_with_another_state_dir_does_not_delete_beside_a_daemon_without_a_root_lock(tmp_path):

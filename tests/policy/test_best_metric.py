@@ -11,7 +11,7 @@ from ckptd.config import Retention
 from tests.support.common import run_ckptd
 from tests.support.rtkit import actions, config, trainer_run
 
-# --- 4. Metric direction as the Trainer infers it ------------------------------------------------
+# --- Metric direction as the Trainer infers it ---------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""keep_total: the HF Trainer's save_total_limit, by name (issue 12, item 5). Pure, but for one
+"""keep_total: the HF Trainer's save_total_limit, by name. Pure, but for one
 test that runs the Trainer's own rotation code on a real directory to hold ckptd to it."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ STEPS = [5, 10, 15, 20, 25]
 @pytest.mark.parametrize(
     ("limit", "best", "expected"),
     [
-        (2, 5, [5, 25]),  # the issue's case: the best counts inside the limit (the union keeps 5, 20, 25)
+        (2, 5, [5, 25]),  # the best counts inside the limit (the union keeps 5, 20, 25)
         (2, 25, [20, 25]),  # the best is the newest: the limit's N newest
         (1, 5, [5, 25]),  # limit 1: the Trainer keeps max(1, |{best, newest}|) = 2
         (1, 25, [25]),

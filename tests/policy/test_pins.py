@@ -17,7 +17,7 @@ from tests.support.rtkit import config, config_file, demo_config, prune
 OLD = time.time() - 86400  # a day ago: every quiet period is over
 
 
-# --- 3. Pins spelled as a user writes paths ----------------------------------------------------
+# --- Pins spelled as a user writes paths -------------------------------------------------------
 
 
 @pytest.mark.parametrize("spelling", ["trailing slash", "dot slash", "absolute", "brackets in the run's name"])
@@ -45,7 +45,7 @@ def test_a_pin_spelled_as_a_path_pins_or_is_refused(tmp_path, spelling):
     assert (root / run / "checkpoint-1").is_dir(), f"pinned as {pin!r}, and deleted"
 
 
-# --- 1. The configured root reached through a bind mount is a root of its own -----------------
+# --- The configured root reached through a bind mount is a root of its own --------------------
 
 
 @pytest.mark.parametrize("which", ["the root", "a run's parent inside it"])
@@ -96,7 +96,7 @@ def test_an_absolute_pin_through_a_symlink_to_the_root_pins(tmp_path):
     assert "pinned" in row, row
 
 
-# --- 2. pins and run rules spelled as paths ----------------------------------------------------
+# --- pins and run rules spelled as paths -------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -186,7 +186,7 @@ def test_pins_and_run_rules_that_match_nothing_are_warnings(tmp_path):
     assert "runs[0].match: 'rnu' matches no run" in check.stderr
 
 
-# --- 3. Pins ----------------------------------------------------------------------------------
+# --- Pins -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("below", ["global_step1000", "global_step1000/mp_rank_00_model_states.pt"])
@@ -200,7 +200,7 @@ def test_a_pin_inside_a_checkpoint_keeps_the_checkpoint(tmp_path, below):
     assert pinned.exists()
 
 
-# --- 8. Near-miss: ckptd's own pin file taken for a file of the save ----------------------------------
+# --- Near-miss: ckptd's own pin file taken for a file of the save -------------------------------------
 
 
 def test_a_pin_file_below_the_top_does_not_make_the_newest_incomplete(tmp_path):

@@ -240,7 +240,7 @@ def test_incomplete_and_writing_decisions_are_protected_from_budgets():
     assert kept(out)[:2] == [100, 200]
 
 
-# --- issue 11: what a user needs is never deleted ---------------------------------------------
+# --- what a user needs is never deleted ------------------------------------------------------
 
 
 def test_a_budget_that_cannot_be_met_deletes_nothing():
@@ -313,7 +313,7 @@ def test_the_checkpoint_a_resume_pointer_names_and_one_holding_a_mount_are_never
 def test_the_checkpoint_a_resume_pointer_names_is_never_slimmed():
     """DeepSpeed resumes from what `latest` names with its optimizer state (load_optimizer_states):
     slimming it would leave a resume that fails. The plan said `slim` and the reaper refused it
-    every pass (red team)."""
+    every pass."""
     run = [ck(s) for s in (100, 200, 300)]
     for c in run:
         object.__setattr__(c, "slim", replace(c.slim, removable=(("optimizer.pt", 8),), weights="model.safetensors"))

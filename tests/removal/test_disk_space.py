@@ -20,7 +20,7 @@ from ckptd.verdicts import Verdicts
 from tests.support.common import run_ckptd
 from tests.support.rtkit import config, prune
 
-# --- 2. Bytes as the filesystem counts them: hard links, blocks ----------------------------------
+# --- Bytes as the filesystem counts them: hard links, blocks -------------------------------------
 
 MiB = 1024 * 1024
 
@@ -134,7 +134,7 @@ def test_min_free_weighs_what_deleting_frees_hard_links_considered(trainer_volum
         assert os.statvfs(root).f_bavail * os.statvfs(root).f_frsize >= 16 * MiB
 
 
-# --- 3. Deleting on a full disk ------------------------------------------------------------------
+# --- Deleting on a full disk ---------------------------------------------------------------------
 
 
 def _full_ext4(mount, tmp_path: Path) -> Path:

@@ -13,7 +13,7 @@ from tests.support.common import run_ckptd
 from tests.support.reflinkfs import reflink_xfs
 from tests.support.rtkit import prune
 
-# --- 2. min_free and what waits in the trash ------------------------------------------------------
+# --- min_free and what waits in the trash ---------------------------------------------------------
 
 
 def _small_volume(
@@ -82,7 +82,7 @@ def test_the_daemon_counts_what_waits_in_the_trash_for_min_free(tmp_path, mount)
     assert actions["checkpoint-1000"][0] == "keep", actions
 
 
-# --- 5. A full disk that holds the state directory too ---------------------------------------------
+# --- A full disk that holds the state directory too ------------------------------------------------
 
 
 def _full_disk_holding_state_dir(tmp_path: Path, mount) -> tuple[Path, Path]:
@@ -139,7 +139,7 @@ def test_a_full_disk_that_holds_the_state_dir_is_named_and_nothing_is_moved(tmp_
     assert not (fs / "exp" / ".ckptd-trash").exists() or not any((fs / "exp" / ".ckptd-trash").iterdir())
 
 
-# --- 6. Reflinks: blocks st_blocks counts that deleting does not free ------------------------------
+# --- Reflinks: blocks st_blocks counts that deleting does not free ---------------------------------
 
 
 

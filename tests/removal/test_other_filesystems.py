@@ -1,4 +1,4 @@
-"""Never into another filesystem (issue 11, item 3), with real bind and tmpfs mounts.
+"""Never into another filesystem, with real bind and tmpfs mounts.
 
 A directory bind-mounted (or any mount point) inside an old checkpoint was emptied by the purge:
 the walk, the rename and the purge crossed st_dev. A checkpoint holding a mount point is never

@@ -329,7 +329,7 @@ def test_a_purge_is_journaled_before_the_removal(volume, tmp_path, monkeypatch):
     assert seen == [("purging", True)] * 3
 
 
-# --- issue 11 -----------------------------------------------------------------------------
+# --- a run's anchors and resume pointers, re-read before each deletion -------------------
 
 
 def test_the_anchor_is_re_checked_before_every_deletion_not_once_per_pass(volume, tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ from tests.support.rtkit import config, demo_config, prune
 OLD = time.time() - 86400  # a day ago: every quiet period is over
 
 
-# --- 4. The trash directory itself a mount point ------------------------------------------------
+# --- The trash directory itself a mount point ---------------------------------------------------
 
 
 
@@ -68,7 +68,7 @@ def test_a_hidden_trash_name_ckptd_did_not_make_is_never_purged(tmp_path):
 NOW = time.time()
 
 
-# --- 3. the trash directory on another filesystem ------------------------------------------------
+# --- the trash directory on another filesystem ---------------------------------------------------
 
 
 
@@ -176,7 +176,7 @@ def test_slimming_refuses_a_trash_on_another_filesystem(tmp_path, mount):
     assert not (root / "run" / "checkpoint-1" / slim.MARKER).exists()
 
 
-# --- 1. The trash: what ckptd purges that it did not put there ---------------------------------
+# --- The trash: what ckptd purges that it did not put there ------------------------------------
 
 
 def test_a_pinned_checkpoint_moved_into_the_trash_by_hand_is_not_purged(tmp_path):
@@ -213,7 +213,7 @@ def test_an_operators_copy_beside_the_trash_is_not_purged(tmp_path, name):
     assert (root / name).exists() and (root / f"{name}.txt").exists()
 
 
-# --- 4. The purge's re-check of a late rename: the run's newest complete by time ------------------
+# --- The purge's re-check of a late rename: the run's newest complete by time ---------------------
 
 
 def test_a_late_rename_of_the_newest_by_time_is_moved_back(tmp_path):
@@ -239,7 +239,7 @@ def test_a_late_rename_of_the_newest_by_time_is_moved_back(tmp_path):
     assert ckpt.is_dir() or entry.exists()
 
 
-# --- 7. A slimmed checkpoint made whole again -----------------------------------------------------
+# --- A slimmed checkpoint made whole again --------------------------------------------------------
 
 
 def _slimmed_marker(ckpt: Path, step: int) -> None:

@@ -120,7 +120,7 @@ def test_a_checkpoint_without_weights_or_a_deepspeed_tag_is_not_slimmed(tmp_path
     assert first.reasons[-1].startswith("incomplete, never deleted: weights failed: no model weights")
 
 
-# --- which weights a slim keeps: fp32, or as saved (issue 11, item 12) ------------------
+# --- which weights a slim keeps: fp32, or as saved ---------------------------------------
 
 
 def save_weights(path: Path, dtype: str = "float32", tensors: dict[str, tuple[int, ...]] | None = None) -> None:
@@ -610,7 +610,7 @@ def test_keep_full_last_per_run():
 
 
 def test_a_symlink_planted_under_the_markers_temp_name_is_not_followed(trainer_volume, tmp_path):
-    """Found in review: the marker's temp file was opened by path, following a planted link."""
+    """The marker's temp file must not be opened by path: that follows a link planted there."""
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     ck = trainer_volume / "run" / "checkpoint-100"

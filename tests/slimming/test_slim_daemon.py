@@ -1,5 +1,5 @@
 """Slimming in the daemon, in-process and fast: the consolidation runs on a worker of its own while
-the filesystem thread tracks, settles and deletes (issue 14, item 4).
+the filesystem thread tracks, settles and deletes.
 
 The consolidator is a stand-in that holds until the test releases it (or the daemon stops it), then
 writes what the real one writes: what is tested is the daemon's scheduling around it. The real

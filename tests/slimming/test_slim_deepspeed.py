@@ -334,7 +334,7 @@ def test_consolidation_killed_midway_loses_nothing_and_the_next_run_completes(ze
 
 
 def test_slimming_a_bf16_checkpoint_keeps_its_fp32_master_weights(zero2_bf16_hf_trainer, tmp_path):
-    """Issue 11, item 12. DeepSpeed bf16 training: the Trainer's model.safetensors is bf16 and the fp32
+    """DeepSpeed bf16 training: the Trainer's model.safetensors is bf16 and the fp32
     master weights live only in the optimizer shards. Slimming consolidates them into fp32/ before
     removing anything: bit for bit what zero_to_fp32 reconstructs from the shards."""
     root = copy_run(zero2_bf16_hf_trainer, tmp_path)
@@ -412,7 +412,7 @@ def test_a_consolidator_dies_with_the_ckptd_that_started_it(zero3_bf16_bare, tmp
     assert manifest(root) == before
 
 
-# --- the daemon: consolidation on a worker of its own (issue 14, item 4) ----------------------
+# --- the daemon: consolidation on a worker of its own ----------------------------------------
 
 
 def _pids(fifo_fd: int, timeout: float = 180):

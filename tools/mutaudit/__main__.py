@@ -9,8 +9,9 @@ Each mutation (tools/mutaudit/muts.py) is applied alone to a throwaway `git work
 HEAD (committed code only), its tests run there with pytest -x, and the worktree is
 restored before the next. CAUGHT: a test failed. SURVIVED: every test passed, so nothing
 checks that protection. EQUIV: it survives, and muts.py says why it cannot be caught (an
-equivalent mutation). Exits 1 if anything survived. Takes about
-23 minutes for all of them on 2 cores (the 29 of issue 13 add 8), most of it the DeepSpeed and daemon tests.
+equivalent mutation). Exits 1 if anything survived. Takes about 23 minutes for all of them on 2
+cores (the 29 lease, fence and attribute-cache mutations, F, V and N, add 8), most of it the
+DeepSpeed and daemon tests.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ SETS = {
     "late": [T+"removal/test_fence.py", T+"fleet/test_late_rename.py"],
     "mounts": [T+"discovery/test_mounts.py", T+"removal/test_other_filesystems.py", T+"fleet/test_multinode.py"],
     "frameworks": [T+"completeness/test_evidence.py", T+"completeness/test_frameworks.py"],
-    # issue 12: the frameworks' layouts, keep_total, the resume side
+    # the frameworks' layouts, keep_total, the resume side
     "fwlayouts": [T+"discovery/test_fwlayouts.py", T+"completeness/test_evidence.py"],
     "fwlayouts+frameworks": [T+"discovery/test_fwlayouts.py", T+"completeness/test_evidence.py", T+"completeness/test_frameworks.py"],
     "keep_total": [T+"policy/test_keep_total.py", T+"policy/test_policy.py"],
@@ -45,15 +45,15 @@ SETS = {
     "slimdaemon": [T+"slimming/test_slim_daemon.py"],
     "readback": [T+"slimming/test_slim_deepspeed.py::test_a_shard_that_reads_back_different_is_never_taken_for_weights"],
     "restart": [T+"slimming/test_slim_deepspeed.py::test_a_daemon_stopped_during_a_consolidation_stops_at_once_and_the_next_start_finishes"],
-    # red team: what ckptd takes to be one checkpoint (a run inside one; NeMo's model-parallel ranks)
+    # what ckptd takes to be one checkpoint (a run inside one; NeMo's model-parallel ranks)
     "held": [T+"discovery/test_held_runs.py"],
-    # the red team's classes (item by item: pointers, pins, trash, empty paths, non-regular files)
+    # classes of hazard, a file each: resume pointers, pins, trash, empty paths, non-regular files
     "rtclasses": [T+"discovery/test_resume_pointers.py", T+"policy/test_pins.py", T+"removal/test_trash.py", T+"cli/test_empty_paths.py", T+"discovery/test_fifos.py"],
-    # red team items 5 and 7: which save a checkpoint's files belong to, and when it was saved
+    # which save a checkpoint's files belong to, and when it was saved
     "one_save": [T+"discovery/test_one_save.py"],
     # a save's weights, positively (frameworks/hfweights.py), and a copier's leftovers (frameworks/copyin.py)
     "copy_in": [T+"completeness/test_copy_in.py"],
-    # red team, third round: what the disk says now, counted as the disk counts it
+    # what the disk says now, counted as the disk counts it
     "rt3": [T+"completeness/test_rewritten_in_place.py", T+"discovery/test_resume_pointers.py", T+"policy/test_best_metric.py", T+"removal/test_disk_space.py", T+"discovery/test_bind_mounts.py", T+"removal/test_trash.py"],
     # min_free against what deleting really frees: reflinked extents, what waits in the trash
     "space": [T+"removal/test_extents.py",
@@ -67,7 +67,7 @@ SETS = {
     # commit records from the training job (attest.py, attestation.py)
     "attest": [T+"attestation/test_attest.py"],
     "attackattest": [T+"attestation/test_attest_tampering.py"],
-    # attack round 3: a done slim with its optimizer state put back; the root lock; ckptd's own files
+    # a done slim with its optimizer state put back; the root lock; ckptd's own files
     "attack3": [T+"removal/test_trash.py", T+"removal/test_disk_space_trash.py", T+"policy/test_pins.py", T+"fleet/test_one_deleter_per_root.py", T+"slimming/test_slim.py"],
 }
 
@@ -462,7 +462,7 @@ MUTS = [
    "    args = p.parse_args(argv)\n    _die_with_parent()\n", "    args = p.parse_args(argv)\n")]),
  dict(id="J2", what="slim journal+marker before moves (swap: marker after moves)", tests="slim", edits=[(RMS,
    "            self._write_marker(c, \"removing\", planned, weights, decision)\n", "")]),
- # --- issue 11: never into another filesystem
+ # --- never into another filesystem
  dict(id="M1", what="walk: a mount point is never entered", tests="mounts", edits=[(E,
    "                    if kind == \"d\" and (est.st_dev != dev or mounts.is_mount_root(e.path)):",
    "                    if False:")]),
@@ -480,7 +480,7 @@ MUTS = [
    "    if mounts.is_mount_root(name, parent_fd):\n        raise OSError(errno.EXDEV", "    if False:\n        raise OSError(errno.EXDEV")]),
  dict(id="M3c", what="_remove_tree: never onto another device", tests="mounts", edits=[(RMF,
    "        if os.fstat(fd).st_dev != dev:", "        if False:")]),
- # --- issue 11: anchors, resume pointers, times, ranks, evidence
+ # --- anchors, resume pointers, times, ranks, evidence
  dict(id="R13", what="recheck: a resume pointer re-read before the rename", tests="reaper", edits=[(RMR,
    "        return None if pointer is None else f\"named by", "        return None if True else f\"named by")]),
  dict(id="R14", what="anchors re-checked before every deletion (all of them, not the first)", tests="reaper", edits=[(RMR,
@@ -511,12 +511,12 @@ MUTS = [
    "        return Check(name, PASSED, f\"{example} missing (each rank writes its own, last)\"), None")]),
  dict(id="W6", what="a pattern's required file demanded", tests="evidence", edits=[("frameworks/pattern.py",
    "        return Check(f\"requires {glob}\", FAILED, \"no such file\")", "        return Check(f\"requires {glob}\", PASSED, \"no such file\")")]),
- # --- issue 11: a ROOT spelled otherwise is the configured root
+ # --- a ROOT spelled otherwise is the configured root
  dict(id="C9", what="ROOT inside a configured root is that root", tests=[T+"discovery/test_root_spelling.py"], edits=[("envconfig.py",
    "        owner = _owner(real, configured, mount_table)", "        owner = None")]),
  dict(id="C9b", what="ROOT holding a configured root refused", tests=[T+"discovery/test_root_spelling.py"], edits=[("envconfig.py",
    "            if held is not None:", "            if False:")]),
- # --- red team 2: a root (or ROOT) reached through a bind mount is the same root
+ # --- a root (or ROOT) reached through a bind mount is the same root
  dict(id="C9e", what="a ROOT that is a configured root by directory identity (bind mount) is that root",
    tests=[T+"discovery/test_bind_mounts.py::test_located_in_sees_a_bind_mount_by_identity_and_by_the_mount_table"], edits=[("mounts.py",
    "        if identity(here) == top_id:", "        if False:")]),
@@ -548,7 +548,7 @@ MUTS = [
    "            if inside is not None:", "            if False:")]),
  dict(id="C9d", what="min_free not applied to a subtree", tests=[T+"discovery/test_root_spelling.py"], edits=[("planner.py",
    "        if root.retention.min_free is not None and root.scope:", "        if False:")]),
- # --- 11. one deleter per volume (lease.py, issue 13) and the fence before each rename
+ # --- 11. one deleter per volume (lease.py) and the fence before each rename
  dict(id="F1", what="fence: asked before a deletion's rename", tests="lease", edits=[(RMT,
    "            why_not = self._fenced()\n            if why_not is not None:\n                return refuse(why_not)\n            target = _trash_name(c, self.clock())",
    "            target = _trash_name(c, self.clock())")]),
@@ -658,7 +658,7 @@ MUTS = [
                  "the plan saw them refuses just before acting (test_reaper); the catch-up spares the refusals",
       edits=[(DRE,
    "            if (not rt.leader or rt.catching_up) and not d.dry_run:", "            if not rt.leader and not d.dry_run:")]),
- # --- 12. network filesystems' attribute caches (mounts.py, issue 13)
+ # --- 12. network filesystems' attribute caches (mounts.py)
  dict(id="N1", what="effective quiet period adds the cache's staleness", tests="mounts", edits=[(MO,
    "    return quiet_period + cache.max_staleness", "    return quiet_period")]),
  dict(id="N2", what="NFS: the larger of acregmax and acdirmax", tests="mounts", edits=[(MO,
@@ -676,7 +676,7 @@ MUTS = [
  dict(id="N7", what="plan uses the effective quiet period", tests="mounts", edits=[("cli/plan.py",
    "def cmd_plan(args: argparse.Namespace) -> int:\n    config = load(args)\n    require_roots(config)\n    config = with_effective_quiet(config)",
    "def cmd_plan(args: argparse.Namespace) -> int:\n    config = load(args)\n    require_roots(config)")]),
- # --- issue 12: every framework's checkpoints as its users know them, and the resume side
+ # --- every framework's checkpoints as its users know them, and the resume side
  dict(id="FW1", what="Lightning's last.ckpt and NeMo's -last copies are not steps", tests="fwlayouts+frameworks", edits=[(NM,
    "        if name.endswith(UNFINISHED_SUFFIX) or lightning.is_last_copy(name):", "        if name.endswith(UNFINISHED_SUFFIX):"),
    (LG, "        if is_dir or not name.endswith(\".ckpt\") or \"--\" in name or is_last_copy(name):",
@@ -734,7 +734,7 @@ MUTS = [
    "    if cand is not None:\n        raise UsageError", "    if False:\n        raise UsageError")]),
  dict(id="RL5", what="latest refuses a directory holding several runs", tests="resume", edits=[(RS,
    "    if len(keys) == 1:\n        return found", "    if True:\n        return found")]),
- # --- 11. fp32 weights kept (issue 11.12): which weights a slim keeps, ckptd's own fp32/
+ # --- fp32 weights kept: which weights a slim keeps, ckptd's own fp32/
  dict(id="FP1", what="fp32/ only from the very shards it was consolidated from", tests="slim", edits=[(SL,
    "    if source_fingerprint(files, tag_prefix) != record.source_fingerprint:", "    if False:")]),
  dict(id="FP2", what="fp32/ only with ckptd's record", tests="slim", edits=[(SL,
@@ -751,7 +751,7 @@ MUTS = [
    "    for path, size in marker.files:  # the shards of sharded weights\n        if path not in files", "    for path, size in marker.files:  # the shards of sharded weights\n        if False and path not in files")]),
  dict(id="FP8", what="marker: weights files are relative paths", tests="slim", edits=[(SL,
    "        if not (isinstance(item, dict) and _relative(item.get(\"path\")) and _is_int(item.get(\"bytes\"))):", "        if False:")]),
- # --- 12. consolidation beside the filesystem thread (issue 14.4)
+ # --- consolidation beside the filesystem thread
  dict(id="DC5", what="reaper: a dry run moves no consolidated weights into place", tests="slim", edits=[(RMC,
    "            if self.dry_run:  # switched on by a reload while it ran\n", "            if False:\n")]),
  dict(id="DC1", what="daemon: a consolidation the plan no longer wants is stopped", tests="slimdaemon", edits=[(DCO,
@@ -802,7 +802,7 @@ MUTS = [
  dict(id="MP7", what="NeMo's FSDP shard directories are rank directories too", tests="held", edits=[(NM,
    "(?:_fsdp_shard_\\d+)?|tp_rank_\\d+_pp_rank_\\d+|fsdp_shard_\\d+\")", "|tp_rank_\\d+_pp_rank_\\d+\")")]),
 
- # --- red team 2, fixB: link targets, Lightning DeepSpeed census, DCP runs held inside, Lightning FSDP
+ # --- link targets, Lightning DeepSpeed census, DCP runs held inside, Lightning FSDP
  dict(id="RB1", what="the target of a *last* symlink (Lightning's last.ckpt, save_last='link') is kept",
    tests=[T+"removal/test_reaper.py::test_a_last_link_made_after_the_plan_is_honoured",
           T+"completeness/test_lightning_strategies.py::test_the_target_of_lightnings_last_link_is_kept"], edits=[("frameworks/lightning.py",
@@ -828,7 +828,7 @@ MUTS = [
    "    if \".metadata\" not in files:\n        return Check(name, FAILED, \"dcp .metadata missing",
    "    if False:\n        return Check(name, FAILED, \"dcp .metadata missing")],
    tests=[T+"completeness/test_lightning_strategies.py::test_a_lightning_fsdp_sharded_checkpoint_without_dcp_metadata_is_not_complete"]),
- # --- the red team's classes (tests/test_redteam.py, tests/test_redteam_classes.py)
+ # --- classes of hazard, a file each (the `rtclasses` set above)
  dict(id="RT1", what="a resume pointer spelled as a path ('global_step10/') is followed", tests="rtclasses", edits=[("frameworks/base.py",
    "    if not text:\n        return set()\n    joined",
    "    if not text or \"/\" in text:\n        return set()\n    joined")]),
@@ -870,7 +870,7 @@ MUTS = [
  dict(id="RT15", what="the lease record is read without blocking", tests="rtclasses", edits=[(LR,
    "                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK\n",
    "                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC\n")]),
- # --- red team items 5 and 7: files from two saves; the save time, not later additions
+ # --- files from two saves; the save time, not later additions
  dict(id="OS1", what="a Trainer checkpoint's files must be from one save", tests="one_save", edits=[("frameworks/hf.py",
    "    last_written = (TRAINER_STATE, \"the Trainer\", _before_trainer_state)\n", "")]),
  dict(id="OS2", what="trainer_state.json older than a file written before it: two saves", tests="one_save", edits=[(E,
@@ -945,7 +945,7 @@ MUTS = [
            "        if False:\n            return Evidence([Check(kind, Verdict.FAILED, problem)])")]),
  dict(id="KE2", what="a .weights.h5 file must end where its HDF5 superblock says", tests=[T+"completeness/test_keras.py"],
    edits=[("frameworks/keras.py", "    if base + eof != size:", "    if False:")]),
- # --- red team 3: a deletion rests on what the disk says now
+ # --- a deletion rests on what the disk says now
  dict(id="RT3a", what="a restore stats the files whose contents a decision rests on", tests="rt3", edits=[(V,
    "        if e.kind in (\"d\", \"m\") or not e.rel or (e.kind == \"f\" and e.rel in read)",
    "        if e.kind in (\"d\", \"m\") or not e.rel")]),
@@ -1087,7 +1087,7 @@ MUTS = [
    "        err = ctypes.get_errno()\n        if err in (errno.ENOENT, errno.ENOTDIR):", "        err = ctypes.get_errno()\n        if err == errno.ENOSPC:\n            raise OSError(err, os.strerror(err))\n        if err in (errno.ENOENT, errno.ENOTDIR):")]),
  dict(id="WA5", what="a directory watched for two keys loses its kernel watch when one key lets go", tests=[T+"daemon/test_daemon_async.py::test_a_directory_watched_for_two_keys_gives_one_hint_per_event"], edits=[("watch.py",
    "            if not d.owners:", "            if True:")]),
- # --- the outside attack with the frameworks' own loaders (tests/test_attack_frameworks.py)
+ # --- damaged saves judged by the frameworks' own loaders (tests/completeness/test_damaged_saves.py)
  dict(id="AF1", what="DCP: every file .metadata names is there", tests=[T+"completeness/test_damaged_saves.py::test_dcp_damaged_newest"],
       edits=[("frameworks/dcp.py", "            return Check(name, FAILED, f\"{here}{rel} missing",
               "            continue\n            return Check(name, FAILED, f\"{here}{rel} missing")]),
