@@ -24,6 +24,11 @@ What a look costs is bounded by what can have changed:
   tracker); any change there, or an inotify event, looks at once. (Every
   reconcile walking 20 stalled 64-rank checkpoints would cost more than the
   0.02 % of a core they may add on the M volume: BENCHMARKS.md, 10.)
+
+Here: what is on the disk (runs, checkpoints, the directories on the way), what to
+watch, and how hints and polls turn into looks. When each checkpoint is due for its
+next look (quiet periods, a future mtime, hints' debounce, the back-off above) is
+schedule.py's `LookSchedule`, which the tracker holds and asks.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.config import Root
@@ -42,13 +47,13 @@ from ckptd.evidence import against_sibling_kinds, against_siblings, resume_point
 from ckptd.layouts import TRASH_DIR, Candidate
 from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
 from ckptd.planner import Scanner, run_context
+from ckptd.schedule import HINT_DEBOUNCE as HINT_DEBOUNCE  # where tests and bench import it from
+from ckptd.schedule import Backoff, LookSchedule
 from ckptd.settle import Settler
 
 log = logging.getLogger("ckptd.tracker")
 
-HINT_DEBOUNCE = 0.05  # after an event, look again this much later (coalesces bursts)
 UNSEEN_BUDGET = 0.2  # seconds a step spends on checkpoints not looked at since start-up
-BACKOFF_RECONCILES = 6  # an unchanged incomplete checkpoint is walked at least every 6 reconcile intervals
 
 
 @dataclass
@@ -56,14 +61,6 @@ class RunState:
     dir: RunDir
     checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # by name
     context: object = None  # what of the run directory its checkpoints' evidence read (`_context`)
-
-
-@dataclass
-class Backoff:
-    """An incomplete or stalled checkpoint's re-looks: every `span` polls, doubling while unchanged."""
-
-    span: int = 1
-    skipped: int = 0
 
 
 @dataclass
@@ -86,16 +83,12 @@ class RootTracker:
     ):
         self.root = root
         self.clock = clock  # monotonic
-        self.wall = wall  # only ever holds a checkpoint back (a future mtime), never completes it
-        self.not_before: dict[str, float] = {}  # checkpoint rel -> monotonic time its mtimes are past
         self.state_dir = state_dir  # where what was read from files is kept across restarts
-        self.settler = Settler(root.quiet_period, root.stall_after)
-        self.scanner = Scanner(root, quiet=self._quiet, state_dir=state_dir)
+        self.schedule = LookSchedule(root, clock, wall)  # when each checkpoint is looked at again
+        self.scanner = Scanner(root, quiet=self.schedule.quiet, state_dir=state_dir)
         self.runs: dict[str, RunState] = {}
         self.dirs: dict[str, int] = {}  # every directory listed on the way to runs -> its mtime_ns
-        self.hints: dict[str, float] = {}  # checkpoint rel -> when to look again
         self.dirty_dirs: set[str] = set()
-        self.backoff: dict[str, Backoff] = {}  # incomplete and stalled checkpoints, by rel
         # Every checkpoint not complete, by rel: kept as they change, so that the questions each
         # tick asks (what is in flight, the next deadline, what to watch) do not go through every
         # checkpoint of the volume (6,400 on the L volume; the loop asks between every two ticks).
@@ -114,33 +107,22 @@ class RootTracker:
         """
         self.root = root
         verdicts = self.scanner.verdicts
-        self.scanner = Scanner(root, quiet=self._quiet, state_dir=self.state_dir, verdicts=verdicts)
-        self.settler.quiet_period = root.quiet_period
-        self.settler.stall_after = root.stall_after
+        self.scanner = Scanner(root, quiet=self.schedule.quiet, state_dir=self.state_dir, verdicts=verdicts)
+        self.schedule.reconfigure(root)
         self.deep_next = True
 
-    def _quiet(self, rel: str, fingerprint: str, newest_ns: int) -> Check:
-        """The settler's verdict (monotonic time), unless an mtime lies in the future.
+    # The schedule's own, read here by the daemon (status, narration: the settler) and tests.
+    @property
+    def settler(self) -> Settler:
+        return self.schedule.settler
 
-        A future mtime is not quiet, as for `plan` (README: how a checkpoint is proven
-        complete): typically a writer on another host whose clock runs ahead. The wall clock
-        can only hold a checkpoint back here, never complete it early; its look is put off
-        until the clock has passed that mtime, rather than repeated every step meanwhile.
-        """
-        now = self.clock()
-        check = self.settler.observe(rel, fingerprint, now)
-        ahead = newest_ns / 1e9 - self.wall()
-        if ahead <= 0:
-            self.not_before.pop(rel, None)
-            return check
-        self.not_before[rel] = now + ahead
-        return Check(QUIET, Verdict.FAILED, f"newest mtime is {ahead:.1f}s in the future (clock skew?)")
+    @property
+    def hints(self) -> dict[str, float]:
+        return self.schedule.hints
 
-    def _deadline(self, rel: str) -> float | None:
-        """When to look at an in-flight checkpoint again: its quiet period's end, or later."""
-        d = self.settler.deadline(rel)
-        later = self.not_before.get(rel)
-        return d if later is None or d is None else max(d, later)
+    @property
+    def backoff(self) -> dict[str, Backoff]:
+        return self.schedule.backoff
 
     # --- queries ---------------------------------------------------------
 
@@ -164,16 +146,8 @@ class RootTracker:
         return list(self.flying.values())
 
     def next_deadline(self) -> float | None:
-        """The earliest time something here needs looking at again."""
-        times = list(self.hints.values())
-        if self.unseen:
-            times.append(self.clock())
-        for c in self.in_flight():
-            if c.state in (State.WRITING, State.SETTLING):
-                d = self._deadline(c.rel)
-                if d is not None:
-                    times.append(d)
-        return min(times) if times else None
+        """The earliest time something here needs looking at again (now, while start-up's looks wait)."""
+        return self.schedule.next_deadline(self.in_flight(), now=self.clock() if self.unseen else None)
 
     def wanted_watches(self) -> set[tuple[str, bool]]:
         """(path, recursive): the directories on the way to runs, and in-flight checkpoints deeply.
@@ -217,8 +191,7 @@ class RootTracker:
             rest = parts[i:]
             if rest and rest[0] in rs.checkpoints:
                 key = rest[0] if run_rel == "." else f"{run_rel}/{rest[0]}"
-                self.settler.touch(key, now)
-                self.hints[key] = now + HINT_DEBOUNCE
+                self.schedule.touched(key, now)
             else:
                 self.dirty_dirs.add(run_rel)  # the run's own entries: a new or removed checkpoint
             return
@@ -298,13 +271,8 @@ class RootTracker:
             self.unseen.popleft()
         if starting and not self.unseen:
             self.scanner.save_verdicts()  # the start-up's looks, for the next start
-        due = {k for k, t in self.hints.items() if t <= now}
-        for c in self.in_flight():
-            d = self._deadline(c.rel)
-            if c.state in (State.WRITING, State.SETTLING) and d is not None and d <= now:
-                due.add(c.rel)
-        for key in due:
-            self.hints.pop(key, None)
+        for key in self.schedule.due(now, self.in_flight()):
+            self.schedule.spent(key)
             run_rel, _, name = key.rpartition("/")
             self._look(run_rel or ".", name, changes)
         return changes
@@ -378,8 +346,7 @@ class RootTracker:
             if old is None:
                 # Look again once its watch exists: writes between this first look and the watch
                 # send no event, and would otherwise wait for the next poll (BENCHMARKS.md, latency).
-                key = cand.name if run_dir.rel == "." else f"{run_dir.rel}/{cand.name}"
-                self.hints[key] = self.clock() + HINT_DEBOUNCE
+                self.schedule.soon(cand.name if run_dir.rel == "." else f"{run_dir.rel}/{cand.name}")
 
     def _first_sight(self, rs: RunState, run_dir: RunDir, cand: Candidate, changes: Changes) -> None:
         """At start-up, not a look at every file of the volume before READY: a checkpoint as it was
@@ -391,7 +358,7 @@ class RootTracker:
         if restored is not None:
             self._record(rs, restored, None, changes, cand.name)
             if time.time() - restored.newest_mtime <= self.root.quiet_period:
-                self.hints[key] = self.clock() + HINT_DEBOUNCE  # being written: look once watched
+                self.schedule.soon(key)  # being written: look once watched
             return
         unseen = Check(QUIET, Verdict.UNKNOWN, "settling: not looked at yet (ckptd just started)")
         placeholder = Checkpoint(self.root.path, run_dir.rel, cand.name, cand.step, cand.layout, (unseen,),
@@ -419,8 +386,7 @@ class RootTracker:
         its directories, the files that failed their check, the run directory's context."""
         rs = self.runs.get(run_rel)
         c = rs.checkpoints.get(name) if rs is not None else None
-        b = self.backoff.get(c.rel) if c is not None else None
-        if c is None or b is None or b.skipped + 1 >= b.span:
+        if c is None or not self.schedule.backed_off(c.rel):
             return True
         path = str(c.path)
         verdicts = self.scanner.verdicts
@@ -428,7 +394,7 @@ class RootTracker:
             return True
         if self._context(rs.dir) != rs.context:  # type: ignore[union-attr]
             return True
-        b.skipped += 1
+        self.schedule.skipped(c.rel)
         return False
 
     def _record(
@@ -440,18 +406,7 @@ class RootTracker:
             return
         fresh = against_siblings(fresh, rs.checkpoints.values())
         fresh = against_sibling_kinds(fresh, rs.checkpoints.values())
-        if fresh.state is State.INCOMPLETE:
-            stall = self.settler.stall_check(fresh.rel, self.clock())
-            if stall is not None:
-                fresh = replace(fresh, checks=(*fresh.checks, stall))
-        if fresh.state in (State.INCOMPLETE, State.STALLED):
-            b = self.backoff.get(fresh.rel)
-            if b is None or old is None or old.fingerprint != fresh.fingerprint:
-                self.backoff[fresh.rel] = Backoff()  # new, or changed: look again at the next poll
-            else:
-                b.span, b.skipped = min(2 * b.span, self._max_span()), 0
-        else:
-            self.backoff.pop(fresh.rel, None)
+        fresh = self.schedule.looked(fresh, old)  # the stall check; the back-off
         rs.checkpoints[name] = fresh
         if old is None or (old.state, old.size_bytes) != (fresh.state, fresh.size_bytes):
             self.version += 1
@@ -473,19 +428,11 @@ class RootTracker:
             if fresh.state is State.COMPLETE:
                 changes.completed.append(fresh)
 
-    def _max_span(self) -> int:
-        """The most polls between two looks at an unchanged incomplete checkpoint: BACKOFF_RECONCILES
-        reconcile intervals (30 min at the defaults)."""
-        return max(1, int(BACKOFF_RECONCILES * self.root.reconcile_interval // self.root.poll_interval))
-
     def _vanish(self, rs: RunState, name: str, changes: Changes) -> None:
         c = rs.checkpoints.pop(name)
         self.flying.pop(c.rel, None)
         self.version += 1
-        self.settler.forget(c.rel)
-        self.not_before.pop(c.rel, None)
-        self.hints.pop(c.rel, None)
-        self.backoff.pop(c.rel, None)
+        self.schedule.forget(c.rel)
         self.scanner.verdicts.forget(str(c.path))
         changes.vanished.append(c.rel)
         log.debug("%s: gone", c.rel)

@@ -81,6 +81,7 @@ RS = "resume.py"
 OX, NM, LG, DP = "frameworks/orbax.py", "frameworks/nemo.py", "frameworks/lightning.py", "frameworks/dcp.py"
 SL, W, K = "slim.py", "weights.py", "consolidate.py"
 V, TR, PL, DI = "verdicts.py", "tracker.py", "planner.py", "discover.py"
+SC = "schedule.py"  # when the tracker looks again: quiet periods, future mtimes, hints, back-off
 HW, CI = "frameworks/hfweights.py", "frameworks/copyin.py"
 RU = "rules.py"
 
@@ -493,7 +494,7 @@ MUTS = [
  dict(id="W1b", what="save times leave out directories", tests=[T+"completeness/test_evidence.py", T+"discovery/test_one_save.py"], edits=[(E,
    "            if e.kind != \"f\":\n                continue\n",
    "            if e.kind != \"f\":\n                if e.kind == \"d\":\n                    timed.append(e)\n                continue\n")]),
- dict(id="W2", what="daemon: a future mtime is not quiet", tests="settle", edits=[("tracker.py",
+ dict(id="W2", what="daemon: a future mtime is not quiet", tests="settle", edits=[(SC,
    "        if ahead <= 0:\n", "        if True:\n")]),
  dict(id="W3", what="rank census against the run's last complete checkpoint", tests="evidence", edits=[(E,
    "    if last.ranks is None or last.ranks <= c.ranks:", "    if True:")]),
