@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -77,6 +79,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def alone_under_xdist(request):
+    """Under pytest-xdist (the README's `-n auto`), a test marked `exclusive` changes something the
+    whole machine shares (an inotify sysctl, for a moment): it takes an exclusive flock that every
+    other test holds shared while it runs, so no other worker's test runs beside it. Without xdist
+    (one process) there is nobody to wait for."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    mode = fcntl.LOCK_EX if request.node.get_closest_marker("exclusive") else fcntl.LOCK_SH
+    with open(Path(tempfile.gettempdir()) / f"ckptd-tests-{run}.lock", "a") as lock:
+        fcntl.flock(lock, mode)
+        yield
 
 
 @pytest.fixture(autouse=True)

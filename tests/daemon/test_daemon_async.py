@@ -47,6 +47,7 @@ async def test_inotify_paths_reach_the_loop_on_its_thread(tmp_path):
     assert (str(tmp_path / "checkpoint-1"), threading.get_ident()) in seen  # delivered on the loop's thread
 
 
+@pytest.mark.exclusive
 async def test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walked_again(tmp_path):
     """A real IN_Q_OVERFLOW: the watcher's descriptor is made with a queue of one event
     (fs.inotify.max_queued_events is read once, by inotify_init: lowered for the start only, and
@@ -134,6 +135,7 @@ async def test_watching_only_what_is_asked(tmp_path):
         await asyncio.to_thread(watcher.stop)
 
 
+@pytest.mark.exclusive
 async def test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_polling(tmp_path, caplog):
     """ENOSPC from inotify_add_watch (fs.inotify.max_user_watches reached), provoked for real: the
     limit is lowered to 0 (no new watch for this user) for the two reconciles only, and restored."""
