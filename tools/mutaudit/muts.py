@@ -132,7 +132,10 @@ MUTS = [
    "        if context != rs.context:", "        if False:")]),
  dict(id="T4", what="back-off: the files that failed not stat'ed between looks", tests="tracker", edits=[(TR,
    "        if not verdicts.dirs_unchanged(path, c.fingerprint, verdicts.problems(path), whole=False):",
-   "        if not verdicts.dirs_unchanged(path, c.fingerprint, (), whole=False):")]),
+   "        if not verdicts.dirs_unchanged(path, c.fingerprint, (), whole=False):")],
+      equivalent="the record's stamps already hold every file with a problem verdict (verdicts._stamps: every "
+                 "FILE whose verdict is not None), so the files asked for again add no stat that can differ; "
+                 "kept as the explicit question, at the cost of a second stat of those files"),
  dict(id="T7", what="back-off: the run's context (Megatron tracker) not checked between looks", tests="tracker",
    edits=[(TR, "        if self._context(rs.dir) != rs.context:  # type: ignore[union-attr]\n            return True\n",
            "")]),
