@@ -21,7 +21,7 @@ from ckptd import layouts, mounts
 from ckptd.config import pin_matches
 from ckptd.discover import find_run
 from ckptd.evidence import resume_pointers, walk
-from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, recognise_by_name
+from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, Candidate, recognise_by_name
 from ckptd.model import State
 from ckptd.planner import Scanner
 from ckptd.removal.fs import _DIR_FLAGS, _another_filesystem, _identity, _remove_at, _size, open_dir_nofollow
@@ -230,6 +230,11 @@ class Purging:
         mine = recognise_by_name(name, is_dir, self.scanner.patterns)
         if mine is None:
             return "not recognised by its name, so not known to be older than the run's newest"
+        return self._an_anchor(entry, trash_fd, run_rel, name, mine)
+
+    def _an_anchor(self, entry: str, trash_fd: int, run_rel: str, name: str, mine: Candidate) -> str | None:
+        """Why the trash's `entry` (checkpoint `name` of `run_rel`, recognised as `mine`) would be
+        one of its run's anchors if it went back now, or None."""
         # It may go only if it would be neither of the run's anchors now: some complete checkpoint
         # left is newer by step, and some is newer by time (its save ended after every file of
         # this entry was written: a new job's lower steps, written last, are the newest by time).
