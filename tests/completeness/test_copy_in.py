@@ -181,3 +181,19 @@ def test_a_user_pattern_over_accelerates_saves_gets_accelerates_evidence(weights
     assert rows[older]["layout"] == "accelerate" and rows[older]["state"] == "complete", rows[older]
     assert rows[newest]["state"] == "incomplete", rows[newest]
     assert "weights failed: no model weights" in rows[newest]["reasons"][0]
+
+
+def test_a_user_pattern_over_accelerates_saves_gets_its_random_states_census(weights_volume, tmp_path):
+    """Under the same pattern, accelerate's own census of its last-written files holds: a copy that
+    died before random_states_0.pkl (each process writes its own, last) is incomplete, saying so,
+    though every other file, the weights among them, is whole."""
+    root = tmp_path / "vol"
+    copy_run(weights_volume, "accelerate-safetensors", root)
+    older, newest = weights_volume["runs"]["accelerate-safetensors"]
+    dead_copier(root / newest, "random_states_0.pkl")
+    cfg = write_config(tmp_path, root)
+    cfg.write_text(cfg.read_text().replace("[roots.retention]", "patterns = [\"step_{step}\"]\n[roots.retention]"))
+    rows = plan_rows(cfg, root)
+    assert rows[newest]["layout"] == "accelerate" and rows[newest]["state"] == "incomplete", rows[newest]
+    assert "random states failed: random_states_0.pkl missing" in rows[newest]["reasons"][0], rows[newest]["reasons"]
+    assert rows[older]["state"] == "complete" and rows[older]["action"] == "keep", rows[older]
