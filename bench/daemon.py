@@ -3,6 +3,9 @@
 Its JSON log lines (`--log-format json`) are read on a thread, each stamped with
 the monotonic time it arrived; its CPU time and memory are read from
 /proc/<pid>. Waiting is on log lines, with a timeout.
+
+The child and its reader thread (`JsonLogProc`) are also what the tests' `ckptd run`
+(tests/support/daemonproc.py) is built on: one reader and one way of stopping, for both.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
 
 from bench.measure import env
 
@@ -62,32 +65,36 @@ class Line:
         return str(self.doc.get("message", ""))
 
 
-class DaemonProc:
-    """`python -m ckptd run --log-format json -c CONFIG [--foreground]`, torch hidden."""
+R = TypeVar("R")
 
-    def __init__(self, config: Path, *, foreground: bool = False):
-        argv = [sys.executable, "-m", "ckptd", "run", "--log-format", "json", "-c", str(config)]
-        if foreground:
-            # every state change, at debug level (-v since `--foreground` says only what a person
-            # watching wants at info)
-            argv += ["--foreground", "-v"]
+
+class JsonLogProc(Generic[R]):
+    """A child whose stderr is JSON log lines, read on a thread as they come.
+
+    Each line is kept in `lines` as `_record(received, doc)` makes it (a line that is not
+    JSON is `{"message": ..., "level": "raw"}`); `_cond` is notified at each line and at
+    the end of stderr. `stop()` sends SIGTERM, then SIGKILL after `timeout`.
+    """
+
+    _reader_name: str | None = None  # the reader thread's name (None: threading's own)
+
+    def __init__(self, argv: list[str], *, env: dict[str, str]):
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env=env(torch=False),
+            env=env,
         )
         self.started = time.monotonic()
-        self.lines: list[Line] = []
+        self.lines: list[R] = []
         self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, name="bench-daemon-reader", daemon=True)
+        self._reader = threading.Thread(target=self._read, name=self._reader_name, daemon=True)
         self._reader.start()
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def _record(self, received: float, doc: dict[str, Any]) -> R:
+        raise NotImplementedError
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -98,10 +105,54 @@ class DaemonProc:
             except ValueError:
                 doc = {"message": raw.rstrip("\n"), "level": "raw"}
             with self._cond:
-                self.lines.append(Line(received, doc))
+                self.lines.append(self._record(received, doc))
                 self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()
+
+    def mark(self) -> int:
+        with self._cond:
+            return len(self.lines)
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self._reader.join(timeout=10)
+        if self.proc.stderr is not None and not self._reader.is_alive():
+            self.proc.stderr.close()
+        return rc
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class DaemonProc(JsonLogProc[Line]):
+    """`python -m ckptd run --log-format json -c CONFIG [--foreground]`, torch hidden."""
+
+    _reader_name = "bench-daemon-reader"
+
+    def __init__(self, config: Path, *, foreground: bool = False):
+        argv = [sys.executable, "-m", "ckptd", "run", "--log-format", "json", "-c", str(config)]
+        if foreground:
+            # every state change, at debug level (-v since `--foreground` says only what a person
+            # watching wants at info)
+            argv += ["--foreground", "-v"]
+        super().__init__(argv, env=env(torch=False))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _record(self, received: float, doc: dict[str, Any]) -> Line:
+        return Line(received, doc)
 
     def wait_for(
         self, pred: Callable[[Line], bool], *, timeout: float, count: int = 1, start: int = 0
@@ -123,10 +174,6 @@ class DaemonProc:
 
     def wait_message(self, text: str, *, timeout: float, count: int = 1, start: int = 0) -> list[Line]:
         return self.wait_for(lambda line: text in line.message, timeout=timeout, count=count, start=start)
-
-    def mark(self) -> int:
-        with self._cond:
-            return len(self.lines)
 
     def tail(self, n: int = 30) -> str:
         return "\n".join(f"{line.doc.get('level')} {line.message}" for line in self.lines[-n:])
@@ -163,27 +210,6 @@ class DaemonProc:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
         raise KeyError(field)
-
-    # --- stopping --------------------------------------------------------------
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait()
-        self._reader.join(timeout=10)
-        if self.proc.stderr is not None and not self._reader.is_alive():
-            self.proc.stderr.close()
-        return rc
-
-    def __enter__(self) -> DaemonProc:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def is_complete(line: Line, name: str | None = None) -> bool:

@@ -23,22 +23,12 @@ import textwrap
 import pytest
 
 from tests.support.common import REPO
+from tests.support.fwgen import LIGHTNING_TINY
 
 pytestmark = pytest.mark.frameworks
 
-FIT = textwrap.dedent('''
-    import sys, torch
-    import lightning.pytorch as pl
+FIT = LIGHTNING_TINY + textwrap.dedent('''
     from ckptd.integrations.lightning import AttestedModelCheckpoint
-    torch.set_num_threads(1)
-    class Tiny(pl.LightningModule):
-        def __init__(self):
-            super().__init__(); self.layer = torch.nn.Linear(16, 8)
-        def training_step(self, batch, i):
-            x, y = batch; return torch.nn.functional.mse_loss(self.layer(x), y)
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-    data = torch.utils.data.TensorDataset(torch.randn(8, 16), torch.randn(8, 8))
     ck = AttestedModelCheckpoint(dirpath=sys.argv[1], save_top_k=-1, every_n_epochs=1)
     trainer = pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, callbacks=[ck], logger=False,
                          enable_progress_bar=False, enable_model_summary=False)

@@ -30,23 +30,13 @@ from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc, write_config
+from tests.support.fwgen import LIGHTNING_TINY
 
 pytestmark = pytest.mark.frameworks
 
-FITS = textwrap.dedent('''
-    import sys, torch
-    import lightning.pytorch as pl
+FITS = LIGHTNING_TINY + textwrap.dedent('''
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
-    torch.set_num_threads(1)
-    class Tiny(pl.LightningModule):
-        def __init__(self):
-            super().__init__(); self.layer = torch.nn.Linear(16, 8)
-        def training_step(self, batch, i):
-            x, y = batch; return torch.nn.functional.mse_loss(self.layer(x), y)
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-    data = torch.utils.data.TensorDataset(torch.randn(8, 16), torch.randn(8, 8))
     def fit(root, epochs, ckpt_path=None, logger=True):
         ck = ModelCheckpoint(save_top_k=-1, every_n_epochs=1, save_last=True)
         trainer = pl.Trainer(default_root_dir=root, max_epochs=epochs, accelerator="cpu", devices=1,

@@ -36,7 +36,7 @@ from ckptd.tracker import HINT_DEBOUNCE
 from tests.support.common import run_ckptd
 from tests.support.fwdcp_one import put_dcp
 from tests.support.fwfixtures import copy_volume
-from tests.support.tracking import start, tracker
+from tests.support.tracking import Clock, start, tracker
 
 NOW = 1_800_000_000.0
 OLD = NOW - 86400  # the first job's save: a day ago
@@ -238,18 +238,6 @@ def test_plan_says_when_more_than_one_checkpoint_is_a_mixed_save(tmp_path):
     [warning] = [w for w in plan.warnings if "two saves" in w]
     assert "2 checkpoints hold files from two saves (checkpoint-10, checkpoint-20)" in warning
     assert {d.checkpoint.name for d in plan.decisions if d.action is Action.KEEP} >= {"checkpoint-10", "checkpoint-20"}
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> float:
-        self.t += seconds
-        return self.t
 
 
 def test_the_tracker_takes_a_settled_checkpoint_re_saved_in_place_back_to_in_flight(tmp_path):

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# The child, its reader thread and stopping are the benchmarks' (bench/daemon.py): one copy.
+from bench.daemon import JsonLogProc
 
-class DaemonProc:
+
+class DaemonProc(JsonLogProc[dict[str, Any]]):
     """`ckptd run --foreground --log-format json ...`, its stderr parsed line by line."""
 
     def __init__(self, *args: str | os.PathLike[str], env: dict[str, str] | None = None,
@@ -26,31 +25,10 @@ class DaemonProc:
         full_env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_CONFIG", "NOTIFY_SOCKET")}
         full_env.update(env or {})
         command = command or [sys.executable, "-m", "ckptd", "run", "--foreground", "-v", "--log-format", "json"]
-        self.proc = subprocess.Popen(
-            [*command, *map(str, args)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=full_env,
-        )
-        self.lines: list[dict[str, Any]] = []
-        self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        super().__init__([*command, *map(str, args)], env=full_env)
 
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for raw in self.proc.stderr:
-            try:
-                line = json.loads(raw)
-            except ValueError:
-                line = {"message": raw.rstrip("\n"), "level": "raw"}
-            with self._cond:
-                self.lines.append(line)
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
+    def _record(self, received: float, doc: dict[str, Any]) -> dict[str, Any]:
+        return doc
 
     def wait_for(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 30, count: int = 1,
                  start: int = 0) -> list[dict[str, Any]]:
@@ -73,34 +51,11 @@ class DaemonProc:
     def wait_message(self, text: str, timeout: float = 30, count: int = 1, start: int = 0) -> list[dict[str, Any]]:
         return self.wait_for(lambda line: text in line.get("message", ""), timeout, count, start)
 
-    def mark(self) -> int:
-        with self._cond:
-            return len(self.lines)
-
     def dump(self) -> str:
         return "\n".join(f"{line.get('level')} {line.get('message')}" for line in self.lines[-80:])
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait()
-        self._reader.join(timeout=10)
-        if self.proc.stderr is not None and not self._reader.is_alive():
-            self.proc.stderr.close()
-        return rc
-
-    def __enter__(self) -> DaemonProc:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def write_config(path: Path, root: Path, state_dir: Path, *, root_extra: str = "", retention: str = "") -> Path:

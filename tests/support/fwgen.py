@@ -59,6 +59,7 @@ from tests.support import child_pythonpath, refuse_in_light_test
 __all__ = [
     "EVENT_PREFIX",
     "FRAMEWORKS",
+    "LIGHTNING_TINY",
     "FwgenError",
     "generate",
     "generate_accelerate",
@@ -1099,6 +1100,25 @@ _LIGHTNING_RUNS = {
 }
 _LIGHTNING_KILL_EPOCH = 2
 _LIGHTNING_BATCHES = 2  # training batches per epoch: epoch E ends at step 2 * (E + 1)
+
+
+# The head of a test's own Lightning script (`python -c`, the fit in a child of its own: tests/
+# attestation/test_attest_lightning.py, tests/discovery/test_lightning_runs.py): `sys`, `torch`, `pl`,
+# a tiny model `Tiny` (Linear 16 -> 8, MSE loss, AdamW) and its 8 samples `data`; the script goes on
+# with its own callbacks and Trainer.
+LIGHTNING_TINY = """
+import sys, torch
+import lightning.pytorch as pl
+torch.set_num_threads(1)
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__(); self.layer = torch.nn.Linear(16, 8)
+    def training_step(self, batch, i):
+        x, y = batch; return torch.nn.functional.mse_loss(self.layer(x), y)
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+data = torch.utils.data.TensorDataset(torch.randn(8, 16), torch.randn(8, 8))
+"""
 
 
 def _ckpt_dir(out: Path, run: str) -> Path:

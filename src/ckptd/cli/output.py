@@ -36,7 +36,8 @@ def checks_json(c: Checkpoint) -> list[dict[str, str]]:
     return [{"name": k.name, "verdict": str(k.verdict), "detail": k.detail} for k in c.checks]
 
 
-def checkpoint_json(c: Checkpoint) -> dict[str, Any]:
+def _checkpoint_fields(c: Checkpoint) -> dict[str, Any]:
+    """The fields that name and describe a checkpoint, first in both `verify --json` and `plan --json`."""
     return {
         "root": str(c.root),
         "run": c.run,
@@ -45,6 +46,12 @@ def checkpoint_json(c: Checkpoint) -> dict[str, Any]:
         "layout": c.layout,
         "state": str(c.state),
         "size_bytes": c.size_bytes,
+    }
+
+
+def checkpoint_json(c: Checkpoint) -> dict[str, Any]:
+    return {
+        **_checkpoint_fields(c),
         "pinned": c.pinned,
         "slimmed": c.slimmed,
         "checks": checks_json(c),
@@ -57,13 +64,7 @@ def decision_json(d: Decision) -> dict[str, Any]:
     if isinstance(metric, float) and metric in (float("inf"), float("-inf")):
         metric = str(metric)
     return {
-        "root": str(c.root),
-        "run": c.run,
-        "path": str(c.path),
-        "step": c.step,
-        "layout": c.layout,
-        "state": str(c.state),
-        "size_bytes": c.size_bytes,
+        **_checkpoint_fields(c),
         "metric": metric,
         "metric_source": d.metric_source,
         "step_unit": c.unit,
