@@ -1,6 +1,6 @@
 """The integrations on the frameworks' own saves (attestgen.py): a real 2-process HF Trainer run with
-`AttestCallback`, the same run with rank 1 killed in its last save, and accelerate's `save_state`
-with the hook; judged by the real `ckptd plan` and by the engine."""
+`AttestCallback`, the same run killed in its last save (both ranks before their rng states), and
+accelerate's `save_state` with the hook; judged by the real `ckptd plan` and by the engine."""
 
 from __future__ import annotations
 
@@ -68,12 +68,12 @@ def test_a_rank_killed_mid_save_never_writes_its_record(attested, tmp_path):
     root = tmp_path / "vol"
     shutil.copytree(attested / "trainer-killed", root / "trainer-killed")
     ck = root / "trainer-killed" / "checkpoint-4"
-    assert not (ck / "rng_state_1.pth").exists()
+    # killed with both ranks held before their rng states: neither is there, nor rank 0's trainer_state.json
+    assert not {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} & {p.name for p in ck.iterdir()}
     assert sorted(records(ck)) == ["lease-rank0-of-2.json", "lease-rank1-of-2.json"]  # killed: no record
     c = scan(root, time.time() + 3600)["trainer-killed/checkpoint-4"]
     if c.state is State.WRITING:  # looked at within STALE_AFTER of the kill: leases still live
-        # the live lease holds it in flight (the run's rank census, appended after the checkpoint's
-        # own checks, says rank 1's rng_state is missing too)
+        # the live lease holds it in flight (trainer_state.json and the rng states are missing too)
         assert SAVE_LEASE in [k.name for k in c.checks if k.verdict != "passed"], [str(k) for k in c.checks]
     stopped = time.time() - attestation.STALE_AFTER - 60  # their heartbeats stopped that long ago
     for lease in (ck / ".ckptd").glob("lease-*"):

@@ -31,9 +31,9 @@ from tests.support import fwgen
 pytestmark = pytest.mark.frameworks
 
 
-# A job killed mid-save (trainer-killed: 2 processes, SIGKILL inside checkpoint-4's save) restarted an
-# hour later on one process: the Trainer, with the callback, resumes from checkpoint-2 and saves
-# checkpoint-4 again, in place, into the same output_dir.
+# A job killed mid-save (trainer-killed: 2 processes, SIGKILL inside checkpoint-4's save, each rank
+# held before its rng state) restarted an hour later on one process: the Trainer, with the callback,
+# resumes from checkpoint-2 and saves checkpoint-4 again, in place, into the same output_dir.
 _RESTART = r"""
 import os, sys
 for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
@@ -317,8 +317,8 @@ def _age_leases(ckpt: Path, seconds: float) -> None:
 
 @pytest.mark.parametrize("lease", ["fresh", "heartbeat-stopped-1h", "deleted"])
 def test_sigkilled_trainer_save_is_never_complete_nor_deleted(gen, tmp_path, lease):
-    """Real: trainer-killed's checkpoint-4, the 2-process job SIGKILLed inside the save (rank 1
-    before rng_state_1.pth): both leases stay, no records. Whatever happens to the leases (a live
+    """Real: trainer-killed's checkpoint-4, the 2-process job SIGKILLed inside the save (each rank
+    before its rng_state_<rank>.pth): both leases stay, no records. Whatever happens to the leases (a live
     heartbeat, one stopped an hour ago, deleted by a clean-up), it is neither complete nor deleted,
     and `ckptd prune` with keep_last = 1 deletes nothing of the run."""
     root, cfg = _volume(gen, tmp_path, "trainer-killed", quiet="60s")

@@ -5,8 +5,11 @@
 
 - trainer-whole: the HF Trainer, 2-process DDP (gloo), checkpoint-2 and -4, with
   `ckptd.integrations.hf.AttestCallback` (heartbeat 0.2 s).
-- trainer-killed: the same, rank 1 killed (SIGKILL, the whole job) in checkpoint-4's save, just
-  before it writes rng_state_1.pth: its record never appears, its lease stays.
+- trainer-killed: the same, killed (SIGKILL, the whole job) in checkpoint-4's save once both ranks
+  hold, each just before it writes its own rng_state_<rank>.pth: neither rng state, nor
+  trainer_state.json (rank 0 writes it after its rng state), nor any record appears; both leases
+  stay. Both ranks hold at a fixed point, so the files are the same on every run: with rank 1 alone
+  held, rank 0 ran on and, on a loaded machine, had written rng_state_0.pth before the kill.
 - accelerate: `Accelerator.save_state` twice, one process, with `ckptd.integrations.accelerate.install`.
 - trainer-ds: the HF Trainer with DeepSpeed ZeRO-2 (`TrainingArguments(deepspeed=...)`, gloo, on the CPU),
   2 processes, `AttestCallback`, saves every 2 steps to 6, eval_loss best at checkpoint-2 (the oldest:
@@ -25,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -54,14 +56,12 @@ def _trainer_job(rank: int, world: int, out: str, run: str, kill: bool) -> None:
 
         def hook(obj, f, *a, **k):
             p = Path(str(f))
-            if rank == 1 and p.parent.name == "checkpoint-4" and p.name == "rng_state_1.pth":
-                fwgen.hold("rank1_before_rng_state", path=str(p))
+            if p.parent.name == "checkpoint-4" and p.name == f"rng_state_{rank}.pth":
+                fwgen.hold(f"rank{rank}_before_rng_state", path=str(p))
             torch_save(obj, f, *a, **k)
 
         torch.save = hook
     trainer.train()
-    if kill:
-        threading.Event().wait()  # rank 0: waits here for the kill
 
 
 def _trainer_ds_job(rank: int, world: int, out: str, run: str, max_steps: int, resume: str | None) -> None:
@@ -153,7 +153,7 @@ def main(out: Path, only: str | None = None) -> int:
         if only == "trainer-whole":
             return 0
         holds = fwgen.Job(ctl, "trainer-killed", _trainer_job, 2, out=str(out), run="trainer-killed",
-                          kill=True).kill_at(1)
+                          kill=True).kill_at(2)
         fwgen.Job(ctl, "accelerate", _accelerate_job, 1, out=str(out)).join()
     finally:
         shutil.rmtree(ctl, ignore_errors=True)
