@@ -1,6 +1,6 @@
 """Saves with ckptd's commit records, written by the frameworks' own code (fwgen's forked jobs).
 
-    python -m tests.support.attestgen OUT [trainer-whole]    # OUT/trainer-whole, OUT/trainer-killed, OUT/accelerate
+    python -m tests.support.attestgen OUT [trainer-whole]    # OUT/trainer-whole, -killed, -killed-late, accelerate
     python -m tests.support.attestgen OUT trainer-ds         # OUT/trainer-ds only
 
 - trainer-whole: the HF Trainer, 2-process DDP (gloo), checkpoint-2 and -4, with
@@ -10,14 +10,16 @@
   trainer_state.json (rank 0 writes it after its rng state), nor any record appears; both leases
   stay. Both ranks hold at a fixed point, so the files are the same on every run: with rank 1 alone
   held, rank 0 ran on and, on a loaded machine, had written rng_state_0.pth before the kill.
+- trainer-killed-late: the same kill, rank 0 held just after it wrote rng_state_0.pth instead: a save
+  killed after rank 0's rng state (rng_state_0.pth there, trainer_state.json not).
 - accelerate: `Accelerator.save_state` twice, one process, with `ckptd.integrations.accelerate.install`.
 - trainer-ds: the HF Trainer with DeepSpeed ZeRO-2 (`TrainingArguments(deepspeed=...)`, gloo, on the CPU),
   2 processes, `AttestCallback`, saves every 2 steps to 6, eval_loss best at checkpoint-2 (the oldest:
   `load_best_model_at_end` loads it back at the end); rank 1 slow in checkpoint-6's save (its
   `on_save` waits SLOW_S before the callback's record). Then `ckptd latest` names the checkpoint to
   resume from, and the same job resumes from it to step 8.
-Prints one JSON line: {"trainer_killed_holds": [...]}, or for trainer-ds {"records": {rank: mtime}
-of checkpoint-6, "latest": ..., "resumed": {what the resumed Trainer did}}.
+Prints one JSON line: {"trainer_killed_holds": {run: [...]}}, or for trainer-ds {"records": {rank:
+mtime} of checkpoint-6, "latest": ..., "resumed": {what the resumed Trainer did}}.
 """
 
 from __future__ import annotations
@@ -44,21 +46,27 @@ DS_CONFIG = {
 }  # fmt: skip
 
 
-def _trainer_job(rank: int, world: int, out: str, run: str, kill: bool) -> None:
+def _trainer_job(rank: int, world: int, out: str, run: str, kill: str | None) -> None:
+    """kill: None (a whole run), "before" (each rank holds just before its checkpoint-4 rng state),
+    "after-rank0" (rank 0 holds just after writing its rng state, rank 1 just before its own)."""
     import torch
 
     from ckptd.integrations.hf import AttestCallback
 
     trainer = fwgen._trainer_parts(Path(out) / run, 4)
     trainer.add_callback(AttestCallback(heartbeat=HEARTBEAT))
-    if kill:
+    if kill is not None:
         torch_save = torch.save
+        after = kill == "after-rank0" and rank == 0
 
         def hook(obj, f, *a, **k):
             p = Path(str(f))
-            if p.parent.name == "checkpoint-4" and p.name == f"rng_state_{rank}.pth":
+            mine = p.parent.name == "checkpoint-4" and p.name == f"rng_state_{rank}.pth"
+            if mine and not after:
                 fwgen.hold(f"rank{rank}_before_rng_state", path=str(p))
             torch_save(obj, f, *a, **k)
+            if mine and after:
+                fwgen.hold(f"rank{rank}_after_rng_state", path=str(p))
 
         torch.save = hook
     trainer.train()
@@ -149,11 +157,12 @@ def main(out: Path, only: str | None = None) -> int:
             shutil.rmtree(ctl, ignore_errors=True)
         return 0
     try:
-        fwgen.Job(ctl, "trainer-whole", _trainer_job, 2, out=str(out), run="trainer-whole", kill=False).join()
+        fwgen.Job(ctl, "trainer-whole", _trainer_job, 2, out=str(out), run="trainer-whole", kill=None).join()
         if only == "trainer-whole":
             return 0
-        holds = fwgen.Job(ctl, "trainer-killed", _trainer_job, 2, out=str(out), run="trainer-killed",
-                          kill=True).kill_at(2)
+        holds = {}
+        for run, kill in (("trainer-killed", "before"), ("trainer-killed-late", "after-rank0")):
+            holds[run] = fwgen.Job(ctl, run, _trainer_job, 2, out=str(out), run=run, kill=kill).kill_at(2)
         fwgen.Job(ctl, "accelerate", _accelerate_job, 1, out=str(out)).join()
     finally:
         shutil.rmtree(ctl, ignore_errors=True)
