@@ -99,6 +99,24 @@ def classify(checks: tuple[Check, ...]) -> State:
     return State.INCOMPLETE
 
 
+def deciding_check(checks: tuple[Check, ...]) -> Check | None:
+    """The check that keeps a checkpoint from complete, weighed as `classify` weighs them, for the
+    line that says why: a live save lease before any; then the quiet check, unless commit records
+    stand in for it (`ATTESTED` passed: a quiet period not over is then no obstacle, and naming it
+    would hide the check that is, such as the run's rank census); then the first other check that
+    did not pass. None when every check that counts passed."""
+    attested = False
+    for c in checks:
+        if c.name == ATTESTED and c.verdict is Verdict.PASSED:
+            attested = True
+    unpassed = [c for c in checks if c.verdict is not Verdict.PASSED and not (attested and c.name == QUIET)]
+    for first in (SAVE_LEASE, QUIET):
+        for c in unpassed:
+            if c.name == first:
+                return c
+    return unpassed[0] if unpassed else None
+
+
 QUIET = "quiet"
 STALL = "stall"  # added by the daemon to an incomplete checkpoint untouched for stall_after
 # Commit records (attestation.py): every rank's, agreeing with the disk (no quiet period needed);

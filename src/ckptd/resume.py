@@ -33,7 +33,7 @@ from ckptd.config import Config, Root, find_config
 from ckptd.discover import RunDir, find_runs
 from ckptd.envconfig import effective_config
 from ckptd.errors import RootMissingError, UsageError
-from ckptd.model import Checkpoint, State, Verdict
+from ckptd.model import Checkpoint, State, deciding_check
 from ckptd.planner import Scanner
 
 BY = ("step", "time")
@@ -157,7 +157,7 @@ def why_not(c: Checkpoint) -> str:
     """Why a checkpoint cannot be resumed from, in a line."""
     if c.state is State.COMPLETE and c.slimmed:
         return "slimmed by ckptd (weights only: its optimizer state is gone)"
-    problem = next((k for k in c.checks if k.verdict is not Verdict.PASSED), None)
+    problem = deciding_check(c.checks)
     return f"{c.state}: {problem.name} {problem.verdict}: {problem.detail}" if problem else str(c.state)
 
 

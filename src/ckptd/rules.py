@@ -26,7 +26,7 @@ from typing import NamedTuple, Protocol
 from ckptd.attestation import committed_summary
 from ckptd.config import Retention, format_duration
 from ckptd.layouts import PIN_FILE
-from ckptd.model import TRAINER_STATE, Checkpoint, Reading, Run, State, Verdict
+from ckptd.model import TRAINER_STATE, Checkpoint, Reading, Run, State, deciding_check
 
 
 class Keep(NamedTuple):
@@ -504,10 +504,10 @@ class HoldsRun:
 
 
 def first_problem(c: Checkpoint) -> str:
-    """The first check a checkpoint did not pass, as its reasons say it."""
-    for check in c.checks:
-        if check.verdict is not Verdict.PASSED:
-            return f"{check.name} {check.verdict}: {check.detail}"
+    """The check that keeps a checkpoint from complete (`model.deciding_check`), as its reasons say it."""
+    check = deciding_check(c.checks)
+    if check is not None:
+        return f"{check.name} {check.verdict}: {check.detail}"
     return "state reported by the daemon"
 
 

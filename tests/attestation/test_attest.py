@@ -14,7 +14,17 @@ import pytest
 
 from ckptd import attest, attestation
 from ckptd.evidence import walk
-from ckptd.model import ATTESTED, COMMIT_RECORDS, QUIET, SAVE_LEASE, Check, State, Verdict, classify
+from ckptd.model import (
+    ATTESTED,
+    COMMIT_RECORDS,
+    QUIET,
+    SAVE_LEASE,
+    Check,
+    State,
+    Verdict,
+    classify,
+    deciding_check,
+)
 from tests.support.common import REPO
 
 NOW = 1_800_000_000.0
@@ -135,6 +145,23 @@ def test_every_rank_committed_and_the_disk_agreeing_stands_in_for_quiet(tmp_path
     # ...and only for quiet: any other unpassed check still stands
     assert classify((settling, Check("census", Verdict.FAILED, "x"), *checks)) is State.INCOMPLETE
     assert classify((settling,)) is State.SETTLING
+
+
+def test_the_check_said_to_hold_a_checkpoint_is_the_one_classify_decided_on():
+    """The line that says why a checkpoint is not complete (plan's reasons, `latest`'s passed over,
+    the daemon's) names the check `classify` decided on: where records stand in for the quiet period,
+    the quiet check (first in the list) is no obstacle, and the census appended last is."""
+    attested = Check(ATTESTED, Verdict.PASSED, "committed by 1/1 ranks")
+    quiet = Check(QUIET, Verdict.FAILED, "last change 2s ago")
+    census = Check("rank census", Verdict.FAILED, "1 ranks' files")
+    lease = Check(SAVE_LEASE, Verdict.FAILED, "rank 0's save in progress")
+    other = Check("trainer_state.json", Verdict.FAILED, "missing")
+    assert classify((quiet, attested, census)) is State.INCOMPLETE
+    assert deciding_check((quiet, attested, census)) == census
+    assert deciding_check((quiet, attested)) is None and classify((quiet, attested)) is State.COMPLETE
+    assert deciding_check((other, quiet, census)) == quiet  # no records: the quiet period is the obstacle
+    assert deciding_check((quiet, other, lease)) == lease  # a live lease before any
+    assert deciding_check((Check(QUIET, Verdict.PASSED, "quiet"), other, census)) == other
 
 
 def test_some_ranks_records_but_not_all_is_incomplete_even_when_quiet(tmp_path):

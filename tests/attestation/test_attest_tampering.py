@@ -32,8 +32,9 @@ pytestmark = pytest.mark.frameworks
 
 
 # A job killed mid-save (trainer-killed: 2 processes, SIGKILL inside checkpoint-4's save, each rank
-# held before its rng state) restarted an hour later on one process: the Trainer, with the callback,
-# resumes from checkpoint-2 and saves checkpoint-4 again, in place, into the same output_dir.
+# held before its rng state; trainer-killed-late: rank 0 held after its own) restarted an hour later
+# on one process: the Trainer, with the callback, resumes from checkpoint-2 and saves checkpoint-4
+# again, in place, into the same output_dir. One process restarts each run given, one after another.
 _RESTART = r"""
 import os, sys
 for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
@@ -41,17 +42,18 @@ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
 from pathlib import Path
 from tests.support import fwgen
 from ckptd.integrations.hf import AttestCallback
-out = Path(sys.argv[1])
-trainer = fwgen._trainer_parts(out, 4, ddp_backend=None)
-trainer.add_callback(AttestCallback(heartbeat=0.2))
-trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+for out in map(Path, sys.argv[1:]):
+    trainer = fwgen._trainer_parts(out, 4, ddp_backend=None)
+    trainer.add_callback(AttestCallback(heartbeat=0.2))
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
 """
 
 
 @pytest.fixture(scope="module")
 def gen(tmp_path_factory) -> Path:
-    """tests/support/attestgen.py's volume (trainer-whole: checkpoint-2 and -4; trainer-killed; accelerate),
-    and trainer-restarted: trainer-killed's run, its leases an hour old, resumed on one process."""
+    """tests/support/attestgen.py's volume (trainer-whole: checkpoint-2 and -4; trainer-killed and
+    trainer-killed-late; accelerate), and trainer-restarted and trainer-restarted-late: those two
+    killed runs, their leases an hour old, resumed on one process."""
     for fw in ("trainer", "accelerate"):
         if (why := fwgen.missing(fw)) is not None:
             pytest.skip(why)
@@ -60,10 +62,11 @@ def gen(tmp_path_factory) -> Path:
     proc = subprocess.run([sys.executable, "-m", "tests.support.attestgen", str(out)], capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    restarted = out / "trainer-restarted"
-    shutil.copytree(out / "trainer-killed", restarted, symlinks=True)
-    _age_leases(restarted / "checkpoint-4", 3600)
-    proc = subprocess.run([sys.executable, "-c", _RESTART, str(restarted)], capture_output=True,
+    restarted = [out / "trainer-restarted", out / "trainer-restarted-late"]
+    for killed, run in zip(("trainer-killed", "trainer-killed-late"), restarted, strict=True):
+        shutil.copytree(out / killed, run, symlinks=True)
+        _age_leases(run / "checkpoint-4", 3600)
+    proc = subprocess.run([sys.executable, "-c", _RESTART, *map(str, restarted)], capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
@@ -476,6 +479,33 @@ def test_restart_with_another_world_size_supersedes_the_abandoned_save(gen, tmp_
     assert entry["state"] == "complete", entry
     proc = _ckptd(cfg, "latest", str(root / "trainer-restarted"))
     assert Path(proc.stdout.strip()) == ckpt, proc.stderr
+
+
+def test_restart_over_a_killed_save_with_rank_0s_rng_state_says_the_rank_census_holds_it(gen, tmp_path):
+    """Real: trainer-killed-late's job SIGKILLed after rank 0 wrote checkpoint-4's rng_state_0.pth
+    (rank 1 before its own), restarted on one process, which saves checkpoint-4 again in place:
+    rng_state.pth and a record of 1/1, and beside them the abandoned save's rng_state_0.pth, older
+    than the new save and listed by no record. The records stand in for the quiet period, but the
+    run's rank census counts one rank's rng file against checkpoint-2's two and, not told that the
+    job shrank, holds it incomplete (the safe side: the Trainer on one process reads rng_state.pth
+    and never that file; `world_size = 1` for the run releases it). What a user reads, in plan and in
+    `latest`, must be that census, not the quiet period the records stood in for."""
+    root, cfg = _volume(gen, tmp_path, "trainer-restarted-late")
+    ckpt = root / "trainer-restarted-late/checkpoint-4"
+    assert {"rng_state.pth", "rng_state_0.pth"} <= {p.name for p in ckpt.iterdir()}  # the premise
+    assert "rng_state_1.pth" not in {p.name for p in ckpt.iterdir()}
+    assert [p.name for p in _records(ckpt)] == ["commit-rank0-of-1.json"]
+    census = "rank census failed: 1 ranks' files, the run's last complete checkpoint checkpoint-2 has 2"
+    entry = _state(cfg, "trainer-restarted-late/checkpoint-4")
+    assert entry["state"] == "incomplete" and entry["action"] == "keep", entry
+    assert entry["reasons"][0].startswith(f"incomplete, never deleted: {census}"), entry["reasons"]
+    assert entry["committed"].startswith("committed by 1/1 ranks at "), entry
+    proc = _ckptd(cfg, "latest", str(root / "trainer-restarted-late"))
+    assert Path(proc.stdout.strip()) == root / "trainer-restarted-late/checkpoint-2", proc.stderr
+    assert f"passed over checkpoint-4: incomplete: {census}" in proc.stderr, proc.stderr
+    (tmp_path / "shrank").mkdir()
+    _root, cfg1 = _volume(gen, tmp_path / "shrank", "trainer-restarted-late", root_extra="world_size = 1")
+    assert _state(cfg1, "trainer-restarted-late/checkpoint-4")["state"] == "complete"
 
 
 def test_live_lease_on_a_complete_checkpoint_blocks_its_deletion(gen, tmp_path):

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ckptd.config import format_age, format_duration, format_size
-from ckptd.model import QUIET, SAVE_LEASE, Action, Checkpoint, State, Verdict
+from ckptd.model import QUIET, Action, Checkpoint, State, Verdict, deciding_check
 from ckptd.planner import decide
 from ckptd.policy import Decision
 from ckptd.removal.outcome import DRY_RUN_NOTE
@@ -223,11 +223,12 @@ class Narrator:
 
 
 def first_failed(c: Checkpoint) -> str:
-    """The first check that did not pass, for a state line; a live save lease before any: it holds
-    the checkpoint in flight whatever the others say (`model.classify`), and the quiet check before
-    it may be one the lease outlived (`settling: unchanged for 1s of 2s` long after)."""
-    unpassed = [check for check in c.checks if check.verdict is not Verdict.PASSED]
-    for check in sorted(unpassed, key=lambda k: k.name != SAVE_LEASE):
+    """The check that keeps a checkpoint from complete (`model.deciding_check`), for a state line: a
+    live save lease before any, since it holds the checkpoint in flight whatever the others say
+    (`model.classify`), and the quiet check before it may be one the lease outlived (`settling:
+    unchanged for 1s of 2s` long after)."""
+    check = deciding_check(c.checks)
+    if check is not None:
         return f"{check.name} {check.verdict}: {check.detail}"
     return "every check passed"
 
