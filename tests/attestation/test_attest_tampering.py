@@ -489,7 +489,7 @@ def test_restart_over_a_killed_save_with_rank_0s_rng_state_says_the_rank_census_
     run's rank census counts one rank's rng file against checkpoint-2's two and, not told that the
     job shrank, holds it incomplete (the safe side: the Trainer on one process reads rng_state.pth
     and never that file; `world_size = 1` for the run releases it). What a user reads, in plan and in
-    `latest`, must be that census, not the quiet period the records stood in for."""
+    `latest`, must be that census, not the quiet period the records stood in for; `verify` agrees."""
     root, cfg = _volume(gen, tmp_path, "trainer-restarted-late")
     ckpt = root / "trainer-restarted-late/checkpoint-4"
     assert {"rng_state.pth", "rng_state_0.pth"} <= {p.name for p in ckpt.iterdir()}  # the premise
@@ -503,6 +503,8 @@ def test_restart_over_a_killed_save_with_rank_0s_rng_state_says_the_rank_census_
     proc = _ckptd(cfg, "latest", str(root / "trainer-restarted-late"))
     assert Path(proc.stdout.strip()) == root / "trainer-restarted-late/checkpoint-2", proc.stderr
     assert f"passed over checkpoint-4: incomplete: {census}" in proc.stderr, proc.stderr
+    verify = _ckptd(cfg, "verify", str(ckpt))  # the run's census too, as plan asks it
+    assert verify.returncode == 1 and f"{ckpt}: incomplete " in verify.stdout, verify.stdout
     (tmp_path / "shrank").mkdir()
     _root, cfg1 = _volume(gen, tmp_path / "shrank", "trainer-restarted-late", root_extra="world_size = 1")
     assert _state(cfg1, "trainer-restarted-late/checkpoint-4")["state"] == "complete"

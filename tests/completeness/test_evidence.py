@@ -766,6 +766,29 @@ def test_a_run_that_grew_is_fine_and_a_configured_world_size_decides(tmp_path):
     assert got["run/checkpoint-200"].state is State.COMPLETE  # ranks 0..6 there (an eighth file is not asked for)
 
 
+def test_verify_asks_the_runs_census_as_plan_does(tmp_path, state_env):
+    """`ckptd verify` of a checkpoint one rank short of the run's last complete one says what plan
+    says (incomplete, the rank census failed, exit 1), not complete on the checkpoint's own files."""
+    from tests.support.common import run_ckptd
+
+    root = tmp_path / "vol"
+    then = time.time() - 3600
+    ddp_checkpoint(root / "run", 100, 2, then)
+    ddp_checkpoint(root / "run", 200, 1, then + 60)  # rank 1 never wrote rng_state_1.pth
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[[roots]]\npath = '{root}'\nquiet_period = '1m'\n")
+    why = ("1 ranks' files, the run's last complete checkpoint checkpoint-100 has 2: a rank is missing, "
+           "or the job shrank (then set world_size for this run)")
+    plan = run_ckptd("plan", "-c", cfg, "--json", env=state_env)
+    rows = {Path(c["path"]).name: c for c in json.loads(plan.stdout)["checkpoints"]}
+    assert rows["checkpoint-200"]["reasons"][0] == f"incomplete, never deleted: rank census failed: {why}"
+    verify = run_ckptd("verify", "-c", cfg, root / "run" / "checkpoint-200", env=state_env)
+    assert verify.returncode == 1 and verify.stdout.startswith(f"{root / 'run' / 'checkpoint-200'}: incomplete ")
+    said = [" ".join(line.split()) for line in verify.stdout.splitlines()]  # its columns' widths vary
+    assert f"failed rank census {why}" in said, verify.stdout
+    assert run_ckptd("verify", "-c", cfg, root / "run" / "checkpoint-100", env=state_env).returncode == 0
+
+
 # --- completion evidence a user names for a pattern of their own --------------------------------
 
 

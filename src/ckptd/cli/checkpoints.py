@@ -13,12 +13,13 @@ from ckptd import layouts
 from ckptd.attestation import committed_summary
 from ckptd.cli.common import load, root_for, with_effective_quiet
 from ckptd.cli.output import checkpoint_json
-from ckptd.config import find_config, format_size
-from ckptd.discover import find_runs
+from ckptd.config import Root, find_config, format_size
+from ckptd.discover import find_run, find_runs
 from ckptd.errors import EX_OK, RootMissingError, UsageError
-from ckptd.evidence import Inspector, RunContext, step_mismatch
-from ckptd.model import State
+from ckptd.evidence import Inspector, RunContext, step_mismatch, with_sibling_census
+from ckptd.model import Checkpoint, State
 from ckptd.mounts import quiet_for, read_mounts
+from ckptd.planner import Scanner
 from ckptd.progress import Ticker
 
 
@@ -80,6 +81,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             pattern=root.patterns[cand.pattern] if cand.pattern is not None else None,
             slim_weights=retention.slim_weights,
         )
+        ticker.working("reading the run's other checkpoints")
+        ckpt = _with_run_census(root, run_rel, ckpt, now=time.time())
     warnings = step_mismatch(ckpt, os.listdir(path) if is_dir else [])
     if args.json:
         print(json.dumps({**checkpoint_json(ckpt), "warnings": warnings}, indent=2))
@@ -95,6 +98,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for w in warnings:
             print(f"warning: {w}")
     return EX_OK if ckpt.state is State.COMPLETE else 1
+
+
+def _with_run_census(root: Root, run_rel: str, ckpt: Checkpoint, *, now: float) -> Checkpoint:
+    """`ckpt` with the run's censuses (`evidence.with_sibling_census`: no fewer ranks' files, and
+    no kind of file fewer, than the run's last complete checkpoint saved before it), its siblings
+    inspected as `plan` inspects them: a checkpoint one rank short of the run, which plan holds
+    incomplete, is not complete here either."""
+    scanner = Scanner(root)
+    run_dir = find_run(root.path, run_rel, patterns=scanner.patterns)
+    if run_dir is None:
+        return ckpt
+    siblings = [
+        found for cand in run_dir.candidates
+        if cand.name != ckpt.name and (found := scanner.inspect(run_dir, cand, now=now)) is not None
+    ]  # fmt: skip
+    return next(c for c in with_sibling_census([ckpt, *siblings]) if c.name == ckpt.name)
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
