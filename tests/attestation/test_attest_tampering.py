@@ -475,6 +475,7 @@ def test_restart_with_another_world_size_supersedes_the_abandoned_save(gen, tmp_
     ckpt = root / "trainer-restarted/checkpoint-4"
     assert sorted(p.name for p in (ckpt / ".ckptd").iterdir()) == [
         "commit-rank0-of-1.json", "lease-rank0-of-2.json", "lease-rank1-of-2.json"]  # the premise
+    assert not {"rng_state_0.pth", "rng_state_1.pth"} & {p.name for p in ckpt.iterdir()}  # nothing left of theirs
     entry = _state(cfg, "trainer-restarted/checkpoint-4")
     assert entry["state"] == "complete", entry
     proc = _ckptd(cfg, "latest", str(root / "trainer-restarted"))
