@@ -236,6 +236,18 @@ def test_deepspeed_latest_through_a_symlinked_spelling_of_the_run(tmp_path):
     assert set(resume_pointers(tmp_path / "data" / "run", ["latest"])) == {"global_step10"}
 
 
+def test_deepspeed_latest_naming_a_symlink_in_the_run_keeps_the_tag_it_leads_to(tmp_path):
+    """`latest` holding `chosen`, a symlink in the run to global_step10: load_checkpoint joins the
+    tag to the run (`os.path.join(load_dir, tag)`) and the open follows the link, so global_step10 is
+    what it loads. The lexical join alone names only the link."""
+    run = tmp_path / "run"
+    for step in (10, 20):
+        (run / f"global_step{step}").mkdir(parents=True)
+    (run / "chosen").symlink_to("global_step10")
+    (run / "latest").write_text("chosen\n")
+    assert "global_step10" in resume_pointers(run, os.listdir(run))
+
+
 @pytest.mark.parametrize(
     "text, named",
     [("100", "iter_0000100"), ("0000100\n", "iter_0000100"), (" +100 ", "iter_0000100"),
