@@ -332,6 +332,34 @@ def test_a_saved_look_is_not_restored_for_a_checkpoint_with_records(tmp_path):
     assert "abandoned: rank 0's save stopped at" in run.checkpoints[0].checks[-1].detail
 
 
+def test_a_saved_look_is_not_restored_when_only_time_passed(tmp_path, monkeypatch):
+    """Nothing on disk changes, not even the lease: its heartbeat simply stops, and an hour later the
+    save is abandoned, not still being written. Only the clock tells (attestation's wall clock,
+    driven here), so a saved look of a checkpoint with records is never restored."""
+    from types import SimpleNamespace
+
+    from ckptd.config import Root
+    from ckptd.planner import Scanner
+    from ckptd.verdicts import Verdicts
+
+    root = tmp_path / "vol"
+    ck = root / "run" / "checkpoint-5"
+    write(ck / "model.safetensors")
+    lease = ck / ".ckptd" / "lease-rank0-of-1.json"
+    write(lease, b"{}")
+    beat = os.stat(lease).st_mtime
+    wall = [beat + 1]
+    monkeypatch.setattr(attestation, "time", SimpleNamespace(time=lambda: wall[0]))
+    later = Verdicts(clock_ns=lambda: time.time_ns() + 10**12)  # every file long clean to the cache
+    scanner = Scanner(Root(path=root, patterns=[{"name": "checkpoint-{step}"}]), verdicts=later)
+    [run] = scanner.runs(now=beat + 3600)
+    assert run.checkpoints[0].state is State.WRITING
+    wall[0] = beat + 3600  # the heartbeat stopped an hour ago; no file changed
+    [run] = scanner.runs(now=beat + 3600)
+    assert run.checkpoints[0].state is State.INCOMPLETE
+    assert "abandoned: rank 0's save stopped at" in run.checkpoints[0].checks[-1].detail
+
+
 def test_records_disagreeing_on_the_world_size_fail(tmp_path):
     """A single-process save's record left beside a 2-rank save's rank 0: not every rank of either."""
     ck = tmp_path / "ck"
