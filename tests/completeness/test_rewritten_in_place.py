@@ -11,9 +11,11 @@ import time
 import pytest
 
 from ckptd.demo import age, hf_deepspeed_checkpoint
+from ckptd.verdicts import RACY_NS
 from tests.support import dsgen
 from tests.support.common import run_ckptd
 from tests.support.rtkit import actions, config, no_deepspeed, prune, rename_best, trainer_run
+from tests.support.volcache import _shift_mtimes
 
 OLD = time.time() - 86400  # a day ago: every quiet period is over
 
@@ -107,6 +109,15 @@ def test_a_trainer_state_rewritten_in_place_is_read_again_after_a_plan(trainer_v
     trainer state (best checkpoint-6) because no directory changed, and `prune` deleted
     checkpoint-4, the best the file names now; without a state_dir the same prune keeps it."""
     root, run = trainer_run(trainer_volume, tmp_path)
+    # The first plan's look must be saved for the second to restore it: a look that met a racily
+    # clean file (changed within a timestamp tick of it, ctime included, which the copy just set and
+    # no utime can set back) is not saved (`Verdicts.save`), and the second plan would then read
+    # everything afresh whether or not a restore stats the rewritten file. So: the files an hour
+    # old (their order kept), and the copy's ctimes a tick in the past (a bounded wait on the
+    # kernel's timestamps, not on another process).
+    _shift_mtimes(root, -3600)
+    newest_ctime = max(os.lstat(os.path.join(d, n)).st_ctime_ns for d, ds, fs in os.walk(root) for n in ds + fs)
+    time.sleep(max(0.0, (newest_ctime + RACY_NS - time.time_ns()) / 1e9 + 0.05))
     (tmp_path / "state").mkdir()
     cfg = config(tmp_path, root, keep_last=1, keep_best=1)
     first = run_ckptd("plan", "-c", cfg, "--json")
