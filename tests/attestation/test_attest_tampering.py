@@ -424,13 +424,16 @@ def test_listed_file_changed_after_the_commit(gen, tmp_path, how):
 def test_latest_names_a_checkpoint_that_retention_keeps(gen, tmp_path):
     """Real: trainer-whole's checkpoint-2 with its records; checkpoint-4 is the same job's save
     with its `.ckptd/` removed, which is what a save without the hook writes (a job resumed from
-    checkpoint-2 by a script without the callback), quiet for 100 s. `ckptd latest` names
+    checkpoint-2 by a script without the callback), written after checkpoint-2 (the run's newest
+    by step and by time: no other anchor keeps checkpoint-2) and quiet since. `ckptd latest` names
     checkpoint-2 (passing over checkpoint-4: no records); then `ckptd prune` (keep_last = 1) must
     not delete what a restart was just told to resume from."""
-    root, cfg = _volume(gen, tmp_path, quiet="60s")
+    root, cfg = _volume(gen, tmp_path, quiet="1s", root_extra="allow_short_quiet_period = true")
     run = root / "trainer-whole"
     shutil.rmtree(run / "checkpoint-4/.ckptd")
-    age(run / "checkpoint-4", time.time() - 100)
+    saved_2 = max(p.stat().st_mtime for p in (run / "checkpoint-2").rglob("*") if p.is_file())
+    time.sleep(max(0.0, saved_2 + 2.5 - time.time()))  # a bounded wait on the clock: quiet_period past
+    age(run / "checkpoint-4", saved_2 + 0.5)
     proc = _ckptd(cfg, "latest", str(run))
     assert proc.returncode == 0, proc.stderr
     named = Path(proc.stdout.strip())
