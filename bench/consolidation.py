@@ -285,8 +285,8 @@ def bench(ctx) -> tuple[list, object]:  # (Context) -> (rows, Section); bench.* 
         "`python -m bench --consolidation` (opt-in: minutes and ~8 GiB to write the checkpoint once; "
         "the same measurement as `python -m bench.consolidation`): a real 2-rank ZeRO-2 bf16 job on the CPU "
         "(tests/support/dsgen.py) saves an MLP once, cached under ~/.cache/ckptd-bench/consolidation; each "
-        "variant consolidates it in a child process, interleaved, peak RSS from `wait4`. Target (issue 14, "
-        "item 4): ckptd's peak above the floor within twice the largest tensor (a parameter split across "
+        "variant consolidates it in a child process, interleaved, peak RSS from `wait4`. Target: "
+        "ckptd's peak above the floor within twice the largest tensor (a parameter split across "
         f"ranks is written and compared piece by piece) plus {fmt_size(OVERHEAD)} (its mappings, dropped "
         "every 128 MiB, and slack), whatever the model's size.",
         [
