@@ -127,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir=parent))
     ctx = Context(workdir, [SIZES[n] for n in _sizes(args)], args.quick, _torch_version())
+    # The tree is named now, before anything is measured: a commit made during a run of half an
+    # hour would otherwise be named as the one measured.
+    machine_info = report.machine(workdir, REPO, ctx.torch_version, args.out)
     names = args.only or [n for n in ORDER if n in BENCHMARKS or args.consolidation]
     rows: list[Row] = []
     sections: list[Section] = []
@@ -143,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = report.markdown(
             rows=rows,
             sections=sections,
-            machine_info=report.machine(workdir, REPO, ctx.torch_version, args.out),
+            machine_info=machine_info,
             command=command,
             date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             total_s=total,
