@@ -31,7 +31,7 @@ from ckptd.evidence import (
     resume_pointers,
     with_sibling_census,
 )
-from ckptd.layouts import Candidate, compile_pattern, is_rank_dir
+from ckptd.layouts import Candidate, compile_pattern, is_rank_dir, recognise
 from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
 from ckptd.policy import Decision, Plan
 from ckptd.verdicts import Verdicts, cache_path
@@ -49,6 +49,36 @@ def disk_space(path: Path) -> DiskSpace:
     st = os.statvfs(path)
     return DiskSpace(free=st.f_bavail * st.f_frsize, total=st.f_blocks * st.f_frsize)
 
+
+
+def refuse_a_checkpoint_as_root(root: Root, patterns: list[re.Pattern[str]] | None = None) -> None:
+    """Refuse a root that is a checkpoint, or lies inside one, as the directory above would see it
+    (`recognise`): discovery from there takes the checkpoint's own parts for a run of checkpoints
+    (accelerate's FSDP `pytorch_model_fsdp_0/` and `optimizer_0/` are DCP saves, a Trainer's
+    `global_step<N>/` is DeepSpeed's), and retention would delete them from it. `Scanner.in_scope`
+    refuses the same for a subtree of a configured root. Asked before anything is written there
+    (prune's root lock would make `.ckptd/` inside the checkpoint)."""
+    if patterns is None:
+        patterns = [compile_pattern(p.name) for p in root.patterns]
+    here = top = root.path.absolute()
+    for _ in range(_ROOT_ANCESTORS):
+        if here.parent == here:
+            return
+        try:
+            cand = recognise(here.name, True, lambda d=here: os.listdir(d), patterns)
+        except OSError:
+            return  # an ancestor that cannot be listed: nothing to say about it
+        if cand is not None:
+            what = "is a checkpoint" if here == top else f"is inside the checkpoint {here}"
+            raise UsageError(
+                f"{root.path} {what}: name its run or a directory above it (a checkpoint's own "
+                "directories would be taken for a run of checkpoints)"
+            )
+        here = here.parent
+
+# How far above a root to look for a checkpoint holding it (a Trainer's checkpoint-N/global_stepN/
+# is two levels, a DCP part of a NeMo rank directory three).
+_ROOT_ANCESTORS = 4
 
 class Scanner:
     """Inspects the runs of one root. Keeps what its inspector read (`verdicts.py`) between scans.
@@ -101,10 +131,14 @@ class Scanner:
         if not self.root.path.is_dir():
             raise RootMissingError(f"root {self.root.path} does not exist or is not a directory")
 
+    def check_root_is_no_checkpoint(self) -> None:
+        refuse_a_checkpoint_as_root(self.root, self.patterns)
+
     def runs(self, *, now: float, progress: Callable[[int, int], None] | None = None) -> list[Run]:
         """Every run of the root, each checkpoint inspected (or restored, `restore`); what was read
         is saved (`save_verdicts`). `progress(done, total)` is told after each run, in checkpoints."""
         self.check_root()
+        self.check_root_is_no_checkpoint()
         dirs = find_runs(self.root.path, max_depth=self.root.max_depth, patterns=self.patterns)
         scoped = self.in_scope(dirs)
         total, done, runs = sum(len(d.candidates) for d in scoped), 0, []

@@ -103,3 +103,35 @@ def test_a_nested_dcp_directory_with_every_data_file_gone_is_incomplete(nested, 
     why = "pytorch_model_fsdp_0/__0_0.distcp missing (pytorch_model_fsdp_0/.metadata names it; dcp.load fails)"
     assert "dcp storage (pytorch_model_fsdp_0/.metadata)" in proc.stdout and why in proc.stdout, proc.stdout
     assert not _loads(ckpt)
+
+
+def test_prune_refuses_a_checkpoint_named_as_its_root(nested, tmp_path):
+    """`ckptd prune --keep-last 1 CHECKPOINT` with no config: seen from the checkpoint itself, its two
+    DCP directories (FSDP's SHARDED_STATE_DICT writes the model's and the optimizer's, each through
+    DCP: accelerate utils/fsdp_utils.py save_fsdp_model / save_fsdp_optimizer) look like a run of two
+    checkpoints, and the older, the model's weights, was moved into a trash made inside the checkpoint
+    and purged. A root that is a checkpoint, or lies in one, is refused (planner.Scanner
+    `check_root_is_no_checkpoint`), as a configured root's subtree inside a run is; nothing moves.
+    optimizer_0/ here is the real DCP save copied under the optimizer's name (FSDP cannot run on the
+    CPU)."""
+    root = copy_volume({"out_dir": nested}, tmp_path / "vol")
+    ckpt = root / "run" / "checkpoint_0"
+    subprocess.run(["cp", "-rp", str(ckpt / "pytorch_model_fsdp_0"), str(ckpt / "optimizer_0")], check=True)
+    old = os.stat(ckpt / "pytorch_model_fsdp_0").st_mtime - 60
+    os.utime(ckpt / "pytorch_model_fsdp_0", (old, old))  # the older of the two "checkpoints"
+    before = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
+    env = {"CKPTD_CONFIG": "", "XDG_STATE_HOME": str(tmp_path / "state"), "HOME": str(tmp_path / "home")}
+    proc = run_ckptd("prune", "--keep-last", "1", ckpt, env=env)
+    assert proc.returncode == 64, proc.stdout + proc.stderr
+    assert f"{ckpt} is a checkpoint: name its run or a directory above it" in proc.stderr, proc.stderr
+    assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
+    assert _loads(ckpt)
+    # a directory inside it: the DCP part is a checkpoint of its own, as DCP sees it; deeper, ckptd's
+    # own directory of the checkpoint is inside one
+    (ckpt / "sub").mkdir()
+    for inner, said in ((ckpt / "pytorch_model_fsdp_0", "is a checkpoint"),
+                        (ckpt / "sub", f"is inside the checkpoint {ckpt}")):
+        proc = run_ckptd("prune", "--keep-last", "1", inner, env=env)
+        assert proc.returncode == 64 and f"{inner} {said}: name its run" in proc.stderr, proc.stderr
+    (ckpt / "sub").rmdir()
+    assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before

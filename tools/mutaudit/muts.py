@@ -548,6 +548,8 @@ MUTS = [
  dict(id="LK1", what="the local lock is taken in the root's own .ckptd/ too (any state_dir serializes)",
    tests=[T+"fleet/test_one_deleter_per_root.py::test_a_prune_with_another_state_dir_waits_for_the_daemon_leading_the_root"],
    edits=[(LK, "            root_fd = self._root_lock(blocking)\n", "            root_fd = None\n")]),
+ dict(id="RA1", what="a root that is a checkpoint, or lies in one, refused", tests=[T+"completeness/test_dcp_nested.py"], edits=[(PL,
+   "        if cand is not None:\n            what = ", "        if False:\n            what = ")]),
  dict(id="C9c", what="a scope inside a run refused", tests=[T+"discovery/test_root_spelling.py"], edits=[("planner.py",
    "            if inside is not None:", "            if False:")]),
  dict(id="C9d", what="min_free not applied to a subtree", tests=[T+"discovery/test_root_spelling.py"], edits=[("planner.py",
