@@ -47,6 +47,7 @@ _EOCD = b"PK\x05\x06"  # end of central directory: the last thing a zip writer w
 _EOCD64_LOCATOR = b"PK\x06\x07"
 _EOCD64 = b"PK\x06\x06"
 _CENTRAL = b"PK\x01\x02"  # a central directory entry
+_LOCAL = b"PK\x03\x04"  # a member's local header: where a zip writer starts
 _EOCD_SEARCH = 22 + 0xFFFF  # the record, and the longest comment it may carry
 
 
@@ -113,7 +114,11 @@ def _zip_directory_ok(fd: int, size: int) -> bool:
         candidates.append((eocd_at, cd_size, cd_offset))
     for end, length, offset in candidates:
         if offset + length == end and (length == 0 or pread(4, offset) == _CENTRAL):
-            return True
+            # and it begins as torch.save's writer begins it, with its first member's local header:
+            # a copier that made the file at full size and wrote its chunks out of order (AzCopy,
+            # aria2c, rclone's multi-thread copies into the final name) can leave the end records
+            # whole over zeros where the first members belong
+            return length == 0 or pread(4, 0) == _LOCAL
     return False
 
 

@@ -197,3 +197,51 @@ def test_a_user_pattern_over_accelerates_saves_gets_its_random_states_census(wei
     assert rows[newest]["layout"] == "accelerate" and rows[newest]["state"] == "incomplete", rows[newest]
     assert "random states failed: random_states_0.pkl missing" in rows[newest]["reasons"][0], rows[newest]["reasons"]
     assert rows[older]["state"] == "complete" and rows[older]["action"] == "keep", rows[older]
+
+
+def chunked_copier(ckpt: Path, name: str, written: list[int], *, chunks: int = 4,
+                   control: str | None = None) -> None:
+    """What a copier that writes into the final name leaves when killed (AzCopy, aria2c with
+    preallocation, rclone's multi-thread copies): the file made at its full size first, then only
+    the chunks in `written` at their offsets, the rest zeros; with `control`, the control file it
+    keeps beside the file until the file is whole (aria2c's `<name>.aria2`). Mtimes kept."""
+    path, st = ckpt / name, (ckpt / name).stat()
+    data = path.read_bytes()
+    size = -(-len(data) // chunks)
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.truncate(len(data))
+        for k in written:
+            f.seek(k * size)
+            f.write(data[k * size : (k + 1) * size])
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    if control is not None:
+        (ckpt / control).write_bytes(b"\0\1" + bytes(64))
+        os.utime(ckpt / control, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.utime(ckpt, ns=(ckpt.stat().st_atime_ns, st.st_mtime_ns))
+
+
+# (run, file, chunks written, control file, the reason said)
+CHUNKED = [
+    # the end records whole over zeros where the first members belong: torch.load fails
+    ("trainer-safetensors", "optimizer.pt", [3], None, "optimizer.pt is not a complete zip archive"),
+    ("accelerate-safetensors", "optimizer.bin", [2, 3], None, "optimizer.bin is not a complete zip archive"),
+    # the header landed and fits the file: only aria2c's control file says the rest did not
+    ("trainer-safetensors", "model.safetensors", [0], "model.safetensors.aria2",
+     "copy leftovers failed: model.safetensors.aria2"),
+]
+
+
+@pytest.mark.parametrize(("run", "name", "written", "control", "reason"), CHUNKED,
+                         ids=[f"{r}:{n}:{w}" for r, n, w, _, _ in CHUNKED])
+def test_a_chunked_copy_killed_partway_is_incomplete_and_the_older_one_is_kept(
+        weights_volume, tmp_path, run, name, written, control, reason):
+    root = tmp_path / "vol"
+    copy_run(weights_volume, run, root)
+    older, newest = weights_volume["runs"][run]
+    chunked_copier(root / newest, name, written, control=control)
+    rows = plan_rows(write_config(tmp_path, root), root)
+    assert rows[newest]["state"] == "incomplete", rows[newest]
+    said = rows[newest]["reasons"][0]
+    assert reason in said, said
+    assert rows[older]["state"] == "complete" and rows[older]["action"] == "keep", rows[older]

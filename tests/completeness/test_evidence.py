@@ -683,7 +683,9 @@ def test_an_end_record_whose_numbers_add_up_must_point_at_a_directory_entry(tmp_
     path = tmp_path / "torn.pt"
     path.write_bytes(body + record)
     assert not wholefile._is_zip(path, len(body) + len(record))
-    path.write_bytes(body[:60] + b"PK\x01\x02" + body[64:] + record)  # now an entry starts there
+    path.write_bytes(body[:60] + b"PK\x01\x02" + body[64:] + record)  # now an entry starts there,
+    assert not wholefile._is_zip(path, len(body) + len(record))  # but no member where a zip begins
+    path.write_bytes(b"PK\x03\x04" + body[4:60] + b"PK\x01\x02" + body[64:] + record)
     assert wholefile._is_zip(path, len(body) + len(record))
 
 

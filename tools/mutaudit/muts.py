@@ -313,6 +313,8 @@ MUTS = [
    "    if len([r for r in present if r < n]) < n:", "    if False:")]),
  dict(id="E8a", what="zip: central directory must end where the end record begins", tests="evidence", edits=[("wholefile.py",
    "        if offset + length == end and (length == 0 or pread(4, offset) == _CENTRAL):", "        if True:")]),
+ dict(id="E8h", what="zip: it begins with a member's local header (a chunked copy's zeros)", tests="copy_in", edits=[("wholefile.py",
+   "            return length == 0 or pread(4, 0) == _LOCAL", "            return True")]),
  dict(id="E8b", what="zip: a directory entry must start where the record points", tests="evidence", edits=[("wholefile.py",
    "        if offset + length == end and (length == 0 or pread(4, offset) == _CENTRAL):",
    "        if offset + length == end:")]),
@@ -932,6 +934,8 @@ MUTS = [
    "a copy in not finished?\"\n    )\n    return Check(WEIGHTS, Verdict.PASSED, why)")]),
  dict(id="CW2", what="every shard an index names", tests="copy_in", edits=[(HW,
    "            if missing:\n                n = len(shards)", "            if False:\n                n = len(shards)")]),
+ dict(id="CW4", what="aria2c's control file beside a file it has not finished", tests="copy_in", edits=[(CI,
+   "|.+\\.tmp|.+\\.aria2\"", "|.+\\.tmp\"")]),
  dict(id="CW3", what="a copier's temporary file left in the checkpoint", tests="copy_in", edits=[(CI,
    "    if left:\n", "    if False:\n")]),
  # --- DCP without collectives: each rank's own metadata
