@@ -681,11 +681,12 @@ def test_an_end_record_whose_numbers_add_up_must_point_at_a_directory_entry(tmp_
     body = b"\x00" * 100
     record = b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, 1, 1, 40, 60, 0)
     path = tmp_path / "torn.pt"
-    path.write_bytes(body + record)
+    local, entry = b"PK\x03\x04", b"PK\x01\x02"
+    path.write_bytes(local + body[4:] + record)  # a member where a zip begins, no entry at 60
     assert not wholefile._is_zip(path, len(body) + len(record))
-    path.write_bytes(body[:60] + b"PK\x01\x02" + body[64:] + record)  # now an entry starts there,
-    assert not wholefile._is_zip(path, len(body) + len(record))  # but no member where a zip begins
-    path.write_bytes(b"PK\x03\x04" + body[4:60] + b"PK\x01\x02" + body[64:] + record)
+    path.write_bytes(body[:60] + entry + body[64:] + record)  # the entry, but zeros where a zip begins
+    assert not wholefile._is_zip(path, len(body) + len(record))
+    path.write_bytes(local + body[4:60] + entry + body[64:] + record)
     assert wholefile._is_zip(path, len(body) + len(record))
 
 

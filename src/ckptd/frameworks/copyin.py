@@ -22,7 +22,8 @@ COPY_LEFTOVERS = "copy leftovers"
 # `<name>.<8 hex digits>` (s3transfer/utils.py random_file_extension), rsync `.<name>.<6 chars>`
 # (receiver.c get_tmpname), huggingface_hub `<name>.incomplete`, and the usual `.part`/`.tmp`.
 # And the copiers that write into the final name, chunks out of order, beside a control file they
-# remove when the file is whole: aria2c's `<name>.aria2` (its --continue state, src/DefaultBtProgressInfoFile.cc).
+# remove when the file is whole: aria2c's `<name>.aria2` (its --continue state,
+# src/DefaultBtProgressInfoFile.cc).
 _LEFTOVER = re.compile(
     r"(?:.+\.partial|.+_\.gstmp|.+\.incomplete|.+\.part|.+\.tmp|.+\.aria2"
     r"|.+\.(?:safetensors|bin|pt|pth|pkl|json)\.[0-9a-fA-F]{8}"
@@ -38,6 +39,7 @@ def copy_leftovers(files: Mapping[str, Entry]) -> Check:
     )  # not ckptd's own (a slim marker's `.ckptd-slim.json.tmp`: slimming finishes or undoes it)
     if left:
         more = f" and {len(left) - 1} more" if len(left) > 1 else ""
-        why = f"{left[0]}{more}: a copier's temporary file (rclone, gsutil, s3, rsync, aria2c): a copy not finished"
+        why = (f"{left[0]}{more}: a copier's temporary file (rclone, gsutil, s3, rsync, aria2c): "
+               "a copy not finished")
         return Check(COPY_LEFTOVERS, Verdict.FAILED, why)
     return Check(COPY_LEFTOVERS, Verdict.PASSED, "no copier's temporary files")
