@@ -218,6 +218,29 @@ def test_orbax_best_fn_metrics_and_step_prefixes(orbax_volume, tmp_path):
     assert "keep_best has no metric to rank these orbax checkpoints by" in warning and "'loss'" in warning
 
 
+
+@pytest.mark.parametrize("item", ["default", "metrics"])
+def test_an_orbax_step_copied_without_one_of_its_items_is_incomplete(orbax_volume, tmp_path, item):
+    """A step whose copy never brought one item's directory (a copier that died before it): Orbax's
+    restore raises `Item "<name>" was not found` though all_steps() lists the step. Its
+    `_CHECKPOINT_METADATA` names the items (`item_handlers`): each must be there. The volume is
+    Orbax's own (best_fn's steps hold `default/` and `metrics/`); the item removed by hand, as the
+    dead copier leaves it, the step's mtime kept."""
+    root = copy_volume(orbax_volume, tmp_path / "vol")
+    step = root / "best_fn" / "4"
+    assert set(json.loads((step / "_CHECKPOINT_METADATA").read_text())["item_handlers"]) == {"default", "metrics"}
+    st = step.stat()
+    for dirpath, _dirnames, filenames in os.walk(step / item, topdown=False):
+        for n in filenames:
+            os.unlink(os.path.join(dirpath, n))
+        os.rmdir(dirpath)
+    os.utime(step, ns=(st.st_atime_ns, st.st_mtime_ns))
+    seen = rows(plan(write_config(tmp_path, root, keep_last=1, keep_best=0)), root)
+    assert seen["best_fn/4"]["state"] == "incomplete", seen["best_fn/4"]
+    said = f"orbax items failed: item {item} missing (_CHECKPOINT_METADATA names it; restore fails)"
+    assert any(said in r for r in seen["best_fn/4"]["reasons"]), seen["best_fn/4"]["reasons"]
+    assert (seen["best_fn/3"]["state"], seen["best_fn/3"]["action"]) == ("complete", "keep"), seen["best_fn/3"]
+
 def test_accelerate_automatic_naming_counts_saves_and_torchtitan_is_named(accelerate_volume, dcp_volume, tmp_path):
     root = copy_volume(accelerate_volume, tmp_path / "acc")
     seen = rows(plan(default_config(tmp_path, root)), root)

@@ -510,6 +510,8 @@ MUTS = [
  dict(id="W3d", what="a configured world size counts a DDP checkpoint's rank files", tests="evidence", edits=[("frameworks/hf.py",
    "            worlds = [w] if (w := _known_world(save.world_size, save.mp_world_size)) else []",
    "            worlds = []")]),
+ dict(id="W4b", what="Orbax: every item _CHECKPOINT_METADATA names is there", tests="frameworks", edits=[(OX,
+   "    if missing:\n        return Check(name, FAILED, f\"item", "    if False:\n        return Check(name, FAILED, f\"item")]),
  dict(id="W4", what="Orbax: a null commit time is a save never finished", tests="frameworks", edits=[("frameworks/orbax.py",
    "    if \"commit_timestamp_nsecs\" in doc:", "    if False:")]),
  dict(id="W5", what="accelerate: random_states files demanded", tests="frameworks", edits=[("frameworks/base.py",

@@ -185,11 +185,42 @@ def _ocdbt_database(files: Mapping[str, Entry], db: str) -> str | None:
     return None
 
 
+def _named_items(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> list[str]:
+    """The item names `_CHECKPOINT_METADATA` records in `item_handlers` (none when it is absent,
+    unreadable or names no items: then the directories alone say what the step holds)."""
+    e = files.get(METADATA)
+    if e is None or e.kind != "f" or e.size > MAX_TRAINER_STATE_BYTES:
+        return []
+
+    def read() -> list[str]:
+        try:
+            with volread.open_file(path / METADATA) as f:
+                doc = json.loads(f.read(MAX_TRAINER_STATE_BYTES + 1))
+        except (ValueError, RecursionError):
+            return []
+        handlers = doc.get("item_handlers") if isinstance(doc, dict) else None
+        if not isinstance(handlers, dict):
+            return []
+        return sorted(k for k in handlers if isinstance(k, str) and "/" not in k and k not in {"", ".", ".."})
+
+    try:
+        found = remembered(METADATA, read)  # the one framework read of this file: its item names
+    except OSError:
+        return []
+    return found if isinstance(found, list) else []
+
+
 def items_check(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> Check:
     """Every item directory of the step that is an OCDBT database (by its own files, or by its
     `_METADATA`) holds its merged manifest and data."""
     name = "orbax items"
     items = sorted(rel for rel, e in files.items() if e.kind == "d" and "/" not in rel)
+    # The items the step was saved with: `_CHECKPOINT_METADATA`'s `item_handlers`, a name for each
+    # (checkpoint_manager.py `_save_checkpoint_metadata`; a bare string for an unnamed single item).
+    # One not there is an item a copy never brought: restore raises `Item "<name>" was not found`.
+    missing = sorted(set(_named_items(path, files, remembered)) - set(items))
+    if missing:
+        return Check(name, FAILED, f"item {missing[0]} missing ({METADATA} names it; restore fails)")
     counted = 0
     for item in items:
         here = {rel[len(item) + 1:] for rel in files if rel.startswith(f"{item}/")}
