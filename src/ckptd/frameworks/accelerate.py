@@ -57,19 +57,38 @@ def _before_random_states(rel: str) -> bool:
 # The checkpoint cannot say how many were prepared, so: the i-th present means 0..i-1 must be,
 # and a kind the run's earlier complete checkpoints all have must be (against_sibling_kinds).
 _PER_OBJECT = re.compile(r"(optimizer|scheduler|sampler)(?:_(\d+))?(?:\.bin|\.pt)?|scaler\.pt")
+# The same for each prepared model (the first model's weights are the weights check's) and each
+# object registered with `register_for_checkpointing` (save_custom_state: `custom_checkpoint_<i>.pkl`,
+# numbered from 0): load_state raises FileNotFoundError for a model's weights not there, and
+# "Number of custom checkpoints ... does not match" for a registered object's file.
+_MODEL_FILE = re.compile(r"(?:model|pytorch_model)(?:_(\d+))?\.(?:safetensors|bin)")
+_CUSTOM = re.compile(r"custom_checkpoint_(\d+)\.pkl")
 
 
 def _object_files(files: Mapping[str, Entry]) -> tuple[Check, frozenset[str]]:
     name = "accelerate objects"
-    kinds = frozenset(rel for rel in files if "/" not in rel and _PER_OBJECT.fullmatch(rel))
-    for what in ("optimizer", "scheduler", "sampler"):
-        # the first object's file has no index (optimizer.bin), the i-th `_<i>`
-        present = {int(m[2] or 0) for rel in kinds if (m := _PER_OBJECT.fullmatch(rel)) and m[1] == what}
+    top = [rel for rel in files if "/" not in rel]
+    objects = {rel for rel in top if _PER_OBJECT.fullmatch(rel)}
+    models = {int(m[1] or 0) for rel in top if (m := _MODEL_FILE.fullmatch(rel))}
+    customs = {int(m[1]) for rel in top if (m := _CUSTOM.fullmatch(rel))}
+    # what a later save of the run must hold too (against_sibling_kinds); a model's weights by its
+    # index whichever format they were saved in
+    kinds = frozenset(objects | {f"model_{i} weights" for i in models if i}
+                      | {f"custom_checkpoint_{i}.pkl" for i in customs})
+    numbered = [
+        # (the indices present, the file of index i): the first object's file has no index
+        # (optimizer.bin), the i-th `_<i>`; registered objects are numbered from 0
+        *(({int(m[2] or 0) for rel in objects if (m := _PER_OBJECT.fullmatch(rel)) and m[1] == what},
+           lambda i, what=what: f"{what}.bin" if i == 0 else f"{what}_{i}.bin")
+          for what in ("optimizer", "scheduler", "sampler")),
+        (models, lambda i: "model.safetensors" if i == 0 else f"model_{i}.safetensors"),
+        (customs, lambda i: f"custom_checkpoint_{i}.pkl"),
+    ]
+    for present, file_of in numbered:
         n = max(present, default=-1) + 1
         if len(present) < n:  # indices 0..n-1 all there exactly when n distinct ones are
             gap = next(i for i in range(n) if i not in present)  # at most len(present)+1 steps
-            missing = what if gap == 0 else f"{what}_{gap}"
-            why = f"{what}_{n - 1} present, {missing}.bin missing (one file per prepared object)"
+            why = f"{file_of(n - 1)} present, {file_of(gap)} missing (one file per prepared object)"
             return Check(name, FAILED, why), kinds
     return Check(name, PASSED, ", ".join(sorted(kinds)) or "none (no optimizer, scheduler or sampler)"), kinds
 
