@@ -245,3 +245,28 @@ def test_a_chunked_copy_killed_partway_is_incomplete_and_the_older_one_is_kept(
     said = rows[newest]["reasons"][0]
     assert reason in said, said
     assert rows[older]["state"] == "complete" and rows[older]["action"] == "keep", rows[older]
+
+
+@pytest.mark.parametrize(("run", "last"), [("trainer-safetensors", "trainer_state.json"),
+                                           ("accelerate-safetensors", "random_states_0.pkl")])
+def test_a_resave_in_place_killed_after_its_weights_is_incomplete(weights_volume, tmp_path, run, last):
+    """A second job saving into the same directory, killed right after its weights (the Trainer's
+    _save_checkpoint and accelerate's save_accelerator_state write the model first, `last` at the
+    end): the new weights beside the old save's optimizer, scheduler, rng state and `last`. The
+    Trainer's resume then fails or goes on with mixed state. Assembled from the frameworks' own
+    files: the older checkpoint's model.safetensors written over the newer one's half an hour ago,
+    every other file an hour old (the outside attack that found it killed a real Trainer and a real accelerate
+    job inside the save). Without DeepSpeed nothing writes the weights after `last`."""
+    root = tmp_path / "vol"
+    copy_run(weights_volume, run, root)
+    older, newest = weights_volume["runs"][run]
+    st = (root / newest).stat()
+    shutil.copyfile(root / older / "model.safetensors", root / newest / "model.safetensors")
+    killed = time.time() - HOUR / 2  # half an hour ago: quiet since, the rest of the save an hour old
+    os.utime(root / newest / "model.safetensors", (killed, killed))
+    os.utime(root / newest, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rows = plan_rows(write_config(tmp_path, root), root)
+    assert rows[newest]["state"] == "incomplete", rows[newest]
+    said = f"weights order failed: files from two saves: {last} is "
+    assert any(said in r and "older than model.safetensors" in r for r in rows[newest]["reasons"]), rows[newest]
+    assert rows[older]["state"] == "complete" and rows[older]["action"] == "keep", rows[older]

@@ -938,6 +938,8 @@ MUTS = [
    "            if missing:\n                n = len(shards)", "            if False:\n                n = len(shards)")]),
  dict(id="CW4", what="aria2c's control file beside a file it has not finished", tests="copy_in", edits=[(CI,
    "|.+\\.tmp|.+\\.aria2\"", "|.+\\.tmp\"")]),
+ dict(id="WO1", what="weights written after the last file of a save without DeepSpeed: two saves", tests="copy_in", edits=[(HW,
+   "    if not late or late[-1][0] <= MTIME_SLACK:\n        return None", "    if True:\n        return None")]),
  dict(id="CW3", what="a copier's temporary file left in the checkpoint", tests="copy_in", edits=[(CI,
    "    if left:\n", "    if False:\n")]),
  # --- DCP without collectives: each rank's own metadata

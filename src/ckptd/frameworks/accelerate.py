@@ -142,6 +142,8 @@ class Accelerate(Framework):
         checks.append(copyin.copy_leftovers(files))
         tags = _deepspeed_tag_dirs(files)
         checks.append(hfweights.weights_check(save.path, files, who="accelerate", tags=tags))
+        if (order := hfweights.weights_order(files, "random_states_0.pkl", "accelerate", tags)) is not None:
+            checks.append(order)
         object_check, kinds = _object_files(files)
         checks.append(object_check)
         checks.append(_pickles_check(save.path, files, save.remembered_file))

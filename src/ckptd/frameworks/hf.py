@@ -216,6 +216,8 @@ class Trainer(Framework):
         checks.append(copyin.copy_leftovers(files))
         tags = _global_step_dirs(files)
         checks.append(hfweights.weights_check(save.path, files, who="the Trainer", tags=tags))
+        if (order := hfweights.weights_order(files, TRAINER_STATE, "the Trainer", tags)) is not None:
+            checks.append(order)
         state_check, kinds = _state_files(files, tags, save.removed)
         checks.append(state_check)
         checks.append(_json_files(save.path, files, save.remembered_file))

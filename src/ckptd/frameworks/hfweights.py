@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ckptd import volread
+from ckptd.frameworks.base import MTIME_SLACK
 from ckptd.model import Check, Entry, Verdict
 
 WEIGHTS = "weights"
@@ -130,3 +131,34 @@ def weights_check(
         f"{who} writes them first, so a save killed later has them; a copy in not finished?"
     )
     return Check(WEIGHTS, Verdict.FAILED, why)
+
+
+WEIGHTS_ORDER = "weights order"
+_WEIGHTS_FILE = re.compile(
+    r"(?:model|pytorch_model|adapter_model)(?:_\d+|-\d+-of-\d+)?\.(?:safetensors|bin)"
+    r"|(?:model\.safetensors|pytorch_model\.bin)\.index\.json"
+)
+
+
+def weights_order(files: Mapping[str, Entry], last: str, who: str, tags: Iterable[str]) -> Check | None:
+    """Failed when the weights were written after `last`, the file `who` writes last in a save
+    (the Trainer's trainer_state.json, accelerate's random_states_0.pkl), in a save with no
+    DeepSpeed tag: a re-save in place killed after its weights, beside the older save's optimizer
+    and state (the Trainer's and accelerate's resume fail on it, or resume silently with mixed
+    state). Under DeepSpeed nothing is said: zero_to_fp32.py, which the Trainer copies into the
+    checkpoint, writes the weights there later, and so does ckptd's own consolidation. None when
+    there is nothing to say (no `last`, or the weights in order)."""
+    ts = files.get(last)
+    if any(True for _ in tags) or ts is None or ts.kind != "f":
+        return None
+    late = sorted(
+        ((e.mtime_ns - ts.mtime_ns) / 1e9, rel) for rel, e in files.items()
+        if "/" not in rel and e.kind == "f" and _WEIGHTS_FILE.fullmatch(rel)
+    )
+    if not late or late[-1][0] <= MTIME_SLACK:
+        return None
+    gap, rel = late[-1]
+    why = (f"files from two saves: {last} is {gap:.0f}s older than {rel}, which {who} writes before it "
+           "(and nothing writes later without DeepSpeed); a re-save in place not finished?")
+    return Check(WEIGHTS_ORDER, Verdict.FAILED, why)
+
