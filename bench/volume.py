@@ -117,10 +117,20 @@ def _zip_after(pad: int) -> bytes:
     return out.getvalue()
 
 
+# A zip begins with a member's local header, and ckptd checks that it does (wholefile.py): the padding
+# of a stand-in starts with the header's signature, where a real archive's first member would start.
+_LOCAL = b"PK\x03\x04"
+
+
+def _padding(n: int) -> bytes:
+    return (_LOCAL + b"\0" * (n - len(_LOCAL)))[:n] if n else b""
+
+
 def shard_bytes(size: int) -> bytes:
-    """A torch-file stand-in of about `size` bytes: zeros, then a zip directory whose offsets count them."""
+    """A torch-file stand-in of about `size` bytes: a local header's signature and zeros, then a zip
+    directory whose offsets count them (what ckptd reads of a torch file: its two ends)."""
     pad = max(0, size - len(ZIP_TAIL))
-    return b"\0" * pad + _zip_after(pad)
+    return _padding(pad) + _zip_after(pad)
 
 
 def write_shard(path: Path, size: int, *, chunk: int = 16 << 20) -> None:
@@ -129,6 +139,9 @@ def write_shard(path: Path, size: int, *, chunk: int = 16 << 20) -> None:
     tail = _zip_after(pad)
     zeros = b"\0" * min(chunk, pad)
     with open(path, "wb") as f:
+        if pad:
+            f.write(_padding(min(pad, len(_LOCAL))))
+            pad -= min(pad, len(_LOCAL))
         while pad > 0:
             n = min(pad, len(zeros))
             f.write(zeros[:n] if n < len(zeros) else zeros)

@@ -205,14 +205,19 @@ def test_an_accelerate_state_re_saved_in_place_is_mixed_until_its_random_states_
         accelerate_volume, tmp_path):
     """Real accelerate save_state() directories (fwgen, 2 processes): save_state(output_dir) into an
     existing directory overwrites it; process 0 writes random_states_0.pkl after the optimizer,
-    scheduler and samplers. Weights written later (zero_to_fp32) are not a second save."""
+    scheduler and samplers, which come after the models. Without a DeepSpeed tag nothing writes the
+    weights later (zero_to_fp32 writes them under DeepSpeed only): new weights beside the old
+    random states are a re-save not finished too (hfweights.weights_order)."""
     run = tmp_path / "vol" / "steps"
     shutil.copytree(accelerate_volume["out_dir"] / "steps", run)  # copy2: the job's own mtimes
     assert scan(tmp_path / "vol")["steps/step_20"].state is State.COMPLETE
     step = run / "step_20"
     age(step, OLD)
     resave(step, ["model.safetensors"])
-    assert scan(tmp_path / "vol")["steps/step_20"].state is State.COMPLETE  # weights: not counted
+    c = scan(tmp_path / "vol")["steps/step_20"]
+    assert c.state is State.INCOMPLETE
+    [order] = [k for k in c.checks if k.name == "weights order"]
+    assert order.detail.startswith("files from two saves: random_states_0.pkl is "), order
     resave(step, ["optimizer.bin"])
     c = scan(tmp_path / "vol")["steps/step_20"]
     assert c.state is State.INCOMPLETE
