@@ -50,6 +50,10 @@ def disk_space(path: Path) -> DiskSpace:
     return DiskSpace(free=st.f_bavail * st.f_frsize, total=st.f_blocks * st.f_frsize)
 
 
+# How far above a root to look for a checkpoint holding it (a Trainer's checkpoint-N/global_stepN/
+# is two levels, a DCP part of a NeMo rank directory three).
+_ROOT_ANCESTORS = 4
+
 
 def refuse_a_checkpoint_as_root(root: Root, patterns: list[re.Pattern[str]] | None = None) -> None:
     """Refuse a root that is a checkpoint, or lies inside one, as the directory above would see it
@@ -76,9 +80,6 @@ def refuse_a_checkpoint_as_root(root: Root, patterns: list[re.Pattern[str]] | No
             )
         here = here.parent
 
-# How far above a root to look for a checkpoint holding it (a Trainer's checkpoint-N/global_stepN/
-# is two levels, a DCP part of a NeMo rank directory three).
-_ROOT_ANCESTORS = 4
 
 class Scanner:
     """Inspects the runs of one root. Keeps what its inspector read (`verdicts.py`) between scans.
@@ -131,14 +132,11 @@ class Scanner:
         if not self.root.path.is_dir():
             raise RootMissingError(f"root {self.root.path} does not exist or is not a directory")
 
-    def check_root_is_no_checkpoint(self) -> None:
-        refuse_a_checkpoint_as_root(self.root, self.patterns)
-
     def runs(self, *, now: float, progress: Callable[[int, int], None] | None = None) -> list[Run]:
         """Every run of the root, each checkpoint inspected (or restored, `restore`); what was read
         is saved (`save_verdicts`). `progress(done, total)` is told after each run, in checkpoints."""
         self.check_root()
-        self.check_root_is_no_checkpoint()
+        refuse_a_checkpoint_as_root(self.root, self.patterns)
         dirs = find_runs(self.root.path, max_depth=self.root.max_depth, patterns=self.patterns)
         scoped = self.in_scope(dirs)
         total, done, runs = sum(len(d.candidates) for d in scoped), 0, []

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,9 +28,7 @@ pytestmark = pytest.mark.frameworks
 
 
 def _child(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **fwgen._CHILD_ENV}
-    return subprocess.run([sys.executable, "-m", "tests.support.fwaccel_multi", *args], capture_output=True,
-                          text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    return fwgen.run_module("fwaccel_multi", *args)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,9 +27,7 @@ SHARD = "pytorch_model_fsdp_0/__0_1.distcp"
 
 
 def _child(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **fwgen._CHILD_ENV}
-    return subprocess.run([sys.executable, "-m", "tests.support.fwdcp_nested", *args], capture_output=True,
-                          text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    return fwgen.run_module("fwdcp_nested", *args)
 
 
 @pytest.fixture(scope="module")

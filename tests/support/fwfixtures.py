@@ -14,10 +14,7 @@ so torch and what they share are imported once; the first fixture asked for gene
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -74,9 +71,7 @@ def dcp_one(tmp_path_factory) -> dict[str, Any]:
     _skip_if_missing("dcp")
 
     def make(out: Path) -> dict[str, Any]:
-        env = {**os.environ, **fwgen._CHILD_ENV}
-        proc = subprocess.run([sys.executable, "-m", "tests.support.fwdcp_one", str(out)], capture_output=True,
-                              text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+        proc = fwgen.run_module("fwdcp_one", str(out))
         assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
         return {"out_dir": out}
 

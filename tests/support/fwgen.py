@@ -123,6 +123,13 @@ class FwgenError(RuntimeError):
 # --------------------------------------------------------------------------
 
 
+def run_module(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`python -m tests.support.<module> ARGS` in the framework children's environment
+    (`_CHILD_ENV`: the CPU, offline), its output captured, no stdin."""
+    return subprocess.run([sys.executable, "-m", f"tests.support.{module}", *args], capture_output=True,
+                          text=True, env={**os.environ, **_CHILD_ENV}, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
 def missing(framework: str) -> str | None:
     """Why ``framework`` cannot be generated here (a module not installed), or None.
 

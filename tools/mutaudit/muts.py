@@ -939,7 +939,7 @@ MUTS = [
  dict(id="CW4", what="aria2c's control file beside a file it has not finished", tests="copy_in", edits=[(CI,
    "|.+\\.tmp|.+\\.aria2\"", "|.+\\.tmp\"")]),
  dict(id="WO1", what="weights written after the last file of a save without DeepSpeed: two saves", tests="copy_in", edits=[(HW,
-   "    if not late or late[-1][0] <= MTIME_SLACK:\n        return None", "    if True:\n        return None")]),
+   "    if gap <= MTIME_SLACK:\n        return None", "    if True:\n        return None")]),
  dict(id="CW3", what="a copier's temporary file left in the checkpoint", tests="copy_in", edits=[(CI,
    "    if left:\n", "    if False:\n")]),
  # --- DCP without collectives: each rank's own metadata
@@ -1129,7 +1129,7 @@ MUTS = [
       "    kinds = frozenset(objects | {f\"model_{i} weights\" for i in models if i}", "    kinds = frozenset(objects | set()")]),
  dict(id="AF12", what="accelerate: registered objects numbered from 0 without gaps",
       tests=[T+"completeness/test_accelerate_objects.py"], edits=[("frameworks/accelerate.py",
-      "        (customs, lambda i: f\"custom_checkpoint_{i}.pkl\"),\n", "")]),
+      "        (customs, \"custom_checkpoint\", \".pkl\", False),", "")]),
  dict(id="AF10", what="the daemon's tracker asks the census of file kinds too", tests=[T+"completeness/test_damaged_saves.py::test_accelerate_damaged_newest"],
       equivalent="the attack asks `ckptd plan` (planner.with_sibling_census), not the daemon's tracker",
       edits=[("tracker.py", "        fresh = against_sibling_kinds(fresh, rs.checkpoints.values())\n", "")]),

@@ -65,6 +65,11 @@ _MODEL_FILE = re.compile(r"(?:model|pytorch_model)(?:_(\d+))?\.(?:safetensors|bi
 _CUSTOM = re.compile(r"custom_checkpoint_(\d+)\.pkl")
 
 
+def _numbered(stem: str, suffix: str, first_bare: bool, i: int) -> str:
+    """The name of the i-th object's file: `optimizer.bin`, `optimizer_1.bin`; `custom_checkpoint_0.pkl`."""
+    return f"{stem}{suffix}" if i == 0 and first_bare else f"{stem}_{i}{suffix}"
+
+
 def _object_files(files: Mapping[str, Entry]) -> tuple[Check, frozenset[str]]:
     name = "accelerate objects"
     top = [rel for rel in files if "/" not in rel]
@@ -75,20 +80,18 @@ def _object_files(files: Mapping[str, Entry]) -> tuple[Check, frozenset[str]]:
     # index whichever format they were saved in
     kinds = frozenset(objects | {f"model_{i} weights" for i in models if i}
                       | {f"custom_checkpoint_{i}.pkl" for i in customs})
-    numbered = [
-        # (the indices present, the file of index i): the first object's file has no index
-        # (optimizer.bin), the i-th `_<i>`; registered objects are numbered from 0
+    numbered = [  # (the indices present, the file's stem and suffix, whether index 0 has no number)
         *(({int(m[2] or 0) for rel in objects if (m := _PER_OBJECT.fullmatch(rel)) and m[1] == what},
-           lambda i, what=what: f"{what}.bin" if i == 0 else f"{what}_{i}.bin")
-          for what in ("optimizer", "scheduler", "sampler")),
-        (models, lambda i: "model.safetensors" if i == 0 else f"model_{i}.safetensors"),
-        (customs, lambda i: f"custom_checkpoint_{i}.pkl"),
+           what, ".bin", True) for what in ("optimizer", "scheduler", "sampler")),
+        (models, "model", ".safetensors", True),
+        (customs, "custom_checkpoint", ".pkl", False),  # registered objects are numbered from 0
     ]
-    for present, file_of in numbered:
+    for present, stem, suffix, first_bare in numbered:
         n = max(present, default=-1) + 1
         if len(present) < n:  # indices 0..n-1 all there exactly when n distinct ones are
             gap = next(i for i in range(n) if i not in present)  # at most len(present)+1 steps
-            why = f"{file_of(n - 1)} present, {file_of(gap)} missing (one file per prepared object)"
+            have, lack = (_numbered(stem, suffix, first_bare, i) for i in (n - 1, gap))
+            why = f"{have} present, {lack} missing (one file per prepared object)"
             return Check(name, FAILED, why), kinds
     return Check(name, PASSED, ", ".join(sorted(kinds)) or "none (no optimizer, scheduler or sampler)"), kinds
 

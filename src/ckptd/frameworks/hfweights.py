@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 from ckptd import volread
@@ -140,7 +140,7 @@ _WEIGHTS_FILE = re.compile(
 )
 
 
-def weights_order(files: Mapping[str, Entry], last: str, who: str, tags: Iterable[str]) -> Check | None:
+def weights_order(files: Mapping[str, Entry], last: str, who: str, tags: Collection[str]) -> Check | None:
     """Failed when the weights were written after `last`, the file `who` writes last in a save
     (the Trainer's trainer_state.json, accelerate's random_states_0.pkl), in a save with no
     DeepSpeed tag: a re-save in place killed after its weights, beside the older save's optimizer
@@ -149,16 +149,15 @@ def weights_order(files: Mapping[str, Entry], last: str, who: str, tags: Iterabl
     checkpoint, writes the weights there later, and so does ckptd's own consolidation. None when
     there is nothing to say (no `last`, or the weights in order)."""
     ts = files.get(last)
-    if any(True for _ in tags) or ts is None or ts.kind != "f":
+    if tags or ts is None or ts.kind != "f":
         return None
-    late = sorted(
-        ((e.mtime_ns - ts.mtime_ns) / 1e9, rel) for rel, e in files.items()
-        if "/" not in rel and e.kind == "f" and _WEIGHTS_FILE.fullmatch(rel)
+    gap, rel = max(
+        (((e.mtime_ns - ts.mtime_ns) / 1e9, rel) for rel, e in files.items()
+         if "/" not in rel and e.kind == "f" and _WEIGHTS_FILE.fullmatch(rel)),
+        default=(0.0, ""),
     )
-    if not late or late[-1][0] <= MTIME_SLACK:
+    if gap <= MTIME_SLACK:
         return None
-    gap, rel = late[-1]
     why = (f"files from two saves: {last} is {gap:.0f}s older than {rel}, which {who} writes before it "
            "(and nothing writes later without DeepSpeed); a re-save in place not finished?")
     return Check(WEIGHTS_ORDER, Verdict.FAILED, why)
-
