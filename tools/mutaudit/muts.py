@@ -940,6 +940,9 @@ MUTS = [
    "|.+\\.tmp|.+\\.aria2\"", "|.+\\.tmp\"")]),
  dict(id="WO1", what="weights written after the last file of a save without DeepSpeed: two saves", tests="copy_in", edits=[(HW,
    "    if gap <= MTIME_SLACK:\n        return None", "    if True:\n        return None")]),
+ dict(id="WO2", what="the Trainer asks the weights order (a real re-save killed after its weights)",
+   tests=[T+"completeness/test_resave.py"], edits=[("frameworks/hf.py",
+   "        if (order := hfweights.weights_order(files, TRAINER_STATE,", "        if False and (order := hfweights.weights_order(files, TRAINER_STATE,")]),
  dict(id="CW3", what="a copier's temporary file left in the checkpoint", tests="copy_in", edits=[(CI,
    "    if left:\n", "    if False:\n")]),
  # --- DCP without collectives: each rank's own metadata

@@ -1,0 +1,64 @@
+"""A Trainer re-saving in place, killed right after its weights: files from two saves.
+
+A second job into the same output_dir (a wider model) saves checkpoint-4 over the first job's and
+is SIGKILLed inside the save once save_pretrained has written config.json and model.safetensors
+(tests/support/fwresave.py): the new weights lie beside the first job's optimizer, scheduler, rng
+state and trainer_state.json. The Trainer cannot resume from it; it resumes from checkpoint-2. So
+checkpoint-4 must be incomplete ("weights order": no DeepSpeed tag, so nothing writes weights
+after trainer_state.json), `ckptd latest` must name checkpoint-2 and `keep_last=1` keep it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import fwgen
+from tests.support.common import run_ckptd
+
+pytestmark = pytest.mark.frameworks
+
+
+def _age(root: Path, seconds: float) -> None:
+    """Every mtime under `root` `seconds` further back, their order kept."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            st = os.lstat(p := os.path.join(dirpath, n))
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns - int(seconds * 1e9)), follow_symlinks=False)
+
+
+def test_a_trainer_resave_killed_after_its_weights_is_incomplete_and_the_older_one_is_kept(tmp_path):
+    if (why := fwgen.missing("trainer")) is not None:
+        pytest.skip(why)
+    out = tmp_path / "vol" / "out"
+    first = fwgen.run_module("fwresave", "train", str(out), "16", "2", "4")
+    assert first.returncode == 0 and "trained" in first.stdout, first.stdout[-2000:] + first.stderr[-3000:]
+    _age(tmp_path / "vol", 7200)  # the first job ran two hours ago
+    killed = fwgen.run_module("fwresave", "train", str(out), "32", "4", "4", "4")
+    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-3000:]  # SIGKILLed in the save
+    ck4 = out / "checkpoint-4"
+    assert (ck4 / "model.safetensors").stat().st_mtime > (ck4 / "trainer_state.json").stat().st_mtime + 3600
+    _age(tmp_path / "vol", 1800)  # killed half an hour ago: quiet since
+    assert time.time() - (ck4 / "model.safetensors").stat().st_mtime > 1700
+
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{tmp_path / 'vol'}'\n"
+                   "[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
+    proc = run_ckptd("plan", "-c", cfg, "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {Path(c["path"]).name: c for c in json.loads(proc.stdout)["checkpoints"]}
+    assert rows["checkpoint-4"]["state"] == "incomplete", rows["checkpoint-4"]
+    said = "weights order failed: files from two saves: trainer_state.json is "
+    assert any(said in r for r in rows["checkpoint-4"]["reasons"]), rows["checkpoint-4"]["reasons"]
+    assert (rows["checkpoint-2"]["state"], rows["checkpoint-2"]["action"]) == ("complete", "keep")
+    latest = run_ckptd("latest", out, env={"CKPTD_CONFIG": ""})
+    assert latest.stdout == f"{out / 'checkpoint-2'}\n", latest.stdout + latest.stderr
+
+    # the Trainer agrees: it cannot resume from checkpoint-4, and does from checkpoint-2
+    assert fwgen.run_module("fwresave", "resume", str(tmp_path / "r4"), "16", str(ck4)).returncode != 0
+    back = fwgen.run_module("fwresave", "resume", str(tmp_path / "r2"), "16", str(out / "checkpoint-2"))
+    assert back.returncode == 0 and "resumed" in back.stdout, back.stdout[-2000:] + back.stderr[-3000:]
