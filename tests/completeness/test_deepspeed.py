@@ -249,3 +249,49 @@ def test_a_bf16_save_killed_before_any_shard_is_incomplete_whatever_its_ds_confi
     code, doc = verify(tag)
     assert code == 1 and census(doc)[0]["verdict"] == "failed", doc
     assert "optim_states.pt missing" in census(doc)[0]["detail"]
+
+
+def _shift(root: Path, seconds: float) -> None:
+    """Every mtime under `root` `seconds` further back, their order kept."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            st = os.lstat(p := os.path.join(dirpath, n))
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns - int(seconds * 1e9)), follow_symlinks=False)
+
+
+def test_a_resave_in_place_whose_rank_1_died_before_its_shard_is_incomplete(tmp_path):
+    """A real DeepSpeed job (ZeRO-2, 2 ranks) saves global_step5 and global_step10; ten minutes
+    later a second job (a wider model) into the same directory saves global_step10 again and is
+    SIGKILLed while rank 1 is held before its optimizer shard, after rank 0 wrote its model states,
+    its shard and `latest`. global_step10 holds the new model states beside the first job's rank-1
+    shard, ten minutes older: DeepSpeed cannot resume from it (tools/attack29's
+    test_ds_resave_slow_rank.py loads it with both widths). DeepSpeed 0.19 has no barrier between
+    the model states and the shards, so the one-save check allows a shard to end before them only by
+    as long as they can have taken to write (`base.write_span`), seconds for this model."""
+    run = tmp_path / "vol" / "run"
+    dsgen.generate(run, world_size=2, stage=2, layout="bare", steps=(5, 10))
+    _shift(tmp_path / "vol", 600)
+    with dsgen.start(run, world_size=2, stage=2, layout="bare", steps=(10,), hidden=64, slow_rank=1,
+                     slow_seconds=600) as job:
+        job.wait_for("slow_rank_waiting", timeout=240)
+        job.kill()
+    (run / dsgen.SLOW_MARKER).unlink(missing_ok=True)  # the generator's hold marker, not DeepSpeed's
+    tag = run / "global_step10"
+    states, shard1 = tag / "mp_rank_00_model_states.pt", tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert states.stat().st_mtime - shard1.stat().st_mtime > 550  # the old job's shard beside the new states
+    assert (run / "latest").read_text() == "global_step10"
+    _shift(tmp_path / "vol", 1800)  # killed half an hour ago: quiet since
+
+    cfg = config(tmp_path, tmp_path / "vol", keep_last=1, keep_best=0)
+    code, doc = verify(tag, "-c", str(cfg))
+    assert code == 1 and doc["state"] == "incomplete", doc
+    said = "rank 1's shard zero_pp_rank_1_mp_rank_00_optim_states.pt is "
+    order = next(c for c in doc["checks"] if c["name"] == "one save")
+    assert order["verdict"] == "failed" and said in order["detail"], doc["checks"]
+    assert "older than mp_rank_00_model_states.pt" in order["detail"], order
+    proc = run_ckptd("plan", "-c", cfg, "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {Path(c["path"]).name: c for c in json.loads(proc.stdout)["checkpoints"]}
+    assert (rows["global_step5"]["state"], rows["global_step5"]["action"]) == ("complete", "keep"), rows
+    latest = run_ckptd("latest", run, env={"CKPTD_CONFIG": ""})
+    assert latest.stdout == f"{run / 'global_step5'}\n", latest.stdout + latest.stderr

@@ -37,8 +37,8 @@ pytestmark = pytest.mark.frameworks
 FITS = LIGHTNING_TINY + textwrap.dedent('''
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
-    def fit(root, epochs, ckpt_path=None, logger=True):
-        ck = ModelCheckpoint(save_top_k=-1, every_n_epochs=1, save_last=True)
+    def fit(root, epochs, ckpt_path=None, logger=True, every=1):
+        ck = ModelCheckpoint(save_top_k=-1, every_n_epochs=every, save_last=True)
         trainer = pl.Trainer(default_root_dir=root, max_epochs=epochs, accelerator="cpu", devices=1,
                              callbacks=[ck], logger=logger, enable_progress_bar=False,
                              enable_model_summary=False, limit_train_batches=2)
@@ -52,6 +52,9 @@ FITS = LIGHTNING_TINY + textwrap.dedent('''
     # fresh: version_0 saves 2, 4; version_1 is a fit from scratch: 2, 4, 6 again
     dirs["fresh/0"] = fit(f"{out}/fresh", 2)
     dirs["fresh/1"] = fit(f"{out}/fresh", 3)
+    # coarse: version_0 saves 2, 4; version_1 a fit from scratch saving every 5 epochs: 10, 20
+    dirs["coarse/0"] = fit(f"{out}/coarse", 2)
+    dirs["coarse/1"] = fit(f"{out}/coarse", 10, every=5)
     # a logger with a name of its own: <save_dir>/<name>/version_N/checkpoints
     dirs["named/0"] = fit(f"{out}/x", 1, logger=CSVLogger(f"{out}/logs", name="exp1"))
     dirs["named/1"] = fit(f"{out}/x", 2, ckpt_path=f"{dirs['named/0']}/last.ckpt",
@@ -75,10 +78,11 @@ def fits(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     # What the tests rest on, from Lightning itself: a resumed fit writes version_1, and the steps
     # carry on; a fit from scratch restarts them; a named logger's versions are under its name.
     assert dirs == {"resumed/0": f"resumed/{V0}", "resumed/1": f"resumed/{V1}", "fresh/0": f"fresh/{V0}",
-                    "fresh/1": f"fresh/{V1}", "named/0": "logs/exp1/version_0/checkpoints",
+                    "fresh/1": f"fresh/{V1}", "coarse/0": f"coarse/{V0}", "coarse/1": f"coarse/{V1}", "named/0": "logs/exp1/version_0/checkpoints",
                     "named/1": "logs/exp1/version_1/checkpoints"}
     assert ckpts(out / "resumed" / V0) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
     assert ckpts(out / "resumed" / V1) == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
+    assert ckpts(out / "coarse" / V1) == ["epoch=4-step=10.ckpt", "epoch=9-step=20.ckpt", "last.ckpt"]
     assert ckpts(out / "fresh" / V1) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt",
                                          "last.ckpt"]
     return out, dirs
@@ -109,33 +113,43 @@ def actions(plan_json: str) -> dict[str, str]:
     return {os.path.relpath(c["path"], doc["roots"][0]): c["action"] for c in doc["checkpoints"]}
 
 
+def reasons(plan_json: str, rel: str) -> list[str]:
+    doc = json.loads(plan_json)
+    return next(c["reasons"] for c in doc["checkpoints"] if os.path.relpath(c["path"], doc["roots"][0]) == rel)
+
+
+LAUNCH = "a launch of its own"  # why each version's newest complete checkpoint is kept (rules._anchors)
+
+
 def test_plan_latest_and_prune_take_a_resumed_experiment_as_one_run(fits, tmp_path):
-    """keep_last=2 over the experiment: version_0's saves are its oldest and go; version_1's two
-    stay, the newest complete among them, which is what `ckptd latest` names; every version's
-    last.ckpt stays. Before, each version was a run: version_0 kept its step 4 as its newest."""
+    """keep_last=2 over the experiment: version_0's step 2 is its oldest and goes; version_1's two
+    stay, the newest complete among them, which is what `ckptd latest` names; version_0's own newest
+    stays too (a fit from scratch saving at a coarser interval looks the same as this resume); every
+    version's last.ckpt stays."""
     root = volume(fits, tmp_path / "vol")
     cfg = config(tmp_path, root, 2)
     plan = run_ckptd("plan", "-c", cfg, "--json")
     assert plan.returncode == 0, plan.stderr
     got = {k: v for k, v in actions(plan.stdout).items() if k.startswith("resumed/")}
-    assert got == {f"resumed/{V0}/epoch=0-step=2.ckpt": "delete", f"resumed/{V0}/epoch=1-step=4.ckpt": "delete",
+    assert got == {f"resumed/{V0}/epoch=0-step=2.ckpt": "delete", f"resumed/{V0}/epoch=1-step=4.ckpt": "keep",
                    f"resumed/{V1}/epoch=2-step=6.ckpt": "keep", f"resumed/{V1}/epoch=3-step=8.ckpt": "keep"}
+    assert any(LAUNCH in r for r in reasons(plan.stdout, f"resumed/{V0}/epoch=1-step=4.ckpt"))
     named = run_ckptd("latest", "-c", cfg, root / "resumed")
     assert named.returncode == 0, named.stderr
     assert named.stdout.strip() == str(root / "resumed" / V1 / "epoch=3-step=8.ckpt")
     proc = run_ckptd("prune", "-c", cfg)
     assert proc.returncode == 0, proc.stderr
-    assert ckpts(root / "resumed" / V0) == ["last.ckpt"]
+    assert ckpts(root / "resumed" / V0) == ["epoch=1-step=4.ckpt", "last.ckpt"]
     assert ckpts(root / "resumed" / V1) == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
     assert latest(root / "resumed", config=cfg) == root / "resumed" / V1 / "epoch=3-step=8.ckpt"
 
 
 def test_the_daemon_takes_a_resumed_experiment_as_one_run(fits, tmp_path):
-    """`ckptd run` with keep_last=1: the experiment's three older saves go (version_0's two and
-    version_1's step 6), its newest complete and each version's last.ckpt stay, and `ckptd latest`
-    names the one kept. Before, version_0's step 4 stayed as its own run's newest: two deletions."""
+    """`ckptd run` with keep_last=1: the experiment's older saves go (version_0's step 2 and
+    version_1's step 6), its newest complete, version_0's own newest and each version's last.ckpt
+    stay, and `ckptd latest` names the experiment's newest."""
     root = volume(fits, tmp_path / "vol")
-    for other in ("fresh", "logs", "x"):
+    for other in ("fresh", "coarse", "logs", "x"):
         shutil.rmtree(root / other, ignore_errors=True)
     cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state",
                        root_extra="quiet_period = '0.3s'\nallow_short_quiet_period = true\n"
@@ -143,8 +157,8 @@ def test_the_daemon_takes_a_resumed_experiment_as_one_run(fits, tmp_path):
                        retention="keep_last = 1")
     with DaemonProc("-c", cfg) as daemon:
         daemon.wait_message("ready")
-        daemon.wait_for(lambda line: line.get("message", "").startswith("deleted "), count=3, timeout=60)
-    assert ckpts(root / "resumed" / V0) == ["last.ckpt"]
+        daemon.wait_for(lambda line: line.get("message", "").startswith("deleted "), count=2, timeout=60)
+    assert ckpts(root / "resumed" / V0) == ["epoch=1-step=4.ckpt", "last.ckpt"]
     assert ckpts(root / "resumed" / V1) == ["epoch=3-step=8.ckpt", "last.ckpt"]
     named = run_ckptd("latest", "-c", cfg, root / "resumed")
     assert named.stdout.strip() == str(root / "resumed" / V1 / "epoch=3-step=8.ckpt"), named.stderr
@@ -168,8 +182,10 @@ def test_a_run_rule_matches_the_experiment_and_the_full_old_path_still_matches(f
     assert resumed == {f"resumed/{V0}/epoch=0-step=2.ckpt": "delete", f"resumed/{V0}/epoch=1-step=4.ckpt": "keep",
                        f"resumed/{V1}/epoch=2-step=6.ckpt": "keep", f"resumed/{V1}/epoch=3-step=8.ckpt": "keep"}
     named = {k: v for k, v in got.items() if k.startswith("logs/")}
-    assert named == {"logs/exp1/version_0/checkpoints/epoch=0-step=2.ckpt": "delete",
+    assert named == {"logs/exp1/version_0/checkpoints/epoch=0-step=2.ckpt": "keep",
                      "logs/exp1/version_1/checkpoints/epoch=1-step=4.ckpt": "keep"}
+    # taken together with version_1 (else it would be its own run's newest, not a launch's)
+    assert any(LAUNCH in r for r in reasons(plan.stdout, "logs/exp1/version_0/checkpoints/epoch=0-step=2.ckpt"))
     assert got[f"fresh/{V0}/epoch=0-step=2.ckpt"] == "keep"  # keep_last=5 on version_0's own path
     check = run_ckptd("check-config", "-c", cfg)
     assert "matches no run" not in check.stderr + check.stdout
@@ -192,6 +208,24 @@ def test_a_fit_from_scratch_in_a_new_version_is_kept_apart(fits, tmp_path):
     assert latest(root / "fresh", config=cfg) == root / "fresh" / V1 / "epoch=2-step=6.ckpt"
 
 
+def test_a_fit_from_scratch_saving_at_a_coarser_interval_keeps_its_newest(fits, tmp_path):
+    """version_1 of `coarse` is a fit from scratch saving every 5 epochs (steps 10, 20): its lowest
+    step is above version_0's highest (4), as a resume's would be, so the versions are taken
+    together. keep_last=2 keeps version_1's two and version_0's step 2 goes, but version_0's newest
+    (step 4, which Lightning loads) stays: names cannot tell this fit from a resume."""
+    root = volume(fits, tmp_path / "vol")
+    cfg = config(tmp_path, root, 2)
+    plan = run_ckptd("plan", "-c", cfg, "--json")
+    assert plan.returncode == 0, plan.stderr
+    got = {k: v for k, v in actions(plan.stdout).items() if k.startswith("coarse/")}
+    assert got == {f"coarse/{V0}/epoch=0-step=2.ckpt": "delete", f"coarse/{V0}/epoch=1-step=4.ckpt": "keep",
+                   f"coarse/{V1}/epoch=4-step=10.ckpt": "keep", f"coarse/{V1}/epoch=9-step=20.ckpt": "keep"}
+    assert any(LAUNCH in r for r in reasons(plan.stdout, f"coarse/{V0}/epoch=1-step=4.ckpt"))
+    proc = run_ckptd("prune", "-c", cfg)
+    assert proc.returncode == 0, proc.stderr
+    assert ckpts(root / "coarse" / V0) == ["epoch=1-step=4.ckpt", "last.ckpt"]
+
+
 def test_the_reaper_keeps_version_0_when_the_experiments_newest_is_gone(fits, tmp_path):
     """The reaper re-checks the anchors of the run the plan decided: version_1's newest, for a
     deletion in version_0. Taken away between plan and deletion, nothing of version_0 goes."""
@@ -200,13 +234,12 @@ def test_the_reaper_keeps_version_0_when_the_experiments_newest_is_gone(fits, tm
     scanner = Scanner(cfg.roots[0])
     plan = decide([(cfg.roots[0], scanner.runs(now=time.time()))])
     doomed = [d for d in plan.deletions if d.checkpoint.run == f"resumed/{V0}"]
-    assert [d.checkpoint.name for d in doomed] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+    assert [d.checkpoint.name for d in doomed] == ["epoch=0-step=2.ckpt"]
     (root / "resumed" / V1 / "epoch=3-step=8.ckpt").unlink()
     ours = [d for d in plan.decisions if d.checkpoint.run.startswith("resumed/")]
     results = Reaper(scanner, Journal(tmp_path / "state"), dry_run=False).execute(ours)
     assert {r.decision.checkpoint.rel: r.outcome for r in results} == {
-        f"resumed/{V0}/epoch=0-step=2.ckpt": Outcome.REFUSED, f"resumed/{V0}/epoch=1-step=4.ckpt": Outcome.REFUSED,
-        f"resumed/{V1}/epoch=2-step=6.ckpt": Outcome.REFUSED}
+        f"resumed/{V0}/epoch=0-step=2.ckpt": Outcome.REFUSED, f"resumed/{V1}/epoch=2-step=6.ckpt": Outcome.REFUSED}
     assert all("epoch=3-step=8.ckpt is gone" in r.detail for r in results), [r.detail for r in results]
     assert ckpts(root / "resumed" / V0) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
 

@@ -145,9 +145,12 @@ def bare(run: Path, step: int, *, stage: int, mtime: float) -> Path:
     (3, ["zero_pp_rank_1_mp_rank_00_model_states.pt"], 1200, State.INCOMPLETE),
     # ZeRO-2, rank 0 re-saved (model states, its shard), rank 1 slow: its shard is a day old
     (2, ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], 86400, State.INCOMPLETE),
-    # ZeRO-2, one save: rank 1 finished its shard 20 minutes before rank 0 finished the model
-    # states (no barrier between them): a slow write, not two saves
-    (2, ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], 1200, State.COMPLETE),
+    # ZeRO-2, one save: rank 1 finished its shard seconds before rank 0 finished the model
+    # states (no barrier between them): within the slack
+    (2, ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], 8, State.COMPLETE),
+    # ... but 20 minutes before model states of a few KB: writing them cannot have taken that
+    # long (`base.write_span`), so the shard is an earlier save's
+    (2, ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], 1200, State.INCOMPLETE),
     # ZeRO-3, one save with a slow rank 1: its model states and shard both two hours after rank 0's
     (3, ["zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"], 7200,
      State.COMPLETE),
@@ -489,3 +492,14 @@ async def test_a_deletion_refused_because_it_changed_takes_the_checkpoint_back_t
     assert seen()["checkpoint-2"][0] == "incomplete"  # quiet, and two saves
     daemon.retention.run()
     assert seen()["checkpoint-2"][1] == "keep"
+
+
+def test_a_shard_may_end_before_the_model_states_by_as_long_as_they_take_to_write():
+    """`write_span`: the slack for a small file, the file's size at the slowest write allowed for a
+    large one, never more than SAVE_SPAN."""
+    from ckptd.frameworks.base import MTIME_SLACK, SAVE_SPAN, SLOWEST_WRITE, write_span
+
+    assert write_span(4096) == pytest.approx(MTIME_SLACK, abs=0.01)
+    assert write_span(2**30) == pytest.approx(MTIME_SLACK + 2**30 / SLOWEST_WRITE)
+    assert 200 < write_span(2**30) < 300  # a 1 GiB file: about four minutes at 4 MiB/s
+    assert write_span(100 * 2**30) == SAVE_SPAN

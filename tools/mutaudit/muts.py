@@ -51,6 +51,7 @@ SETS = {
     "rtclasses": [T+"discovery/test_resume_pointers.py", T+"policy/test_pins.py", T+"removal/test_trash.py", T+"cli/test_empty_paths.py", T+"discovery/test_fifos.py"],
     # which save a checkpoint's files belong to, and when it was saved
     "one_save": [T+"discovery/test_one_save.py"],
+    "ds_resave": [T+"completeness/test_deepspeed.py::test_a_resave_in_place_whose_rank_1_died_before_its_shard_is_incomplete"],
     # a save's weights, positively (frameworks/hfweights.py), and a copier's leftovers (frameworks/copyin.py)
     "copy_in": [T+"completeness/test_copy_in.py"],
     # what the disk says now, counted as the disk counts it
@@ -887,9 +888,12 @@ MUTS = [
    "            if gap > MTIME_SLACK:\n                why = f\"{name} is",
    "            if False:\n                why = f\"{name} is")]),
  dict(id="OS3", what="a DeepSpeed shard older than model states written before it: two saves", tests="one_save",
-   edits=[("frameworks/deepspeed.py", "            if gap > (MTIME_SLACK if same else SAVE_SPAN):", "            if False:")]),
+   edits=[("frameworks/deepspeed.py", "            if gap > (MTIME_SLACK if same else write_span(e.size)):", "            if False:")]),
  dict(id="OS4", what="one process's model states and shard: no SAVE_SPAN of slack", tests="one_save", edits=[("frameworks/deepspeed.py",
-   "            if gap > (MTIME_SLACK if same else SAVE_SPAN):", "            if gap > SAVE_SPAN:")]),
+   "            if gap > (MTIME_SLACK if same else write_span(e.size)):", "            if gap > SAVE_SPAN:")]),
+ dict(id="OS10", what="a shard of another rank: the write time of the model states bounds the gap, not SAVE_SPAN",
+   tests="ds_resave", edits=[("frameworks/deepspeed.py", "            if gap > (MTIME_SLACK if same else write_span(e.size)):",
+   "            if gap > (MTIME_SLACK if same else SAVE_SPAN):")]),
  dict(id="OS5", what="a bare DeepSpeed tag's files must be from one save", tests="one_save", edits=[("frameworks/deepspeed.py",
    "        return [\"\"]\n", "        return []\n")]),
  dict(id="OS8", what="DCP's .metadata (megatron-core's metadata.json) older than a .distcp: two saves",
@@ -1093,6 +1097,9 @@ MUTS = [
    " or (key != run and path_matches(key, rule.match)):", ":")]),
  dict(id="LX5", what="the reaper's anchors are the merged run's", tests=[T+"discovery/test_lightning_runs.py"], edits=[(RMX,
    "        for run in experiments(self.scanner.root, runs):", "        for run in runs:")]),
+ dict(id="LX6", what="a run taken together from several directories keeps each one's newest complete",
+   tests=[T+"discovery/test_lightning_runs.py"], edits=[("rules.py",
+   "    if any(c.run != first for c in complete):", "    if False:")]),
  # --- the inotify hints (watch.py, ctypes, read on the loop): hints only, but a lost one costs a poll_interval
  dict(id="WA1", what="a directory created inside a recursive watch is not watched", tests=[T+"daemon/test_daemon_async.py::test_a_directory_created_inside_a_watched_checkpoint_is_watched_at_once"], edits=[("watch.py",
    "                    for key in [k for k in d.owners if k[1]]:\n                        self._grow(key, path)\n", "                    pass\n")]),

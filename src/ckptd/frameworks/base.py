@@ -239,6 +239,15 @@ MTIME_SLACK = 10.0
 # optimizer shard may end before rank 0 has finished writing the model states, by at most the time
 # that one file takes to write. Larger than that: the shard is from another save.
 SAVE_SPAN = 30 * 60.0
+# The slowest write a save is allowed, in bytes a second: a file of S bytes took at most
+# S / SLOWEST_WRITE seconds to write (a network volume shared with every rank writing at once).
+SLOWEST_WRITE = 4 * 2**20
+
+
+def write_span(size: int) -> float:
+    """How long writing a file of `size` bytes may take, at most: the slack for small files, never
+    more than `SAVE_SPAN`."""
+    return min(SAVE_SPAN, MTIME_SLACK + size / SLOWEST_WRITE)
 OrderProblems = list[tuple[float, str]]  # (seconds out of order, why): files from two saves
 
 

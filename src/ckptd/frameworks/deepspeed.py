@@ -21,7 +21,6 @@ from ckptd import verdicts as verdicts_
 from ckptd.config import format_age
 from ckptd.frameworks.base import (
     MTIME_SLACK,
-    SAVE_SPAN,
     Evidence,
     Framework,
     OrderProblems,
@@ -29,6 +28,7 @@ from ckptd.frameworks.base import (
     pointer_target,
     read_pointer,
     unreadable_names_all,
+    write_span,
 )
 from ckptd.layouts import Candidate
 from ckptd.model import Check, Entry, Verdict
@@ -243,8 +243,13 @@ def shard_order(files: Mapping[str, Entry], tags: Iterable[str]) -> tuple[bool, 
     """For one save's order (`evidence.one_save`), in each tag directory (`tags`, "" for the
     checkpoint itself): each rank's optimizer shard not older than the model states its process
     wrote before it (engine.py save_checkpoint: _save_checkpoint, then _save_zero_checkpoint), and
-    no shard long older than rank 0's (`SAVE_SPAN`: no barrier between ranks). `files`: the
-    trainer's (ckptd's own left out). Returns whether any shard had model states to tell by, and
+    no shard of another rank older than rank 0's model states by more than writing them can have
+    taken (`write_span` of their size). DeepSpeed 0.19's save_checkpoint has no barrier between
+    rank 0's model states and the other ranks' shards (_create_zero_checkpoint_files only makes the
+    directory), so every rank starts its shard as rank 0 starts the model states, and a shard can end
+    before them by at most their write time; one older than that is from an earlier save of the tag
+    (a re-save in place whose rank died before its shard). `files`: the trainer's (ckptd's own left
+    out). Returns whether any shard had model states to tell by, and
     the problems."""
     checked, problems = False, []
     for tag in tags:
@@ -271,7 +276,7 @@ def shard_order(files: Mapping[str, Entry], tags: Iterable[str]) -> tuple[bool, 
             ms_name, e = found
             same = (rank, mp) in states or rank == 0
             gap = (e.mtime_ns - shard.mtime_ns) / 1e9
-            if gap > (MTIME_SLACK if same else SAVE_SPAN):
+            if gap > (MTIME_SLACK if same else write_span(e.size)):
                 who = "the same rank" if same else "DeepSpeed"
                 why = (
                     f"rank {rank}'s shard {prefix}{name} is {format_age(gap)} older than {prefix}{ms_name}, "
