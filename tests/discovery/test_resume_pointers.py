@@ -4,7 +4,6 @@ keeps its whole run. Through the real CLI and on a real filesystem."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -26,7 +25,7 @@ from ckptd.policy import Action
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper
 from ckptd.verdicts import Verdicts
-from tests.support.common import run_ckptd
+from tests.support.common import run_ckptd, wake_paused_consolidator
 from tests.support.rtkit import (
     bare_deepspeed_run,
     config,
@@ -101,10 +100,7 @@ def test_latest_rolled_back_during_consolidation_stops_the_slim(zero3_bf16_bare,
         assert reader in ready, "the consolidator never paused"
         child = int(os.read(reader, 64).decode().strip())
         (root / "run" / "latest").write_text("global_step10")  # the operator rolls back
-        # To the main thread only (tgkill): it alone blocks SIGUSR1, and a process-directed signal
-        # may land on one of torch's threads, whose default action kills the child.
-        libc = ctypes.CDLL(None, use_errno=True)
-        assert libc.tgkill(child, child, signal.SIGUSR1) == 0, os.strerror(ctypes.get_errno())
+        wake_paused_consolidator(child)
         out, _ = proc.communicate(timeout=180)
     finally:
         os.close(reader)

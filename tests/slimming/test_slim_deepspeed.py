@@ -30,7 +30,7 @@ from ckptd.journal import read_journal
 from ckptd.layouts import LEASE_DIR
 from ckptd.removal.consolidation import WORK_DIR
 from tests.support import dsgen
-from tests.support.common import run_ckptd
+from tests.support.common import run_ckptd, wake_paused_consolidator
 from tests.support.daemonproc import DaemonProc
 
 pytestmark = [
@@ -470,7 +470,7 @@ def test_the_daemon_completes_and_deletes_while_a_consolidation_runs(zero3_bf16_
 
             # the next one: global_step20, now outside keep_full_last=1; let it run to the end
             daemon.wait_message("consolidating run/global_step20", start=mark, timeout=60)
-            os.kill(next(pids), signal.SIGUSR1)
+            wake_paused_consolidator(next(pids))
             daemon.wait_message("consolidated run/global_step20: consolidated global_step20 into fp32/", timeout=180)
             daemon.wait_message("slimmed run/global_step20 (", timeout=60)
             assert sorted(p.name for p in run.glob("global_step*")) == ["global_step20", "global_step30"]
@@ -532,7 +532,7 @@ def test_a_shard_that_reads_back_different_is_never_taken_for_weights(zero2_bf16
             last = f.read(1)
             f.seek(-1, os.SEEK_END)
             f.write(bytes([last[0] ^ 0x01]))
-        os.kill(pid, signal.SIGUSR1)
+        wake_paused_consolidator(pid)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 74, out
     assert "-> failed: consolidation failed, nothing removed: ValueError: 2.bias reads back different" in out

@@ -3,7 +3,9 @@ command line as a subprocess."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +31,12 @@ def run_ckptd(*args: str | os.PathLike[str], env: dict[str, str] | None = None, 
         timeout=timeout,
         cwd=cwd,
     )
+
+
+def wake_paused_consolidator(pid: int) -> None:
+    """End a consolidator's test pause (`consolidate._pause_for_tests`): SIGUSR1 to its main thread
+    only (tgkill). Only that thread blocks SIGUSR1, and a process-directed signal may land on one of
+    torch's threads, whose default action kills the child ("killed by signal 10")."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(pid, pid, signal.SIGUSR1) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
