@@ -115,6 +115,27 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
                 fmt_ratio(scan / f),
             )
         )
+        floor_doc = json.loads(
+            check(run_child([sys.executable, "-m", "bench.probe", "floor", str(v.root), "--reps", str(n)]),
+                  "probe floor").stdout
+        )
+        floor = median(floor_doc["floor_s"])
+        rows.append(
+            Row(
+                NAME,
+                f"{shape.name}: its I/O alone (lstat every entry; open, head and tail of every torch file) "
+                "in a minimal Python loop vs `find -printf`",
+                fmt_time(floor),
+                fmt_time(f),
+                fmt_ratio(floor / f),
+            )
+        )
+        section.details.append(
+            f"{shape.name}: the I/O floor (`python -m bench.probe floor`: {floor_doc['entries']:,} lstats, "
+            f"{floor_doc['opened']:,} torch files opened, a head and a tail read each, nothing parsed) takes "
+            f"{fmt_time(floor)}, {fmt_ratio(floor / f)} `find`; the warm scan + plan is "
+            f"{fmt_ratio(scan / floor)} that floor: Python's work per entry, not the reads, is most of it."
+        )
         section.details.append(
             f"{shape.name} ({shape.entries:,} entries, {zips:,} torch files): find {fmt_time(f)}; "
             f"`ckptd plan` {fmt_time(p)} wall, {fmt_time(median(cpu_plan))} CPU, "

@@ -132,3 +132,20 @@ def test_prune_refuses_a_checkpoint_named_as_its_root(nested, tmp_path):
         assert proc.returncode == 64 and f"{inner} {said}: name its run" in proc.stderr, proc.stderr
     (ckpt / "sub").rmdir()
     assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
+
+
+def test_the_daemon_and_check_config_refuse_a_checkpoint_configured_as_a_root(nested, tmp_path):
+    """The same refusal for a root in the config: `ckptd run` exits 64 before it makes a lock, a
+    lease or a trash there, and `check-config` says why with the same code (cli preflight)."""
+    root = copy_volume({"out_dir": nested}, tmp_path / "vol")
+    ckpt = root / "run" / "checkpoint_0"
+    before = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{ckpt}'\n"
+                   "[roots.retention]\nkeep_last = 1\n")
+    for command in (("run", "--foreground"), ("check-config",)):
+        proc = run_ckptd(*command, "-c", cfg, timeout=60)
+        assert proc.returncode == 64, (command, proc.stdout + proc.stderr)
+        assert f"{ckpt} is a checkpoint: name its run or a directory above it" in proc.stderr, proc.stderr
+    assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
+    assert _loads(ckpt)

@@ -116,6 +116,10 @@ def preflight(config: Config) -> None:
     """Everything `run` checks before it starts, in its order, with its exit codes."""
     require_roots(config)
     require_extras(config)
+    from ckptd.planner import refuse_a_checkpoint_as_root
+
+    for root in config.roots:
+        refuse_a_checkpoint_as_root(root)  # UsageError, exit 64: before a lock or lease is made there
 
 
 def check_state_dir(config: Config) -> str | None:
