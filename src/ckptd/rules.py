@@ -129,20 +129,25 @@ def _anchors(complete: list[Checkpoint]) -> tuple[list[tuple[Checkpoint, str]], 
         for c, why in ((by_step, _LATEST_WHY[0]), (by_time, _LATEST_WHY[1])):
             if all(c is not a for a, _ in found):
                 found.append((c, why))
-    # A run taken together from several directories (`planner.experiments`: the launches of one
-    # experiment whose steps carry on) keeps each directory's newest complete checkpoint as well: a
-    # launch whose steps continue an earlier one's may have resumed from it, or started from scratch
-    # and saved at a coarser interval, and names cannot tell the two apart.
-    first = complete[0].run if complete else ""
-    if any(c.run != first for c in complete):
-        newest_in: dict[str, Checkpoint] = {}
-        for c in complete:
-            if c.run not in newest_in or _SORT_KEY(c) > _SORT_KEY(newest_in[c.run]):
-                newest_in[c.run] = c
-        for d, c in sorted(newest_in.items()):
-            if all(c is not a for a, _ in found):
-                found.append((c, _LAUNCH_WHY.format(d)))
+    for c, why in _launch_anchors(complete):
+        if all(c is not a for a, _ in found):
+            found.append((c, why))
     return found, list(newest_full or ())
+
+
+def _launch_anchors(complete: list[Checkpoint]) -> list[tuple[Checkpoint, str]]:
+    """Of a run taken together from several directories (`planner.experiments`: the launches of
+    one experiment whose steps carry on), each directory's newest complete checkpoint: a launch whose
+    steps continue an earlier one's may have resumed from it, or started from scratch and saved at a
+    coarser interval, and names cannot tell the two apart. [] for a run of one directory."""
+    first = complete[0].run if complete else ""
+    if all(c.run == first for c in complete):
+        return []
+    newest_in: dict[str, Checkpoint] = {}
+    for c in complete:
+        if c.run not in newest_in or _SORT_KEY(c) > _SORT_KEY(newest_in[c.run]):
+            newest_in[c.run] = c
+    return [(c, _LAUNCH_WHY.format(d)) for d, c in sorted(newest_in.items())]
 
 
 _LAUNCH_WHY = (
