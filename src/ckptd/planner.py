@@ -64,7 +64,8 @@ def refuse_a_checkpoint_as_root(root: Root, patterns: list[re.Pattern[str]] | No
     (prune's root lock would make `.ckptd/` inside the checkpoint)."""
     if patterns is None:
         patterns = [compile_pattern(p.name) for p in root.patterns]
-    here = top = root.path.absolute()
+    # As the walk sees it: a symlink to a checkpoint (`ln -s run/step_1 link`) is the checkpoint.
+    here = top = Path(os.path.realpath(root.path))
     for _ in range(_ROOT_ANCESTORS):
         if here.parent == here:
             return

@@ -149,3 +149,30 @@ def test_the_daemon_and_check_config_refuse_a_checkpoint_configured_as_a_root(ne
         assert f"{ckpt} is a checkpoint: name its run or a directory above it" in proc.stderr, proc.stderr
     assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
     assert _loads(ckpt)
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_a_symlink_to_a_checkpoint_is_refused_as_a_root_as_the_checkpoint_is(nested, tmp_path, where):
+    """`ln -s vol/run/checkpoint_0 link; ckptd prune --keep-last 1 link` (the link beside the volume
+    or inside it), and a config whose root is the link: the walk follows the link into the
+    checkpoint, so the refusal asks of what it points to. It had taken the link's own name, which
+    names no checkpoint, and trashed the model's DCP part out of the run's only checkpoint."""
+    root = copy_volume({"out_dir": nested}, tmp_path / "vol")
+    ckpt = root / "run" / "checkpoint_0"
+    subprocess.run(["cp", "-rp", str(ckpt / "pytorch_model_fsdp_0"), str(ckpt / "optimizer_0")], check=True)
+    old = os.stat(ckpt / "pytorch_model_fsdp_0").st_mtime - 60
+    os.utime(ckpt / "pytorch_model_fsdp_0", (old, old))
+    before = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
+    link = (tmp_path / "link") if where == "outside" else (root / "link")
+    link.symlink_to(ckpt)
+    env = {"CKPTD_CONFIG": "", "XDG_STATE_HOME": str(tmp_path / "state"), "HOME": str(tmp_path / "home")}
+    proc = run_ckptd("prune", "--keep-last", "1", link, env=env)
+    assert proc.returncode == 64 and f"{link} is a checkpoint: name its run" in proc.stderr, proc.stdout + proc.stderr
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{link}'\n"
+                   "[roots.retention]\nkeep_last = 1\n")
+    for command in (("check-config",), ("plan",), ("prune",)):
+        proc = run_ckptd(*command, "-c", cfg, env={"CKPTD_CONFIG": ""})
+        assert proc.returncode == 64, (command, proc.stdout + proc.stderr)
+    assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
+    assert _loads(ckpt)

@@ -555,6 +555,8 @@ MUTS = [
    edits=[(LK, "            root_fd = self._root_lock(blocking)\n", "            root_fd = None\n")]),
  dict(id="RA1", what="a root that is a checkpoint, or lies in one, refused", tests=[T+"completeness/test_dcp_nested.py"], edits=[(PL,
    "        if cand is not None:\n            what = ", "        if False:\n            what = ")]),
+ dict(id="RA4", what="a root that is a symlink to a checkpoint is refused as the checkpoint is", tests=[T+"completeness/test_dcp_nested.py"],
+   edits=[(PL, "    here = top = Path(os.path.realpath(root.path))", "    here = top = root.path.absolute()")]),
  dict(id="RA2", what="run and check-config refuse a configured root that is a checkpoint", tests=[T+"completeness/test_dcp_nested.py"],
    edits=[("cli/common.py", "        refuse_a_checkpoint_as_root(root)  # UsageError, exit 64", "        pass  # UsageError, exit 64")]),
  dict(id="C9c", what="a scope inside a run refused", tests=[T+"discovery/test_root_spelling.py"], edits=[("planner.py",
