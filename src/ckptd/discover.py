@@ -117,10 +117,25 @@ def find_runs(
                     sub_rel = e.name if rel == "." else f"{rel}/{e.name}"
                     stack.append((e.path, sub_rel, depth if free else depth + 1, children, children_mtime))
         if candidates:
-            runs.append(
-                RunDir(root, rel, frozenset(e.name for e in entries), tuple(sorted(candidates, key=_order)))
-            )
+            names = frozenset(e.name for e in entries)
+            if (layout := layouts.unnamed_save(names)) is not None:
+                _unnamed(path, layout)  # its checkpoints are the save's parts: no run, nothing deleted
+                continue
+            runs.append(RunDir(root, rel, names, tuple(sorted(candidates, key=_order))))
     return sorted(runs, key=lambda r: r.rel)
+
+
+_TOLD: set[str] = set()
+
+
+def _unnamed(path: str, layout: str) -> None:
+    """Say once per process that the directory at `path` is taken for one save, not a run."""
+    if path not in _TOLD:
+        _TOLD.add(path)
+        log.warning(
+            "%s holds one %s save (under a name of the user's): what looks like checkpoints in it are "
+            "its parts; it is no run, and nothing in it is deleted", path, layout,
+        )
 
 
 def depth_of(rel: str) -> int:

@@ -123,6 +123,12 @@ def is_rank_dir(name: str) -> bool:
     return any(f.rank_dir(name) for f in _registry().REGISTRY)
 
 
+def unnamed_save(children: Collection[str]) -> str | None:
+    """The framework whose save a directory holding `children` is, whatever its name
+    (`unnamed_save`: accelerate's `save_state(output_dir=...)`), or None."""
+    return next((f.layout for f in _registry().REGISTRY if f.unnamed_save(children)), None)
+
+
 def is_framework_dir(name: str) -> bool:
     """A directory a framework makes on the way to its checkpoints (not counted against max_depth)."""
     return any(f.makes_dir(name) for f in _registry().REGISTRY)

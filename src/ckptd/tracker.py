@@ -46,7 +46,7 @@ from ckptd.discover import RunDir, depth_of, find_runs
 from ckptd.evidence import against_sibling_kinds, against_siblings, resume_pointers
 from ckptd.layouts import TRASH_DIR, Candidate
 from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
-from ckptd.planner import Scanner, refuse_a_checkpoint_as_root, run_context
+from ckptd.planner import Scanner, run_context
 from ckptd.schedule import HINT_DEBOUNCE as HINT_DEBOUNCE  # where tests and bench import it from
 from ckptd.schedule import Backoff, LookSchedule
 from ckptd.settle import Settler
@@ -213,8 +213,6 @@ class RootTracker:
         changes = changes or Changes()
         deep = deep or self.deep_next
         self.scanner.check_root()
-        # refused at start (cli preflight); asked again for a root a reload added
-        refuse_a_checkpoint_as_root(self.root, self.scanner.patterns)
         visited: dict[str, int] = {}
         found = find_runs(
             self.root.path, max_depth=self.root.max_depth, patterns=self.scanner.patterns, visited=visited

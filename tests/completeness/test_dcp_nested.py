@@ -12,6 +12,7 @@ Each verdict is checked against `dcp.load` on the same directory.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -176,3 +177,31 @@ def test_a_symlink_to_a_checkpoint_is_refused_as_a_root_as_the_checkpoint_is(nes
         assert proc.returncode == 64, (command, proc.stdout + proc.stderr)
     assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
     assert _loads(ckpt)
+
+
+def test_a_save_into_a_directory_of_the_users_naming_is_no_run_of_its_parts(nested, tmp_path):
+    """accelerate's `save_state("final")` (a name of the user's, not checkpoint_N) under a root: its
+    DCP parts, `pytorch_model_fsdp_0/` and `optimizer_0/`, look like two DCP checkpoints of a run
+    `proj/final`, and keep_last=1 had deleted the model's part. Every process's
+    random_states_<i>.pkl says the directory is one accelerate save (`unnamed_save`): no run, nothing
+    in it deleted, and the daemon's log says so."""
+    root = copy_volume({"out_dir": nested}, tmp_path / "vol")
+    final = root / "proj" / "final"
+    final.parent.mkdir()
+    os.rename(root / "run" / "checkpoint_0", final)
+    assert any(n.startswith("random_states_") for n in os.listdir(final))
+    subprocess.run(["cp", "-rp", str(final / "pytorch_model_fsdp_0"), str(final / "optimizer_0")], check=True)
+    old = os.stat(final / "pytorch_model_fsdp_0").st_mtime - 60
+    os.utime(final / "pytorch_model_fsdp_0", (old, old))
+    before = sorted(str(p.relative_to(final)) for p in final.rglob("*"))
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{root}'\n"
+                   "[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
+    plan = run_ckptd("plan", "-c", cfg, "--json", env={"CKPTD_CONFIG": ""})
+    assert plan.returncode == 0, plan.stderr
+    assert [c["path"] for c in json.loads(plan.stdout)["checkpoints"] if "proj/final" in c["path"]] == []
+    assert f"{final} holds one accelerate save (under a name of the user's)" in plan.stderr, plan.stderr
+    proc = run_ckptd("prune", "-c", cfg, env={"CKPTD_CONFIG": ""})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(str(p.relative_to(final)) for p in final.rglob("*")) == before
+    assert _loads(final)

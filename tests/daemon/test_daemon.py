@@ -292,3 +292,29 @@ def test_a_checkpoint_with_a_future_mtime_does_not_complete_under_the_daemon(tmp
     states = {c["name"]: c["state"] for c in status[0]["roots"][0]["runs"][0]["checkpoints"]}
     assert states["checkpoint-20"] == "writing"
     assert listing(root / "run") == ["checkpoint-20", "checkpoint-30"]
+
+
+def test_a_reload_that_adds_a_checkpoint_as_a_root_is_refused_and_the_old_config_kept(tmp_path):
+    """`ckptd run` refuses at start a root that is a checkpoint (cli preflight); a reload that adds
+    one is refused the same way, the old config kept and nothing inside the checkpoint touched."""
+    root, other = tmp_path / "vol", tmp_path / "vol2"
+    for step in (1, 2):
+        hf_deepspeed_checkpoint(root / "job", step, world=2)
+    hf_deepspeed_checkpoint(other / "job", 7, world=2)
+    inside = other / "job" / "checkpoint-7"
+    before = sorted(str(p.relative_to(inside)) for p in inside.rglob("*"))
+    extra = "quiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2"
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state", root_extra=extra,
+                       retention="keep_last = 1\nkeep_best = 0")
+    with DaemonProc("-c", cfg) as daemon:
+        daemon.wait_message("deleted job/checkpoint-1")
+        mark = daemon.mark()
+        with cfg.open("a") as f:
+            f.write(f"\n[[roots]]\npath = '{inside}'\n{extra}\n[roots.retention]\nkeep_last = 1\n")
+        daemon.signal(signal.SIGHUP)
+        [line] = daemon.wait_message("reload failed", start=mark)
+        assert f"{inside} is a checkpoint: name its run or a directory above it" in line["message"], line
+        hf_deepspeed_checkpoint(root / "job", 3, world=2)  # still working, with the old config
+        daemon.wait_message("deleted job/checkpoint-2", start=mark)
+        assert daemon.proc.poll() is None
+    assert sorted(str(p.relative_to(inside)) for p in inside.rglob("*")) == before

@@ -50,10 +50,11 @@ from ckptd.daemon.roots import RootKeeper, RootRuntime
 from ckptd.daemon.status import STATE_PREFIX, StateFile
 from ckptd.daemon.tick import Tick
 from ckptd.envconfig import effective_config
-from ckptd.errors import ConfigError
+from ckptd.errors import ConfigError, UsageError
 from ckptd.journal import Journal
 from ckptd.metrics import Metrics
 from ckptd.notify import notify, watchdog_interval
+from ckptd.planner import refuse_a_checkpoint_as_root
 from ckptd.removal.outcome import DRY_RUN_NOTE
 from ckptd.removal.purge import lower_priority
 from ckptd.watch import Watcher
@@ -280,7 +281,7 @@ class Daemon:
             if self.config_path is None:
                 raise ConfigError(["no config file to reload (started without one)"])
             new = await self._loop.run_in_executor(
-                None, effective_config, self.config_path, dict(os.environ), self.cli_roots
+                None, _reloaded_config, self.config_path, dict(os.environ), self.cli_roots
             )
         except ConfigError as exc:
             for line in exc.problems:
@@ -363,3 +364,15 @@ def _join_executors(executors: list[concurrent.futures.ThreadPoolExecutor], time
 def _flush_logs() -> None:
     for h in logging.getLogger("ckptd").handlers:
         h.flush()
+
+
+def _reloaded_config(path: Path, environ: dict[str, str], cli_roots: list[Path]) -> Config:
+    """The config a reload swaps in, refused (ConfigError) where `ckptd run` would refuse it at
+    start: a root that is a checkpoint, or lies in one (cli preflight)."""
+    new = effective_config(path, environ, cli_roots)
+    for root in new.roots:
+        try:
+            refuse_a_checkpoint_as_root(root)
+        except UsageError as exc:
+            raise ConfigError([str(exc)]) from None
+    return new

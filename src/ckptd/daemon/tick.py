@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from ckptd.errors import RootMissingError, UsageError
+from ckptd.errors import RootMissingError
 from ckptd.lease import VolumeLease
 from ckptd.tracker import Changes
 
@@ -117,7 +117,7 @@ class Tick:
                     d.keeper.purge(rt)
             d.keeper.try_lead(rt)  # a volume lease changes hands on its own thread
             return reconciled, tr.step(now)
-        except (OSError, RootMissingError, UsageError) as exc:  # UsageError: a root that is a checkpoint
+        except (OSError, RootMissingError) as exc:
             self._failed(rt, now, exc)
             return reconciled, None
 

@@ -136,6 +136,12 @@ class Accelerate(Framework):
             return Candidate(name, int(m[1]), LAYOUT, True, unit=unit)
         return None
 
+    def unnamed_save(self, children: Collection[str]) -> bool:
+        # `save_state(output_dir="final")` saves into any directory; every process's
+        # random_states_<i>.pkl (save_accelerator_state) says one of its saves is there. Its FSDP
+        # parts (`pytorch_model_fsdp_0/`, `optimizer_0/`: DCP saves) are then no run's checkpoints.
+        return any(_RANDOM_STATES.fullmatch(c) for c in children)
+
     def evidence(self, save: Save) -> Evidence:
         files = save.files
         checks = [save.deepspeed(d)[0] for d in _deepspeed_tag_dirs(files)]  # under DeepSpeed: pytorch_model/

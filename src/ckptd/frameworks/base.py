@@ -148,6 +148,12 @@ class Framework:
         checkpoint's part rather than a save of a run held there (`layouts.held`)."""
         return False
 
+    def unnamed_save(self, children: Collection[str]) -> bool:
+        """Whether a directory holding `children` is one of its saves whatever the directory's name
+        (a save into a directory the user named): then the checkpoints found in it are that save's
+        parts, and the directory is no run (`discover.find_runs`)."""
+        return False
+
     def rank_dir(self, name: str) -> bool:
         """Whether `name` is one model-parallel rank's directory of its saves (its steps are parts of
         steps whose other parts are in the sibling rank directories)."""
