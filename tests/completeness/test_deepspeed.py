@@ -295,3 +295,39 @@ def test_a_resave_in_place_whose_rank_1_died_before_its_shard_is_incomplete(tmp_
     assert (rows["global_step5"]["state"], rows["global_step5"]["action"]) == ("complete", "keep"), rows
     latest = run_ckptd("latest", run, env={"CKPTD_CONFIG": ""})
     assert latest.stdout == f"{run / 'global_step5'}\n", latest.stdout + latest.stderr
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_resave_in_place_whose_rank_0_died_before_its_model_states_is_incomplete(tmp_path, stage):
+    """The same re-save, with rank 0 held before its model states (engine._save_checkpoint) until
+    rank 1 has written all of its files, then the job SIGKILLed: rank 0's old model states and shard
+    (ten minutes old) beside rank 1's new shard (and, under ZeRO-3, its new model states). The new
+    files are newer, so no order tells; their size does: every rank's partition of one save is the
+    same size, and the wider model's are larger (`deepspeed._partitions_differ`, from each shard's
+    zip directory). DeepSpeed cannot resume from it (tools/attack30's test_ds_resave_rank0_killed.py
+    loads it with both widths)."""
+    run = tmp_path / "vol" / "run"
+    dsgen.generate(run, world_size=2, stage=stage, layout="bare", steps=(5, 10))
+    _shift(tmp_path / "vol", 600)
+    with dsgen.start(run, world_size=2, stage=stage, layout="bare", steps=(10,), hidden=64, slow_rank=0,
+                     slow_seconds=600, env={"DSGEN_HOLD": "states"}) as job:
+        job.wait_for("slow_rank_waiting", timeout=240)
+        job.kill()
+    (run / dsgen.SLOW_MARKER).unlink(missing_ok=True)  # the generator's hold marker, not DeepSpeed's
+    tag = run / "global_step10"
+    shard0, shard1 = (tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
+    assert shard1.stat().st_mtime - shard0.stat().st_mtime > 550  # rank 1's new shard beside rank 0's old
+    _shift(tmp_path / "vol", 1800)
+
+    cfg = config(tmp_path, tmp_path / "vol", keep_last=1, keep_best=0)
+    code, doc = verify(tag, "-c", str(cfg))
+    assert code == 1 and doc["state"] == "incomplete", doc
+    [shards] = census(doc)
+    assert shards["verdict"] == "failed" and shards["detail"].startswith("files from two saves: "), shards
+    assert "every rank's partition of one save is the same size" in shards["detail"], shards
+    proc = run_ckptd("plan", "-c", cfg, "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {Path(c["path"]).name: c for c in json.loads(proc.stdout)["checkpoints"]}
+    assert (rows["global_step5"]["state"], rows["global_step5"]["action"]) == ("complete", "keep"), rows
+    latest = run_ckptd("latest", run, env={"CKPTD_CONFIG": ""})
+    assert latest.stdout == f"{run / 'global_step5'}\n", latest.stdout + latest.stderr

@@ -631,38 +631,53 @@ def _worker(rank: int, cfg: dict) -> None:
     state = {"step": None}
     slow_rank, slow_step = cfg["slow_rank"], cfg["slow_step"]
     orig_save_zero = engine._save_zero_checkpoint
+    orig_save_states = engine._save_checkpoint
+    # DSGEN_HOLD=states: the slow rank is held before its model states (engine._save_checkpoint)
+    # instead of before its shard, once every other rank has written its shard
+    hold_states = os.environ.get("DSGEN_HOLD") == "states"
+
+    def hold(step, tag, save_path, held_file, then):
+        """Wait for the other ranks' files, hold (`slow_seconds` or SIGUSR1), then `then()`."""
+        keys = [f"shard/{step}/{r}" for r in range(cfg["world_size"]) if r != rank]
+        if rank != 0:
+            keys.append(f"latest/{step}")
+        store.wait(keys, datetime.timedelta(seconds=cfg["timeout"]))
+        marker = Path(cfg["out"]) / SLOW_MARKER
+        info = {
+            "rank": rank,
+            "pid": os.getpid(),
+            "step": step,
+            "tag": tag,
+            "save_dir": save_path,
+            "shard": held_file,
+        }
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        tmp = marker.with_name(marker.name + ".tmp")
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, marker)
+        listing = {str(p.relative_to(cfg["out"])) for p in Path(cfg["out"]).rglob("*")}
+        _emit("slow_rank_waiting", listing=sorted(listing), **info)
+        t0 = time.monotonic()
+        # the deliberate delay; SIGUSR1 (Run.release) ends it early
+        released = signal.sigtimedwait([signal.SIGUSR1], cfg["slow_seconds"]) is not None
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        held = time.monotonic() - t0
+        then()
+        marker.unlink()
+        _emit("slow_rank_done", rank=rank, step=step, shard=held_file, held_s=held, released=released)
+
+    def save_states(save_dir, tag, *a, **k):
+        if hold_states and rank == slow_rank and state["step"] == slow_step:
+            name = engine._get_ckpt_name(save_dir, tag)
+            hold(state["step"], tag, save_dir, name, lambda: orig_save_states(save_dir, tag, *a, **k))
+        else:
+            orig_save_states(save_dir, tag, *a, **k)
 
     def save_zero(save_path, tag):
         step = state["step"]
         shard = engine._get_zero_ckpt_name(save_path, tag)
-        if rank == slow_rank and step == slow_step:
-            keys = [f"shard/{step}/{r}" for r in range(cfg["world_size"]) if r != rank]
-            if rank != 0:
-                keys.append(f"latest/{step}")
-            store.wait(keys, datetime.timedelta(seconds=cfg["timeout"]))
-            marker = Path(cfg["out"]) / SLOW_MARKER
-            info = {
-                "rank": rank,
-                "pid": os.getpid(),
-                "step": step,
-                "tag": tag,
-                "save_dir": save_path,
-                "shard": shard,
-            }
-            old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-            tmp = marker.with_name(marker.name + ".tmp")
-            tmp.write_text(json.dumps(info))
-            os.replace(tmp, marker)
-            listing = {str(p.relative_to(cfg["out"])) for p in Path(cfg["out"]).rglob("*")}
-            _emit("slow_rank_waiting", listing=sorted(listing), **info)
-            t0 = time.monotonic()
-            # the deliberate delay; SIGUSR1 (Run.release) ends it early
-            released = signal.sigtimedwait([signal.SIGUSR1], cfg["slow_seconds"]) is not None
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-            held = time.monotonic() - t0
-            orig_save_zero(save_path, tag)
-            marker.unlink()
-            _emit("slow_rank_done", rank=rank, step=step, shard=shard, held_s=held, released=released)
+        if rank == slow_rank and step == slow_step and not hold_states:
+            hold(step, tag, save_path, shard, lambda: orig_save_zero(save_path, tag))
         else:
             orig_save_zero(save_path, tag)
             if store is not None and step == slow_step:
@@ -670,6 +685,7 @@ def _worker(rank: int, cfg: dict) -> None:
         _emit("shard_written", rank=rank, step=step, file=os.path.basename(shard), path=shard)
 
     engine._save_zero_checkpoint = save_zero
+    engine._save_checkpoint = save_states
 
     if store is not None and rank == 0 and slow_rank != 0:
         # Signal "rank 0 has written <save_dir>/latest": engine.save_checkpoint

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import re
+import zipfile
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
-from ckptd import dsmeta, mounts, slim
+from ckptd import dsmeta, mounts, slim, volread
 from ckptd import verdicts as verdicts_
 from ckptd.config import format_age
 from ckptd.frameworks.base import (
@@ -183,6 +184,8 @@ def census(save: Save, gs: str) -> tuple[Check, dsmeta.WorldSizes | None]:
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         return Check(name, FAILED, f"{shown} missing ({origin})"), sizes
+    if (mixed := _partitions_differ(save, gs, here)) is not None:
+        return Check(name, FAILED, f"files from two saves: {mixed} ({origin})"), sizes
     present = len(expected) - len(slimmed & set(expected))
     gone = (
         f", {len(expected) - present} optimizer shards removed by slimming"
@@ -191,6 +194,60 @@ def census(save: Save, gs: str) -> tuple[Check, dsmeta.WorldSizes | None]:
     )
     kind = _zero_kind(sizes, stage3, zero)
     return Check(name, PASSED, f"{present}/{len(expected)} files present{gone}, {kind} ({origin})"), sizes
+
+
+# A torch.save zip keeps each tensor's storage as its own member, `<archive>/data/<key>`.
+_STORAGE = re.compile(r"[^/]+/data/\d+")
+
+
+def tensor_bytes(path: Path) -> int | str:
+    """The bytes of every tensor a torch.save zip holds (its storage members, from the zip's central
+    directory: no tensor is read), or why they cannot be counted."""
+    try:
+        fd = volread.open_regular(path)
+    except volread.NotRegularFile as exc:
+        return str(exc)
+    with os.fdopen(fd, "rb") as f:
+        try:
+            members = zipfile.ZipFile(f).infolist()
+        except (zipfile.BadZipFile, ValueError, EOFError) as exc:
+            return f"not a readable zip: {exc}"
+    return sum(m.file_size for m in members if _STORAGE.fullmatch(m.filename))
+
+
+def _partitions_differ(save: Save, gs: str, here: set[str]) -> str | None:
+    """Whether the optimizer shards of one model-parallel rank come from saves of different models:
+    every data-parallel rank's partition of one save is the same size (DeepSpeed pads the flat groups
+    to a multiple of the data-parallel world: stage_1_and_2.py, stage3.py), so their shards hold the
+    same bytes of tensors. A re-save of the tag in place by a job with another model, one of whose
+    ranks died before its files, leaves shards of two sizes beside each other (rank 0's old model
+    states and shard, rank 1's new shard: newer, so no order says so). Counted from each shard's zip
+    directory, remembered while the file is the same; a shard that cannot be counted says nothing
+    here (the integrity check speaks of it). Only shards that ended more than `MTIME_SLACK` apart
+    are counted: a job restarts and reaches its save again in more time than that, so shards that
+    close are one save's (and most saves cost no read here)."""
+    prefix = f"{gs}/" if gs else ""
+    by_mp: dict[int, dict[int, str]] = {}
+    for n in here:
+        if (o := _OPTIM.fullmatch(n)) is not None:
+            by_mp.setdefault(int(o[3]), {})[int(o[2])] = n
+    for shards in by_mp.values():
+        times = [e.mtime_ns for n in shards.values() if (e := save.files.get(prefix + n)) is not None]
+        if len(shards) < 2 or not times or max(times) - min(times) <= MTIME_SLACK * 1e9:
+            continue
+        counted: dict[int, tuple[str, int]] = {}
+        for rank, n in sorted(shards.items()):
+            rel = prefix + n
+            found = save.remembered_file(rel, lambda rel=rel: tensor_bytes(save.path / rel))
+            if isinstance(found, int):
+                counted.setdefault(found, (rel, rank))
+        if len(counted) > 1:
+            (a, (ra, _)), (b, (rb, _)) = sorted(counted.items(), key=lambda kv: kv[1][1])[:2]
+            return (
+                f"{ra} holds {a:,} bytes of tensors and {rb} {b:,}: every rank's partition of one save "
+                "is the same size (a re-save in place by another model, a rank of which died?)"
+            )
+    return None
 
 
 def _present(files: Mapping[str, Entry], removed: frozenset[str], gs: str) -> tuple[set[str], set[str]]:
