@@ -20,7 +20,7 @@ import pytest
 
 from ckptd.demo import age
 from tests.support import dsgen
-from tests.support.common import LOSSES, run_ckptd
+from tests.support.common import LOSSES, run_ckptd, shift_mtimes
 from tests.support.daemonproc import DaemonProc
 
 pytestmark = [
@@ -251,12 +251,14 @@ def test_a_bf16_save_killed_before_any_shard_is_incomplete_whatever_its_ds_confi
     assert "optim_states.pt missing" in census(doc)[0]["detail"]
 
 
-def _shift(root: Path, seconds: float) -> None:
-    """Every mtime under `root` `seconds` further back, their order kept."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            st = os.lstat(p := os.path.join(dirpath, n))
-            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns - int(seconds * 1e9)), follow_symlinks=False)
+def _the_older_tag_is_kept(cfg: Path, run: Path) -> None:
+    """`plan` keeps global_step5, complete, and `ckptd latest` names it: what DeepSpeed resumes from."""
+    proc = run_ckptd("plan", "-c", cfg, "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {Path(c["path"]).name: c for c in json.loads(proc.stdout)["checkpoints"]}
+    assert (rows["global_step5"]["state"], rows["global_step5"]["action"]) == ("complete", "keep"), rows
+    latest = run_ckptd("latest", run, env={"CKPTD_CONFIG": ""})
+    assert latest.stdout == f"{run / 'global_step5'}\n", latest.stdout + latest.stderr
 
 
 def test_a_resave_in_place_whose_rank_1_died_before_its_shard_is_incomplete(tmp_path):
@@ -270,7 +272,7 @@ def test_a_resave_in_place_whose_rank_1_died_before_its_shard_is_incomplete(tmp_
     as long as they can have taken to write (`base.write_span`), seconds for this model."""
     run = tmp_path / "vol" / "run"
     dsgen.generate(run, world_size=2, stage=2, layout="bare", steps=(5, 10))
-    _shift(tmp_path / "vol", 600)
+    shift_mtimes(tmp_path / "vol", 600)
     with dsgen.start(run, world_size=2, stage=2, layout="bare", steps=(10,), hidden=64, slow_rank=1,
                      slow_seconds=600) as job:
         job.wait_for("slow_rank_waiting", timeout=240)
@@ -280,7 +282,7 @@ def test_a_resave_in_place_whose_rank_1_died_before_its_shard_is_incomplete(tmp_
     states, shard1 = tag / "mp_rank_00_model_states.pt", tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     assert states.stat().st_mtime - shard1.stat().st_mtime > 550  # the old job's shard beside the new states
     assert (run / "latest").read_text() == "global_step10"
-    _shift(tmp_path / "vol", 1800)  # killed half an hour ago: quiet since
+    shift_mtimes(tmp_path / "vol", 1800)  # killed half an hour ago: quiet since
 
     cfg = config(tmp_path, tmp_path / "vol", keep_last=1, keep_best=0)
     code, doc = verify(tag, "-c", str(cfg))
@@ -289,12 +291,7 @@ def test_a_resave_in_place_whose_rank_1_died_before_its_shard_is_incomplete(tmp_
     order = next(c for c in doc["checks"] if c["name"] == "one save")
     assert order["verdict"] == "failed" and said in order["detail"], doc["checks"]
     assert "older than mp_rank_00_model_states.pt" in order["detail"], order
-    proc = run_ckptd("plan", "-c", cfg, "--json")
-    assert proc.returncode == 0, proc.stderr
-    rows = {Path(c["path"]).name: c for c in json.loads(proc.stdout)["checkpoints"]}
-    assert (rows["global_step5"]["state"], rows["global_step5"]["action"]) == ("complete", "keep"), rows
-    latest = run_ckptd("latest", run, env={"CKPTD_CONFIG": ""})
-    assert latest.stdout == f"{run / 'global_step5'}\n", latest.stdout + latest.stderr
+    _the_older_tag_is_kept(cfg, run)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -308,7 +305,7 @@ def test_a_resave_in_place_whose_rank_0_died_before_its_model_states_is_incomple
     loads it with both widths)."""
     run = tmp_path / "vol" / "run"
     dsgen.generate(run, world_size=2, stage=stage, layout="bare", steps=(5, 10))
-    _shift(tmp_path / "vol", 600)
+    shift_mtimes(tmp_path / "vol", 600)
     with dsgen.start(run, world_size=2, stage=stage, layout="bare", steps=(10,), hidden=64, slow_rank=0,
                      slow_seconds=600, env={"DSGEN_HOLD": "states"}) as job:
         job.wait_for("slow_rank_waiting", timeout=240)
@@ -317,7 +314,7 @@ def test_a_resave_in_place_whose_rank_0_died_before_its_model_states_is_incomple
     tag = run / "global_step10"
     shard0, shard1 = (tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
     assert shard1.stat().st_mtime - shard0.stat().st_mtime > 550  # rank 1's new shard beside rank 0's old
-    _shift(tmp_path / "vol", 1800)
+    shift_mtimes(tmp_path / "vol", 1800)
 
     cfg = config(tmp_path, tmp_path / "vol", keep_last=1, keep_best=0)
     code, doc = verify(tag, "-c", str(cfg))
@@ -325,9 +322,4 @@ def test_a_resave_in_place_whose_rank_0_died_before_its_model_states_is_incomple
     [shards] = census(doc)
     assert shards["verdict"] == "failed" and shards["detail"].startswith("files from two saves: "), shards
     assert "every rank's partition of one save is the same size" in shards["detail"], shards
-    proc = run_ckptd("plan", "-c", cfg, "--json")
-    assert proc.returncode == 0, proc.stderr
-    rows = {Path(c["path"]).name: c for c in json.loads(proc.stdout)["checkpoints"]}
-    assert (rows["global_step5"]["state"], rows["global_step5"]["action"]) == ("complete", "keep"), rows
-    latest = run_ckptd("latest", run, env={"CKPTD_CONFIG": ""})
-    assert latest.stdout == f"{run / 'global_step5'}\n", latest.stdout + latest.stderr
+    _the_older_tag_is_kept(cfg, run)

@@ -11,24 +11,15 @@ after trainer_state.json), `ckptd latest` must name checkpoint-2 and `keep_last=
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.support import fwgen
-from tests.support.common import run_ckptd
+from tests.support.common import run_ckptd, shift_mtimes
 
 pytestmark = pytest.mark.frameworks
-
-
-def _age(root: Path, seconds: float) -> None:
-    """Every mtime under `root` `seconds` further back, their order kept."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            st = os.lstat(p := os.path.join(dirpath, n))
-            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns - int(seconds * 1e9)), follow_symlinks=False)
 
 
 def test_a_trainer_resave_killed_after_its_weights_is_incomplete_and_the_older_one_is_kept(tmp_path):
@@ -37,12 +28,12 @@ def test_a_trainer_resave_killed_after_its_weights_is_incomplete_and_the_older_o
     out = tmp_path / "vol" / "out"
     first = fwgen.run_module("fwresave", "train", str(out), "16", "2", "4")
     assert first.returncode == 0 and "trained" in first.stdout, first.stdout[-2000:] + first.stderr[-3000:]
-    _age(tmp_path / "vol", 7200)  # the first job ran two hours ago
+    shift_mtimes(tmp_path / "vol", 7200)  # the first job ran two hours ago
     killed = fwgen.run_module("fwresave", "train", str(out), "32", "4", "4", "4")
     assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-3000:]  # SIGKILLed in the save
     ck4 = out / "checkpoint-4"
     assert (ck4 / "model.safetensors").stat().st_mtime > (ck4 / "trainer_state.json").stat().st_mtime + 3600
-    _age(tmp_path / "vol", 1800)  # killed half an hour ago: quiet since
+    shift_mtimes(tmp_path / "vol", 1800)  # killed half an hour ago: quiet since
     assert time.time() - (ck4 / "model.safetensors").stat().st_mtime > 1700
 
     cfg = tmp_path / "ckptd.toml"

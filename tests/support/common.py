@@ -40,3 +40,11 @@ def wake_paused_consolidator(pid: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.tgkill(pid, pid, signal.SIGUSR1) != 0:
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
+def shift_mtimes(root: Path, seconds: float) -> None:
+    """Every mtime under `root` `seconds` further back, their order kept (never by sleeping)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            st = os.lstat(p := os.path.join(dirpath, n))
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns - int(seconds * 1e9)), follow_symlinks=False)
