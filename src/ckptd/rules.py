@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime
 import heapq
 import math
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from operator import attrgetter
@@ -110,28 +110,27 @@ def _anchors(complete: list[Checkpoint]) -> tuple[list[tuple[Checkpoint, str]], 
     # With nothing slimmed the full ones are the complete ones: the same newest.
     newest_full = newest_complete if len(full) == len(complete) else (_newest(full) if full else None)
     found: list[tuple[Checkpoint, str]] = []
-    pools = zip((newest_complete, newest_full), _ANCHOR_WHY, strict=True)
-    for newest, (by_step_why, by_time_why, touched_why) in pools:
-        if newest is None:
-            continue
-        by_step, by_time, by_touch = newest
-        by_step_why += ordered_by(by_step)
-        candidates = ((by_step, by_step_why), (by_time, by_time_why), (by_touch, touched_why))
-        for c, why in candidates:
+
+    def add(pairs: Iterable[tuple[Checkpoint, str]]) -> None:
+        """Each (checkpoint, why) not yet an anchor, with the first reason found for it."""
+        for c, why in pairs:
             if all(c is not a for a, _ in found):
                 found.append((c, why))
+
+    pools = zip((newest_complete, newest_full), _ANCHOR_WHY, strict=True)
+    for newest, (by_step_why, by_time_why, touched_why) in pools:
+        if newest is not None:
+            by_step, by_time, by_touch = newest
+            by_step_why += ordered_by(by_step)
+            add(((by_step, by_step_why), (by_time, by_time_why), (by_touch, touched_why)))
     # `ckptd latest` prefers a run's attested saves (`resume.choose`): where some full ones carry
     # commit records and a newer one does not, it names the newest attested one, by step or by time.
     # What a restart was just told to resume from is kept too.
     attested = [c for c in full if committed_summary(c.checks)]
     if attested and len(attested) < len(full):
         by_step, by_time, _ = _newest(attested)
-        for c, why in ((by_step, _LATEST_WHY[0]), (by_time, _LATEST_WHY[1])):
-            if all(c is not a for a, _ in found):
-                found.append((c, why))
-    for c, why in _launch_anchors(complete):
-        if all(c is not a for a, _ in found):
-            found.append((c, why))
+        add(((by_step, _LATEST_WHY[0]), (by_time, _LATEST_WHY[1])))
+    add(_launch_anchors(complete))
     return found, list(newest_full or ())
 
 

@@ -113,6 +113,13 @@ def actions(plan_json: str) -> dict[str, str]:
     return {os.path.relpath(c["path"], doc["roots"][0]): c["action"] for c in doc["checkpoints"]}
 
 
+def planned(cfg: Path, prefix: str) -> tuple[dict[str, str], str]:
+    """`ckptd plan --json`'s action for each checkpoint under `prefix`, and the plan itself."""
+    plan = run_ckptd("plan", "-c", cfg, "--json")
+    assert plan.returncode == 0, plan.stderr
+    return {k: v for k, v in actions(plan.stdout).items() if k.startswith(prefix)}, plan.stdout
+
+
 def reasons(plan_json: str, rel: str) -> list[str]:
     doc = json.loads(plan_json)
     return next(c["reasons"] for c in doc["checkpoints"] if os.path.relpath(c["path"], doc["roots"][0]) == rel)
@@ -128,12 +135,10 @@ def test_plan_latest_and_prune_take_a_resumed_experiment_as_one_run(fits, tmp_pa
     version's last.ckpt stays."""
     root = volume(fits, tmp_path / "vol")
     cfg = config(tmp_path, root, 2)
-    plan = run_ckptd("plan", "-c", cfg, "--json")
-    assert plan.returncode == 0, plan.stderr
-    got = {k: v for k, v in actions(plan.stdout).items() if k.startswith("resumed/")}
+    got, plan = planned(cfg, "resumed/")
     assert got == {f"resumed/{V0}/epoch=0-step=2.ckpt": "delete", f"resumed/{V0}/epoch=1-step=4.ckpt": "keep",
                    f"resumed/{V1}/epoch=2-step=6.ckpt": "keep", f"resumed/{V1}/epoch=3-step=8.ckpt": "keep"}
-    assert any(LAUNCH in r for r in reasons(plan.stdout, f"resumed/{V0}/epoch=1-step=4.ckpt"))
+    assert any(LAUNCH in r for r in reasons(plan, f"resumed/{V0}/epoch=1-step=4.ckpt"))
     named = run_ckptd("latest", "-c", cfg, root / "resumed")
     assert named.returncode == 0, named.stderr
     assert named.stdout.strip() == str(root / "resumed" / V1 / "epoch=3-step=8.ckpt")
@@ -199,9 +204,7 @@ def test_a_fit_from_scratch_in_a_new_version_is_kept_apart(fits, tmp_path):
     step 4 would go as older than version_1's 6; before, the rule matched nothing (keep_last=3)."""
     root = volume(fits, tmp_path / "vol")
     cfg = config(tmp_path, root, 3, "[[roots.runs]]\nmatch = 'fresh'\nkeep_last = 1\n")
-    plan = run_ckptd("plan", "-c", cfg, "--json")
-    assert plan.returncode == 0, plan.stderr
-    got = {k: v for k, v in actions(plan.stdout).items() if k.startswith("fresh/")}
+    got, _ = planned(cfg, "fresh/")
     assert got == {f"fresh/{V0}/epoch=0-step=2.ckpt": "delete", f"fresh/{V0}/epoch=1-step=4.ckpt": "keep",
                    f"fresh/{V1}/epoch=0-step=2.ckpt": "delete", f"fresh/{V1}/epoch=1-step=4.ckpt": "delete",
                    f"fresh/{V1}/epoch=2-step=6.ckpt": "keep"}
@@ -215,12 +218,10 @@ def test_a_fit_from_scratch_saving_at_a_coarser_interval_keeps_its_newest(fits, 
     (step 4, which Lightning loads) stays: names cannot tell this fit from a resume."""
     root = volume(fits, tmp_path / "vol")
     cfg = config(tmp_path, root, 2)
-    plan = run_ckptd("plan", "-c", cfg, "--json")
-    assert plan.returncode == 0, plan.stderr
-    got = {k: v for k, v in actions(plan.stdout).items() if k.startswith("coarse/")}
+    got, plan = planned(cfg, "coarse/")
     assert got == {f"coarse/{V0}/epoch=0-step=2.ckpt": "delete", f"coarse/{V0}/epoch=1-step=4.ckpt": "keep",
                    f"coarse/{V1}/epoch=4-step=10.ckpt": "keep", f"coarse/{V1}/epoch=9-step=20.ckpt": "keep"}
-    assert any(LAUNCH in r for r in reasons(plan.stdout, f"coarse/{V0}/epoch=1-step=4.ckpt"))
+    assert any(LAUNCH in r for r in reasons(plan, f"coarse/{V0}/epoch=1-step=4.ckpt"))
     proc = run_ckptd("prune", "-c", cfg)
     assert proc.returncode == 0, proc.stderr
     assert ckpts(root / "coarse" / V0) == ["epoch=1-step=4.ckpt", "last.ckpt"]

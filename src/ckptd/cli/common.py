@@ -119,7 +119,8 @@ def preflight(config: Config) -> None:
     from ckptd.planner import refuse_a_checkpoint_as_root
 
     for root in config.roots:
-        refuse_a_checkpoint_as_root(root)  # UsageError, exit 64: before a lock or lease is made there
+        # before prune's root lock or a volume lease makes .ckptd/ in it
+        refuse_a_checkpoint_as_root(root)  # UsageError, exit 64
 
 
 def check_state_dir(config: Config) -> str | None:

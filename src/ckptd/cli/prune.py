@@ -19,7 +19,7 @@ from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leaders
 from ckptd.locks import RootLock
 from ckptd.model import Action
 from ckptd.mounts import read_mounts
-from ckptd.planner import Scanner, decide, refuse_a_checkpoint_as_root
+from ckptd.planner import Scanner, decide
 from ckptd.progress import Progress, Ticker
 from ckptd.removal.outcome import DRY_RUN_NOTE, Outcome
 from ckptd.removal.purge import waiting_in_trash
@@ -79,7 +79,6 @@ def cmd_prune(args: argparse.Namespace) -> int:
     freed = slim_freed = 0
     trashed: list[Path] = []
     for root in config.roots:
-        refuse_a_checkpoint_as_root(root)  # before the root lock makes .ckptd/ inside it
         lead = None
         if not dry_run:
             lead, why_not = _lead_for_prune(config, root, mounts)

@@ -254,6 +254,8 @@ def write_span(size: int) -> float:
     """How long writing a file of `size` bytes may take, at most: the slack for small files, never
     more than `SAVE_SPAN`."""
     return min(SAVE_SPAN, MTIME_SLACK + size / SLOWEST_WRITE)
+
+
 OrderProblems = list[tuple[float, str]]  # (seconds out of order, why): files from two saves
 
 

@@ -204,14 +204,12 @@ def tensor_bytes(path: Path) -> int | str:
     """The bytes of every tensor a torch.save zip holds (its storage members, from the zip's central
     directory: no tensor is read), or why they cannot be counted."""
     try:
-        fd = volread.open_regular(path)
+        with volread.open_file(path) as f, zipfile.ZipFile(f) as zf:
+            members = zf.infolist()
     except volread.NotRegularFile as exc:
         return str(exc)
-    with os.fdopen(fd, "rb") as f:
-        try:
-            members = zipfile.ZipFile(f).infolist()
-        except (zipfile.BadZipFile, ValueError, EOFError) as exc:
-            return f"not a readable zip: {exc}"
+    except (zipfile.BadZipFile, ValueError, EOFError) as exc:
+        return f"not a readable zip: {exc}"
     return sum(m.file_size for m in members if _STORAGE.fullmatch(m.filename))
 
 
@@ -232,17 +230,17 @@ def _partitions_differ(save: Save, gs: str, here: set[str]) -> str | None:
         if (o := _OPTIM.fullmatch(n)) is not None:
             by_mp.setdefault(int(o[3]), {})[int(o[2])] = n
     for shards in by_mp.values():
-        times = [e.mtime_ns for n in shards.values() if (e := save.files.get(prefix + n)) is not None]
-        if len(shards) < 2 or not times or max(times) - min(times) <= MTIME_SLACK * 1e9:
+        times = [save.files[prefix + n].mtime_ns for n in shards.values()]  # `here` is from the files
+        if len(shards) < 2 or max(times) - min(times) <= MTIME_SLACK * 1e9:
             continue
-        counted: dict[int, tuple[str, int]] = {}
-        for rank, n in sorted(shards.items()):
+        counted: dict[int, str] = {}  # bytes of tensors -> the lowest rank's shard holding that many
+        for _, n in sorted(shards.items()):
             rel = prefix + n
             found = save.remembered_file(rel, lambda rel=rel: tensor_bytes(save.path / rel))
             if isinstance(found, int):
-                counted.setdefault(found, (rel, rank))
+                counted.setdefault(found, rel)
         if len(counted) > 1:
-            (a, (ra, _)), (b, (rb, _)) = sorted(counted.items(), key=lambda kv: kv[1][1])[:2]
+            (a, ra), (b, rb) = list(counted.items())[:2]
             return (
                 f"{ra} holds {a:,} bytes of tensors and {rb} {b:,}: every rank's partition of one save "
                 "is the same size (a re-save in place by another model, a rank of which died?)"
