@@ -1160,4 +1160,8 @@ MUTS = [
  dict(id="AF10", what="the daemon's tracker asks the census of file kinds too", tests=[T+"completeness/test_damaged_saves.py::test_accelerate_damaged_newest"],
       equivalent="the attack asks `ckptd plan` (planner.with_sibling_census), not the daemon's tracker",
       edits=[("tracker.py", "        fresh = against_sibling_kinds(fresh, rs.checkpoints.values())\n", "")]),
+ # a deleter that stops where it cannot be sure: slim_files that cannot be meant, a reload, lost footing, ranks unknown
+ dict(id="FT1", what="slim_files that would remove the model's config or tokenizer are refused at config load",
+      tests=[T+"slimming/test_slim.py::test_slim_files_that_remove_what_loading_needs_are_refused"],
+      edits=[("config/models.py", "            if needed is not None:", "            if False:")]),
 ]
