@@ -1164,4 +1164,7 @@ MUTS = [
  dict(id="FT1", what="slim_files that would remove the model's config or tokenizer are refused at config load",
       tests=[T+"slimming/test_slim.py::test_slim_files_that_remove_what_loading_needs_are_refused"],
       edits=[("config/models.py", "            if needed is not None:", "            if False:")]),
+ dict(id="FT2", what="a reload (SIGHUP) stops the retention pass in progress before its next deletion",
+      tests=[T+"daemon/test_reload_stops_pass.py"],
+      edits=[("daemon/retention.py", "        rt.reaper.interrupted = self.d.interrupted", "        rt.reaper.interrupted = None")]),
 ]

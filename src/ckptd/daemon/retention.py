@@ -70,6 +70,8 @@ class Retention:
         done = {"deleted": 0, "slimmed": 0, "freed": 0, "would delete": 0, "would slim": 0}
         waiting: list[Waiting] = []  # slims whose fp32 weights are to be consolidated first
         for rt in d.roots:
+            if d.interrupted() is not None:  # said by the root whose pass it stopped
+                break
             d.keeper.try_lead(rt)
             if (not rt.leader or rt.catching_up) and not d.dry_run:
                 continue
@@ -89,12 +91,18 @@ class Retention:
         trashed = False
         # Fencing: each rename asks whether this ckptd still leads, under the epoch held now.
         rt.reaper.fence = None if self.d.dry_run else rt.lead.fencer()
+        rt.reaper.interrupted = self.d.interrupted
         for result in rt.reaper.execute(mine, consolidate=False):
             if result.outcome is Outcome.DEFERRED:
                 waiting.append((rt, result))
                 continue
             if self._carried_out(rt, result, done):
                 trashed = True
+        if rt.reaper.stopped is not None:
+            why, before, left = rt.reaper.stopped
+            log.warning("%s: retention pass stopped before %s (%d deletion(s) or slim(s) not done): %s; "
+                        "what is left is decided again", rt.root.path, before, left, why,
+                        extra={"root": str(rt.root.path)})
         if trashed:
             self.d.keeper.purge(rt)
 
