@@ -24,6 +24,7 @@ class PassHold:
         self._sock.listen(8)
         self._sock.settimeout(0.5)  # so that close() ends the thread promptly
         self._closed = threading.Event()
+        self._conn: socket.socket | None = None  # the reaper's, while it waits: shut at close()
         self._thread = threading.Thread(target=self._serve, name="pass-hold", daemon=True)
         self._thread.start()
 
@@ -39,6 +40,7 @@ class PassHold:
                 continue
             except OSError:
                 return
+            self._conn = conn
             with conn:
                 conn.settimeout(30)
                 self.asked.append(conn.recv(4096).decode().strip())
@@ -59,6 +61,11 @@ class PassHold:
         self._release.set()
         self._closed.set()
         self._sock.close()
+        if (conn := self._conn) is not None:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # a recv() waiting on a reaper that never spoke ends
+            except OSError:
+                pass
         self._thread.join(5)
 
     def __enter__(self) -> PassHold:

@@ -1184,4 +1184,10 @@ MUTS = [
  dict(id="FT8", what="health is unhealthy while a root's footing is lost",
       tests=[T+"daemon/test_footing.py::test_a_lock_it_cannot_take_again_keeps_it_stopped_and_unhealthy_until_it_can"],
       edits=[("health.py", "    if lost:\n", "    if False:\n")]),
+ dict(id="FT9", what="with no complete checkpoint saved before it, a lower step's rank files (any state) are counted against",
+      tests=[T+"completeness/test_rank_census.py"],
+      edits=[("evidence.py", "        return _against_earlier_steps(c, [s for s in others if s.step < c.step])", "        return c")]),
+ dict(id="FT10", what="with nothing to count against and a lower step being written, the rank count is unknown",
+      tests=[T+"completeness/test_rank_census.py::test_with_nothing_to_count_against_the_rank_count_is_unknown_not_complete"],
+      edits=[("evidence.py", "    if not writing:\n        return c\n", "    if True:\n        return c\n")]),
 ]
