@@ -59,24 +59,27 @@ class Journal:
     def reopen(self, why: str) -> None:
         """Start again at the journal's path (the state_dir made again if it must be), saying in
         the new one why: what the lost one held is not here."""
-        with self._lock:
+        with self._lock:  # nothing else recorded between the close and this first record
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
-        self.record("journal-reopened", why=why)
+            self._append("journal-reopened", {"why": why})
 
     def record(self, event: str, **fields: Any) -> None:
         """Append one record and fsync it. Raises OSError if it cannot: callers must not act then."""
+        with self._lock:
+            self._append(event, fields)
+
+    def _append(self, event: str, fields: dict[str, Any]) -> None:
         line = (
             json.dumps({"event": event, "pid": os.getpid(), **fields}, default=str, ensure_ascii=True) + "\n"
         )
-        with self._lock:
-            try:
-                fd = self._open()
-                os.write(fd, line.encode())
-                os.fsync(fd)
-            except OSError as exc:  # a write through a descriptor names no file: name the journal
-                raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
+        try:
+            fd = self._open()
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        except OSError as exc:  # a write through a descriptor names no file: name the journal
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
     def close(self) -> None:
         with self._lock:

@@ -54,13 +54,20 @@ def _held_reload(tmp_path: Path, root: Path, change) -> tuple[DaemonProc, str, l
     return daemon, before, lines
 
 
+def left(run: Path) -> list[str]:
+    """What the pass left, whatever became of checkpoint-1, trashed before the hold: purged, or (where
+    the purge came after the reload, whose new reaper re-checks it as not its own) moved back
+    because the new pins cover it. Either is right; what the stopped pass had left must all be there."""
+    return [name for name in listing(run) if name != "checkpoint-1"]
+
+
 def test_a_pin_added_by_a_reload_mid_pass_keeps_what_the_pass_had_left(tmp_path, volume):
     _, before, lines = _held_reload(
         tmp_path, volume, lambda text: text.replace("keep_best = 0", "keep_best = 0\npins = ['job/*']"))
     # One deletion before the hold; the pass stopped there; the pinned rest is decided again and kept.
     assert trashed(tmp_path / "state") == ["checkpoint-1"]
     assert before == "job/checkpoint-2"
-    assert listing(volume / "job") == [f"checkpoint-{s}" for s in STEPS[1:]]
+    assert left(volume / "job") == [f"checkpoint-{s}" for s in STEPS[1:]]
     assert not any(m.startswith("deleted job/checkpoint-") and "checkpoint-1 " not in m for m in lines), lines
 
 
@@ -69,4 +76,4 @@ def test_a_root_dropped_by_a_reload_mid_pass_loses_nothing_more(tmp_path, volume
     other.mkdir()
     _held_reload(tmp_path, volume, lambda text: text.replace(f"path = '{volume}'", f"path = '{other}'"))
     assert trashed(tmp_path / "state") == ["checkpoint-1"]
-    assert listing(volume / "job") == [f"checkpoint-{s}" for s in STEPS[1:]]
+    assert left(volume / "job") == [f"checkpoint-{s}" for s in STEPS[1:]]
