@@ -193,7 +193,8 @@ class RootKeeper:
             return
         why = self.footing(rt)
         if why is None:
-            return self._regained(rt)
+            self._regained(rt)
+            return
         if rt.lost_footing is None:
             log.error("%s: stopped deleting here: %s", rt.root.path, why, extra={"root": str(rt.root.path)})
             rt.lost_footing, rt.leader = why, False
@@ -208,10 +209,9 @@ class RootKeeper:
                 log.warning("%s: still deleting nothing: cannot take its lock and journal again: %s",
                             rt.root.path, exc, extra={"root": str(rt.root.path)})
                 rt.retake_blocked = str(exc)
-            return None
+            return
         if self.footing(rt) is None:
             self._regained(rt)
-        return None
 
     def _regained(self, rt: RootRuntime) -> None:
         if rt.lost_footing is not None:

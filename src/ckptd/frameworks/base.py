@@ -93,7 +93,7 @@ class Evidence:
     trainer_state: TrainerState | None = None
     # The kinds of file the save wrote that the checkpoint itself cannot say it must have (one
     # optimizer file per prepared optimizer, the Trainer's optimizer.pt unless save_only_model):
-    # one its run's earlier complete checkpoints all have is missing (evidence.against_sibling_kinds).
+    # one its run's earlier complete checkpoints all have is missing (census.against_sibling_kinds).
     kinds: frozenset[str] | None = None
 
 
