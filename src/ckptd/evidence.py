@@ -58,7 +58,6 @@ from ckptd.model import (  # Entry: re-exported, it is evidence's word
     ConsolidatedWeights,
     Entry,
     Slimming,
-    State,
     Verdict,
 )
 from ckptd.weights import WeightsReader

@@ -153,7 +153,7 @@ class RootLock:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
             os.close(fd)
-            raise LockHeld(f"another ckptd is deleting in {self.root} (holds a lock on the directory)") from None
+            raise LockHeld(f"another ckptd is deleting in {self.root} (holds the directory's lock)") from None
         except OSError as exc:
             os.close(fd)
             log.debug("%s: no flock on the directory (%s): %s alone", self.root, exc.strerror, self.root_path)
