@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--quiet-period",
         metavar="DURATION",
-        help="override quiet_period (e.g. 0 when the job that wrote the run is known to be dead)",
+        help="for an observer choosing while training runs: pass over saves changed within DURATION "
+        "(default 0: at a restart the job that wrote the run is the one being restarted)",
     )
     sp.add_argument("--json", action="store_true", help="print one JSON document")
 
