@@ -10,7 +10,7 @@ import time
 
 from ckptd import layouts
 from ckptd.cli.common import check_state_dir, config_path, load, preflight, slimming_keys
-from ckptd.config import Config
+from ckptd.config import Config, config_warnings
 from ckptd.discover import find_runs
 from ckptd.envconfig import settings_in
 from ckptd.errors import EX_OK, CkptdError
@@ -42,7 +42,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"warning: {line}", file=sys.stderr)
     for line in _world_sizes(config):
         print(f"warning: {line}", file=sys.stderr)
-    for line in _partial_requires(config):
+    for line in config_warnings(config) + _partial_requires(config):
         print(f"warning: {line}", file=sys.stderr)
     source = path if path else "no config file: built-in defaults"
     print(f"# {source}{with_env}: OK ({', '.join(checked)})", file=sys.stderr)
