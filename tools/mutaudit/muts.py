@@ -779,11 +779,11 @@ MUTS = [
    edits=[("frameworks/pattern.py", "    if any(slim.matches(index, glob) for index in _INDEX_NAMES for glob in require):\n        return []",
            "    if True:\n        return []")]),
  # --- settings valid but probably not meant: said, not silently applied
- dict(id="CW1", what="an unknown CKPTD_* variable is warned with the nearest known one", tests=[T+"config/test_envconfig.py"],
+ dict(id="EW1", what="an unknown CKPTD_* variable is warned with the nearest known one", tests=[T+"config/test_envconfig.py"],
    edits=[("envconfig.py", "    for line in unknown_variables(env):\n        log.warning", "    for line in ():\n        log.warning")]),
- dict(id="CW2", what="keep_last = 0 with keep_best = 0 is warned with what it keeps", tests=[T+"config/test_envconfig.py"],
+ dict(id="EW2", what="keep_last = 0 with keep_best = 0 is warned with what it keeps", tests=[T+"config/test_envconfig.py"],
    edits=[("config/loading.py", "            if r.keep_total is None and r.keep_last == 0 and r.keep_best == 0:", "            if False:")]),
- dict(id="CW3", what="a quiet period over a day is warned", tests=[T+"config/test_envconfig.py"],
+ dict(id="EW3", what="a quiet period over a day is warned", tests=[T+"config/test_envconfig.py"],
    edits=[("config/loading.py", "        if root.quiet_period > QUIET_CEILING:", "        if False:")]),
  # --- fp32 weights kept: which weights a slim keeps, ckptd's own fp32/
  dict(id="FP1", what="fp32/ only from the very shards it was consolidated from", tests="slim", edits=[(SL,
