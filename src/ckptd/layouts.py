@@ -131,6 +131,31 @@ def recognise_by_name(
     return None
 
 
+def recognise_among(names: Collection[str]) -> list[Candidate]:
+    """The checkpoints among the files `names` of one directory that no name alone identified
+    (`recognise_by_name` said None for each), asked of each framework (`recognise_among`): saves of
+    one template that only their siblings show to be a run."""
+    found: list[Candidate] = []
+    left = set(names)
+    for f in _registry().REGISTRY:
+        for cand in f.recognise_among(sorted(left)):
+            found.append(cand)
+            left.discard(cand.name)
+    return found
+
+
+def recognise_with_siblings(
+    name: str, is_dir: bool, siblings: Collection[str], patterns: Collection[re.Pattern[str]] = ()
+) -> Candidate | None:
+    """`recognise_by_name`, else what `name` is among the files `siblings` of its directory
+    (`recognise_among`, with `name` among them)."""
+    cand = recognise_by_name(name, is_dir, patterns)
+    if cand is not None or is_dir:
+        return cand
+    loose = {n for n in siblings if recognise_by_name(n, False, patterns) is None} | {name}
+    return next((c for c in recognise_among(loose) if c.name == name), None)
+
+
 def recognise_by_contents(name: str, children: Collection[str]) -> Candidate | None:
     """Layouts that need a look inside (DCP, finalized Orbax and accelerate directories), each
     framework asked in registry order: a numeric directory is an Orbax step only with Orbax's own

@@ -785,6 +785,13 @@ MUTS = [
    edits=[("config/loading.py", "            if r.keep_total is None and r.keep_last == 0 and r.keep_best == 0:", "            if False:")]),
  dict(id="EW3", what="a quiet period over a day is warned", tests=[T+"config/test_envconfig.py"],
    edits=[("config/loading.py", "        if root.quiet_period > QUIET_CEILING:", "        if False:")]),
+ # --- Keras as its docs name it: an epoch read from the saves of one template together
+ dict(id="KR1", what="a Keras template's epoch is zero-padded or after the word epoch", tests=[T+"completeness/test_keras.py::test_templates_of_keras_names_are_read_only_where_the_epoch_shows"],
+   edits=[("frameworks/keras.py", "        if (worded or padded) and apart_before and apart_after:", "        if apart_before and apart_after:")]),
+ dict(id="KR2", what="a Keras template's epoch is set apart from the letters around it", tests=[T+"completeness/test_keras.py::test_templates_of_keras_names_are_read_only_where_the_epoch_shows"],
+   edits=[("frameworks/keras.py", "        apart_after = after == \"\" or not after[0].isalnum()", "        apart_after = True")]),
+ dict(id="KR3", what="BackupAndRestore's latest.weights.h5 is a resume copy", tests=[T+"completeness/test_keras.py::test_backup_and_restore_is_a_resume_copy_never_a_step"],
+   edits=[("frameworks/keras.py", "        return BACKUP_NOTE if name == BACKUP_WEIGHTS else None", "        return None")]),
  # --- fp32 weights kept: which weights a slim keeps, ckptd's own fp32/
  dict(id="FP1", what="fp32/ only from the very shards it was consolidated from", tests="slim", edits=[(SL,
    "    if source_fingerprint(files, tag_prefix) != record.source_fingerprint:", "    if False:")]),

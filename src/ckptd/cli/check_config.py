@@ -64,14 +64,14 @@ def _unmatched(config: Config) -> list[str]:
 
 
 def _partial_requires(config: Config) -> list[str]:
-    """`require` globs a save killed half-way could meet (`frameworks.pattern.partial_requires`)."""
-    from ckptd.frameworks.pattern import partial_requires
+    """`require` globs a save killed half-way could meet (`UserPattern.partial_requires`)."""
+    from ckptd.frameworks import USER_PATTERN
 
     return [
         f"roots[{i}].patterns[{j}] {p.name!r}: {why}"
         for i, root in enumerate(config.roots)
         for j, p in enumerate(root.patterns)
-        for why in partial_requires(p.require)
+        for why in USER_PATTERN.partial_requires(p.require)
     ]
 
 

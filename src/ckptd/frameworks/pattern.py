@@ -145,6 +145,11 @@ class UserPattern(Framework):
     layout = LAYOUT
     takes_user_evidence = False  # it is the user's evidence
 
+    @staticmethod
+    def partial_requires(require: tuple[str, ...]) -> list[str]:
+        """`partial_requires`, for check-config (which asks the registry's `USER_PATTERN`)."""
+        return partial_requires(require)
+
     def evidence(self, save: Save) -> Evidence:
         pattern, files = save.pattern, save.files
         formats = [c for c in (sharded_weights(save.path, files), whole_files(save)) if c is not None]
