@@ -3,10 +3,10 @@
 `ckptd latest RUN_DIR` (and `ckptd.latest(run_dir)`) names the newest checkpoint that is complete
 (the same evidence as retention, less the quiet period: every rank's files, the framework's own
 markers, whole files) and full (not slimmed: a slimmed one has lost its optimizer state), passing
-over newer saves that were killed mid-way. The frameworks' own "resume from the last one" takes the highest-numbered
-directory whatever its state (transformers' `get_last_checkpoint`, accelerate's `load_state()`,
-torchtitan, Orbax read with options other than the writer's): a save killed mid-way breaks the
-restart, or silently loses a rank's RNG state.
+over newer saves that were killed mid-way. The frameworks' own "resume from the last one" takes
+the highest-numbered directory whatever its state (transformers' `get_last_checkpoint`,
+accelerate's `load_state()`, torchtitan, Orbax read with options other than the writer's): a save
+killed mid-way breaks the restart, or silently loses a rank's RNG state.
 
 "Newest" is the highest step (then the time it was written), as those frameworks read it once the
 incomplete ones are passed over; a run numbered by epoch or save count is ordered by that, then

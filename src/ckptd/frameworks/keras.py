@@ -16,10 +16,10 @@ as Lightning's do (`model-epoch={epoch:02d}-val_loss={val_loss:.3f}.keras`); its
 one template (`recognise_among`: two saves or more, their names alike but for their numbers),
 zero-padded or after the word `epoch`/`ep`, set apart by a separator before it and a separator or
 the end after it, so that `resnet50.keras` beside `resnet101.keras`, `llama-7b.keras` beside
-`llama-13b.keras` or `yolo-5.keras` beside `yolo-8.keras` is no run; a metric is a `{name:.Nf}` field whose name shows before it (`val_loss0.312`). A name alone without
-such a field is never taken for a checkpoint, so never touched: a bare number proves nothing
-(`resnet50.keras` is a model, not epoch 50), nor does `best.keras` (rewritten in place by
-save_best_only).
+`llama-13b.keras` or `yolo-5.keras` beside `yolo-8.keras` is no run; a metric is a `{name:.Nf}`
+field whose name shows before it (`val_loss0.312`). A name alone without such a field is never
+taken for a checkpoint, so never touched: a bare number proves nothing (`resnet50.keras` is a
+model, not epoch 50), nor does `best.keras` (rewritten in place by save_best_only).
 
 `BackupAndRestore(backup_dir)` (keras/src/callbacks/backup_and_restore.py) rewrites
 `backup_dir/latest.weights.h5` and `training_metadata.json` every epoch and restores from them when
@@ -47,8 +47,8 @@ _ARCHIVE_MEMBERS = ("metadata.json", "config.json")  # saving_lib._METADATA_FILE
 _WEIGHTS_MEMBERS = ("model.weights.h5", "model.weights.npz")  # saving_lib._VARS_FNAME + its formats
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 BACKUP_WEIGHTS = "latest.weights.h5"  # BackupAndRestore's (backup_and_restore.py `_weights_path`)
-BACKUP_NOTE = ("BackupAndRestore's backup (keras/src/callbacks/backup_and_restore.py): rewritten every epoch, "
-               "what fit restores from; never a step of its own, never counted or deleted")
+BACKUP_NOTE = ("BackupAndRestore's backup (keras/src/callbacks/backup_and_restore.py): rewritten every "
+               "epoch, what fit restores from; never a step of its own, never counted or deleted")
 
 # A template's numbers as Keras formats them (`{epoch:02d}`, `{val_loss:.2f}`, `{lr:.1e}`)
 _NUMBER = re.compile(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
@@ -159,7 +159,7 @@ class Keras(Framework):
         for (literals, _), saves in templates.items():
             at = _epoch_position(literals, [n for _, n in saves]) if len(saves) > 1 else None
             if at is not None:
-                found += [Candidate(name, int(numbers[at]), LAYOUT, False, unit=EPOCH) for name, numbers in saves]
+                found += [Candidate(name, int(nums[at]), LAYOUT, False, unit=EPOCH) for name, nums in saves]
         return found
 
     def resume_copy(self, name: str) -> str | None:

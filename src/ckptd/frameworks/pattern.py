@@ -88,7 +88,8 @@ def sharded_weights(path: Path, files: Mapping[str, Entry]) -> Check | None:
         folder = _split(index)[0]
         missing = [s for s in shards if not _present(files, _join(folder, s))]
         if missing:
-            why = f"{_join(folder, missing[0])} missing ({len(shards) - len(missing)}/{len(shards)} named by {index})"
+            n = len(shards)
+            why = f"{_join(folder, missing[0])} missing ({n - len(missing)}/{n} named by {index})"
             return Check(SHARDS, FAILED, why)
         named[folder].update(shards)
     for (folder, stem, n, ext), have in sorted(sets.items()):
