@@ -85,6 +85,7 @@ def find_runs(
         if visited is not None:
             visited[rel] = mtime  # type: ignore[assignment]
         candidates: list[Candidate] = []
+        loose: list[str] = []  # files no name alone identified (`layouts.recognise_among`)
         for e in entries:
             if e.name in (layouts.TRASH_DIR, layouts.LEASE_DIR) or e.name.startswith(layouts.HIDDEN_TRASH) \
                     or e.is_symlink():
@@ -111,11 +112,15 @@ def find_runs(
             cand = layouts.recognise(e.name, is_dir, names, patterns)
             if cand is not None:
                 candidates.append(cand)
+            elif not is_dir:
+                loose.append(e.name)
             elif is_dir and not e.name.startswith("."):
                 free = framework_dirs and layouts.is_framework_dir(e.name)
                 if depth < max_depth or free:
                     sub_rel = e.name if rel == "." else f"{rel}/{e.name}"
                     stack.append((e.path, sub_rel, depth if free else depth + 1, children, children_mtime))
+        if loose:
+            candidates += layouts.recognise_among(loose)
         if candidates:
             names = frozenset(e.name for e in entries)
             if (layout := layouts.unnamed_save(names)) is not None:

@@ -14,6 +14,8 @@ variable's value is reported against the variable: `CKPTD_KEEP_LAST: must be >= 
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -78,6 +80,23 @@ VARIABLES: dict[str, tuple[str, str, Callable[[str], Any]]] = {
 }
 ROOTS = "CKPTD_ROOTS"  # colon-separated absolute paths; replaces the file's list of roots
 KNOWN = frozenset({*VARIABLES, ROOTS, "CKPTD_CONFIG"})
+# Set by ckptd for its own children and by its test suite, never by a user: not warned about
+_INTERNAL = ("CKPTD_CONSOLIDATE_PARENT", "CKPTD_TEST")
+
+log = logging.getLogger(__name__)
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """A line for each `CKPTD_*` variable ckptd does not know, with the nearest it does: a
+    misspelled `CKPTD_KEEP_LST` was ignored silently, and the file's keep_last applied."""
+    out = []
+    for name in sorted(k for k in env if k.startswith("CKPTD_") and k not in KNOWN):
+        if name.startswith(_INTERNAL):
+            continue
+        near = difflib.get_close_matches(name, sorted(KNOWN), n=1, cutoff=0.75)
+        hint = f"; did you mean {near[0]}?" if near else f"; ckptd reads {', '.join(sorted(KNOWN))}"
+        out.append(f"{name} is not a ckptd variable: ignored{hint}")
+    return out
 
 
 def settings_in(env: Mapping[str, str]) -> list[str]:
@@ -207,6 +226,8 @@ def effective_config(
     is the policy for that call. A flag sets its key in every root's retention and in every
     run rule that sets it; --keep-last or --keep-best replaces keep_total (the other way to
     count) wherever it is set."""
+    for line in unknown_variables(env):
+        log.warning("%s", line)
     data = read_toml(path) if path is not None else {}
     blame = _Blame(str(path) if path is not None else "<defaults>")
     scopes = _apply_roots(data, env, roots, blame)

@@ -26,6 +26,7 @@ STEP = "step"
 EPOCH = "epoch"  # a Lightning/NeMo name without a step: `epoch=3-val_loss=0.52.ckpt`, accelerate's epoch_<n>
 CONSUMED_SAMPLES = "consumed_samples"  # NeMo 2 under Megatron: `...-epoch=0-consumed_samples=8000.0`
 SAVE = "save"  # accelerate's automatic naming: checkpoint_<n> counts saves, not steps
+TIME = "time"  # a user pattern's `{time}`: the date and time in the name, its digits read in order
 
 PIN_FILE = ".ckptd-keep"
 TRASH_DIR = ".ckptd-trash"
@@ -63,10 +64,33 @@ def name_fields(name: str) -> dict[str, str]:
     return {m[1]: m[2] for m in _FIELD.finditer(name)}
 
 
+# A user pattern's fields and wildcards (config `Pattern.name`): `{step}` a number, `{time}` a date
+# and time written year first (`2024-05-01_12-00-00.000000`, `20240501-120000`, a Unix time),
+# `*` any run of characters within the name, `?` one character.
+_PATTERN_TOKENS = re.compile(r"(\{step\}|\{time\}|\*|\?)")
+_PATTERN_REGEX = {
+    "{step}": r"(?P<step>\d+)",
+    "{time}": r"(?P<time>\d(?:[\d_:.T-]*\d)?)",
+    "*": r"[^/]*?",
+    "?": r"[^/]",
+}
+
+
 def compile_pattern(pattern: str) -> re.Pattern[str]:
-    """`ckpt_{step}` -> a regex matching the whole name, the step captured."""
-    before, after = pattern.split("{step}")
-    return re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+    """`ckpt_{step}`, `ep*-ba{step}-rank0.pt`, `checkpoint_{time}` -> a regex matching the whole
+    name, the step (or the time) captured by name."""
+    parts = _PATTERN_TOKENS.split(pattern)
+    return re.compile("".join(_PATTERN_REGEX.get(p, re.escape(p)) for p in parts))
+
+
+def pattern_step(m: re.Match[str]) -> tuple[int, str]:
+    """A pattern's match (`compile_pattern`) as (the number that orders the run, what it counts):
+    the step, or the time's digits in order (year first, so later is larger; its fields at a
+    fixed width, as strftime writes them)."""
+    found = m.groupdict()
+    if found.get("step") is not None:
+        return int(found["step"]), STEP
+    return int(re.sub(r"\D", "", found["time"])), TIME
 
 
 _FRAMEWORKS = None
@@ -99,11 +123,37 @@ def recognise_by_name(
             return cand
     for i, regex in enumerate(patterns):
         if m := regex.fullmatch(name):
-            return Candidate(name, int(m[1]), fws.USER_PATTERN.layout, is_dir, pattern=i)
+            step, unit = pattern_step(m)
+            return Candidate(name, step, fws.USER_PATTERN.layout, is_dir, pattern=i, unit=unit)
     for f in fws.NAMES_AFTER:
         if (cand := f.recognise_name(name, is_dir)) is not None:
             return cand
     return None
+
+
+def recognise_among(names: Collection[str]) -> list[Candidate]:
+    """The checkpoints among the files `names` of one directory that no name alone identified
+    (`recognise_by_name` said None for each), asked of each framework (`recognise_among`): saves of
+    one template that only their siblings show to be a run."""
+    found: list[Candidate] = []
+    left = set(names)
+    for f in _registry().REGISTRY:
+        for cand in f.recognise_among(sorted(left)):
+            found.append(cand)
+            left.discard(cand.name)
+    return found
+
+
+def recognise_with_siblings(
+    name: str, is_dir: bool, siblings: Collection[str], patterns: Collection[re.Pattern[str]] = ()
+) -> Candidate | None:
+    """`recognise_by_name`, else what `name` is among the files `siblings` of its directory
+    (`recognise_among`, with `name` among them)."""
+    cand = recognise_by_name(name, is_dir, patterns)
+    if cand is not None or is_dir:
+        return cand
+    loose = {n for n in siblings if recognise_by_name(n, False, patterns) is None} | {name}
+    return next((c for c in recognise_among(loose) if c.name == name), None)
 
 
 def recognise_by_contents(name: str, children: Collection[str]) -> Candidate | None:

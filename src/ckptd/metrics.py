@@ -17,12 +17,16 @@ Where each value comes from, and on which thread:
   milliseconds, when polling up to `poll_interval` later. Checkpoints already on
   disk when a root is first scanned are not measured (their first write is
   long past). The oldest incomplete age counts from when a checkpoint was
-  first seen, or last seen going back from complete to in flight.
+  first seen, or last seen going back from complete to in flight. That time is kept in
+  `state_dir/incomplete-since.json` (wall clock), so that a restart does not set the age back
+  to 0: the shipped one-hour alert would otherwise never fire across restarts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import platform
 import re
 import time
@@ -89,7 +93,7 @@ class RunSample:
 class Metrics:
     """The daemon's metrics registry and its HTTP server."""
 
-    def __init__(self, counters: Mapping[str, int]):
+    def __init__(self, counters: Mapping[str, int], state_dir: Path | None = None):
         try:
             import prometheus_client
             import prometheus_client.core
@@ -113,6 +117,9 @@ class Metrics:
         self.registry.register(_Collector(self))
         self.samples: tuple[RootSample, ...] = ()
         self._seen: dict[tuple[str, str], _Seen] = {}  # by (root, checkpoint rel)
+        # when each checkpoint in flight was first seen so (wall clock), kept across restarts
+        self._since_file = state_dir / INCOMPLETE_SINCE if state_dir is not None else None
+        self._since = _read_since(self._since_file)
         self._roots_seen: set[str] = set()
         self._server: Any = None
         self._thread: Any = None
@@ -140,9 +147,11 @@ class Metrics:
 
     # --- fed by the daemon, on its filesystem thread ----------------------------
 
-    def sample(self, roots: Iterable[RootView], now: float) -> None:
-        """Take a snapshot after a step; observe completion latencies. `now`: monotonic seconds."""
-        wall = time.time()
+    def sample(self, roots: Iterable[RootView], now: float, wall: float | None = None) -> None:
+        """Take a snapshot after a step; observe completion latencies. `now`: monotonic seconds;
+        `wall`: the wall clock (time.time() unless given)."""
+        wall = time.time() if wall is None else wall
+        since_before = dict(self._since)
         samples = []
         present: set[tuple[str, str]] = set()
         for rt in roots:
@@ -165,16 +174,21 @@ class Metrics:
                 present.add(key)
                 seen = self._seen.get(key)
                 if seen is None:
-                    seen = self._seen[key] = _Seen(first=now, measure=not first_look, in_flight_since=now)
+                    # in flight since an earlier daemon saw it so: its age goes on from then
+                    kept = self._since.get(_since_key(key))
+                    since = now - max(0.0, wall - kept) if kept is not None else now
+                    seen = self._seen[key] = _Seen(first=now, measure=not first_look, in_flight_since=since)
                 if c.state is State.COMPLETE:
                     if not seen.completed:  # once: a later write and re-settling is not a new checkpoint
                         seen.completed = True
                         if seen.measure:
                             self.latency.observe(now - seen.first)
                     seen.in_flight_since = None
+                    self._since.pop(_since_key(key), None)
                 else:
                     if seen.in_flight_since is None:
                         seen.in_flight_since = now
+                    self._since.setdefault(_since_key(key), wall - (now - seen.in_flight_since))
                     oldest = max(oldest, now - seen.in_flight_since)
             last = rt.tracker.last_reconcile
             samples.append(
@@ -193,7 +207,50 @@ class Metrics:
             )
         for key in [k for k in self._seen if k not in present]:
             del self._seen[key]  # gone, or its root is no longer configured
+        sampled = {s.path for s in samples}
+        for k in list(self._since):
+            root, _, rel = k.partition("\t")
+            if root in sampled and (root, rel) not in present:
+                del self._since[k]  # gone (deleted, or while no daemon ran)
+        if self._since != since_before:
+            _write_since(self._since_file, self._since)
         self.samples = tuple(samples)  # one assignment: a scrape sees this snapshot or the last
+
+
+INCOMPLETE_SINCE = "incomplete-since.json"
+
+
+def _since_key(key: tuple[str, str]) -> str:
+    return f"{key[0]}\t{key[1]}"
+
+
+def _read_since(path: Path | None) -> dict[str, float]:
+    """`incomplete-since.json`: {"<root>\\t<checkpoint rel>": wall-clock time first seen in flight};
+    {} where there is none, or it cannot be read (an age restarting at 0 is the old behaviour)."""
+    if path is None:
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        if not isinstance(exc, FileNotFoundError):
+            log.warning("%s unreadable (%s): incomplete checkpoints' ages start again", path, exc)
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    return {str(k): float(v) for k, v in doc.items() if isinstance(v, int | float)}
+
+
+def _write_since(path: Path | None, since: Mapping[str, float]) -> None:
+    """Replace `incomplete-since.json` whole (a temporary file renamed over it): never half written."""
+    if path is None:
+        return
+    tmp = path.with_name(f"{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(since, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot write %s (%s): incomplete checkpoints' ages start again after a restart",
+                    path, exc)
 
 
 # policy._take_oldest's warning for a budget that cannot be met: "<where>: max_size=2TiB cannot be met: ..."

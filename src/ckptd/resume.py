@@ -1,12 +1,12 @@
 """The resume side: which checkpoint a restarted job should load. Reads only.
 
 `ckptd latest RUN_DIR` (and `ckptd.latest(run_dir)`) names the newest checkpoint that is complete
-(the same evidence as retention: quiet, every rank's files, the framework's own markers) and full
-(not slimmed: a slimmed one has lost its optimizer state), passing over newer saves that were
-killed mid-way. The frameworks' own "resume from the last one" takes the highest-numbered
-directory whatever its state (transformers' `get_last_checkpoint`, accelerate's `load_state()`,
-torchtitan, Orbax read with options other than the writer's): a save killed mid-way breaks the
-restart, or silently loses a rank's RNG state.
+(the same evidence as retention, less the quiet period: every rank's files, the framework's own
+markers, whole files) and full (not slimmed: a slimmed one has lost its optimizer state), passing
+over newer saves that were killed mid-way. The frameworks' own "resume from the last one" takes
+the highest-numbered directory whatever its state (transformers' `get_last_checkpoint`,
+accelerate's `load_state()`, torchtitan, Orbax read with options other than the writer's): a save
+killed mid-way breaks the restart, or silently loses a rank's RNG state.
 
 "Newest" is the highest step (then the time it was written), as those frameworks read it once the
 incomplete ones are passed over; a run numbered by epoch or save count is ordered by that, then
@@ -17,10 +17,17 @@ checkpoint is copied back in (a copy gets a new mtime); `by="time"` takes the on
 No daemon is needed: this is a look at the disk, with the config's patterns and world sizes.
 Where a run's saves carry commit records (`ckptd.attest`), a complete one without them is passed
 over for the newest attested one.
+
+No quiet period is waited out by default: at resume time the writer that quiescence guards
+against is the job being restarted, and a job restarted seconds after it died would otherwise find
+its newest saves "still being written" and start again from step 0. The framework's contract (its
+markers, every rank's files, the file that comes last), the whole-file checks and the commit
+records decide alone. An observer choosing while training runs passes `quiet_period`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -32,11 +39,24 @@ from ckptd.attestation import committed_summary
 from ckptd.config import Config, Root, find_config
 from ckptd.discover import RunDir, find_runs
 from ckptd.envconfig import effective_config
-from ckptd.errors import RootMissingError, UsageError
+from ckptd.errors import CkptdError, RootMissingError, UsageError
 from ckptd.model import Checkpoint, State, deciding_check
 from ckptd.planner import Scanner
 
 BY = ("step", "time")
+RESUME_QUIET = 0.0  # seconds: the job being restarted is the writer a quiet period would wait for
+
+log = logging.getLogger(__name__)
+
+
+class NothingToResumeError(CkptdError):
+    """Checkpoints exist in the run, but none is complete and full (`latest(..., strict=True)`)."""
+
+    exit_code = 1
+
+    def __init__(self, found: Latest):
+        super().__init__(f"{found.run_dir}: nothing to resume from: {found.why_none}")
+        self.found = found
 
 
 @dataclass(frozen=True)
@@ -48,6 +68,7 @@ class Latest:
     passed_over: tuple[tuple[Checkpoint, str], ...] = ()  # newer ones not taken, with why
     why_none: str | None = None
     note: str | None = None  # e.g. a lower step written after the one named
+    seen: int = 0  # how many checkpoints the run holds, resumable or not
 
     @property
     def path(self) -> Path | None:
@@ -64,18 +85,33 @@ def latest(
     config: Config | str | os.PathLike[str] | None = None,
     by: str = "step",
     quiet_period: float | None = None,
+    strict: bool = False,
 ) -> Path | None:
     """The checkpoint a restart of the run in `run_dir` should load, or None when there is none.
 
     For training scripts: `trainer.train(resume_from_checkpoint=ckptd.latest("out"))` (None starts
     afresh). `config` is a config file, a `Config`, or None for the usual search ($CKPTD_CONFIG,
-    /etc/ckptd/config.toml, then the defaults; `CKPTD_*` variables apply): its patterns, world
-    sizes and quiet period decide what is complete. `quiet_period` (seconds) overrides it, e.g. 0
-    when the job that wrote the run is known to be dead. `by="time"` takes the one written last
-    rather than the highest step. Raises `ckptd.errors.CkptdError` for a missing directory, a bad
-    config, or a directory that is a checkpoint or holds several runs.
+    /etc/ckptd/config.toml, then the defaults; `CKPTD_*` variables apply): its patterns and world
+    sizes decide what is complete. No quiet period is waited out (the job being restarted is the
+    writer); an observer choosing while training still runs passes `quiet_period` (seconds, e.g.
+    60), so that a save in progress is not named. `by="time"` takes the one written last rather
+    than the highest step. Each newer checkpoint passed over is logged at WARNING with why; where
+    the run holds checkpoints but none can be resumed from, that is logged at WARNING and None
+    returned, or `NothingToResumeError` raised with `strict=True` (a run with no checkpoints at
+    all is a first start: None, logged at INFO). Raises `ckptd.errors.CkptdError` for a missing
+    directory, a bad config, or a directory that is a checkpoint or holds several runs.
     """
-    return find_latest(run_dir, config=config, by=by, quiet_period=quiet_period).path
+    found = find_latest(run_dir, config=config, by=by, quiet_period=quiet_period)
+    for c, why in found.passed_over:
+        log.warning("ckptd.latest: passed over %s: %s", found.rel(c), why)
+    if found.note:
+        log.warning("ckptd.latest: note: %s", found.note)
+    if found.checkpoint is None:
+        if found.seen and strict:
+            raise NothingToResumeError(found)
+        level = logging.WARNING if found.seen else logging.INFO
+        log.log(level, "ckptd.latest: %s: nothing to resume from: %s", found.run_dir, found.why_none)
+    return found.path
 
 
 def find_latest(
@@ -87,7 +123,8 @@ def find_latest(
     now: float | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Latest:
-    """`latest`, with what was passed over and why (`ckptd latest` prints it)."""
+    """`latest`, with what was passed over and why (`ckptd latest` prints it). `quiet_period`
+    None waits out none (`RESUME_QUIET`), whatever the config says: see the module's doc."""
     if by not in BY:
         raise UsageError(f"by must be one of {', '.join(BY)} (got {by!r})")
     path = Path(os.path.abspath(run_dir))
@@ -95,8 +132,8 @@ def find_latest(
         raise RootMissingError(f"{run_dir}: no such directory")
     _refuse_a_checkpoint(path)
     root = _root(path, config, os.environ if env is None else env)
-    if quiet_period is not None:
-        root = root.model_copy(update={"quiet_period": float(quiet_period)})
+    quiet = RESUME_QUIET if quiet_period is None else float(quiet_period)
+    root = root.model_copy(update={"quiet_period": quiet})
     rel = root.scope[0] if root.scope else "."
     scanner = Scanner(root)
     runs = _the_run(path, find_runs(path, max_depth=root.max_depth, patterns=scanner.patterns))
@@ -129,7 +166,7 @@ def choose(run_dir: Path, ckpts: list[Checkpoint], *, by: str = "step") -> Lates
             shown = "; ".join(f"{_rel(run_dir, c)}: {w}" for c, w in passed[:3])
             more = f"; and {len(passed) - 3} more" if len(passed) > 3 else ""
             why = f"none of its {len(ckpts)} checkpoints is complete and full: {shown}{more}"
-        return Latest(run_dir, None, passed, why_none=why)
+        return Latest(run_dir, None, passed, why_none=why, seen=len(ckpts))
     note = None
     other = max(resumable, key=_written_key if by == "step" else Checkpoint.sort_key)
     if other is not chosen:
@@ -144,7 +181,7 @@ def choose(run_dir: Path, ckpts: list[Checkpoint], *, by: str = "step") -> Lates
                 f"{_rel(run_dir, other)} has a higher step than {_rel(run_dir, chosen)}, which was written "
                 "last (--by time)"
             )
-    return Latest(run_dir, chosen, passed, note=note)
+    return Latest(run_dir, chosen, passed, note=note, seen=len(ckpts))
 
 
 UNATTESTED = (

@@ -191,6 +191,8 @@ def ordered_by(c: Checkpoint) -> str:
         return ""
     if c.unit == "save":
         return " (by save count, then time: accelerate's checkpoint_N counts saves, not steps)"
+    if c.unit == "time":
+        return " (by the time in its name: it has no step)"
     return f" (by {c.unit}, then time: its name has no step)"
 
 

@@ -94,3 +94,93 @@ def test_a_keras_file_without_a_named_epoch_is_never_touched(tmp_path):
         assert layouts.recognise(name, False, lambda: []) is None, name
     cand = layouts.recognise("model-epoch=03-val_loss=0.520.keras", False, lambda: [])
     assert (cand.layout, cand.step, cand.unit) == ("keras", 3, "epoch")
+
+
+@pytest.fixture(scope="session")
+def keras_docs_volume(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """Keras's own ModelCheckpoint with the templates its docs use (fwkeras.TEMPLATES), killed in
+    epoch 3's save; `docs-weights` with BackupAndRestore beside it."""
+    if importlib.util.find_spec("keras") is None:
+        pytest.skip("keras is not installed (the test extra installs it)")
+    out = tmp_path_factory.mktemp("keras-docs")
+    truth = {}
+    for kind in ("docs-keras", "docs-metric", "docs-weights"):
+        proc = subprocess.run([sys.executable, "-m", "tests.support.fwkeras", str(out), kind, kind, "3"], env=ENV,
+                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-3000:]  # killed in epoch 3's save
+        proc = subprocess.run([sys.executable, "-m", "tests.support.fwkeras", str(out), kind, kind, "check"], env=ENV,
+                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        truth.update({f"{kind}/{k}": v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()})
+    from tests.support.common import shift_mtimes
+
+    shift_mtimes(out, 3600)  # an hour ago, order kept
+    return out, truth
+
+
+@pytest.mark.parametrize("run, names", [
+    ("docs-keras", r"model\.0[123]-\d+\.\d\d\.keras"),
+    ("docs-metric", r"epoch0[123]-val_loss\d+\.\d{3}\.keras"),
+    ("docs-weights", r"w-0[123]\.weights\.h5"),
+])
+def test_keras_names_as_its_docs_write_them(keras_docs_volume, tmp_path, run, names):
+    """`model.{epoch:02d}-{val_loss:.2f}.keras` and the others from Keras's docs were never listed
+    (only an `epoch=N` field was read). The epoch is the number that varies between the saves of
+    one template; the save killed in epoch 3 is incomplete; keep_last=1 keeps epoch 2, the last
+    one Keras loads, and `ckptd latest` names it."""
+    import re
+    import shutil
+
+    src, truth = keras_docs_volume
+    root = tmp_path / "vol"
+    shutil.copytree(src / run, root / run, symlinks=True)
+    saved = sorted(p.name for p in (root / run).iterdir() if p.is_file())
+    assert len(saved) == 3 and all(re.fullmatch(names, n) for n in saved), saved
+    assert [truth[f"{run}/{n}"] for n in saved[:2]] == ["loads", "loads"] and truth[f"{run}/{saved[2]}"] != "loads"
+    cfg, seen = rows(tmp_path, root, keep_last=1, keep_best=0)
+    assert {n: (seen[f"{run}/{n}"]["layout"], seen[f"{run}/{n}"]["step"], seen[f"{run}/{n}"]["state"])
+            for n in saved} == {saved[0]: ("keras", 1, "complete"), saved[1]: ("keras", 2, "complete"),
+                                saved[2]: ("keras", 3, "incomplete")}
+    assert (seen[f"{run}/{saved[0]}"]["action"], seen[f"{run}/{saved[1]}"]["action"]) == ("delete", "keep")
+    assert run_ckptd("latest", root / run, env={"CKPTD_CONFIG": ""}).stdout == f"{root / run / saved[1]}\n"
+    if run == "docs-metric":  # the metric's name shows before its value: val_loss9.154
+        _, best = rows(tmp_path, root, keep_last=1, keep_best=1, metric="val_loss")
+        assert best[f"{run}/{saved[1]}"]["metric"] == float(saved[1].split("val_loss")[1].removesuffix(".keras"))
+    assert run_ckptd("prune", "-c", cfg).returncode == 0
+    assert sorted(p.name for p in (root / run).iterdir() if not p.name.startswith(".")) == (
+        sorted([*saved[1:], "backup"]) if run == "docs-weights" else saved[1:])
+
+
+def test_backup_and_restore_is_a_resume_copy_never_a_step(keras_docs_volume, tmp_path):
+    """BackupAndRestore's `backup/latest.weights.h5` (what fit restores from): `verify` says what it
+    is, `plan` counts nothing in it, and prune leaves it."""
+    import shutil
+
+    src, _ = keras_docs_volume
+    root = tmp_path / "vol"
+    shutil.copytree(src / "docs-weights", root / "run", symlinks=True)
+    backup = root / "run" / "backup"
+    assert sorted(p.name for p in backup.iterdir()) == ["latest.weights.h5", "training_metadata.json"]
+    proc = run_ckptd("verify", backup / "latest.weights.h5", env={"CKPTD_CONFIG": ""})
+    assert proc.returncode == 64 and "BackupAndRestore's backup" in proc.stderr, proc.stderr
+    cfg, seen = rows(tmp_path, root, keep_last=1, keep_best=0)
+    assert not [rel for rel in seen if rel.startswith("run/backup")]
+    assert run_ckptd("prune", "-c", cfg).returncode == 0
+    assert sorted(p.name for p in backup.iterdir()) == ["latest.weights.h5", "training_metadata.json"]
+
+
+def test_templates_of_keras_names_are_read_only_where_the_epoch_shows():
+    """The light side of recognise_among: bare model names are no run, even two of a kind."""
+    from ckptd import layouts
+
+    def among(*names):
+        return {c.name: c.step for c in layouts.recognise_among(names)}
+
+    assert among("model.01-0.50.keras", "model.02-0.45.keras") == {"model.01-0.50.keras": 1, "model.02-0.45.keras": 2}
+    assert among("epoch1-val_loss0.5.keras", "epoch2-val_loss0.4.keras") == {
+        "epoch1-val_loss0.5.keras": 1, "epoch2-val_loss0.4.keras": 2}
+    assert among("model.05-0.30.keras") == {}  # one save: no template shows yet
+    for pair in (("resnet50.keras", "resnet101.keras"), ("llama-7b.keras", "llama-13b.keras"),
+                 ("yolo-5.keras", "yolo-8.keras"), ("m-2023.keras", "m-2024.keras"),
+                 ("net-01b.keras", "net-02b.keras"), ("net01.keras", "net02.keras")):
+        assert among(*pair) == {}, pair

@@ -153,7 +153,7 @@ BAD = [
      "roots[0].runs[0]: min_free is per filesystem: set it in [roots.retention], not per run"),
     ("[[roots]]\npath = '/x'\n[[roots.runs]]\nkeep_last = 1\n", "roots[0].runs[0].match: required key is missing"),
     ("[[roots]]\npath = '/x'\npatterns = ['ckpt']\n",
-     "roots[0].patterns[0].name: a pattern is one name with exactly one {step} field (got 'ckpt')"),
+     "roots[0].patterns[0].name: a pattern is one name with exactly one {step} or {time} field (got 'ckpt')"),
     ("[[roots]]\npath = '/x'\n[[roots]]\npath = '/x/y'\n",
      "roots: roots[1].path '/x/y' overlaps roots[0].path '/x'"),
     ("[[roots]]\n", "roots[0].path: required key is missing"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,33 @@ def test_a_conflict_between_a_variable_and_the_file_names_the_variable(tmp_path)
     [line] = info.value.problems
     assert line.startswith("CKPTD_KEEP_TOTAL: keep_total replaces keep_last: "), line
     assert line.endswith(f"({path}: roots[0].retention)")
+
+
+def test_a_misspelled_variable_is_warned_with_the_nearest_one(tmp_path):
+    """CKPTD_KEEP_LST was ignored silently, and the file's keep_last applied."""
+    (tmp_path / "vol").mkdir()
+    proc = run_ckptd("check-config", env={"CKPTD_ROOTS": str(tmp_path / "vol"), "CKPTD_KEEP_LST": "1",
+                                          "CKPTD_WOBBLE": "x", "CKPTD_STATE_DIR": str(tmp_path / "state")})
+    assert proc.returncode == 0, proc.stderr
+    assert "CKPTD_KEEP_LST is not a ckptd variable: ignored; did you mean CKPTD_KEEP_LAST?" in proc.stderr
+    assert "CKPTD_WOBBLE is not a ckptd variable: ignored; ckptd reads CKPTD_CONFIG," in proc.stderr
+    assert "CKPTD_TEST" not in proc.stderr.replace("CKPTD_KEEP_LST", "")  # the suite's own are not users'
+
+
+def test_keep_nothing_and_a_quiet_period_over_a_day_are_warned(tmp_path):
+    """keep_last = 0 with keep_best = 0 keeps only what is always kept (in torchtitan 0 keeps all);
+    quiet_period = "3650d" completes nothing for ten years: both valid, both said."""
+    (tmp_path / "vol").mkdir()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{tmp_path / 'vol'}'\n"
+                   "quiet_period = '3650d'\n[roots.retention]\nkeep_last = 0\nkeep_best = 0\n"
+                   "[[roots.runs]]\nmatch = 'kept/*'\nkeep_last = 2\n")
+    proc = run_ckptd("check-config", "-c", cfg)
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("warning: roots[0]")]
+    assert len(warned) == 2, proc.stderr  # the run rule keeps 2: not warned
+    assert warned[0].startswith("warning: roots[0].quiet_period: 3650d is over a day")
+    assert warned[1].startswith("warning: roots[0].retention: keep_last = 0 and keep_best = 0 keep only what "
+                                "is always kept (each run's newest complete checkpoint")
+    plan = run_ckptd("plan", "-c", cfg, "--json")
+    assert any("keep_last = 0 and keep_best = 0" in w for w in json.loads(plan.stdout)["warnings"]), plan.stdout

@@ -6,6 +6,7 @@ wait is on its log lines, with a timeout.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -257,3 +258,40 @@ def test_a_budget_that_cannot_be_met_is_named_by_root_and_key():
     assert unmet_budgets(plan.warnings, plan.decisions, ["/vol"]) == {("/vol", "keep_total")}
     r = Root(path=Path("/vol"), retention=Retention(keep_last=1, keep_best=0, max_size=10_000))
     assert unmet_budgets(decide([(r, [pinned])]).warnings, (), ["/vol"]) == set()
+
+
+def test_the_oldest_incomplete_age_survives_a_restart(tmp_path):
+    """The age of a checkpoint in flight counts from when a daemon first saw it so, kept in
+    state_dir: it restarted at 0 with the daemon, so the shipped one-hour alert never fired across
+    restarts. Once complete, or gone, it is forgotten."""
+    from types import SimpleNamespace
+
+    from ckptd.metrics import INCOMPLETE_SINCE, Metrics
+    from ckptd.model import State
+
+    on_disk: dict[str, State] = {"run/a": State.COMPLETE, "run/b": State.WRITING}
+    tracker = SimpleNamespace(rescans=0, last_reconcile=None,
+                              checkpoints=lambda: [SimpleNamespace(rel=r, run="run", state=s, size_bytes=0, written_at=0.0)
+                                                   for r, s in on_disk.items()])
+    roots = [SimpleNamespace(root=SimpleNamespace(path=Path("/vol")), tracker=tracker, leader=True)]
+
+    def age(m: Metrics) -> float | None:
+        return m.registry.get_sample_value("ckptd_oldest_incomplete_checkpoint_age_seconds", {"root": "/vol"})
+
+    first = Metrics({}, tmp_path)
+    first.sample(roots, 50.0, wall=10_000.0)
+    first.sample(roots, 350.0, wall=10_300.0)
+    assert age(first) == 300.0
+    restarted = Metrics({}, tmp_path)  # a new process: its monotonic clock starts elsewhere
+    restarted.sample(roots, 7.0, wall=13_600.0)
+    assert age(restarted) == 3600.0
+    on_disk["run/b"] = State.COMPLETE
+    restarted.sample(roots, 8.0, wall=13_601.0)
+    assert age(restarted) == 0.0
+    assert json.loads((tmp_path / INCOMPLETE_SINCE).read_text()) == {}
+    on_disk["run/c"] = State.SETTLING
+    Metrics({}, tmp_path).sample(roots, 1.0, wall=20_000.0)
+    del on_disk["run/c"]  # deleted while no daemon ran
+    again = Metrics({}, tmp_path)
+    again.sample(roots, 1.0, wall=30_000.0)
+    assert age(again) == 0.0 and json.loads((tmp_path / INCOMPLETE_SINCE).read_text()) == {}

@@ -357,3 +357,46 @@ def test_values_from_more_than_one_source_and_missing_ones_are_said(tmp_path):
         "keep_missing_metric keeps them",
     ]
     assert metric_warnings(run, Retention(keep_last=1, keep_best=1, metric="val_loss")) == warnings  # no decisions
+
+
+@pytest.mark.parametrize("pattern, name, expected", [
+    ("ckpt_{step}", "ckpt_120", (120, "step")),
+    ("ep*-ba{step}-rank0.pt", "ep3-ba1200-rank0.pt", (1200, "step")),
+    ("ep*-ba{step}-rank0.pt", "ep3-ba1200-rank1.pt", None),  # another rank's file: not the checkpoint
+    ("ep?-ba{step}.pt", "ep12-ba5.pt", None),  # '?' is one character
+    ("run*_step{step}", "run_a_b_step7", (7, "step")),
+    ("checkpoint_{time}", "checkpoint_2026-12-01_09-00-00.000000", (20261201090000000000, "time")),
+    ("snap-{time}", "snap-20261201T0900", (202612010900, "time")),
+    ("snap-{time}", "snap-latest", None),
+    ("ckpt.{step}", "ckptX12", None),  # '.' is a dot, not any character
+])
+def test_user_pattern_fields_and_wildcards(pattern, name, expected):
+    cand = layouts.recognise_by_name(name, True, [layouts.compile_pattern(pattern)])
+    assert (None if cand is None else (cand.step, cand.unit)) == expected
+
+
+def test_a_pattern_directory_gets_the_shard_and_whole_file_checks_whatever_require_says(tmp_path):
+    """Hand-made states that a killed save_pretrained does not leave in this order (its own kills
+    are in tests/completeness/test_pattern_formats.py): an index naming a shard that is not there,
+    a torn config.json, all behind a `require` they meet."""
+    root = tmp_path / "vol"
+    shards = [f"model-{i:05d}-of-00002.safetensors" for i in (1, 2)]
+    index = json.dumps({"weight_map": {"a": shards[0], "b": shards[1]}})
+    states = {
+        "step_1": {"config.json": "{}", shards[0]: None, shards[1]: None, "model.safetensors.index.json": index},
+        "step_2": {"config.json": "{}", shards[0]: None, "model.safetensors.index.json": index},
+        "step_3": {"config.json": '{"n_embd": 1', shards[0]: None, shards[1]: None,
+                   "model.safetensors.index.json": index},
+    }
+    for step, files in states.items():
+        for rel, text in files.items():
+            p = root / "run" / step / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}" if text is None else text.encode())
+    age(root, OLD)
+    found = scan(root, patterns=[{"name": "step_{step}", "require": ["config.json", "*.safetensors"]}])
+    assert failed(found["run/step_1"]) == []
+    assert failed(found["run/step_2"]) == [
+        "sharded weights: model-00002-of-00002.safetensors missing (1/2 named by model.safetensors.index.json)"]
+    assert [f.split(":")[0] for f in failed(found["run/step_3"])] == ["whole files"]
+    assert found["run/step_3"].state is State.INCOMPLETE

@@ -7,6 +7,7 @@ the frameworks' own volumes, and their own loaders' verdicts, are in test_framew
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 from ckptd import slim
 from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.errors import RootMissingError, UsageError
-from ckptd.resume import find_latest, latest
+from ckptd.resume import NothingToResumeError, find_latest, latest
 from tests.support.common import run_ckptd
 
 NOW = time.time()
@@ -57,13 +58,41 @@ def test_nothing_to_resume_from_is_exit_1_with_the_reason(tmp_path):
     assert latest(run) is None
 
 
-def test_a_checkpoint_still_being_written_is_not_named_unless_the_quiet_period_is_waived(tmp_path):
+def test_a_save_seconds_old_is_named_and_an_observer_can_still_wait_out_a_quiet_period(tmp_path, caplog):
+    """At a restart the job that wrote the run is the one being restarted: no quiet period is waited
+    out by default (it had named checkpoint-10, and a job restarted at once found nothing). An
+    observer choosing while training runs asks for one: a save seconds old is then passed over."""
     run = trainer_run(tmp_path / "out", [10])
     hf_deepspeed_checkpoint(run, 20, world=2, mtime=time.time() - 5)  # every file there, 5 s old
-    assert run_ckptd("latest", run).stdout.strip() == str(run / "checkpoint-10")
-    proc = run_ckptd("latest", run, "--quiet-period", "0")  # the job is known to be dead
-    assert proc.stdout.strip() == str(run / "checkpoint-20")
-    assert latest(run, quiet_period=0) == run / "checkpoint-20"
+    assert run_ckptd("latest", run).stdout == f"{run / 'checkpoint-20'}\n"
+    assert latest(run) == run / "checkpoint-20"
+    watched = run_ckptd("latest", run, "--quiet-period", "60s")
+    assert watched.stdout == f"{run / 'checkpoint-10'}\n"
+    assert "passed over checkpoint-20: writing: quiet failed: last change" in watched.stderr, watched.stderr
+    with caplog.at_level(logging.WARNING, logger="ckptd.resume"):
+        assert latest(run, quiet_period=60) == run / "checkpoint-10"
+    assert "passed over checkpoint-20: writing: quiet failed" in caplog.text
+
+
+def test_checkpoints_none_of_which_qualifies_are_logged_or_raised_never_a_silent_none(tmp_path, caplog):
+    """`ckptd.latest()` returning None restarts training from step 0: where the run holds
+    checkpoints and none can be resumed from, each is logged at WARNING with why, and `strict=True`
+    raises. An empty run is a first start: None, at INFO."""
+    run = tmp_path / "out"
+    run.mkdir()
+    with caplog.at_level(logging.INFO, logger="ckptd.resume"):
+        assert latest(run, strict=True) is None
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    caplog.clear()
+    hf_deepspeed_checkpoint(run, 10, world=2, skip=["trainer_state.json"], mtime=OLD)
+    with caplog.at_level(logging.WARNING, logger="ckptd.resume"):
+        assert latest(run) is None
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said[0] == ("WARNING", "ckptd.latest: passed over checkpoint-10: incomplete: trainer_state.json "
+                       "failed: missing (the Trainer writes it last)"), said
+    assert said[1][0] == "WARNING" and "nothing to resume from: none of its 1 checkpoints" in said[1][1]
+    with pytest.raises(NothingToResumeError, match="checkpoint-10: incomplete: trainer_state.json failed"):
+        latest(run, strict=True)
 
 
 def test_a_slimmed_checkpoint_is_not_resumable(tmp_path):

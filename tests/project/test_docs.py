@@ -183,3 +183,18 @@ def test_the_recipes_delete_nothing_beyond_the_defaults(monkeypatch):
         r = effective_config(None, env).roots[0].retention
         assert (r.max_size, r.min_free, r.keep_full_last, r.keep_total) == (None, None, None, None), env
         assert r.keep_last >= defaults.keep_last and r.keep_best >= defaults.keep_best, env
+
+
+def test_troubleshooting_lists_every_exit_code():
+    """Every exit code ckptd's --help names (and each sysexits constant it raises) has a row in
+    docs/troubleshooting.md's table: 74 for a busy metrics port was missing."""
+    from ckptd import errors
+    from ckptd.cli.parser import EPILOG, EX_PIPE, EX_TEMPFAIL
+
+    text = (REPO / "docs" / "troubleshooting.md").read_text()
+    table = text[text.index("## Every exit code"):]
+    rows = {int(m[1]) for m in re.finditer(r"^\| (\d+) \|", table, re.M)}
+    named = {int(n) for n in re.findall(r"\b(\d+) [a-z]", EPILOG.split("config:")[0])}
+    constants = {v for k, v in vars(errors).items() if k.startswith("EX_")} | {EX_PIPE, EX_TEMPFAIL}
+    assert named | constants <= rows, sorted((named | constants) - rows)
+    assert "metrics_listen" in table.split("| 74 |")[1].split("\n")[0]

@@ -4,7 +4,9 @@
 fits 3 epochs on the CPU (torch backend) with ``keras.callbacks.ModelCheckpoint`` writing
 ``OUT/RUN/model-epoch={epoch:02d}-val_loss={val_loss:.3f}.keras`` (``model.save``: a zip written in
 place, saving_lib.save_model) or ``...weights.h5`` (``save_weights_only=True``: HDF5 written in
-place). With KILL_EPOCH, the process SIGKILLs itself inside that epoch's save, as the weights store
+place). KIND ``docs-keras``, ``docs-metric``, ``docs-weights``: the templates Keras's own docs use
+(``TEMPLATES``); ``docs-weights`` with ``BackupAndRestore(OUT/RUN/backup, delete_checkpoint=False)``
+beside it. With KILL_EPOCH, the process SIGKILLs itself inside that epoch's save, as the weights store
 closes (saving_lib.H5IOStore.close): what a job killed mid-save leaves. Each whole save is loaded
 back with keras's own loader; prints one JSON line {file: "loads" | error}.
 """
@@ -21,6 +23,19 @@ from tests.support import refuse_in_light_test
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
+# KIND -> ModelCheckpoint's filepath template
+TEMPLATES = {
+    "keras": "model-epoch={epoch:02d}-val_loss={val_loss:.3f}.keras",
+    "weights": "model-epoch={epoch:02d}-val_loss={val_loss:.3f}.weights.h5",
+    "docs-keras": "model.{epoch:02d}-{val_loss:.2f}.keras",  # keras.callbacks.ModelCheckpoint's docstring
+    "docs-metric": "epoch{epoch:02d}-val_loss{val_loss:.3f}.keras",
+    "docs-weights": "w-{epoch:02d}.weights.h5",
+}
+
+
+def _whole_model(kind: str) -> bool:
+    return TEMPLATES[kind].endswith(".keras")
+
 
 def main(out: str, run: str, kind: str, kill_epoch: int | None) -> int:
     import keras
@@ -30,8 +45,7 @@ def main(out: str, run: str, kind: str, kill_epoch: int | None) -> int:
     keras.utils.set_random_seed(3)
     d = Path(out) / run
     d.mkdir(parents=True, exist_ok=True)
-    suffix = ".keras" if kind == "keras" else ".weights.h5"
-    template = str(d / ("model-epoch={epoch:02d}-val_loss={val_loss:.3f}" + suffix))
+    template = str(d / TEMPLATES[kind])
 
     def build():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
@@ -55,13 +69,18 @@ def main(out: str, run: str, kind: str, kill_epoch: int | None) -> int:
 
     x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
-    checkpoint = keras.callbacks.ModelCheckpoint(template, save_weights_only=kind == "weights")
-    model.fit(x, y, validation_data=(x, y), epochs=3, batch_size=8, verbose=0, callbacks=[Epoch(), checkpoint])
+    checkpoint = keras.callbacks.ModelCheckpoint(template, save_weights_only=not _whole_model(kind))
+    callbacks = [Epoch(), checkpoint]
+    if kind == "docs-weights":
+        callbacks.append(keras.callbacks.BackupAndRestore(str(d / "backup"), delete_checkpoint=False))
+    model.fit(x, y, validation_data=(x, y), epochs=3, batch_size=8, verbose=0, callbacks=callbacks)
     saving_lib.H5IOStore.close = close
     truth = {}
     for p in sorted(d.iterdir()):
+        if p.is_dir():
+            continue  # BackupAndRestore's
         try:
-            if kind == "keras":
+            if _whole_model(kind):
                 keras.saving.load_model(p)
             else:
                 build().load_weights(p)
@@ -78,8 +97,10 @@ def check(out: str, run: str, kind: str) -> int:
 
     truth = {}
     for p in sorted((Path(out) / run).iterdir()):
+        if p.is_dir():
+            continue  # BackupAndRestore's
         try:
-            if kind == "keras":
+            if _whole_model(kind):
                 keras.saving.load_model(p)
             else:
                 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])

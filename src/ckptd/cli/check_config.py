@@ -10,7 +10,7 @@ import time
 
 from ckptd import layouts
 from ckptd.cli.common import check_state_dir, config_path, load, preflight, slimming_keys
-from ckptd.config import Config
+from ckptd.config import Config, config_warnings
 from ckptd.discover import find_runs
 from ckptd.envconfig import settings_in
 from ckptd.errors import EX_OK, CkptdError
@@ -42,6 +42,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"warning: {line}", file=sys.stderr)
     for line in _world_sizes(config):
         print(f"warning: {line}", file=sys.stderr)
+    for line in config_warnings(config) + _partial_requires(config):
+        print(f"warning: {line}", file=sys.stderr)
     source = path if path else "no config file: built-in defaults"
     print(f"# {source}{with_env}: OK ({', '.join(checked)})", file=sys.stderr)
     return EX_OK
@@ -59,6 +61,18 @@ def _unmatched(config: Config) -> list[str]:
         rels = [c.name if d.rel == "." else f"{d.rel}/{c.name}" for d in dirs for c in d.candidates]
         out += unmatched_paths(root, rels, run_names([d.rel for d in dirs]))
     return out
+
+
+def _partial_requires(config: Config) -> list[str]:
+    """`require` globs a save killed half-way could meet (`UserPattern.partial_requires`)."""
+    from ckptd.frameworks import USER_PATTERN
+
+    return [
+        f"roots[{i}].patterns[{j}] {p.name!r}: {why}"
+        for i, root in enumerate(config.roots)
+        for j, p in enumerate(root.patterns)
+        for why in USER_PATTERN.partial_requires(p.require)
+    ]
 
 
 def _world_sizes(config: Config) -> list[str]:

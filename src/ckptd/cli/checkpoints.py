@@ -46,6 +46,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return os.listdir(path)
 
     cand = layouts.recognise(path.name, is_dir, children, patterns)
+    if cand is None and not is_dir:  # one of its run's saves of one template (`recognise_among`)
+        cand = layouts.recognise_with_siblings(path.name, False, os.listdir(path.parent), patterns)
     if cand is None and (why := layouts.resume_copy(path.name)) is not None:
         raise UsageError(f"{args.path}: {why}")
     if cand is None:

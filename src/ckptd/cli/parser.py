@@ -10,9 +10,10 @@ from ckptd import __version__
 from ckptd.errors import UsageError
 
 EPILOG = """\
-exit codes: 0 ok, 1 verify: not complete / health: unhealthy / status: no daemon running,
-            64 usage, 66 root missing, 70 internal error, 74 I/O error,
-            75 another ckptd holds the root, 78 config error, 141 stdout closed early (| head)
+exit codes: 0 ok, 1 verify: not complete / health: unhealthy / status: no daemon running /
+            latest: nothing to resume from, 64 usage, 66 root missing, 70 internal error,
+            74 I/O error (a busy metrics port too), 75 another ckptd holds the root,
+            78 config error, 130 interrupted, 141 stdout closed early (| head)
 config: -c CONFIG, else $CKPTD_CONFIG, else /etc/ckptd/config.toml if it exists,
         else built-in defaults (keep the 2 newest complete checkpoints and the
         trainer's best, quiet_period 60s, no slimming); CKPTD_* variables override it
@@ -147,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--quiet-period",
         metavar="DURATION",
-        help="override quiet_period (e.g. 0 when the job that wrote the run is known to be dead)",
+        help="for an observer choosing while training runs: pass over saves changed within DURATION "
+        "(default 0: at a restart the job that wrote the run is the one being restarted)",
     )
     sp.add_argument("--json", action="store_true", help="print one JSON document")
 

@@ -8,7 +8,7 @@ import time
 
 from ckptd.cli.common import load, require_extras, require_roots, scan_all, with_effective_quiet
 from ckptd.cli.output import checks_json, decision_json, print_table
-from ckptd.config import format_size
+from ckptd.config import config_warnings, format_size
 from ckptd.errors import EX_OK, ConfigError
 from ckptd.policy import inferred_modes, summarise
 
@@ -18,7 +18,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     require_roots(config)
     config = with_effective_quiet(config)
     _, plan = scan_all(config, time.time(), quiet=args.quiet)
-    warnings = list(plan.warnings)
+    warnings = list(plan.warnings) + config_warnings(config)
     try:
         require_extras(config)
     except ConfigError as exc:  # plan only reads: say what run and prune will refuse, and go on

@@ -54,6 +54,33 @@ def refusals(config: Config) -> list[tuple[str, str]]:
     return out
 
 
+QUIET_CEILING = 24 * 3600.0  # seconds: a quiet period longer than a day is a typo more likely than a wish
+
+
+def config_warnings(config: Config) -> list[str]:
+    """`key: what` for settings that are valid but probably not meant, said by check-config, plan
+    and run: keep_last = 0 with keep_best = 0 (in torchtitan `keep_latest_k = 0` keeps everything;
+    here it keeps only what is always kept), and a quiet period over a day (`"3650d"`: nothing is
+    complete for that long, so nothing is ever deleted)."""
+    out = []
+    for i, root in enumerate(config.roots):
+        if root.quiet_period > QUIET_CEILING:
+            out.append(f"roots[{i}].quiet_period: {format_duration(root.quiet_period)} is over a day: a save "
+                       "counts as finished only after that long unchanged, so nothing is deleted before then")
+        rules = [("retention", root.retention)]
+        for j, rule in enumerate(root.runs):
+            update = {k: getattr(rule, k) for k in rule.model_fields_set if k in Retention.model_fields}
+            rules.append((f"runs[{j}]", root.retention.model_copy(update=update)))
+        for key, r in rules:
+            if r.keep_total is None and r.keep_last == 0 and r.keep_best == 0:
+                out.append(
+                    f"roots[{i}].{key}: keep_last = 0 and keep_best = 0 keep only what is always kept (each "
+                    "run's newest complete checkpoint, pinned ones, those a resume pointer names, anything "
+                    "not complete) and delete the rest; 0 does not mean 'keep all' (as torchtitan's "
+                    "keep_latest_k = 0 does): to keep every checkpoint, leave the run out of the roots")
+    return out
+
+
 def system_path(path: Path) -> str | None:
     """Why `path` (as written, and as it resolves: /data -> /) is no place for runs, or None."""
     for p in dict.fromkeys((os.path.normpath(path), os.path.realpath(path))):

@@ -250,7 +250,12 @@ class RunRule(Retention):
 class Pattern(_Strict):
     """A checkpoint name pattern of the user's own, with the evidence that completes a checkpoint."""
 
-    name: str = Field(description="The checkpoint's name with one {step} field, e.g. 'ckpt_{step}'.")
+    name: str = Field(
+        description="The checkpoint's name with one {step} field, e.g. 'ckpt_{step}', or one {time} "
+        "field where the name has no step (a date and time written year first, e.g. "
+        "'checkpoint_{time}' for checkpoint_2024-05-01_12-00-00: the time orders the saves); '*' "
+        "matches any run of characters within the name, '?' one (e.g. 'ep*-ba{step}-rank0.pt')."
+    )
     require: tuple[str, ...] = Field(
         (),
         description="Globs on paths inside the checkpoint ('*' stays within a segment) that must each "
@@ -265,8 +270,11 @@ class Pattern(_Strict):
     @field_validator("name")
     @classmethod
     def _one_step_field(cls, v: str) -> str:
-        if v.count("{step}") != 1 or "/" in v:
-            raise ValueError(f"a pattern is one name with exactly one {{step}} field (got {v!r})")
+        if v.count("{step}") + v.count("{time}") != 1 or "/" in v:
+            raise ValueError(f"a pattern is one name with exactly one {{step}} or {{time}} field (got {v!r})")
+        if v not in ("{step}", "{time}") and v.replace("*", "").replace("?", "") in ("{step}", "{time}"):
+            raise ValueError(f"a pattern needs a fixed part beside its field and wildcards (got {v!r}): "
+                             "it would take any numbered file or directory for a checkpoint")
         return v
 
     @field_validator("ranks")

@@ -147,7 +147,7 @@ class Daemon:
         source = self.config_path or "no config file (built-in defaults)"
         log.info("ckptd %s starting (pid %d), config %s%s", __version__, os.getpid(), source, note)
         if self.config.daemon.metrics_listen:
-            self.metrics = Metrics(self.counters)
+            self.metrics = Metrics(self.counters, self.config.daemon.state_dir)
             self.metrics.start(self.config.daemon.metrics_listen)
         self.config.daemon.state_dir.mkdir(parents=True, exist_ok=True)
         self.journal = None if self.dry_run else Journal(self.config.daemon.state_dir)

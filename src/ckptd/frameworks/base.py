@@ -146,6 +146,12 @@ class Framework:
         """Whether a file named `name` (ending in one of `file_suffixes`) is its checkpoint, at which step."""
         return None
 
+    def recognise_among(self, names: Collection[str]) -> list[Candidate]:
+        """Its saves among the files `names` of one directory that no name alone made a checkpoint
+        (`recognise_name` said None for each): what only the saves of one template together show
+        (Keras's `model.{epoch:02d}-{val_loss:.2f}.keras`: the number that varies is the epoch)."""
+        return []
+
     def part_inside(self, name: str, sibling_dirs: Callable[[], Collection[str]]) -> bool:
         """Whether its save `name`, found inside another checkpoint beside `sibling_dirs`, is that
         checkpoint's part rather than a save of a run held there (`layouts.held`)."""

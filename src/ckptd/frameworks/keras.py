@@ -10,17 +10,31 @@ without its central directory, an HDF5 file whose superblock does not end where 
 
 Its step is the epoch: `epoch=<N>` (or `step=`, `batch=`) in the name, the template naming its fields
 as Lightning's do (`model-epoch={epoch:02d}-val_loss={val_loss:.3f}.keras`); its metrics are the other
-`name=value` fields. A name without such a field is never taken for a checkpoint, so never touched:
-a bare number proves nothing (`resnet50.keras` is a model, not epoch 50), nor does `best.keras`
-(rewritten in place by save_best_only).
+`name=value` fields. Keras's own docs and examples name them otherwise
+(`model.{epoch:02d}-{val_loss:.2f}.keras`, `epoch{epoch:02d}-val_loss{val_loss:.3f}.keras`,
+`w-{epoch:02d}.weights.h5`): there the epoch is the whole number that varies between the saves of
+one template (`recognise_among`: two saves or more, their names alike but for their numbers),
+zero-padded or after the word `epoch`/`ep`, set apart by a separator before it and a separator or
+the end after it, so that `resnet50.keras` beside `resnet101.keras`, `llama-7b.keras` beside
+`llama-13b.keras` or `yolo-5.keras` beside `yolo-8.keras` is no run; a metric is a `{name:.Nf}`
+field whose name shows before it (`val_loss0.312`). A name alone without such a field is never
+taken for a checkpoint, so never touched: a bare number proves nothing (`resnet50.keras` is a
+model, not epoch 50), nor does `best.keras` (rewritten in place by save_best_only).
+
+`BackupAndRestore(backup_dir)` (keras/src/callbacks/backup_and_restore.py) rewrites
+`backup_dir/latest.weights.h5` and `training_metadata.json` every epoch and restores from them when
+fit starts again: `latest.weights.h5` is a resume copy (`resume_copy`), never a step, never counted
+or deleted, and a directory holding it is never deleted as one checkpoint (`layouts.held`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import struct
 import zipfile
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Collection
 
 from ckptd import volread
 from ckptd.frameworks.base import Evidence, Framework, Metrics, Save
@@ -32,10 +46,47 @@ KERAS, WEIGHTS_H5 = ".keras", ".weights.h5"
 _ARCHIVE_MEMBERS = ("metadata.json", "config.json")  # saving_lib._METADATA_FILENAME, _CONFIG_FILENAME
 _WEIGHTS_MEMBERS = ("model.weights.h5", "model.weights.npz")  # saving_lib._VARS_FNAME + its formats
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+BACKUP_WEIGHTS = "latest.weights.h5"  # BackupAndRestore's (backup_and_restore.py `_weights_path`)
+BACKUP_NOTE = ("BackupAndRestore's backup (keras/src/callbacks/backup_and_restore.py): rewritten every "
+               "epoch, what fit restores from; never a step of its own, never counted or deleted")
+
+# A template's numbers as Keras formats them (`{epoch:02d}`, `{val_loss:.2f}`, `{lr:.1e}`)
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_EPOCH_WORD = re.compile(r"(?:^|[^A-Za-z0-9])(?:epoch|epochs|ep|e)$", re.IGNORECASE)
+# A metric whose name shows before its value: `val_loss0.312`, `acc_0.91` (a float: `{name:.Nf}`)
+_NAMED_VALUE = re.compile(r"([A-Za-z][A-Za-z0-9_]*?)[_=:]?(-?\d+\.\d+(?:[eE][-+]?\d+)?)(?![\d.])")
 
 
 def _stem(name: str) -> str:
     return name.removesuffix(WEIGHTS_H5).removesuffix(KERAS)
+
+
+def _suffix(name: str) -> str:
+    return WEIGHTS_H5 if name.endswith(WEIGHTS_H5) else KERAS
+
+
+def _epoch_position(literals: tuple[str, ...], numbers: list[list[str]]) -> int | None:
+    """Which of a template's numbers is the epoch: the first whole number that varies between its
+    saves, written as an epoch is (the word epoch before it, or zero-padded: `{epoch:02d}`), with a
+    separator before it (or the word) and a separator or the end after it. `yolo-5.keras` beside
+    `yolo-8.keras`, `model-2023.keras` beside `model-2024.keras` are no run."""
+    for i in range(len(numbers[0])):
+        column = [n[i] for n in numbers]
+        if not all(v.isdigit() for v in column) or len({int(v) for v in column}) < 2:
+            continue
+        before, after = literals[i], literals[i + 1]
+        worded = _EPOCH_WORD.search(before) is not None
+        padded = any(len(v) > 1 and v.startswith("0") for v in column)
+        apart_before = worded or before == "" or not before[-1].isalnum()
+        apart_after = after == "" or not after[0].isalnum()
+        if (worded or padded) and apart_before and apart_after:
+            return i
+    return None
+
+
+def named_metrics(stem: str) -> dict[str, str]:
+    """The `{name:.Nf}` fields of a name where the name shows before the value (`val_loss0.312`)."""
+    return {m[1].rstrip("_"): m[2] for m in _NAMED_VALUE.finditer(stem)}
 
 
 def archive_problem(path: str, size: int) -> str | None:
@@ -93,6 +144,27 @@ class Keras(Framework):
                 return Candidate(name, int(value), LAYOUT, False, unit=unit)
         return None  # no named epoch or step: not recognised, never touched
 
+    def recognise_among(self, names: Collection[str]) -> list[Candidate]:
+        """Saves of one `filepath` template, as Keras's docs name them: their names alike but for
+        their numbers, two or more, the epoch the whole number that varies (`_epoch_position`)."""
+        templates: dict[tuple[tuple[str, ...], str], list[tuple[str, list[str]]]] = defaultdict(list)
+        for name in names:
+            if not name.endswith(self.file_suffixes) or name == BACKUP_WEIGHTS:
+                continue
+            stem = name.removesuffix(_suffix(name))
+            numbers = _NUMBER.findall(stem)
+            if numbers:
+                templates[(tuple(_NUMBER.split(stem)), _suffix(name))].append((name, numbers))
+        found = []
+        for (literals, _), saves in templates.items():
+            at = _epoch_position(literals, [n for _, n in saves]) if len(saves) > 1 else None
+            if at is not None:
+                found += [Candidate(name, int(nums[at]), LAYOUT, False, unit=EPOCH) for name, nums in saves]
+        return found
+
+    def resume_copy(self, name: str) -> str | None:
+        return BACKUP_NOTE if name == BACKUP_WEIGHTS else None
+
     def evidence(self, save: Save) -> Evidence:
         entry = save.files.get("")
         kind = "keras archive" if save.cand.name.endswith(KERAS) else "keras weights"
@@ -109,7 +181,8 @@ class Keras(Framework):
 
     def metrics(self, save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
         out = []
-        for k, v in name_fields(_stem(save.cand.name)).items():
+        stem = _stem(save.cand.name)
+        for k, v in {**named_metrics(stem), **name_fields(stem)}.items():
             try:
                 out.append((k, Reading(as_metric(float(v)), FILE_NAME)))
             except ValueError:

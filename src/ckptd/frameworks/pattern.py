@@ -1,23 +1,50 @@
-"""A user's pattern (`[[roots.patterns]] name = "ckpt_{step}"`): the evidence the user names for it.
+"""A user's pattern (`[[roots.patterns]] name = "ckpt_{step}"`): the evidence the user names for it,
+and the whole-file checks the framework modules make, which no `require` can overrule.
 
 `require` globs each a file that must be there, `ranks` a per-rank file with `{rank}` (counted as
 the frameworks' rank files are). Without either, nothing but quiet says a save is finished, and
 `plan` warns so.
+
+Whatever the user requires, a save in a pattern's directory is also judged as a framework module
+judges its files (the engine checks every torch zip's and safetensors header's end already):
+- sharded weights, as transformers' `save_pretrained` writes them (modeling_utils.py: each
+  `<name>-0000i-of-0000N.safetensors` shard, then the `.index.json` naming them, last): every
+  shard of N there, an index beside them, and every file an index names there. A save killed
+  between two shards meets `require = ["config.json", "*.safetensors"]`, and `from_pretrained`
+  refuses it;
+- every JSON file parses (a config, an index, a trainer state cut short is not whole);
+- every pickle ends with pickle's STOP opcode (`.`), which `pickle.dump` writes last.
 """
 
 from __future__ import annotations
 
 import re
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
 
 from ckptd import slim
-from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files
+from ckptd.frameworks.accelerate import _pickle_problem as pickle_problem  # its random_states pickles'
+from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files, files_whole
+from ckptd.frameworks.hf import _json_problem as json_problem  # the Trainer's JSON files'
+from ckptd.frameworks.hfweights import index_shards
 from ckptd.model import Check, Entry, Verdict
 
 PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
 
 LAYOUT = "pattern"
 EVIDENCE = "evidence"
+SHARDS = "sharded weights"
+WHOLE = "whole files"
 QUIET_ALONE = "no completion evidence: complete on quiet alone, the weakest evidence there is"
+
+# transformers' shard names (utils/hub.py, huggingface_hub's split_torch_state_dict_into_shards:
+# `model-00001-of-00004.safetensors`, a variant before the suffix) and their indexes
+# (`model.safetensors.index.json`, `model.safetensors.index.fp16.json`)
+_SHARD = re.compile(r"(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.(?P<ext>safetensors|bin)")
+_INDEX = re.compile(r".+\.(?:safetensors|bin)\.index(?:\.[^/]+)?\.json")
+_PICKLE_SUFFIXES = (".pkl", ".pickle")
+_LOADERS_FAIL = "json.load and pickle.load fail on it"
 
 
 def _required(files: dict[str, Entry], glob: str) -> Check:
@@ -28,13 +55,105 @@ def _required(files: dict[str, Entry], glob: str) -> Check:
     return Check(f"requires {glob}", PASSED, f"{hit} present")
 
 
+def _present(files: Mapping[str, Entry], rel: str) -> bool:
+    e = files.get(rel)
+    return e is not None and e.kind == "f"
+
+
+def _split(rel: str) -> tuple[str, str]:
+    head, _, tail = rel.rpartition("/")
+    return head, tail
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
+
+
+def sharded_weights(path: Path, files: Mapping[str, Entry]) -> Check | None:
+    """Every set of `-0000i-of-0000N` shards whole, with an index beside it naming every file it
+    lists; None where the save holds no shards and no index."""
+    sets: dict[tuple[str, str, int, str], set[int]] = defaultdict(set)
+    for rel, e in files.items():
+        folder, name = _split(rel)
+        if e.kind == "f" and (m := _SHARD.fullmatch(name)):
+            sets[(folder, m["stem"], int(m["n"]), m["ext"])].add(int(m["i"]))
+    indexes = sorted(rel for rel, e in files.items() if e.kind == "f" and _INDEX.fullmatch(_split(rel)[1]))
+    if not sets and not indexes:
+        return None
+    named: dict[str, set[str]] = defaultdict(set)  # folder -> the files its indexes name
+    for index in indexes:
+        shards = index_shards(path, files, index)
+        if isinstance(shards, str):
+            return Check(SHARDS, FAILED, shards)
+        folder = _split(index)[0]
+        missing = [s for s in shards if not _present(files, _join(folder, s))]
+        if missing:
+            n = len(shards)
+            why = f"{_join(folder, missing[0])} missing ({n - len(missing)}/{n} named by {index})"
+            return Check(SHARDS, FAILED, why)
+        named[folder].update(shards)
+    for (folder, stem, n, ext), have in sorted(sets.items()):
+        first = _join(folder, f"{stem}-{1:05d}-of-{n:05d}.{ext}")
+        if absent := [i for i in range(1, n + 1) if i not in have]:
+            gone = _join(folder, f"{stem}-{absent[0]:05d}-of-{n:05d}.{ext}")
+            return Check(SHARDS, FAILED, f"{gone} missing ({n - len(absent)}/{n} shards): a save killed "
+                                         "between its shards (save_pretrained writes them one by one)")
+        if not any(name.startswith(f"{stem}-") for name in named[folder]):
+            return Check(SHARDS, FAILED, f"no index naming {first} and its {n - 1} siblings: save_pretrained "
+                                         "writes the index after the last shard")
+    count = sum(len(v) for v in sets.values())
+    return Check(SHARDS, PASSED, f"{count} shards, each set whole and named by {', '.join(indexes)}")
+
+
+def whole_files(save: Save) -> Check | None:
+    """Every JSON file parses and every pickle ends as pickle.dump ends it, judged as the Trainer's
+    and accelerate's modules judge theirs; None where there are none. Each file is read once while
+    it stays the same (`Save.remembered_file`)."""
+    files = save.files
+    # a pattern over single files: the checkpoint is the file, its entry ""
+    name = {rel: rel or save.path.name for rel, e in files.items() if e.kind == "f"}
+    jsons = sorted(rel for rel, n in name.items() if n.endswith(".json"))
+    pickles = sorted(rel for rel, n in name.items() if n.endswith(_PICKLE_SUFFIXES))
+    if not jsons and not pickles:
+        return None
+    for rels, problem in ((jsons, json_problem), (pickles, pickle_problem)):
+        failed = files_whole(WHOLE, save.path, files, rels, problem, _LOADERS_FAIL, save.remembered_file)
+        if failed is not None:
+            return failed
+    return Check(WHOLE, PASSED, f"{len(jsons)} JSON and {len(pickles)} pickle files whole")
+
+
+# What a save killed between its shards holds, and the index written after them
+_PARTIAL_SHARDS = ("model-00001-of-00002.safetensors", "pytorch_model-00001-of-00002.bin")
+_INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def partial_requires(require: tuple[str, ...]) -> list[str]:
+    """The `require` globs a save killed between its shards could meet (`*.safetensors` meets one
+    shard of four) where no other glob requires an index, each with why (`check-config` warns)."""
+    if any(slim.matches(index, glob) for index in _INDEX_NAMES for glob in require):
+        return []
+    return [
+        f"require {glob!r} could be met by a partial save ({shard}: save_pretrained writes its shards one "
+        "by one, the index last): require the index too (e.g. 'model.safetensors.index.json'); ckptd "
+        "checks shards and indexes whatever require says"
+        for glob in require
+        if (shard := next((n for n in _PARTIAL_SHARDS if slim.matches(n, glob)), None)) is not None
+    ]
+
 
 class UserPattern(Framework):
     layout = LAYOUT
     takes_user_evidence = False  # it is the user's evidence
 
+    @staticmethod
+    def partial_requires(require: tuple[str, ...]) -> list[str]:
+        """`partial_requires`, for check-config (which asks the registry's `USER_PATTERN`)."""
+        return partial_requires(require)
+
     def evidence(self, save: Save) -> Evidence:
         pattern, files = save.pattern, save.files
+        formats = [c for c in (sharded_weights(save.path, files), whole_files(save)) if c is not None]
         if pattern is not None and pattern.evidence:
             checks, ranks = [_required(files, glob) for glob in pattern.require], None
             if pattern.ranks is not None:
@@ -42,9 +161,9 @@ class UserPattern(Framework):
                 world = _known_world(save.world_size, save.mp_world_size)
                 rank_check, ranks = _rank_files(files, regex, world, name=f"ranks ({pattern.ranks})")
                 checks.append(rank_check)
-            return Evidence(checks, ranks)
+            return Evidence(checks + formats, ranks)
         named = f"pattern {pattern.name!r} names" if pattern is not None else "it has"
-        return Evidence([Check(EVIDENCE, PASSED, f"{named} {QUIET_ALONE}")])
+        return Evidence([Check(EVIDENCE, PASSED, f"{named} {QUIET_ALONE}"), *formats])
 
 
 FRAMEWORK = UserPattern()

@@ -21,7 +21,7 @@ from ckptd import layouts, mounts
 from ckptd.config import pin_matches
 from ckptd.discover import find_run
 from ckptd.evidence import resume_pointers, walk
-from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, Candidate, recognise_by_name
+from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, Candidate, recognise_with_siblings
 from ckptd.model import State
 from ckptd.planner import Scanner
 from ckptd.removal.fs import _DIR_FLAGS, _another_filesystem, _identity, _remove_at, _size, open_dir_nofollow
@@ -227,7 +227,8 @@ class Purging:
         pointer = resume_pointers(run_path, names).get(name)
         if pointer is not None:
             return f"named by {pointer}"
-        mine = recognise_by_name(name, is_dir, self.scanner.patterns)
+        # by its name, or among its run's files (Keras's saves of one template: `recognise_among`)
+        mine = recognise_with_siblings(name, is_dir, names, self.scanner.patterns)
         if mine is None:
             return "not recognised by its name, so not known to be older than the run's newest"
         return self._an_anchor(entry, trash_fd, run_rel, name, mine)
