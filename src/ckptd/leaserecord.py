@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ckptd.layouts import LEASE_DIR
-from ckptd.locks import LockHeld, RootLock, RootLockUnavailable
+from ckptd.locks import ROOT_LOCK, LockHeld, RootLock, RootLockUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,7 @@ class RecordIO:
         self.dir = root / LEASE_DIR
         self._lock_fd: int | None = None
         self._root_lock: RootLock | None = None  # on <root>/.ckptd/local.lock, while leading
+        self.root_busy = False  # the last lock_root found it held by another process
 
     def _open_dir(self, create: bool = True) -> int:
         """`.ckptd/` opened afresh (an open revalidates the directory on NFS: see the module doc).
@@ -320,6 +321,7 @@ class RecordIO:
         else why not."""
         if self._root_lock is None:
             self._root_lock = RootLock(None, self.root)
+        self.root_busy = False
         if self._root_lock.held:
             return None
         try:
@@ -327,6 +329,7 @@ class RecordIO:
         except RootLockUnavailable as exc:
             return str(exc)
         except LockHeld:
+            self.root_busy = True  # another process holds it (not: it cannot be taken at all)
             return (f"a ckptd with leadership = \"local\" deletes here (it holds "
                     f"{self._root_lock.root_path}): every ckptd that deletes in a root must use the same "
                     "leadership")
@@ -335,6 +338,44 @@ class RecordIO:
     def unlock_root(self) -> None:
         if self._root_lock is not None:
             self._root_lock.release()
+
+    @property
+    def locked(self) -> bool:
+        """Whether this process holds both of the tenure's locks (a leader that took over from a
+        frozen holder has neither until that holder lets go: `VolumeLease._take_locks`)."""
+        return self._lock_fd is not None and self._root_lock is not None and self._root_lock.held
+
+    def lock_pids(self) -> tuple[set[int], set[int]]:
+        """The processes of this host that hold `leader.lock` and `<root>/.ckptd/local.lock`, by
+        the kernel's table of locks (/proc/locks: each granted lock's kind, pid and
+        major:minor:inode). Another host's locks are not in it (an NFS server's lock manager or a
+        cluster filesystem keeps those), so empty sets mean: held from another host, or free."""
+        wanted = {}
+        for name in (LOCK, ROOT_LOCK):
+            try:
+                st = os.stat(self.dir / name, follow_symlinks=False)
+            except OSError:
+                continue
+            wanted[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = name
+        pids: dict[str, set[int]] = {LOCK: set(), ROOT_LOCK: set()}
+        try:
+            table = Path("/proc/locks").read_text().splitlines()
+        except OSError:
+            return pids[LOCK], pids[ROOT_LOCK]
+        for line in table:
+            fields = line.split()
+            if len(fields) < 6 or fields[1] == "->":  # "->": a waiter, not a holder
+                continue
+            pid, where = fields[4], fields[5].split(":")
+            if not pid.isdigit() or len(where) != 3:
+                continue
+            try:
+                key = (int(where[0], 16), int(where[1], 16), int(where[2]))
+            except ValueError:
+                continue
+            if key in wanted:
+                pids[wanted[key]].add(int(pid))
+        return pids[LOCK], pids[ROOT_LOCK]
 
 
 def _beat(name: str) -> tuple[int, int] | None:
