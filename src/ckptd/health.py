@@ -61,7 +61,28 @@ def judge(
     limit = max_age if max_age is not None else max_age_for(doc)
     dry = ", dry run" if doc.get("dry_run") else ""
     said = f"pid {doc.get('pid')}, heartbeat {format_age(age)} ago (max {format_age(limit)}){dry}"
+    said += "".join(f"; {line}" for line in standing_by(doc, roots, now))
     return (False, f"unhealthy: {said}") if age > limit else (True, f"healthy: {said}")
+
+
+def standing_by(doc: dict[str, Any], roots: Sequence[Path], now: float) -> list[str]:
+    """For each root the daemon stands by at: who leads it and what this one waits for. A live
+    standby is healthy (its heartbeat is as fresh as a leader's); this says it is one."""
+    wanted = {str(r) for r in roots}
+    out = []
+    for root in doc.get("roots", []):
+        if root.get("role") != "standby" or (wanted and root.get("path") not in wanted):
+            continue
+        lead = root.get("leadership") or {}
+        holder = lead.get("holder")
+        who = ""
+        if isinstance(holder, dict) and not lead.get("released"):
+            who = f", led by {holder.get('host')} pid {holder.get('pid')} ({lead.get('kind')} lease"
+            since = lead.get("since")
+            who += f" since {format_age(max(0.0, now - since))} ago)" if isinstance(since, int | float) else ")"
+        waiting = lead.get("waiting") or "waiting for the lead"
+        out.append(f"standby at {root.get('path')}{who}: {waiting}")
+    return out
 
 
 def check(config: Config, *, now: float | None = None, max_age: float | None = None) -> tuple[bool, str]:

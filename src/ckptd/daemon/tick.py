@@ -108,7 +108,12 @@ class Tick:
                 tr.rescan_in_flight(changes)
                 rt.next_poll = now + rt.root.poll_interval
             elif now >= rt.next_poll and rt.standing_by(d.dry_run):
-                rt.next_poll = rt.next_reconcile  # the volume loosely: at reconcile only
+                # The volume loosely (a full scan at reconcile only), but a step every poll all the
+                # same: the state file's heartbeat is written at its end (`run`), and `ckptd health`,
+                # a Kubernetes liveness probe, judges a standby by it as it judges a leader.
+                rt.next_poll = now + rt.root.poll_interval
+                d.keeper.try_lead(rt)
+                return reconciled, Changes()
             elif now >= rt.next_poll:
                 tr.poll(changes)
                 rt.next_poll = now + rt.root.poll_interval
