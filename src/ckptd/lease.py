@@ -530,14 +530,18 @@ Leadership = VolumeLease | LocalLeadership
 
 
 def choose_leadership(
-    root: Path, configured: str, mounts: list[Mount] | None = None, coherent: bool | None = None
+    root: Path, configured: str, mounts: list[Mount] | None = None, coherent: bool | None = None,
+    etcd: bool = False,
 ) -> tuple[str, str, str | None]:
-    """("local" | "volume", why, a problem that forbids leading here or None) for a root.
-    `coherent`: the root's key of that name (`mounts.coherence`); false forbids volume leadership."""
+    """("local" | "volume" | "etcd", why, a problem that forbids leading here or None) for a root.
+    `coherent`: the root's key of that name (`mounts.coherence`); false forbids volume leadership.
+    `etcd`: whether etcd endpoints are configured (`auto` then means etcd)."""
     mount = mount_of(root, read_mounts() if mounts is None else mounts)
     fstype = mount.fstype if mount else None
     where = f"{mount.point} is {fstype}" if mount else "filesystem type unknown"
-    if configured == "auto":
+    if configured == "auto" and etcd:
+        kind, why = "etcd", "auto: etcd endpoints are configured"
+    elif configured == "auto":
         kind = "volume" if fstype is None or is_remote(fstype) else "local"
         why = f"auto: {where}"
     else:

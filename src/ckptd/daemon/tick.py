@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ckptd.errors import RootMissingError
-from ckptd.lease import VolumeLease
+from ckptd.lease import LocalLeadership
 from ckptd.tracker import Changes
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ class Tick:
         d = self.d
         now = d.clock()
         for rt in d.roots:
-            if isinstance(rt.lead, VolumeLease) and not d.dry_run:
+            if not isinstance(rt.lead, LocalLeadership) and not d.dry_run:
                 rt.lead.step()  # a first look now (its thread may not have had one): no false "standby"
             d.keeper.try_lead(rt, attempt=True)
             rt.tracker.full_scan()
