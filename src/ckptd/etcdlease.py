@@ -47,12 +47,11 @@ from urllib.parse import urlsplit
 
 from ckptd.layouts import LEASE_DIR
 from ckptd.lease import boottime
-from ckptd.leaserecord import Holder
+from ckptd.leaserecord import ENGINE_RECORD, Holder, read_engine_record, volume_lease_live, write_engine_record
 
 log = logging.getLogger(__name__)
 
 VOLUME_ID = "volume-id"
-ENGINE_RECORD = "engine.json"
 
 
 class EtcdUnavailable(Exception):
@@ -121,35 +120,6 @@ def volume_id(root: Path) -> str:
     finally:
         tmp.unlink()
     return path.read_text().strip()
-
-
-def read_engine_record(root: Path) -> dict[str, Any] | None:
-    """The volume's record of the engine's token, or None (none, or not one)."""
-    try:
-        doc = json.loads((root / LEASE_DIR / ENGINE_RECORD).read_bytes())
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("epoch"), int) else None
-
-
-def write_engine_record(root: Path, doc: dict[str, Any]) -> None:
-    """Atomically: a temp file, fsynced, renamed over the record, the directory fsynced."""
-    lease_dir = root / LEASE_DIR
-    tmp = lease_dir / f".{ENGINE_RECORD}.{uuid.uuid4().hex[:12]}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, (json.dumps(doc, sort_keys=True) + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, lease_dir / ENGINE_RECORD)
-    dir_fd = os.open(lease_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 class EtcdLeadership:
@@ -238,6 +208,8 @@ class EtcdLeadership:
         if rec is None or rec.get("epoch") != epoch or rec.get("holder", {}).get("id") != self.me.id:
             other = f"token {rec.get('epoch')}" if rec else "no readable record"
             return f"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) no longer names token {epoch} ({other})"
+        if (mixed := volume_lease_live(self.root)) is not None:  # a host configured otherwise
+            return mixed
         if self.mono() >= self.deadline:  # after the reads: a read that hung counts against it
             return f"the etcd lease (token {epoch}) ran out without a renewal"
         return None
@@ -283,6 +255,10 @@ class EtcdLeadership:
             self._lose(f"the volume's record names a later token ({rec.get('epoch')})")
             return
         self.deadline = t0 + min(ttl, self.ttl)
+        # Touched at each renewal: a volume lease's holder (a host configured otherwise) sees a
+        # live engine leader by it (leaserecord.engine_leader_seen).
+        with contextlib.suppress(OSError):
+            os.utime(self.root / LEASE_DIR / ENGINE_RECORD)
         if self.error is not None:
             log.info("%s: the etcd lease is renewed again", self.root)
             self.error = None
@@ -296,6 +272,9 @@ class EtcdLeadership:
             doc = self.renewing.post("/kv/range", {"key": _b64(self.key)}, self.timeout)
             if doc.get("kvs"):
                 self._saw(doc["kvs"][0])
+                return
+            if (mixed := volume_lease_live(self.root)) is not None:  # a host configured otherwise
+                self.blocked = mixed
                 return
             t0 = self.mono()
             grant = self.renewing.post("/lease/grant", {"TTL": self.ttl}, self.timeout)
@@ -325,7 +304,7 @@ class EtcdLeadership:
             self._revoke(lease_id)
             self.blocked = f"the volume's record names a later token ({rec.get('epoch')}) than etcd gave ({epoch})"
             return
-        write_engine_record(self.root, {"backend": "etcd", "key": self.key, "epoch": epoch,
+        write_engine_record(self.root, {"backend": "etcd", "key": self.key, "epoch": epoch, "duration": self.duration,
                                         "holder": asdict(self.me), "since": self._wall()})
         self.epoch, self.lease_id, self.deadline = epoch, lease_id, t0 + self.ttl
         self.since = self._wall()

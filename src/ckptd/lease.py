@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.layouts import LEASE_DIR
-from ckptd.leaserecord import RECORD, Holder, Record, RecordIO, Seen
+from ckptd.leaserecord import RECORD, Holder, Record, RecordIO, Seen, engine_leader_seen
 from ckptd.locks import LockHeld
 from ckptd.mounts import Mount, attribute_cache, coherence, is_remote, mount_of, read_mounts
 
@@ -162,6 +162,8 @@ class VolumeLease:
         if rec is None or rec.holder.id != self.me.id or rec.epoch != epoch or superseded:
             other = f"{rec.holder.describe()} epoch {rec.epoch}" if rec else "no readable record"
             return f"the lease record no longer names this ckptd at epoch {epoch} ({other})"
+        if (mixed := engine_leader_seen(self.root, self.margin)) is not None:  # a host configured otherwise
+            return mixed
         if self.mono() >= self.deadline:  # after the read: a read that hung counts against it
             return f"the volume lease (epoch {epoch}) ran out without a renewal"
         return None
@@ -269,7 +271,7 @@ class VolumeLease:
                 self.blocked = (f"reads of {LEASE_DIR}/{RECORD} are stale here (the directory shows renewal "
                                 f"{seen.beat}): a caching mount; not taking over")
                 return
-            why = self._not_free(seen, unchanged_for)
+            why = self._not_free(seen, unchanged_for) or engine_leader_seen(self.root, self.margin)
             if why is not None:
                 self.blocked = why
                 return

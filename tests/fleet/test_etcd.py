@@ -205,3 +205,45 @@ def test_the_fence_refuses_past_the_deadline_by_its_own_clock(tmp_path, etcd):  
     mono[0] += D  # no renewal for the TTL, however etcd sees it
     assert "ran out without a renewal" in (a.fence(token) or ""), a.fence(token)
     a.release()
+
+
+# --- two hosts configured with different backends: neither deletes beside the other ---------------
+
+
+def test_an_etcd_daemon_beside_a_volume_leader_stands_by_and_says_why(tmp_path, etcd):  # noqa: F811
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+    a = b = None
+    try:
+        a = DaemonProc("-c", node_config(tmp_path, "a", root, duration=D, margin=M))
+        a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
+        b = DaemonProc("-c", etcd_config(tmp_path, "b", root, etcd.endpoints))
+        b.wait_message(f"pid {a.proc.pid} leads {root} under a volume lease (epoch 1): every ckptd that "
+                       "deletes in a root must use the same leadership")
+        ckpts(root, 3)
+        a.wait_message("deleted job/checkpoint-2")
+        b.wait_message("state written", start=b.mark())
+    finally:
+        stop_all(a, b)
+    assert trashed(tmp_path / "b") == []
+    assert [n for n, _ in trashed(tmp_path / "a")] == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_a_volume_daemon_beside_an_etcd_leader_stands_by_and_says_why(tmp_path, etcd):  # noqa: F811
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+    a = b = None
+    try:
+        a = DaemonProc("-c", etcd_config(tmp_path, "a", root, etcd.endpoints))
+        a.wait_message("this ckptd deletes here (etcd, token")
+        b = DaemonProc("-c", node_config(tmp_path, "b", root, duration=D, margin=M))
+        b.wait_message(f"pid {a.proc.pid} leads {root} by etcd (token")
+        for _ in range(3):  # past the volume lease's own wait: still standing by
+            b.wait_message("state written", start=b.mark(), count=int(D + M) + 1)
+        ckpts(root, 3)
+        a.wait_message("deleted job/checkpoint-2")
+    finally:
+        stop_all(a, b)
+    assert trashed(tmp_path / "b") == []
+    assert not said(b, "this ckptd deletes here"), b.dump()
+    assert [n for n, _ in trashed(tmp_path / "a")] == ["checkpoint-1", "checkpoint-2"]
