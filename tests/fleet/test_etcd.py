@@ -183,6 +183,17 @@ def test_the_fence_asks_etcd_and_refuses_once_the_key_is_not_this_leaders(tmp_pa
     b.release()
 
 
+def test_a_keepalive_that_finds_the_lease_gone_stands_the_leader_down(tmp_path, etcd):  # noqa: F811
+    """As a leader frozen past its TTL finds it when it runs again (no other leader has written
+    the volume's record yet: the keepalive's answer alone says so)."""
+    a, _b, _mono = pair(tmp_path, etcd.endpoints)
+    a.step()
+    assert a.held()
+    a.renewing.post("/lease/revoke", {"ID": a.lease_id}, 5)
+    a.step()
+    assert not a.held() and a.current_epoch() is None
+
+
 def test_the_fence_refuses_where_the_volume_names_another_token(tmp_path, etcd):  # noqa: F811
     from ckptd.etcdlease import read_engine_record, write_engine_record
 
