@@ -258,3 +258,18 @@ def test_a_volume_daemon_beside_an_etcd_leader_stands_by_and_says_why(tmp_path, 
     assert trashed(tmp_path / "b") == []
     assert not said(b, "this ckptd deletes here"), b.dump()
     assert [n for n, _ in trashed(tmp_path / "a")] == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_a_prune_does_not_delete_while_a_daemon_leads_by_etcd_and_does_once_it_stopped(tmp_path, etcd):  # noqa: F811
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2, 3)
+    cron = etcd_config(tmp_path, "cron", root, etcd.endpoints, keep_last=1)
+    with DaemonProc("-c", etcd_config(tmp_path, "a", root, etcd.endpoints, keep_last=5)) as a:
+        a.wait_message("this ckptd deletes here (etcd, token")
+        proc = run_ckptd("prune", "-c", cron)
+        assert proc.returncode == 75, proc.stdout + proc.stderr
+        assert f"pid {a.proc.pid} leads by etcd (token" in proc.stderr, proc.stderr
+        assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    proc = run_ckptd("prune", "-c", cron)  # it stopped and revoked its lease: the key is gone at once
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert listing(root / "job") == ["checkpoint-3"]
