@@ -6,6 +6,7 @@ Real `ckptd run` processes, two "hosts" (their own state_dirs) as in test_multin
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from datetime import datetime
@@ -111,6 +112,9 @@ def test_the_liveness_probe_finds_a_standby_healthy_lease_period_after_lease_per
         proc = run_ckptd(*probe[1:], "-c", cfg, "--max-age", f"{2 * D:g}")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "standby" not in proc.stdout, proc.stdout
+        status = run_ckptd("status", "-c", cfg)  # who leads, on which backend, since when
+        assert re.search(rf"leadership: volume lease epoch 2, held by {re.escape(os.uname().nodename)} pid "
+                         rf"{b.proc.pid} \(this ckptd\), expires in \d+s, taken \d+s ago", status.stdout), status.stdout
     finally:
         a.stop()
         if b is not None:
