@@ -103,14 +103,16 @@ def _unb64(text: str) -> str:
     return base64.b64decode(text).decode(errors="replace")
 
 
-def volume_id(root: Path) -> str:
-    """The volume's id, made once: a temp file linked to `volume-id`; the first link wins."""
+def volume_id(root: Path, create: bool = True) -> str | None:
+    """The volume's id, made once (unless not `create`: None where there is none yet): a temp
+    file linked to `volume-id`; the first link wins."""
     lease_dir = root / LEASE_DIR
     path = lease_dir / VOLUME_ID
     try:
         return path.read_text().strip()
     except FileNotFoundError:
-        pass
+        if not create:
+            return None
     lease_dir.mkdir(exist_ok=True)
     tmp = lease_dir / f".{VOLUME_ID}.{uuid.uuid4().hex[:12]}.tmp"
     tmp.write_text(uuid.uuid4().hex + "\n")
@@ -220,7 +222,11 @@ class EtcdLeadership:
         with self._mutex:
             try:
                 if self.key is None:
-                    self.key = f"{self.prefix}{volume_id(self.root)}/leader"
+                    vid = volume_id(self.root, create=self.want)  # a dry run writes nothing
+                    if vid is None:
+                        self.blocked = "observing only (dry run)"
+                        return
+                    self.key = f"{self.prefix}{vid}/leader"
                 if self.epoch is not None:
                     if self.want:
                         self._renew()
