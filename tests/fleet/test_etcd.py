@@ -277,3 +277,25 @@ def test_a_prune_does_not_delete_while_a_daemon_leads_by_etcd_and_does_once_it_s
     proc = run_ckptd("prune", "-c", cron)  # it stopped and revoked its lease: the key is gone at once
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert listing(root / "job") == ["checkpoint-3"]
+
+
+def test_an_etcd_member_frozen_under_the_leader_leaves_one_deleter(tmp_path, etcd):  # noqa: F811
+    """The member each daemon asks first (the first endpoint) SIGSTOPped: requests to it time out and
+    go to the next; if it was etcd's own leader, the others elect another (and extend the leases).
+    Retention goes on, by one daemon at a time."""
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+    a = b = None
+    try:
+        a, b = leader_and_standby(tmp_path, root, etcd.endpoints)
+        etcd.members[0].signal(signal.SIGSTOP)
+        ckpts(root, 2)
+        either_says((a, b), "deleted job/checkpoint-1")
+        ckpts(root, 3)
+        either_says((a, b), "deleted job/checkpoint-2")
+    finally:
+        stop_all(a, b)
+        etcd.members[0].signal(signal.SIGCONT)
+    by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
+    assert sorted(n for n, _ in by_a + by_b) == ["checkpoint-1", "checkpoint-2"]
+    assert listing(root / "job") == ["checkpoint-3"]
