@@ -299,3 +299,14 @@ def test_an_etcd_member_frozen_under_the_leader_leaves_one_deleter(tmp_path, etc
     by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
     assert sorted(n for n, _ in by_a + by_b) == ["checkpoint-1", "checkpoint-2"]
     assert listing(root / "job") == ["checkpoint-3"]
+
+
+def test_check_config_names_etcd_leadership_from_the_environment(tmp_path):
+    root = tmp_path / "vol"
+    root.mkdir()
+    env = {"CKPTD_ROOTS": str(root), "CKPTD_ETCD_ENDPOINTS": "http://127.0.0.1:2379,http://127.0.0.1:2380",
+           "CKPTD_STATE_DIR": str(tmp_path / "state")}
+    proc = run_ckptd("check-config", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert (f"roots[0] {root}: leadership=etcd (auto: etcd endpoints are configured); lease TTL 30s at "
+            "http://127.0.0.1:2379, http://127.0.0.1:2380, key prefix /ckptd/") in proc.stdout + proc.stderr
