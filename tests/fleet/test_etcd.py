@@ -310,3 +310,27 @@ def test_check_config_names_etcd_leadership_from_the_environment(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (f"roots[0] {root}: leadership=etcd (auto: etcd endpoints are configured); lease TTL 30s at "
             "http://127.0.0.1:2379, http://127.0.0.1:2380, key prefix /ckptd/") in proc.stdout + proc.stderr
+
+
+def test_after_a_restart_of_the_whole_etcd_cluster_one_deletes_again(tmp_path, etcd):  # noqa: F811
+    """Every member killed and started again on its data: while none answers nobody deletes (the
+    leader's deadline passes), and afterwards one leads again, its token above the last."""
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+    a = b = None
+    try:
+        a, b = leader_and_standby(tmp_path, root, etcd.endpoints)
+        token = engine_record(root)["epoch"]
+        for m in etcd.members:
+            m.stop()
+        a.wait_message("etcd leadership lost", timeout=30)
+        for m in etcd.members:
+            m.start(etcd.cluster)
+        etcd.wait_healthy()
+        ckpts(root, 2)
+        either_says((a, b), "deleted job/checkpoint-1")
+    finally:
+        stop_all(a, b)
+    assert engine_record(root)["epoch"] > token
+    assert [n for n, _ in trashed(tmp_path / "a") + trashed(tmp_path / "b")] == ["checkpoint-1"]
+    assert listing(root / "job") == ["checkpoint-2"]
