@@ -50,6 +50,11 @@ def _text(text: str) -> str:
     return text.strip()
 
 
+def _list(text: str) -> list[str]:
+    """Comma-separated values ('http://a:2379,http://b:2379')."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _duration(text: str) -> str | float:
     """A duration with its unit ('90s'), or a bare number of seconds, as TOML's `quiet_period = 90`."""
     value = text.strip()
@@ -67,6 +72,7 @@ VARIABLES: dict[str, tuple[str, str, Callable[[str], Any]]] = {
     "CKPTD_LOG_FORMAT": ("daemon", "log_format", _text),
     "CKPTD_METRICS_LISTEN": ("daemon", "metrics_listen", _text),
     "CKPTD_LEADERSHIP": ("daemon", "leadership", _text),
+    "CKPTD_ETCD_ENDPOINTS": ("daemon.etcd", "endpoints", _list),
     "CKPTD_QUIET_PERIOD": ("root", "quiet_period", _duration),
     "CKPTD_OBSERVER": ("root", "observer", _text),
     "CKPTD_WORLD_SIZE": ("root", "world_size", _integer),
@@ -165,9 +171,12 @@ def _apply_variables(data: dict[str, Any], env: Mapping[str, str], blame: _Blame
         except ValueError as exc:
             problems.append(f"{name}: {exc}")
             continue
-        if where == "daemon":
-            _table(data, "daemon")[key] = value
-            blame.origins.append((re.compile(rf"^daemon\.{key}$"), name))
+        if where.startswith("daemon"):
+            table = _table(data, "daemon")
+            for sub in where.split(".")[1:]:  # daemon.etcd
+                table = _table(table, sub)
+            table[key] = value
+            blame.origins.append((re.compile(rf"^{re.escape(where)}\.{key}(\[\d+\])?$"), name))
         else:
             for root in _tables(data, "roots"):
                 table = root if where == "root" else _table(root, "retention")

@@ -61,6 +61,7 @@ def judge(
     limit = max_age if max_age is not None else max_age_for(doc)
     dry = ", dry run" if doc.get("dry_run") else ""
     said = f"pid {doc.get('pid')}, heartbeat {format_age(age)} ago (max {format_age(limit)}){dry}"
+    said += "".join(f"; {line}" for line in standing_by(doc, roots, now))
     if age > limit:
         return False, f"unhealthy: {said}"
     # Alive but not deleting where it should: its lock or journal was taken from under it.
@@ -69,6 +70,26 @@ def judge(
         where = "; ".join(f"{r.get('path')}: {r['lost_footing']}" for r in lost)
         return False, f"unhealthy: {said}; stopped deleting in {where}"
     return True, f"healthy: {said}"
+
+
+def standing_by(doc: dict[str, Any], roots: Sequence[Path], now: float) -> list[str]:
+    """For each root the daemon stands by at: who leads it and what this one waits for. A live
+    standby is healthy (its heartbeat is as fresh as a leader's); this says it is one."""
+    wanted = {str(r) for r in roots}
+    out = []
+    for root in doc.get("roots", []):
+        if root.get("role") != "standby" or (wanted and root.get("path") not in wanted):
+            continue
+        lead = root.get("leadership") or {}
+        holder = lead.get("holder")
+        who = ""
+        if isinstance(holder, dict) and not lead.get("released"):
+            who = f", led by {holder.get('host')} pid {holder.get('pid')} ({lead.get('kind')} lease"
+            since = lead.get("since")
+            who += f" since {format_age(max(0.0, now - since))} ago)" if isinstance(since, int | float) else ")"
+        waiting = lead.get("waiting") or "waiting for the lead"
+        out.append(f"standby at {root.get('path')}{who}: {waiting}")
+    return out
 
 
 def check(config: Config, *, now: float | None = None, max_age: float | None = None) -> tuple[bool, str]:

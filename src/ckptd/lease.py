@@ -33,6 +33,12 @@ Rules:
   again; if anything it watched moved, it does not take over. A FUSE client that caches
   listings and contents (sshfs, rclone's VFS, s3fs, gcsfuse) drops its cache of a directory it
   changes itself: the look after the probe is the filesystem's, and shows a live leader's beats.
+- The locks (`leader.lock`, `local.lock`) speed nothing up and decide nothing between lease
+  holders: a holder frozen by SIGSTOP, a debugger, a cgroup freeze or a hung mount (D state)
+  keeps them while it renews nothing, so a standby whose rules found the lease lapsed passes
+  over the locks that holder keeps (`_take_locks`) and takes them at a later renewal, once free.
+  A `local.lock` held by another process than the lease lock's (a ckptd with `leadership =
+  "local"`, a prune) still stops it.
 - A leader that reads a record of an older epoch than its own, with its own the highest claim,
   writes its record over it: a deposed leader's renewal, decided before a pause and landing
   after the takeover (that writer stands down at its next look: a later claim exists).
@@ -60,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.layouts import LEASE_DIR
-from ckptd.leaserecord import RECORD, Holder, Record, RecordIO, Seen
+from ckptd.leaserecord import RECORD, Holder, Record, RecordIO, Seen, engine_leader_seen
 from ckptd.locks import LockHeld
 from ckptd.mounts import Mount, attribute_cache, coherence, is_remote, mount_of, read_mounts
 
@@ -156,6 +162,8 @@ class VolumeLease:
         if rec is None or rec.holder.id != self.me.id or rec.epoch != epoch or superseded:
             other = f"{rec.holder.describe()} epoch {rec.epoch}" if rec else "no readable record"
             return f"the lease record no longer names this ckptd at epoch {epoch} ({other})"
+        if (mixed := engine_leader_seen(self.root, self.margin)) is not None:  # a host configured otherwise
+            return mixed
         if self.mono() >= self.deadline:  # after the read: a read that hung counts against it
             return f"the volume lease (epoch {epoch}) ran out without a renewal"
         return None
@@ -209,9 +217,21 @@ class VolumeLease:
         self.seen = Seen(new.to_bytes(), new, seen.max_claim)
         self.seq, self._mine = new.seq, new
         self.deadline = t0 + self.duration
+        if not self.io.locked:
+            self._relock()
         if self.error is not None:
             log.info("%s: the volume lease is renewed again", self.root)
             self.error = None
+
+    def _relock(self) -> None:
+        """A leader that took over from a frozen holder takes the locks once that holder lets go
+        of them (it exits, or wakes and stands down): a ckptd with `leadership = "local"` or a
+        prune is kept out by them again."""
+        try:
+            if self.io.lock() is None and self.io.lock_root() is None and self.io.locked:
+                log.info("%s: this ckptd holds the volume lease's locks again", self.root)
+        except OSError:
+            pass
 
     def _lose(self, why: str) -> None:
         log.error("%s: volume lease lost: %s; this ckptd no longer deletes here", self.root, why)
@@ -251,7 +271,7 @@ class VolumeLease:
                 self.blocked = (f"reads of {LEASE_DIR}/{RECORD} are stale here (the directory shows renewal "
                                 f"{seen.beat}): a caching mount; not taking over")
                 return
-            why = self._not_free(seen, unchanged_for)
+            why = self._not_free(seen, unchanged_for) or engine_leader_seen(self.root, self.margin)
             if why is not None:
                 self.blocked = why
                 return
@@ -271,13 +291,8 @@ class VolumeLease:
                 self.blocked = (f"the lease moved when {LEASE_DIR}/ was looked at afresh: this mount caches "
                                 "listings; watching it again")
                 return
-            held_by = self.io.lock()
+            held_by = self._take_locks(seen)
             if held_by is not None:
-                self.blocked = held_by
-                return
-            held_by = self.io.lock_root()
-            if held_by is not None:
-                self.io.unlock()
                 self.blocked = held_by
                 return
             epoch = seen.epoch + 1
@@ -305,6 +320,52 @@ class VolumeLease:
             self.io.forget_claims_before(epoch - KEEP_CLAIMS)
         except OSError:
             pass
+
+    def _take_locks(self, seen: Seen) -> str | None:
+        """Take the tenure's locks (`leader.lock`, `<root>/.ckptd/local.lock`): None if taken, or
+        if they are held only by the holder whose lease the rules just found lapsed; else why not
+        (and neither is kept).
+
+        A process frozen by SIGSTOP, a debugger, a cgroup freeze or a hung mount (D state) keeps
+        its locks for as long as it is frozen: the kernel drops them only when it exits. Waiting
+        for them would stop retention on the whole volume until someone finds that process. It
+        renews nothing, so the lease rules (unchanged for the duration plus the margin, expired
+        by the wall clock) have already found its lease lapsed, and when it runs again its fence
+        reads the later claim and it renames nothing. So such a holder's locks are passed over:
+        `leader.lock` is only ever taken by a volume lease's holder or claimant, and the claim
+        (O_EXCL) decides between claimants. `local.lock` is also what a ckptd with
+        `leadership = "local"` or a prune holds while it deletes: it is passed over only where
+        this host's lock table shows it held by the process holding `leader.lock` too, or, where
+        neither shows here, when the lapsed holder is on another host (see docs/many-nodes.md
+        for what that leaves to configuration)."""
+        lead_busy = self.io.lock()
+        root_busy = self.io.lock_root()
+        if lead_busy is None and root_busy is None:
+            return None
+        if root_busy is not None and not self.io.root_busy:  # cannot be taken at all: refused
+            self.io.unlock()
+            return root_busy
+        frozen = self._frozen_holder(seen, lead_busy is not None, root_busy is not None)
+        if frozen is None:
+            self.io.unlock()
+            self.io.unlock_root()
+            return root_busy or lead_busy
+        log.warning("%s: %s, whose lease lapsed, still holds its lock%s (a frozen process: SIGSTOP, a "
+                    "debugger, a hung mount): taking over on the lease; its fence refuses its renames when "
+                    "it runs again", self.root, frozen, "s" if lead_busy and root_busy else "")
+        return None
+
+    def _frozen_holder(self, seen: Seen, lead_busy: bool, root_busy: bool) -> str | None:
+        """Who the lapsed holder is, if the locks found held are its own (`_take_locks`), else None."""
+        rec = seen.record
+        if rec is None or rec.released or not lead_busy:
+            return None  # only local.lock held: a local ckptd or a prune deletes here, not a lease holder
+        if not root_busy:
+            return rec.holder.describe()
+        lead_pids, root_pids = self.io.lock_pids()
+        if root_pids or lead_pids:
+            return rec.holder.describe() if root_pids and root_pids <= lead_pids else None
+        return rec.holder.describe() if rec.holder.host != self.me.host else None
 
     def _not_free(self, seen: Seen, unchanged_for: float) -> str | None:
         """Why the rules do not let a standby take the lease as `seen` (watched unchanged for
@@ -471,14 +532,18 @@ Leadership = VolumeLease | LocalLeadership
 
 
 def choose_leadership(
-    root: Path, configured: str, mounts: list[Mount] | None = None, coherent: bool | None = None
+    root: Path, configured: str, mounts: list[Mount] | None = None, coherent: bool | None = None,
+    etcd: bool = False,
 ) -> tuple[str, str, str | None]:
-    """("local" | "volume", why, a problem that forbids leading here or None) for a root.
-    `coherent`: the root's key of that name (`mounts.coherence`); false forbids volume leadership."""
+    """("local" | "volume" | "etcd", why, a problem that forbids leading here or None) for a root.
+    `coherent`: the root's key of that name (`mounts.coherence`); false forbids volume leadership.
+    `etcd`: whether etcd endpoints are configured (`auto` then means etcd)."""
     mount = mount_of(root, read_mounts() if mounts is None else mounts)
     fstype = mount.fstype if mount else None
     where = f"{mount.point} is {fstype}" if mount else "filesystem type unknown"
-    if configured == "auto":
+    if configured == "auto" and etcd:
+        kind, why = "etcd", "auto: etcd endpoints are configured"
+    elif configured == "auto":
         kind = "volume" if fstype is None or is_remote(fstype) else "local"
         why = f"auto: {where}"
     else:

@@ -48,9 +48,10 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from ckptd.layouts import LEASE_DIR
-from ckptd.locks import LockHeld, RootLock, RootLockUnavailable
+from ckptd.locks import ROOT_LOCK, LockHeld, RootLock, RootLockUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ LOCK = "leader.lock"
 CLAIM_PREFIX = "epoch-"
 BEAT_PREFIX = "beat-"  # beat-<epoch>-<seq>: each write of the record also makes a new name
 PROBE_PREFIX = ".probe-"  # made and removed before a takeover (RecordIO.probe)
+ENGINE_RECORD = "engine.json"  # an engine's token on the volume (etcdlease.py), touched at each renewal
 
 
 def _process_start() -> float:
@@ -155,6 +157,7 @@ class RecordIO:
         self.dir = root / LEASE_DIR
         self._lock_fd: int | None = None
         self._root_lock: RootLock | None = None  # on <root>/.ckptd/local.lock, while leading
+        self.root_busy = False  # the last lock_root found it held by another process
 
     def _open_dir(self, create: bool = True) -> int:
         """`.ckptd/` opened afresh (an open revalidates the directory on NFS: see the module doc).
@@ -320,6 +323,7 @@ class RecordIO:
         else why not."""
         if self._root_lock is None:
             self._root_lock = RootLock(None, self.root)
+        self.root_busy = False
         if self._root_lock.held:
             return None
         try:
@@ -327,6 +331,7 @@ class RecordIO:
         except RootLockUnavailable as exc:
             return str(exc)
         except LockHeld:
+            self.root_busy = True  # another process holds it (not: it cannot be taken at all)
             return (f"a ckptd with leadership = \"local\" deletes here (it holds "
                     f"{self._root_lock.root_path}): every ckptd that deletes in a root must use the same "
                     "leadership")
@@ -335,6 +340,44 @@ class RecordIO:
     def unlock_root(self) -> None:
         if self._root_lock is not None:
             self._root_lock.release()
+
+    @property
+    def locked(self) -> bool:
+        """Whether this process holds both of the tenure's locks (a leader that took over from a
+        frozen holder has neither until that holder lets go: `VolumeLease._take_locks`)."""
+        return self._lock_fd is not None and self._root_lock is not None and self._root_lock.held
+
+    def lock_pids(self) -> tuple[set[int], set[int]]:
+        """The processes of this host that hold `leader.lock` and `<root>/.ckptd/local.lock`, by
+        the kernel's table of locks (/proc/locks: each granted lock's kind, pid and
+        major:minor:inode). Another host's locks are not in it (an NFS server's lock manager or a
+        cluster filesystem keeps those), so empty sets mean: held from another host, or free."""
+        wanted = {}
+        for name in (LOCK, ROOT_LOCK):
+            try:
+                st = os.stat(self.dir / name, follow_symlinks=False)
+            except OSError:
+                continue
+            wanted[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = name
+        pids: dict[str, set[int]] = {LOCK: set(), ROOT_LOCK: set()}
+        try:
+            table = Path("/proc/locks").read_text().splitlines()
+        except OSError:
+            return pids[LOCK], pids[ROOT_LOCK]
+        for line in table:
+            fields = line.split()
+            if len(fields) < 6 or fields[1] == "->":  # "->": a waiter, not a holder
+                continue
+            pid, where = fields[4], fields[5].split(":")
+            if not pid.isdigit() or len(where) != 3:
+                continue
+            try:
+                key = (int(where[0], 16), int(where[1], 16), int(where[2]))
+            except ValueError:
+                continue
+            if key in wanted:
+                pids[wanted[key]].add(int(pid))
+        return pids[LOCK], pids[ROOT_LOCK]
 
 
 def _beat(name: str) -> tuple[int, int] | None:
@@ -348,3 +391,65 @@ def _claim_number(name: str) -> int | None:
     if name.startswith(CLAIM_PREFIX) and name[len(CLAIM_PREFIX):].isdigit():
         return int(name[len(CLAIM_PREFIX):])
     return None
+
+
+def read_engine_record(root: Path) -> dict[str, Any] | None:
+    """The volume's record of the engine's token, or None (none, or not one)."""
+    try:
+        doc = json.loads((root / LEASE_DIR / ENGINE_RECORD).read_bytes())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("epoch"), int) else None
+
+
+def write_engine_record(root: Path, doc: dict[str, Any]) -> None:
+    """Atomically: a temp file, fsynced, renamed over the record, the directory fsynced."""
+    lease_dir = root / LEASE_DIR
+    tmp = lease_dir / f".{ENGINE_RECORD}.{uuid.uuid4().hex[:12]}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, (json.dumps(doc, sort_keys=True) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, lease_dir / ENGINE_RECORD)
+    dir_fd = os.open(lease_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def engine_leader_seen(root: Path, margin: float, now: float | None = None) -> str | None:
+    """Who leads `root` by an engine (etcd), as `engine.json` says, while its holder renews: it
+    touches the file at each renewal, so a modification time within the holder's duration plus
+    `margin` is a live one. For a volume lease's holder, which must not delete beside it."""
+    path = root / LEASE_DIR / ENGINE_RECORD
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError:
+        return None
+    rec = read_engine_record(root)
+    if rec is None:
+        return None
+    duration = rec.get("duration") if isinstance(rec.get("duration"), int | float) else 30.0
+    if (time.time() if now is None else now) > mtime + duration + margin:
+        return None
+    holder = rec.get("holder") or {}
+    return (f"{holder.get('host')} pid {holder.get('pid')} leads {root} by {rec.get('backend')} (token "
+            f"{rec.get('epoch')}): every ckptd that deletes in a root must use the same leadership")
+
+
+def volume_lease_live(root: Path, now: float | None = None) -> str | None:
+    """Who holds `root`'s volume lease while it is live by its record, or None. For a leader by an
+    engine (etcd), which must not delete beside it."""
+    try:
+        rec = RecordIO(root).read().record
+    except OSError as exc:
+        return f"cannot read {LEASE_DIR}/{RECORD}: {exc}"
+    if rec is None or rec.released or (time.time() if now is None else now) > rec.expires + rec.margin:
+        return None
+    return (f"{rec.holder.describe()} leads {root} under a volume lease (epoch {rec.epoch}): every ckptd "
+            "that deletes in a root must use the same leadership")

@@ -11,6 +11,7 @@ from ckptd.config import (
     Config,
     ConfigError,
     Daemon,
+    Etcd,
     FreeSpace,
     Pattern,
     Retention,
@@ -34,9 +35,9 @@ def test_config_example_loads_and_sets_every_key():
     assert config.roots[0].path == Path("/mnt/experiments")  # the one key without a default
     # every field of every model appears in the example, set or as an example line
     text = EXAMPLE.read_text()
-    for model in (Config, Root, Retention, Daemon, RunRule, Pattern):
+    for model in (Config, Root, Retention, Daemon, Etcd, RunRule, Pattern):
         for name in model.model_fields:
-            if name not in ("roots", "daemon", "retention", "runs"):
+            if name not in ("roots", "daemon", "retention", "runs", "etcd"):
                 assert f"{name} =" in text, f"config.example.toml does not document {model.__name__}.{name}"
 
 

@@ -73,7 +73,18 @@ BAD = [
     ("CKPTD_MIN_FREE", "150%", "CKPTD_MIN_FREE: a percentage must be in [0, 100) (got '150%')"),
     ("CKPTD_MODE", "median", "CKPTD_MODE: input should be 'min' or 'max' (got 'median')"),
     ("CKPTD_METRICS_LISTEN", "9464", "CKPTD_METRICS_LISTEN: expected host:port, e.g. '127.0.0.1:9464' (got '9464')"),
+    ("CKPTD_ETCD_ENDPOINTS", "http://a:2379,10.0.0.5", "CKPTD_ETCD_ENDPOINTS: '10.0.0.5' is not http(s)://HOST:PORT"),
 ]
+
+
+def test_etcd_endpoints_from_the_environment(tmp_path):
+    env = {"CKPTD_ROOTS": "/a", "CKPTD_ETCD_ENDPOINTS": "https://10.0.0.5:2379, https://10.0.0.6:2379"}
+    config = effective_config(None, env)
+    assert config.daemon.etcd.endpoints == ("https://10.0.0.5:2379", "https://10.0.0.6:2379")
+    with pytest.raises(ConfigError) as info:
+        effective_config(None, {"CKPTD_ROOTS": "/a", "CKPTD_LEADERSHIP": "etcd"})
+    assert info.value.problems == [
+        "CKPTD_LEADERSHIP: leadership = 'etcd' needs [daemon.etcd] endpoints (or $CKPTD_ETCD_ENDPOINTS)"]
 
 
 @pytest.mark.parametrize(("name", "value", "message"), BAD)

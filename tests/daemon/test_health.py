@@ -21,6 +21,14 @@ def doc(pid: int = 123, age: float = 4, roots: tuple[str, ...] = ("/vol",), poll
             "roots": [{"path": r, "poll_interval": poll} for r in roots]}
 
 
+def standby() -> dict:
+    d = doc()
+    d["roots"][0].update(role="standby", leadership={
+        "kind": "volume", "holder": {"host": "n7", "pid": 9}, "since": NOW - 60, "released": False,
+        "waiting": "waiting for the lease to go unrenewed for 40s (unchanged for 3.0s)"})
+    return d
+
+
 @pytest.mark.parametrize(
     ("docs", "kw", "healthy", "line"),
     [
@@ -30,6 +38,10 @@ def doc(pid: int = 123, age: float = 4, roots: tuple[str, ...] = ("/vol",), poll
         ([doc(age=100, poll=60)], {}, True, "healthy: pid 123, heartbeat 1m40s ago (max 3m0s)"),
         ([doc(age=100)], {"max_age": 60}, False, "unhealthy: pid 123, heartbeat 1m40s ago (max 1m0s)"),
         ([], {}, False, "unhealthy: no ckptd state file in /var/lib/ckptd"),
+        # a standby is healthy by its heartbeat, and says who leads and what it waits for
+        ([standby()], {}, True,
+         "healthy: pid 123, heartbeat 4s ago (max 30s); standby at /vol, led by n7 pid 9 (volume lease since "
+         "1m0s ago): waiting for the lease to go unrenewed for 40s (unchanged for 3.0s)"),
         ([], {"dead_pids": [77]}, False, "unhealthy: no ckptd is running (state file in /var/lib/ckptd of pid 77, gone)"),
         # the freshest of several daemons decides
         ([doc(pid=1, age=500), doc(pid=2, age=1)], {}, True, "healthy: pid 2, heartbeat 1s ago (max 30s)"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -97,10 +98,15 @@ def volume_notes(config: Config) -> list[str]:
     out = []
     for i, root in enumerate(config.roots):
         where = f"roots[{i}] {root.path}"
-        kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent)
+        kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent,
+                                               etcd=bool(d.etcd.endpoints))
         mount = mount_of(root.path, mounts)
         locks = lock_scope(mount)
-        if kind == "volume":
+        if kind == "etcd":
+            out.append(f"{where}: leadership=etcd ({why}); lease TTL {max(2, math.ceil(d.lease_duration))}s at "
+                       f"{', '.join(d.etcd.endpoints)}, key prefix {d.etcd.prefix}; its token fenced in "
+                       f"{root.path / layouts.LEASE_DIR}")
+        elif kind == "volume":
             lease = f"lease {d.lease_duration:g}s + {d.lease_margin:g}s margin"
             lease += f" in {root.path / layouts.LEASE_DIR}"
             out.append(f"{where}: leadership=volume ({why}); {lease}; POSIX locks: {locks}")

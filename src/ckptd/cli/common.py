@@ -108,6 +108,11 @@ def require_extras(config: Config) -> None:
             "daemon.metrics_listen is set, but prometheus_client is not installed: "
             "pip install 'ckptd[metrics]'"
         )
+    d = config.daemon
+    if (d.leadership == "etcd" or (d.leadership == "auto" and d.etcd.endpoints)) and missing_modules(["etcd3gw"]):
+        problems.append(
+            f"daemon.leadership: etcd ({d.leadership}), but etcd3gw is not installed: pip install 'ckptd[etcd]'"
+        )
     if problems:
         raise ConfigError(problems)
 

@@ -33,11 +33,21 @@ def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadershi
     holder is gone is watched for its duration plus margin first, as any standby must.
     """
     d = config.daemon
-    kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent)
+    kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent,
+                                           etcd=bool(d.etcd.endpoints))
     if kind == "local":
         local = LocalLeadership(RootLock(d.state_dir, root.path), why)
         local.step()
         return (local, None) if local.held() else (None, local.blocked)
+    if kind == "etcd":  # a held key is not waited for: etcd deletes it when its holder's lease ends
+        from ckptd.etcdlease import etcd_leadership
+
+        engine = etcd_leadership(root.path, d, why)
+        engine.step()
+        if engine.held():
+            engine.start()  # renewed while the prune runs
+            return engine, None
+        return None, engine.blocked or engine.error
     if problem is not None:
         return None, problem
     lease = VolumeLease(root.path, duration=d.lease_duration, margin=d.lease_margin, why=why)

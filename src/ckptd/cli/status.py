@@ -113,9 +113,24 @@ def _lead_and_quiet_lines(root: dict[str, Any], now: float) -> list[str]:
             left = lead["expires"] - now
             when = f"expires in {left:.0f}s" if left >= 0 else f"expired {-left:.0f}s ago"
             who = f"{holder['host']} pid {holder['pid']}" + (" (this ckptd)" if lead["held"] else "")
+            since = lead.get("since")
+            if isinstance(since, int | float) and since > 0:  # when this epoch was taken
+                when += f", taken {format_age(max(0.0, now - since))} ago"
             text = f"volume lease epoch {lead['epoch']}, held by {who}, {when}"
         else:
             text = "volume lease free" + (f" (epoch {lead['epoch']} released)" if holder else "")
+        waiting = f"; {lead['waiting']}" if lead.get("waiting") else ""
+        error = f"; error: {lead['error']}" if lead.get("error") else ""
+        lines.append(f"leadership: {text}{waiting}{error} [{lead['why']}]")
+    elif lead and lead.get("kind") == "etcd":
+        holder = lead.get("holder")
+        if isinstance(holder, dict):
+            who = f"{holder.get('host')} pid {holder.get('pid')}" + (" (this ckptd)" if lead["held"] else "")
+            since = lead.get("since")
+            taken = f", taken {format_age(max(0.0, now - since))} ago" if isinstance(since, int | float) else ""
+            text = f"etcd key {lead.get('key')}, token {lead.get('epoch')}, held by {who}{taken}"
+        else:
+            text = f"etcd key {lead.get('key')} free"
         waiting = f"; {lead['waiting']}" if lead.get("waiting") else ""
         error = f"; error: {lead['error']}" if lead.get("error") else ""
         lines.append(f"leadership: {text}{waiting}{error} [{lead['why']}]")
@@ -125,3 +140,4 @@ def _lead_and_quiet_lines(root: dict[str, Any], now: float) -> list[str]:
     if quiet is not None and effective is not None and effective != quiet:
         lines.append(f"quiet_period {quiet:g}s, watched as {effective:g}s: {root.get('attribute_cache')}")
     return lines
+

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -501,6 +502,45 @@ class Root(_Strict):
         return self.retention, self.world_size
 
 
+class Etcd(_Strict):
+    """Where etcd is, for `leadership = "etcd"` (the `etcd` extra: etcd3gw, through etcd's HTTP
+    gateway, etcd 3.4 or later)."""
+
+    endpoints: tuple[str, ...] = Field(
+        (),
+        description="The cluster's client URLs, e.g. ['https://10.0.0.5:2379', ...]: each is tried in "
+        "turn. Also $CKPTD_ETCD_ENDPOINTS (comma-separated).",
+    )
+    prefix: str = Field(
+        "/ckptd/",
+        description="Keys are <prefix><volume id>/leader, the volume id kept in <root>/.ckptd/volume-id.",
+    )
+    ca: Path | None = Field(None, description="The CA bundle that signed the servers' certificates (https).")
+    cert: Path | None = Field(None, description="This client's certificate (TLS client auth); with key.")
+    key: Path | None = Field(None, description="This client's private key; with cert.")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from urllib.parse import urlsplit
+
+        for url in v:
+            parts = urlsplit(url)
+            try:
+                port = parts.port
+            except ValueError:
+                port = None
+            if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+                raise ValueError(f"{url!r} is not http(s)://HOST:PORT")
+        return v
+
+    @model_validator(mode="after")
+    def _pair(self) -> Etcd:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key go together (TLS client auth needs both)")
+        return self
+
+
 class Daemon(_Strict):
     """The daemon's own settings, one table for all roots."""
 
@@ -519,16 +559,21 @@ class Daemon(_Strict):
         description="Serve Prometheus metrics at http://HOST:PORT/metrics, e.g. '127.0.0.1:9464'; "
         "off when unset. Needs the `metrics` extra (prometheus_client).",
     )
-    leadership: Literal["auto", "local", "volume"] = Field(
+    # before leadership: its validator reads it
+    etcd: Etcd = Field(default_factory=Etcd, description="Where etcd is, for leadership = 'etcd'.")
+    leadership: Literal["auto", "local", "volume", "etcd"] = Field(
         "auto",
         description="How one ckptd is made the deleter of a root: 'local' (a lock in state_dir: one "
         "host), 'volume' (a lease on the volume, in <root>/.ckptd/: any number of hosts sharing it), "
-        "'auto' (volume on network filesystems, local elsewhere). Every host must resolve to the same.",
+        "'etcd' (an etcd lease and key per root, [daemon.etcd]; the token fenced on the volume too), "
+        "'auto' (etcd where endpoints are set, else volume on network filesystems, local elsewhere). "
+        "Every host must resolve to the same.",
     )
     lease_duration: Duration = Field(
         30.0,
-        description="With volume leadership: how long a lease lasts unrenewed (renewed every third of "
-        "it). A leader that cannot renew for this long stops deleting.",
+        description="With volume or etcd leadership: how long a lease lasts unrenewed (renewed every "
+        "third of it; etcd's TTL, in whole seconds, at least 2). A leader that cannot renew for this long "
+        "stops deleting.",
     )
     lease_margin: Duration = Field(
         10.0,
@@ -549,6 +594,14 @@ class Daemon(_Strict):
     def _positive(cls, v: float) -> float:
         if v <= 0:
             raise ValueError(f"must be > 0 (got {format_duration(v)})")
+        return v
+
+    @field_validator("leadership")
+    @classmethod
+    def _etcd_named(cls, v: str, info: ValidationInfo) -> str:
+        etcd = info.data.get("etcd")
+        if v == "etcd" and etcd is not None and not etcd.endpoints:
+            raise ValueError("leadership = 'etcd' needs [daemon.etcd] endpoints (or $CKPTD_ETCD_ENDPOINTS)")
         return v
 
 

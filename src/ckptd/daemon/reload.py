@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ckptd.config import Config
 from ckptd.daemon.roots import RootRuntime, effective_root
 from ckptd.journal import Journal
-from ckptd.lease import VolumeLease
+from ckptd.lease import LocalLeadership
 from ckptd.mounts import Mount, read_mounts
 
 if TYPE_CHECKING:
@@ -26,10 +26,10 @@ def apply_config(d: Daemon, new: Config) -> None:
     if dry_run != d.dry_run:
         _switch_dry_run(d, dry_run)
     old = d.config.daemon
-    if (new.daemon.leadership, new.daemon.lease_duration, new.daemon.lease_margin) != (
-        old.leadership, old.lease_duration, old.lease_margin
+    if (new.daemon.leadership, new.daemon.lease_duration, new.daemon.lease_margin, new.daemon.etcd) != (
+        old.leadership, old.lease_duration, old.lease_margin, old.etcd
     ):
-        log.warning("daemon.leadership/lease_*: changes take effect at the next start, not at a reload")
+        log.warning("daemon.leadership/lease_*/etcd: changes take effect at the next start, not at a reload")
     mounts = read_mounts()
     by_path = {rt.root.path: rt for rt in d.roots}
     keep: list[RootRuntime] = []
@@ -63,7 +63,7 @@ def _switch_dry_run(d: Daemon, dry_run: bool) -> None:
     if not dry_run and d.journal is None:
         d.journal = Journal(d.config.daemon.state_dir)
     for rt in d.roots:
-        if isinstance(rt.lead, VolumeLease):
+        if not isinstance(rt.lead, LocalLeadership):
             rt.lead.want = not dry_run  # its thread hands the lease back, or takes it again
         elif dry_run:
             rt.lead.release()

@@ -16,6 +16,7 @@ from ckptd.lease import (
     coherence_note,
     volume_leader_seen,
 )
+from ckptd.etcdlease import EtcdLeadership, etcd_leadership
 from ckptd.locks import LockHeld, RootLock
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
 from ckptd.removal.reaper import Reaper
@@ -70,7 +71,7 @@ class RootRuntime:
     def standing_by(self, dry_run: bool) -> bool:
         """A standby for a volume lease: it watches the lease closely (its own thread) and the
         volume loosely (a full scan at each reconcile, no polls), and catches up at takeover."""
-        return isinstance(self.lead, VolumeLease) and not self.leader and not dry_run
+        return not isinstance(self.lead, LocalLeadership) and not self.leader and not dry_run
 
 
 def effective_root(root, mounts: list[Mount]):
@@ -106,7 +107,8 @@ class RootKeeper:
 
     def leadership(self, root, config: Config, mounts: list[Mount]) -> Leadership:
         d = config.daemon
-        kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent)
+        kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent,
+                                               etcd=bool(d.etcd.endpoints))
         log.info("%s: leadership=%s (%s)", root.path, kind, why)
         if problem is not None:
             log.error("%s: %s", root.path, problem)
@@ -116,9 +118,13 @@ class RootKeeper:
             if (mixed := volume_leader_seen(root.path)) is not None:
                 log.warning("%s: %s", root.path, mixed)
             return LocalLeadership(RootLock(d.state_dir, root.path), why)
-        lease = VolumeLease(
-            root.path, duration=d.lease_duration, margin=d.lease_margin, why=why, problem=problem
-        )
+        lease: VolumeLease | EtcdLeadership
+        if kind == "etcd":
+            lease = etcd_leadership(root.path, d, why)
+        else:
+            lease = VolumeLease(
+                root.path, duration=d.lease_duration, margin=d.lease_margin, why=why, problem=problem
+            )
         lease.want = not self.d.dry_run
         daemon = self.d
         lease.start(on_change=lambda: daemon._loop.call_soon_threadsafe(daemon._wake.set))
@@ -150,14 +156,15 @@ class RootKeeper:
         self.keep_footing(rt)
         held = rt.lead.held() and rt.lost_footing is None
         if held and not rt.leader:
-            if isinstance(rt.lead, VolumeLease):
+            if not isinstance(rt.lead, LocalLeadership):
                 # It stood by looking at the volume loosely: a full scan first (the next tick),
                 # and no retention here until it is done (`Retention.run`).
                 rt.catching_up, rt.next_reconcile = True, self.d.clock()
             rt.leader, rt.said_standby = True, False
             status = rt.lead.status()
             local = rt.lead.kind == "local"
-            how = f"holds {status['lock']}" if local else f"volume lease, epoch {status['epoch']}"
+            how = (f"holds {status['lock']}" if local else f"volume lease, epoch {status['epoch']}"
+                   if rt.lead.kind == "volume" else f"etcd, token {status['epoch']}")
             log.info("%s: this ckptd deletes here (%s)", rt.root.path, how)
             rt.reaper.clear_work()  # what an interrupted consolidation left, into the trash
             self.purge(rt)  # what an earlier run left in the trash

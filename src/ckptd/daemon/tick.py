@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ckptd.errors import RootMissingError
-from ckptd.lease import VolumeLease
+from ckptd.lease import LocalLeadership
 from ckptd.tracker import Changes
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ class Tick:
         d = self.d
         now = d.clock()
         for rt in d.roots:
-            if isinstance(rt.lead, VolumeLease) and not d.dry_run:
+            if not isinstance(rt.lead, LocalLeadership) and not d.dry_run:
                 rt.lead.step()  # a first look now (its thread may not have had one): no false "standby"
             d.keeper.try_lead(rt, attempt=True)
             rt.tracker.full_scan()
@@ -108,7 +108,12 @@ class Tick:
                 tr.rescan_in_flight(changes)
                 rt.next_poll = now + rt.root.poll_interval
             elif now >= rt.next_poll and rt.standing_by(d.dry_run):
-                rt.next_poll = rt.next_reconcile  # the volume loosely: at reconcile only
+                # The volume loosely (a full scan at reconcile only), but a step every poll all the
+                # same: the state file's heartbeat is written at its end (`run`), and `ckptd health`,
+                # a Kubernetes liveness probe, judges a standby by it as it judges a leader.
+                rt.next_poll = now + rt.root.poll_interval
+                d.keeper.try_lead(rt)
+                return reconciled, Changes()
             elif now >= rt.next_poll:
                 tr.poll(changes)
                 rt.next_poll = now + rt.root.poll_interval

@@ -1,0 +1,336 @@
+"""Leadership by etcd (`leadership = "etcd"`, etcdlease.py): real `ckptd run` processes, elected
+by a real 3-member etcd on 127.0.0.1 ports (tests/support/etcd.py; skipped where Debian's
+etcd-server is not installed), the token fenced on the volume too. Two "hosts" with their own
+state_dirs, as in test_multinode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from tests.support.common import run_ckptd
+from tests.support.daemonproc import DaemonProc
+from tests.support.etcd import etcd  # noqa: F401 (the fixture)
+from tests.support.nodes import ckpts, listing, logged_at, node_config, trashed, wait_stopped
+
+D, M = 2.0, 1.0  # etcd's smallest TTL is 2 s with its default timings
+# The stop to the takeover's log line: the TTL etcd waits, a step (D/3) to see the key gone and
+# one to act, and slack for a loaded machine (the measured figures: bench/standby.py).
+TAKEOVER_BOUND = D + M + 2 * D / 3 + 3.0
+
+
+def etcd_config(tmp: Path, name: str, root: Path, endpoints: list[str], keep_last: int = 1) -> Path:
+    table = "[daemon.etcd]\nendpoints = [" + ", ".join(f"'{e}'" for e in endpoints) + "]\nprefix = '/test/'\n"
+    path = node_config(tmp, name, root, keep_last=keep_last, duration=D, margin=M, lease=table)
+    path.write_text(path.read_text().replace("leadership = 'volume'", "leadership = 'etcd'"))
+    return path
+
+
+def stop_all(*ds: DaemonProc | None) -> None:
+    for d in ds:
+        if d is not None:
+            if d.proc.poll() is None:
+                d.signal(signal.SIGCONT)
+            d.stop()
+
+
+def engine_record(root: Path) -> dict:
+    return json.loads((root / ".ckptd" / "engine.json").read_text())
+
+
+def said(d: DaemonProc, text: str, start: int = 0) -> list[dict]:
+    return [m for m in d.lines[start:] if text in m.get("message", "")]
+
+
+def either_says(ds: tuple[DaemonProc, ...], text: str, timeout: float = 60) -> DaemonProc:
+    """The first of `ds` to log `text`, bounded (looks every 50 ms)."""
+    tick = threading.Event()  # never set: a timer between looks
+    deadline = time.monotonic() + timeout
+    while True:
+        for d in ds:
+            if said(d, text):
+                return d
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout}s for {text!r}:\n" + "\n---\n".join(d.dump() for d in ds))
+        tick.wait(0.05)
+
+
+def leader_and_standby(tmp_path: Path, root: Path, endpoints: list[str]) -> tuple[DaemonProc, DaemonProc]:
+    a = DaemonProc("-c", etcd_config(tmp_path, "a", root, endpoints))
+    a.wait_message("this ckptd deletes here (etcd, token")
+    b = DaemonProc("-c", etcd_config(tmp_path, "b", root, endpoints))
+    b.wait_message("standby, observing only")
+    return a, b
+
+
+def test_one_deletes_and_a_killed_leader_is_replaced_after_its_ttl(tmp_path, etcd):  # noqa: F811
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+    a = b = None
+    try:
+        a, b = leader_and_standby(tmp_path, root, etcd.endpoints)
+        a.wait_message("deleted job/checkpoint-1")
+        token = engine_record(root)["epoch"]
+        assert engine_record(root)["holder"]["pid"] == a.proc.pid
+        status = run_ckptd("status", "-c", tmp_path / "b.toml")
+        assert "leadership: etcd key /test/" in status.stdout and f"token {token}, held by" in status.stdout, \
+            status.stdout
+        health = run_ckptd("health", "-c", tmp_path / "b.toml")
+        assert health.returncode == 0, health.stdout
+        assert f"standby at {root}, led by {os.uname().nodename} pid {a.proc.pid} (etcd lease since" \
+            in health.stdout, health.stdout
+        a.proc.kill()
+        killed = time.time()
+        a.proc.wait(30)
+        [took] = b.wait_message("this ckptd deletes here (etcd, token", timeout=30)
+        assert logged_at(took) - killed <= TAKEOVER_BOUND, b.dump()
+        assert engine_record(root)["epoch"] > token and engine_record(root)["holder"]["pid"] == b.proc.pid
+        ckpts(root, 3)
+        b.wait_message("deleted job/checkpoint-2")
+    finally:
+        stop_all(a, b)
+    assert [n for n, _ in trashed(tmp_path / "a")] == ["checkpoint-1"]
+    assert [n for n, _ in trashed(tmp_path / "b")] == ["checkpoint-2"]
+    assert listing(root / "job") == ["checkpoint-3"]
+
+
+def test_a_frozen_leader_is_replaced_and_deletes_nothing_when_it_wakes(tmp_path, etcd):  # noqa: F811
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+    a = b = None
+    try:
+        a, b = leader_and_standby(tmp_path, root, etcd.endpoints)
+        a.signal(signal.SIGSTOP)
+        stopped = time.time()
+        wait_stopped(a.proc.pid)
+        [took] = b.wait_message("this ckptd deletes here (etcd, token", timeout=30)
+        assert logged_at(took) - stopped <= TAKEOVER_BOUND, b.dump()
+        since = engine_record(root)["since"]
+        ckpts(root, 2)
+        b.wait_message("deleted job/checkpoint-1")
+        ckpts(root, 3)  # a wakes to a checkpoint it would delete if it still led
+        mark = a.mark()
+        a.signal(signal.SIGCONT)
+        a.wait_message("etcd leadership lost", start=mark)
+        b.wait_message("deleted job/checkpoint-2")
+        a.wait_message("state written", start=mark)
+    finally:
+        stop_all(a, b)
+    assert all(t < since for _, t in trashed(tmp_path / "a")), a.dump()
+    assert [n for n, _ in trashed(tmp_path / "b")] == ["checkpoint-1", "checkpoint-2"]
+    assert listing(root / "job") == ["checkpoint-3"]
+
+
+def test_with_quorum_lost_nobody_deletes_and_one_leads_again_when_it_is_back(tmp_path, etcd):  # noqa: F811
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+    a = b = None
+    try:
+        a, b = leader_and_standby(tmp_path, root, etcd.endpoints)
+        for m in etcd.members[1:]:
+            m.signal(signal.SIGSTOP)  # two of three: no quorum, the third cannot answer
+        a.wait_message("etcd leadership lost", timeout=30)
+        ma, mb = a.mark(), b.mark()
+        ckpts(root, 2)
+        # Longer than a TTL and its margin on both (a state file is written at most once a second):
+        # long enough for either to have taken over, were etcd able to elect.
+        a.wait_message("state written", start=ma, count=int(D + M) + 2)
+        b.wait_message("state written", start=mb, count=int(D + M) + 2)
+        assert listing(root / "job") == ["checkpoint-1", "checkpoint-2"]
+        assert not said(a, "deleted job/") and not said(b, "deleted job/")
+        for m in etcd.members[1:]:
+            m.signal(signal.SIGCONT)
+        either_says((a, b), "deleted job/checkpoint-1")
+    finally:
+        stop_all(a, b)
+        for m in etcd.members:
+            m.signal(signal.SIGCONT)
+    trashed_by = trashed(tmp_path / "a") + trashed(tmp_path / "b")
+    assert [n for n, _ in trashed_by] == ["checkpoint-1"]
+    assert listing(root / "job") == ["checkpoint-2"]
+
+
+# --- the fence, one check at a time: two leaderships in this process, a clock the test drives ---
+
+
+def pair(root: Path, endpoints: list[str]):
+    from ckptd.etcdlease import EtcdLeadership
+    from ckptd.leaserecord import Holder
+
+    mono = [100.0]
+    made = [EtcdLeadership(root, endpoints=endpoints, prefix="/unit/", duration=D, margin=M,
+                           holder=Holder("h", n, 0.0, f"id{n}"), mono=lambda: mono[0]) for n in (1, 2)]
+    return made[0], made[1], mono
+
+
+def test_the_fence_asks_etcd_and_refuses_once_the_key_is_not_this_leaders(tmp_path, etcd):  # noqa: F811
+    a, b, _mono = pair(tmp_path, etcd.endpoints)
+    a.step()
+    token = a.current_epoch()
+    assert token is not None and a.fence(token) is None
+    a.renewing.post("/lease/revoke", {"ID": a.lease_id}, 5)  # its key goes with its lease
+    # By its own clock it still leads (no renewal has run to notice): etcd says otherwise.
+    assert a.held()
+    assert "no longer names this ckptd" in (a.fence(token) or ""), a.fence(token)
+    b.step()
+    assert b.held() and b.current_epoch() > token
+    assert "no longer names this ckptd" in (a.fence(token) or "")
+    b.release()
+
+
+def test_a_keepalive_that_finds_the_lease_gone_stands_the_leader_down(tmp_path, etcd):  # noqa: F811
+    """As a leader frozen past its TTL finds it when it runs again (no other leader has written
+    the volume's record yet: the keepalive's answer alone says so)."""
+    a, _b, _mono = pair(tmp_path, etcd.endpoints)
+    a.step()
+    assert a.held()
+    token = a.current_epoch()
+    a.renewing.post("/lease/revoke", {"ID": a.lease_id}, 5)
+    a.step()
+    assert not a.held() and a.current_epoch() is None
+    a.step()  # it stood down, so it may take the free key again, under a later token
+    assert a.held() and a.current_epoch() > token
+    a.release()
+
+
+def test_the_fence_refuses_where_the_volume_names_another_token(tmp_path, etcd):  # noqa: F811
+    from ckptd.etcdlease import read_engine_record, write_engine_record
+
+    a, _b, _mono = pair(tmp_path, etcd.endpoints)
+    a.step()
+    token = a.current_epoch()
+    assert a.fence(token) is None
+    rec = read_engine_record(tmp_path)
+    write_engine_record(tmp_path, {**rec, "epoch": token + 5})  # a later leader's, over another key
+    assert "no longer names token" in (a.fence(token) or ""), a.fence(token)
+    a.step()  # its renewal reads it too, and stands down
+    assert not a.held()
+    a.release()
+
+
+def test_the_fence_refuses_past_the_deadline_by_its_own_clock(tmp_path, etcd):  # noqa: F811
+    a, _b, mono = pair(tmp_path, etcd.endpoints)
+    a.step()
+    token = a.current_epoch()
+    mono[0] += D  # no renewal for the TTL, however etcd sees it
+    assert "ran out without a renewal" in (a.fence(token) or ""), a.fence(token)
+    a.release()
+
+
+# --- two hosts configured with different backends: neither deletes beside the other ---------------
+
+
+def test_an_etcd_daemon_beside_a_volume_leader_stands_by_and_says_why(tmp_path, etcd):  # noqa: F811
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+    a = b = None
+    try:
+        a = DaemonProc("-c", node_config(tmp_path, "a", root, duration=D, margin=M))
+        a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
+        b = DaemonProc("-c", etcd_config(tmp_path, "b", root, etcd.endpoints))
+        b.wait_message(f"pid {a.proc.pid} leads {root} under a volume lease (epoch 1): every ckptd that "
+                       "deletes in a root must use the same leadership")
+        ckpts(root, 3)
+        a.wait_message("deleted job/checkpoint-2")
+        b.wait_message("state written", start=b.mark())
+    finally:
+        stop_all(a, b)
+    assert trashed(tmp_path / "b") == []
+    assert [n for n, _ in trashed(tmp_path / "a")] == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_a_volume_daemon_beside_an_etcd_leader_stands_by_and_says_why(tmp_path, etcd):  # noqa: F811
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+    a = b = None
+    try:
+        a = DaemonProc("-c", etcd_config(tmp_path, "a", root, etcd.endpoints))
+        a.wait_message("this ckptd deletes here (etcd, token")
+        b = DaemonProc("-c", node_config(tmp_path, "b", root, duration=D, margin=M))
+        b.wait_message(f"pid {a.proc.pid} leads {root} by etcd (token")
+        for _ in range(3):  # past the volume lease's own wait: still standing by
+            b.wait_message("state written", start=b.mark(), count=int(D + M) + 1)
+        ckpts(root, 3)
+        a.wait_message("deleted job/checkpoint-2")
+    finally:
+        stop_all(a, b)
+    assert trashed(tmp_path / "b") == []
+    assert not said(b, "this ckptd deletes here"), b.dump()
+    assert [n for n, _ in trashed(tmp_path / "a")] == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_a_prune_does_not_delete_while_a_daemon_leads_by_etcd_and_does_once_it_stopped(tmp_path, etcd):  # noqa: F811
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2, 3)
+    cron = etcd_config(tmp_path, "cron", root, etcd.endpoints, keep_last=1)
+    with DaemonProc("-c", etcd_config(tmp_path, "a", root, etcd.endpoints, keep_last=5)) as a:
+        a.wait_message("this ckptd deletes here (etcd, token")
+        proc = run_ckptd("prune", "-c", cron)
+        assert proc.returncode == 75, proc.stdout + proc.stderr
+        assert f"pid {a.proc.pid} leads by etcd (token" in proc.stderr, proc.stderr
+        assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    proc = run_ckptd("prune", "-c", cron)  # it stopped and revoked its lease: the key is gone at once
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert listing(root / "job") == ["checkpoint-3"]
+
+
+def test_an_etcd_member_frozen_under_the_leader_leaves_one_deleter(tmp_path, etcd):  # noqa: F811
+    """The member each daemon asks first (the first endpoint) SIGSTOPped: requests to it time out and
+    go to the next; if it was etcd's own leader, the others elect another (and extend the leases).
+    Retention goes on, by one daemon at a time."""
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+    a = b = None
+    try:
+        a, b = leader_and_standby(tmp_path, root, etcd.endpoints)
+        etcd.members[0].signal(signal.SIGSTOP)
+        ckpts(root, 2)
+        either_says((a, b), "deleted job/checkpoint-1")
+        ckpts(root, 3)
+        either_says((a, b), "deleted job/checkpoint-2")
+    finally:
+        stop_all(a, b)
+        etcd.members[0].signal(signal.SIGCONT)
+    by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
+    assert sorted(n for n, _ in by_a + by_b) == ["checkpoint-1", "checkpoint-2"]
+    assert listing(root / "job") == ["checkpoint-3"]
+
+
+def test_check_config_names_etcd_leadership_from_the_environment(tmp_path):
+    root = tmp_path / "vol"
+    root.mkdir()
+    env = {"CKPTD_ROOTS": str(root), "CKPTD_ETCD_ENDPOINTS": "http://127.0.0.1:2379,http://127.0.0.1:2380",
+           "CKPTD_STATE_DIR": str(tmp_path / "state")}
+    proc = run_ckptd("check-config", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert (f"roots[0] {root}: leadership=etcd (auto: etcd endpoints are configured); lease TTL 30s at "
+            "http://127.0.0.1:2379, http://127.0.0.1:2380, key prefix /ckptd/") in proc.stdout + proc.stderr
+
+
+def test_after_a_restart_of_the_whole_etcd_cluster_one_deletes_again(tmp_path, etcd):  # noqa: F811
+    """Every member killed and started again on its data: while none answers nobody deletes (the
+    leader's deadline passes), and afterwards one leads again, its token above the last."""
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+    a = b = None
+    try:
+        a, b = leader_and_standby(tmp_path, root, etcd.endpoints)
+        token = engine_record(root)["epoch"]
+        for m in etcd.members:
+            m.stop()
+        a.wait_message("etcd leadership lost", timeout=30)
+        for m in etcd.members:
+            m.start(etcd.cluster)
+        etcd.wait_healthy()
+        ckpts(root, 2)
+        either_says((a, b), "deleted job/checkpoint-1")
+    finally:
+        stop_all(a, b)
+    assert engine_record(root)["epoch"] > token
+    assert [n for n, _ in trashed(tmp_path / "a") + trashed(tmp_path / "b")] == ["checkpoint-1"]
+    assert listing(root / "job") == ["checkpoint-2"]
