@@ -24,8 +24,10 @@ The save contract, from Composer 0.32's own code:
 Its step is the batch (`ba{batch}`, the Trainer's `timestamp.batch`), its epoch beside it. Other templates
 (`{sample}`, `{token}`, a name without `ba{batch}`) are not recognised; a user pattern names them. Files of
 ranks other than 0 (the unsharded save writes none; a `-rank1.pt` is not Composer's save) are not recognised.
-Composer keeps no metric values in its checkpoint that ckptd could read without running the metrics (the
-state holds torchmetrics' accumulators), so its saves carry none: `keep_best` does not apply.
+Metrics: Composer keeps a metric's last value in its state only with `Trainer(save_metrics=True)`
+(core/state.py `state_dict`: `eval_metrics[label][name]['_computed']`), and its checkpoint pickles numpy's
+RNG state beside it, which `torch.load(weights_only=True)` refuses; ckptd unpickles nothing looser
+(`dsmeta.load_safely`), so Composer saves carry no metric: `keep_best` does not apply.
 """
 
 from __future__ import annotations
