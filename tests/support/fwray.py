@@ -11,6 +11,9 @@ storage.py `persist_current_checkpoint`, file by file) and then registers it in 
 copy of that report is cut after its first file and the whole job (driver, Ray's processes, workers: one
 process group) is SIGKILLed there.
 
+Ray's servers listen on every interface whatever `ray.init` is told: tests/completeness/test_ray.py runs this in a
+network namespace whose only interface is the loopback (`unshare -n`).
+
 ``python -m tests.support.fwray OUT RUN check``: Ray's own view of what was left: `ray.train.Result.from_path`
 (the run's snapshot: which checkpoints it has, the latest, their metrics), each checkpoint's files loaded
 with torch, and a restore (the same RunConfig launched again: `ray.train.get_checkpoint()` in the training
@@ -80,7 +83,9 @@ def loop(config: dict) -> None:
             g.write(f.read())
             g.flush()
             os.fsync(g.fileno())
-        os.killpg(config["pgid"], signal.SIGKILL)
+        os.killpg(config["pgid"], signal.SIGKILL)  # the driver and whatever of Ray is in its group
+        os.kill(os.getpid(), signal.SIGKILL)  # and this worker, if Ray started it in a session of its own:
+        # a copy that returned would be reported, and Ray would register the half-copied checkpoint
 
     for i, loss in enumerate(LOSSES):
         with tempfile.TemporaryDirectory() as tmp:
@@ -102,10 +107,15 @@ def resumed(config: dict) -> None:
     ray.train.report({})
 
 
+def _start(ray) -> None:
+    """A local Ray cluster on 127.0.0.1 only (its GCS, raylet and object store), no dashboard."""
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+
+
 def main(out: str, run: str, kill: int | None) -> int:
     import ray
 
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    _start(ray)
     _trainer(out, run, loop, {"kill": -1 if kill is None else kill, "pgid": os.getpgrp(),
                                         "run": str(Path(out) / run)}).fit()
     ray.shutdown()
@@ -137,7 +147,7 @@ def check(volume: str, run: str) -> int:
         except Exception as exc:
             loads[d.name] = f"{type(exc).__name__}: {exc}"[:200]
     truth["loads"] = loads
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    _start(ray)
     try:
         answer = Path(out) / "resumed_from"
         _trainer(out, run, resumed, {"answer": str(answer)}).fit()
