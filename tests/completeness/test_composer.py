@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import child_pythonpath
+from tests.support import child_pythonpath, volcache
 from tests.support.common import run_ckptd, shift_mtimes
 
 pytestmark = pytest.mark.frameworks
@@ -29,13 +29,17 @@ def composer_volume(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     if importlib.util.find_spec("composer") is None:
         pytest.skip("mosaicml (Composer) is not installed: docs/frameworks/composer.md says how")
     out = tmp_path_factory.mktemp("composer")
-    proc = subprocess.run([sys.executable, "-m", "tests.support.fwcomposer", str(out), "run", "3"], env=ENV,
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-    assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-3000:]  # killed in the third save
-    proc = subprocess.run([sys.executable, "-m", "tests.support.fwcomposer", str(out), "run", "check"], env=ENV,
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    truth = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def make(out: Path) -> dict[str, str]:
+        proc = subprocess.run([sys.executable, "-m", "tests.support.fwcomposer", str(out), "run", "3"], env=ENV,
+                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-3000:]  # killed in the third save
+        proc = subprocess.run([sys.executable, "-m", "tests.support.fwcomposer", str(out), "run", "check"],
+                              env=ENV, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    truth = volcache.generated("composer", ["run", 3], ["fwcomposer.py"], out, make)
     shift_mtimes(out, 3600)  # an hour old, order kept
     return out, truth
 

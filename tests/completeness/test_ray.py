@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import child_pythonpath
+from tests.support import child_pythonpath, volcache
 from tests.support.common import run_ckptd, shift_mtimes
 
 pytestmark = pytest.mark.frameworks
@@ -61,11 +61,15 @@ def ray_volume(tmp_path_factory) -> tuple[Path, dict]:
     if not can_isolate():
         pytest.skip("needs `unshare -n` (root) to keep Ray's servers off every interface but the loopback")
     out = tmp_path_factory.mktemp("ray")
-    proc = job(str(out), "run", "3")
-    assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-3000:]  # the job killed in report 3's copy
-    proc = job(str(out), "run", "check")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    truth = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def make(out: Path) -> dict:
+        proc = job(str(out), "run", "3")
+        assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-3000:]  # killed in report 3's copy
+        proc = job(str(out), "run", "check")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    truth = volcache.generated("ray", ["run", 3], ["fwray.py"], out, make)
     shift_mtimes(out, 3600)  # an hour old, order kept
     return out, truth
 

@@ -36,7 +36,7 @@ import errno
 import os
 import re
 import zipfile
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from ckptd import volread
@@ -102,7 +102,7 @@ class Composer(Framework):
     def save_file(self, rel: str) -> bool:
         return rel == "" or dcp.save_file(rel)
 
-    def written_before(self, rel: str):
+    def written_before(self, rel: str) -> Callable[[str], bool] | None:
         return dcp.FRAMEWORK.written_before(rel)
 
     def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:
