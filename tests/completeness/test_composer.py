@@ -85,6 +85,12 @@ def test_composer_saves_and_the_one_killed_mid_save(composer_volume, tmp_path):
     left = sorted(p.name for p in run.iterdir() if not p.name.startswith("."))
     assert left == [WHOLE[1], KILLED, "latest-rank0.pt"]
     assert (run / "latest-rank0.pt").resolve() == run / WHOLE[1]  # the symlink still names a save
+    # and Composer itself still loads what is left and autoresumes from it
+    proc = subprocess.run([sys.executable, "-m", "tests.support.fwcomposer", str(root), "run", "check"], env=ENV,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (after[WHOLE[1]], after["autoresume"]) == ("loads at batch 8", "resumes at batch 8"), after
 
 
 def test_what_latest_rank0_names_is_never_deleted(composer_volume, tmp_path):

@@ -107,6 +107,10 @@ def test_ray_registered_checkpoints_and_the_copy_cut_short(ray_volume, tmp_path)
     assert "checkpoint_manager_snapshot.json" in " ".join(seen[names[0]]["reasons"])
     assert run_ckptd("prune", "-c", cfg).returncode == 0
     assert sorted(p.name for p in (root / "run").iterdir() if p.name.startswith("checkpoint_") and p.is_dir()) == names
+    # and Ray's own restore still works on what ckptd left, from the same checkpoint
+    proc = job(str(root), "run", "check")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["restore"] == truth["restore"]
 
 
 def test_ray_metrics_are_the_reported_ones(ray_volume, tmp_path):
