@@ -31,7 +31,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 # The distributions whose version can change what a generator writes.
 PACKAGES = ("torch", "deepspeed", "jax", "jaxlib", "orbax-checkpoint", "accelerate", "lightning",
-            "transformers", "safetensors", "keras", "numpy", "h5py")
+            "transformers", "safetensors", "keras", "numpy", "h5py", "mosaicml", "ray")
 
 
 def cache_dir() -> Path | None:

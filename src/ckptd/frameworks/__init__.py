@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ckptd.frameworks import (
     accelerate,
+    composer,
     dcp,
     deepspeed,
     hf,
@@ -31,6 +32,7 @@ from ckptd.frameworks import (
     nemo,
     orbax,
     pattern,
+    ray,
     torchtitan,
 )
 from ckptd.frameworks.base import Framework, OrderProblems, Remembered
@@ -44,10 +46,12 @@ REGISTRY: tuple[Framework, ...] = (
     orbax.FRAMEWORK,
     accelerate.FRAMEWORK,
     torchtitan.FRAMEWORK,
+    composer.FRAMEWORK,
     dcp.FRAMEWORK,
     lightning.FRAMEWORK,
     nemo.FRAMEWORK,
     keras.FRAMEWORK,
+    ray.FRAMEWORK,
     pattern.FRAMEWORK,
 )
 _BY_LAYOUT = {f.layout: f for f in REGISTRY}
