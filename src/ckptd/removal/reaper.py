@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ckptd import rules
+from ckptd.archive.upload import archiver_for
 from ckptd.journal import Journal
 from ckptd.model import Action, Checkpoint, Run
 from ckptd.planner import Scanner, experiments
@@ -61,6 +62,9 @@ class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
         self.foreign_wait = 0.0
         self.waiting = 0  # entries the last purge left to wait
         self._purging = False
+        # [roots.archive]: what is to be deleted or slimmed is archived first (`execute`), and the
+        # re-check refuses what is not archived and verified (`Rechecks._archive_problem`).
+        self.archiver = archiver_for(scanner.root, journal, clock)
 
     def execute(self, decisions: Sequence[Decision], *, consolidate: bool = True) -> list[Result]:
         """Carry out one root's plan: trash each deletion, then slim each slim, each re-checked first.
@@ -71,6 +75,8 @@ class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
         """
         anchored = self._anchored(decisions)
         ours = [d for d in decisions if d.checkpoint.root == self.root]
+        if self.archiver is not None and not self.dry_run:
+            self.archiver.archive_all(ours)
         results = [self.trash_one(d, anchored[d.checkpoint.rel]) for d in ours if d.action is Action.DELETE]
         results += [
             self.slim_one(d, anchored[d.checkpoint.rel], consolidate=consolidate)
