@@ -16,12 +16,15 @@ Anything that cannot be checked (the store down, credentials refused) is a reaso
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from ckptd.archive.manifest import NotArchivable, file_crc32c, identity, manifest_key, parse, snapshot
 from ckptd.archive.store import Store, StoreError
 from ckptd.archive.upload import has_record, write_record
-from ckptd.model import Checkpoint
+from ckptd.config import Root
+from ckptd.model import Action, Checkpoint
+from ckptd.policy import Decision, Plan
 
 
 def archive_problem(
@@ -69,3 +72,29 @@ def archive_problem(
         return f"cannot be archived: {exc}"
     except OSError as exc:
         return f"cannot be compared with its archive: {exc}"
+
+
+def gated_plan(plan: Plan, roots: Sequence[Root], state_dir: Path | None) -> Plan:
+    """`plan` as the reaper would carry it out with each root's archive: a deletion or slim that
+    would be refused for want of a verified archive (the store cannot be reached, its archive
+    differs) is a keep, saying why; one still to be archived says it will be first. Reads only
+    (the store, and every file of a checkpoint whose manifest this ckptd did not write)."""
+    from ckptd.archive.upload import archiver_for_plan
+
+    archivers = {r.path: archiver_for_plan(r, state_dir) for r in roots if r.archive is not None}
+    if not archivers:
+        return plan
+    out = []
+    for d in plan.decisions:
+        archiver = archivers.get(d.checkpoint.root)
+        if archiver is None or d.action not in (Action.DELETE, Action.SLIM):
+            out.append(d)
+            continue
+        why = archiver.problem(d.checkpoint, dry_run=True)
+        if why is None:
+            note = f"archived to {archiver.store.url} first, verified"
+            out.append(Decision(d.checkpoint, d.action, (*d.reasons, note), d.protected, d.metric, d.metric_source))
+        else:
+            out.append(Decision(d.checkpoint, Action.KEEP, (*d.reasons, f"kept: {why}"), True, d.metric,
+                                d.metric_source))
+    return Plan(tuple(out), plan.warnings)

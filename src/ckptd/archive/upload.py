@@ -124,6 +124,15 @@ def archiver_for(root: object, journal: Journal | None, clock: Callable[[], floa
     return Archiver(cfg, store, journal=journal, state_dir=state_dir, clock=clock)
 
 
+def archiver_for_plan(root: object, state_dir: Path | None) -> Archiver:
+    """A root's archiver for `plan` and `archive list`: no journal; the local records of an existing
+    state_dir (a full re-read verified is noted there, as the verdict cache notes what was read)."""
+    archiver = archiver_for(root, None, time.time)
+    assert archiver is not None
+    archiver.state_dir = state_dir if state_dir is not None and state_dir.is_dir() else None
+    return archiver
+
+
 class Archiver:
     """Archives one root's checkpoints to `store`; remembers why the last attempt at each failed."""
 
