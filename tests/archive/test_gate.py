@@ -201,3 +201,28 @@ def test_dry_run_uploads_nothing_and_would_delete(volume, tmp_path, s3):  # noqa
     results = reaper.execute(plan.decisions)
     assert [r.outcome for r in results] == [Outcome.DRY_RUN] * 3
     assert objects(s3, bucket) == {}
+
+
+def test_on_complete_archives_every_complete_checkpoint_kept_or_not(volume, tmp_path, s3):  # noqa: F811
+    reaper, plan, bucket = make(volume, tmp_path, s3, when="on-complete")
+    results = reaper.execute(plan.decisions)
+    assert [r.outcome for r in results] == [Outcome.TRASHED] * 3
+    manifests = sorted(k for k in objects(s3, bucket) if k.endswith(".ckptd-manifest.json"))
+    assert manifests == [f"archive/run/checkpoint-{s}.ckptd-manifest.json" for s in (10, 20, 30, 40)]
+
+
+def test_a_failed_attempt_waits_before_the_next_doubling_each_time(volume, tmp_path, s3):  # noqa: F811
+    now = [NOW]
+    reaper, plan, bucket = make(volume, tmp_path, s3)
+    reaper.archiver.clock = lambda: now[0]
+    s3.stop()
+    for at, tried in ((NOW, True), (NOW + 59, False), (NOW + 60, True), (NOW + 60 + 119, False)):
+        now[0] = at
+        events = len(read_journal(tmp_path / "state"))
+        reaper.archiver.archive_all(plan.deletions[:1])
+        assert (len(read_journal(tmp_path / "state")) > events) is tried, at - NOW
+    s3.start()  # back, empty (moto keeps nothing across a restart)
+    s3.client().create_bucket(Bucket=bucket)
+    now[0] = NOW + 60 + 120
+    reaper.archiver.archive_all(plan.deletions[:1])
+    assert read_journal(tmp_path / "state")[-1]["event"] == "archived"

@@ -72,6 +72,8 @@ def archive_problem(
         return f"cannot be archived: {exc}"
     except OSError as exc:
         return f"cannot be compared with its archive: {exc}"
+    except Exception as exc:  # a bug, or an answer nobody foresaw: keep
+        return f"its archive cannot be checked: {type(exc).__name__}: {exc}"
 
 
 def gated_plan(plan: Plan, roots: Sequence[Root], state_dir: Path | None) -> Plan:

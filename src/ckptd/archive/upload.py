@@ -42,6 +42,7 @@ from ckptd.model import Action, Checkpoint, State
 log = logging.getLogger(__name__)
 
 PAUSE_FIFO_ENV = "CKPTD_TEST_ARCHIVE_FIFO"  # tests: hold an upload after its first part (`_pause_for_tests`)
+BACKOFF = (60.0, 3600.0)  # after a failed attempt: first wait, longest wait (seconds)
 RECORDS = "archive"  # under state_dir: one record per manifest this ckptd wrote or verified in full
 
 
@@ -151,6 +152,7 @@ class Archiver:
         self.state_dir = state_dir
         self.clock = clock
         self.failures: dict[str, str] = {}  # rel -> why its last attempt failed
+        self.retry_at: dict[str, tuple[float, float]] = {}  # rel -> (not before, the wait that gave)
         self.uploaded_bytes = 0
 
     def wanted(self, decisions: Sequence[object]) -> list[Checkpoint]:
@@ -165,13 +167,21 @@ class Archiver:
         return out
 
     def archive_all(self, decisions: Sequence[object]) -> None:
+        """Archive each checkpoint `wanted`; one whose last attempt failed waits (`BACKOFF`, doubling
+        each time) before the next, so a store that is down is not asked at every pass."""
+        now = self.clock()
         for c in self.wanted(decisions):
+            if now < self.retry_at.get(c.rel, (0.0, 0.0))[0]:
+                continue
             why = self.archive(c)
             if why is None:
                 self.failures.pop(c.rel, None)
+                self.retry_at.pop(c.rel, None)
             else:
                 self.failures[c.rel] = why
-                log.warning("%s: not archived to %s: %s", c.rel, self.store.url, why)
+                wait = min(BACKOFF[1], self.retry_at.get(c.rel, (0.0, BACKOFF[0] / 2))[1] * 2)
+                self.retry_at[c.rel] = (now + wait, wait)
+                log.warning("%s: not archived to %s (tried again in %ds): %s", c.rel, self.store.url, wait, why)
 
     def problem(self, c: Checkpoint, *, dry_run: bool = False) -> str | None:
         """Why `c` may not be deleted or slimmed now for want of a verified archive, or None
@@ -205,6 +215,9 @@ class Archiver:
             why = str(exc)
         except OSError as exc:
             why = f"cannot read it: {exc}"
+        except Exception as exc:  # a bug, or a store's answer nobody foresaw: never a reason to delete
+            log.exception("%s: archiving to %s failed", c.rel, self.store.url)
+            why = f"archiving failed: {type(exc).__name__}: {exc}"
         self._record("archive-failed", c, why=why)
         return why
 

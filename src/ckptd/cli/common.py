@@ -108,6 +108,12 @@ def require_extras(config: Config) -> None:
             "daemon.metrics_listen is set, but prometheus_client is not installed: "
             "pip install 'ckptd[metrics]'"
         )
+    archived = [i for i, root in enumerate(config.roots) if root.archive is not None]
+    if archived and (missing := missing_modules(["boto3", "crc32c"])):
+        problems.append(
+            f"roots[{archived[0]}].archive is set, but {', '.join(missing)} cannot be imported here: "
+            "pip install 'ckptd[s3]'"
+        )
     if problems:
         raise ConfigError(problems)
 
