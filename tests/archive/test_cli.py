@@ -78,6 +78,13 @@ def test_prune_archives_then_deletes_and_restore_gives_back_every_byte(tmp_path,
             rel = Path(d, f).relative_to(saved)
             assert (saved / rel).read_bytes() == (back / rel).read_bytes()
     assert os.listdir(tmp_path / "back") == ["checkpoint-10"]  # no temporary directory left
+    # latest --archive: the volume's newest while it is there; the archive's once it is gone
+    r = ckptd("latest", "--archive", str(root / "run"), "-c", str(cfg))
+    assert r.stdout.strip() == str(root / "run" / "checkpoint-30")
+    shutil.rmtree(root / "run" / "checkpoint-30")
+    r = ckptd("latest", "--archive", str(root / "run"), "-c", str(cfg))
+    assert r.stdout.strip() == f"s3://{bucket}/archive/run/checkpoint-20"
+    assert "ckptd restore run/checkpoint-20" in r.stderr
 
 
 def test_plan_keeps_everything_while_the_store_is_down(tmp_path, s3):  # noqa: F811

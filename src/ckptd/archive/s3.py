@@ -167,14 +167,15 @@ class S3Store:
         except Exception as exc:
             raise StoreError(f"cannot download {key} at {self.url}: {_one_line(exc)}") from exc
 
-    def keys(self, prefix: str) -> Iterator[str]:
-        kw: dict[str, str] = {"Prefix": prefix}
+    def keys(self, prefix: str, *, shallow: bool = False) -> Iterator[str]:
+        base: dict[str, str] = {"Prefix": prefix, **({"Delimiter": "/"} if shallow else {})}
+        kw = dict(base)
         while True:
             r = self._call(f"cannot list {prefix}", self.client.list_objects_v2, **kw)
             yield from (o["Key"] for o in r.get("Contents", ()))
             if not r.get("IsTruncated"):
                 return
-            kw = {"Prefix": prefix, "ContinuationToken": r["NextContinuationToken"]}
+            kw = {**base, "ContinuationToken": r["NextContinuationToken"]}
 
     def check(self) -> None:
         self._call("cannot reach the bucket", self.client.head_bucket)

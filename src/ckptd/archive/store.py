@@ -70,8 +70,8 @@ class Store(Protocol):
     def download(self, key: str, into: BinaryIO) -> None:
         """An object's bytes, streamed into `into`."""
 
-    def keys(self, prefix: str) -> Iterator[str]:
-        """The keys that begin with `prefix`."""
+    def keys(self, prefix: str, *, shallow: bool = False) -> Iterator[str]:
+        """The keys that begin with `prefix` (`shallow`: with no "/" after it)."""
 
     def check(self) -> None:
         """Raise StoreError where the bucket cannot be reached or its credentials are refused."""

@@ -17,6 +17,7 @@ from ckptd.cli.common import load
 from ckptd.config import Config, Root, format_size
 from ckptd.errors import EX_OK, IOFault, UsageError
 from ckptd.journal import read_journal
+from ckptd.mounts import holder
 
 ARCHIVE_EVENTS = ("archiving", "archived", "archive-failed")
 
@@ -153,3 +154,29 @@ def _download(store: object, m: object, dest: Path) -> None:
         size, crc = path.stat().st_size, file_crc32c(path)
         if size != f.size or crc != f.crc32c:
             raise StoreError(f"{f.key}: downloaded {size} bytes, CRC32C {crc}; the manifest says {f.size}, {f.crc32c}")
+
+
+def newest_archived(config: Config, run_dir: Path) -> dict[str, object] | None:
+    """The archived checkpoint of the run at `run_dir` with the highest step, from its manifests
+    (well formed ones only), or None: for `ckptd latest --archive`."""
+    found = holder(run_dir, ((r.path, r) for r in config.roots if r.archive is not None))
+    if found is None:
+        raise UsageError(f"{run_dir} is in no root with an archive: configure [roots.archive] (docs/archive.md)")
+    run, root = found
+    store = archiver_for_plan(root, None).store
+    best: dict[str, object] | None = None
+    try:
+        for key in store.keys(f"{store.key(run)}/", shallow=True):
+            if not key.endswith(SUFFIX):
+                continue
+            try:
+                m = parse(store.get(key) or b"")
+            except ValueError:
+                continue
+            step = m.meta.get("step")
+            if isinstance(step, int) and (best is None or step > best["step"]):  # type: ignore[operator]
+                best = {"run": m.run, "checkpoint": m.checkpoint, "step": step,
+                        "url": f"s3://{store.bucket}/{key.removesuffix(SUFFIX)}"}  # type: ignore[attr-defined]
+    except StoreError as exc:
+        raise IOFault(f"{root.path}: {exc}") from None
+    return best

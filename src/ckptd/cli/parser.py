@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="override quiet_period (e.g. 0 when the job that wrote the run is known to be dead)",
     )
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("--archive", action="store_true",
+                    help="also look in the run's root's archive: an archived checkpoint newer than any "
+                    "on the volume is printed as its URL (ckptd restore brings it back)")
 
     sp = command("archive", "what each root's archive holds: archived, failed, interrupted", roots=False)
     sp.add_argument("action", choices=("list",), help="list: every archived checkpoint, and those that failed")
