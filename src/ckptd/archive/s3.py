@@ -91,7 +91,7 @@ class S3Store:
     def _class(self) -> dict[str, str]:
         return {"StorageClass": self.storage_class} if self.storage_class else {}
 
-    def put(self, key: str, data: bytes, crc32c: str) -> None:
+    def put(self, key: str, data: bytes | bytearray, crc32c: str) -> None:
         self._call(f"cannot upload {key}", self.client.put_object, Key=key, Body=data,
                    ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc32c, **self._class())
 
@@ -100,7 +100,7 @@ class S3Store:
                        ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT", **self._class())
         return str(r["UploadId"])
 
-    def put_part(self, key: str, upload_id: str, number: int, data: bytes, crc32c: str) -> str:
+    def put_part(self, key: str, upload_id: str, number: int, data: bytes | bytearray, crc32c: str) -> str:
         r = self._call(f"cannot upload part {number} of {key}", self.client.upload_part, Key=key,
                        UploadId=upload_id, PartNumber=number, Body=data,
                        ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc32c)

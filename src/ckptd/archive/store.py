@@ -43,13 +43,13 @@ class Store(Protocol):
     def head(self, key: str) -> ObjectInfo | None:
         """The object's size and checksum, or None where there is no such object."""
 
-    def put(self, key: str, data: bytes, crc32c: str) -> None:
+    def put(self, key: str, data: bytes | bytearray, crc32c: str) -> None:
         """One object in one request, sent with its CRC32C."""
 
     def begin(self, key: str) -> str:
         """A multipart upload whose parts make one object with a full-object CRC32C; its id."""
 
-    def put_part(self, key: str, upload_id: str, number: int, data: bytes, crc32c: str) -> str:
+    def put_part(self, key: str, upload_id: str, number: int, data: bytes | bytearray, crc32c: str) -> str:
         """One part (numbered from 1); its ETag."""
 
     def complete(self, key: str, upload_id: str, etags: list[str], crc32c: str) -> None:

@@ -346,12 +346,18 @@ class Archiver:
             log.error("cannot write the journal %s: %s", self.journal.path, exc.strerror)
 
 
-def _read(fd: int, n: int) -> bytes:
-    """Exactly `n` bytes from `fd`; a file that ends sooner changed while it was read."""
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            raise Changed("a file ended before its size: it changed while it was read")
-        buf += chunk
-    return bytes(buf)
+def _read(fd: int, n: int) -> bytearray:
+    """Exactly `n` bytes from `fd`, read into one buffer (no copy: a part is up to part_size); a
+    file that ends sooner changed while it was read."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    try:
+        while got < n:
+            k = os.readv(fd, [view[got:]])
+            if k == 0:
+                raise Changed("a file ended before its size: it changed while it was read")
+            got += k
+    finally:
+        view.release()
+    return buf
