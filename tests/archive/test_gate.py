@@ -8,8 +8,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-
 from ckptd.archive import s3 as s3mod
 from ckptd.archive.manifest import file_crc32c, manifest_key, snapshot
 from ckptd.config import Retention, Root

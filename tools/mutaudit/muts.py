@@ -1173,7 +1173,7 @@ MUTS = [
  dict(id="AR5", what="the gate compares the checkpoint on disk with what its manifest says was read", tests=[T+"archive/test_gate.py"],
       edits=[("archive/gate.py", "        what = m.snapshot().differs(snapshot(c.path))", "        what = None")]),
  dict(id="AR6", what="the gate looks at every archived object", tests=[T+"archive/test_gate.py"],
-      edits=[("archive/gate.py", "            there = store.head(f.key)\n", "            there = f\n")]),
+      edits=[("archive/gate.py", "            there = store.head(f.key)\n", "            continue\n")]),
  dict(id="AR7", what="an unfinished multipart upload left by a killed attempt is aborted", tests=[T+"archive/test_gate.py"],
       edits=[("archive/upload.py", "            self.store.abort(left)\n", "            pass\n")]),
 ]
