@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from ckptd.archive import s3 as s3mod
 from ckptd.archive.manifest import file_crc32c, manifest_key, snapshot
 from ckptd.config import Retention, Root
@@ -224,3 +226,21 @@ def test_a_failed_attempt_waits_before_the_next_doubling_each_time(volume, tmp_p
     now[0] = NOW + 60 + 120
     reaper.archiver.archive_all(plan.deletions[:1])
     assert read_journal(tmp_path / "state")[-1]["event"] == "archived"
+
+
+REAL_BUCKET = os.environ.get("CKPTD_TEST_S3_URL")  # s3://bucket/prefix, credentials from the standard chain
+
+
+@pytest.mark.network
+@pytest.mark.skipif(not REAL_BUCKET, reason="opt-in: set CKPTD_TEST_S3_URL=s3://bucket/prefix (and AWS credentials)")
+def test_against_a_real_bucket(volume, tmp_path):
+    """The same archive, verify, delete against a real S3 bucket (its own checksums, its own
+    If-None-Match): under a fresh prefix each run, which ckptd never deletes (a lifecycle rule should)."""
+    import uuid
+
+    cfg = Archive(url=f"{REAL_BUCKET.rstrip('/')}/ckptd-test-{uuid.uuid4().hex[:8]}", part_size="5MiB")
+    scanner = Scanner(Root(path=volume, world_size=2, retention=Retention(keep_last=1, keep_best=0), archive=cfg))
+    reaper = Reaper(scanner, Journal(tmp_path / "state"), dry_run=False, clock=lambda: NOW)
+    plan = decide([(scanner.root, scanner.runs(now=NOW))])
+    results = reaper.execute(plan.decisions)
+    assert [r.outcome for r in results] == [Outcome.TRASHED] * 3, [r.line() for r in results]
