@@ -78,6 +78,8 @@ def test_prune_archives_then_deletes_and_restore_gives_back_every_byte(tmp_path,
             rel = Path(d, f).relative_to(saved)
             assert (saved / rel).read_bytes() == (back / rel).read_bytes()
     assert os.listdir(tmp_path / "back") == ["checkpoint-10"]  # no temporary directory left
+    again = ckptd("restore", "run/checkpoint-10", "-c", str(cfg), "--to", str(tmp_path / "back"), check=False)
+    assert again.returncode == 64 and "exists" in again.stderr  # never over what is there
     # latest --archive: the volume's newest while it is there; the archive's once it is gone
     r = ckptd("latest", "--archive", str(root / "run"), "-c", str(cfg))
     assert r.stdout.strip() == str(root / "run" / "checkpoint-30")

@@ -244,3 +244,14 @@ def test_against_a_real_bucket(volume, tmp_path):
     plan = decide([(scanner.root, scanner.runs(now=NOW))])
     results = reaper.execute(plan.decisions)
     assert [r.outcome for r in results] == [Outcome.TRASHED] * 3, [r.line() for r in results]
+
+
+def test_an_archive_gone_from_the_store_is_made_again_before_a_deletion(volume, tmp_path, s3):  # noqa: F811
+    """This ckptd's own record that it archived a checkpoint is not taken for the archive itself:
+    a checkpoint about to be deleted is looked for at the store, and archived again if it is gone."""
+    reaper, plan, bucket = make(volume, tmp_path, s3)
+    reaper.archiver.archive_all(plan.decisions)
+    s3.client().delete_object(Bucket=bucket, Key="archive/run/checkpoint-10.ckptd-manifest.json")
+    results = {r.decision.checkpoint.name: r for r in reaper.execute(plan.decisions)}
+    assert results["checkpoint-10"].outcome is Outcome.TRASHED, results["checkpoint-10"].detail
+    assert "archive/run/checkpoint-10.ckptd-manifest.json" in objects(s3, bucket)

@@ -170,10 +170,11 @@ class Archiver:
         """Archive each checkpoint `wanted`; one whose last attempt failed waits (`BACKOFF`, doubling
         each time) before the next, so a store that is down is not asked at every pass."""
         now = self.clock()
+        acting = {d.checkpoint.rel for d in decisions if d.action in (Action.DELETE, Action.SLIM)}  # type: ignore[attr-defined]
         for c in self.wanted(decisions):
             if now < self.retry_at.get(c.rel, (0.0, 0.0))[0]:
                 continue
-            why = self.archive(c)
+            why = self.archive(c, trust_record=c.rel not in acting)
             if why is None:
                 self.failures.pop(c.rel, None)
                 self.retry_at.pop(c.rel, None)
@@ -199,13 +200,16 @@ class Archiver:
     def _key(self, c: Checkpoint) -> str:
         return self.store.key(c.run, c.name)
 
-    def archive(self, c: Checkpoint) -> str | None:
-        """Archive `c` unless its manifest is there already; None once it is whole, else why not."""
+    def archive(self, c: Checkpoint, *, trust_record: bool = False) -> str | None:
+        """Archive `c` unless its manifest is there already; None once it is whole, else why not.
+        `trust_record` (a checkpoint that stays, 'on-complete'): this ckptd's record that it wrote
+        the manifest is enough, with no request to the store; one about to go is looked at there."""
         ckey = self._key(c)
         mkey = manifest_key(ckey)
         try:
-            if self.state_dir is not None and record_path(self.state_dir, self.store.url, mkey).exists():
-                return None  # written or verified in full by this ckptd: the gate checks it again
+            recorded = self.state_dir is not None and record_path(self.state_dir, self.store.url, mkey).exists()
+            if trust_record and recorded:
+                return None  # written or verified in full by this ckptd; the gate checks it before any deletion
             if self.store.head(mkey) is not None:
                 return None  # the gate judges it
             return self._upload(c, ckey, mkey)
@@ -222,7 +226,10 @@ class Archiver:
         return why
 
     def _upload(self, c: Checkpoint, ckey: str, mkey: str) -> str | None:
-        for left in self.store.uploads(f"{ckey}/" if not c.path.is_file() else ckey):
+        is_file = c.path.is_file()
+        for left in self.store.uploads(ckey if is_file else f"{ckey}/"):
+            if is_file and left.key != ckey:
+                continue  # another checkpoint's name that begins with this one's
             # An attempt killed mid-file: its parts cost money until aborted, and are redone.
             self.store.abort(left)
             log.info("aborted an unfinished upload of %s left by an earlier attempt", left.key)

@@ -18,6 +18,7 @@ from ckptd.config import Config, Root, format_size
 from ckptd.errors import EX_OK, IOFault, UsageError
 from ckptd.journal import read_journal
 from ckptd.mounts import holder
+from ckptd.removal.fs import _rename_noreplace
 
 ARCHIVE_EVENTS = ("archiving", "archived", "archive-failed")
 
@@ -129,7 +130,16 @@ def cmd_restore(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix=f".ckptd-restore-{name}-", dir=into))
     try:
         _download(store, m, tmp / name)
-        os.rename(tmp / name, dest)  # whole, or not there at all
+        # Whole, or not there at all; never over what appeared there meanwhile.
+        src_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        dst_fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            _rename_noreplace(name, src_fd, name, dst_fd)
+        except FileExistsError:
+            raise UsageError(f"{dest} appeared while it was restored: left as it is, nothing restored") from None
+        finally:
+            os.close(src_fd)
+            os.close(dst_fd)
     except StoreError as exc:
         raise IOFault(f"not restored: {exc}") from None
     finally:
