@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 from ckptd.demo import hf_deepspeed_checkpoint
 from tests.support.daemonproc import DaemonProc, write_config
@@ -28,6 +30,10 @@ def test_the_daemon_keeps_what_it_cannot_archive_and_status_says_why(tmp_path, s
         tmp_path / "ckptd.toml", root, tmp_path / "state", retention="keep_last = 1\nkeep_best = 0",
         root_extra=f"world_size = 2\n[roots.archive]\nurl = 's3://{bucket}/a'\nendpoint_url = '{s3.endpoint}'",
     )
+    with socket.socket() as sock:  # a free port for metrics (the kernel's choice, released)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg.write_text(cfg.read_text().replace("[daemon]\n", f"[daemon]\nmetrics_listen = '127.0.0.1:{port}'\n"))
     s3.stop()
     with DaemonProc("-c", cfg) as daemon:
         failed = daemon.wait_for(lambda line: "not archived to" in line.get("message", ""), count=2, timeout=120)
@@ -41,4 +47,10 @@ def test_the_daemon_keeps_what_it_cannot_archive_and_status_says_why(tmp_path, s
         assert all("cannot" in why for why in archive["failed"].values())
         text = ckptd("status", "-c", str(cfg)).stdout
         assert "not archived" in text
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        assert f'ckptd_archive_failing_checkpoints{{root="{root}"}} 2.0' in metrics
+        assert f'ckptd_archive_uploaded_bytes_total{{root="{root}"}} 0.0' in metrics
+        age = next(line for line in metrics.splitlines() if line.startswith("ckptd_archive_oldest_failure_age_seconds{"))
+        assert float(age.rsplit(" ", 1)[1]) >= 0
     assert sorted(os.listdir(root / "run")) == ["checkpoint-10", "checkpoint-20", "checkpoint-30"]

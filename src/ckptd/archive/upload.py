@@ -153,6 +153,7 @@ class Archiver:
         self.clock = clock
         self.failures: dict[str, str] = {}  # rel -> why its last attempt failed
         self.retry_at: dict[str, tuple[float, float]] = {}  # rel -> (not before, the wait that gave)
+        self.failing_since: dict[str, float] = {}  # rel -> when its first failed attempt in a row was
         self.uploaded_bytes = 0
 
     def wanted(self, decisions: Sequence[object]) -> list[Checkpoint]:
@@ -178,8 +179,10 @@ class Archiver:
             if why is None:
                 self.failures.pop(c.rel, None)
                 self.retry_at.pop(c.rel, None)
+                self.failing_since.pop(c.rel, None)
             else:
                 self.failures[c.rel] = why
+                self.failing_since.setdefault(c.rel, now)
                 wait = min(BACKOFF[1], self.retry_at.get(c.rel, (0.0, BACKOFF[0] / 2))[1] * 2)
                 self.retry_at[c.rel] = (now + wait, wait)
                 log.warning("%s: not archived to %s (tried again in %ds): %s", c.rel, self.store.url, wait, why)
