@@ -78,6 +78,9 @@ class RootSample:
     last_reconcile: float | None
     leader: bool
     runs: tuple[RunSample, ...] = ()
+    # [roots.archive], or None: bytes uploaded by this daemon, checkpoints whose last attempt
+    # failed, and how long the oldest of them has been failing (seconds)
+    archive: tuple[int, int, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,10 @@ class Metrics:
                     self._since.setdefault(_since_key(key), wall - (now - seen.in_flight_since))
                     oldest = max(oldest, now - seen.in_flight_since)
             last = rt.tracker.last_reconcile
+            archiver = getattr(getattr(rt, "reaper", None), "archiver", None)
+            archive = None if archiver is None else (
+                archiver.uploaded_bytes, len(archiver.failures),
+                max((wall - t for t in archiver.failing_since.values()), default=0.0))
             samples.append(
                 RootSample(
                     path=path,
@@ -203,6 +210,7 @@ class Metrics:
                         RunSample(run, st, int(t[0]), t[1] if t[1] >= 0 else None)
                         for run, (st, t) in sorted(runs.items())
                     ),
+                    archive=archive,
                 )
             )
         for key in [k for k in self._seen if k not in present]:
@@ -363,7 +371,17 @@ class _Collector:
         size = per_root(
             core.GaugeMetricFamily, "ckptd_filesystem_size_bytes", "Size of the root's filesystem."
         )
+        uploaded = per_root(core.CounterMetricFamily, "ckptd_archive_uploaded_bytes",
+                            "Bytes this daemon uploaded to the root's archive ([roots.archive]).")
+        failing = per_root(core.GaugeMetricFamily, "ckptd_archive_failing_checkpoints",
+                           "Checkpoints whose last attempt to archive failed (kept meanwhile, where required).")
+        failing_age = per_root(core.GaugeMetricFamily, "ckptd_archive_oldest_failure_age_seconds",
+                               "How long the checkpoint failing to archive longest has been failing (0: none).")
         for s in samples:
+            if s.archive is not None:
+                uploaded.add_metric([s.path], s.archive[0])
+                failing.add_metric([s.path], s.archive[1])
+                failing_age.add_metric([s.path], s.archive[2])
             for state, n in sorted(s.states.items()):
                 states.add_metric([s.path, state], n)
             oldest.add_metric([s.path], s.oldest_incomplete_age)

@@ -22,6 +22,7 @@ from ckptd.config import (
     parse_duration,
     parse_size,
 )
+from ckptd.config.archive import Archive
 from ckptd.errors import EX_CONFIG
 from tests.support.common import REPO, run_ckptd
 
@@ -35,7 +36,7 @@ def test_config_example_loads_and_sets_every_key():
     assert config.roots[0].path == Path("/mnt/experiments")  # the one key without a default
     # every field of every model appears in the example, set or as an example line
     text = EXAMPLE.read_text()
-    for model in (Config, Root, Retention, Daemon, Etcd, RunRule, Pattern):
+    for model in (Config, Root, Retention, Daemon, Etcd, RunRule, Pattern, Archive):
         for name in model.model_fields:
             if name not in ("roots", "daemon", "retention", "runs", "etcd"):
                 assert f"{name} =" in text, f"config.example.toml does not document {model.__name__}.{name}"

@@ -190,6 +190,10 @@ def configuration_page() -> str:
     lines += _table("[[roots]] patterns", "patterns", Pattern, {"require": [], "ranks": None},
                     intro='Each entry of `patterns` is a name (`"ckpt_{step}"`) or a table with these keys.')
     lines += _table("[roots.retention]", "retention", Retention, Retention().model_dump(mode="json"))
+    from ckptd.config.archive import Archive
+
+    lines += _table("[roots.archive]", "archive", Archive, Archive(url="s3://bucket").model_dump(mode="json"),
+                    skip=(), intro="Optional: see [Archiving](../archive.md). `url` is required.")
     rule_keys = tuple(n for n in RunRule.model_fields if n not in Retention.model_fields)
     lines += _table(
         "[[roots.runs]]", "runs", RunRule, {}, only=rule_keys,

@@ -13,6 +13,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from ckptd.cli.archive import cmd_archive, cmd_restore
 from ckptd.cli.check_config import cmd_check_config
 from ckptd.cli.checkpoints import cmd_latest, cmd_verify
 from ckptd.cli.demo import cmd_demo
@@ -40,6 +41,8 @@ COMMANDS = {
     "check-config": cmd_check_config,
     "latest": cmd_latest,
     "demo": cmd_demo,
+    "archive": cmd_archive,
+    "restore": cmd_restore,
 }
 
 

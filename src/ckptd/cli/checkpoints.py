@@ -130,6 +130,8 @@ def cmd_latest(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--quiet-period: {exc}") from None
     found = find_latest(args.run_dir, config=find_config(args.config), by=args.by, quiet_period=quiet)
+    if args.archive:
+        return _latest_with_archive(args, found)
     if args.json:
         c = found.checkpoint
         doc = {
@@ -156,4 +158,31 @@ def cmd_latest(args: argparse.Namespace) -> int:
         print(f"ckptd: nothing to resume from: {found.why_none}", file=sys.stderr)
         return 1
     print(found.checkpoint.path)
+    return EX_OK
+
+
+def _latest_with_archive(args: argparse.Namespace, found: object) -> int:
+    """`latest --archive`: the newest complete checkpoint across the volume and the run's archive.
+    The local one wins a tie (nothing to download); an archived one newer is printed as its URL,
+    with the `ckptd restore` that brings it back."""
+    from ckptd.cli.archive import newest_archived
+    from ckptd.cli.common import load
+
+    local = found.checkpoint  # type: ignore[attr-defined]
+    archived = newest_archived(load(args), Path(os.path.abspath(args.run_dir)))
+    use_archive = archived is not None and (local is None or int(archived["step"]) > local.step)  # type: ignore[call-overload]
+    if args.json:
+        doc = {"path": str(local.path) if local else None, "step": local.step if local else None,
+               "archived": archived, "newest": "archive" if use_archive else ("local" if local else None)}
+        print(json.dumps(doc, indent=2))
+        return EX_OK if local or archived else 1
+    if use_archive:
+        assert archived is not None
+        print(f"ckptd: newest is archived: ckptd restore {archived['run']}/{archived['checkpoint']}", file=sys.stderr)
+        print(archived["url"])
+        return EX_OK
+    if local is None:
+        print(f"ckptd: nothing to resume from: {found.why_none}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    print(local.path)
     return EX_OK

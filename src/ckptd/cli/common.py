@@ -113,6 +113,12 @@ def require_extras(config: Config) -> None:
         problems.append(
             f"daemon.leadership: etcd ({d.leadership}), but etcd3gw is not installed: pip install 'ckptd[etcd]'"
         )
+    archived = [i for i, root in enumerate(config.roots) if root.archive is not None]
+    if archived and (missing := missing_modules(["boto3", "crc32c"])):
+        problems.append(
+            f"roots[{archived[0]}].archive is set, but {', '.join(missing)} cannot be imported here: "
+            "pip install 'ckptd[s3]'"
+        )
     if problems:
         raise ConfigError(problems)
 

@@ -152,6 +152,25 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 0: at a restart the job that wrote the run is the one being restarted)",
     )
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("--archive", action="store_true",
+                    help="also look in the run's root's archive: an archived checkpoint newer than any "
+                    "on the volume is printed as its URL (ckptd restore brings it back)")
+
+    sp = command("archive", "what each root's archive holds: archived, failed, interrupted", roots=False)
+    sp.add_argument("action", choices=("list",), help="list: every archived checkpoint, and those that failed")
+    sp.add_argument("target", nargs="?", type=_path_arg, metavar="ROOT|RUN",
+                    help="a root, a directory in one, or a run as the archive names it (default: all)")
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
+
+    sp = command(
+        "restore",
+        "download a checkpoint from its root's archive, every file verified, into a directory that "
+        "appears only when whole",
+        roots=False,
+    )
+    sp.add_argument("checkpoint", metavar="RUN/CHECKPOINT", help="as `ckptd archive list` names it")
+    sp.add_argument("--to", type=_path_arg, metavar="DIR",
+                    help="where to put it (default: its run's directory in its root)")
 
     sp = command("demo", "write a small example volume and a config for it", roots=False, config=False)
     sp.add_argument("dir", type=_path_arg, metavar="DIR", help="where to write it (created if missing)")

@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 
+from ckptd.archive.gate import gated_plan
 from ckptd.cli.common import load, require_extras, require_roots, scan_all, with_effective_quiet
 from ckptd.cli.output import checks_json, decision_json, print_table
 from ckptd.config import config_warnings, format_size
@@ -18,6 +19,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     require_roots(config)
     config = with_effective_quiet(config)
     _, plan = scan_all(config, time.time(), quiet=args.quiet)
+    plan = gated_plan(plan, config.roots, config.daemon.state_dir)  # [roots.archive]: what must wait for it
     warnings = list(plan.warnings) + config_warnings(config)
     try:
         require_extras(config)

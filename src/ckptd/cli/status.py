@@ -136,6 +136,12 @@ def _lead_and_quiet_lines(root: dict[str, Any], now: float) -> list[str]:
         lines.append(f"leadership: {text}{waiting}{error} [{lead['why']}]")
     elif lead:
         lines.append(f"leadership: local lock {lead['lock']} [{lead['why']}]")
+    archive = root.get("archive")
+    if archive and archive.get("failed"):
+        (rel, why), more = next(iter(archive["failed"].items())), len(archive["failed"]) - 1
+        lines.append(f"archive {archive['url']}: {rel} not archived{f' (and {more} more)' if more else ''}: {why}")
+    elif archive:
+        lines.append(f"archive {archive['url']}: nothing failed ({archive['uploaded_bytes']} bytes uploaded)")
     quiet, effective = root.get("quiet_period"), root.get("effective_quiet_period")
     if quiet is not None and effective is not None and effective != quiet:
         lines.append(f"quiet_period {quiet:g}s, watched as {effective:g}s: {root.get('attribute_cache')}")

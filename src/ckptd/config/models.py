@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from ckptd import mounts
+from ckptd.config.archive import Archive
 from ckptd.config.units import Duration, FreeSpaceFloor, Size, format_duration, parse_listen
 from ckptd.slim import DEFAULT_SLIM_FILES, removes_load_need
 
@@ -425,6 +426,9 @@ class Root(_Strict):
     )
     retention: Retention = Field(default_factory=Retention, description="The retention policy.")
     runs: tuple[RunRule, ...] = Field((), description="Per-run overrides, first match wins.")
+    archive: Archive | None = Field(
+        None, description="An object store to archive checkpoints to, verified, before they are deleted."
+    )
     # Set only from the command line: `ckptd prune /vol/team` with /vol configured is /vol (its
     # retention, pins, overrides, lock and trash), restricted to these subtrees (`restricted`).
     _scope: tuple[str, ...] = PrivateAttr(default=())

@@ -77,7 +77,10 @@ class Retention:
             if (not rt.leader or rt.catching_up) and not d.dry_run:
                 continue
             mine = [x for x in plan.decisions if x.checkpoint.root == rt.root.path]
-            if not any(x.action in (Action.DELETE, Action.SLIM) for x in mine):
+            # [roots.archive] when = "on-complete": the reaper archives every complete one, kept or not
+            archiver = rt.reaper.archiver
+            on_complete = archiver is not None and archiver.cfg.when == "on-complete"
+            if not on_complete and not any(x.action in (Action.DELETE, Action.SLIM) for x in mine):
                 continue
             self._act(rt, mine, done, waiting)
         d.narrator.totals(plan.decisions, done, news)

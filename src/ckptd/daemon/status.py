@@ -18,6 +18,7 @@ from ckptd.model import State
 from ckptd.notify import notify
 
 if TYPE_CHECKING:
+    from ckptd.archive.upload import Archiver
     from ckptd.daemon.core import Daemon
     from ckptd.daemon.roots import RootRuntime
 
@@ -78,6 +79,7 @@ class StateFile:
                 "attribute_cache": rt.cache.detail if rt.cache is not None else None,
                 "poll_interval": rt.root.poll_interval,  # `ckptd health` allows 3 of these
                 "oldest_incomplete_age": oldest,
+                "archive": archive_state(rt.reaper.archiver),
             }
             roots.append(_json(head)[:-1] + ',"runs":' + self.runs_json(rt) + "}")
         job = d.consolidations.running
@@ -190,3 +192,12 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def archive_state(archiver: Archiver | None) -> dict[str, object] | None:
+    """[roots.archive]: where, what this daemon uploaded, and the checkpoints whose last attempt
+    failed, each with why (kept meanwhile, where the archive is required)."""
+    if archiver is None:
+        return None
+    return {"url": archiver.store.url, "required": archiver.cfg.required, "when": archiver.cfg.when,
+            "uploaded_bytes": archiver.uploaded_bytes, "failed": dict(sorted(archiver.failures.items()))}

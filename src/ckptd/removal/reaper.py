@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ckptd import rules
+from ckptd.archive.upload import archiver_for
 from ckptd.journal import Journal
 from ckptd.model import Action, Checkpoint, Run
 from ckptd.planner import Scanner, experiments
@@ -72,6 +73,9 @@ class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
         # stop was asked for), or None. What is left is decided again by the next pass.
         self.interrupted: Callable[[], str | None] | None = None
         self.stopped: tuple[str, str, int] | None = None  # the last execute's (why, before what, left)
+        # [roots.archive]: what is to be deleted or slimmed is archived first (`execute`), and the
+        # re-check refuses what is not archived and verified (`Rechecks._archive_problem`).
+        self.archiver = archiver_for(scanner.root, journal, clock)
 
     def execute(self, decisions: Sequence[Decision], *, consolidate: bool = True) -> list[Result]:
         """Carry out one root's plan: trash each deletion, then slim each slim, each re-checked first.
@@ -82,6 +86,8 @@ class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
         """
         anchored = self._anchored(decisions)
         ours = [d for d in decisions if d.checkpoint.root == self.root]
+        if self.archiver is not None and not self.dry_run:
+            self.archiver.archive_all(ours)
         acts = [d for d in ours if d.action is Action.DELETE] + [d for d in ours if d.action is Action.SLIM]
         results: list[Result] = []
         self.stopped = None

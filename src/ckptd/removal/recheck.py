@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ckptd import mounts, policy, rules
+from ckptd.archive.upload import Archiver
 from ckptd.evidence import resume_pointers
 from ckptd.layouts import is_rank_dir, recognise_by_name, unfinished_markers
 from ckptd.model import Action, Checkpoint, State
@@ -35,6 +36,8 @@ class Rechecks:
     scanner: Scanner
     clock: Callable[[], float]
     fence: Callable[[], str | None] | None
+    archiver: Archiver | None
+    dry_run: bool
 
     def _fenced(self, *, after: bool = False) -> str | None:
         """Why this process may not rename now (it lost the lead), or None. `after`: asked
@@ -99,7 +102,12 @@ class Rechecks:
         if why is None:
             why = _last_whole_step(path.parent, planned.name, stat.S_ISDIR(st.st_mode), self.scanner.patterns)
         why = why or self._anchor_problem(planned, anchors, now)
-        return why or self._decided_otherwise(decision, now)
+        return why or self._decided_otherwise(decision, now) or self._archive_problem(planned)
+
+    def _archive_problem(self, planned: Checkpoint) -> str | None:
+        """With `[roots.archive] required`: whether its archive is whole, verified and of these very
+        files (archive/gate.py). Asked last: it reads the store."""
+        return None if self.archiver is None else self.archiver.problem(planned, dry_run=self.dry_run)
 
     def _pointer_problem(self, planned: Checkpoint) -> str | None:
         """Whether the run's resume pointer names it now (rolled back to it since the plan, say)."""

@@ -1,0 +1,102 @@
+"""The archive gate: why a checkpoint must not be deleted (or slimmed) yet, or None.
+
+Asked by the reaper's re-check just before the rename (removal/recheck.py) and by `plan`. With
+`required = true`, a checkpoint may go only where:
+- its manifest is there and well formed, and names this very checkpoint;
+- every file it lists is at the store with the size and full-object CRC32C it records;
+- the checkpoint on disk is, entry for entry, what was read for upload: the same files and
+  directories, each with the identity (dev, inode, size, mtime_ns) the manifest records, the
+  identity the reaper's own checks compare;
+- its checksums were computed from these files by this ckptd (a local record, state_dir/archive/),
+  or, where there is no such record (a manifest written by hand, a lost state_dir), every file is
+  read again here and its CRC32C compared with the manifest's.
+Anything that cannot be checked (the store down, credentials refused) is a reason to keep.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from ckptd.archive.manifest import NotArchivable, file_crc32c, identity, manifest_key, parse, snapshot
+from ckptd.archive.store import Store, StoreError
+from ckptd.archive.upload import has_record, write_record
+from ckptd.config import Root
+from ckptd.model import Action, Checkpoint
+from ckptd.policy import Decision, Plan
+
+
+def archive_problem(
+    store: Store, c: Checkpoint, state_dir: Path | None, *, missing_ok: bool = False
+) -> str | None:
+    """Why `c`'s archive does not yet allow deleting it locally, or None. `missing_ok` (a dry run,
+    `plan`): no archive yet is no reason where the store can be reached, as it would be archived first."""
+    mkey = manifest_key(store.key(c.run, c.name))
+    try:
+        data = store.get(mkey)
+        if data is None:
+            if missing_ok:
+                store.check()
+                return None
+            return f"not archived to {store.url} yet"
+        try:
+            m = parse(data)
+        except ValueError as exc:
+            return f"its manifest {mkey} is not one ckptd can trust: {exc}"
+        if (m.run, m.checkpoint) != (c.run, c.name):
+            return f"its manifest {mkey} names {m.run}/{m.checkpoint}, not this checkpoint"
+        what = m.snapshot().differs(snapshot(c.path))
+        if what is not None:
+            return (f"differs from its archive at {store.url} ({what} since it was archived): "
+                    "kept; ckptd never replaces an archive")
+        for f in m.files:
+            there = store.head(f.key)
+            if there is None:
+                return f"its archived {f.path or c.name} is missing from {store.url}"
+            if there.size != f.size or there.crc32c != f.crc32c or there.checksum_type not in (None, "FULL_OBJECT"):
+                return (f"its archived {f.path or c.name} at {store.url} is not what was read "
+                        f"({there.size} bytes, CRC32C {there.crc32c}; the manifest says {f.size}, {f.crc32c})")
+        if has_record(state_dir, store.url, mkey, data):
+            return None
+        for f in m.files:  # not written by this ckptd: read every file again
+            path = c.path / f.path if f.path else c.path
+            crc = file_crc32c(path)
+            if crc != f.crc32c or identity(os.stat(path, follow_symlinks=False)) != f.identity:
+                return f"its manifest {mkey} does not match {f.path or c.name} here (CRC32C {crc}, not {f.crc32c})"
+        write_record(state_dir, store.url, mkey, data)
+        return None
+    except StoreError as exc:
+        return f"its archive cannot be checked: {exc}"
+    except NotArchivable as exc:
+        return f"cannot be archived: {exc}"
+    except OSError as exc:
+        return f"cannot be compared with its archive: {exc}"
+    except Exception as exc:  # a bug, or an answer nobody foresaw: keep
+        return f"its archive cannot be checked: {type(exc).__name__}: {exc}"
+
+
+def gated_plan(plan: Plan, roots: Sequence[Root], state_dir: Path | None) -> Plan:
+    """`plan` as the reaper would carry it out with each root's archive: a deletion or slim that
+    would be refused for want of a verified archive (the store cannot be reached, its archive
+    differs) is a keep, saying why; one still to be archived says it will be first. Reads only
+    (the store, and every file of a checkpoint whose manifest this ckptd did not write)."""
+    from ckptd.archive.upload import archiver_for_plan
+
+    archivers = {r.path: archiver_for_plan(r, state_dir) for r in roots if r.archive is not None}
+    if not archivers:
+        return plan
+    out = []
+    for d in plan.decisions:
+        archiver = archivers.get(d.checkpoint.root)
+        if archiver is None or d.action not in (Action.DELETE, Action.SLIM):
+            out.append(d)
+            continue
+        why = archiver.problem(d.checkpoint, dry_run=True)
+        if why is None:
+            note = f"archived to {archiver.store.url} first, verified"
+            out.append(Decision(d.checkpoint, d.action, (*d.reasons, note), d.protected, d.metric, d.metric_source))
+        else:
+            out.append(Decision(d.checkpoint, Action.KEEP, (*d.reasons, f"kept: {why}"), True, d.metric,
+                                d.metric_source))
+    return Plan(tuple(out), plan.warnings)

@@ -1,0 +1,175 @@
+"""A checkpoint's files as read (`snapshot`), and the manifest that says its archive is whole.
+
+The identity of each entry is the one the reaper's own checks use (removal/fs.py `_identity` with
+contents): (dev, inode, size, mtime_ns). A checkpoint whose every entry still has the identity it had
+when it was read for upload holds the bytes that were read: nothing was replaced, rewritten or added.
+
+The manifest (`<prefix>/<run>/<checkpoint>.ckptd-manifest.json`) is written last, create-only: while
+it is missing, whatever objects are there are an archive in progress, never a whole one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT = "ckptd-archive/1"
+SUFFIX = ".ckptd-manifest.json"
+_CHUNK = 8 * 1024 * 1024
+
+Identity = tuple[int, int, int, int]  # dev, inode, size, mtime_ns
+
+
+class NotArchivable(Exception):
+    """A checkpoint holding something no object can stand for (a symlink, a device, a FIFO)."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every regular file of a checkpoint with its identity, by its path inside it ("" for a
+    checkpoint that is one file), and its directories (restored empty ones included)."""
+
+    files: dict[str, Identity]
+    dirs: tuple[str, ...]
+    is_file: bool
+
+    def differs(self, other: Snapshot) -> str | None:
+        """What changed between two looks, in a few words, or None."""
+        if self.is_file != other.is_file:
+            return "it was replaced"
+        added = sorted(other.files.keys() - self.files.keys())
+        gone = sorted(self.files.keys() - other.files.keys())
+        changed = sorted(k for k in self.files.keys() & other.files.keys() if self.files[k] != other.files[k])
+        for what, names in (("added", added), ("removed", gone), ("changed", changed)):
+            if names:
+                more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+                return f"{names[0] or 'the file'}{more} {what}"
+        if set(self.dirs) != set(other.dirs):
+            return "its directories changed"
+        return None
+
+
+def identity(st: os.stat_result) -> Identity:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def snapshot(path: Path) -> Snapshot:
+    """Walk the checkpoint without following a symlink. Raises NotArchivable or OSError."""
+    st = os.lstat(path)
+    if stat.S_ISREG(st.st_mode):
+        return Snapshot({"": identity(st)}, (), True)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotArchivable(f"{path} is neither a file nor a directory")
+    files: dict[str, Identity] = {}
+    dirs: list[str] = []
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        with os.scandir(path / rel if rel else path) as it:
+            for e in it:
+                sub = f"{rel}/{e.name}" if rel else e.name
+                est = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(est.st_mode):
+                    dirs.append(sub)
+                    stack.append(sub)
+                elif stat.S_ISREG(est.st_mode):
+                    files[sub] = identity(est)
+                else:
+                    raise NotArchivable(f"{sub} is not a regular file or a directory (a symlink?)")
+    return Snapshot(files, tuple(sorted(dirs)), False)
+
+
+def crc32c_b64(value: int) -> str:
+    """A CRC32C as S3 writes it: the four bytes big-endian, base64."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
+def file_crc32c(path: Path) -> str:
+    """The CRC32C of a file's bytes, read through once."""
+    import crc32c
+
+    value = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            value = crc32c.crc32c(chunk, value)
+    return crc32c_b64(value)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # inside the checkpoint; "" for a checkpoint that is one file
+    key: str  # its object
+    size: int
+    crc32c: str  # base64, of the whole file
+    identity: Identity  # as read for upload
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run: str
+    checkpoint: str
+    files: tuple[FileEntry, ...]
+    dirs: tuple[str, ...]
+    is_file: bool
+    meta: dict[str, object]  # framework, step, metrics, ckptd's verdict, when, where from
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot({f.path: f.identity for f in self.files}, self.dirs, self.is_file)
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def dumps(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "run": self.run,
+            "checkpoint": self.checkpoint,
+            "is_file": self.is_file,
+            "files": [
+                {"path": f.path, "key": f.key, "size": f.size, "crc32c": f.crc32c, "identity": list(f.identity)}
+                for f in self.files
+            ],
+            "dirs": list(self.dirs),
+            **self.meta,
+        }
+        return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+def parse(data: bytes) -> Manifest:
+    """A manifest read back. Raises ValueError saying what is wrong with it."""
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} manifest")
+    try:
+        files = tuple(
+            FileEntry(str(f["path"]), str(f["key"]), int(f["size"]), str(f["crc32c"]),
+                      tuple(int(x) for x in f["identity"]))  # type: ignore[arg-type]
+            for f in doc["files"]
+        )
+        fixed = {"format", "run", "checkpoint", "is_file", "files", "dirs"}
+        meta = {k: v for k, v in doc.items() if k not in fixed}
+        m = Manifest(str(doc["run"]), str(doc["checkpoint"]), files, tuple(doc["dirs"]), bool(doc["is_file"]), meta)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"a field is missing or malformed ({exc!r})") from None
+    if not files or any(len(f.identity) != 4 for f in files):
+        raise ValueError("lists no file, or a file without its identity")
+    for f in files:
+        if f.path.startswith("/") or ".." in f.path.split("/"):
+            raise ValueError(f"names a path outside the checkpoint ({f.path!r})")
+    return m
+
+
+def manifest_key(ckpt_key: str) -> str:
+    return f"{ckpt_key}{SUFFIX}"
+
+
+def file_key(ckpt_key: str, rel: str) -> str:
+    return f"{ckpt_key}/{rel}" if rel else ckpt_key
