@@ -53,3 +53,28 @@ def test_a_prune_of_the_parent_directory_leaves_a_live_daemons_root_alone(tmp_pa
     assert sorted(os.listdir(parent / "root" / "run")) == ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"], out
     assert f"{parent / 'root'} is another ckptd's root" in proc.stderr, out
     assert sorted(os.listdir(parent / "mine")) == ["ckpt_3"], out  # its own territory is pruned as before
+
+
+def test_a_prune_of_a_directory_inside_a_live_daemons_root_waits_for_it(tmp_path):
+    """The other way round: the daemon leads X/root (pinning run/ckpt_2) and a `ckptd prune` is rooted
+    at X/root/run, its own state_dir. Each lock is per root path, so the prune went ahead and
+    deleted ckpt_1..3, the daemon's pin among them. It is the daemon's territory: exit 75."""
+    root = tmp_path / "X" / "root"
+    _checkpoints(root / "run")
+    daemon_cfg = _config(tmp_path / "daemon.toml", root, tmp_path / "state-daemon", keep_last=10,
+                         retention="pins = ['run/ckpt_2']")
+    prune_cfg = _config(tmp_path / "child.toml", root / "run", tmp_path / "state-child", keep_last=1)
+    with DaemonProc("-c", daemon_cfg) as daemon:
+        daemon.wait_message("this ckptd deletes here", timeout=60)
+        proc = run_ckptd("prune", "-c", prune_cfg)
+        daemon.stop()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 75, out
+    assert f"{root / 'run'} is inside {root}, the root of a live ckptd" in proc.stderr, out
+    assert sorted(n for n in os.listdir(root / "run") if not n.startswith(".")) == [
+        "ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"], out
+    # With the daemon gone, X/root/run is this config's to prune (the daemon, started again, finds its
+    # .ckptd/ and leaves it alone).
+    proc = run_ckptd("prune", "-c", prune_cfg)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(n for n in os.listdir(root / "run") if not n.startswith(".")) == ["ckpt_4"]
