@@ -78,9 +78,11 @@ class RootLock:
                 raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.path})") from None
         root_fd = dir_fd = None
         try:
+            # First, so that one refused makes no .ckptd/ here (the enclosing one would skip it).
+            self._no_live_root_above()
             root_fd = self._root_lock(blocking)
             dir_fd = self._dir_lock(blocking) if root_fd is not None else None
-            self._no_live_root_above()
+            self._no_live_root_above()  # again: one started in between finds this .ckptd/ and stays out
         except BaseException:
             for opened in (fd, root_fd, dir_fd):
                 if opened is not None:
@@ -168,9 +170,10 @@ class RootLock:
     def _no_live_root_above(self) -> None:
         """LockHeld if a directory above the root is the root of a live ckptd: one holds its
         `.ckptd/local.lock` (asked with a shared flock, let go at once). That one deletes here,
-        with its own pins and trash. Asked after this root's own `.ckptd/` is made, so that one,
-        if it starts later, finds it and leaves this root alone (`discover.find_runs`); nothing
-        need be held. A lock that cannot be opened or flocked (none there, a filesystem without
+        with its own pins and trash. Asked before this root's own `.ckptd/` is made (a refused
+        ckptd leaves no mark that would make the enclosing one skip this root) and again after,
+        so that one, if it starts later, finds it and leaves this root alone (`discover.find_runs`);
+        nothing need be held. A lock that cannot be opened or flocked (none there, a filesystem without
         flock) says nothing more than its absence."""
         for above in Path(os.path.realpath(self.root)).parents:
             lock = above / layouts.LEASE_DIR / ROOT_LOCK

@@ -73,8 +73,28 @@ def test_a_prune_of_a_directory_inside_a_live_daemons_root_waits_for_it(tmp_path
     assert f"{root / 'run'} is inside {root}, the root of a live ckptd" in proc.stderr, out
     assert sorted(n for n in os.listdir(root / "run") if not n.startswith(".")) == [
         "ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"], out
+    assert not (root / "run" / ".ckptd").exists()  # refused before it marked the directory a root of its own
     # With the daemon gone, X/root/run is this config's to prune (the daemon, started again, finds its
     # .ckptd/ and leaves it alone).
     proc = run_ckptd("prune", "-c", prune_cfg)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(n for n in os.listdir(root / "run") if not n.startswith(".")) == ["ckpt_4"]
+
+
+def test_a_daemon_rooted_inside_a_live_daemons_root_stands_by(tmp_path):
+    """`ckptd run` the same way: a second daemon rooted at X/root/run, its own state_dir, beside the daemon
+    leading X/root, observes only and deletes nothing, naming the root it is inside."""
+    root = tmp_path / "X" / "root"
+    _checkpoints(root / "run")
+    outer_cfg = _config(tmp_path / "outer.toml", root, tmp_path / "state-outer", keep_last=10)
+    inner_cfg = _config(tmp_path / "inner.toml", root / "run", tmp_path / "state-inner", keep_last=1)
+    with DaemonProc("-c", outer_cfg) as outer:
+        outer.wait_message("this ckptd deletes here", timeout=60)
+        with DaemonProc("-c", inner_cfg) as inner:
+            inner.wait_message(f"{root / 'run'}: standby, observing only: {root / 'run'} is inside {root}, "
+                               "the root of a live ckptd", timeout=60)
+            inner.stop()
+        outer.stop()
+    assert f"{root / 'run'} is another ckptd's root" not in outer.dump()  # the outer one still walks it
+    assert sorted(n for n in os.listdir(root / "run") if not n.startswith(".")) == [
+        "ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"]

@@ -1199,5 +1199,9 @@ MUTS = [
               "        now = self.clock()\n")]),
  dict(id="NR3", what="a root inside a live ckptd's root is not taken (LockHeld, exit 75)",
       tests=[T+"fleet/test_nested_roots.py::test_a_prune_of_a_directory_inside_a_live_daemons_root_waits_for_it"],
-      edits=[("locks.py", "            self._no_live_root_above()\n", "")]),
+      edits=[("locks.py", "            except BlockingIOError:\n                raise LockHeld(f\"{self.root} is inside",
+              "            except ZeroDivisionError:\n                raise LockHeld(f\"{self.root} is inside")]),
+ dict(id="NR4", what="a root refused for a live ckptd above it is refused before its .ckptd/ is made (no mark left)",
+      tests=[T+"fleet/test_nested_roots.py::test_a_prune_of_a_directory_inside_a_live_daemons_root_waits_for_it"],
+      edits=[("locks.py", "would skip it).\n            self._no_live_root_above()\n", "would skip it).\n")]),
 ]
