@@ -1,8 +1,8 @@
 """The re-check just before anything is removed, afresh from disk: still inside its root with no
-symlink on the way, not a symlink itself, not inside another ckptd's root nested in ours, still complete, unchanged since the plan was made (same
-fingerprint), still quiet, not pinned, holding no mount point, not named by the framework's resume
-pointer, and each of the run's anchors (its newest complete and full checkpoints by step and by
-time, which the plan kept) still there, complete and unchanged. Then the whole run is read again,
+symlink on the way, not a symlink itself, not inside another ckptd's root nested in ours, still
+complete, unchanged since the plan was made (same fingerprint), still quiet, not pinned, holding
+no mount point, not named by the framework's resume pointer, and each of the run's anchors (its
+newest complete and full checkpoints by step and by time, which the plan kept) still there, complete and unchanged. Then the whole run is read again,
 strictly, and decided again by the same rules: it acts only if that decision does the same (a file
 rewritten in place, its mtime kept, changes no fingerprint, but may change which checkpoint is
 best). Any doubt and it is left alone.
