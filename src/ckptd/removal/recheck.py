@@ -2,10 +2,10 @@
 symlink on the way, not a symlink itself, not inside another ckptd's root nested in ours, still
 complete, unchanged since the plan was made (same fingerprint), still quiet, not pinned, holding
 no mount point, not named by the framework's resume pointer, and each of the run's anchors (its
-newest complete and full checkpoints by step and by time, which the plan kept) still there, complete and unchanged. Then the whole run is read again,
-strictly, and decided again by the same rules: it acts only if that decision does the same (a file
-rewritten in place, its mtime kept, changes no fingerprint, but may change which checkpoint is
-best). Any doubt and it is left alone.
+newest complete and full checkpoints by step and by time, which the plan kept) still there,
+complete and unchanged. Then the whole run is read again, strictly, and decided again by the same
+rules: it acts only if that decision does the same (a file rewritten in place, its mtime kept,
+changes no fingerprint, but may change which checkpoint is best). Any doubt and it is left alone.
 
 And the fence (`_fenced`): where several ckptd could lead (lease.py), asked immediately before each
 rename that removes something from a checkpoint or a run, and once more just after.
