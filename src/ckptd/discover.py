@@ -10,7 +10,9 @@ found empty without a word. Raising the default instead would list every
 directory one or two levels deeper on a big volume (datasets included), and
 watch them; these names cost a listing only where they exist.
 Checkpoints are not descended into, symlinks are never followed,
-and hidden directories (the trash among them) are skipped.
+and hidden directories (the trash among them) are skipped. A directory below the root that
+holds a `.ckptd/` or `.ckptd-trash/` is another ckptd's root (one with a root nested in ours,
+its own config, pins and trash): it is not ours, and nothing in it is a run of ours.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,13 +60,15 @@ def find_runs(
     patterns: Collection[re.Pattern[str]] = (),
     visited: dict[str, int] | None = None,
     framework_dirs: bool = True,
+    below_root: bool = False,
 ) -> list[RunDir]:
     """Every run under `root`, with the checkpoint candidates it holds, sorted by path.
 
     `visited`, if given, receives every directory listed (relative to `root`)
     with the mtime it had just before it was listed: a later stat showing a
     different mtime means its entries changed (targeted polling). `framework_dirs=False`:
-    framework-made directories count against `max_depth` like any other.
+    framework-made directories count against `max_depth` like any other. `below_root`: `root`
+    is a directory inside the configured root, so it too may be another ckptd's root.
     """
     runs: list[RunDir] = []
     # (path, rel, depth, its entries if listed already, its mtime just before that listing)
@@ -82,6 +86,8 @@ def find_runs(
             entries = _list(path)
             if entries is None:
                 continue
+        if (rel != "." or below_root) and _another_root(path, (e.name for e in entries)):
+            continue
         if visited is not None:
             visited[rel] = mtime  # type: ignore[assignment]
         candidates: list[Candidate] = []
@@ -110,6 +116,8 @@ def find_runs(
                 return [c.name for c in children or ()]
 
             cand = layouts.recognise(e.name, is_dir, names, patterns)
+            if children is not None and _another_root(e.path, (c.name for c in children)):
+                continue
             if cand is not None:
                 candidates.append(cand)
             elif not is_dir:
@@ -131,6 +139,24 @@ def find_runs(
 
 
 _TOLD: set[str] = set()
+ROOT_MARKS = frozenset((layouts.LEASE_DIR, layouts.TRASH_DIR))  # what ckptd makes in every root it deletes in
+
+
+def _another_root(path: str, names: Iterable[str]) -> bool:
+    """Whether the directory at `path`, holding `names`, is another ckptd's root; said once per process.
+
+    Its `.ckptd/` (the root's lock, made by every ckptd that deletes there) or `.ckptd-trash/`
+    says so. Whether that ckptd is alive does not matter: its config (pins, retention) and its
+    trash are not ours to know, so nothing of it is ours to delete. A stale one stays until
+    a person removes those directories."""
+    if ROOT_MARKS.isdisjoint(names):
+        return False
+    if path not in _TOLD:
+        _TOLD.add(path)
+        log.warning("%s is another ckptd's root (it holds %s or %s): not ours; nothing in it is "
+                    "looked at or deleted from here", path, layouts.LEASE_DIR, layouts.TRASH_DIR)
+    return True
+
 
 
 def _unnamed(path: str, layout: str) -> None:
@@ -158,7 +184,7 @@ def _order(c: Candidate) -> tuple[int, str]:
 def find_run(root: Path, rel: str, *, patterns: Collection[re.Pattern[str]] = ()) -> RunDir | None:
     """One run directory re-listed (no descent): for re-checks just before deleting."""
     path = root if rel == "." else root / rel
-    runs = find_runs(path, max_depth=0, patterns=patterns, framework_dirs=False)
+    runs = find_runs(path, max_depth=0, patterns=patterns, framework_dirs=False, below_root=rel != ".")
     if not runs:
         return None
     return RunDir(root, rel, runs[0].names, runs[0].candidates)

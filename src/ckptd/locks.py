@@ -46,6 +46,10 @@ class RootLock:
     raises `RootLockUnavailable`: the state_dir lock alone would let two ckptds delete at once.
     The kernel releases both when the holder exits, however it exits.
 
+    A root inside a live ckptd's root (X/root/run below a daemon's X/root, whatever either's
+    state_dir) is that one's territory: not taken while it holds its lock (`_no_live_root_above`).
+    The enclosing one, for its part, leaves a root nested in it alone (`discover.find_runs`).
+
     Without a `state_dir`, the root's own lock alone: what a volume lease's leader holds for its
     tenure (`VolumeLease`), so that it and a ckptd with `leadership = "local"` exclude each
     other. On NFS the Linux client sends a flock to the server as a whole-file POSIX lock, so
@@ -74,10 +78,13 @@ class RootLock:
                 raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.path})") from None
         root_fd = dir_fd = None
         try:
+            # First, so that one refused makes no .ckptd/ here (the enclosing one would skip it).
+            self._no_live_root_above()
             root_fd = self._root_lock(blocking)
             dir_fd = self._dir_lock(blocking) if root_fd is not None else None
+            self._no_live_root_above()  # again: one started in between finds this .ckptd/ and stays out
         except BaseException:
-            for opened in (fd, root_fd):
+            for opened in (fd, root_fd, dir_fd):
                 if opened is not None:
                     os.close(opened)
             raise
@@ -159,6 +166,30 @@ class RootLock:
             log.debug("%s: no flock on the directory (%s): %s alone", self.root, exc.strerror, self.root_path)
             return None
         return fd
+
+    def _no_live_root_above(self) -> None:
+        """LockHeld if a directory above the root is the root of a live ckptd: one holds its
+        `.ckptd/local.lock` (asked with a shared flock, let go at once). That one deletes here,
+        with its own pins and trash. Asked before this root's own `.ckptd/` is made (a refused
+        ckptd leaves no mark that would make the enclosing one skip this root) and again after,
+        so that one, if it starts later, finds it and leaves this root alone (`discover.find_runs`);
+        nothing need be held. A lock that cannot be opened or flocked (none there, a filesystem without
+        flock) says nothing more than its absence."""
+        for above in Path(os.path.realpath(self.root)).parents:
+            lock = above / layouts.LEASE_DIR / ROOT_LOCK
+            try:
+                fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LockHeld(f"{self.root} is inside {above}, the root of a live ckptd (it holds {lock}): "
+                               "that one deletes here") from None
+            except OSError as exc:
+                log.debug("%s: no flock on %s (%s)", self.root, lock, exc.strerror)
+            finally:
+                os.close(fd)
 
     def footing(self) -> str | None:
         """Why the files this lock holds are no longer the ones at its paths (removed, replaced: a

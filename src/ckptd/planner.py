@@ -319,7 +319,7 @@ class Scanner:
             return self.reinspect_run(run_rel, now=now)
         where = self.root.path if key == "." else self.root.path / key
         depth = max(0, self.root.max_depth - depth_of(key))
-        found = find_runs(where, max_depth=depth, patterns=self.patterns)
+        found = find_runs(where, max_depth=depth, patterns=self.patterns, below_root=key != ".")
         rels = [_join_rel(key, d.rel) for d in found]
         if run_rel not in rels:
             return None

@@ -302,6 +302,7 @@ class RootTracker:
                 max_depth=self.root.max_depth - depth,
                 patterns=self.scanner.patterns,
                 visited=visited,
+                below_root=rel != ".",
             )
             for d in [d for d in self.dirs if _under(d, rel)]:
                 del self.dirs[d]

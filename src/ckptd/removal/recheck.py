@@ -1,11 +1,11 @@
 """The re-check just before anything is removed, afresh from disk: still inside its root with no
-symlink on the way, not a symlink itself, still complete, unchanged since the plan was made (same
-fingerprint), still quiet, not pinned, holding no mount point, not named by the framework's resume
-pointer, and each of the run's anchors (its newest complete and full checkpoints by step and by
-time, which the plan kept) still there, complete and unchanged. Then the whole run is read again,
-strictly, and decided again by the same rules: it acts only if that decision does the same (a file
-rewritten in place, its mtime kept, changes no fingerprint, but may change which checkpoint is
-best). Any doubt and it is left alone.
+symlink on the way, not a symlink itself, not inside another ckptd's root nested in ours, still
+complete, unchanged since the plan was made (same fingerprint), still quiet, not pinned, holding
+no mount point, not named by the framework's resume pointer, and each of the run's anchors (its
+newest complete and full checkpoints by step and by time, which the plan kept) still there,
+complete and unchanged. Then the whole run is read again, strictly, and decided again by the same
+rules: it acts only if that decision does the same (a file rewritten in place, its mtime kept,
+changes no fingerprint, but may change which checkpoint is best). Any doubt and it is left alone.
 
 And the fence (`_fenced`): where several ckptd could lead (lease.py), asked immediately before each
 rename that removes something from a checkpoint or a run, and once more just after.
@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ckptd import mounts, policy, rules
 from ckptd.archive.upload import Archiver
+from ckptd.discover import ROOT_MARKS
 from ckptd.evidence import resume_pointers
 from ckptd.layouts import is_rank_dir, recognise_by_name, unfinished_markers
 from ckptd.model import Action, Checkpoint, State
@@ -76,6 +77,9 @@ class Rechecks:
         real_root = os.path.realpath(self.root)
         if os.path.realpath(path) != os.path.join(real_root, planned.rel):
             return f"reached through a symlink or outside {self.root} (resolves to {os.path.realpath(path)})"
+        why = _in_another_root(self.root, planned.rel)
+        if why is not None:
+            return why
         now = self.clock()
         fresh = self.scanner.reinspect(planned.run, planned.name, now=now)
         if fresh is None:
@@ -169,6 +173,22 @@ class Rechecks:
             return None
         now_says = f"{fresh.action} ({'; '.join(fresh.reasons)})"
         return f"decided again from its run's files as they are now: {now_says}"
+
+
+def _in_another_root(root: Path, rel: str) -> str | None:
+    """Why the checkpoint at `rel` is not ours: a directory on its way below `root`, or the
+    checkpoint itself, holds `.ckptd/` or `.ckptd-trash/`, so it lies in another ckptd's root
+    (`discover.ROOT_MARKS`; made there since the plan, by a ckptd started since). Or None."""
+    where = root
+    for part in rel.split("/"):
+        where = where / part
+        for mark in ROOT_MARKS:
+            try:
+                os.lstat(where / mark)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            return f"inside another ckptd's root ({where} holds {mark}): not ours to delete"
+    return None
 
 
 def _last_whole_step(
