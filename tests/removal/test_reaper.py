@@ -322,7 +322,8 @@ def test_a_purge_is_journaled_before_the_removal(volume, tmp_path, monkeypatch):
     def remove_tree(entry, parent_fd, dev, depth=0):
         if depth == 0:  # a trash entry, not a directory inside one
             last = read_journal(tmp_path / "state")[-1]
-            seen.append((last["event"], Path(last["trash"]).name == entry))
+            # the entry is renamed `<name>%purging` as its removal begins (removal/purge.py)
+            seen.append((last["event"], f"{Path(last['trash']).name}%purging" == entry))
         return real_remove(entry, parent_fd, dev, depth)
 
     monkeypatch.setattr(fs, "_remove_tree", remove_tree)
