@@ -280,6 +280,46 @@ class Trashing:
         self._record("restored", **where)
         return "moved back"
 
+    def restore(self, entry: str, *, pin: bool = True) -> str:
+        """Put the trash entry `entry` back where it came from, by an operator's hand (`ckptd trash
+        restore`): beside its origin as `<name>.ckptd-restored-<time>` where that name is taken, never
+        over it. With `pin`, a `.ckptd-keep` is written first (at its top, or beside a checkpoint
+        that is a file), so no pass deletes it again. Needs no lock: a purge renames an entry
+        `%purging` before removing it, and one of the two renames wins. Says what happened;
+        raises OSError (ENOENT: not in the trash, or its purge has begun) or ValueError."""
+        name = entry.removesuffix(REVIEW)
+        origin = _trash_origin(name)
+        if entry.endswith("%purging"):
+            raise ValueError(f"{entry}: its purge has begun: what is left is not a whole checkpoint")
+        if origin is None or origin[1]:
+            raise ValueError(f"{entry}: its name does not say which checkpoint it was: move it back by hand")
+        rel = origin[0]
+        run_rel, _, back = rel.rpartition("/")
+        hidden = entry.startswith(HIDDEN_TRASH)
+        where = self.root if hidden else self.trash
+        trash_fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            run_fd = open_dir_nofollow(self.root, run_rel or ".")
+            try:
+                if pin:
+                    _pin(entry, trash_fd, back, run_fd)
+                aside = back
+                try:
+                    _rename_noreplace(entry, trash_fd, back, run_fd)
+                except FileExistsError:
+                    aside = f"{back}{RESTORED}{int(self.clock())}"
+                    _rename_noreplace(entry, trash_fd, aside, run_fd)
+            finally:
+                os.close(run_fd)
+            drop_record(name, trash_fd)
+        finally:
+            os.close(trash_fd)
+        shown = rel if aside == back else f"{run_rel + '/' if run_rel else ''}{aside} (beside {back}: its name is taken)"
+        self._record("restored", root=str(self.root), path=str(self.root / rel), beside=aside,
+                     why="restored by hand (ckptd trash restore)", pinned=pin)
+        log.warning("%s: restored %s from %s/ by hand%s", self.root, shown, TRASH_DIR, " and pinned" if pin else "")
+        return shown
+
     def _open_trash(self, *, create: bool = True) -> int:
         """A descriptor of the trash directory (made if missing and `create`), never a symlink, and
         never another filesystem: a mount at <root>/.ckptd-trash (a bind mount of a dataset, a
@@ -311,6 +351,18 @@ class Trashing:
 
     def _ensure_trash(self) -> None:
         os.close(self._open_trash())
+
+
+def _pin(entry: str, trash_fd: int, name: str, run_fd: int) -> None:
+    """A `.ckptd-keep` for the checkpoint `entry` in the trash, about to go back as `name`: at its
+    top, or, for a checkpoint that is one file, beside where it goes."""
+    try:
+        fd = os.open(f"{entry}/{layouts.PIN_FILE}", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=trash_fd)
+    except NotADirectoryError:
+        fd = os.open(f"{name}{layouts.PIN_FILE}", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=run_fd)
+    os.close(fd)
 
 
 def _trash_name(c: Checkpoint, now: float) -> str:
