@@ -73,7 +73,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {root['path']}: {ROLES.get(role, role)} (observer {root['observer']}{extra})")
             for line in _lead_and_quiet_lines(root, time.time()):
                 print(f"    {line}")
-            print(f"    {_trash_line(config, Path(root['path']), now)}")
+            trash = _trash_line(config, Path(root["path"]), now)
+            if trash:
+                print(f"    {trash}")
             rows = [("RUN", "CHECKPOINT", "STATE", "SIZE", "ACTION", "REASONS")]
             for run in root["runs"]:
                 for c in run["checkpoints"]:
@@ -91,14 +93,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EX_OK
 
 
-def _trash_line(config: Config, path: Path, now: float) -> str:
+def _trash_line(config: Config, path: Path, now: float) -> str | None:
     """`status`: what waits in the root's trash, read from it now, and when the next purge may
-    take some of it (the grace this config gives the root)."""
+    take some of it (the grace this config gives the root); None where it is empty."""
     root = next((r for r in config.roots if r.path == path), None)
     grace = config.daemon.trash_grace if root is None else config.trash_grace(root)
     waiting = summary(trash_entries(path, grace))
     if not waiting["entries"]:
-        return "trash: empty"
+        return None
     nxt = waiting["next_purge"]
     when = ("none purged by itself" if nxt is None else "next purge: now" if nxt <= now
             else f"next purge in {format_age(nxt - now)}")
