@@ -17,10 +17,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ckptd import layouts, mounts
+from ckptd import layouts, mounts, space
 from ckptd.config import pin_matches
 from ckptd.discover import find_run
-from ckptd.evidence import resume_pointers, walk
+from ckptd.evidence import MOUNT, TooDeep, resume_pointers, walk
 from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, Candidate, recognise_by_name
 from ckptd.model import State
 from ckptd.planner import Scanner, disk_space
@@ -156,12 +156,19 @@ class Purging:
         but finishes removing."""
         name = entry.removesuffix(PURGING)
         path = where_path / name  # as the journal and `purged` name it
-        size = _size(where_path / entry)
+        try:
+            entries = walk(where_path / entry)
+        except TooDeep as exc:
+            entries = exc.entries
+        except OSError:
+            entries = []
+        size = space.freed_by(entries)
         where = dict(root=str(self.root), trash=str(path), bytes=size)
-        inside = mounts.mounts_below(where_path / entry, mounts.read_mounts())
-        if inside:  # mounted after it was trashed, or on a kernel where statx cannot tell
+        inside = [e.rel for e in entries if e.kind == MOUNT] or mounts.mounts_below(
+            where_path / entry, mounts.read_mounts())
+        if inside:  # mounted after it was trashed (statx, its device), or in the mount table
             log.error("not purging %s: it holds a mount point (%s)", where_path / entry, inside[0])
-            return None
+            return None  # before its rename: a removal that would stop halfway is not begun
         # The intent first, as for every other step: killed between the removal and the
         # "purged" record, the journal still says this entry was being purged. Unlike a
         # rename, a purge goes ahead when the journal cannot be written (ENOSPC): its
