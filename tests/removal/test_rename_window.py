@@ -9,8 +9,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from watchdog.events import FileSystemEventHandler
+from watchdog.observers import Observer
+
+from ckptd.demo import hf_deepspeed_checkpoint
 
 from ckptd.journal import read_journal
 from ckptd.layouts import PIN_FILE, TRASH_DIR
@@ -204,3 +214,44 @@ def test_a_record_that_cannot_be_written_for_another_reason_moves_nothing(volume
     assert names(volume) == ["checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-40"]
     journal.close()
 
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (apt-get install strace)")
+def test_the_real_cli_held_at_its_rename_gives_a_run_moved_out_of_the_root_its_checkpoint_back(tmp_path):
+    """As the attack did it: `ckptd prune` under strace, its first renameat (the move into the
+    trash) delayed 4 s; the run `mv`ed out of the root once the journal says the move is under way."""
+    root, archive, state = tmp_path / "vol", tmp_path / "archive", tmp_path / "state"
+    archive.mkdir()
+    old = time.time() - 86400
+    for i, step in enumerate((10, 20, 30)):
+        hf_deepspeed_checkpoint(root / "run", step, world=2, mtime=old + i)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{state}'\n[[roots]]\npath = '{root}'\nquiet_period = '0s'\n"
+                   "allow_short_quiet_period = true\nworld_size = 2\n[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
+    state.mkdir()
+    journal = state / "journal.jsonl"
+    moving = threading.Event()
+
+    class Intent(FileSystemEventHandler):
+        def on_modified(self, event) -> None:  # the journal's "trashing" line: the rename is next
+            if Path(event.src_path) == journal and '"trashing"' in journal.read_text():
+                moving.set()
+
+    observer = Observer()
+    observer.schedule(Intent(), str(state))
+    observer.start()
+    try:
+        proc = subprocess.Popen(
+            ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat",
+             "-e", "inject=renameat:delay_enter=4000000:when=1", sys.executable, "-m", "ckptd", "prune", "-c", cfg],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert moving.wait(60), "prune never journalled a move"
+        subprocess.run(["mv", root / "run", archive / "run"], check=True)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        observer.stop()
+        observer.join()
+    assert proc.returncode == 0, err
+    assert "-> refused: its run run was moved or replaced in the meantime; moved back" in out, out
+    assert sorted(os.listdir(archive / "run")) == ["checkpoint-10", "checkpoint-20", "checkpoint-30"]
+    assert in_trash(root / TRASH_DIR) == []
