@@ -37,7 +37,6 @@ import operator
 import os
 import stat
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import replace
 from pathlib import Path
 
 from ckptd import attestation, frameworks, layouts, mounts, slim, space, volread, wholefile
@@ -59,7 +58,6 @@ from ckptd.model import (  # Entry: re-exported, it is evidence's word
     ConsolidatedWeights,
     Entry,
     Slimming,
-    State,
     Verdict,
 )
 from ckptd.weights import WeightsReader
@@ -667,77 +665,6 @@ def on_quiet_alone(c: Checkpoint) -> bool:
         if k.name == EVIDENCE and k.detail.endswith(QUIET_ALONE):
             return True
     return False
-
-
-RANK_CENSUS = "rank census"
-
-
-def against_siblings(c: Checkpoint, siblings: Iterable[Checkpoint]) -> Checkpoint:
-    """`c`, made incomplete if it has fewer per-rank files than the run's last complete checkpoint.
-
-    Without a known world size a census can only ask that ranks 0..n-1 be there: a DDP job
-    of 8 killed before rank 7's `rng_state_7.pth` passes it. The run's own history knows
-    better: the newest complete checkpoint saved before `c` counted its ranks too. Fewer
-    now means a rank is missing, or the job shrank: then set `world_size` for the run;
-    until then the checkpoint is kept and says why (never the other way round).
-    """
-    if c.ranks is None:
-        return c
-    order = (c.saved_at, c.step)  # saved earlier; by step where the times tie (a copy that reset them)
-    earlier = [
-        s
-        for s in siblings
-        if s.name != c.name and s.ranks is not None and s.state is State.COMPLETE
-        and (s.saved_at, s.step) < order
-    ]
-    if not earlier:
-        return c
-    last = max(earlier, key=lambda s: (s.saved_at, s.step))
-    if last.ranks is None or last.ranks <= c.ranks:
-        return c
-    why = (
-        f"{c.ranks} ranks' files, the run's last complete checkpoint {last.name} has {last.ranks}: "
-        "a rank is missing, or the job shrank (then set world_size for this run)"
-    )
-    return replace(c, checks=(*c.checks, Check(RANK_CENSUS, FAILED, why)))
-
-
-def with_sibling_census(ckpts: Iterable[Checkpoint]) -> list[Checkpoint]:
-    """Every checkpoint of a run through `against_siblings`, oldest save first, so that one made
-    incomplete no longer counts as a complete sibling for the next."""
-    done: list[Checkpoint] = []
-    for c in sorted(ckpts, key=lambda c: (c.saved_at, c.step, c.name)):
-        done.append(against_sibling_kinds(against_siblings(c, done), done))
-    return done
-
-
-FILE_CENSUS = "file census"
-
-
-def against_sibling_kinds(c: Checkpoint, siblings: Iterable[Checkpoint]) -> Checkpoint:
-    """`c`, made incomplete if it lacks a kind of file (`Checkpoint.kinds`, its framework's) that
-    every complete checkpoint of the run saved before it has: a save's optimizer.bin that never
-    arrived looks, from inside the checkpoint, like a run that prepared no optimizer. A run that
-    really stopped saving one (the Trainer resumed with save_only_model) is held, saying why."""
-    if c.kinds is None:
-        return c
-    order = (c.saved_at, c.step)
-    earlier = [
-        s for s in siblings
-        if s.name != c.name and s.kinds is not None and s.state is State.COMPLETE
-        and (s.saved_at, s.step) < order
-    ]
-    if not earlier:
-        return c
-    missing = sorted(frozenset.intersection(*(s.kinds for s in earlier if s.kinds is not None)) - c.kinds)
-    if not missing:
-        return c
-    last = max(earlier, key=lambda s: (s.saved_at, s.step))
-    why = (
-        f"{', '.join(missing)} missing, which every complete checkpoint of the run before it has "
-        f"(the last: {last.name}): a file that never arrived, or the job stopped saving it"
-    )
-    return replace(c, checks=(*c.checks, Check(FILE_CENSUS, FAILED, why)))
 
 
 def resume_pointers(run_path: Path, names: Collection[str]) -> dict[str, str]:

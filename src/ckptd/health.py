@@ -61,7 +61,14 @@ def judge(
     limit = max_age if max_age is not None else max_age_for(doc)
     dry = ", dry run" if doc.get("dry_run") else ""
     said = f"pid {doc.get('pid')}, heartbeat {format_age(age)} ago (max {format_age(limit)}){dry}"
-    return (False, f"unhealthy: {said}") if age > limit else (True, f"healthy: {said}")
+    if age > limit:
+        return False, f"unhealthy: {said}"
+    # Alive but not deleting where it should: its lock or journal was taken from under it.
+    lost = [r for r in doc.get("roots", []) if isinstance(r, dict) and r.get("lost_footing")]
+    if lost:
+        where = "; ".join(f"{r.get('path')}: {r['lost_footing']}" for r in lost)
+        return False, f"unhealthy: {said}; stopped deleting in {where}"
+    return True, f"healthy: {said}"
 
 
 def check(config: Config, *, now: float | None = None, max_age: float | None = None) -> tuple[bool, str]:

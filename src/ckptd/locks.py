@@ -59,6 +59,7 @@ class RootLock:
         self.root_path = root / layouts.LEASE_DIR / ROOT_LOCK
         self._fd: int | None = None
         self._root_fd: int | None = None
+        self._dir_fd: int | None = None  # the root directory itself, flocked beside local.lock
         self._held = False
 
     def acquire(self, *, blocking: bool = False) -> None:
@@ -71,11 +72,14 @@ class RootLock:
             except BlockingIOError:
                 os.close(fd)
                 raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.path})") from None
+        root_fd = dir_fd = None
         try:
             root_fd = self._root_lock(blocking)
+            dir_fd = self._dir_lock(blocking) if root_fd is not None else None
         except BaseException:
-            if fd is not None:
-                os.close(fd)
+            for opened in (fd, root_fd):
+                if opened is not None:
+                    os.close(opened)
             raise
         if fd is not None:
             # Who holds it, for a person reading the file; the flock is what excludes. On a full
@@ -86,13 +90,13 @@ class RootLock:
                 os.write(fd, f"{os.getpid()} {self.root}\n".encode(errors="surrogateescape"))
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    os.close(fd)
-                    if root_fd is not None:
-                        os.close(root_fd)
+                    for opened in (fd, root_fd, dir_fd):
+                        if opened is not None:
+                            os.close(opened)
                     raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
                 log.warning("%s: no room for the holder's pid line (%s); the lock holds all the same",
                             self.path, exc.strerror)
-        self._fd, self._root_fd, self._held = fd, root_fd, True
+        self._fd, self._root_fd, self._dir_fd, self._held = fd, root_fd, dir_fd, True
 
     def _root_lock(self, blocking: bool) -> int | None:
         """The flock on `<root>/.ckptd/local.lock` (None where it cannot be had: see the class).
@@ -138,6 +142,53 @@ class RootLock:
             raise self._unavailable(exc.strerror) from None
         return fd
 
+    def _dir_lock(self, blocking: bool) -> int | None:
+        """A flock on the root directory itself: what `rm -rf <root>/.ckptd` cannot take away, so
+        that a ckptd with another state_dir stays out while this one lives even then (it would
+        make a new local.lock and lock that). None where the filesystem has no flock on a
+        directory (NFS turns a flock into a POSIX lock, which needs a file open for writing):
+        local.lock alone there, as before."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            raise LockHeld(f"another ckptd is deleting in {self.root} (holds the directory's lock)") from None
+        except OSError as exc:
+            os.close(fd)
+            log.debug("%s: no flock on the directory (%s): %s alone", self.root, exc.strerror, self.root_path)
+            return None
+        return fd
+
+    def footing(self) -> str | None:
+        """Why the files this lock holds are no longer the ones at its paths (removed, replaced: a
+        ckptd with another state_dir would lock a new file there and delete beside this one), or None."""
+        if not self._held:
+            return None
+        for fd, path in ((self._root_fd, self.root_path), (self._fd, self.path)):
+            if fd is not None and path is not None and (why := _not_the_file(fd, path)) is not None:
+                return f"{path}, the lock this ckptd holds, {why}"
+        return None
+
+    def retake(self) -> None:
+        """Lock again, afresh, what `footing` says was lost (LockHeld: another process holds the
+        new file; RootLockUnavailable, OSError: it cannot be made). Safe while the directory lock
+        is held: no ckptd that takes this lock can have entered since."""
+        if self._root_fd is not None and _not_the_file(self._root_fd, self.root_path) is not None:
+            fd = self._root_lock(blocking=False)
+            os.close(self._root_fd)
+            self._root_fd = fd
+        if self._fd is not None and self.path is not None and _not_the_file(self._fd, self.path) is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise LockHeld(f"another ckptd holds {self.path}") from None
+            os.close(self._fd)
+            self._fd = fd
+
     def _unavailable(self, why: str) -> RootLockUnavailable:
         return RootLockUnavailable(
             f"cannot take {self.root_path} ({why}): deleting nothing in {self.root}, since a ckptd with "
@@ -151,6 +202,9 @@ class RootLock:
 
     def release(self) -> None:
         self._held = False
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
         if self._root_fd is not None:
             os.close(self._root_fd)
             self._root_fd = None
@@ -164,3 +218,17 @@ class RootLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _not_the_file(fd: int, path: Path) -> str | None:
+    """Why `path` no longer names the file open at `fd`, or None."""
+    held = os.fstat(fd)
+    try:
+        now = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):  # it, or the directory it was in
+        return "was removed"
+    except OSError as exc:
+        return f"cannot be looked at ({exc.strerror})"
+    if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+        return "was replaced by another file"
+    return None

@@ -229,8 +229,8 @@ class Checkpoint:
     mounts: tuple[str, ...] = ()  # mount points inside it ("" for itself): never deleted or slimmed
     # Checkpoints of a run of its own, or pins, inside it (layouts.held): never deleted or slimmed
     holds: tuple[str, ...] = ()
-    ranks: int | None = None  # per-rank files counted with no world size known (evidence.against_siblings)
-    kinds: frozenset[str] | None = None  # its framework's file kinds (evidence.against_sibling_kinds)
+    ranks: int | None = None  # per-rank files counted with no world size known (census.against_siblings)
+    kinds: frozenset[str] | None = None  # its framework's file kinds (census.against_sibling_kinds)
     pinned: bool = False
     trainer_state: TrainerState | None = None
     slim: Slimming = Slimming()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckptd import extents, frameworks, mounts, policy, rules
+from ckptd.census import with_sibling_census
 from ckptd.config import Root, path_matches, pin_matches
 from ckptd.discover import RunDir, depth_of, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
@@ -29,7 +30,6 @@ from ckptd.evidence import (
     mixed_save,
     on_quiet_alone,
     resume_pointers,
-    with_sibling_census,
 )
 from ckptd.layouts import Candidate, compile_pattern, is_rank_dir, recognise
 from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict

@@ -343,6 +343,20 @@ def _unconsolidated(
     return Slimming(False, removable, None, source, None, keeps=keeps, dtype="fp32")
 
 
+def removes_load_need(glob: str) -> str | None:
+    """A file loading the weights needs (`Framework.load_needs`) that a slim with `glob` among the
+    `slim_files` would remove, or None: such a glob cannot be meant (`["*"]` takes config.json and
+    the tokenizer, and `from_pretrained` fails on what is left)."""
+    for fw in _registry().REGISTRY:
+        if not fw.slim_weights:
+            continue
+        test = removable_file(fw.checkpoint_is_tag, "", (glob,))
+        found = next((rel for rel in fw.load_needs if test(rel)), None)
+        if found is not None:
+            return found
+    return None
+
+
 def removable_file(checkpoint_is_tag: bool, name: str, slim_files: Collection[str]) -> Callable[[str], bool]:
     """Whether a slim removes the regular file at `rel` (not "", the checkpoint itself) of the
     checkpoint `name` (`survey`): a leftover of ckptd's work directory, or a file `slim_files`

@@ -43,7 +43,8 @@ from pathlib import Path
 
 from ckptd.config import Root
 from ckptd.discover import RunDir, depth_of, find_runs
-from ckptd.evidence import against_sibling_kinds, against_siblings, resume_pointers
+from ckptd.census import against_sibling_kinds, against_siblings
+from ckptd.evidence import resume_pointers
 from ckptd.layouts import TRASH_DIR, Candidate
 from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
 from ckptd.planner import Scanner, run_context

@@ -266,8 +266,8 @@ def test_a_resave_in_place_whose_rank_1_died_before_its_shard_is_incomplete(tmp_
     later a second job (a wider model) into the same directory saves global_step10 again and is
     SIGKILLed while rank 1 is held before its optimizer shard, after rank 0 wrote its model states,
     its shard and `latest`. global_step10 holds the new model states beside the first job's rank-1
-    shard, ten minutes older: DeepSpeed cannot resume from it (tools/attack29's
-    test_ds_resave_slow_rank.py loads it with both widths). DeepSpeed 0.19 has no barrier between
+    shard, ten minutes older: DeepSpeed cannot resume from it (the outside attack's
+    reproduction, kept until 0be4982 as tools/attack29, loaded it with both widths). DeepSpeed 0.19 has no barrier between
     the model states and the shards, so the one-save check allows a shard to end before them only by
     as long as they can have taken to write (`base.write_span`), seconds for this model."""
     run = tmp_path / "vol" / "run"
@@ -301,8 +301,8 @@ def test_a_resave_in_place_whose_rank_0_died_before_its_model_states_is_incomple
     (ten minutes old) beside rank 1's new shard (and, under ZeRO-3, its new model states). The new
     files are newer, so no order tells; their size does: every rank's partition of one save is the
     same size, and the wider model's are larger (`deepspeed._partitions_differ`, from each shard's
-    zip directory). DeepSpeed cannot resume from it (tools/attack30's test_ds_resave_rank0_killed.py
-    loads it with both widths)."""
+    zip directory). DeepSpeed cannot resume from it (the outside attack's reproduction, kept until
+    0be4982 as tools/attack30, loaded it with both widths)."""
     run = tmp_path / "vol" / "run"
     dsgen.generate(run, world_size=2, stage=stage, layout="bare", steps=(5, 10))
     shift_mtimes(tmp_path / "vol", 600)

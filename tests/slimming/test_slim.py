@@ -98,12 +98,13 @@ def test_weights_and_model_states_are_never_removed_whatever_the_globs_say(tmp_p
     hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2, mtime=OLD)
     write_safetensors(tmp_path / "run" / "checkpoint-10" / "model.safetensors")
     age(tmp_path / "run", OLD)
-    greedy = ("*", "*/*")
+    # Greedy, but refused by nothing loading needs ("*" would be: test_slim_files_that_remove_what_loading_needs).
+    greedy = ("*.safetensors", "*.pth", "trainer_state.json", "*/*")
     c = Scanner(Root(path=tmp_path, world_size=2, retention=Retention(slim_files=greedy))).runs(now=NOW)[0].checkpoints[0]
     removable = {p for p, _ in c.slim.removable}
     assert "model.safetensors" not in removable and "trainer_state.json" not in removable
     assert "global_step10/mp_rank_00_model_states.pt" not in removable
-    assert "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt" in removable and "config.json" in removable
+    assert "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt" in removable and "rng_state_1.pth" in removable
 
 
 def test_a_checkpoint_without_weights_or_a_deepspeed_tag_is_not_slimmed(tmp_path):
@@ -598,6 +599,31 @@ def test_slim_config_mistakes(retention, message):
     with pytest.raises(ConfigError) as info:
         parse_config({"roots": [{"path": "/x", "retention": retention}]}, "c.toml")
     assert info.value.problems == [f"c.toml: {message}"]
+
+
+@pytest.mark.parametrize(
+    ("globs", "needed"),
+    [(["*", "*/*"], "config.json"), (["optimizer.pt", "*.json"], "config.json"), (["*.model"], "tokenizer.model"),
+     (["tok*"], "tokenizer.json"), (["*.txt"], "vocab.txt"), (["special_tokens_map.json"], "special_tokens_map.json")],
+)
+def test_slim_files_that_remove_what_loading_needs_are_refused(tmp_path, state_env, globs, needed):
+    """A glob that takes the model's config or the tokenizer with the optimizer state cannot be meant:
+    `from_pretrained` fails on what is left. One line naming the key and the file, exit 78."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[[roots]]\npath = "{tmp_path}"\n[roots.retention]\nslim_files = {json.dumps(globs)}\n')
+    proc = run_ckptd("check-config", "-c", cfg, env=state_env)
+    assert proc.returncode == 78, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "roots[0].retention.slim_files:" in lines[0], lines
+    assert f"would remove {needed}, which loading the weights needs" in lines[0]
+
+
+@pytest.mark.parametrize("globs", [["global_step*/*optim_states.pt", "optimizer.pt"], ["*.pt", "global_step*/*"],
+                                   ["*optim*"], ["rng_state*.pth", "scheduler.pt"]])
+def test_slim_files_that_spare_what_loading_needs_pass(globs):
+    """Globs that match weights or model states are harmless (slimming keeps those whatever they say)."""
+    config = parse_config({"roots": [{"path": "/x", "retention": {"slim_files": globs}}]})
+    assert config.roots[0].retention.slim_files == tuple(globs)
 
 
 def test_keep_full_last_per_run():

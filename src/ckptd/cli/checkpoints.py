@@ -16,7 +16,8 @@ from ckptd.cli.output import checkpoint_json
 from ckptd.config import Root, find_config, format_size
 from ckptd.discover import find_run, find_runs
 from ckptd.errors import EX_OK, RootMissingError, UsageError
-from ckptd.evidence import Inspector, RunContext, step_mismatch, with_sibling_census
+from ckptd.census import with_sibling_census
+from ckptd.evidence import Inspector, RunContext, step_mismatch
 from ckptd.model import Checkpoint, State
 from ckptd.mounts import quiet_for, read_mounts
 from ckptd.planner import Scanner
@@ -101,7 +102,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _with_run_census(root: Root, run_rel: str, ckpt: Checkpoint, *, now: float) -> Checkpoint:
-    """`ckpt` with the run's censuses (`evidence.with_sibling_census`: no fewer ranks' files, and
+    """`ckpt` with the run's censuses (`census.with_sibling_census`: no fewer ranks' files, and
     no kind of file fewer, than the run's last complete checkpoint saved before it), its siblings
     inspected as `plan` inspects them: a checkpoint one rank short of the run, which plan holds
     incomplete, is not complete here either."""

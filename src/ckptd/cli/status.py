@@ -28,6 +28,7 @@ ROLES = {
     "leader": "leader: deletes here",
     "standby": "standby: another ckptd deletes here, this one observes",
     "dry-run": "dry run: decides, deletes nothing",
+    "stopped": "stopped: leads but deletes nothing until its lock and journal are its own again",
 }
 
 
@@ -71,6 +72,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 oldest += max(0.0, now - doc["heartbeat"])
             extra = f"; oldest incomplete: {format_age(oldest)}" if oldest is not None else ""
             print(f"  {root['path']}: {ROLES.get(role, role)} (observer {root['observer']}{extra})")
+            if root.get("lost_footing"):
+                print(f"    stopped because {root['lost_footing']}")
             for line in _lead_and_quiet_lines(root, time.time()):
                 print(f"    {line}")
             trash = _trash_line(config, Path(root["path"]), now)

@@ -24,7 +24,7 @@ from pydantic import (
 
 from ckptd import mounts
 from ckptd.config.units import Duration, FreeSpaceFloor, Size, format_duration, parse_listen
-from ckptd.slim import DEFAULT_SLIM_FILES
+from ckptd.slim import DEFAULT_SLIM_FILES, removes_load_need
 
 # Retention's thinning by time, finest first (rules.time_buckets).
 TIME_BUCKETS = ("keep_hourly", "keep_daily", "keep_weekly", "keep_monthly")
@@ -159,7 +159,8 @@ class Retention(_Strict):
         DEFAULT_SLIM_FILES,
         description="What slimming removes: globs on paths relative to the checkpoint directory (for a "
         "bare DeepSpeed checkpoint, to the directory holding global_step<N>/); '*' stays within one "
-        "path segment. Weights, *model_states.pt and trainer_state.json are never removed.",
+        "path segment. Weights, *model_states.pt and trainer_state.json are never removed; a glob that would "
+        "remove what loading the weights needs (config.json, the tokenizer files) is refused.",
     )
 
     @field_validator("slim_files")
@@ -169,6 +170,12 @@ class Retention(_Strict):
             parts = glob.split("/")
             if not glob or glob.startswith("/") or any(p in ("", ".", "..") for p in parts):
                 raise ValueError(f"a slim_files glob is a relative path without '.' or '..' (got {glob!r})")
+            needed = removes_load_need(glob)
+            if needed is not None:
+                raise ValueError(
+                    f"{glob!r} would remove {needed}, which loading the weights needs: name only "
+                    "the optimizer state to drop (default: global_step*/*optim_states.pt, optimizer.pt)"
+                )
         return v
 
     @model_validator(mode="after")

@@ -274,6 +274,17 @@ class Daemon:
     def request_reload(self) -> None:
         self._reload = True
         self._wake.set()
+        log.info("SIGHUP: reloading %s once the work in hand stops (a retention pass stops before its "
+                 "next deletion)", self.config_path or "the config")
+
+    def interrupted(self) -> str | None:
+        """Why a retention pass must stop before its next deletion, or None. Asked on the
+        filesystem thread; set on the loop (a bool and an Event's flag: read without a lock)."""
+        if self._stop.is_set():
+            return "stopping"
+        if self._reload:
+            return "a reload was asked for (SIGHUP): the pass was decided under the config being replaced"
+        return None
 
     async def reload(self) -> None:
         self.state_file.report("RELOADING=1")

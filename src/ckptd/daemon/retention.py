@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,8 @@ class Retention:
         done = {"deleted": 0, "slimmed": 0, "freed": 0, "would delete": 0, "would slim": 0}
         waiting: list[Waiting] = []  # slims whose fp32 weights are to be consolidated first
         for rt in d.roots:
+            if d.interrupted() is not None:  # said by the root whose pass it stopped
+                break
             d.keeper.try_lead(rt)
             if (not rt.leader or rt.catching_up) and not d.dry_run:
                 continue
@@ -88,15 +91,34 @@ class Retention:
         consolidated first waits (`Consolidations.schedule`)."""
         trashed = False
         # Fencing: each rename asks whether this ckptd still leads, under the epoch held now.
-        rt.reaper.fence = None if self.d.dry_run else rt.lead.fencer()
+        rt.reaper.fence = None if self.d.dry_run else self._fence(rt)
+        rt.reaper.interrupted = self.d.interrupted
         for result in rt.reaper.execute(mine, consolidate=False):
             if result.outcome is Outcome.DEFERRED:
                 waiting.append((rt, result))
                 continue
             if self._carried_out(rt, result, done):
                 trashed = True
+        if rt.reaper.stopped is not None:
+            why, before, left = rt.reaper.stopped
+            log.warning("%s: retention pass stopped before %s (%d deletion(s) or slim(s) not done): %s; "
+                        "what is left is decided again", rt.root.path, before, left, why,
+                        extra={"root": str(rt.root.path)})
         if trashed:
             self.d.keeper.purge(rt)
+
+    def _fence(self, rt: RootRuntime) -> Callable[[], str | None]:
+        """What the reaper asks just before each rename: that this ckptd still leads (its epoch), and
+        still stands on the lock and journal it took (`RootKeeper.footing`)."""
+        lead, footing = rt.lead.fencer(), self.d.keeper.footing
+
+        def fence() -> str | None:
+            why = lead()
+            if why is None and (lost := footing(rt)) is not None:
+                why = f"lost its footing: {lost}"
+            return why
+
+        return fence
 
     def _carried_out(self, rt: RootRuntime, result: Result, done: dict[str, int]) -> bool:
         """Count and say one thing the reaper did (or would do, or refused); True when it moved

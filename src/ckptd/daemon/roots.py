@@ -16,7 +16,7 @@ from ckptd.lease import (
     coherence_note,
     volume_leader_seen,
 )
-from ckptd.locks import RootLock
+from ckptd.locks import LockHeld, RootLock
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
 from ckptd.removal.reaper import Reaper
 from ckptd.tracker import RootTracker
@@ -50,6 +50,10 @@ class RootRuntime:
         self.configured_quiet = tracker.root.quiet_period  # before `effective_root`
         self.catching_up = False  # took over a volume lease: no retention before a full scan
         self.cache: AttributeCache | None = None  # the mount's attribute cache (mounts.py)
+        # Why this ckptd stopped deleting here though it holds the lead: the lock it took or the
+        # state_dir and journal it opened are no longer the files at their paths (`RootKeeper.footing`).
+        self.lost_footing: str | None = None
+        self.retake_blocked: str | None = None  # why taking them again failed, as last said
 
     @property
     def root(self):
@@ -57,8 +61,11 @@ class RootRuntime:
 
     def role(self, dry_run: bool) -> str:
         """What this daemon does at this root: `leader` (deletes here), `standby` (another ckptd
-        holds the root's lock: this one observes) or `dry-run` (decides, deletes nothing, no lock)."""
-        return "dry-run" if dry_run else "leader" if self.leader else "standby"
+        holds the root's lock: this one observes), `stopped` (it holds the lead but lost its footing:
+        `lost_footing`) or `dry-run` (decides, deletes nothing, no lock)."""
+        if dry_run:
+            return "dry-run"
+        return "stopped" if self.lost_footing is not None else "leader" if self.leader else "standby"
 
     def standing_by(self, dry_run: bool) -> bool:
         """A standby for a volume lease: it watches the lease closely (its own thread) and the
@@ -141,7 +148,8 @@ class RootKeeper:
             return
         if attempt and isinstance(rt.lead, LocalLeadership):
             rt.lead.step()
-        held = rt.lead.held()
+        self.keep_footing(rt)
+        held = rt.lead.held() and rt.lost_footing is None
         if held and not rt.leader:
             if isinstance(rt.lead, VolumeLease):
                 # It stood by looking at the volume loosely: a full scan first (the next tick),
@@ -163,6 +171,55 @@ class RootKeeper:
             log.warning("%s: standby, observing only: %s", rt.root.path, why)
             rt.said_standby = True
 
+    def footing(self, rt: RootRuntime) -> str | None:
+        """Why this ckptd must not delete in `rt`'s root now though it leads: the root's lock or its
+        state_dir lock is no longer the file it locked (removed, replaced: another ckptd would lock
+        a new one there), or the state_dir or journal no longer the ones it opened (what it records
+        would go nowhere). Asked at each tick and, through the reaper's fence, before each rename."""
+        lock = rt.lead.lock if isinstance(rt.lead, LocalLeadership) else None
+        try:
+            why = lock.footing() if lock is not None and lock.held else None
+            if why is None and self.d.journal is not None:
+                why = self.d.journal.footing()
+        except OSError as exc:  # cannot tell: as good as lost
+            why = f"cannot look at its lock or journal: {exc}"
+        return why
+
+    def keep_footing(self, rt: RootRuntime) -> None:
+        """Stop deleting in the root when its footing is lost (said once, as an error), and take the
+        lock and journal again where that is safe: the files made afresh and locked, with nobody
+        else holding them (locks.RootLock.retake: the root directory's own lock, held throughout,
+        kept any other ckptd out meanwhile). Until then the root's role is `stopped`."""
+        if self.d.dry_run or not (rt.leader or rt.lost_footing is not None):
+            return
+        why = self.footing(rt)
+        if why is None:
+            self._regained(rt)
+            return
+        if rt.lost_footing is None:
+            log.error("%s: stopped deleting here: %s", rt.root.path, why, extra={"root": str(rt.root.path)})
+            rt.lost_footing, rt.leader = why, False
+        try:
+            if isinstance(rt.lead, LocalLeadership):
+                rt.lead.lock.retake()
+            journal = self.d.journal
+            if journal is not None and (lost := journal.footing()) is not None:
+                journal.reopen(lost)
+        except (LockHeld, OSError) as exc:
+            if rt.retake_blocked != str(exc):
+                log.warning("%s: still deleting nothing: cannot take its lock and journal again: %s",
+                            rt.root.path, exc, extra={"root": str(rt.root.path)})
+                rt.retake_blocked = str(exc)
+            return
+        if self.footing(rt) is None:
+            self._regained(rt)
+
+    def _regained(self, rt: RootRuntime) -> None:
+        if rt.lost_footing is not None:
+            log.warning("%s: took its lock and journal again (they were lost: %s); deleting again",
+                        rt.root.path, rt.lost_footing, extra={"root": str(rt.root.path)})
+        rt.lost_footing = rt.retake_blocked = None
+
     def purge(self, rt: RootRuntime) -> None:
         if self.d.dry_run:
             return
@@ -172,7 +229,9 @@ class RootKeeper:
 
         def purge() -> None:
             # A leader that lost the lead leaves the rest of the trash to the one that has it.
-            count, freed = rt.reaper.purge(stop=lambda: self.purge_stop or not rt.lead.held())
+            count, freed = rt.reaper.purge(
+                stop=lambda: self.purge_stop or not rt.lead.held() or rt.lost_footing is not None
+            )
             counters["bytes_reclaimed"] += freed
             if count:
                 log.info("%s: purged %d trash entries (%s)", rt.root.path, count, format_size(freed))

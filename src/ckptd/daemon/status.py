@@ -72,6 +72,7 @@ class StateFile:
                 "role": rt.role(d.dry_run),  # leader, standby or dry-run
                 "leader": rt.leader,
                 "leadership": rt.lead.status(),
+                "lost_footing": rt.lost_footing,  # why it stopped deleting here (role "stopped")
                 "quiet_period": rt.configured_quiet,
                 "effective_quiet_period": rt.root.quiet_period,  # with the attribute cache's
                 "attribute_cache": rt.cache.detail if rt.cache is not None else None,

@@ -93,7 +93,7 @@ class Evidence:
     trainer_state: TrainerState | None = None
     # The kinds of file the save wrote that the checkpoint itself cannot say it must have (one
     # optimizer file per prepared optimizer, the Trainer's optimizer.pt unless save_only_model):
-    # one its run's earlier complete checkpoints all have is missing (evidence.against_sibling_kinds).
+    # one its run's earlier complete checkpoints all have is missing (census.against_sibling_kinds).
     kinds: frozenset[str] | None = None
 
 
@@ -108,6 +108,9 @@ class Framework:
     # directory (its save_dir the run directory) rather than holding one.
     slim_weights: tuple[str, ...] = ()
     checkpoint_is_tag: bool = False
+    # Files (paths as `slim_files` globs see them) that loading the weights of a slimmed checkpoint
+    # reads besides the weights: a `slim_files` glob that would remove one is refused at config load.
+    load_needs: tuple[str, ...] = ()
     named_alone: bool = False  # its name alone says it is a checkpoint (no look inside needed)
     takes_user_evidence: bool = True  # a user pattern naming its saves adds the pattern's require/ranks
     items_like_steps: bool = False  # its items, directly inside a step, look like steps of its own

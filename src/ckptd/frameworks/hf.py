@@ -49,6 +49,17 @@ WEIGHTS_FILES = (
     "adapter_model.safetensors",
     "adapter_model.bin",
 )
+# What loading the weights reads (transformers' from_pretrained: the model's config and the shard
+# index beside the weights; AutoTokenizer.from_pretrained: the tokenizer files, by the names
+# PreTrainedTokenizerBase and the common tokenizers' VOCAB_FILES_NAMES give them; PEFT's
+# PeftModel.from_pretrained: adapter_config.json), and the weights themselves.
+LOAD_NEEDS = (
+    "config.json", "generation_config.json", "adapter_config.json", "preprocessor_config.json",
+    *WEIGHTS_FILES, "model-00001-of-00002.safetensors", "pytorch_model-00001-of-00002.bin",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt", "merges.txt",
+    "chat_template.jinja", "chat_template.json",
+)
 _SHARDED_WEIGHTS = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")
 
 _RNG = re.compile(r"rng_state_(\d+)\.pth")
@@ -193,6 +204,7 @@ class Trainer(Framework):
     names_first = True
     last_written = (TRAINER_STATE, "the Trainer", _before_trainer_state)
     slim_weights = WEIGHTS_FILES
+    load_needs = LOAD_NEEDS
     read_whole = frozenset({"latest", "latest_universal"})  # _deepspeed_latest reads the tag it names
 
     def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:

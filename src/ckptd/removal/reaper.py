@@ -9,6 +9,8 @@ process trashed) and wires them; each part is one of its bases.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +27,11 @@ from ckptd.removal.recheck import Rechecks
 from ckptd.removal.record import Recording
 from ckptd.removal.slimming import Slimming
 from ckptd.removal.trash import Trashing
+
+# Test seam: with this set to a listening Unix socket, the reaper says which checkpoint it is
+# about to act on and waits (60 s at most) for a line back, so that a test can hold a pass
+# between two deletions (to send SIGHUP, remove a lock) without sleeping.
+HOLD_SOCKET_ENV = "CKPTD_TEST_HOLD_SOCKET"
 
 
 class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
@@ -66,6 +73,10 @@ class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
         self.foreign_wait = 0.0
         self.waiting = 0  # entries the last purge left to wait
         self._purging = False
+        # Asked before each deletion and slim of a pass: why the pass stops there (a reload or a
+        # stop was asked for), or None. What is left is decided again by the next pass.
+        self.interrupted: Callable[[], str | None] | None = None
+        self.stopped: tuple[str, str, int] | None = None  # the last execute's (why, before what, left)
 
     def execute(self, decisions: Sequence[Decision], *, consolidate: bool = True) -> list[Result]:
         """Carry out one root's plan: trash each deletion, then slim each slim, each re-checked first.
@@ -76,12 +87,19 @@ class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
         """
         anchored = self._anchored(decisions)
         ours = [d for d in decisions if d.checkpoint.root == self.root]
-        results = [self.trash_one(d, anchored[d.checkpoint.rel]) for d in ours if d.action is Action.DELETE]
-        results += [
-            self.slim_one(d, anchored[d.checkpoint.rel], consolidate=consolidate)
-            for d in ours
-            if d.action is Action.SLIM
-        ]
+        acts = [d for d in ours if d.action is Action.DELETE] + [d for d in ours if d.action is Action.SLIM]
+        results: list[Result] = []
+        self.stopped = None
+        for i, d in enumerate(acts):
+            _hold_for_tests(d.checkpoint.rel)
+            why = self.interrupted() if self.interrupted is not None else None
+            if why is not None:  # decided under what no longer holds: leave the rest to the next pass
+                self.stopped = (why, d.checkpoint.rel, len(acts) - i)
+                break
+            if d.action is Action.DELETE:
+                results.append(self.trash_one(d, anchored[d.checkpoint.rel]))
+            else:
+                results.append(self.slim_one(d, anchored[d.checkpoint.rel], consolidate=consolidate))
         return results
 
     def _anchored(self, decisions: Sequence[Decision]) -> dict[str, Anchors]:
@@ -98,3 +116,19 @@ class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
             found = rules.anchors(run.checkpoints)
             out.update((c.rel, found) for c in run.checkpoints)
         return out
+
+
+def _hold_for_tests(rel: str) -> None:
+    """The test seam (`HOLD_SOCKET_ENV`): unset in production, and a test that does not answer
+    holds the pass 60 s at most."""
+    path = os.environ.get(HOLD_SOCKET_ENV)
+    if not path:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(60)
+        try:
+            sock.connect(path)
+            sock.sendall(f"{rel}\n".encode())
+            sock.recv(64)
+        except OSError:
+            pass
