@@ -240,3 +240,25 @@ def test_min_free_takes_the_space_at_once_whatever_the_grace(tmp_path, mount):
     assert "checkpoint-40" in names(vol) and len(names(vol)) < 4
     assert in_trash(vol / TRASH_DIR) == []
     assert os.statvfs(vol).f_bavail * os.statvfs(vol).f_frsize >= 24 * MiB
+
+
+def test_the_daemon_purges_once_the_grace_is_over_without_another_pass(tmp_path):
+    """Nothing else happens in the root after the deletions: the daemon's poll sees the grace over
+    (`Purging.trash_pending`) and purges, judged again first."""
+    from tests.support.daemonproc import DaemonProc
+
+    root = tmp_path / "vol"
+    _volume(root)
+    cfg = _config(tmp_path, root, "keep_last = 1\nkeep_best = 0").read_text()
+    cfg = cfg.replace("world_size = 2\n", "world_size = 2\npoll_interval = '0.5s'\ntrash_grace = '5s'\n")
+    (tmp_path / "ckptd.toml").write_text(cfg)
+    daemon = DaemonProc("-c", tmp_path / "ckptd.toml", env={"CKPTD_TRASH_GRACE": ""})
+    try:
+        daemon.wait_message("ready", timeout=60)
+        [deleted] = daemon.wait_message("deleted run/checkpoint-30")
+        assert len(in_trash(root / TRASH_DIR)) >= 1  # waiting: the grace is 5 s
+        [purged] = daemon.wait_message("trash entries", start=daemon.lines.index(deleted), timeout=60)
+        assert purged["message"].startswith(f"{root}: purged ")
+    finally:
+        daemon.stop()
+    assert names(root) == ["checkpoint-40"] and os.listdir(root / TRASH_DIR) == []
