@@ -1199,6 +1199,8 @@ MUTS = [
       edits=[(RMP, " or any(pin_matches(rel, p) for p in retention.pins):\n            return \"pinned\"", ":\n            return \"pinned\"")]),
  dict(id="TP15", what="trash restore: pinned before it goes back", tests="trashcli",
       edits=[(RMT, "                if pin:\n                    _pin(", "                if False:\n                    _pin(")]),
+ dict(id="TP16", what="the daemon's poll: an own entry whose grace is over is pending", tests="grace",
+      edits=[(RMP, "(n not in self._finished or self._due.get(n, 0.0) <= now)", "(n not in self._finished)")]),
  # a deleter that stops where it cannot be sure: slim_files that cannot be meant, a reload, lost footing, ranks unknown
  dict(id="FT1", what="slim_files that would remove the model's config or tokenizer are refused at config load",
       tests=[T+"slimming/test_slim.py::test_slim_files_that_remove_what_loading_needs_are_refused"],
