@@ -291,8 +291,11 @@ class Purging:
                 log.error("%s/%s: %s: held for review, never purged", TRASH_DIR, entry, why)
                 self._hold(entry, trash_fd)
                 return why
+            # Another process's entry (maybe a late renamer's) is told as before; this process's own
+            # was judged again after its grace
+            how = "and judged again at its purge" if entry in self._finished else "without the lease"
             undone = self._undo(entry, trash_fd, name, run_fd, rel, f"found in the trash {why}",
-                                beside=True, how="and judged again at its purge")
+                                beside=True, how=how)
             return f"{why}: {undone}"
         finally:
             os.close(run_fd)
