@@ -10,6 +10,10 @@ once with 4 MiB shards (1 GiB), because the rename should not care.
 
 Purge: `Reaper.purge` (rmtree from directory file descriptors, one journal
 record per entry) vs `rm -rf` of an identical tree, in files/s and MB/s.
+
+The second phase's cost: the purge's judging again of one trash entry (`Purging._rejudged`: its
+record, a walk of it, pins, the resume pointer, the run's newest inspected afresh), per entry and
+per GB, beside the first phase (`trash_one`) of the same checkpoint.
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ def gone_from_run(ctx: Context, work: Path, *, world: int, shard: int, reps: int
     now = time.time()
     write_checkpoint(run, 10_000, world=world, mtime=now - HOUR)  # the run's newest: kept
     cfg = Root(path=root, world_size=world, retention=Retention(keep_last=1, keep_best=0), runs=())
-    out: dict[str, list[float]] = {k: [] for k in ("gone", "trash_one", "recheck", "walk", "rename", "rm_rf")}
+    out: dict[str, list[float]] = {k: [] for k in ("gone", "trash_one", "recheck", "walk", "rename", "rm_rf",
+                                                  "rejudge", "bytes")}
     timed_os = _TimedOs()
     for i in range(reps):
         step = 1000 + i
@@ -103,6 +108,16 @@ def gone_from_run(ctx: Context, work: Path, *, world: int, shard: int, reps: int
         out["rename"].append(timed_os.rename_s)
         if not i % 2:
             out["rm_rf"].append(check(run_child(["rm", "-rf", str(other)]), "rm -rf").wall)
+        assert result.trash_path is not None
+        out["bytes"].append(_entries(result.trash_path)[1])
+        trash_fd = os.open(result.trash_path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            t0 = time.perf_counter()
+            why = reaper._rejudged(result.trash_path.name, trash_fd, decision.checkpoint.rel)
+            out["rejudge"].append(time.perf_counter() - t0)
+        finally:
+            os.close(trash_fd)
+        assert why is None, why
         reaper.purge()
         assert reaper.journal is not None
         reaper.journal.close()
@@ -201,6 +216,21 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
                 gone <= TARGET_S,
                 note,
             )
+        )
+        rejudge, first = median(t["rejudge"]), median(t["trash_one"])
+        gb = median(t["bytes"]) / 1e9
+        rows.append(
+            Row(
+                NAME,
+                f"{label}: the purge's judging again of its entry vs the first phase (trash_one)",
+                f"{fmt_time(rejudge)}" + (f", {fmt_time(rejudge / gb)}/GB" if shard else ""),
+                fmt_time(first),
+                fmt_ratio(rejudge / first),
+            )
+        )
+        section.details.append(
+            f"{label}: the purge judges its entry again in {spread(t['rejudge'])}"
+            f" ({fmt_bytes(int(median(t['bytes'])))}); the first phase took {fmt_time(first)}."
         )
         section.details.append(
             f"{label}: gone from its run after {spread(t['gone'])}: re-check {spread(t['recheck'])}, "

@@ -32,6 +32,11 @@ from tests.support.fwfixtures import (  # noqa: F401  (session fixtures: real fr
 # failures then were a takeover race in ckptd (docs/design/hazards.md), fixed in removal/purge.py.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
 os.chdir(REPO)
+# A deleted checkpoint waits daemon.trash_grace (15 minutes) in the trash before its purge: every
+# test ckptd (in this process, and each `ckptd` it starts) purges at once, as before the grace
+# existed, unless it says otherwise. The tests of the grace itself remove the variable
+# (tests/removal/test_trash_grace.py). An explicit `trash_grace` in a test's file is overridden.
+os.environ.setdefault("CKPTD_TRASH_GRACE", "0")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

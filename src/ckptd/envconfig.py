@@ -76,6 +76,7 @@ VARIABLES: dict[str, tuple[str, str, Callable[[str], Any]]] = {
     "CKPTD_QUIET_PERIOD": ("root", "quiet_period", _duration),
     "CKPTD_OBSERVER": ("root", "observer", _text),
     "CKPTD_WORLD_SIZE": ("root", "world_size", _integer),
+    "CKPTD_TRASH_GRACE": ("root", "trash_grace", _duration),
     "CKPTD_KEEP_LAST": ("retention", "keep_last", _integer),
     "CKPTD_KEEP_BEST": ("retention", "keep_best", _integer),
     "CKPTD_KEEP_TOTAL": ("retention", "keep_total", _integer),

@@ -40,6 +40,8 @@ from ckptd.config import parse_listen
 from ckptd.errors import ConfigError, IOFault
 from ckptd.model import State
 from ckptd.planner import disk_space
+from ckptd.removal.inventory import summary as trash_summary
+from ckptd.removal.inventory import trash_entries as inventory
 
 if TYPE_CHECKING:
     from ckptd.config import Root
@@ -382,6 +384,17 @@ class _Collector:
                 uploaded.add_metric([s.path], s.archive[0])
                 failing.add_metric([s.path], s.archive[1])
                 failing_age.add_metric([s.path], s.archive[2])
+        trash_bytes = per_root(
+            core.GaugeMetricFamily, "ckptd_trash_bytes",
+            "What waits in the root's trash (deleted, restorable, not yet purged), at scrape time.",
+        )
+        trash_entries = per_root(
+            core.GaugeMetricFamily, "ckptd_trash_entries", "Entries in the root's trash, at scrape time."
+        )
+        for s in samples:
+            waiting = trash_summary(inventory(Path(s.path), 0.0))
+            trash_bytes.add_metric([s.path], waiting["bytes"])
+            trash_entries.add_metric([s.path], waiting["entries"])
             for state, n in sorted(s.states.items()):
                 states.add_metric([s.path, state], n)
             oldest.add_metric([s.path], s.oldest_incomplete_age)

@@ -344,7 +344,7 @@ def test_check_config_fails_as_run_would(tmp_path, state_env, make, code, says):
 def test_check_config_ok_says_what_it_checked(tmp_path, state_env):
     (tmp_path / "vol").mkdir()
     cfg = config_with(tmp_path, f"[[roots]]\npath = '{tmp_path / 'vol'}'\n")
-    proc = run_ckptd("check-config", "-c", cfg, env=state_env)
+    proc = run_ckptd("check-config", "-c", cfg, env={**state_env, "CKPTD_TRASH_GRACE": ""})  # conftest.py sets it
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines()[-1] == f"# {cfg}: OK (1 root(s) present)"
     assert proc.stderr.splitlines()[0].startswith(f"# roots[0] {tmp_path / 'vol'}: leadership=")

@@ -124,7 +124,8 @@ def test_metrics_listen_rejects(text):
 def test_check_config_says_what_came_from_the_environment(tmp_path, state_env):
     data = tmp_path / "data"  # check-config checks the roots are there, as `ckptd run` would
     data.mkdir()
-    proc = run_ckptd("check-config", env={**state_env, "CKPTD_ROOTS": str(data), "CKPTD_KEEP_LAST": "5"})
+    proc = run_ckptd("check-config", env={**state_env, "CKPTD_ROOTS": str(data), "CKPTD_KEEP_LAST": "5",
+                                          "CKPTD_TRASH_GRACE": ""})  # the suite sets it (conftest.py)
     assert proc.returncode == 0, proc.stderr
     assert "CKPTD_KEEP_LAST, CKPTD_ROOTS from the environment" in proc.stderr
     assert '"keep_last": 5' in proc.stdout and f'"path": "{data}"' in proc.stdout

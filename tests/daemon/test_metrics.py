@@ -121,6 +121,7 @@ def test_metrics_after_a_prune(pruned):
     st = os.statvfs(root)
     assert at_root("ckptd_filesystem_size_bytes") == st.f_blocks * st.f_frsize
     assert 0 < at_root("ckptd_filesystem_free_bytes") <= at_root("ckptd_filesystem_size_bytes")
+    assert at_root("ckptd_trash_entries") == 0 and at_root("ckptd_trash_bytes") == 0  # purged (grace 0)
     assert ("process_resident_memory_bytes", frozenset()) in m
 
 

@@ -20,6 +20,7 @@ from ckptd.layouts import LEASE_DIR, TRASH_DIR
 from ckptd.leaserecord import RECORD, Holder, Record, RecordIO
 from ckptd.policy import Action
 from ckptd.removal.outcome import Outcome
+from tests.support.common import in_trash
 from tests.support.logwatch import logs  # noqa: F401 - the fixture
 from tests.support.slimkit import fake_consolidator, reaper_for
 from tests.support.slimkit import unconsolidated as unconsolidated
@@ -80,13 +81,13 @@ def test_a_late_rename_whose_name_was_taken_meanwhile_stays_in_the_trash_for_rev
     monkeypatch.setattr(reaper, "_fenced", fenced)
     first, *_ = reaper.execute(plan.decisions)
     for ck in ("checkpoint-20", "checkpoint-30"):
-        shutil.move(volume / TRASH_DIR / next(n for n in os.listdir(volume / TRASH_DIR) if ck in n),
+        shutil.move(volume / TRASH_DIR / next(n for n in in_trash(volume / TRASH_DIR) if ck in n),
                     volume / "run" / ck)  # the two trashed after it: only the first is looked at
-    [entry] = os.listdir(volume / TRASH_DIR)
+    [entry] = in_trash(volume / TRASH_DIR)  # the two moved back by hand leave their records
     assert entry.endswith("%review") and "checkpoint-10" in entry
     assert f"left in {TRASH_DIR}/{entry} for review" in first.detail
     assert os.listdir(volume / "run" / "checkpoint-10") == []  # the new one, untouched
-    assert reaper.purge() == (0, 0) and os.listdir(volume / TRASH_DIR) == [entry]
+    assert reaper.purge() == (0, 0) and os.listdir(volume / TRASH_DIR) == [entry]  # orphan records dropped
     journal.close()
 
 

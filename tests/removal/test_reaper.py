@@ -18,6 +18,7 @@ from ckptd.policy import Action
 from ckptd.removal import fs
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper
+from tests.support.common import in_trash
 from tests.support.volumes import NOW, OLD, make, names
 from tests.support.volumes import volume as volume
 
@@ -28,7 +29,7 @@ def test_deletes_what_the_plan_says_via_the_trash(volume, tmp_path):
     results = reaper.execute(plan.decisions)
     assert [r.outcome for r in results] == [Outcome.TRASHED] * 3
     assert names(volume) == ["checkpoint-40"]
-    assert len(os.listdir(volume / TRASH_DIR)) == 3
+    assert len(in_trash(volume / TRASH_DIR)) == 3
     count, freed = reaper.purge()
     assert count == 3 and freed == sum(d.checkpoint.size_bytes for d in plan.deletions)
     assert os.listdir(volume / TRASH_DIR) == []
@@ -160,7 +161,7 @@ def test_purge_stops_between_entries_when_asked(volume, tmp_path):
     reaper.execute(plan.decisions)
     asked = []
     count, _ = reaper.purge(stop=lambda: asked.append(1) or len(asked) > 1)
-    assert count == 1 and len(os.listdir(volume / TRASH_DIR)) == 2  # the rest waits for the next purge
+    assert count == 1 and len(in_trash(volume / TRASH_DIR)) == 2  # the rest waits for the next purge
     assert reaper.purge()[0] == 2
 
 
@@ -321,7 +322,8 @@ def test_a_purge_is_journaled_before_the_removal(volume, tmp_path, monkeypatch):
     def remove_tree(entry, parent_fd, dev, depth=0):
         if depth == 0:  # a trash entry, not a directory inside one
             last = read_journal(tmp_path / "state")[-1]
-            seen.append((last["event"], Path(last["trash"]).name == entry))
+            # the entry is renamed `<name>%purging` as its removal begins (removal/purge.py)
+            seen.append((last["event"], f"{Path(last['trash']).name}%purging" == entry))
         return real_remove(entry, parent_fd, dev, depth)
 
     monkeypatch.setattr(fs, "_remove_tree", remove_tree)

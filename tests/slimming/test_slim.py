@@ -20,7 +20,7 @@ from ckptd.model import State, Verdict
 from ckptd.planner import Scanner, decide
 from ckptd.policy import Action
 from ckptd.removal.outcome import Outcome
-from tests.support.common import run_ckptd
+from tests.support.common import in_trash, run_ckptd
 from tests.support.slimkit import fake_consolidator, reaper_for, write_safetensors
 from tests.support.slimkit import unconsolidated as unconsolidated
 
@@ -371,7 +371,7 @@ def test_a_checkpoint_deleted_while_consolidating_gets_nothing_and_loses_nothing
     assert trashed[0].outcome is Outcome.TRASHED and not ck.exists()
     assert (result.outcome, result.detail) == (Outcome.REFUSED, "gone while its weights were being consolidated")
     assert not (trashed[0].trash_path / "fp32").exists() and no_work_left(root)
-    assert sorted(p.name for p in (root / TRASH_DIR).iterdir()) == sorted(
+    assert sorted(in_trash(root / TRASH_DIR)) == sorted(
         [trashed[0].trash_path.name, f"{work.name}%consolidating"])
 
 

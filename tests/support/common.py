@@ -48,3 +48,9 @@ def shift_mtimes(root: Path, seconds: float) -> None:
         for n in dirnames + filenames:
             st = os.lstat(p := os.path.join(dirpath, n))
             os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns - int(seconds * 1e9)), follow_symlinks=False)
+
+
+def in_trash(trash: Path) -> list[str]:
+    """The entries of a trash directory, without the record of its decision beside each
+    (`<entry>%decision`, removal/decision.py)."""
+    return [n for n in os.listdir(trash) if not n.endswith("%decision")]

@@ -24,6 +24,7 @@ from ckptd.cli.plan import cmd_plan
 from ckptd.cli.prune import cmd_prune
 from ckptd.cli.run import cmd_run
 from ckptd.cli.status import cmd_status
+from ckptd.cli.trash import cmd_trash
 from ckptd.errors import EX_IOERR, EX_SOFTWARE, CkptdError, UsageError
 
 __all__ = ["COMMANDS", "EPILOG", "JsonFormatter", "TextFormatter", "build_parser", "console_main", "main",
@@ -37,6 +38,7 @@ COMMANDS = {
     "health": cmd_health,
     "plan": cmd_plan,
     "prune": cmd_prune,
+    "trash": cmd_trash,
     "verify": cmd_verify,
     "check-config": cmd_check_config,
     "latest": cmd_latest,

@@ -99,6 +99,34 @@ def build_parser() -> argparse.ArgumentParser:
     retention_flags(sp)
 
     sp = command(
+        "trash",
+        "what waits in the trash before its purge, and the undo: list, restore, purge",
+        roots=False,
+        exits="exit 66: nothing in the trash by that name, 75: purge: another ckptd holds a root",
+    )
+    actions = sp.add_subparsers(dest="trash_command", metavar="ACTION", parser_class=_Parser, required=True,
+                                help="list, restore or purge")
+
+    def action(name: str, help: str) -> argparse.ArgumentParser:
+        ap = actions.add_parser(name, help=help, description=help, formatter_class=fmt)
+        ap.add_argument("-c", "--config", type=_path_arg, metavar="CONFIG", default=argparse.SUPPRESS,
+                        help="TOML config file")
+        ap.add_argument("--root", dest="roots", action="append", type=_path_arg, metavar="ROOT",
+                        default=argparse.SUPPRESS, help="only this root (default: the config's roots)")
+        return ap
+
+    ap = action("list", "each entry: where it came from, why, its bytes, when its purge may take it")
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    ap = action("restore", "put an entry back where it came from (beside it, if that name is taken)")
+    ap.add_argument("name", nargs="?", metavar="NAME",
+                    help="the entry, as `trash list` names it, or the path it came from")
+    ap.add_argument("--all", action="store_true", help="every checkpoint in the trash")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="do not pin what is restored (the next pass may delete it again)")
+    ap = action("purge", "purge what may go now, judged again first, as the daemon would")
+    ap.add_argument("--now", action="store_true", help="without waiting out trash_grace")
+
+    sp = command(
         "verify",
         "show the completeness evidence for one checkpoint",
         roots=False,

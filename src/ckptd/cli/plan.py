@@ -12,6 +12,7 @@ from ckptd.cli.output import checks_json, decision_json, print_table
 from ckptd.config import config_warnings, format_size
 from ckptd.errors import EX_OK, ConfigError
 from ckptd.policy import inferred_modes, summarise
+from ckptd.removal.inventory import summary, trash_entries
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -27,6 +28,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         warnings += [f"{line} (ckptd run and prune refuse this config)" for line in exc.problems]
     notes = [line for root in config.roots for line in inferred_modes(root)]
     totals = summarise(plan.decisions)
+    # What earlier deletions left waiting for their purge (restorable: `ckptd trash list`)
+    trash = {str(root.path): summary(trash_entries(root.path, config.trash_grace(root))) for root in config.roots}
     if args.json:
         checkpoints = []
         for d in plan.decisions:
@@ -40,6 +43,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "warnings": warnings,
             "notes": notes,
             "totals": totals,
+            "trash": trash,
         }
         print(json.dumps(doc, indent=2))
         return EX_OK
@@ -48,6 +52,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"warning: {w}")
     for n in notes:
         print(f"note: {n}")
+    for path, waiting in trash.items():
+        if waiting["entries"]:
+            print(f"trash: {waiting['entries']} deleted earlier wait in {path}/.ckptd-trash "
+                  f"({format_size(waiting['bytes'])}), restorable until their purge: `ckptd trash list`")
     print(
         f"\n{totals['keep']} keep, {totals['delete']} delete, {totals['slim']} slim "
         f"({format_size(totals['bytes_to_free'])} to free)"

@@ -4,6 +4,7 @@ lock and lease."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 from ckptd.cli.common import load, preflight, with_effective_quiet
 from ckptd.cli.output import report_result
 from ckptd.cli.parser import EX_TEMPFAIL
-from ckptd.config import Config, Root, format_size
+from ckptd.config import Config, Root, format_duration, format_size
 from ckptd.errors import EX_OK
 from ckptd.journal import Journal
 from ckptd.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership
@@ -75,6 +76,14 @@ def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadershi
         between_looks.wait(lease.interval)
 
 
+def _waiting(count: int, grace: float) -> str:
+    """What prune says of the checkpoints it deleted that wait in the trash (`trash_grace`)."""
+    if not count:
+        return ""
+    return (f"; {count} in the trash for {format_duration(grace)}, restorable until their purge: "
+            "`ckptd trash list`")
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     config = load(args)
     preflight(config)
@@ -86,7 +95,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     status = EX_OK
     totals = {o: 0 for o in Outcome}
     would = {"delete": [0, 0], "slim": [0, 0]}  # dry run: action -> [count, bytes]
-    freed = slim_freed = 0
+    freed = slim_freed = waiting = 0
+    grace = config.trash_grace(config.roots[0]) if config.roots else 0.0
     trashed: list[Path] = []
     for root in config.roots:
         lead = None
@@ -104,6 +114,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 dry_run=dry_run,
                 consolidate_timeout=config.daemon.consolidate_timeout,
                 fence=lead.fencer() if lead is not None else None,
+                trash_grace=config.trash_grace(root),
             )
             if lead is not None:
                 reaper.foreign_wait = lead.takeover_wait()  # what another process trashed waits
@@ -138,8 +149,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
             reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
             # What purging the deleted checkpoints freed, as the disk counts it (space.py)
             freed += sum(reaper.purged.get(p, 0) for p in trashed)
-            if reaper.waiting:
-                print(f"{root.path}: {reaper.waiting} trash entries another ckptd left are purged once "
+            mine = [p for p in trashed if p not in reaper.purged and os.path.lexists(p)]
+            waiting, grace = waiting + len(mine), config.trash_grace(root)
+            if reaper.waiting > len(mine):
+                print(f"{root.path}: {reaper.waiting - len(mine)} trash entries another ckptd left are purged once "
                       f"they have been there {reaper.foreign_wait:g}s, re-checked first (by the next prune "
                       "or the daemon)")
         finally:
@@ -154,7 +167,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         )
     else:
         done = (
-            f"{totals[Outcome.TRASHED]} deleted ({format_size(freed)} freed), "
+            f"{totals[Outcome.TRASHED]} deleted ({format_size(freed)} freed{_waiting(waiting, grace)}), "
             f"{totals[Outcome.SLIMMED]} slimmed ({format_size(slim_freed)} of optimizer state freed)"
         )
     print(

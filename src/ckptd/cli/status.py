@@ -6,12 +6,14 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from ckptd.cli.common import load, without_c_hint
 from ckptd.cli.output import columns
-from ckptd.config import format_age, format_size
+from ckptd.config import Config, format_age, format_size
 from ckptd.errors import EX_OK
+from ckptd.removal.inventory import summary, trash_entries
 
 
 def role_of(root: dict[str, Any], doc: dict[str, Any]) -> str:
@@ -74,6 +76,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 print(f"    stopped because {root['lost_footing']}")
             for line in _lead_and_quiet_lines(root, time.time()):
                 print(f"    {line}")
+            trash = _trash_line(config, Path(root["path"]), now)
+            if trash:
+                print(f"    {trash}")
             rows = [("RUN", "CHECKPOINT", "STATE", "SIZE", "ACTION", "REASONS")]
             for run in root["runs"]:
                 for c in run["checkpoints"]:
@@ -89,6 +94,22 @@ def cmd_status(args: argparse.Namespace) -> int:
             for line in columns(rows):
                 print(f"    {line}")
     return EX_OK
+
+
+def _trash_line(config: Config, path: Path, now: float) -> str | None:
+    """`status`: what waits in the root's trash, read from it now, and when the next purge may
+    take some of it (the grace this config gives the root); None where it is empty."""
+    root = next((r for r in config.roots if r.path == path), None)
+    grace = config.daemon.trash_grace if root is None else config.trash_grace(root)
+    waiting = summary(trash_entries(path, grace))
+    if not waiting["entries"]:
+        return None
+    nxt = waiting["next_purge"]
+    when = ("none purged by itself" if nxt is None else "next purge: now" if nxt <= now
+            else f"next purge in {format_age(nxt - now)}")
+    review = f", {waiting['review']} held for review" if waiting["review"] else ""
+    return (f"trash: {waiting['entries']} entries ({format_size(waiting['bytes'])}){review}, {when}: "
+            "`ckptd trash list`")
 
 
 def settling_now(since: float, quiet: float | None, now: float) -> str:

@@ -30,6 +30,11 @@ from ckptd.slim import DEFAULT_SLIM_FILES, removes_load_need
 
 # Retention's thinning by time, finest first (rules.time_buckets).
 TIME_BUCKETS = ("keep_hourly", "keep_daily", "keep_weekly", "keep_monthly")
+# How long a deleted checkpoint waits in the trash by default: longer than a pass and a reload (a
+# decision made under a config since changed meets the new one at its purge), long enough to read the
+# log line and run `ckptd trash restore`, and short beside a large model's save interval, so a run
+# seldom has more than one deleted checkpoint waiting; min_free takes it sooner when space is short.
+TRASH_GRACE = 15 * 60.0
 # Below this, a save's own pauses look quiet (Root.allow_short_quiet_period).
 QUIET_FLOOR = 5.0
 
@@ -424,6 +429,11 @@ class Root(_Strict):
         "pauses that long between its own writes (a rank waiting on the others, a shard being "
         "serialised), and a checkpoint still being written would look finished.",
     )
+    trash_grace: Duration | None = Field(
+        None,
+        description="How long a deleted checkpoint waits in <root>/.ckptd-trash before it is purged, "
+        "judged again first; unset: daemon.trash_grace.",
+    )
     retention: Retention = Field(default_factory=Retention, description="The retention policy.")
     runs: tuple[RunRule, ...] = Field((), description="Per-run overrides, first match wins.")
     archive: Archive | None = Field(
@@ -558,6 +568,12 @@ class Daemon(_Strict):
         description="Longest a zero_to_fp32 consolidation (before slimming) may run; it is killed "
         "after, and nothing is removed.",
     )
+    trash_grace: Duration = Field(
+        TRASH_GRACE,
+        description="How long a deleted checkpoint waits in <root>/.ckptd-trash (where `ckptd trash "
+        "restore` puts it back) before it is purged, judged again first under the config then; "
+        "sooner when min_free needs the space. 0: at the first purge.",
+    )
     metrics_listen: str | None = Field(
         None,
         description="Serve Prometheus metrics at http://HOST:PORT/metrics, e.g. '127.0.0.1:9464'; "
@@ -612,6 +628,10 @@ class Daemon(_Strict):
 class Config(_Strict):
     daemon: Daemon = Field(default_factory=Daemon, description="The daemon's own settings.")
     roots: tuple[Root, ...] = Field((), description="The directory trees to manage.")
+
+    def trash_grace(self, root: Root) -> float:
+        """How long a checkpoint deleted in `root` waits in its trash: the root's, else the daemon's."""
+        return self.daemon.trash_grace if root.trash_grace is None else root.trash_grace
 
     @field_validator("roots")
     @classmethod

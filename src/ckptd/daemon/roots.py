@@ -136,6 +136,7 @@ class RootKeeper:
             self.d.journal,
             dry_run=self.d.dry_run,
             consolidate_timeout=config.daemon.consolidate_timeout,
+            trash_grace=config.trash_grace(tracker.scanner.root),
         )
 
     def try_lead(self, rt: RootRuntime, attempt: bool = False) -> None:

@@ -17,14 +17,23 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ckptd import layouts, mounts
+from ckptd import layouts, mounts, space
 from ckptd.config import pin_matches
 from ckptd.discover import find_run
-from ckptd.evidence import resume_pointers, walk
+from ckptd.evidence import MOUNT, TooDeep, resume_pointers, walk
 from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, Candidate, recognise_with_siblings
 from ckptd.model import State
-from ckptd.planner import Scanner
-from ckptd.removal.fs import _DIR_FLAGS, _another_filesystem, _identity, _remove_at, _size, open_dir_nofollow
+from ckptd.planner import Scanner, disk_space
+from ckptd.removal.decision import RECORD, changed, drop_record, pins_inside, read_record, snapshot
+from ckptd.removal.fs import (
+    _DIR_FLAGS,
+    _another_filesystem,
+    _identity,
+    _remove_at,
+    _rename_noreplace,
+    _size,
+    open_dir_nofollow,
+)
 from ckptd.removal.trash import REVIEW, _trash_origin
 
 log = logging.getLogger(__name__)
@@ -33,6 +42,12 @@ WAIT = "not in the trash long enough"  # `Purging._not_yet`
 # `Purging._protected`: a checkpoint of the run, other than the entry, is still settling as this
 # process sees it (its quiet period not yet over by this settler): the entry waits (WAIT)
 SETTLING = "a checkpoint of its run is still settling here"
+# An entry whose removal has begun: finished by any later purge, never judged again (`_purge_one`)
+PURGING = "%purging"
+# `Purging._protected`: the entry's record says it came from another directory than the one its
+# origin names now (a run moved away and another made under its name): held for review, never
+# put into a run it did not come from
+_ELSEWHERE = "its record says it came from another directory"
 # Why the trash cannot be made: full, over quota, read-only, not ours to write (or the root gone)
 _NO_TRASH = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM})
 
@@ -49,6 +64,8 @@ class Purging:
     foreign_wait: float
     waiting: int
     _purging: bool
+    _due: dict[str, float]
+    trash_grace: float
 
     def purge(self, stop: Callable[[], bool] = lambda: False) -> tuple[int, int]:
         """Delete what may go from the trash. Returns (entries purged, bytes freed).
@@ -108,69 +125,123 @@ class Purging:
     ) -> tuple[int, int]:
         """Remove each of `names` in the directory `dir_fd` (at `where_path`) that may go, journalled."""
         count = freed = review = 0
-        for entry in names:
+        urgent = self._short_of_space()
+        for record in (n for n in names if n.endswith(RECORD)):
+            if record.removesuffix(RECORD) not in names:  # its entry purged or restored by another
+                drop_record(record.removesuffix(RECORD), dir_fd)
+        for entry in (n for n in names if not n.endswith(RECORD)):
             if stop():
                 break
             if entry.endswith(REVIEW):
                 review += 1
                 continue
-            if entry not in self._finished:
-                why = self._not_yet(entry, dir_fd, hidden=where_path == self.root)
+            if not entry.endswith(PURGING):  # else: judged, and its removal begun, by an earlier purge
+                why = self._not_yet(entry, dir_fd, hidden=where_path == self.root, urgent=urgent)
                 if why is not None:
                     self.waiting += why == WAIT
                     continue
-            size = _size(where_path / entry)
-            where = dict(root=str(self.root), trash=str(where_path / entry), bytes=size)
-            # The intent first, as for every other step: killed between the removal and the
-            # "purged" record, the journal still says this entry was being purged. Unlike a
-            # rename, a purge goes ahead when the journal cannot be written (ENOSPC): its
-            # entry was journaled when it was trashed, and freeing space is the way out.
-            inside = mounts.mounts_below(where_path / entry, mounts.read_mounts())
-            if inside:  # mounted after it was trashed, or on a kernel where statx cannot tell
-                log.error("not purging %s: it holds a mount point (%s)", where_path / entry, inside[0])
-                continue
-            self._record("purging", **where)
-            try:
-                _remove_at(entry, dir_fd)
-            except OSError as exc:
-                log.error("cannot purge %s: %s", where_path / entry, exc)
-                continue
-            count += 1
-            freed += size
-            self.purged[where_path / entry] = size
-            self._finished.discard(entry)
-            log.debug("purged %s (%d bytes)", where_path / entry, size)
-            self._record("purged", **where)
+            size = self._purge_one(entry, dir_fd, where_path)
+            if size is not None:
+                count += 1
+                freed += size
         if review:
             log.warning("%s: %d entries held for review (never purged): move each back or delete it by hand",
                         where_path, review)
         return count, freed
 
+    def _purge_one(self, entry: str, dir_fd: int, where_path: Path) -> int | None:
+        """Remove `entry` (in `dir_fd`, at `where_path`), journalled: the bytes it freed, or None.
+        Renamed `<entry>%purging` first: a purge killed halfway leaves a part of a checkpoint that
+        no later purge mistakes for one changed since its decision (and moves back into its run),
+        but finishes removing."""
+        name = entry.removesuffix(PURGING)
+        path = where_path / name  # as the journal and `purged` name it
+        try:
+            entries = walk(where_path / entry)
+        except TooDeep as exc:
+            entries = exc.entries
+        except OSError:
+            entries = []
+        size = space.freed_by(entries)
+        where = dict(root=str(self.root), trash=str(path), bytes=size)
+        inside = [e.rel for e in entries if e.kind == MOUNT] or mounts.mounts_below(
+            where_path / entry, mounts.read_mounts())
+        if inside:  # mounted after it was trashed (statx, its device), or in the mount table
+            log.error("not purging %s: it holds a mount point (%s)", where_path / entry, inside[0])
+            return None  # before its rename: a removal that would stop halfway is not begun
+        # The intent first, as for every other step: killed between the removal and the
+        # "purged" record, the journal still says this entry was being purged. Unlike a
+        # rename, a purge goes ahead when the journal cannot be written (ENOSPC): its
+        # entry was journaled when it was trashed, and freeing space is the way out.
+        self._record("purging", **where)
+        doomed = f"{name}{PURGING}"
+        try:
+            if entry != doomed:
+                _rename_noreplace(entry, dir_fd, doomed, dir_fd)
+            _remove_at(doomed, dir_fd)
+        except OSError as exc:
+            log.error("cannot purge %s: %s", where_path / entry, exc)
+            return None
+        drop_record(name, dir_fd)
+        self.purged[path] = size
+        self._finished.discard(name)
+        self._due.pop(name, None)
+        log.debug("purged %s (%d bytes)", path, size)
+        self._record("purged", **where)
+        return size
+
     def trash_pending(self) -> bool:
-        """Whether the trash holds what a purge should look at that this process did not put
-        there (another process's, maybe a late rename): the daemon asks at each poll. A name
-        listing, nothing more; False while a purge runs."""
+        """Whether the trash holds what a purge should look at: what this process did not put
+        there (another process's, maybe a late rename), or what it did whose `trash_grace` is
+        over. The daemon asks at each poll. A name listing, nothing more; False while a purge runs."""
         if self.dry_run or self._purging:
             return False
         try:
             names = os.listdir(self.trash)
         except OSError:
             return False
-        return any(n not in self._finished and not n.endswith(REVIEW) for n in names)
+        now = self.clock()
+        return any(
+            (n not in self._finished or self._due.get(n, 0.0) <= now) and not n.endswith((REVIEW, RECORD))
+            for n in names
+        )
 
-    def _not_yet(self, entry: str, trash_fd: int, *, hidden: bool = False) -> str | None:
-        """Why an entry this process did not trash is not purged now (WAIT: it has not been in
-        the trash long enough; else it was moved back, or held), or None: purge it. `hidden`: a
-        `.ckptd-trash.*` name at the root's top, not in the trash: one whose name does not say
-        where it came from is not something ckptd moved aside (a person's, or a spoof), and is
-        left alone."""
+    def _short_of_space(self) -> bool:
+        """Whether the root's filesystem is below its `min_free` now: the purge then takes what may
+        go from the trash without waiting out `trash_grace` (what waits there is what min_free
+        counted as free). Not when it cannot tell: waiting is the safe side."""
+        floor = self.scanner.root.retention.min_free
+        if floor is None:
+            return False
         try:
-            age = self.clock() - os.stat(entry, dir_fd=trash_fd, follow_symlinks=False).st_ctime
+            disk = disk_space(self.root)
+        except OSError:
+            return False
+        return disk.free < floor.required(disk.total)
+
+    def _not_yet(self, entry: str, trash_fd: int, *, hidden: bool = False, urgent: bool = False) -> str | None:
+        """Why an entry is not purged now (WAIT: it has not been in the trash long enough; else it
+        was moved back, or held), or None: purge it. A checkpoint waits `trash_grace` (unless
+        `urgent`: min_free needs the space), and one this process did not trash at least
+        `foreign_wait` as well, by its ctime (a rename sets it: the time it came in); then it is
+        judged again (`_rejudged`). A slim's or a consolidation's files this process moved go at
+        once. `hidden`: a `.ckptd-trash.*` name at the root's top, not in the trash: one whose
+        name does not say where it came from is not something ckptd moved aside (a person's, or a
+        spoof), and is left alone."""
+        try:
+            ctime = os.stat(entry, dir_fd=trash_fd, follow_symlinks=False).st_ctime
         except FileNotFoundError:
             return "gone"
-        if age < self.foreign_wait:  # a rename changes the ctime: the time it came in
-            return WAIT
         origin = _trash_origin(entry)
+        whole = origin is not None and not origin[1]  # a whole checkpoint, not a slim's files
+        own = entry in self._finished
+        grace = 0.0 if urgent or not whole else self.trash_grace
+        if own and self.clock() < self._due.get(entry, 0.0) - self.trash_grace + grace:
+            return WAIT
+        if not own and self.clock() - ctime < max(self.foreign_wait, grace):
+            return WAIT
+        if own and not whole:
+            return None
         if origin is None and hidden:
             log.warning("%s: not named as ckptd names what it moves aside: left alone, never purged",
                         self.root / entry)
@@ -182,48 +253,75 @@ class Purging:
             if _identity(f"{entry}/{layouts.PIN_FILE}", trash_fd) is not None:
                 log.error("%s/%s holds a %s: held for review, never purged: move it back by hand",
                           TRASH_DIR, entry, layouts.PIN_FILE)
-                with contextlib.suppress(OSError):
-                    os.rename(entry, f"{entry}{REVIEW}", src_dir_fd=trash_fd, dst_dir_fd=trash_fd)
+                self._hold(entry, trash_fd)
                 return "pinned"
             return None
-        rel = origin[0]
-        try:
-            why = self._protected(entry, trash_fd, rel)
-        except OSError as exc:
-            why = f"cannot re-check it ({exc})"
-        if why is None:
-            return None
-        if why == SETTLING:
-            return WAIT
+        return self._rejudged(entry, trash_fd, origin[0])
+
+    def _hold(self, entry: str, trash_fd: int) -> None:
+        """Rename a trash entry `<entry>%review`: never purged, for a person to look at."""
+        with contextlib.suppress(OSError):
+            os.rename(entry, f"{entry}{REVIEW}", src_dir_fd=trash_fd, dst_dir_fd=trash_fd)
+            drop_record(entry, trash_fd)
+
+    def _rejudged(self, entry: str, trash_fd: int, rel: str) -> str | None:
+        """The purge's judgement of a checkpoint in the trash, afresh, under the config in force
+        now (`_protected`): None, purge it; WAIT; else why it went back to `rel` (beside it where
+        its name is taken) or is held for review."""
         run_rel, _, name = rel.rpartition("/")
         try:
             run_fd = open_dir_nofollow(self.root, run_rel or ".")
+        except FileNotFoundError:
+            return None  # its run is gone as a whole (moved away, removed): nothing to go back to
         except OSError as exc:
-            log.error("%s/%s is %s but its run cannot be opened (%s): held for review, never purged",
-                      TRASH_DIR, entry, why, exc)
-            with contextlib.suppress(OSError):
-                os.rename(entry, f"{entry}{REVIEW}", src_dir_fd=trash_fd, dst_dir_fd=trash_fd)
-            return why
+            log.error("%s/%s: its run cannot be opened (%s): held for review, never purged",
+                      TRASH_DIR, entry, exc)
+            self._hold(entry, trash_fd)
+            return f"its run cannot be opened ({exc.strerror})"
         try:
-            undone = self._undo(entry, trash_fd, name, run_fd, rel, f"found in the trash {why}")
+            try:
+                why = self._protected(entry, trash_fd, rel, run_fd)
+            except OSError as exc:
+                why = f"cannot re-check it ({exc})"
+            if why is None:
+                return None
+            if why == SETTLING:
+                return WAIT
+            if why.startswith(_ELSEWHERE):
+                log.error("%s/%s: %s: held for review, never purged", TRASH_DIR, entry, why)
+                self._hold(entry, trash_fd)
+                return why
+            # Another process's entry (maybe a late renamer's) is told as before; this process's own
+            # was judged again after its grace
+            how = "and judged again at its purge" if entry in self._finished else "without the lease"
+            undone = self._undo(entry, trash_fd, name, run_fd, rel, f"found in the trash {why}",
+                                beside=True, how=how)
+            return f"{why}: {undone}"
         finally:
             os.close(run_fd)
-        return f"{why}: {undone}"
 
-    def _protected(self, entry: str, trash_fd: int, rel: str) -> str | None:
-        """Why a checkpoint found in the trash must go back to `rel`, as the run stands now."""
+    def _protected(self, entry: str, trash_fd: int, rel: str, run_fd: int) -> str | None:
+        """Why a checkpoint found in the trash must go back to `rel` (its run open as `run_fd`),
+        as the run stands now and under the config in force now: a pin (the config's, beside it,
+        or a `.ckptd-keep` at any depth inside), contents other than its decision's record saw,
+        its run's resume pointer, or one of its run's anchors it would be (`_an_anchor`)."""
         run_rel, _, name = rel.rpartition("/")
         run_rel = run_rel or "."
         run_path = self.root if run_rel == "." else self.root / run_rel
-        if not run_path.is_dir():
-            return None  # its run is gone as a whole: nothing to go back to
         is_dir = stat.S_ISDIR(os.stat(entry, dir_fd=trash_fd, follow_symlinks=False).st_mode)
-        names = os.listdir(run_path)
+        names = os.listdir(run_fd)
         retention, _ = self.scanner.root.retention_for(run_rel)
-        pin_inside = is_dir and _identity(f"{entry}/{layouts.PIN_FILE}", trash_fd) is not None
-        pin_beside = f"{name}{layouts.PIN_FILE}" in names
-        if pin_inside or pin_beside or any(pin_matches(rel, p) for p in retention.pins):
+        record = read_record(entry, trash_fd)
+        why = None if record is None else _against_record(record, run_rel, name, run_fd)
+        if why is not None:
+            return why
+        now_seen = snapshot(entry, trash_fd)
+        inside = pins_inside(now_seen)
+        if inside or f"{name}{layouts.PIN_FILE}" in names or any(pin_matches(rel, p) for p in retention.pins):
             return "pinned"
+        diff = None if record is None else changed(record["contents"], now_seen)
+        if diff is not None:
+            return f"changed since it was trashed ({diff})"
         pointer = resume_pointers(run_path, names).get(name)
         if pointer is not None:
             return f"named by {pointer}"
@@ -264,6 +362,17 @@ class Purging:
         return "newer than every complete checkpoint left in its run (by step or by time)"
 
 
+def _against_record(record: dict[str, object], run_rel: str, name: str, run_fd: int) -> str | None:
+    """Why the run open as `run_fd` is not the one the entry's record names (`_ELSEWHERE`), or None.
+    The inode alone: a network filesystem's device number changes from one mount to the next."""
+    run_id = record.get("run_id")
+    if record.get("run") != run_rel or record.get("name") != name:
+        return f"{_ELSEWHERE} ({record.get('run')}/{record.get('name')}, not {run_rel}/{name})"
+    if isinstance(run_id, list) and len(run_id) == 2 and run_id[1] != os.fstat(run_fd).st_ino:
+        return f"{_ELSEWHERE} (the run {run_rel} was replaced since it was trashed)"
+    return None
+
+
 def waiting_in_trash(root: Path) -> int:
     """What purging `root`'s trash frees, however long its entries still wait (another process's
     wait `foreign_wait`; one a killed prune left): `min_free` counts it as free already, so it
@@ -277,7 +386,7 @@ def waiting_in_trash(root: Path) -> int:
         return 0
     try:
         for name in os.listdir(root_fd):
-            ours = name.startswith(HIDDEN_TRASH) and _trash_origin(name) is not None
+            ours = name.startswith(HIDDEN_TRASH) and (name.endswith(PURGING) or _trash_origin(name) is not None)
             if ours and not name.endswith(REVIEW):
                 total += _size(root / name)
         try:
@@ -288,7 +397,7 @@ def waiting_in_trash(root: Path) -> int:
             if _another_filesystem(TRASH_DIR, root_fd, trash_fd, root / TRASH_DIR) is not None:
                 return total
             for name in os.listdir(trash_fd):
-                if not name.endswith(REVIEW):
+                if not name.endswith((REVIEW, RECORD)):
                     total += _size(root / TRASH_DIR / name)
         finally:
             os.close(trash_fd)

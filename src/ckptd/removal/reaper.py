@@ -50,6 +50,7 @@ class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
         clock: Callable[[], float] = time.time,
         consolidate_timeout: float | None = None,
         fence: Callable[[], str | None] | None = None,
+        trash_grace: float = 0.0,
     ):
         if not dry_run and journal is None:
             raise ValueError("a reaper that deletes needs a journal")
@@ -66,6 +67,10 @@ class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
         # re-checked first (`purge`). The daemon sets it from its leadership (lease duration +
         # margin for a volume lease; 0 where no other process could have renamed late).
         self._finished: set[str] = set()
+        # How long a checkpoint this process trashed waits there before its purge judges it again
+        # (config's trash_grace; 0: at the first purge), and when each becomes due.
+        self.trash_grace = trash_grace
+        self._due: dict[str, float] = {}
         self.foreign_wait = 0.0
         self.waiting = 0  # entries the last purge left to wait
         self._purging = False
