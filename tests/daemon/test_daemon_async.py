@@ -219,6 +219,25 @@ async def test_stopping_closes_the_descriptor_and_joins_the_threads(tmp_path):
     await asyncio.to_thread(watcher.stop)  # twice: nothing to do
 
 
+async def test_the_thread_leak_fixture_fails_a_test_that_leaves_an_observer_running(tmp_path):
+    """What tests/conftest.py's no_thread_leaks asserts on, for a watcher started and not stopped:
+    its observer, inotify reader and dispatcher, and emitter are named; once stopped, none is."""
+    from tests.support.threads import leaked
+
+    await asyncio.to_thread(lambda: None)  # the loop's executor thread, started before counting
+    before = set(threading.enumerate())
+    watcher = Watcher(asyncio.get_running_loop(), lambda p: None, lambda: None)
+    watcher.start()
+    try:
+        await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
+        left = await asyncio.to_thread(leaked, before, 0.05)
+        assert len(left) == 4 and any(t.name == "ckptd-watch" for t in left)
+    finally:
+        await asyncio.to_thread(watcher.stop)
+    left = await asyncio.to_thread(leaked, before, 5.0)
+    assert [t for t in left if not t.name.startswith("asyncio_")] == []  # (the loop's executor may grow)
+
+
 async def test_without_inotify_the_same_watcher_runs_on_a_polling_observer(tmp_path):
     """The stand-in for a platform without inotify (a laptop's FSEvents, kqueue): watchdog's
     PollingObserver behind the same Watcher, its snapshots read every 0.1 s."""
