@@ -200,15 +200,18 @@ def run(base: Path, out=print) -> int:
     root = base / VOLUME_NAME
     (root / RUN).mkdir(parents=True, exist_ok=True)
     config = base / CONFIG_NAME
-    config.write_text(LIVE_CONFIG.format(root=root, state=base / "state", quiet=QUIET_PERIOD, every=SAVE_EVERY))
+    text = LIVE_CONFIG.format(root=root, state=base / "state", quiet=QUIET_PERIOD, every=SAVE_EVERY)
+    config.write_text(text)
     lock = threading.Lock()
 
     def say(t: float, text: str) -> None:
         with lock:
             out(f"{t:5.1f}s  {text}")
 
-    out(f"ckptd demo --live: a simulated {WORLD}-rank DeepSpeed job saves {root / RUN}/checkpoint-N every "
-        f"{SAVE_EVERY:g} s; rank {SLOW_RANK} writes its shard {SLOW_LAG:g} s late. The daemon: {config}")  # fmt: skip
+    out(
+        f"ckptd demo --live: a simulated {WORLD}-rank DeepSpeed job saves {root / RUN}/checkpoint-N "
+        f"every {SAVE_EVERY:g} s; rank {SLOW_RANK} writes its shard {SLOW_LAG:g} s late. The daemon: {config}"
+    )
     cmd = [sys.executable, "-m", "ckptd", "run", "--foreground", "--log-format", "json", "-c", str(config)]
     daemon = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert daemon.stdout is not None
@@ -273,9 +276,11 @@ def _summary(job: Job, log: DaemonLog, final: list[str], out) -> int:
     out("  ckptd, keep_last=2 + keep_best=1 (eval_loss, min):")
     for name, t in sorted(log.deleted.items(), key=lambda kv: kv[1]):
         s = by_name.get(name)
-        done = f"its last shard done at {s.slow_done:.1f}s" if s and s.slow_done is not None else "never finished"
+        finished = s is not None and s.slow_done is not None
+        done = f"its last shard done at {s.slow_done:.1f}s" if finished else "never finished"
         out(f"    {t:5.1f}s  deleted {name} ({done})")
-    out(f"    deleted while a rank was writing it: {len(unsafe)}{' (' + ', '.join(unsafe) + ')' if unsafe else ''}")
+    which = f" ({', '.join(unsafe)})" if unsafe else ""
+    out(f"    deleted while a rank was writing it: {len(unsafe)}{which}")
     out(f"    kept: {' '.join(final)}")
     out(f"  the Trainer's save_total_limit={SAVE_TOTAL_LIMIT} rotation on rank 0, at the same moments:")
     for name, t, writing in trainer:

@@ -164,7 +164,9 @@ class RootTracker:
         except ValueError:
             return
         parts = rel.split(os.sep) if rel != "." else []
-        if rel.startswith("..") or parts and (parts[0] in (TRASH_DIR, LEASE_DIR) or parts[0].startswith(HIDDEN_TRASH)):
+        if rel.startswith(".."):
+            return
+        if parts and (parts[0] in (TRASH_DIR, LEASE_DIR) or parts[0].startswith(HIDDEN_TRASH)):
             return
         for i in range(len(parts), -1, -1):  # the deepest known run holding the path
             run_rel = "/".join(parts[:i]) or "."

@@ -192,7 +192,9 @@ class Watcher:
         wanted = _uncovered(wanted)
         if len(wanted) > MAX_WATCHES:
             if not self.capped:
-                log.warning("%d watches asked for; watching %d and polling the rest", len(wanted), MAX_WATCHES)
+                log.warning(
+                    "%d watches asked for; watching %d and polling the rest", len(wanted), MAX_WATCHES
+                )
                 self.capped = True
             wanted = set(sorted(wanted, key=lambda k: (not k[1], k[0].count("/"), k[0]))[:MAX_WATCHES])
         with self._lock:
@@ -231,10 +233,13 @@ class Watcher:
             return
         self.failed.add(path)
         if exc.errno == errno.ENOSPC:
-            log.warning("inotify watch limit reached (fs.inotify.max_user_watches) at %s; polling it instead", path)
+            log.warning(
+                "inotify watch limit reached (fs.inotify.max_user_watches) at %s; polling it instead", path
+            )
         elif exc.errno == errno.EMFILE:
             log.warning(
-                "inotify instance limit reached (fs.inotify.max_user_instances) at %s; polling it instead", path
+                "inotify instance limit reached (fs.inotify.max_user_instances) at %s; polling it instead",
+                path,
             )
         else:
             log.warning("cannot watch %s (%s); polling it instead", path, exc.strerror or exc)

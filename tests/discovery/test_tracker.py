@@ -172,6 +172,7 @@ def test_hints_map_paths_to_checkpoints_runs_and_directories(tmp_path, clock):
     # the root is watched recursively: ckptd's own lease, and what is deeper than a listed
     # directory's entries (a logger's files in the run, a dataset), relist nothing
     t.dirty_dirs.clear()
+    t.hint(str(tmp_path / ".ckptd"), clock.t)  # made in the root, but not a run's directory
     t.hint(str(tmp_path / ".ckptd" / "lease.json"), clock.t)
     t.hint(str(tmp_path / "team" / "run" / "wandb" / "run-1" / "events.log"), clock.t)
     t.hint(str(tmp_path / "team" / "data" / "shards" / "x.bin"), clock.t)

@@ -18,7 +18,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.live:
         from ckptd import demo_live
 
-        existing = [p for p in (base / demo_live.CONFIG_NAME, base / demo_live.VOLUME_NAME) if os.path.lexists(p)]
+        paths = (base / demo_live.CONFIG_NAME, base / demo_live.VOLUME_NAME)
+        existing = [p for p in paths if os.path.lexists(p)]
         if existing and not args.force:
             raise UsageError(
                 f"{' and '.join(map(str, existing))} already there: ckptd demo --live {args.dir} --force "
