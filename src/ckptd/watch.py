@@ -221,6 +221,7 @@ class Watcher:
         fd = self.inotify_fd()
         if fd is not None:  # watchdog's inotify_init() has no IN_CLOEXEC: keep it from exec'd programs
             os.set_inheritable(fd, False)
+        _name_threads(observer, watch)
         self._refused.pop(key, None)
         self.failed.discard(path)
 
@@ -243,6 +244,16 @@ class Watcher:
             )
         else:
             log.warning("cannot watch %s (%s); polling it instead", path, exc.strerror or exc)
+
+
+def _name_threads(observer: BaseObserver, watch: ObservedWatch) -> None:
+    """Names that say whose threads these are (in a thread dump, `py-spy dump`)."""
+    for emitter in list(observer.emitters):
+        if emitter.watch == watch:
+            emitter.name = f"{THREAD_NAME} {watch.path}"
+    reader = getattr(observer, "_inotify_fd", None)  # watchdog's InotifyObserver: its one reader
+    if reader is not None:
+        reader.name = f"{THREAD_NAME} inotify"
 
 
 def _uncovered(wanted: set[Key]) -> set[Key]:
