@@ -173,6 +173,37 @@ async def test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_po
         await asyncio.to_thread(watcher.stop)
 
 
+@pytest.mark.exclusive
+async def test_an_exhausted_instance_limit_is_logged_and_leaves_the_root_to_polling(tmp_path, caplog):
+    """EMFILE from inotify_init (fs.inotify.max_user_instances reached), provoked for real: watchdog's
+    observer makes its one instance at the first schedule, with the limit lowered to 0 meanwhile."""
+    from ckptd.watch import RETRY_AFTER
+
+    limit = Path("/proc/sys/fs/inotify/max_user_instances")
+    try:
+        old = limit.read_text()
+        limit.write_text(old)
+    except OSError as exc:
+        pytest.skip(f"fs.inotify.max_user_instances cannot be written here ({exc}): EMFILE cannot be provoked")
+    watcher = Watcher(asyncio.get_running_loop(), lambda p: None, lambda: None)
+    watcher.start()
+    key = (str(tmp_path), True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckptd.watch"):
+            try:
+                limit.write_text("0")
+                await asyncio.to_thread(watcher.reconcile, {key}, 0.0)
+            finally:
+                limit.write_text(old)
+        assert watcher.count() == 0 and watcher.failed == {str(tmp_path)} and watcher.inotify_fd() is None
+        assert [r.getMessage() for r in caplog.records if "instance limit reached" in r.getMessage()] == [
+            f"inotify instance limit reached (fs.inotify.max_user_instances) at {tmp_path}; polling it instead"]
+        await asyncio.to_thread(watcher.reconcile, {key}, RETRY_AFTER + 1)
+        assert watcher.count() == 1 and watcher.kernel_watches() == 1  # watched once the limit allows it
+    finally:
+        await asyncio.to_thread(watcher.stop)
+
+
 async def test_a_directory_watched_for_two_keys_gives_one_hint_per_event(tmp_path):
     """One watch, one hint per event: a directory also inside a recursive watch (a run directory
     that is also an in-flight checkpoint's top) is not scheduled twice."""

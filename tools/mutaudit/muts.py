@@ -1124,6 +1124,8 @@ MUTS = [
    " and self._refused.get(k, 0.0) <= now]", "]")]),
  dict(id="WA10", what="stop leaves the observer's threads running", tests=[T+"daemon/test_daemon_async.py::test_the_thread_leak_fixture_fails_a_test_that_leaves_an_observer_running", T+"daemon/test_daemon_async.py::test_stopping_closes_the_descriptor_and_joins_the_threads"], edits=[("watch.py",
    "        observer.stop()  # unschedules", "        pass  # unschedules")]),
+ dict(id="WA11", what="an exhausted instance limit (EMFILE) is not told as one", tests=[T+"daemon/test_daemon_async.py::test_an_exhausted_instance_limit_is_logged_and_leaves_the_root_to_polling"], edits=[("watch.py",
+   "        elif exc.errno == errno.EMFILE:", "        elif False:")]),
  dict(id="WA7", what="no event filter: IN_MODIFY per write, a hint per write", tests=[T+"daemon/test_daemon_async.py::test_a_directory_watched_for_two_keys_gives_one_hint_per_event"], edits=[("watch.py",
    "recursive=recursive, event_filter=EVENTS)", "recursive=recursive, event_filter=None)")]),
  dict(id="WA8", what="a hint from ckptd's own lease directory relists the root", tests=[T+"discovery/test_tracker.py::test_hints_map_paths_to_checkpoints_runs_and_directories"], edits=[("tracker.py",
