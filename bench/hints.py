@@ -1,6 +1,7 @@
 """`python -m bench.hints`: the inotify layer alone (`ckptd.watch.Watcher`), without the daemon.
 
-A `Watcher` on an event loop watches RUNS in-flight checkpoint directories (recursively); a child
+A `Watcher` on an event loop watches the root holding RUNS in-flight checkpoint directories (one
+recursive watch, as the daemon schedules a root); a child
 process (`python -m bench.hints --write`) writes SAVES × FILES files into them, as fast as it can,
 and prints when each file was closed (CLOCK_MONOTONIC, the same clock in both processes). Per
 file: the time from its close to its last hint reaching the loop (`on_path`). CPU per event: this
@@ -70,7 +71,7 @@ async def _once(root: Path, runs: int, files: int) -> dict[str, float]:
     w = Watcher(loop, on_path, lambda: None)
     w.start()
     try:
-        await asyncio.to_thread(w.reconcile, {(str(root / f"run-{i}"), True) for i in range(runs)})
+        await asyncio.to_thread(w.reconcile, {(str(root), True)})
         threads = threading.active_count()
         cpu0 = _cpu()
         proc = await asyncio.create_subprocess_exec(

@@ -143,7 +143,7 @@ def _run_one(ctx: Context, shape: Shape) -> tuple[list[Row], Section]:
     section.details.append(
         f"a poll tick on {shape.name} ({tick['checkpoints']:,} complete checkpoints) takes "
         f"{fmt_time(t['tick_s'])} CPU: the poll {fmt_time(t['poll_s'])} (of which `in_flight()` "
-        f"{fmt_time(t['in_flight_s'])}, called again by `step` and `wanted_watches`), the state file's "
+        f"{fmt_time(t['in_flight_s'])}, called again by `step`), the state file's "
         f"document {fmt_time(t['state_doc_s'])} (rows reused for unchanged checkpoints) and its compact "
         f"encoding {fmt_time(t['dumps_compact_s'])} ({tick['state_bytes'] / 1024:.0f} KiB; with `indent=1`, "
         f"json's pure-Python encoder, it would be {fmt_time(t['dumps_indent_s'])}). A reconcile tick "

@@ -90,13 +90,10 @@ def _why(observer: str, name: str, story: list[tuple[float, str]], quiet: float,
     if observer == "inotify" and story and late:
         out += (
             f"Its first look ({story[0][0] * 1e3:+.0f} ms) caught the save's last files still being "
-            "closed, and the recursive watch on a new checkpoint is added only after that look: those "
-            f"closes sent no event. The change was seen {late[0] * 1e3:.0f} ms later, at the next poll or "
-            "when the quiet period ran out, and started the quiet period again. Looking once more at a "
-            "checkpoint right after its watch is added (or counting its quiet period from the first look "
-            f"after the watch) would close the gap; at the defaults (poll_interval {DEFAULT_POLL_S:g} s, "
-            "quiet_period 60 s) it can cost up to 10 s (a change in `daemon/`/`tracker.py`, left to "
-            "their owner)."
+            "closed, in a directory watchdog had not watched yet (it adds the watch on a new directory "
+            "when it reads that directory's creation): those closes sent no event. The change was seen "
+            f"{late[0] * 1e3:.0f} ms later, at the next poll or when the quiet period ran out, and started "
+            "the quiet period again."
         )
     elif observer == "polling" and late:
         out += (

@@ -82,7 +82,8 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
             note = (
                 f"{daemon:.0f} MiB against {target} MiB, {daemon - target:.0f} MiB over; a process "
                 f"that only scans and plans holds {mib:.0f} MiB, so the rest is the daemon's own: "
-                f"{facts['threads_ready']} threads at READY (inotify: no thread per watch)."
+                f"{facts['threads_ready']} threads at READY (watchdog: observer, inotify reader and dispatcher, "
+                f"one emitter per root)."
             )
         rows.append(
             Row(
@@ -96,9 +97,9 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         )
         section.details.append(
             f"{shape.name}, `ckptd run`: {ready:.0f} MiB RSS at READY ({facts['ready_s']:.1f} s after the "
-            f"start; {facts['threads_ready']} threads: every checkpoint is in flight until its first quiet "
-            f"period has passed, but only those written within the last quiet period get a recursive "
-            f"watch, up to {MAX_WATCHES}, all on one inotify descriptor), {complete:.0f} MiB once every "
+            f"start; {facts['threads_ready']} threads: the root is watched by one recursive watchdog watch, "
+            f"a kernel watch per directory on one inotify instance, up to {MAX_WATCHES} scheduled watches), "
+            f"{complete:.0f} MiB once every "
             f"checkpoint was complete ({facts['complete_s']:.1f} s) and "
             f"the daemon still ({facts['still_s']:.1f} s; {facts['threads']} threads), peak "
             f"{facts['hwm_kib'] / 1024:.0f} MiB."

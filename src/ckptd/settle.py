@@ -7,8 +7,9 @@ from the first observation that showed it in that form. Wall-clock steps
 (NTP) therefore cannot complete anything early, and mtimes are only ever
 compared with each other (inside the fingerprint).
 
-inotify events are hints: `touch` says "something changed here just now",
-which can only push the end of the quiet period later, never earlier.
+Filesystem events are hints: `touch` (a path watchdog reported, folded in on
+the filesystem thread) says "something changed here just now", which can only
+push the end of the quiet period later, never earlier.
 
 No I/O, no clock: every method takes `now` (seconds on a monotonic clock).
 """
@@ -32,7 +33,8 @@ class Track:
 class Settler:
     """Quiescence bookkeeping for the checkpoints of one root, keyed by path relative to the root.
 
-    Thread-safe: watchdog hints arrive from the loop while the worker thread observes.
+    Locked: the event loop reads deadlines (how long it may sleep) while the filesystem thread
+    observes and folds hints in.
     """
 
     def __init__(self, quiet_period: float, stall_after: float = 6 * 3600.0):

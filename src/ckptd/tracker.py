@@ -45,7 +45,7 @@ from ckptd.config import Root
 from ckptd.discover import RunDir, depth_of, find_runs
 from ckptd.census import against_sibling_kinds, against_siblings
 from ckptd.evidence import resume_pointers
-from ckptd.layouts import TRASH_DIR, Candidate
+from ckptd.layouts import HIDDEN_TRASH, LEASE_DIR, TRASH_DIR, Candidate
 from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
 from ckptd.planner import Scanner, run_context
 from ckptd.schedule import HINT_DEBOUNCE as HINT_DEBOUNCE  # where tests and bench import it from
@@ -150,40 +150,25 @@ class RootTracker:
         """The earliest time something here needs looking at again (now, while start-up's looks wait)."""
         return self.schedule.next_deadline(self.in_flight(), now=self.clock() if self.unseen else None)
 
-    def wanted_watches(self) -> set[tuple[str, bool]]:
-        """(path, recursive): the directories on the way to runs, and in-flight checkpoints deeply.
-
-        Stalled and incomplete ones too: between their backed-off looks an event is what wakes
-        them at once. Not a checkpoint the daemon has never seen change whose files are all
-        older than the quiet period by the wall clock: at start-up that is nearly every
-        checkpoint on the volume (each settles once), most finished long ago, and a deep watch
-        costs a thread and a watch per directory. The wall clock only chooses what to watch, it
-        never completes anything; polls and the look at the quiet period's end cover these.
-        """
-        watches = {(str(self._abs(rel)), False) for rel in self.dirs}
-        wall = time.time()
-        dirs: dict[str, set[str]] = {}  # per run, which of its checkpoints are directories (listed: no stat)
-        for c in self.flying.values():
-            if c.state is State.SETTLING and wall - c.newest_mtime > self.root.quiet_period:
-                continue
-            if c.run not in dirs:
-                rs = self.runs.get(c.run)
-                dirs[c.run] = {cand.name for cand in rs.dir.candidates if cand.is_dir} if rs else set()
-            if c.name in dirs[c.run]:
-                watches.add((str(c.path), True))
-        return watches
-
-    # --- hints (from inotify, via the loop) --------------------------------
+    # --- hints (from watchdog, via the loop) --------------------------------
 
     def hint(self, path: str, now: float) -> None:
-        """Something changed at `path`. Record it; the disk is looked at in `step`."""
+        """Something changed at `path`. Record it; the disk is looked at in `step`.
+
+        The root is watched recursively (watch.py), so paths arrive from everywhere below it;
+        only these matter: anything inside a checkpoint, an entry of a run directory, an entry
+        of a directory that discovery lists. Not ckptd's own (the trash, the lease), and not
+        what is deeper elsewhere (a dataset, a logger's files): its directory's entry was.
+        """
         try:
             rel = os.path.relpath(path, self.root.path)
         except ValueError:
             return
-        if rel.startswith(("..", TRASH_DIR)):
-            return
         parts = rel.split(os.sep) if rel != "." else []
+        if rel.startswith(".."):
+            return
+        if parts and (parts[0] in (TRASH_DIR, LEASE_DIR) or parts[0].startswith(HIDDEN_TRASH)):
+            return
         for i in range(len(parts), -1, -1):  # the deepest known run holding the path
             run_rel = "/".join(parts[:i]) or "."
             rs = self.runs.get(run_rel)
@@ -193,14 +178,12 @@ class RootTracker:
             if rest and rest[0] in rs.checkpoints:
                 key = rest[0] if run_rel == "." else f"{run_rel}/{rest[0]}"
                 self.schedule.touched(key, now)
-            else:
+            elif len(rest) <= 1:
                 self.dirty_dirs.add(run_rel)  # the run's own entries: a new or removed checkpoint
             return
-        for i in range(len(parts) - 1, -1, -1):  # else the deepest directory we list
-            d = "/".join(parts[:i]) or "."
-            if d in self.dirs:
-                self.dirty_dirs.add(d)
-                return
+        parent = "/".join(parts[:-1]) or "."  # else an entry of a directory we list
+        if parts and parent in self.dirs:
+            self.dirty_dirs.add(parent)
 
     # --- looking at the disk -------------------------------------------------
 

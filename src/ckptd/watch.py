@@ -1,71 +1,87 @@
-"""Narrow inotify watches: one inotify instance for all of them, read on the event loop.
+"""How ckptd watches: watchdog's Observer, one recursive watch per root, its events handed to the loop.
 
-What is watched (see `RootTracker.wanted_watches`): the directories on the way
-to runs and the run directories, not recursively, and the checkpoints still in
-flight, recursively (a watch on each of their directories; one created inside
-is watched as soon as its creation is read). Only creations, deletions, moves
-and close-after-write are asked for: a rank writing 64 MiB in 4 KiB chunks
-would otherwise queue 16k modify events, and our own reads would queue
-open/access events. Events are hints only; the daemon always looks at the disk.
+Each root that ckptd watches (its observer is "inotify"; `choose_observer`) is scheduled once,
+recursively, on one watchdog `Observer` (`Watcher.reconcile`): watchdog's platform observer, so the
+same code watches with inotify on Linux and with FSEvents or kqueue on a developer's laptop. The
+handler's only job is to hand each event's path to the event loop (`loop.call_soon_threadsafe`) and
+return: watchdog calls it on its observer thread, and nothing ckptd does with a path belongs there.
+Events are hints only; the daemon always looks at the disk, and polls what is in flight in every
+mode, because events can be lost.
 
-One inotify descriptor, registered with the event loop (`loop.add_reader`):
-reading an event costs no thread and no hop between threads; the path goes
-straight to the daemon's hint queue. watchdog's observer, used before, runs an
-emitter thread per watch behind a shared reader thread: in a save storm (100
-checkpoints of 29 files written at once by another process, `bench/storm.py`)
-it handed over the last event of a checkpoint p50 146-376 ms and p99
-0.37-0.9 s after the write, with 104 threads; this reader, p50 under 1 ms and
-p99 42-119 ms, with none (same machine, same storm). watchdog 7.1's `InotifyFD`
-(one descriptor, per-watch callbacks, one reader thread handing paths over with
-`call_soon_threadsafe`) was tried in its place and measured worse: detection
-latency p99 +18 to +72 ms in each of three alternated runs, the look at the end
-of the quiet period twice as late, one thread more (BENCHMARKS.md).
+The event filter keeps the kernel's mask narrow (watchdog's
+`InotifyEmitter.get_event_mask_from_filter` builds the mask from it): creations, deletions, moves
+and close-after-write. Not IN_MODIFY: a rank writing a 10 GB shard in 4 KiB chunks would queue
+millions of events; its close is the one that says the file is done. Not open or access: ckptd's own
+reads would wake it.
 
-inotify queue overflow (IN_Q_OVERFLOW: the kernel dropped events) is handed to
-the daemon, which rescans what is in flight; the watches of new directories
-inside in-flight checkpoints may have been missed too, so the next `reconcile`
-walks every recursive watch again. An exhausted watch limit (ENOSPC from
-inotify_add_watch) is logged once and that path is left to polling, which runs
-in every mode. Where inotify is not available at all, nothing is watched and
-polling does the work.
+What this costs on Linux (watchdog 7.x's `InotifyObserver`): one inotify instance for the whole
+observer (`fs.inotify.max_user_instances`, 128 by default, is spent once), a reader and a
+dispatcher thread behind it, the observer's own thread, and one emitter thread per scheduled watch,
+that is per root; one kernel watch per directory below each root (`fs.inotify.max_user_watches`).
+
+What watchdog cannot do stays ckptd's:
+- roots where events cannot be trusted (NFS, Lustre, FUSE: other hosts' writes send no event) are
+  not scheduled at all and are polled (`choose_observer`, observer = "polling" or "auto");
+- lost events: on an inotify queue overflow watchdog walks its recursive watches again and then
+  sends an `EventsLostEvent`, which becomes `on_overflow`, the daemon's rescan of what is in flight;
+- a watch the kernel refuses (the watch or the instance limit, ENOSPC/EMFILE from
+  inotify_add_watch/inotify_init) is logged once and its root is left to polling; it is tried again
+  at most every RETRY_AFTER seconds (a recursive watch walks its tree).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
 import logging
 import os
-import struct
+import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+from watchdog.events import (
+    DirCreatedEvent,
+    DirDeletedEvent,
+    DirMovedEvent,
+    EventsLostEvent,
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileDeletedEvent,
+    FileMovedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
+)
+from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver, ObservedWatch
 
 from ckptd.mounts import filesystem_type, is_remote
 
 log = logging.getLogger(__name__)
 
-# Logical watches (a directory, or an in-flight checkpoint's tree); beyond this many the rest is
-# polled. A watch costs no thread now, only the kernel's own: fs.inotify.max_user_watches.
-MAX_WATCHES = 4096
+# Scheduled watches (normally one per root). Each costs watchdog an emitter thread; beyond this many
+# the rest is polled.
+MAX_WATCHES = 64
+# A watch the kernel refused is asked for again no sooner than this (seconds, monotonic).
+RETRY_AFTER = 60.0
 
-# <sys/inotify.h>
-IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x8, 0x40, 0x80, 0x100, 0x200
-IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW, IN_IGNORED, IN_ISDIR = 0x400, 0x800, 0x4000, 0x8000, 0x40000000
-IN_ONLYDIR, IN_DONT_FOLLOW, IN_EXCL_UNLINK = 0x01000000, 0x02000000, 0x04000000
-MASK = (
-    IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_SELF
-    | IN_ONLYDIR | IN_DONT_FOLLOW | IN_EXCL_UNLINK
-)  # fmt: skip
-EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then `len` bytes of NUL-padded name
+# What ckptd is told of; EventsLostEvent passes the filter too (it is how an overflow arrives).
+EVENTS: list[type[FileSystemEvent]] = [
+    FileCreatedEvent, DirCreatedEvent, FileDeletedEvent, DirDeletedEvent, FileMovedEvent, DirMovedEvent,
+    FileClosedEvent, EventsLostEvent,
+]  # fmt: skip
+
+THREAD_NAME = "ckptd-watch"
 
 
 def choose_observer(path: Path, configured: str) -> tuple[str, str]:
-    """("inotify" | "polling", why) for a root."""
+    """("inotify" | "polling", why) for a root. "inotify" means: watched by watchdog's observer."""
     if configured != "auto":
         return configured, "configured"
     fstype, mount = filesystem_type(path)
+    if fstype is None and sys.platform != "linux":  # no mount table to read: a developer's laptop
+        return "inotify", f"{sys.platform}: watchdog's {Observer.__name__}"
     if fstype is None:
         return "polling", "filesystem type unknown"
     if is_remote(fstype):
@@ -73,36 +89,11 @@ def choose_observer(path: Path, configured: str) -> tuple[str, str]:
     return "inotify", f"{mount} is {fstype}"
 
 
-class _Libc:
-    """inotify_init1, inotify_add_watch, inotify_rm_watch from the C library (as watchdog binds them)."""
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.init1 = libc.inotify_init1
-        self.init1.argtypes, self.init1.restype = [ctypes.c_int], ctypes.c_int
-        self.add = libc.inotify_add_watch
-        self.add.argtypes, self.add.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32], ctypes.c_int
-        self.rm = libc.inotify_rm_watch
-        self.rm.argtypes, self.rm.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-
-
 Key = tuple[str, bool]  # (path, recursive)
 
 
-class _Dir:
-    __slots__ = ("owners", "path")
-
-    def __init__(self, path: str):
-        self.path = path
-        self.owners: set[Key] = set()
-
-
-class Watcher:
-    """The inotify watches of every root: one descriptor, read on `loop`.
-
-    `on_path(path)` and `on_overflow()` are called on the loop's thread. `reconcile` may
-    block (adding a recursive watch walks the tree): call it off the loop (it locks).
-    """
+class Handoff(FileSystemEventHandler):
+    """Runs on watchdog's observer thread: hands the path to the loop and returns."""
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, on_path: Callable[[str], None], on_overflow: Callable[[], None]
@@ -110,202 +101,165 @@ class Watcher:
         self._loop = loop
         self._on_path = on_path
         self._on_overflow = on_overflow
-        self._fd: int | None = None
-        self._libc: _Libc | None = None
+
+    def dispatch(self, event: FileSystemEvent) -> None:
+        try:
+            if isinstance(event, EventsLostEvent):
+                self._loop.call_soon_threadsafe(self._on_overflow)
+                return
+            self._loop.call_soon_threadsafe(self._on_path, os.fsdecode(event.src_path))
+            if event.dest_path:  # a move: both ends changed
+                self._loop.call_soon_threadsafe(self._on_path, os.fsdecode(event.dest_path))
+        except RuntimeError:  # the loop is closed: the daemon is gone, nothing to tell
+            pass
+
+
+class Watcher:
+    """watchdog's observer for every watched root; `on_path(path)` and `on_overflow()` run on `loop`.
+
+    `reconcile` may block (scheduling a recursive watch walks the tree): call it off the loop.
+    `make_observer` is watchdog's platform `Observer` unless given (tests pass its
+    `PollingObserver`, the stand-in for a platform without inotify).
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_path: Callable[[str], None],
+        on_overflow: Callable[[], None],
+        make_observer: Callable[[], BaseObserver] | None = None,
+    ):
+        self._handler = Handoff(loop, on_path, on_overflow)
+        self._make = make_observer or Observer
+        self._observer: BaseObserver | None = None
         self._lock = threading.Lock()
-        self._watches: dict[Key, set[int]] = {}  # logical watch -> its kernel watch descriptors
-        self._dirs: dict[int, _Dir] = {}  # kernel watch descriptor -> the directory
-        self._rewalk = False  # after an overflow: walk every recursive watch again
+        self._watches: dict[Key, ObservedWatch] = {}
+        self._refused: dict[Key, float] = {}  # a refused watch -> when it may be asked for again
         self.failed: set[str] = set()
         self.capped = False
 
     # --- life ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Create the descriptor and read it on the loop (call on the loop's thread)."""
-        try:
-            self._libc = _Libc()
-            fd = self._libc.init1(os.O_NONBLOCK | os.O_CLOEXEC)
-            if fd < 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err))
-        except (OSError, AttributeError) as exc:  # no inotify here, or fs.inotify.max_user_instances
-            log.warning("inotify unavailable (%s): polling only", exc)
-            return
-        self._fd = fd
-        self._loop.add_reader(fd, self._read)
+        """Start the observer's thread (watches come with `reconcile`)."""
+        observer = self._make()
+        observer.name = THREAD_NAME
+        observer.start()
+        self._observer = observer
 
     def stop(self) -> None:
-        """Close the descriptor; from any thread."""
-        if self._fd is None:
-            return
-        try:
-            on_loop = asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop or self._loop.is_closed():
-            self._close()
-            return
-        done = threading.Event()
-
-        def close() -> None:
-            self._close()
-            done.set()
-
-        try:
-            self._loop.call_soon_threadsafe(close)
-        except RuntimeError:  # the loop is closing
-            self._close()
-            return
-        done.wait(10)
-
-    def _close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        if not self._loop.is_closed():
-            self._loop.remove_reader(fd)
-        os.close(fd)  # drops every kernel watch with it
+        """Stop the observer and join its threads; from any thread but watchdog's."""
         with self._lock:
+            observer, self._observer = self._observer, None
             self._watches.clear()
-            self._dirs.clear()
+        if observer is None:
+            return
+        observer.stop()  # unschedules every watch: emitters stopped and joined, inotify closed
+        observer.join(10)
 
     def count(self) -> int:
-        """Logical watches: directories, and in-flight checkpoints' trees."""
+        """Scheduled watches: normally one per watched root."""
         return len(self._watches)
 
     def kernel_watches(self) -> int:
-        return len(self._dirs)
+        """The kernel's inotify watches of this observer (0 where it is not inotify's)."""
+        fd = self.inotify_fd()
+        if fd is None:
+            return 0
+        try:
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                return sum(1 for line in f if line.startswith("inotify wd:"))
+        except OSError:
+            return 0
+
+    def inotify_fd(self) -> int | None:
+        """The observer's inotify descriptor, once a watch is scheduled (watchdog's InotifyObserver
+        allocates one InotifyFD for all of its emitters); None for another observer."""
+        ifd = getattr(self._observer, "_inotify_fd", None)
+        return getattr(ifd, "_inotify_fd", None)
 
     # --- what to watch (the filesystem thread) ------------------------------------
 
-    def reconcile(self, wanted: set[tuple[str, bool]]) -> None:
-        """Watch exactly `wanted`, up to MAX_WATCHES (in-flight checkpoints first); the rest is polled."""
+    def reconcile(self, wanted: set[Key], now: float | None = None) -> None:
+        """Watch exactly `wanted`, up to MAX_WATCHES (recursive ones first); the rest is polled.
+
+        A path inside a recursive watch is not scheduled again: it is watched already, and a
+        second watch would hand each event over twice.
+        """
+        if self._observer is None:
+            return
+        now = time.monotonic() if now is None else now
+        wanted = _uncovered(wanted)
         if len(wanted) > MAX_WATCHES:
             if not self.capped:
                 log.warning(
-                    "%d directories to watch; watching %d and polling the rest", len(wanted), MAX_WATCHES
+                    "%d watches asked for; watching %d and polling the rest", len(wanted), MAX_WATCHES
                 )
                 self.capped = True
-            keep = {k for k in wanted if k[1]}  # in-flight checkpoints first
-            keep |= set(
-                sorted(wanted - keep, key=lambda k: k[0].count("/"))[: max(0, MAX_WATCHES - len(keep))]
-            )
-            wanted = set(sorted(keep)[:MAX_WATCHES])
-        if self._fd is None:
+            wanted = set(sorted(wanted, key=lambda k: (not k[1], k[0].count("/"), k[0]))[:MAX_WATCHES])
+        with self._lock:
+            observer = self._observer
+            if observer is None:
+                return
+            for key in set(self._watches) - wanted:
+                observer.unschedule(self._watches.pop(key))
+            new = [k for k in sorted(wanted) if k not in self._watches and self._refused.get(k, 0.0) <= now]
+        for key in new:
+            self._schedule(observer, key, now)
+
+    def _schedule(self, observer: BaseObserver, key: Key, now: float) -> None:
+        path, recursive = key
+        try:  # outside the lock: a recursive watch walks its tree first
+            watch = observer.schedule(self._handler, path, recursive=recursive, event_filter=EVENTS)
+        except OSError as exc:
+            self._refused_watch(key, exc, now)
             return
         with self._lock:
-            rewalk, self._rewalk = self._rewalk, False
-            for key in set(self._watches) - wanted:
-                self._unwatch(key)
-            new = [k for k in sorted(wanted) if k not in self._watches or (rewalk and k[1])]
-        for key in new:
-            dirs = _tree(key[0]) if key[1] else [key[0]]  # walked outside the lock: events go on
-            with self._lock:
-                if self._fd is not None:
-                    self._watch(key, dirs)
-
-    def _watch(self, key: Key, dirs: list[str]) -> None:
-        """Add the kernel watches of `key` on `dirs` (under the lock). A path that is gone is skipped."""
-        wds = self._watches.get(key, set())
-        for d in dirs:
-            wd = self._add(d)
-            if wd is not None:
-                wds.add(wd)
-                self._dirs.setdefault(wd, _Dir(d)).owners.add(key)
-            elif d == key[0] and not wds:
-                return  # the watched directory itself could not be watched: polling covers it
-        self._watches[key] = wds
-
-    def _add(self, path: str) -> int | None:
-        assert self._libc is not None and self._fd is not None
-        wd = self._libc.add(self._fd, os.fsencode(path), MASK)
-        if wd >= 0:
-            self.failed.discard(path)
-            return wd
-        err = ctypes.get_errno()
-        if err in (errno.ENOENT, errno.ENOTDIR):
-            return None  # gone already; the next poll notices
-        if path not in self.failed:
-            self.failed.add(path)
-            if err == errno.ENOSPC:
-                log.warning(
-                    "inotify watch limit reached (fs.inotify.max_user_watches) at %s; polling it instead",
-                    path,
-                )
-            else:
-                log.warning("cannot watch %s (%s); polling it instead", path, os.strerror(err))
-        return None
-
-    def _unwatch(self, key: Key) -> None:
-        assert self._libc is not None and self._fd is not None
-        for wd in self._watches.pop(key, ()):
-            d = self._dirs.get(wd)
-            if d is None:
-                continue
-            d.owners.discard(key)
-            if not d.owners:
-                del self._dirs[wd]
-                self._libc.rm(self._fd, wd)  # EINVAL if the kernel dropped it already: fine
-
-    # --- events (the loop's thread) --------------------------------------------------
-
-    def _read(self) -> None:
-        while self._fd is not None:
-            try:
-                buf = os.read(self._fd, 64 * 1024)
-            except BlockingIOError:
+            if self._observer is not observer:  # stopped meanwhile: stop() unscheduled everything
                 return
-            except OSError as exc:
-                log.warning("reading inotify events failed: %s", exc)
-                return
-            self._dispatch(buf)
+            self._watches[key] = watch
+        fd = self.inotify_fd()
+        if fd is not None:  # watchdog's inotify_init() has no IN_CLOEXEC: keep it from exec'd programs
+            os.set_inheritable(fd, False)
+        _name_threads(observer, watch)
+        self._refused.pop(key, None)
+        self.failed.discard(path)
 
-    def _dispatch(self, buf: bytes) -> None:
-        """Hand each event's path to `on_path`; watch directories created inside recursive watches."""
-        paths: list[str] = []
-        overflowed = False
-        off = 0
-        with self._lock:
-            while off + EVENT.size <= len(buf):
-                wd, mask, _, n = EVENT.unpack_from(buf, off)
-                name = buf[off + EVENT.size : off + EVENT.size + n].split(b"\0", 1)[0]
-                off += EVENT.size + n
-                if mask & IN_Q_OVERFLOW:
-                    overflowed = True
-                    continue
-                d = self._dirs.get(wd)
-                if d is None:
-                    continue
-                if mask & IN_IGNORED:  # its directory was deleted (or unmounted)
-                    del self._dirs[wd]
-                    for key in d.owners:
-                        self._watches.get(key, set()).discard(wd)
-                    continue
-                path = os.path.join(d.path, os.fsdecode(name)) if name else d.path
-                if mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
-                    for key in [k for k in d.owners if k[1]]:
-                        self._grow(key, path)
-                paths.append(path)
-        if overflowed:
-            self._rewalk = True
-            log.warning("inotify queue overflow: events were lost")
-            self._on_overflow()
-        for path in paths:
-            self._on_path(path)
-
-    def _grow(self, key: Key, path: str) -> None:
-        """A directory created (or moved) inside a recursive watch: watch it and what it holds."""
-        for d in _tree(path):
-            wd = self._add(d)
-            if wd is not None:
-                self._watches.setdefault(key, set()).add(wd)
-                self._dirs.setdefault(wd, _Dir(d)).owners.add(key)
+    def _refused_watch(self, key: Key, exc: OSError, now: float) -> None:
+        path = key[0]
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return  # gone already; the next poll notices
+        self._refused[key] = now + RETRY_AFTER
+        if path in self.failed:
+            return
+        self.failed.add(path)
+        if exc.errno == errno.ENOSPC:
+            log.warning(
+                "inotify watch limit reached (fs.inotify.max_user_watches) at %s; polling it instead", path
+            )
+        elif exc.errno == errno.EMFILE:
+            log.warning(
+                "inotify instance limit reached (fs.inotify.max_user_instances) at %s; polling it instead",
+                path,
+            )
+        else:
+            log.warning("cannot watch %s (%s); polling it instead", path, exc.strerror or exc)
 
 
-def _tree(path: str) -> list[str]:
-    """`path` and every directory below it, symlinks not followed."""
-    dirs = [path]
-    for top, subdirs, _ in os.walk(path):
-        dirs += [os.path.join(top, d) for d in subdirs]
-    return dirs
+def _name_threads(observer: BaseObserver, watch: ObservedWatch) -> None:
+    """Names that say whose threads these are (in a thread dump, `py-spy dump`)."""
+    for emitter in list(observer.emitters):
+        if emitter.watch == watch:
+            emitter.name = f"{THREAD_NAME} {watch.path}"
+    reader = getattr(observer, "_inotify_fd", None)  # watchdog's InotifyObserver: its one reader
+    if reader is not None:
+        reader.name = f"{THREAD_NAME} inotify"
+
+
+def _uncovered(wanted: set[Key]) -> set[Key]:
+    """`wanted` less what a recursive watch in it covers already."""
+    deep = sorted(p for p, recursive in wanted if recursive)
+    return {
+        (p, r) for p, r in wanted
+        if not any(p == d and not r or p.startswith(d.rstrip(os.sep) + os.sep) for d in deep)
+    }  # fmt: skip

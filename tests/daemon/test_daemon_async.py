@@ -49,12 +49,13 @@ async def test_inotify_paths_reach_the_loop_on_its_thread(tmp_path):
 
 @pytest.mark.exclusive
 async def test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walked_again(tmp_path):
-    """A real IN_Q_OVERFLOW: the watcher's descriptor is made with a queue of one event
-    (fs.inotify.max_queued_events is read once, by inotify_init: lowered for the start only, and
-    restored), and its reader is held (the loop, blocked while the checkpoint is written and
-    holding the watcher's lock, which the reader takes): the kernel drops what does not fit, among it the creation of a
-    directory, which is therefore not watched until the reconcile after the overflow walks the
-    recursive watch again."""
+    """A real IN_Q_OVERFLOW: the observer's inotify instance is made with a queue of one event
+    (fs.inotify.max_queued_events is read once, by inotify_init at the first schedule: lowered for
+    that only, and restored), and watchdog's reader is held (its InotifyFD lock, which the reader
+    takes after each read) while the checkpoint is written: the kernel drops what does not fit,
+    among it the creation of a directory. watchdog walks its recursive watch again and sends
+    EventsLostEvent, which reaches the loop as the daemon's overflow; the lost directory is
+    watched from then on."""
     queued = Path("/proc/sys/fs/inotify/max_queued_events")
     try:
         old = queued.read_text()
@@ -65,24 +66,22 @@ async def test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walke
     overflowed = asyncio.Event()
     seen: list[str] = []
     watcher = Watcher(loop, seen.append, overflowed.set)
+    watcher.start()
+    ckpt = tmp_path / "checkpoint-1"
+    ckpt.mkdir()
     try:
-        queued.write_text("1")
-        watcher.start()
-    finally:
-        queued.write_text(old)
-    try:
-        ckpt = tmp_path / "checkpoint-1"
-        ckpt.mkdir()
-        await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
+        try:
+            queued.write_text("1")
+            await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
+        finally:
+            queued.write_text(old)
         lost = ckpt / "global_step1"
-        with watcher._lock:  # nothing is read meanwhile: the events fill the queue of one
+        with watcher._observer._inotify_fd._lock:  # nothing is read meanwhile: the events fill the queue of one
             for name in ("a", "b"):
                 (ckpt / name).write_bytes(b"x")
             lost.mkdir()
         await asyncio.wait_for(overflowed.wait(), 10)
-        assert watcher.kernel_watches() == 1  # the creation of global_step1 was dropped
-        await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
-        assert watcher.kernel_watches() == 2
+        assert watcher.kernel_watches() == 2  # global_step1 watched again by watchdog's walk
         await asyncio.to_thread((lost / "shard.pt").write_bytes, b"x")
         while str(lost / "shard.pt") not in seen:
             await asyncio.sleep(0.01)  # bounded by the test timeout: the event arrives on the loop
@@ -90,7 +89,9 @@ async def test_a_queue_overflow_reaches_the_loop_and_recursive_watches_are_walke
         await asyncio.to_thread(watcher.stop)
 
 
-async def test_a_directory_created_inside_a_watched_checkpoint_is_watched_at_once(tmp_path):
+async def test_a_directory_created_inside_a_watched_root_is_watched_at_once(tmp_path):
+    """And the threads are watchdog's, a fixed few: the observer, the inotify reader and its
+    dispatcher, and one emitter per scheduled watch (one per root), however many directories."""
     loop = asyncio.get_running_loop()
     seen: list[str] = []
     arrived = asyncio.Event()
@@ -104,18 +105,18 @@ async def test_a_directory_created_inside_a_watched_checkpoint_is_watched_at_onc
     before = threading.active_count()
     watcher = Watcher(loop, on_path, lambda: None)
     watcher.start()
-    threads = threading.active_count()
-    assert threads == before  # read on the loop: no thread at all
     try:
         ckpt = tmp_path / "checkpoint-1"
         ckpt.mkdir()
-        await asyncio.to_thread(watcher.reconcile, {(str(ckpt), True)})
+        await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
         (ckpt / "global_step1").mkdir()
         while str(ckpt / "global_step1") not in seen:  # its creation read: now it is watched
             await asyncio.sleep(0.01)
+        threads = threading.active_count()  # counted once an event went through every one of them
+        assert threads - before == 4  # observer, reader, dispatcher, one emitter
         (ckpt / "global_step1" / "shard.pt").write_bytes(b"x")
         await asyncio.wait_for(arrived.wait(), 10)
-        assert watcher.kernel_watches() == 2 and threading.active_count() == threads  # no thread per watch
+        assert watcher.kernel_watches() == 3 and threading.active_count() == threads  # no thread per directory
     finally:
         await asyncio.to_thread(watcher.stop)
 
@@ -131,6 +132,7 @@ async def test_watching_only_what_is_asked(tmp_path):
         assert watcher.count() == 2
         await asyncio.to_thread(watcher.reconcile, {(str(tmp_path / "b"), True), (str(tmp_path / "gone"), False)})
         assert watcher.count() == 1  # a unwatched; a missing path is skipped, not an error
+        assert watcher.kernel_watches() == 1 and not watcher.failed
     finally:
         await asyncio.to_thread(watcher.stop)
 
@@ -138,7 +140,10 @@ async def test_watching_only_what_is_asked(tmp_path):
 @pytest.mark.exclusive
 async def test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_polling(tmp_path, caplog):
     """ENOSPC from inotify_add_watch (fs.inotify.max_user_watches reached), provoked for real: the
-    limit is lowered to 0 (no new watch for this user) for the two reconciles only, and restored."""
+    limit is lowered to 0 (no new watch for this user) for the two reconciles only, and restored.
+    A refused watch is asked for again after RETRY_AFTER, not at every step (it walks its tree)."""
+    from ckptd.watch import RETRY_AFTER
+
     limit = Path("/proc/sys/fs/inotify/max_user_watches")
     try:
         old = limit.read_text()
@@ -147,26 +152,61 @@ async def test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_po
         pytest.skip(f"fs.inotify.max_user_watches cannot be written here ({exc}): ENOSPC cannot be provoked")
     watcher = Watcher(asyncio.get_running_loop(), lambda p: None, lambda: None)
     watcher.start()
-    key = (str(tmp_path), False)
+    key = (str(tmp_path), True)
+    (tmp_path / "run" / "checkpoint-1").mkdir(parents=True)
     try:
         with caplog.at_level(logging.WARNING, logger="ckptd.watch"):
             try:
                 limit.write_text("0")
-                watcher.reconcile({key})
-                watcher.reconcile({key})  # asked again while the limit lasts
+                await asyncio.to_thread(watcher.reconcile, {key}, 0.0)
+                await asyncio.to_thread(watcher.reconcile, {key}, RETRY_AFTER + 1)  # asked again while it lasts
             finally:
                 limit.write_text(old)
         assert watcher.count() == 0 and watcher.failed == {str(tmp_path)}
         assert len([r for r in caplog.records if "watch limit reached" in r.getMessage()]) == 1
-        await asyncio.to_thread(watcher.reconcile, {key})
+        await asyncio.to_thread(watcher.reconcile, {key}, RETRY_AFTER + 2)
+        assert watcher.count() == 0  # not yet: the limit allows it, but the retry waits
+        await asyncio.to_thread(watcher.reconcile, {key}, 2 * RETRY_AFTER + 2)
         assert watcher.count() == 1 and not watcher.failed  # watched again once the limit allows it
+        assert watcher.kernel_watches() == 3
+    finally:
+        await asyncio.to_thread(watcher.stop)
+
+
+@pytest.mark.exclusive
+async def test_an_exhausted_instance_limit_is_logged_and_leaves_the_root_to_polling(tmp_path, caplog):
+    """EMFILE from inotify_init (fs.inotify.max_user_instances reached), provoked for real: watchdog's
+    observer makes its one instance at the first schedule, with the limit lowered to 0 meanwhile."""
+    from ckptd.watch import RETRY_AFTER
+
+    limit = Path("/proc/sys/fs/inotify/max_user_instances")
+    try:
+        old = limit.read_text()
+        limit.write_text(old)
+    except OSError as exc:
+        pytest.skip(f"fs.inotify.max_user_instances cannot be written here ({exc}): EMFILE cannot be provoked")
+    watcher = Watcher(asyncio.get_running_loop(), lambda p: None, lambda: None)
+    watcher.start()
+    key = (str(tmp_path), True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckptd.watch"):
+            try:
+                limit.write_text("0")
+                await asyncio.to_thread(watcher.reconcile, {key}, 0.0)
+            finally:
+                limit.write_text(old)
+        assert watcher.count() == 0 and watcher.failed == {str(tmp_path)} and watcher.inotify_fd() is None
+        assert [r.getMessage() for r in caplog.records if "instance limit reached" in r.getMessage()] == [
+            f"inotify instance limit reached (fs.inotify.max_user_instances) at {tmp_path}; polling it instead"]
+        await asyncio.to_thread(watcher.reconcile, {key}, RETRY_AFTER + 1)
+        assert watcher.count() == 1 and watcher.kernel_watches() == 1  # watched once the limit allows it
     finally:
         await asyncio.to_thread(watcher.stop)
 
 
 async def test_a_directory_watched_for_two_keys_gives_one_hint_per_event(tmp_path):
-    """One kernel watch, one hint per event: a run directory that is also an in-flight checkpoint's top
-    (watched for both) does not hand each event over twice."""
+    """One watch, one hint per event: a directory also inside a recursive watch (a run directory
+    that is also an in-flight checkpoint's top) is not scheduled twice."""
     loop = asyncio.get_running_loop()
     seen: list[str] = []
     last = asyncio.Event()
@@ -180,26 +220,28 @@ async def test_a_directory_watched_for_two_keys_gives_one_hint_per_event(tmp_pat
     watcher.start()
     try:
         await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), False), (str(tmp_path), True)})
-        assert watcher.count() == 2 and watcher.kernel_watches() == 1
+        assert watcher.count() == 1 and watcher.kernel_watches() == 1
         (tmp_path / "shard.pt").write_bytes(b"x")
         (tmp_path / "last").write_bytes(b"x")  # read after the shard's events: same watch, in order
         await asyncio.wait_for(last.wait(), 10)
-        assert seen.count(str(tmp_path / "shard.pt")) == 2  # IN_CREATE, IN_CLOSE_WRITE: once each
-        await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
-        assert watcher.kernel_watches() == 1  # still watched for the other key
+        assert seen.count(str(tmp_path / "shard.pt")) == 2  # created, closed: once each
     finally:
         await asyncio.to_thread(watcher.stop)
 
 
-async def test_stopping_closes_the_descriptor(tmp_path):
+async def test_stopping_closes_the_descriptor_and_joins_the_threads(tmp_path):
+    await asyncio.to_thread(lambda: None)  # the loop's executor thread, started before counting
+    before = set(threading.enumerate())
     watcher = Watcher(asyncio.get_running_loop(), lambda p: None, lambda: None)
     watcher.start()
-    fd = watcher._fd
-    assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify"
-    assert not os.get_inheritable(fd)  # inotify_init1(IN_CLOEXEC)
     await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
+    fd = watcher.inotify_fd()
+    assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify"
+    assert not os.get_inheritable(fd)  # watchdog's inotify_init() has no IN_CLOEXEC: set after
     await asyncio.to_thread(watcher.stop)
-    assert watcher._fd is None and watcher.count() == 0
+    assert watcher.count() == 0 and watcher.inotify_fd() is None
+    left = [t for t in threading.enumerate() if t not in before and not t.name.startswith("asyncio_")]
+    assert left == []  # joined, not left behind (the loop's executor may have grown meanwhile)
     try:
         now = os.readlink(f"/proc/self/fd/{fd}")
     except FileNotFoundError:
@@ -208,12 +250,76 @@ async def test_stopping_closes_the_descriptor(tmp_path):
     await asyncio.to_thread(watcher.stop)  # twice: nothing to do
 
 
+async def test_the_thread_leak_fixture_fails_a_test_that_leaves_an_observer_running(tmp_path):
+    """What tests/conftest.py's no_thread_leaks asserts on, for a watcher started and not stopped:
+    its observer, inotify reader and dispatcher, and emitter are named; once stopped, none is."""
+    from tests.support.threads import leaked
+
+    await asyncio.to_thread(lambda: None)  # the loop's executor thread, started before counting
+    before = set(threading.enumerate())
+    watcher = Watcher(asyncio.get_running_loop(), lambda p: None, lambda: None)
+    watcher.start()
+    try:
+        await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
+        (tmp_path / "x").write_bytes(b"x")  # a first event through every thread: all are up by then
+        while not [t for t in threading.enumerate() if t.name == "InotifyFD-Dispatcher" and t not in before]:
+            await asyncio.sleep(0.01)  # bounded by the test timeout
+        left = await asyncio.to_thread(leaked, before, 0.05)
+        names = sorted(t.name for t in left if not t.name.startswith("asyncio_"))
+        assert names == ["InotifyFD-Dispatcher", "ckptd-watch", f"ckptd-watch {tmp_path}", "ckptd-watch inotify"]
+    finally:
+        await asyncio.to_thread(watcher.stop)
+    left = await asyncio.to_thread(leaked, before, 5.0)
+    assert [t for t in left if not t.name.startswith("asyncio_")] == []  # (the loop's executor may grow)
+
+
+async def test_without_inotify_the_same_watcher_runs_on_a_polling_observer(tmp_path):
+    """The stand-in for a platform without inotify (a laptop's FSEvents, kqueue): watchdog's
+    PollingObserver behind the same Watcher, its snapshots read every 0.1 s."""
+    from watchdog.observers.polling import PollingObserver
+
+    loop = asyncio.get_running_loop()
+    seen: list[str] = []
+    arrived = asyncio.Event()
+
+    ckpt = tmp_path / "checkpoint-1"
+    wanted = {str(ckpt), str(ckpt / "global_step1"), str(ckpt / "global_step1" / "shard.pt")}
+
+    def on_path(path: str) -> None:
+        seen.append(path)
+        if wanted <= set(seen):  # one snapshot's events, in no particular order
+            arrived.set()
+
+    watcher = Watcher(loop, on_path, lambda: None, make_observer=lambda: PollingObserver(timeout=0.1))
+    watcher.start()
+    try:
+        await asyncio.to_thread(watcher.reconcile, {(str(tmp_path), True)})
+        (tmp_path / "checkpoint-1" / "global_step1").mkdir(parents=True)
+        (tmp_path / "checkpoint-1" / "global_step1" / "shard.pt").write_bytes(b"x")
+        await asyncio.wait_for(arrived.wait(), 10)
+        assert watcher.kernel_watches() == 0
+    finally:
+        await asyncio.to_thread(watcher.stop)
+
+
 async def test_auto_observer_reads_the_filesystem_type(tmp_path):
     fstype, mount = filesystem_type(tmp_path)
     assert fstype and mount and os.path.realpath(tmp_path).startswith(mount)
     kind, why = choose_observer(tmp_path, "auto")
     assert kind in ("inotify", "polling") and fstype in why
     assert choose_observer(tmp_path, "polling") == ("polling", "configured")
+
+
+async def test_auto_watches_with_watchdog_where_there_is_no_mount_table(tmp_path, monkeypatch):
+    """A developer's laptop (macOS: no /proc/self/mountinfo) is watched by watchdog's platform
+    observer (FSEvents there); a Linux box whose mount table cannot be read is polled."""
+    from ckptd import watch
+
+    monkeypatch.setattr(watch, "filesystem_type", lambda path: (None, None))
+    assert choose_observer(tmp_path, "auto") == ("polling", "filesystem type unknown")
+    monkeypatch.setattr(watch.sys, "platform", "darwin")
+    kind, why = choose_observer(tmp_path, "auto")
+    assert kind == "inotify" and why.startswith("darwin: watchdog's")
 
 
 async def test_reload_validates_first_and_keeps_the_old_config(tmp_path):
@@ -282,7 +388,7 @@ async def test_a_flaky_volume_is_logged_once_backed_off_and_nothing_is_deleted(t
     assert sorted(os.listdir(root / "job")) == ["checkpoint-2"]
 
 
-async def test_watches_are_capped_and_in_flight_checkpoints_come_first(tmp_path, monkeypatch):
+async def test_watches_are_capped_and_recursive_ones_come_first(tmp_path, monkeypatch):
     from ckptd import watch
 
     monkeypatch.setattr(watch, "MAX_WATCHES", 3)
@@ -294,7 +400,7 @@ async def test_watches_are_capped_and_in_flight_checkpoints_come_first(tmp_path,
     try:
         await asyncio.to_thread(watcher.reconcile, wanted)
         assert watcher.count() == 3 and watcher.capped
-        assert (str(tmp_path / "d"), True) in watcher._watches  # the in-flight checkpoint first
+        assert (str(tmp_path / "d"), True) in watcher._watches  # the recursive one first
     finally:
         await asyncio.to_thread(watcher.stop)
 

@@ -37,8 +37,8 @@ def tree_bytes(path: Path) -> int:
 
 
 def metrics_config(tmp: Path, root: Path, listen: str) -> Path:
-    # Polling: watchdog hands inotify events over 0.5 s late (it pairs moves), after a 0.2 s quiet
-    # period, and a late event sends a complete checkpoint back to settling for a moment.
+    # Polling: watchdog holds a move's first half 0.5 s to pair it (InotifyMoveEventGrouper), longer
+    # than the 0.2 s quiet period, and a late event sends a complete checkpoint back to settling.
     cfg = write_config(tmp / "c.toml", root, tmp / "state",
                        root_extra="quiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2\nobserver = 'polling'\npoll_interval = '0.3s'",
                        retention="keep_last = 1\nkeep_best = 0")

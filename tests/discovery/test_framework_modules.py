@@ -107,6 +107,7 @@ FRAMEWORK_IMPORT = re.compile(rf"^ckptd\.frameworks\.({'|'.join(_FW_MODULES)})$"
 ALLOWED: dict[str, str] = {
     "wholefile.py:.safetensors": "a file format whose header the integrity check reads, not a framework",
     "demo.py": "writes demo checkpoints in each framework's own layout (`ckptd demo`): its files by design",
+    "demo_live.py": "a simulated DeepSpeed job writing its files (`ckptd demo --live`): its files by design",
     "cli/common.py:deepspeed": "a Python package `doctor` checks slimming can import, not a layout",
     "cli/common.py:safetensors": "a Python package `doctor` checks slimming can import",
     "consolidate.py:global_step<N>": "argparse help of the zero_to_fp32 consolidation tool",

@@ -169,27 +169,18 @@ def test_hints_map_paths_to_checkpoints_runs_and_directories(tmp_path, clock):
     t.hint(str(tmp_path / ".ckptd-trash" / "x"), clock.t)
     t.hint("/somewhere/else", clock.t)
     assert t.dirty_dirs == {"team/run", "team"}
+    # the root is watched recursively: ckptd's own lease, and what is deeper than a listed
+    # directory's entries (a logger's files in the run, a dataset), relist nothing
+    t.dirty_dirs.clear()
+    t.hint(str(tmp_path / ".ckptd"), clock.t)  # made in the root, but not a run's directory
+    t.hint(str(tmp_path / ".ckptd" / "lease.json"), clock.t)
+    t.hint(str(tmp_path / "team" / "run" / "wandb" / "run-1" / "events.log"), clock.t)
+    t.hint(str(tmp_path / "team" / "data" / "shards" / "x.bin"), clock.t)
+    assert t.dirty_dirs == set()
 
 
-def test_watches_are_narrow(tmp_path, clock):
-    hf_deepspeed_checkpoint(tmp_path / "team" / "run", 10, world=2)
-    hf_deepspeed_checkpoint(tmp_path / "team" / "run", 20, world=2)
-    t = tracker(tmp_path, clock)
-    start(t)
-    t.step(clock.advance(60))
-    hf_deepspeed_checkpoint(tmp_path / "team" / "run", 30, world=2)
-    t.poll()
-    assert t.wanted_watches() == {
-        (str(tmp_path), False),
-        (str(tmp_path / "team"), False),
-        (str(tmp_path / "team" / "run"), False),
-        (str(tmp_path / "team" / "run" / "checkpoint-30"), True),  # only the one in flight, deeply
-    }
-
-
-def test_at_start_only_checkpoints_written_lately_are_watched_deeply(tmp_path, clock):
-    """Every checkpoint settles once after a start; one whose files are all older than the
-    quiet period (most of a volume) is polled, not watched."""
+def test_at_start_a_write_into_an_old_checkpoint_is_seen_by_the_next_poll(tmp_path, clock):
+    """Every checkpoint settles once after a start, old ones too; a poll stats their directories."""
     from ckptd.demo import age
 
     age(hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2), time.time() - 3600)
@@ -198,13 +189,10 @@ def test_at_start_only_checkpoints_written_lately_are_watched_deeply(tmp_path, c
     start(t)
     assert {c.name: c.state for c in t.in_flight()} == {"checkpoint-10": State.SETTLING,
                                                          "checkpoint-20": State.SETTLING}
-    assert t.wanted_watches() == {(str(tmp_path), False), (str(tmp_path / "run"), False),
-                                  (str(tmp_path / "run" / "checkpoint-20"), True)}
     # a write into the old one is still seen: by the next poll, which stats its directories
     (tmp_path / "run" / "checkpoint-10" / "late.txt").write_text("x")
     t.poll()
     assert {c.name: c.state for c in t.in_flight()}["checkpoint-10"] is State.WRITING
-    assert (str(tmp_path / "run" / "checkpoint-10"), True) in t.wanted_watches()
 
 
 @pytest.mark.parametrize("mtime", [0.0, 1_000_000_000.0])  # 1970, and 2001
@@ -522,15 +510,6 @@ def test_a_megatron_tracker_written_late_is_seen_at_the_next_poll(tmp_path, cloc
     clock.advance(10)
     t.poll()
     assert states(t) == {"run/iter_0001000": State.COMPLETE}
-
-
-def test_stalled_checkpoints_are_watched(crashed, clock):
-    """Between backed-off looks, an inotify event is what wakes a stalled checkpoint at once."""
-    t, ckpt, _, _ = crashed
-    clock.advance(t.root.stall_after)
-    t.full_scan()
-    assert states(t) == {"run/checkpoint-10": State.STALLED}
-    assert (str(ckpt), True) in t.wanted_watches()
 
 
 def test_after_missed_events_a_rescan_finds_every_checkpoint_saved_meanwhile(tmp_path, clock):

@@ -203,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("demo", "write a small example volume and a config for it", roots=False, config=False)
     sp.add_argument("dir", type=_path_arg, metavar="DIR", help="where to write it (created if missing)")
     sp.add_argument("--force", action="store_true", help="overwrite an earlier demo (or anything) in DIR")
+    sp.add_argument(
+        "--live",
+        action="store_true",
+        help="run the daemon for ~30 s on a simulated 8-rank DeepSpeed job saving into DIR, one rank slow; "
+        "print its decisions and what the Trainer's save_total_limit would have deleted",
+    )
     return p
 
 

@@ -9,9 +9,9 @@ Shape (after uvicorn): `startup() -> main_loop() -> shutdown()`.
   (zero_to_fp32, minutes for a large model) runs on a third, one at a time,
   while the filesystem thread goes on tracking, settling and deleting; what it
   made goes into place on the filesystem thread (`consolidation.py`).
-- The inotify descriptor (`watch.py`) is read on the loop, no thread of its
-  own; the loop queues the paths as hints for the worker, which folds them in
-  at its next step.
+- watchdog's observer (`watch.py`) watches each inotify root recursively; its
+  handler hands each path to the loop, which queues it as a hint for the
+  worker, folded in at its next step.
 - The loop sleeps on an `asyncio.Event` until the earliest deadline: a
   checkpoint's quiet period ending, a debounced hint, the next targeted poll
   (which runs in inotify mode too, since inotify drops events), the next
@@ -211,7 +211,7 @@ class Daemon:
         return max(0.0, min(times, default=now + 60) - now)
 
     def _on_path(self, path: str) -> None:
-        """From the inotify reader on the loop (`watch.py`): a hint for the worker."""
+        """From watchdog's handler, on the loop (`watch.py`): a hint for the worker."""
         self._hints.append(path)
         self._wake.set()
 
@@ -227,11 +227,7 @@ class Daemon:
     def _sync_watches(self) -> None:
         if self.watcher is None:
             return
-        wanted: set[tuple[str, bool]] = set()
-        for rt in self.roots:
-            if rt.observer == "inotify":
-                wanted |= rt.tracker.wanted_watches()
-        self.watcher.reconcile(wanted)
+        self.watcher.reconcile({(str(rt.root.path), True) for rt in self.roots if rt.observer == "inotify"})
 
     def _sample_metrics(self) -> None:
         if self.metrics is not None:
