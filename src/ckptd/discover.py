@@ -139,24 +139,28 @@ def find_runs(
 
 
 _TOLD: set[str] = set()
-ROOT_MARKS = frozenset((layouts.LEASE_DIR, layouts.TRASH_DIR))  # what ckptd makes in every root it deletes in
+# What ckptd makes in every root it deletes in, and nowhere else: the root lock, the trash. Not `.ckptd/`
+# alone: a checkpoint's commit records live in a `.ckptd/` of its own (attest.RECORD_DIR).
+ROOT_MARKS = (layouts.ROOT_LOCK_FILE, layouts.TRASH_DIR)
 
 
 def _another_root(path: str, names: Iterable[str]) -> bool:
     """Whether the directory at `path`, holding `names`, is another ckptd's root; said once per process.
 
-    Its `.ckptd/` (the root's lock, made by every ckptd that deletes there) or `.ckptd-trash/`
+    Its root lock (`.ckptd/local.lock`, made by every ckptd that deletes there) or `.ckptd-trash/`
     says so. Whether that ckptd is alive does not matter: its config (pins, retention) and its
     trash are not ours to know, so nothing of it is ours to delete. A stale one stays until
     a person removes those directories."""
-    if ROOT_MARKS.isdisjoint(names):
+    names = set(names)
+    if layouts.TRASH_DIR not in names and (
+        layouts.LEASE_DIR not in names or not os.path.lexists(os.path.join(path, layouts.ROOT_LOCK_FILE))
+    ):
         return False
     if path not in _TOLD:
         _TOLD.add(path)
         log.warning("%s is another ckptd's root (it holds %s or %s): not ours; nothing in it is "
-                    "looked at or deleted from here", path, layouts.LEASE_DIR, layouts.TRASH_DIR)
+                    "looked at or deleted from here", path, layouts.ROOT_LOCK_FILE, layouts.TRASH_DIR)
     return True
-
 
 
 def _unnamed(path: str, layout: str) -> None:

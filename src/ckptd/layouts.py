@@ -33,6 +33,9 @@ TRASH_DIR = ".ckptd-trash"
 # A checkpoint renamed into its root when the trash could not be made (a full disk): purged as trash
 HIDDEN_TRASH = f"{TRASH_DIR}."
 LEASE_DIR = ".ckptd"  # the volume lease (lease.py)
+# Made by every ckptd that deletes in a root (locks.RootLock), and only in a root: a checkpoint's own
+# `.ckptd/` holds commit records (attest.RECORD_DIR), never this
+ROOT_LOCK_FILE = f"{LEASE_DIR}/local.lock"
 
 # A checkpoint name's `name=value` fields, as Lightning's ModelCheckpoint templates (and NeMo's and
 # Keras's after them) write them: joined by '-' (ModelCheckpoint._format_checkpoint_name,

@@ -29,7 +29,7 @@ class RootLockUnavailable(LockHeld):
     there could go on beside a ckptd with another state_dir, so nobody here deletes."""
 
 
-ROOT_LOCK = "local.lock"  # in <root>/.ckptd/: the lock every ckptd on this host deleting in the root takes
+ROOT_LOCK = layouts.ROOT_LOCK_FILE.rpartition("/")[2]  # in <root>/.ckptd/: the lock every ckptd on this host deleting in the root takes
 
 
 class RootLock:

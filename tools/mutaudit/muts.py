@@ -1334,7 +1334,7 @@ MUTS = [
       edits=[("archive/upload.py", "            self.store.abort(left)\n", "            pass\n")]),
  dict(id="NR1", what="a directory below the root holding .ckptd/ or .ckptd-trash/ (another ckptd's root) is not walked",
       tests=[T+"fleet/test_nested_roots.py::test_a_prune_of_the_parent_directory_leaves_a_live_daemons_root_alone"],
-      edits=[("discover.py", "    if ROOT_MARKS.isdisjoint(names):\n        return False\n", "    if True:\n        return False\n")]),
+      edits=[("discover.py", "    names = set(names)\n    if layouts.TRASH_DIR not in names and (", "    names = set(names)\n    if True or (")]),
  dict(id="NR2", what="the re-check refuses a target inside another ckptd's root made since the plan",
       tests=[T+"removal/test_reaper.py::test_recheck_refuses_a_checkpoint_inside_a_root_of_another_ckptd_made_after_the_plan"],
       edits=[("removal/recheck.py", "        if why is not None:\n            return why\n        now = self.clock()\n",

@@ -177,7 +177,7 @@ class Rechecks:
 
 def _in_another_root(root: Path, rel: str) -> str | None:
     """Why the checkpoint at `rel` is not ours: a directory on its way below `root`, or the
-    checkpoint itself, holds `.ckptd/` or `.ckptd-trash/`, so it lies in another ckptd's root
+    checkpoint itself, holds `.ckptd/local.lock` or `.ckptd-trash/`, so it lies in another ckptd's root
     (`discover.ROOT_MARKS`; made there since the plan, by a ckptd started since). Or None."""
     where = root
     for part in rel.split("/"):
