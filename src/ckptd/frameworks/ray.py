@@ -107,7 +107,9 @@ def read_snapshot(run: Path) -> Listed | None:
 
 class Ray(Framework):
     layout = LAYOUT
-    names_first = True  # `checkpoint_2026-12-07_17-45-32.517380` is unmistakably Ray's
+    # `checkpoint_2026-12-07_17-45-32.517380` is Ray's unless the user's own pattern says otherwise: a
+    # pattern such as `checkpoint_{time}` is asked first (layouts.recognise_by_name), so it keeps its meaning
+    names_first = False
     named_alone = True  # its contents are the user's: the snapshot, not a file inside, says what it is
     run_files = (SNAPSHOT,)  # rewritten in place after every registration: the plan notices a rewrite
 
