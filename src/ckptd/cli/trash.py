@@ -75,7 +75,9 @@ def _restore(config: Config, args: argparse.Namespace) -> int:
     wanted = None if args.all else args.name
     if wanted is None and not args.all:
         raise UsageError("name an entry (as `ckptd trash list` shows it, or the path it came from) or give --all")
-    entries = [e for e in _entries(config) if e.kind in ("checkpoint", "review")]
+    # a `%purging` one only by its name: restore then says what to do with it
+    kinds = ("checkpoint", "review", "purging") if wanted is not None else ("checkpoint", "review")
+    entries = [e for e in _entries(config) if e.kind in kinds]
     if wanted is not None:
         entries = [e for e in entries if wanted in (e.name, str(e.path), e.origin, str(e.root / (e.origin or "")))]
     if not entries:
