@@ -208,13 +208,12 @@ class Purging:
         back to `name`, judged again by the next purge. One a killed purge left (`left_by_crash`)
         is removed unless pinned; pinned, it goes back where its contents are still what its record
         saw, and is held for review where part of it is removed already."""
-        doomed = f"{name}{PURGING}"
         try:
-            seen = snapshot(doomed, dir_fd)
+            seen = snapshot(f"{name}{PURGING}", dir_fd)
         except OSError as exc:
             return self._unclaim(name, dir_fd, f"cannot look at it ({exc})", review=True)
         origin = _trash_origin(name) or _origin_from_record(name, dir_fd)
-        rel = origin[0] if origin is not None else None
+        rel = origin[0] if origin is not None and not origin[1] else None  # a slim's files: no config pin
         config_pins = self.scanner.root.retention_for(rel.rpartition("/")[0] or ".")[0].pins if rel else ()
         pinned = pins_inside(seen) or [p for p in config_pins if rel and pin_matches(rel, p)]
         record = read_record(name, dir_fd)
@@ -224,6 +223,8 @@ class Purging:
         if left_by_crash:
             if not pinned:
                 return None
+            if not isinstance(contents, list):  # nothing says it is whole
+                diff = "no decision record to compare it with"
             why = self._unclaim(name, dir_fd, f"pinned ({pinned[0]}) after its purge began", review=diff is not None)
             return why if diff is not None else self._back_now(name, dir_fd, rel, why)
         if pinned:
