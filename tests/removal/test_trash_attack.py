@@ -213,3 +213,10 @@ def test_a_part_removed_entry_left_by_a_killed_purge_and_pinned_is_held(tmp_path
     (kept,) = entries(root)
     assert kept.endswith("%review") and (root / TRASH_DIR / kept / "DONE").exists()
     assert not (root / "run" / "ckpt_1").exists()
+
+
+def test_a_second_prune_says_the_grace_what_another_left_waits(tmp_path):
+    cfg, root = pruned(tmp_path)
+    proc = ckptd("prune", "-c", cfg)  # the first one's three are another ckptd's to this one
+    assert proc.returncode == 0, proc.stderr
+    assert "3 trash entries another ckptd left are purged once they have been there 1h" in proc.stdout, proc.stdout
