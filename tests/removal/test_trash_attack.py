@@ -21,7 +21,8 @@ from ckptd.layouts import PIN_FILE, TRASH_DIR
 from ckptd.removal.decision import RECORD
 from tests.support.common import run_ckptd
 
-pytestmark = pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (apt-get install strace)")
+pytestmark = pytest.mark.skipif(shutil.which("strace") is None,
+                                reason="needs strace (apt-get install strace)")
 
 GRACE = {"CKPTD_TRASH_GRACE": ""}  # unset: the config's trash_grace (1h here)
 
@@ -42,7 +43,8 @@ def made(tmp_path: Path, keep_last: int = 1) -> Path:
         for p in (ckpt / "w.txt", ckpt / "DONE", ckpt):
             os.utime(p, (then, then))
     cfg = tmp_path / "cfg.toml"
-    cfg.write_text(f'[daemon]\nstate_dir = "{tmp_path}/state"\ntrash_grace = "1h"\n[[roots]]\npath = "{root}"\n'
+    cfg.write_text(f'[daemon]\nstate_dir = "{tmp_path}/state"\ntrash_grace = "1h"\n'
+                   f'[[roots]]\npath = "{root}"\n'
                    'quiet_period = "5s"\nallow_short_quiet_period = true\n'
                    'patterns = [{name = "ckpt_{step}", require = ["DONE"]}]\n'
                    f"[roots.retention]\nkeep_last = {keep_last}\nkeep_best = 0\n")
@@ -95,7 +97,8 @@ def test_a_run_moved_out_of_the_root_after_prune_is_held_not_purged(tmp_path):
     assert "purged 0" in again.stdout and len(entries(root)) == 3
     restore = ckptd("trash", "restore", "-c", cfg, "run/ckpt_1")
     assert restore.returncode == 74
-    assert f"its run {root}/run is no longer there" in restore.stderr and "by hand" in restore.stderr, restore.stderr
+    assert f"its run {root}/run is no longer there" in restore.stderr, restore.stderr
+    assert "by hand" in restore.stderr
 
 
 def test_a_crash_before_the_after_rename_check_then_the_run_moved_out_is_not_purged(tmp_path):
@@ -219,4 +222,5 @@ def test_a_second_prune_says_the_grace_what_another_left_waits(tmp_path):
     cfg, root = pruned(tmp_path)
     proc = ckptd("prune", "-c", cfg)  # the first one's three are another ckptd's to this one
     assert proc.returncode == 0, proc.stderr
-    assert "3 trash entries another ckptd left are purged once they have been there 1h" in proc.stdout, proc.stdout
+    said = "3 trash entries another ckptd left are purged once they have been there 1h"
+    assert said in proc.stdout, proc.stdout

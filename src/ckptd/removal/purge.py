@@ -183,7 +183,8 @@ class Purging:
                 try:
                     _rename_noreplace(entry, dir_fd, doomed, dir_fd)
                 except FileNotFoundError:
-                    log.warning("not purging %s: restored (or taken by another purge) since it was judged", path)
+                    log.warning("not purging %s: restored (or taken by another purge) since it was judged",
+                                path)
                     return None
             kept = self._claimed(name, dir_fd, left_by_crash=entry == doomed)
             if kept is not None:
@@ -225,7 +226,8 @@ class Purging:
                 return None
             if not isinstance(contents, list):  # nothing says it is whole
                 diff = "no decision record to compare it with"
-            why = self._unclaim(name, dir_fd, f"pinned ({pinned[0]}) after its purge began", review=diff is not None)
+            why = self._unclaim(name, dir_fd, f"pinned ({pinned[0]}) after its purge began",
+                                review=diff is not None)
             return why if diff is not None else self._back_now(name, dir_fd, rel, why)
         if pinned:
             why = self._unclaim(name, dir_fd, f"pinned ({pinned[0]}) as its purge began", review=False)
@@ -255,7 +257,8 @@ class Purging:
             log.error("%s/%s: %s; part of it is removed already: held for review as %s, never purged",
                       TRASH_DIR, name, why, back)
         else:
-            log.warning("%s/%s: %s: not purged, renamed back (the next purge judges it again)", TRASH_DIR, name, why)
+            log.warning("%s/%s: %s: not purged, renamed back (the next purge judges it again)",
+                        TRASH_DIR, name, why)
         return why
 
     def trash_pending(self) -> bool:

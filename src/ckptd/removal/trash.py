@@ -292,8 +292,8 @@ class Trashing:
         if entry.endswith("%purging"):
             raise ValueError(f"{entry}: its purge has begun (or a purge was killed after it began): "
                              "`ckptd trash purge` judges it again: a whole one pinned (a .ckptd-keep inside, "
-                             "or the config's pins) goes back to the trash, a part-removed one pinned is held "
-                             "for review; or look at it and move it back by hand")
+                             "or the config's pins) goes back to the trash, a part-removed one pinned is "
+                             "held for review; or look at it and move it back by hand")
         if origin is None or origin[1]:
             raise ValueError(f"{entry}: its name does not say which checkpoint it was: move it back by hand")
         rel = origin[0]
@@ -308,7 +308,8 @@ class Trashing:
                 raise ValueError(
                     f"{entry}: its run {self.root / (run_rel or '.')} is no longer there (moved, renamed or "
                     f"removed): move {where / entry} by hand into the run where it is now, as {back} "
-                    "(with a .ckptd-keep inside to keep it), or delete it; no purge takes it by itself") from None
+                    "(with a .ckptd-keep inside to keep it), or delete it; no purge takes it by itself"
+                ) from None
             try:
                 # The rename first: it is the claim (a purge renames `%purging` first, too); the pin
                 # after, into what is then this restore's
