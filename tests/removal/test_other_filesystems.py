@@ -121,34 +121,35 @@ def test_a_mount_made_after_the_plan_is_refused_at_the_re_check(tmp_path, mount,
 
 def test_the_purge_never_crosses_into_a_mount_inside_the_trash(tmp_path, mount, statx):
     """A bind mount attached inside a trash entry (after it was trashed): the purge leaves the
-    entry and never touches the mounted files; the rest of the trash goes."""
+    entry and never touches the mounted files; the rest of the trash goes. Slims' work, which
+    goes without a judgement (an entry whose origin nothing says is held for review, never purged)."""
     root, dataset = tmp_path / "vol", tmp_path / "dataset"
     dataset.mkdir()
     (dataset / "x").write_text("precious")
     trash = root / TRASH_DIR
-    (trash / "1-aaaa-run%checkpoint-10" / "data").mkdir(parents=True)
-    (trash / "1-aaaa-run%checkpoint-10" / "optimizer.pt").write_text("junk")
-    (trash / "2-bbbb-run%checkpoint-20").mkdir()
-    mount("--bind", dataset, trash / "1-aaaa-run%checkpoint-10" / "data")
+    (trash / "1-aaaa-run%2Fcheckpoint-10%slim" / "data").mkdir(parents=True)
+    (trash / "1-aaaa-run%2Fcheckpoint-10%slim" / "optimizer.pt").write_text("junk")
+    (trash / "2-bbbb-run%2Fcheckpoint-20%slim").mkdir()
+    mount("--bind", dataset, trash / "1-aaaa-run%2Fcheckpoint-10%slim" / "data")
     reaper = Reaper(Scanner(Root(path=root)), Journal(tmp_path / "state"), dry_run=False)
     assert reaper.purge()[0] == 1
-    assert os.listdir(trash) == ["1-aaaa-run%checkpoint-10"]
+    assert os.listdir(trash) == ["1-aaaa-run%2Fcheckpoint-10%slim"]
     assert (dataset / "x").read_text() == "precious"
     # and the remover itself, asked directly (the mount table check comes first in purge): a
     # bind mount is refused by statx, a tmpfs by its device number whatever the kernel
-    (trash / "1-aaaa-run%checkpoint-10" / "tmp").mkdir()
-    mount("-t", "tmpfs", "tmpfs", trash / "1-aaaa-run%checkpoint-10" / "tmp")
-    (trash / "1-aaaa-run%checkpoint-10" / "tmp" / "y").write_text("precious too")
+    (trash / "1-aaaa-run%2Fcheckpoint-10%slim" / "tmp").mkdir()
+    mount("-t", "tmpfs", "tmpfs", trash / "1-aaaa-run%2Fcheckpoint-10%slim" / "tmp")
+    (trash / "1-aaaa-run%2Fcheckpoint-10%slim" / "tmp" / "y").write_text("precious too")
     if statx == "no statx":
-        subprocess.run(["umount", str(trash / "1-aaaa-run%checkpoint-10" / "data")], check=True)
+        subprocess.run(["umount", str(trash / "1-aaaa-run%2Fcheckpoint-10%slim" / "data")], check=True)
     fd = os.open(trash, os.O_RDONLY | os.O_DIRECTORY)
     try:
         with pytest.raises(OSError, match=r"mount point|another filesystem"):
-            fs._remove_tree("1-aaaa-run%checkpoint-10", fd, os.fstat(fd).st_dev)
+            fs._remove_tree("1-aaaa-run%2Fcheckpoint-10%slim", fd, os.fstat(fd).st_dev)
     finally:
         os.close(fd)
     assert (dataset / "x").read_text() == "precious"
-    assert (trash / "1-aaaa-run%checkpoint-10" / "tmp" / "y").read_text() == "precious too"
+    assert (trash / "1-aaaa-run%2Fcheckpoint-10%slim" / "tmp" / "y").read_text() == "precious too"
 
 
 def test_the_remover_never_enters_a_bind_mount(tmp_path, mount):

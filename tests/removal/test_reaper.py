@@ -301,14 +301,18 @@ def test_purge_keeps_working_on_the_trash_it_opened_when_the_trash_is_swapped(vo
 
 
 def test_purge_removes_a_symlink_in_the_trash_not_what_it_points_to(volume, tmp_path):
+    """Named as a slim's work (purged without a judgement): the link goes, not its target. Named
+    as nothing ckptd gives, with no record: held for review, never purged."""
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "precious").write_text("keep me")
     (volume / TRASH_DIR).mkdir(mode=0o700)
+    (volume / TRASH_DIR / "1-aaaa-run%2Fcheckpoint-10%slim").symlink_to(outside)
     (volume / TRASH_DIR / "planted").symlink_to(outside)
     reaper, _, _ = make(volume, tmp_path)
     assert reaper.purge()[0] == 1
-    assert os.listdir(volume / TRASH_DIR) == []
+    assert os.listdir(volume / TRASH_DIR) == ["planted%review"]
+    assert (volume / TRASH_DIR / "planted%review").is_symlink()
     assert (outside / "precious").read_text() == "keep me"
 
 

@@ -152,9 +152,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
             mine = [p for p in trashed if p not in reaper.purged and os.path.lexists(p)]
             waiting, grace = waiting + len(mine), config.trash_grace(root)
             if reaper.waiting > len(mine):
+                # a checkpoint waits its trash_grace too, whoever trashed it (`Purging._not_yet`)
                 print(f"{root.path}: {reaper.waiting - len(mine)} trash entries another ckptd left are purged once "
-                      f"they have been there {reaper.foreign_wait:g}s, re-checked first (by the next prune "
-                      "or the daemon)")
+                      f"they have been there {format_duration(round(max(reaper.foreign_wait, grace)))}, "
+                      "re-checked first (by the next prune or the daemon)")
         finally:
             if lead is not None:
                 lead.stop()

@@ -56,8 +56,10 @@ def _list(config: Config, as_json: bool) -> int:
         return EX_OK
     for e in entries:
         origin = e.origin or "(origin unknown)"
-        why = "; ".join(e.reasons) or {"review": "held for review: never purged",
-                                      "purging": "its purge has begun"}.get(e.kind, e.kind)
+        why = "; ".join(e.reasons) or {
+            "review": "held for review: never purged (see the log for why; move it back or delete it by hand)",
+            "purging": "its purge has begun (the next `ckptd trash purge` judges it again)",
+            "unknown": "nothing says where it came from: the next purge holds it for review"}.get(e.kind, e.kind)
         print(f"{e.name}\n  from {e.root / origin} ({e.kind}, {format_size(e.bytes)})\n  why: {why}\n"
               f"  purged: {_when(e.purge_after, now)}")
     total = sum(e.bytes for e in entries)
@@ -75,7 +77,9 @@ def _restore(config: Config, args: argparse.Namespace) -> int:
     wanted = None if args.all else args.name
     if wanted is None and not args.all:
         raise UsageError("name an entry (as `ckptd trash list` shows it, or the path it came from) or give --all")
-    entries = [e for e in _entries(config) if e.kind in ("checkpoint", "review")]
+    # a `%purging` one only by its name: restore then says what to do with it
+    kinds = ("checkpoint", "review", "purging") if wanted is not None else ("checkpoint", "review")
+    entries = [e for e in _entries(config) if e.kind in kinds]
     if wanted is not None:
         entries = [e for e in entries if wanted in (e.name, str(e.path), e.origin, str(e.root / (e.origin or "")))]
     if not entries:

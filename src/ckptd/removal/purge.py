@@ -48,6 +48,8 @@ PURGING = "%purging"
 # origin names now (a run moved away and another made under its name): held for review, never
 # put into a run it did not come from
 _ELSEWHERE = "its record says it came from another directory"
+# `Purging._rejudged`: nothing is at the path its run had (moved, renamed or removed): held for review
+_RUN_GONE = "its run is no longer where it was"
 # Why the trash cannot be made: full, over quota, read-only, not ours to write (or the root gone)
 _NO_TRASH = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM})
 
@@ -127,7 +129,8 @@ class Purging:
         count = freed = review = 0
         urgent = self._short_of_space()
         for record in (n for n in names if n.endswith(RECORD)):
-            if record.removesuffix(RECORD) not in names:  # its entry purged or restored by another
+            entry_of = record.removesuffix(RECORD)
+            if entry_of not in names and f"{entry_of}{PURGING}" not in names:  # purged or restored by another
                 drop_record(record.removesuffix(RECORD), dir_fd)
         for entry in (n for n in names if not n.endswith(RECORD)):
             if stop():
@@ -135,7 +138,7 @@ class Purging:
             if entry.endswith(REVIEW):
                 review += 1
                 continue
-            if not entry.endswith(PURGING):  # else: judged, and its removal begun, by an earlier purge
+            if not entry.endswith(PURGING):  # else: its removal begun by an earlier purge (`_claimed`)
                 why = self._not_yet(entry, dir_fd, hidden=where_path == self.root, urgent=urgent)
                 if why is not None:
                     self.waiting += why == WAIT
@@ -177,7 +180,16 @@ class Purging:
         doomed = f"{name}{PURGING}"
         try:
             if entry != doomed:
-                _rename_noreplace(entry, dir_fd, doomed, dir_fd)
+                try:
+                    _rename_noreplace(entry, dir_fd, doomed, dir_fd)
+                except FileNotFoundError:
+                    log.warning("not purging %s: restored (or taken by another purge) since it was judged",
+                                path)
+                    return None
+            kept = self._claimed(name, dir_fd, left_by_crash=entry == doomed)
+            if kept is not None:
+                self._record("kept", root=str(self.root), trash=str(path), why=kept)
+                return None
             _remove_at(doomed, dir_fd)
         except OSError as exc:
             log.error("cannot purge %s: %s", where_path / entry, exc)
@@ -189,6 +201,65 @@ class Purging:
         log.debug("purged %s (%d bytes)", path, size)
         self._record("purged", **where)
         return size
+
+    def _claimed(self, name: str, dir_fd: int, *, left_by_crash: bool) -> str | None:
+        """Judged again once its `%purging` rename made the entry this purge's (a restore's rename
+        made first wins; one made after finds nothing): why it is kept, or None: remove it. A pin
+        (a `.ckptd-keep` at any depth, the config's) or contents other than its record saw: renamed
+        back to `name`, judged again by the next purge. One a killed purge left (`left_by_crash`)
+        is removed unless pinned; pinned, it goes back where its contents are still what its record
+        saw, and is held for review where part of it is removed already."""
+        try:
+            seen = snapshot(f"{name}{PURGING}", dir_fd)
+        except OSError as exc:
+            return self._unclaim(name, dir_fd, f"cannot look at it ({exc})", review=True)
+        origin = _trash_origin(name) or _origin_from_record(name, dir_fd)
+        rel = origin[0] if origin is not None and not origin[1] else None  # a slim's files: no config pin
+        config_pins = self.scanner.root.retention_for(rel.rpartition("/")[0] or ".")[0].pins if rel else ()
+        pinned = pins_inside(seen) or [p for p in config_pins if rel and pin_matches(rel, p)]
+        record = read_record(name, dir_fd)
+        contents = record.get("contents") if record is not None else None
+        diff = None if not isinstance(contents, list) else changed(
+            contents, [row for row in seen if row not in _pin_rows(seen)])
+        if left_by_crash:
+            if not pinned:
+                return None
+            if not isinstance(contents, list):  # nothing says it is whole
+                diff = "no decision record to compare it with"
+            why = self._unclaim(name, dir_fd, f"pinned ({pinned[0]}) after its purge began",
+                                review=diff is not None)
+            return why if diff is not None else self._back_now(name, dir_fd, rel, why)
+        if pinned:
+            why = self._unclaim(name, dir_fd, f"pinned ({pinned[0]}) as its purge began", review=False)
+            return self._back_now(name, dir_fd, rel, why)
+        if diff is not None:
+            return self._unclaim(name, dir_fd, f"changed as its purge began ({diff})", review=False)
+        return None
+
+    def _back_now(self, name: str, dir_fd: int, rel: str | None, why: str) -> str:
+        """A pinned entry renamed back from `%purging`: judged again at once (`_rejudged`), so it
+        goes back into its run (or is held) now, not after another grace."""
+        if rel is None or not _exists(name, dir_fd):
+            return why
+        return self._rejudged(name, dir_fd, rel) or why
+
+    def _unclaim(self, name: str, dir_fd: int, why: str, *, review: bool) -> str:
+        """Rename `<name>%purging` back to `name` (or to `<name>%review`, never purged): says why."""
+        back = f"{name}{REVIEW}" if review else name
+        try:
+            _rename_noreplace(f"{name}{PURGING}", dir_fd, back, dir_fd)
+        except OSError as exc:
+            log.error("%s/%s%s: %s, and cannot be renamed %s (%s): left as it is: look at it by hand",
+                      TRASH_DIR, name, PURGING, why, back, exc)
+            return why
+        if review:
+            drop_record(name, dir_fd)
+            log.error("%s/%s: %s; part of it is removed already: held for review as %s, never purged",
+                      TRASH_DIR, name, why, back)
+        else:
+            log.warning("%s/%s: %s: not purged, renamed back (the next purge judges it again)",
+                        TRASH_DIR, name, why)
+        return why
 
     def trash_pending(self) -> bool:
         """Whether the trash holds what a purge should look at: what this process did not put
@@ -233,6 +304,8 @@ class Purging:
         except FileNotFoundError:
             return "gone"
         origin = _trash_origin(entry)
+        if origin is None and not hidden:  # a rel too long for a name: its record says
+            origin = _origin_from_record(entry, trash_fd)
         whole = origin is not None and not origin[1]  # a whole checkpoint, not a slim's files
         own = entry in self._finished
         grace = 0.0 if urgent or not whole else self.trash_grace
@@ -246,8 +319,15 @@ class Purging:
             log.warning("%s: not named as ckptd names what it moves aside: left alone, never purged",
                         self.root / entry)
             return "not ckptd's"
-        if origin is None or origin[1]:
-            # Origin unknown, a slim's optimizer files, a consolidation's work: purged, unless a
+        if origin is None:
+            # Neither its name nor a record says where it came from (renamed in the trash, or put
+            # there by hand): nothing to judge it against, so never purged by itself.
+            log.error("%s/%s: neither its name nor a decision record says where it came from: held for "
+                      "review, never purged: move it back by hand, or delete it by hand", TRASH_DIR, entry)
+            self._hold(entry, trash_fd)
+            return "origin unknown"
+        if origin[1]:
+            # A slim's optimizer files, a consolidation's work: purged, unless a
             # pin is at its top (a pinned checkpoint moved in by hand, or under a name made to
             # look like a slim's): with nowhere known to move it back to, held for review.
             if _identity(f"{entry}/{layouts.PIN_FILE}", trash_fd) is not None:
@@ -272,7 +352,14 @@ class Purging:
         try:
             run_fd = open_dir_nofollow(self.root, run_rel or ".")
         except FileNotFoundError:
-            return None  # its run is gone as a whole (moved away, removed): nothing to go back to
+            # Its run is not at the path its record names: moved or renamed away (maybe out of the
+            # root after a crash skipped the after-rename check), or removed. Where it went its
+            # newest may be gone and a pin may be there; that cannot be seen from here: held.
+            why = f"{_RUN_GONE} ({self.root / (run_rel or '.')})"
+            log.error("%s/%s: %s: held for review, never purged: move it back into its run "
+                      "where the run is now, or delete it by hand", TRASH_DIR, entry, why)
+            self._hold(entry, trash_fd)
+            return why
         except OSError as exc:
             log.error("%s/%s: its run cannot be opened (%s): held for review, never purged",
                       TRASH_DIR, entry, exc)
@@ -360,6 +447,34 @@ class Purging:
         if settling:
             return SETTLING
         return "newer than every complete checkpoint left in its run (by step or by time)"
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+def _pin_rows(seen: list[list[object]]) -> list[list[object]]:
+    pins = set(pins_inside(seen))
+    return [row for row in seen if row[0] in pins]
+
+
+def _origin_from_record(entry: str, trash_fd: int) -> tuple[str, str] | None:
+    """(rel, "") from the entry's decision record where its name does not say (a rel too long for a
+    name), or None: no record, or one that names no checkpoint."""
+    record = read_record(entry, trash_fd)
+    if record is None:
+        return None
+    run, name = record.get("run"), record.get("name")
+    if not isinstance(run, str) or not isinstance(name, str) or not name or "/" in name:
+        return None
+    rel = os.path.normpath(f"{run}/{name}")
+    if rel.startswith(("/", "..")):
+        return None
+    return rel, ""
 
 
 def _against_record(record: dict[str, object], run_rel: str, name: str, run_fd: int) -> str | None:

@@ -290,7 +290,10 @@ class Trashing:
         name = entry.removesuffix(REVIEW)
         origin = _trash_origin(name)
         if entry.endswith("%purging"):
-            raise ValueError(f"{entry}: its purge has begun: what is left is not a whole checkpoint")
+            raise ValueError(f"{entry}: its purge has begun (or a purge was killed after it began): "
+                             "`ckptd trash purge` judges it again: a whole one pinned (a .ckptd-keep inside, "
+                             "or the config's pins) goes back to the trash, a part-removed one pinned is "
+                             "held for review; or look at it and move it back by hand")
         if origin is None or origin[1]:
             raise ValueError(f"{entry}: its name does not say which checkpoint it was: move it back by hand")
         rel = origin[0]
@@ -299,16 +302,31 @@ class Trashing:
         where = self.root if hidden else self.trash
         trash_fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            run_fd = open_dir_nofollow(self.root, run_rel or ".")
             try:
-                if pin:
-                    _pin(entry, trash_fd, back, run_fd)
+                run_fd = open_dir_nofollow(self.root, run_rel or ".")
+            except FileNotFoundError:
+                raise ValueError(
+                    f"{entry}: its run {self.root / (run_rel or '.')} is no longer there (moved, renamed or "
+                    f"removed): move {where / entry} by hand into the run where it is now, as {back} "
+                    "(with a .ckptd-keep inside to keep it), or delete it; no purge takes it by itself"
+                ) from None
+            try:
+                # The rename first: it is the claim (a purge renames `%purging` first, too); the pin
+                # after, into what is then this restore's
                 aside = back
                 try:
                     _rename_noreplace(entry, trash_fd, back, run_fd)
                 except FileExistsError:
                     aside = f"{back}{RESTORED}{int(self.clock())}"
                     _rename_noreplace(entry, trash_fd, aside, run_fd)
+                except FileNotFoundError:
+                    if _exists(f"{name}%purging", trash_fd):
+                        raise ValueError(f"{entry}: a purge took it first (it is {name}%purging now): "
+                                         "not restored; `ckptd trash list` shows what is left") from None
+                    raise ValueError(f"{entry}: no longer in the trash: restored or purged meanwhile "
+                                     "(see the journal)") from None
+                if pin:
+                    _pin(aside, run_fd, back, run_fd)
             finally:
                 os.close(run_fd)
             drop_record(name, trash_fd)
@@ -363,6 +381,14 @@ def _pin(entry: str, trash_fd: int, name: str, run_fd: int) -> None:
         fd = os.open(f"{name}{layouts.PIN_FILE}", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o644, dir_fd=run_fd)
     os.close(fd)
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 def _trash_name(c: Checkpoint, now: float) -> str:
