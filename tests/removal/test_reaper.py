@@ -410,15 +410,29 @@ def test_a_last_link_made_after_the_plan_is_honoured(volume, tmp_path):
     assert results[10].outcome is Outcome.TRASHED and results[30].outcome is Outcome.TRASHED
 
 
-@pytest.mark.parametrize("mark", [".ckptd", ".ckptd-trash"])
+@pytest.mark.parametrize("mark", [".ckptd/local.lock", ".ckptd-trash"])
 def test_recheck_refuses_a_checkpoint_inside_a_root_of_another_ckptd_made_after_the_plan(
         volume, tmp_path, mark):
-    """A ckptd started on `vol/run` after this plan was made (its lock directory, or its trash, is
+    """A ckptd started on `vol/run` after this plan was made (its root lock, or its trash, is
     there now): the run is its territory, with its pins and trash, and nothing of it is deleted here."""
     reaper, plan, _ = make(volume, tmp_path)
-    (volume / "run" / mark).mkdir()
+    if mark.endswith(".lock"):
+        (volume / "run" / ".ckptd").mkdir()
+        (volume / "run" / mark).touch()
+    else:
+        (volume / "run" / mark).mkdir()
     results = reaper.execute(plan.decisions)
     assert [r.outcome for r in results] == [Outcome.REFUSED] * 3
     why = f"inside another ckptd's root ({volume / 'run'} holds {mark}): not ours to delete"
     assert results[0].detail == why
-    assert names(volume) == sorted([mark, "checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-40"])
+    top = mark.partition("/")[0]
+    assert names(volume) == sorted([top, "checkpoint-10", "checkpoint-20", "checkpoint-30", "checkpoint-40"])
+
+
+def test_a_checkpoints_own_commit_records_are_no_other_ckptds_root(volume, tmp_path):
+    """A `.ckptd/` alone (a checkpoint's commit records, attest.RECORD_DIR) marks no root: the
+    plan's deletions go ahead."""
+    reaper, plan, _ = make(volume, tmp_path)
+    (volume / "run" / ".ckptd").mkdir()
+    results = reaper.execute(plan.decisions)
+    assert [r.outcome for r in results] == [Outcome.TRASHED] * 3

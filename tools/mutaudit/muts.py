@@ -1306,6 +1306,12 @@ MUTS = [
  dict(id="TP24", what="trash restore: a run no longer at its path is said, with what to do", tests="attack",
       edits=[(RMT, "            except FileNotFoundError:\n                raise ValueError(\n",
               "            except ZeroDivisionError:\n                raise ValueError(\n")]),
+ dict(id="TP25", what="the purge recognises a trash entry by its contents where its name says nothing (an Orbax step)",
+      tests=[T+"completeness/test_frameworks.py::test_orbax_commit_file_mode_killed_midway_keeps_the_last_loadable_step"],
+      edits=[("removal/purge.py", "        if mine is None and is_dir:\n", "        if False:\n")]),
+ dict(id="NR5", what="a checkpoint's own .ckptd/ (its commit records) marks no other ckptd's root",
+      tests=[T+"removal/test_reaper.py::test_a_checkpoints_own_commit_records_are_no_other_ckptds_root"],
+      edits=[("discover.py", "ROOT_MARKS = (layouts.ROOT_LOCK_FILE, layouts.TRASH_DIR)", "ROOT_MARKS = (layouts.LEASE_DIR, layouts.TRASH_DIR)")]),
  # a deleter that stops where it cannot be sure: slim_files that cannot be meant, a reload, lost footing, ranks unknown
  dict(id="FT1", what="slim_files that would remove the model's config or tokenizer are refused at config load",
       tests=[T+"slimming/test_slim.py::test_slim_files_that_remove_what_loading_needs_are_refused"],

@@ -21,7 +21,7 @@ from ckptd import layouts, mounts, space
 from ckptd.config import pin_matches
 from ckptd.discover import find_run
 from ckptd.evidence import MOUNT, TooDeep, resume_pointers, walk
-from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, Candidate, recognise_with_siblings
+from ckptd.layouts import HIDDEN_TRASH, TRASH_DIR, Candidate, recognise_by_contents, recognise_with_siblings
 from ckptd.model import State
 from ckptd.planner import Scanner, disk_space
 from ckptd.removal.decision import RECORD, changed, drop_record, pins_inside, read_record, snapshot
@@ -412,10 +412,13 @@ class Purging:
         pointer = resume_pointers(run_path, names).get(name)
         if pointer is not None:
             return f"named by {pointer}"
-        # by its name, or among its run's files (Keras's saves of one template: `recognise_among`)
+        # by its name, or among its run's files (Keras's saves of one template: `recognise_among`),
+        # or by a look inside, as discovery recognised it (an Orbax step is `1/` only with Orbax's files)
         mine = recognise_with_siblings(name, is_dir, names, self.scanner.patterns)
+        if mine is None and is_dir:
+            mine = recognise_by_contents(name, os.listdir(f"/proc/self/fd/{trash_fd}/{entry}"))
         if mine is None:
-            return "not recognised by its name, so not known to be older than the run's newest"
+            return "not recognised by its name or contents, so not known to be older than the run's newest"
         return self._an_anchor(entry, trash_fd, run_rel, name, mine)
 
     def _an_anchor(self, entry: str, trash_fd: int, run_rel: str, name: str, mine: Candidate) -> str | None:
