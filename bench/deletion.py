@@ -136,6 +136,9 @@ def purge_vs_rm(work: Path, *, checkpoints: int, world: int, shard: int, reps: i
         for c in range(checkpoints):
             write_checkpoint(trash, 1000 + c, world=world, mtime=now - HOUR, shard_size=shard)
             write_checkpoint(work / "rm", 1000 + c, world=world, mtime=now - HOUR, shard_size=shard)
+            # Named as the trash names a slim's files (`removal/trash._trash_origin`): purged without
+            # judging, so this measures the removal alone (the judging is measured beside the rename)
+            (trash / f"checkpoint-{1000 + c}").rename(trash / f"{int(now)}-{c:08x}-checkpoint-{1000 + c}%slim")
         files, size = _entries(trash)
         settle(work)
         if i % 2:

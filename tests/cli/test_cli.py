@@ -114,8 +114,9 @@ def test_prune_dry_run_says_so_on_every_line_and_deletes_nothing(volume):
 
 def test_an_interrupted_purge_is_finished_by_the_next_run(volume):
     config, root = volume
-    # what a crash between rename and purge leaves behind: half-removed trash
-    leftover = root / TRASH_DIR / "1700000000-abcd1234-roberta%checkpoint-7"
+    # what a crash in the middle of a purge leaves behind: half-removed trash, renamed %purging
+    # before its first removal (removal/purge.py `_purge_one`), under the name ckptd gave it
+    leftover = root / TRASH_DIR / "1700000000-abcd1234-roberta%2Fcheckpoint-7%purging"
     (leftover / "global_step7").mkdir(parents=True)
     (leftover / "global_step7" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 100)
     proc = run_ckptd("prune", "-c", config)

@@ -137,7 +137,7 @@ def test_sigterm_during_a_purge_then_restart_finishes_it(tmp_path):
     trash = root / TRASH_DIR
     entries = 300
     for i in range(entries):  # what a crash left behind: many entries, each with many files
-        d = trash / f"1700000000-{i:04d}-job%checkpoint-x{i}"
+        d = trash / f"1700000000-{i:04d}-job%2Fcheckpoint-x{i}%purging"  # a purge's, begun: removed
         d.mkdir(parents=True)
         for j in range(50):
             (d / f"f{j}").write_bytes(b"x")

@@ -266,7 +266,10 @@ async def test_the_thread_leak_fixture_fails_a_test_that_leaves_an_observer_runn
             await asyncio.sleep(0.01)  # bounded by the test timeout
         left = await asyncio.to_thread(leaked, before, 0.05)
         names = sorted(t.name for t in left if not t.name.startswith("asyncio_"))
-        assert names == ["InotifyFD-Dispatcher", "ckptd-watch", f"ckptd-watch {tmp_path}", "ckptd-watch inotify"]
+        # watchdog's dispatcher comes and goes with the events it hands on (InotifyFD starts it per
+        # burst): named when there, but not always there at the count
+        assert [n for n in names if n != "InotifyFD-Dispatcher"] == [
+            "ckptd-watch", f"ckptd-watch {tmp_path}", "ckptd-watch inotify"]
     finally:
         await asyncio.to_thread(watcher.stop)
     left = await asyncio.to_thread(leaked, before, 5.0)

@@ -394,8 +394,8 @@ def test_leftovers_of_a_crash_go_to_the_trash_at_the_next_start(tmp_path):
 
     root = tmp_path / "vol"
     ds_run(root, bf16)
-    (root / WORK_DIR / "1700000000-abcd-run%checkpoint-10").mkdir(parents=True)
-    (root / WORK_DIR / "1700000000-abcd-run%checkpoint-10" / slim.shard_name(1, 2)).write_text("half")
+    (root / WORK_DIR / "1700000000-abcd-run%2Fcheckpoint-10").mkdir(parents=True)
+    (root / WORK_DIR / "1700000000-abcd-run%2Fcheckpoint-10" / slim.shard_name(1, 2)).write_text("half")
     reaper, _, journal = reaper_for(root, tmp_path, keep_last=2, keep_full_last=1)
     assert reaper.clear_work() == 1 and no_work_left(root)
     assert reaper.purge()[0] == 1 and os.listdir(root / TRASH_DIR) == []
