@@ -46,7 +46,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ckptd.layouts import LEASE_DIR
-from ckptd.lease import boottime
+from ckptd.lease import boottime, renewal_thread
 from ckptd.leaserecord import ENGINE_RECORD, Holder, read_engine_record, volume_lease_live, write_engine_record
 
 log = logging.getLogger(__name__)
@@ -359,28 +359,7 @@ class EtcdLeadership:
     def start(self, on_change: Callable[[], None] = lambda: None) -> None:
         if self._thread is not None:
             return
-        self._stop.clear()
-
-        def run() -> None:
-            while True:
-                before = self.held()
-                try:
-                    self.step()
-                except Exception:  # a bug here must not leave a leader believing it leads
-                    log.exception("%s: etcd leadership step failed", self.root)
-                    with self._mutex:
-                        if self.epoch is not None:
-                            self._lose("internal error")
-                if self.held() != before:
-                    try:
-                        on_change()
-                    except Exception:
-                        log.exception("%s: telling the daemon the lead changed hands failed", self.root)
-                if self._stop.wait(self.interval):
-                    return
-
-        self._thread = threading.Thread(target=run, name=f"ckptd-etcd-{self.root.name}", daemon=True)
-        self._thread.start()
+        self._thread = renewal_thread(self, "etcd leadership", f"ckptd-etcd-{self.root.name}", on_change)
 
     def stop(self, release: bool = True, timeout: float = 5.0) -> bool:
         self._stop.set()

@@ -419,28 +419,7 @@ class VolumeLease:
         the daemon's filesystem thread must not let the lease lapse."""
         if self._thread is not None:
             return
-        self._stop.clear()
-
-        def run() -> None:
-            while True:
-                before = self.held()
-                try:
-                    self.step()
-                except Exception:  # a bug here must not leave a leader believing it leads
-                    log.exception("%s: volume lease step failed", self.root)
-                    with self._mutex:
-                        if self.epoch is not None:
-                            self._lose("internal error")
-                if self.held() != before:
-                    try:
-                        on_change()
-                    except Exception:
-                        log.exception("%s: telling the daemon the lease changed hands failed", self.root)
-                if self._stop.wait(self.interval):  # a timer: stop() ends the wait at once
-                    return
-
-        self._thread = threading.Thread(target=run, name=f"ckptd-lease-{self.root.name}", daemon=True)
-        self._thread.start()
+        self._thread = renewal_thread(self, "volume lease", f"ckptd-lease-{self.root.name}", on_change)
 
     def stop(self, release: bool = True, timeout: float = 5.0) -> bool:
         """End the renewal thread and hand the lease back. False if the thread is stuck in a call
@@ -600,3 +579,33 @@ def lock_scope(mount: Mount | None) -> str:
     if fs in ("gpfs", "ceph", "cephfs"):
         return "cluster-wide"
     return "this host only" if not is_remote(fs) else "unknown"
+
+
+def renewal_thread(lead: Any, what: str, name: str, on_change: Callable[[], None]) -> threading.Thread:
+    """Started: `lead.step()` every `lead.interval` until `lead._stop` is set, for a lease that must
+    not lapse while the daemon's filesystem thread is busy (`VolumeLease`, `etcdlease.EtcdLeadership`).
+    A step that raises loses the lead (a bug must not leave a leader believing it leads); a change
+    of `lead.held()` is told to `on_change`."""
+    lead._stop.clear()
+
+    def run() -> None:
+        while True:
+            before = lead.held()
+            try:
+                lead.step()
+            except Exception:
+                log.exception("%s: %s step failed", lead.root, what)
+                with lead._mutex:
+                    if lead.epoch is not None:
+                        lead._lose("internal error")
+            if lead.held() != before:
+                try:
+                    on_change()
+                except Exception:
+                    log.exception("%s: telling the daemon the %s changed hands failed", lead.root, what)
+            if lead._stop.wait(lead.interval):  # a timer: stop() ends the wait at once
+                return
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
