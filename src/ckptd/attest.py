@@ -36,6 +36,9 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
+# what a training script uses (docs/reference/python.md); the rest serves ckptd.attestation
+__all__ = ["HEARTBEAT", "Save", "begin", "commit", "saving", "snapshot"]
+
 RECORD_DIR = ".ckptd"
 FORMAT = 1
 HEARTBEAT = 10.0  # seconds between lease refreshes; ckptd calls a lease stale after max(120 s, 6 of them)

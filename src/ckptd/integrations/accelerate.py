@@ -14,6 +14,8 @@ from typing import Any
 
 from ckptd import attest
 
+__all__ = ["install"]
+
 
 def install(accelerator: Any, *, heartbeat: float = attest.HEARTBEAT, hash_files: bool = False) -> Any:
     """Record each process's part of every `accelerator.save_state`; returns the hook's handle."""

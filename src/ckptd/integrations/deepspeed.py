@@ -15,6 +15,8 @@ from typing import Any
 
 from ckptd import attest
 
+__all__ = ["wrap"]
+
 
 def wrap(engine: Any, *, heartbeat: float = attest.HEARTBEAT, hash_files: bool = False) -> Any:
     """`engine`, its `save_checkpoint` writing this rank's commit record into the tag directory."""

@@ -16,6 +16,8 @@ from typing import Any
 
 from ckptd import attest
 
+__all__ = ["AttestCallback"]
+
 
 def _base() -> type:
     from transformers import TrainerCallback

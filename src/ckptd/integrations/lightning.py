@@ -15,6 +15,8 @@ from typing import Any
 
 from ckptd import attest
 
+__all__ = ["AttestedModelCheckpoint"]
+
 
 def _base() -> type:
     try:
