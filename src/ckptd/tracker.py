@@ -23,7 +23,7 @@ What a look costs is bounded by what can have changed:
   the files that failed their check and the run's context (a Megatron
   tracker); any change there, or an inotify event, looks at once. (Every
   reconcile walking 20 stalled 64-rank checkpoints would cost more than the
-  0.02 % of a core they may add on the M volume: BENCHMARKS.md, 10.)
+  0.02 % of a core they may add on the M volume: BENCHMARKS.md, stalled checkpoints.)
 
 Here: what is on the disk (runs, checkpoints, the directories on the way), what to
 watch, and how hints and polls turn into looks. When each checkpoint is due for its
@@ -228,7 +228,7 @@ class RootTracker:
                 self.dirty_dirs.add(rel)
         self._relist_dirty(changes)
         # By name: a list of the Checkpoints themselves would keep every replaced one (and its
-        # entries) alive until the loop ends; on a large volume that was 170 MiB at the peak.
+        # entries) alive until the loop ends: 170 MiB more at the peak on a large volume.
         wall = time.time()
         for c in self.in_flight():
             if not c.fingerprint:
