@@ -72,61 +72,24 @@ def find_runs(
     """
     runs: list[RunDir] = []
     # (path, rel, depth, its entries if listed already, its mtime just before that listing)
-    stack: list[tuple[str, str, int, list[os.DirEntry[str]] | None, int | None]] = [
-        (str(root), ".", 0, None, None)
-    ]
+    stack: list[_Pending] = [(str(root), ".", 0, None, None)]
     while stack:
         path, rel, depth, entries, mtime = stack.pop()
         if entries is None or (visited is not None and mtime is None):
-            if visited is not None:
-                try:
-                    mtime = os.stat(path, follow_symlinks=False).st_mtime_ns
-                except OSError:
-                    continue
-            entries = _list(path)
-            if entries is None:
+            listed = _listing(path, timed=visited is not None)
+            if listed is None:
                 continue
+            entries, mtime = listed
         if (rel != "." or below_root) and _another_root(path, (e.name for e in entries)):
             continue
         if visited is not None:
             visited[rel] = mtime  # type: ignore[assignment]
-        candidates: list[Candidate] = []
-        loose: list[str] = []  # files no name alone identified (`layouts.recognise_among`)
-        for e in entries:
-            if e.name in (layouts.TRASH_DIR, layouts.LEASE_DIR) or e.name.startswith(layouts.HIDDEN_TRASH) \
-                    or e.is_symlink():
-                continue  # never followed, never touched
-            try:
-                is_dir = e.is_dir(follow_symlinks=False)
-            except OSError:
-                continue
-            children: list[os.DirEntry[str]] | None = None
-            children_mtime: int | None = None
-
-            def names(e: os.DirEntry[str] = e) -> list[str]:
-                # Listed once: recognising a directory needs its entries, and so does descending
-                # into it (with its mtime taken first, for targeted polling).
-                nonlocal children, children_mtime
-                if visited is not None:
-                    try:
-                        children_mtime = os.stat(e.path, follow_symlinks=False).st_mtime_ns
-                    except OSError:
-                        return []
-                children = _list(e.path)
-                return [c.name for c in children or ()]
-
-            cand = layouts.recognise(e.name, is_dir, names, patterns)
-            if children is not None and _another_root(e.path, (c.name for c in children)):
-                continue
-            if cand is not None:
-                candidates.append(cand)
-            elif not is_dir:
-                loose.append(e.name)
-            elif is_dir and not e.name.startswith("."):
-                free = framework_dirs and layouts.is_framework_dir(e.name)
-                if depth < max_depth or free:
-                    sub_rel = e.name if rel == "." else f"{rel}/{e.name}"
-                    stack.append((e.path, sub_rel, depth if free else depth + 1, children, children_mtime))
+        candidates, loose, below = _look_in(entries, patterns, timed=visited is not None)
+        for e, children, children_mtime in below:
+            free = framework_dirs and layouts.is_framework_dir(e.name)
+            if depth < max_depth or free:
+                sub_rel = e.name if rel == "." else f"{rel}/{e.name}"
+                stack.append((e.path, sub_rel, depth if free else depth + 1, children, children_mtime))
         if loose:
             candidates += layouts.recognise_among(loose)
         if candidates:
@@ -136,6 +99,62 @@ def find_runs(
                 continue
             runs.append(RunDir(root, rel, names, tuple(sorted(candidates, key=_order))))
     return sorted(runs, key=lambda r: r.rel)
+
+
+_Pending = tuple[str, str, int, "list[os.DirEntry[str]] | None", "int | None"]
+_Below = tuple[os.DirEntry[str], "list[os.DirEntry[str]] | None", "int | None"]
+
+
+def _listing(path: str, *, timed: bool) -> tuple[list[os.DirEntry[str]], int | None] | None:
+    """A directory's entries, with its mtime taken just before they were listed when `timed`
+    (targeted polling: a later stat showing another mtime means they changed); None if gone."""
+    mtime = None
+    if timed:
+        try:
+            mtime = os.stat(path, follow_symlinks=False).st_mtime_ns
+        except OSError:
+            return None
+    entries = _list(path)
+    return None if entries is None else (entries, mtime)
+
+
+def _look_in(
+    entries: list[os.DirEntry[str]], patterns: Collection[re.Pattern[str]], *, timed: bool
+) -> tuple[list[Candidate], list[str], list[_Below]]:
+    """One directory's entries sorted out: the checkpoints recognised, the files no name alone
+    identified (`layouts.recognise_among` takes them together), and the directories to descend
+    into, each with its entries if recognising it listed them already."""
+    candidates: list[Candidate] = []
+    loose: list[str] = []
+    below: list[_Below] = []
+    for e in entries:
+        if e.name in (layouts.TRASH_DIR, layouts.LEASE_DIR) or e.name.startswith(layouts.HIDDEN_TRASH) \
+                or e.is_symlink():
+            continue  # never followed, never touched
+        try:
+            is_dir = e.is_dir(follow_symlinks=False)
+        except OSError:
+            continue
+        listed: list[tuple[list[os.DirEntry[str]], int | None] | None] = []
+
+        def names(e: os.DirEntry[str] = e, listed: list = listed) -> list[str]:
+            # Listed once: recognising a directory needs its entries, and so does descending
+            # into it (with its mtime taken first, for targeted polling).
+            got = _listing(e.path, timed=timed)
+            listed.append(got)
+            return [c.name for c in got[0]] if got is not None else []
+
+        cand = layouts.recognise(e.name, is_dir, names, patterns)
+        children, children_mtime = listed[0] if listed and listed[0] is not None else (None, None)
+        if children is not None and _another_root(e.path, (c.name for c in children)):
+            continue
+        if cand is not None:
+            candidates.append(cand)
+        elif not is_dir:
+            loose.append(e.name)
+        elif not e.name.startswith("."):
+            below.append((e, children, children_mtime))
+    return candidates, loose, below
 
 
 _TOLD: set[str] = set()

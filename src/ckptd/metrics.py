@@ -177,24 +177,7 @@ class Metrics:
                     totals[1] = max(totals[1], c.written_at)
                 key = (path, c.rel)
                 present.add(key)
-                seen = self._seen.get(key)
-                if seen is None:
-                    # in flight since an earlier daemon saw it so: its age goes on from then
-                    kept = self._since.get(_since_key(key))
-                    since = now - max(0.0, wall - kept) if kept is not None else now
-                    seen = self._seen[key] = _Seen(first=now, measure=not first_look, in_flight_since=since)
-                if c.state is State.COMPLETE:
-                    if not seen.completed:  # once: a later write and re-settling is not a new checkpoint
-                        seen.completed = True
-                        if seen.measure:
-                            self.latency.observe(now - seen.first)
-                    seen.in_flight_since = None
-                    self._since.pop(_since_key(key), None)
-                else:
-                    if seen.in_flight_since is None:
-                        seen.in_flight_since = now
-                    self._since.setdefault(_since_key(key), wall - (now - seen.in_flight_since))
-                    oldest = max(oldest, now - seen.in_flight_since)
+                oldest = max(oldest, self._observe(key, c.state is State.COMPLETE, now, wall, first_look))
             last = rt.tracker.last_reconcile
             archiver = getattr(getattr(rt, "reaper", None), "archiver", None)
             archive = None if archiver is None else (
@@ -225,6 +208,29 @@ class Metrics:
         if self._since != since_before:
             _write_since(self._since_file, self._since)
         self.samples = tuple(samples)  # one assignment: a scrape sees this snapshot or the last
+
+    def _observe(self, key: tuple[str, str], complete: bool, now: float, wall: float,
+                 first_look: bool) -> float:
+        """One checkpoint seen in a snapshot: its completion latency observed once, when it first
+        is complete; how long it has been in flight (0 once complete), which outlives a restart."""
+        seen = self._seen.get(key)
+        if seen is None:
+            # in flight since an earlier daemon saw it so: its age goes on from then
+            kept = self._since.get(_since_key(key))
+            since = now - max(0.0, wall - kept) if kept is not None else now
+            seen = self._seen[key] = _Seen(first=now, measure=not first_look, in_flight_since=since)
+        if complete:
+            if not seen.completed:  # once: a later write and re-settling is not a new checkpoint
+                seen.completed = True
+                if seen.measure:
+                    self.latency.observe(now - seen.first)
+            seen.in_flight_since = None
+            self._since.pop(_since_key(key), None)
+            return 0.0
+        if seen.in_flight_since is None:
+            seen.in_flight_since = now
+        self._since.setdefault(_since_key(key), wall - (now - seen.in_flight_since))
+        return now - seen.in_flight_since
 
 
 INCOMPLETE_SINCE = "incomplete-since.json"

@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.cli.common import load, preflight, with_effective_quiet
@@ -84,94 +85,116 @@ def _waiting(count: int, grace: float) -> str:
             "`ckptd trash list`")
 
 
+@dataclass
+class _Tally:
+    """What one prune did, summed over its roots."""
+
+    dry_run: bool
+    note: str
+    status: int = EX_OK
+    totals: dict[Outcome, int] = field(default_factory=lambda: {o: 0 for o in Outcome})
+    would: dict[str, list[int]] = field(default_factory=lambda: {"delete": [0, 0], "slim": [0, 0]})
+    freed: int = 0
+    slim_freed: int = 0
+    waiting: int = 0
+    grace: float = 0.0
+
+    def summary(self) -> str:
+        if self.dry_run:
+            done = (
+                f"{self.would['delete'][0]} would be deleted ({format_size(self.would['delete'][1])}), "
+                f"{self.would['slim'][0]} would be slimmed "
+                f"({format_size(self.would['slim'][1])} of optimizer state)"
+            )
+        else:
+            done = (
+                f"{self.totals[Outcome.TRASHED]} deleted ({format_size(self.freed)} freed"
+                f"{_waiting(self.waiting, self.grace)}), "
+                f"{self.totals[Outcome.SLIMMED]} slimmed "
+                f"({format_size(self.slim_freed)} of optimizer state freed)"
+            )
+        return (f"prune: {done}, {self.totals[Outcome.REFUSED]} refused on re-check, "
+                f"{self.totals[Outcome.FAILED]} failed{self.note}")
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     config = load(args)
     preflight(config)
     config = with_effective_quiet(config)
     mounts = read_mounts()
     dry_run = args.dry_run or config.daemon.dry_run
-    note = f" {DRY_RUN_NOTE}" if dry_run else ""
     journal = None if dry_run else Journal(config.daemon.state_dir)
-    status = EX_OK
-    totals = {o: 0 for o in Outcome}
-    would = {"delete": [0, 0], "slim": [0, 0]}  # dry run: action -> [count, bytes]
-    freed = slim_freed = waiting = 0
-    grace = config.trash_grace(config.roots[0]) if config.roots else 0.0
-    trashed: list[Path] = []
+    tally = _Tally(dry_run, f" {DRY_RUN_NOTE}" if dry_run else "")
+    tally.grace = config.trash_grace(config.roots[0]) if config.roots else 0.0
     for root in config.roots:
         lead = None
         if not dry_run:
             lead, why_not = _lead_for_prune(config, root, mounts)
             if lead is None:
                 print(f"skipping {root.path}: {why_not}", file=sys.stderr)
-                status = max(status, EX_TEMPFAIL)
+                tally.status = max(tally.status, EX_TEMPFAIL)
                 continue
         try:
-            scanner = Scanner(root, state_dir=config.daemon.state_dir)
-            reaper = Reaper(
-                scanner,
-                journal,
-                dry_run=dry_run,
-                consolidate_timeout=config.daemon.consolidate_timeout,
-                fence=lead.fencer() if lead is not None else None,
-                trash_grace=config.trash_grace(root),
-            )
-            if lead is not None:
-                reaper.foreign_wait = lead.takeover_wait()  # what another process trashed waits
-            reaper.clear_work()  # what an interrupted consolidation left, into the trash
-            leftover, leftover_bytes = reaper.purge()  # an earlier run's interrupted purge
-            if leftover:
-                print(
-                    f"purged {leftover} leftover trash entries ({format_size(leftover_bytes)}) in {root.path}"
-                )
-            bar = Progress(f"prune {root.path}", quiet=args.quiet)
-            try:
-                runs = scanner.runs(now=time.time(), progress=bar.update)
-            finally:
-                bar.done()
-            plan = decide([(root, runs)], trash=waiting_in_trash)  # what still waits there counts as free
-            for w in plan.warnings:
-                print(f"warning: {w}{note}")
-            acting = sum(1 for d in plan.decisions if d.action is not Action.KEEP)
-            # A slim may consolidate first (zero_to_fp32, silent for as long as it takes): a
-            # terminal is told what is being waited for.
-            ticker = Ticker(f"prune {root.path}", quiet=args.quiet or dry_run)
-            with ticker:
-                ticker.working(f"0 of {acting} deletions and slims done (a slim may consolidate first)")
-                for n, result in enumerate(reaper.execute(plan.decisions), start=1):
-                    ticker.clear()
-                    status = max(status, report_result(result, totals, would, note))
-                    if result.outcome is Outcome.SLIMMED:
-                        slim_freed += result.moved_bytes
-                    if result.outcome is Outcome.TRASHED and result.trash_path is not None:
-                        trashed.append(result.trash_path)
-                    ticker.working(f"{n} of {acting} deletions and slims done")
-            reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
-            # What purging the deleted checkpoints freed, as the disk counts it (space.py)
-            freed += sum(reaper.purged.get(p, 0) for p in trashed)
-            mine = [p for p in trashed if p not in reaper.purged and os.path.lexists(p)]
-            waiting, grace = waiting + len(mine), config.trash_grace(root)
-            if reaper.waiting > len(mine):
-                # a checkpoint waits its trash_grace too, whoever trashed it (`Purging._not_yet`)
-                print(f"{root.path}: {reaper.waiting - len(mine)} trash entries another ckptd left are purged once "
-                      f"they have been there {format_duration(round(max(reaper.foreign_wait, grace)))}, "
-                      "re-checked first (by the next prune or the daemon)")
+            _prune_root(args, config, root, journal, lead, tally)
         finally:
             if lead is not None:
                 lead.stop()
     if journal is not None:
         journal.close()
-    if dry_run:
-        done = (
-            f"{would['delete'][0]} would be deleted ({format_size(would['delete'][1])}), "
-            f"{would['slim'][0]} would be slimmed ({format_size(would['slim'][1])} of optimizer state)"
-        )
-    else:
-        done = (
-            f"{totals[Outcome.TRASHED]} deleted ({format_size(freed)} freed{_waiting(waiting, grace)}), "
-            f"{totals[Outcome.SLIMMED]} slimmed ({format_size(slim_freed)} of optimizer state freed)"
-        )
-    print(
-        f"prune: {done}, {totals[Outcome.REFUSED]} refused on re-check, {totals[Outcome.FAILED]} failed{note}"
+    print(tally.summary())
+    return tally.status
+
+
+def _prune_root(args: argparse.Namespace, config: Config, root: Root, journal: Journal | None,
+                lead: Leadership | None, tally: _Tally) -> None:
+    """One root's prune: an earlier run's leftovers purged, the plan made and carried out, the
+    trash purged of what has waited its grace."""
+    dry_run, note = tally.dry_run, tally.note
+    scanner = Scanner(root, state_dir=config.daemon.state_dir)
+    reaper = Reaper(
+        scanner,
+        journal,
+        dry_run=dry_run,
+        consolidate_timeout=config.daemon.consolidate_timeout,
+        fence=lead.fencer() if lead is not None else None,
+        trash_grace=config.trash_grace(root),
     )
-    return status
+    if lead is not None:
+        reaper.foreign_wait = lead.takeover_wait()  # what another process trashed waits
+    reaper.clear_work()  # what an interrupted consolidation left, into the trash
+    leftover, leftover_bytes = reaper.purge()  # an earlier run's interrupted purge
+    if leftover:
+        print(f"purged {leftover} leftover trash entries ({format_size(leftover_bytes)}) in {root.path}")
+    bar = Progress(f"prune {root.path}", quiet=args.quiet)
+    try:
+        runs = scanner.runs(now=time.time(), progress=bar.update)
+    finally:
+        bar.done()
+    plan = decide([(root, runs)], trash=waiting_in_trash)  # what still waits there counts as free
+    for w in plan.warnings:
+        print(f"warning: {w}{note}")
+    acting = sum(1 for d in plan.decisions if d.action is not Action.KEEP)
+    trashed: list[Path] = []
+    # A slim may consolidate first (zero_to_fp32, silent for as long as it takes): a
+    # terminal is told what is being waited for.
+    ticker = Ticker(f"prune {root.path}", quiet=args.quiet or dry_run)
+    with ticker:
+        ticker.working(f"0 of {acting} deletions and slims done (a slim may consolidate first)")
+        for n, result in enumerate(reaper.execute(plan.decisions), start=1):
+            ticker.clear()
+            tally.status = max(tally.status, report_result(result, tally.totals, tally.would, note))
+            if result.outcome is Outcome.SLIMMED:
+                tally.slim_freed += result.moved_bytes
+            if result.outcome is Outcome.TRASHED and result.trash_path is not None:
+                trashed.append(result.trash_path)
+            ticker.working(f"{n} of {acting} deletions and slims done")
+    reaper.purge(stop=lambda lead=lead: lead is not None and not lead.held())
+    # What purging the deleted checkpoints freed, as the disk counts it (space.py)
+    tally.freed += sum(reaper.purged.get(p, 0) for p in trashed)
+    mine = [p for p in trashed if p not in reaper.purged and os.path.lexists(p)]
+    tally.waiting, tally.grace = tally.waiting + len(mine), config.trash_grace(root)
+    if reaper.waiting > len(mine):
+        # a checkpoint waits its trash_grace too, whoever trashed it (`Purging._not_yet`)
+        print(f"{root.path}: {reaper.waiting - len(mine)} trash entries another ckptd left are purged once "
+              f"they have been there {format_duration(round(max(reaper.foreign_wait, tally.grace)))}, "
+              "re-checked first (by the next prune or the daemon)")
