@@ -9,6 +9,9 @@ before its index, judged by `from_pretrained`; torch.save files named as Compose
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -125,3 +128,42 @@ def test_names_without_a_step_are_ordered_by_the_time_in_them(tmp_path):
     assert any("whole files failed: extra_state.pkl is a pickle cut short (no STOP opcode at its end)" in r
                for r in rows[names[3]]["reasons"]), rows[names[3]]["reasons"]
     assert run_ckptd("latest", run, "-c", cfg).stdout == f"{run / names[2]}\n"
+
+
+_SAVE = ("import sys, torch; torch.save({'model': {f't{i}': torch.full((65536,), float(sys.argv[2])) "
+         "for i in range(50)}, 'step': int(sys.argv[2])}, sys.argv[1])")
+
+
+def test_a_torch_save_named_tar_killed_mid_write_is_incomplete(tmp_path):
+    """PyTorch's own tutorial names its checkpoints `.tar` (torch.save writes its zip into whatever
+    name it is given): `ckpt_{step}.tar`, the third save SIGKILLed from outside (strace, at its third
+    write into the file). torch.load refuses it; it had been complete (the engine reads the end of
+    `.pt`, `.pth`, `.bin` only), so `latest` named it and keep_last = 1 deleted both loadable saves."""
+    if shutil.which("strace") is None:
+        pytest.skip("needs strace to SIGKILL the save at a chosen write")
+    import torch
+
+    run = tmp_path / "vol" / "run"
+    run.mkdir(parents=True)
+    for step in (1, 2):
+        subprocess.run([sys.executable, "-c", _SAVE, str(run / f"ckpt_{step}.tar"), str(step)], check=True,
+                       timeout=120)
+    killed = run / "ckpt_3.tar"
+    proc = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-P", str(killed), "-e",
+                           "trace=write,writev,pwrite64", "-e", "inject=write,writev,pwrite64:signal=KILL:when=3",
+                           sys.executable, "-c", _SAVE, str(killed), "3"], timeout=120, capture_output=True)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    for step in (1, 2):
+        assert torch.load(run / f"ckpt_{step}.tar", weights_only=True)["step"] == step
+    with pytest.raises(RuntimeError, match="central directory"):
+        torch.load(killed, weights_only=True)  # the framework's own verdict
+    age(tmp_path / "vol", time.time() - 3600)
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{tmp_path / 'vol'}'\n"
+                   "patterns = ['ckpt_{step}.tar']\n[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
+    rows = _plan(cfg)
+    assert {n: (r["state"], r["action"]) for n, r in rows.items()} == {
+        "ckpt_1.tar": ("complete", "delete"), "ckpt_2.tar": ("complete", "keep"),
+        "ckpt_3.tar": ("incomplete", "keep")}, rows
+    assert any("whole archives failed: ckpt_3.tar is a zip archive" in r for r in rows["ckpt_3.tar"]["reasons"])
+    assert run_ckptd("latest", run, "-c", cfg).stdout == f"{run / 'ckpt_2.tar'}\n"
