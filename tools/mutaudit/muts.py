@@ -828,6 +828,9 @@ MUTS = [
    edits=[("frameworks/keras.py", "        apart_after = after == \"\" or not after[0].isalnum()", "        apart_after = True")]),
  dict(id="KR3", what="BackupAndRestore's latest.weights.h5 is a resume copy", tests=[T+"completeness/test_keras.py::test_backup_and_restore_is_a_resume_copy_never_a_step"],
    edits=[("frameworks/keras.py", "        return BACKUP_NOTE if name == BACKUP_WEIGHTS else None", "        return None")]),
+ dict(id="KR4", what="a padded Keras template's newest padded save is kept while later saves depend on it",
+   tests=[T+"completeness/test_keras.py::test_a_padded_template_stays_a_run_past_epoch_nine"],
+   edits=[("frameworks/keras.py", "if int(nums[at]) > epoch and nums[at][0] != \"0\"):", "if False):")]),
  dict(id="MX1", what="the oldest incomplete age goes on across a restart", tests=[T+"daemon/test_metrics.py::test_the_oldest_incomplete_age_survives_a_restart"],
    edits=[("metrics.py", "                    kept = self._since.get(_since_key(key))", "                    kept = None")]),
  # --- fp32 weights kept: which weights a slim keeps, ckptd's own fp32/
