@@ -180,6 +180,14 @@ def whole_archives(save: Save) -> Check | None:
     return Check(ARCHIVES, PASSED, f"{len(rels)} other file(s): no zip or tar among them cut short")
 
 
+def run_records(save: Save) -> list[Check | None]:
+    """What a framework's own records in the run directory say of the save (`Framework.run_evidence`:
+    Ray's snapshot, the commit of every checkpoint in its run directory, whatever names it)."""
+    from ckptd.frameworks import REGISTRY  # imported here: the registry imports this module
+
+    return [fw.run_evidence(save) for fw in REGISTRY]
+
+
 # What a save killed between its shards holds, and the index written after them
 _PARTIAL_SHARDS = ("model-00001-of-00002.safetensors", "pytorch_model-00001-of-00002.bin")
 _INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -210,8 +218,8 @@ class UserPattern(Framework):
 
     def evidence(self, save: Save) -> Evidence:
         pattern, files = save.pattern, save.files
-        formats = [c for c in (sharded_weights(save.path, files), whole_files(save), whole_archives(save))
-                   if c is not None]
+        formats = [c for c in (sharded_weights(save.path, files), whole_files(save), whole_archives(save),
+                               *run_records(save)) if c is not None]
         if pattern is not None and pattern.evidence:
             checks, ranks = [_required(files, glob) for glob in pattern.require], None
             if pattern.ranks is not None:
