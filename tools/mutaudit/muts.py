@@ -818,6 +818,10 @@ MUTS = [
    tests=[T+"completeness/test_ray.py::test_a_users_pattern_over_ray_names_is_judged_by_rays_snapshot"],
    edits=[("frameworks/ray.py", "        if save.cand.layout == LAYOUT or SNAPSHOT not in save.run.names:\n            return None",
            "        if True:\n            return None")]),
+ dict(id="PF9", what="a pattern save holding a transformers config.json and no weights is incomplete",
+   tests=[T+"completeness/test_pattern_formats.py::test_a_save_pretrained_killed_after_its_config_is_incomplete_whatever_require_says"],
+   edits=[("frameworks/pattern.py", "    if not isinstance(doc, dict) or not isinstance(doc.get(\"model_type\"), str):\n        return None",
+           "    if True:\n        return None")]),
  # --- settings valid but probably not meant: said, not silently applied
  dict(id="EW1", what="an unknown CKPTD_* variable is warned with the nearest known one", tests=[T+"config/test_envconfig.py"],
    edits=[("envconfig.py", "    for line in unknown_variables(env):\n        log.warning", "    for line in ():\n        log.warning")]),

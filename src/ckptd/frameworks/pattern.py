@@ -14,6 +14,8 @@ judges its files (the engine checks every torch zip's and safetensors header's e
   refuses it;
 - every JSON file parses (a config, an index, a trainer state cut short is not whole);
 - every pickle ends with pickle's STOP opcode (`.`), which `pickle.dump` writes last;
+- a transformers model's `config.json` with no weights file beside it is a `save_pretrained` killed
+  after its config (it writes the config first, then the weights);
 - every zip or tar archive whole whatever its suffix, told by its first bytes: torch.save writes a
   zip into whatever name it is given (PyTorch's own tutorial names its checkpoints `.tar`), and the
   engine reads the end only of `.pt`, `.pth`, `.bin` and the modules' own suffixes. A pattern over
@@ -22,6 +24,7 @@ judges its files (the engine checks every torch zip's and safetensors header's e
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections import defaultdict
@@ -180,6 +183,37 @@ def whole_archives(save: Save) -> Check | None:
     return Check(ARCHIVES, PASSED, f"{len(rels)} other file(s): no zip or tar among them cut short")
 
 
+_CONFIG = "config.json"  # save_pretrained writes it first (modeling_utils.py), then the weights
+_WEIGHTS = "model weights"
+# what a save's weights could be in, in any framework's format: a save with one of these, or a
+# directory, is not judged by `config_without_weights`
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".hdf5", ".keras", ".msgpack", ".gguf",
+                    ".npz", ".npy", ".distcp", ".pkl", ".pickle", ".tar", ".nemo", ".onnx", ".ot")
+
+
+def config_without_weights(save: Save) -> Check | None:
+    """A transformers model's `config.json` (a JSON object with its `model_type`) and no file its weights
+    could be in, nor a directory: `save_pretrained` killed after its config, before its first weights
+    (from_pretrained: "no file named model.safetensors"). None where there is no such config, or a
+    file or directory the weights could be in (the shard and whole-file checks judge those)."""
+    files = save.files
+    if _CONFIG not in files or files[_CONFIG].kind != "f":
+        return None
+    if any(rel and (e.kind != "f" or rel.endswith(_WEIGHT_SUFFIXES)) for rel, e in files.items()):
+        return None
+    try:
+        doc = json.loads(volread.read_bytes(save.path / _CONFIG, _MAX_CONFIG_BYTES + 1))
+    except (OSError, ValueError, RecursionError):
+        return None  # whole_files says it is not whole, or it cannot be read now
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
+        return None
+    return Check(_WEIGHTS, FAILED, f"a {doc['model_type']} model's {_CONFIG} and no weights beside it: save_pretrained "
+                                   "writes its config first and its weights after (from_pretrained refuses it)")
+
+
+_MAX_CONFIG_BYTES = 1024 * 1024
+
+
 def run_records(save: Save) -> list[Check | None]:
     """What a framework's own records in the run directory say of the save (`Framework.run_evidence`:
     Ray's snapshot, the commit of every checkpoint in its run directory, whatever names it)."""
@@ -219,7 +253,7 @@ class UserPattern(Framework):
     def evidence(self, save: Save) -> Evidence:
         pattern, files = save.pattern, save.files
         formats = [c for c in (sharded_weights(save.path, files), whole_files(save), whole_archives(save),
-                               *run_records(save)) if c is not None]
+                               config_without_weights(save), *run_records(save)) if c is not None]
         if pattern is not None and pattern.evidence:
             checks, ranks = [_required(files, glob) for glob in pattern.require], None
             if pattern.ranks is not None:
