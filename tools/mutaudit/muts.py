@@ -492,7 +492,7 @@ MUTS = [
    "        if os.fstat(fd).st_dev != dev:", "        if False:")]),
  # --- anchors, resume pointers, times, ranks, evidence
  dict(id="R13", what="recheck: a resume pointer re-read before the rename", tests="reaper", edits=[(RMR,
-   "        return None if pointer is None else f\"named by", "        return None if True else f\"named by")]),
+   "        return None if pointer is None else pointer_reason(pointer)", "        return None if True else pointer_reason(pointer)")]),
  dict(id="R14", what="anchors re-checked before every deletion (all of them, not the first)", tests="reaper", edits=[(RMR,
    "        for anchor, why in anchors:\n            fresh = self.scanner.reinspect(anchor.run, anchor.name, now=now)",
    "        for anchor, why in anchors[:1]:\n            fresh = self.scanner.reinspect(anchor.run, anchor.name, now=now)")]),
