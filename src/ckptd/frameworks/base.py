@@ -247,7 +247,8 @@ class Framework:
     def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:
         """The entries of the run directory (`names`) that its own resume pointers or "last" copies
         name, each with why: what the next resume loads, never deleted. {} for a framework with none.
-        A why beginning with `model.KEPT_FOR` is kept for a reason of its own, said whole (`model.pointer_reason`)."""
+        A why beginning with `model.KEPT_FOR` is kept for a reason of its own, said whole
+        (`model.pointer_reason`)."""
         return {}
 
 

@@ -41,10 +41,9 @@ import struct
 import zipfile
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator
-
-from ckptd import volread
 from pathlib import Path
 
+from ckptd import volread
 from ckptd.frameworks.base import Evidence, Framework, Metrics, Save
 from ckptd.layouts import EPOCH, STEP, Candidate, name_fields
 from ckptd.model import FILE_NAME, KEPT_FOR, Check, Reading, Verdict, as_metric
@@ -63,6 +62,9 @@ _NUMBER = re.compile(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 _EPOCH_WORD = re.compile(r"(?:^|[^A-Za-z0-9])(?:epoch|epochs|ep|e)$", re.IGNORECASE)
 # A metric whose name shows before its value: `val_loss0.312`, `acc_0.91` (a float: `{name:.Nf}`)
 _NAMED_VALUE = re.compile(r"([A-Za-z][A-Za-z0-9_]*?)[_=:]?(-?\d+\.\d+(?:[eE][-+]?\d+)?)(?![\d.])")
+
+
+Saved = tuple[str, list[str]]  # a save of a template: its name, the numbers in it
 
 
 def _stem(name: str) -> str:
@@ -152,10 +154,10 @@ class Keras(Framework):
                 return Candidate(name, int(value), LAYOUT, False, unit=unit)
         return None  # no named epoch or step: not recognised, never touched
 
-    def _templates(self, names: Collection[str]) -> Iterator[tuple[tuple[str, ...], int, list[tuple[str, list[str]]]]]:
+    def _templates(self, names: Collection[str]) -> Iterator[tuple[tuple[str, ...], int, list[Saved]]]:
         """Each `filepath` template among `names` whose saves show an epoch: its literals, which of
         its numbers is the epoch, and its saves (name, numbers)."""
-        templates: dict[tuple[tuple[str, ...], str], list[tuple[str, list[str]]]] = defaultdict(list)
+        templates: dict[tuple[tuple[str, ...], str], list[Saved]] = defaultdict(list)
         for name in names:
             if not name.endswith(self.file_suffixes) or name == BACKUP_WEIGHTS:
                 continue
@@ -182,14 +184,14 @@ class Keras(Framework):
         for literals, at, saves in self._templates(names):
             if _EPOCH_WORD.search(literals[at]):
                 continue  # `epoch12` shows its epoch alone
-            padded = [(int(nums[at]), name) for name, nums in saves if len(nums[at]) > 1 and nums[at][0] == "0"]
+            padded = [(int(n[at]), name) for name, n in saves if len(n[at]) > 1 and n[at][0] == "0"]
             if not padded:
                 continue
             epoch, name = max(padded)
             if later := sorted(n for n, nums in saves if int(nums[at]) > epoch and nums[at][0] != "0"):
-                kept[name] = (f"{KEPT_FOR}the newest save whose zero-padded epoch shows that {later[0]} and the "
-                              "other saves of its template are a run's epochs: without it they look like model files, "
-                              "and are never listed, pruned or named by latest")
+                kept[name] = (f"{KEPT_FOR}the newest save whose zero-padded epoch shows that {later[0]} and "
+                              "the other saves of its template are a run's epochs: without it they look like "
+                              "model files, and are never listed, pruned or named by latest")
         return kept
 
     def resume_copy(self, name: str) -> str | None:

@@ -157,7 +157,8 @@ def archive_problem(path: Path, size: int) -> str | None:
         os.close(fd)
     if head.startswith(_ZIP_MAGIC):
         return None if wholefile._is_zip(path, size) else (
-            "is a zip archive (torch.save's, whatever its suffix) without its end record: a save killed midway?")
+            "is a zip archive (torch.save's, whatever its suffix) without its end record: a save killed "
+            "midway?")
     if head[_TAR_MAGIC[0]:] == _TAR_MAGIC[1]:
         return None if (why := wholefile.tar_problem(path, size)) is None else f"is a tar archive: {why}"
     return None
@@ -172,11 +173,12 @@ def whole_archives(save: Save) -> Check | None:
         return Check(ARCHIVES, FAILED, "the file is empty: a save's first write never came (torch.save opens "
                                        "the final name, then writes)")
     elsewhere = _read_elsewhere()
-    rels = sorted(rel for rel, e in files.items() if e.kind == "f" and not (rel or save.path.name).endswith(elsewhere))
+    rels = sorted(rel for rel, e in files.items()
+                  if e.kind == "f" and not (rel or save.path.name).endswith(elsewhere))
     if not rels:
         return None
-    failed = files_whole(ARCHIVES, save.path, files, rels, archive_problem, "torch.load and tarfile fail on it",
-                         save.remembered_file)
+    failed = files_whole(ARCHIVES, save.path, files, rels, archive_problem,
+                         "torch.load and tarfile fail on it", save.remembered_file)
     if failed is not None:  # a single file's rel is "": its name says which
         return Check(failed.name, failed.verdict, failed.detail.strip()) if single is None else Check(
             failed.name, failed.verdict, f"{save.path.name}{failed.detail}")
@@ -187,8 +189,8 @@ _CONFIG = "config.json"  # save_pretrained writes it first (modeling_utils.py), 
 _WEIGHTS = "model weights"
 # what a save's weights could be in, in any framework's format: a save with one of these, or a
 # directory, is not judged by `config_without_weights`
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".hdf5", ".keras", ".msgpack", ".gguf",
-                    ".npz", ".npy", ".distcp", ".pkl", ".pickle", ".tar", ".nemo", ".onnx", ".ot")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".hdf5", ".keras", ".msgpack",
+                    ".gguf", ".npz", ".npy", ".distcp", ".pkl", ".pickle", ".tar", ".nemo", ".onnx", ".ot")
 
 
 def config_without_weights(save: Save) -> Check | None:
@@ -207,8 +209,9 @@ def config_without_weights(save: Save) -> Check | None:
         return None  # whole_files says it is not whole, or it cannot be read now
     if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
         return None
-    return Check(_WEIGHTS, FAILED, f"a {doc['model_type']} model's {_CONFIG} and no weights beside it: save_pretrained "
-                                   "writes its config first and its weights after (from_pretrained refuses it)")
+    return Check(_WEIGHTS, FAILED, f"a {doc['model_type']} model's {_CONFIG} and no weights beside it: "
+                                   "save_pretrained writes its config first and its weights after "
+                                   "(from_pretrained refuses it)")
 
 
 _MAX_CONFIG_BYTES = 1024 * 1024
