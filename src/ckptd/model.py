@@ -58,6 +58,16 @@ class Action(StrEnum):
     SLIM = "slim"  # keep the weights, remove the optimizer state
 
 
+KEPT_FOR = "kept: "  # a `resume_pointers` why that is a whole reason of its own, not a resume pointer's
+
+
+def pointer_reason(why: str) -> str:
+    """How a checkpoint `resume_pointers` names is said to be kept."""
+    if why.startswith(KEPT_FOR):
+        return why
+    return f"named by {why}: the framework resumes from it"
+
+
 @dataclass(frozen=True)
 class Check:
     """One piece of completeness evidence, e.g. the DeepSpeed shard census."""

@@ -26,7 +26,7 @@ from typing import NamedTuple, Protocol
 from ckptd.attestation import committed_summary
 from ckptd.config import Retention, format_duration
 from ckptd.layouts import PIN_FILE
-from ckptd.model import TRAINER_STATE, Checkpoint, Reading, Run, State, deciding_check
+from ckptd.model import TRAINER_STATE, Checkpoint, Reading, Run, State, deciding_check, pointer_reason
 
 
 class Keep(NamedTuple):
@@ -493,7 +493,7 @@ class ResumePointer:
             return
         for c in run.ckpts:
             if c.name in resume:
-                yield Keep(c, f"named by {resume[c.name]}: the framework resumes from it", protect=True)
+                yield Keep(c, pointer_reason(resume[c.name]), protect=True)
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,38 @@ def test_backup_and_restore_is_a_resume_copy_never_a_step(keras_docs_volume, tmp
     assert sorted(p.name for p in backup.iterdir()) == ["latest.weights.h5", "training_metadata.json"]
 
 
+def test_a_padded_template_stays_a_run_past_epoch_nine(tmp_path):
+    """`w-{epoch:02d}.weights.h5` over 12 epochs (Keras's own ModelCheckpoint, whole saves): only a
+    zero-padded epoch shows the names are epochs, and `w-10`, `w-11`, `w-12` show none. keep_last = 2
+    had deleted w-01..w-09 (the re-check then refused w-10: no longer recognised), and after that the
+    run was no run: nothing listed or pruned again, `ckptd latest` exit 1 while Keras loads w-12. The
+    newest padded save is kept now, said why, and the run goes on being one."""
+    import shutil
+
+    if importlib.util.find_spec("keras") is None:
+        pytest.skip("keras is not installed (the test extra installs it)")
+    src = tmp_path / "made"
+    proc = subprocess.run([sys.executable, "-m", "tests.support.fwkeras", str(src), "run", "docs-weights-long"],
+                          env=ENV, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    truth = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert truth == {f"w-{e:02d}.weights.h5": "loads" for e in range(1, 13)}, truth
+    from tests.support.common import shift_mtimes
+
+    shift_mtimes(src, 3600)
+    root = tmp_path / "vol"
+    shutil.copytree(src / "run", root / "run")
+    cfg, _ = rows(tmp_path, root, keep_last=2, keep_best=0)
+    assert run_ckptd("prune", "-c", cfg).returncode == 0
+    left = sorted(p.name for p in (root / "run").iterdir() if not p.name.startswith("."))
+    assert left == ["w-09.weights.h5", "w-11.weights.h5", "w-12.weights.h5"], left
+    _, seen = rows(tmp_path, root, keep_last=2, keep_best=0)
+    assert {rel: (c["step"], c["action"]) for rel, c in seen.items()} == {
+        "run/w-09.weights.h5": (9, "keep"), "run/w-11.weights.h5": (11, "keep"), "run/w-12.weights.h5": (12, "keep")}
+    assert "zero-padded epoch shows" in " ".join(seen["run/w-09.weights.h5"]["reasons"])
+    assert run_ckptd("latest", root / "run", env={"CKPTD_CONFIG": ""}).stdout == f"{root / 'run' / 'w-12.weights.h5'}\n"
+
+
 def test_templates_of_keras_names_are_read_only_where_the_epoch_shows():
     """The light side of recognise_among: bare model names are no run, even two of a kind."""
     from ckptd import layouts

@@ -9,13 +9,17 @@ before its index, judged by `from_pretrained`; torch.save files named as Compose
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from ckptd.demo import age
-from tests.support import fwgen
+from tests.support import child_pythonpath, fwgen
 from tests.support.common import run_ckptd
 
 pytestmark = pytest.mark.frameworks
@@ -125,3 +129,80 @@ def test_names_without_a_step_are_ordered_by_the_time_in_them(tmp_path):
     assert any("whole files failed: extra_state.pkl is a pickle cut short (no STOP opcode at its end)" in r
                for r in rows[names[3]]["reasons"]), rows[names[3]]["reasons"]
     assert run_ckptd("latest", run, "-c", cfg).stdout == f"{run / names[2]}\n"
+
+
+_SAVE = ("import sys, torch; torch.save({'model': {f't{i}': torch.full((65536,), float(sys.argv[2])) "
+         "for i in range(50)}, 'step': int(sys.argv[2])}, sys.argv[1])")
+
+
+def test_a_torch_save_named_tar_killed_mid_write_is_incomplete(tmp_path):
+    """PyTorch's own tutorial names its checkpoints `.tar` (torch.save writes its zip into whatever
+    name it is given): `ckpt_{step}.tar`, the third save SIGKILLed from outside (strace, at its third
+    write into the file). torch.load refuses it; it had been complete (the engine reads the end of
+    `.pt`, `.pth`, `.bin` only), so `latest` named it and keep_last = 1 deleted both loadable saves."""
+    if shutil.which("strace") is None:
+        pytest.skip("needs strace to SIGKILL the save at a chosen write")
+    import torch
+
+    run = tmp_path / "vol" / "run"
+    run.mkdir(parents=True)
+    for step in (1, 2):
+        subprocess.run([sys.executable, "-c", _SAVE, str(run / f"ckpt_{step}.tar"), str(step)], check=True,
+                       timeout=120)
+    killed = run / "ckpt_3.tar"
+    proc = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-P", str(killed), "-e",
+                           "trace=write,writev,pwrite64", "-e", "inject=write,writev,pwrite64:signal=KILL:when=3",
+                           sys.executable, "-c", _SAVE, str(killed), "3"], timeout=120, capture_output=True)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    for step in (1, 2):
+        assert torch.load(run / f"ckpt_{step}.tar", weights_only=True)["step"] == step
+    with pytest.raises(RuntimeError, match="central directory"):
+        torch.load(killed, weights_only=True)  # the framework's own verdict
+    age(tmp_path / "vol", time.time() - 3600)
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{tmp_path / 'vol'}'\n"
+                   "patterns = ['ckpt_{step}.tar']\n[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
+    rows = _plan(cfg)
+    assert {n: (r["state"], r["action"]) for n, r in rows.items()} == {
+        "ckpt_1.tar": ("complete", "delete"), "ckpt_2.tar": ("complete", "keep"),
+        "ckpt_3.tar": ("incomplete", "keep")}, rows
+    assert any("whole archives failed: ckpt_3.tar is a zip archive" in r for r in rows["ckpt_3.tar"]["reasons"])
+    assert run_ckptd("latest", run, "-c", cfg).stdout == f"{run / 'ckpt_2.tar'}\n"
+
+
+def test_a_save_pretrained_killed_after_its_config_is_incomplete_whatever_require_says(tmp_path):
+    """`require = ["config.json"]` over `save_pretrained(f"ckpt/step_{n}")`, the third save SIGKILLed
+    from outside (strace) once config.json, its first file, is written: no weights. from_pretrained refuses
+    it; it had been complete, `latest` named it and keep_last = 1 deleted both loadable saves."""
+    if (why := fwgen.missing("trainer")) is not None:
+        pytest.skip(why)
+    if shutil.which("strace") is None:
+        pytest.skip("needs strace to SIGKILL the save at a chosen moment")
+    vol = tmp_path / "vol"
+    made = fwgen.run_module("fwpretrained", str(vol / "ckpt"), "step_1", "step_2")
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-3000:]
+    config = vol / "ckpt" / "step_3" / "config.json"
+    # killed as it opens generation_config.json, the file after config.json (from_pretrained in the parent
+    # reads config.json, and fails on the missing weights before it looks for a generation config)
+    proc = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-P", str(config.parent / "generation_config.json"),
+                           "-e", "trace=openat", "-e", "inject=openat:signal=KILL:when=1",
+                           sys.executable, "-m", "tests.support.fwpretrained",
+                           str(vol / "ckpt"), "step_3"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **fwgen._CHILD_ENV, "PYTHONPATH": child_pythonpath()},
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    truth = json.loads(proc.stdout.strip().splitlines()[-1])["step_3"]
+    assert truth["exit"] == -9 and truth["load"].startswith("failed"), truth  # from_pretrained's verdict
+    assert sorted(p.name for p in config.parent.iterdir()) == ["config.json"]
+    for s in (1, 2, 3):
+        age(vol / "ckpt" / f"step_{s}", time.time() - 3600 + s * 60)
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{vol}'\n"
+                   "patterns = [{name = 'step_{step}', require = ['config.json']}]\n"
+                   "[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
+    rows = _plan(cfg)
+    assert {n: (r["state"], r["action"]) for n, r in rows.items()} == {
+        "step_1": ("complete", "delete"), "step_2": ("complete", "keep"), "step_3": ("incomplete", "keep")}, rows
+    assert any("model weights failed: a gpt2 model's config.json and no weights beside it" in r
+               for r in rows["step_3"]["reasons"]), rows["step_3"]["reasons"]
+    assert run_ckptd("latest", vol / "ckpt", "-c", cfg).stdout == f"{vol / 'ckpt' / 'step_2'}\n"

@@ -113,6 +113,31 @@ def test_ray_registered_checkpoints_and_the_copy_cut_short(ray_volume, tmp_path)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["restore"] == truth["restore"]
 
 
+def test_a_users_pattern_over_ray_names_is_judged_by_rays_snapshot(ray_volume, tmp_path):
+    """docs/frameworks/patterns.md offers `checkpoint_{time}` for Ray Train's names, and a user's pattern
+    is asked before Ray's module. With `require = ["model.pt"]` the copy cut after model.pt was complete:
+    `ckptd latest` named it, though it lacks optim.pt and Ray's restore resumes from the one before. A
+    save any pattern names in a run directory that holds Ray's snapshot is judged by the snapshot too."""
+    src, truth = ray_volume
+    root = tmp_path / "vol"
+    shutil.copytree(src / "run", root / "run")
+    names = sorted(p.name for p in (root / "run").iterdir() if p.name.startswith("checkpoint_") and p.is_dir())
+    assert truth["loads"][names[2]] != "loads" and truth["restore"] == names[1], truth
+    assert (root / "run" / names[2] / "model.pt").exists()  # what the pattern requires, there
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{root}'\n"
+                   "patterns = [{name = 'checkpoint_{time}', require = ['model.pt']}]\n"
+                   "[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
+    proc = run_ckptd("plan", "-c", cfg, "--json")
+    assert proc.returncode == 0, proc.stderr
+    seen = {os.path.basename(c["path"]): c for c in json.loads(proc.stdout)["checkpoints"]}
+    assert {n: (seen[n]["layout"], seen[n]["state"]) for n in names} == {
+        names[0]: ("pattern", "complete"), names[1]: ("pattern", "complete"), names[2]: ("pattern", "incomplete")}
+    assert "not in checkpoint_manager_snapshot.json" in " ".join(seen[names[2]]["reasons"])
+    proc = run_ckptd("latest", root / "run", "-c", cfg)
+    assert proc.stdout == f"{root / 'run' / truth['restore']}\n", proc.stderr
+
+
 def test_ray_metrics_are_the_reported_ones(ray_volume, tmp_path):
     src, truth = ray_volume
     root = tmp_path / "vol"

@@ -5,7 +5,7 @@ fits 3 epochs on the CPU (torch backend) with ``keras.callbacks.ModelCheckpoint`
 ``OUT/RUN/model-epoch={epoch:02d}-val_loss={val_loss:.3f}.keras`` (``model.save``: a zip written in
 place, saving_lib.save_model) or ``...weights.h5`` (``save_weights_only=True``: HDF5 written in
 place). KIND ``docs-keras``, ``docs-metric``, ``docs-weights``: the templates Keras's own docs use
-(``TEMPLATES``); ``docs-weights`` with ``BackupAndRestore(OUT/RUN/backup, delete_checkpoint=False)``
+(``TEMPLATES``), ``docs-weights-long`` the last over 12 epochs; ``docs-weights`` with ``BackupAndRestore(OUT/RUN/backup, delete_checkpoint=False)``
 beside it. With KILL_EPOCH, the process SIGKILLs itself inside that epoch's save, as the weights store
 closes (saving_lib.H5IOStore.close): what a job killed mid-save leaves. Each whole save is loaded
 back with keras's own loader; prints one JSON line {file: "loads" | error}.
@@ -30,7 +30,9 @@ TEMPLATES = {
     "docs-keras": "model.{epoch:02d}-{val_loss:.2f}.keras",  # keras.callbacks.ModelCheckpoint's docstring
     "docs-metric": "epoch{epoch:02d}-val_loss{val_loss:.3f}.keras",
     "docs-weights": "w-{epoch:02d}.weights.h5",
+    "docs-weights-long": "w-{epoch:02d}.weights.h5",  # 12 epochs: from epoch 10 on the padding shows no more
 }
+EPOCHS = {"docs-weights-long": 12}  # else 3
 
 
 def _whole_model(kind: str) -> bool:
@@ -73,7 +75,7 @@ def main(out: str, run: str, kind: str, kill_epoch: int | None) -> int:
     callbacks = [Epoch(), checkpoint]
     if kind == "docs-weights":
         callbacks.append(keras.callbacks.BackupAndRestore(str(d / "backup"), delete_checkpoint=False))
-    model.fit(x, y, validation_data=(x, y), epochs=3, batch_size=8, verbose=0, callbacks=callbacks)
+    model.fit(x, y, validation_data=(x, y), epochs=EPOCHS.get(kind, 3), batch_size=8, verbose=0, callbacks=callbacks)
     saving_lib.H5IOStore.close = close
     truth = {}
     for p in sorted(d.iterdir()):

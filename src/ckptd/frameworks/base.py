@@ -239,9 +239,16 @@ class Framework:
     # "tar"; the engine's file integrity check reads each one's end (wholefile.file_problem).
     whole_file_formats: tuple[tuple[str, str], ...] = ()
 
+    def run_evidence(self, save: Save) -> Check | None:
+        """What this framework's own records in the run directory say of a save another layout names
+        (a user's pattern over its saves), or None where they say nothing: Ray's run snapshot."""
+        return None
+
     def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:
         """The entries of the run directory (`names`) that its own resume pointers or "last" copies
-        name, each with why: what the next resume loads, never deleted. {} for a framework with none."""
+        name, each with why: what the next resume loads, never deleted. {} for a framework with none.
+        A why beginning with `model.KEPT_FOR` is kept for a reason of its own, said whole
+        (`model.pointer_reason`)."""
         return {}
 
 

@@ -21,6 +21,12 @@ field whose name shows before it (`val_loss0.312`). A name alone without such a 
 taken for a checkpoint, so never touched: a bare number proves nothing (`resnet50.keras` is a
 model, not epoch 50), nor does `best.keras` (rewritten in place by save_best_only).
 
+A zero-padded epoch is the only sign that some templates' numbers are epochs (`w-{epoch:02d}`): from
+epoch 10 on, `w-10`, `w-11` alone show none, and are no run. So the newest save of such a template
+whose epoch shows its padding (`w-09.weights.h5`) is kept while later saves of the template depend on
+it (`resume_pointers`, said as its own reason): deleting it would leave the run unrecognised, its
+later saves never listed, never pruned, and `ckptd latest` naming nothing.
+
 `BackupAndRestore(backup_dir)` (keras/src/callbacks/backup_and_restore.py) rewrites
 `backup_dir/latest.weights.h5` and `training_metadata.json` every epoch and restores from them when
 fit starts again: `latest.weights.h5` is a resume copy (`resume_copy`), never a step, never counted
@@ -34,12 +40,13 @@ import re
 import struct
 import zipfile
 from collections import defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
 
 from ckptd import volread
 from ckptd.frameworks.base import Evidence, Framework, Metrics, Save
 from ckptd.layouts import EPOCH, STEP, Candidate, name_fields
-from ckptd.model import FILE_NAME, Check, Reading, Verdict, as_metric
+from ckptd.model import FILE_NAME, KEPT_FOR, Check, Reading, Verdict, as_metric
 
 LAYOUT = "keras"
 KERAS, WEIGHTS_H5 = ".keras", ".weights.h5"
@@ -55,6 +62,9 @@ _NUMBER = re.compile(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 _EPOCH_WORD = re.compile(r"(?:^|[^A-Za-z0-9])(?:epoch|epochs|ep|e)$", re.IGNORECASE)
 # A metric whose name shows before its value: `val_loss0.312`, `acc_0.91` (a float: `{name:.Nf}`)
 _NAMED_VALUE = re.compile(r"([A-Za-z][A-Za-z0-9_]*?)[_=:]?(-?\d+\.\d+(?:[eE][-+]?\d+)?)(?![\d.])")
+
+
+Saved = tuple[str, list[str]]  # a save of a template: its name, the numbers in it
 
 
 def _stem(name: str) -> str:
@@ -144,10 +154,10 @@ class Keras(Framework):
                 return Candidate(name, int(value), LAYOUT, False, unit=unit)
         return None  # no named epoch or step: not recognised, never touched
 
-    def recognise_among(self, names: Collection[str]) -> list[Candidate]:
-        """Saves of one `filepath` template, as Keras's docs name them: their names alike but for
-        their numbers, two or more, the epoch the whole number that varies (`_epoch_position`)."""
-        templates: dict[tuple[tuple[str, ...], str], list[tuple[str, list[str]]]] = defaultdict(list)
+    def _templates(self, names: Collection[str]) -> Iterator[tuple[tuple[str, ...], int, list[Saved]]]:
+        """Each `filepath` template among `names` whose saves show an epoch: its literals, which of
+        its numbers is the epoch, and its saves (name, numbers)."""
+        templates: dict[tuple[tuple[str, ...], str], list[Saved]] = defaultdict(list)
         for name in names:
             if not name.endswith(self.file_suffixes) or name == BACKUP_WEIGHTS:
                 continue
@@ -155,12 +165,34 @@ class Keras(Framework):
             numbers = _NUMBER.findall(stem)
             if numbers:
                 templates[(tuple(_NUMBER.split(stem)), _suffix(name))].append((name, numbers))
-        found = []
         for (literals, _), saves in templates.items():
             at = _epoch_position(literals, [n for _, n in saves]) if len(saves) > 1 else None
             if at is not None:
-                found += [Candidate(name, int(nums[at]), LAYOUT, False, unit=EPOCH) for name, nums in saves]
-        return found
+                yield literals, at, saves
+
+    def recognise_among(self, names: Collection[str]) -> list[Candidate]:
+        """Saves of one `filepath` template, as Keras's docs name them: their names alike but for
+        their numbers, two or more, the epoch the whole number that varies (`_epoch_position`)."""
+        return [Candidate(name, int(nums[at]), LAYOUT, False, unit=EPOCH)
+                for _, at, saves in self._templates(names) for name, nums in saves]
+
+    def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:
+        """Not a resume: the newest save of a template whose epoch shows only by its zero padding
+        (no word `epoch` before it), while later saves of it show none (`w-09` beside `w-10`):
+        without it they are no run."""
+        kept = {}
+        for literals, at, saves in self._templates(names):
+            if _EPOCH_WORD.search(literals[at]):
+                continue  # `epoch12` shows its epoch alone
+            padded = [(int(n[at]), name) for name, n in saves if len(n[at]) > 1 and n[at][0] == "0"]
+            if not padded:
+                continue
+            epoch, name = max(padded)
+            if later := sorted(n for n, nums in saves if int(nums[at]) > epoch and nums[at][0] != "0"):
+                kept[name] = (f"{KEPT_FOR}the newest save whose zero-padded epoch shows that {later[0]} and "
+                              "the other saves of its template are a run's epochs: without it they look like "
+                              "model files, and are never listed, pruned or named by latest")
+        return kept
 
     def resume_copy(self, name: str) -> str | None:
         return BACKUP_NOTE if name == BACKUP_WEIGHTS else None

@@ -13,17 +13,25 @@ judges its files (the engine checks every torch zip's and safetensors header's e
   between two shards meets `require = ["config.json", "*.safetensors"]`, and `from_pretrained`
   refuses it;
 - every JSON file parses (a config, an index, a trainer state cut short is not whole);
-- every pickle ends with pickle's STOP opcode (`.`), which `pickle.dump` writes last.
+- every pickle ends with pickle's STOP opcode (`.`), which `pickle.dump` writes last;
+- a transformers model's `config.json` with no weights file beside it is a `save_pretrained` killed
+  after its config (it writes the config first, then the weights);
+- every zip or tar archive whole whatever its suffix, told by its first bytes: torch.save writes a
+  zip into whatever name it is given (PyTorch's own tutorial names its checkpoints `.tar`), and the
+  engine reads the end only of `.pt`, `.pth`, `.bin` and the modules' own suffixes. A pattern over
+  single files whose file is empty is no save (torch.save's `open(f, "wb")` before its first write).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
-from ckptd import slim
+from ckptd import slim, volread
 from ckptd.frameworks.accelerate import _pickle_problem as pickle_problem  # its random_states pickles'
 from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files, files_whole
 from ckptd.frameworks.hf import _json_problem as json_problem  # the Trainer's JSON files'
@@ -45,6 +53,18 @@ _SHARD = re.compile(r"(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.(?P<ext>safeten
 _INDEX = re.compile(r".+\.(?:safetensors|bin)\.index(?:\.[^/]+)?\.json")
 _PICKLE_SUFFIXES = (".pkl", ".pickle")
 _LOADERS_FAIL = "json.load and pickle.load fail on it"
+ARCHIVES = "whole archives"
+_ZIP_MAGIC = b"PK\x03\x04"  # a zip's first local header: where torch.save's writer starts
+_TAR_MAGIC = (257, b"ustar")  # POSIX tar's header magic
+
+
+def _read_elsewhere() -> tuple[str, ...]:
+    """The suffixes whose end the engine's integrity check reads already (evidence._CHECKED_SUFFIXES and
+    the modules' whole_file_formats), and those whole_files reads whole."""
+    from ckptd import wholefile  # imported here: wholefile reads the registry, which imports this module
+
+    return (*wholefile.ZIP_SUFFIXES, wholefile.SAFETENSORS_SUFFIX, *wholefile.WHOLE_FILE_FORMATS, ".json",
+            *_PICKLE_SUFFIXES)
 
 
 def _required(files: dict[str, Entry], glob: str) -> Check:
@@ -123,6 +143,88 @@ def whole_files(save: Save) -> Check | None:
     return Check(WHOLE, PASSED, f"{len(jsons)} JSON and {len(pickles)} pickle files whole")
 
 
+def archive_problem(path: Path, size: int) -> str | None:
+    """Why a file whose first bytes say it is a zip (torch.save's, whatever its suffix) or a tar is
+    not whole, or None (any other file: nothing known about it)."""
+    from ckptd import wholefile  # see _read_elsewhere
+
+    if size == 0:
+        return None
+    fd = volread.open_regular(path)
+    try:
+        head = os.pread(fd, _TAR_MAGIC[0] + len(_TAR_MAGIC[1]), 0)
+    finally:
+        os.close(fd)
+    if head.startswith(_ZIP_MAGIC):
+        return None if wholefile._is_zip(path, size) else (
+            "is a zip archive (torch.save's, whatever its suffix) without its end record: a save killed "
+            "midway?")
+    if head[_TAR_MAGIC[0]:] == _TAR_MAGIC[1]:
+        return None if (why := wholefile.tar_problem(path, size)) is None else f"is a tar archive: {why}"
+    return None
+
+
+def whole_archives(save: Save) -> Check | None:
+    """Every file the other checks do not read whose first bytes make it a zip or a tar, whole
+    (`archive_problem`); a pattern's single-file save not empty. None where there is none to read."""
+    files = save.files
+    single = files.get("")
+    if single is not None and single.kind == "f" and single.size == 0:
+        return Check(ARCHIVES, FAILED, "the file is empty: a save's first write never came (torch.save opens "
+                                       "the final name, then writes)")
+    elsewhere = _read_elsewhere()
+    rels = sorted(rel for rel, e in files.items()
+                  if e.kind == "f" and not (rel or save.path.name).endswith(elsewhere))
+    if not rels:
+        return None
+    failed = files_whole(ARCHIVES, save.path, files, rels, archive_problem,
+                         "torch.load and tarfile fail on it", save.remembered_file)
+    if failed is not None:  # a single file's rel is "": its name says which
+        return Check(failed.name, failed.verdict, failed.detail.strip()) if single is None else Check(
+            failed.name, failed.verdict, f"{save.path.name}{failed.detail}")
+    return Check(ARCHIVES, PASSED, f"{len(rels)} other file(s): no zip or tar among them cut short")
+
+
+_CONFIG = "config.json"  # save_pretrained writes it first (modeling_utils.py), then the weights
+_WEIGHTS = "model weights"
+# what a save's weights could be in, in any framework's format: a save with one of these, or a
+# directory, is not judged by `config_without_weights`
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".hdf5", ".keras", ".msgpack",
+                    ".gguf", ".npz", ".npy", ".distcp", ".pkl", ".pickle", ".tar", ".nemo", ".onnx", ".ot")
+
+
+def config_without_weights(save: Save) -> Check | None:
+    """A transformers model's `config.json` (a JSON object with its `model_type`) and no file its weights
+    could be in, nor a directory: `save_pretrained` killed after its config, before its first weights
+    (from_pretrained: "no file named model.safetensors"). None where there is no such config, or a
+    file or directory the weights could be in (the shard and whole-file checks judge those)."""
+    files = save.files
+    if _CONFIG not in files or files[_CONFIG].kind != "f":
+        return None
+    if any(rel and (e.kind != "f" or rel.endswith(_WEIGHT_SUFFIXES)) for rel, e in files.items()):
+        return None
+    try:
+        doc = json.loads(volread.read_bytes(save.path / _CONFIG, _MAX_CONFIG_BYTES + 1))
+    except (OSError, ValueError, RecursionError):
+        return None  # whole_files says it is not whole, or it cannot be read now
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
+        return None
+    return Check(_WEIGHTS, FAILED, f"a {doc['model_type']} model's {_CONFIG} and no weights beside it: "
+                                   "save_pretrained writes its config first and its weights after "
+                                   "(from_pretrained refuses it)")
+
+
+_MAX_CONFIG_BYTES = 1024 * 1024
+
+
+def run_records(save: Save) -> list[Check | None]:
+    """What a framework's own records in the run directory say of the save (`Framework.run_evidence`:
+    Ray's snapshot, the commit of every checkpoint in its run directory, whatever names it)."""
+    from ckptd.frameworks import REGISTRY  # imported here: the registry imports this module
+
+    return [fw.run_evidence(save) for fw in REGISTRY]
+
+
 # What a save killed between its shards holds, and the index written after them
 _PARTIAL_SHARDS = ("model-00001-of-00002.safetensors", "pytorch_model-00001-of-00002.bin")
 _INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -153,7 +255,8 @@ class UserPattern(Framework):
 
     def evidence(self, save: Save) -> Evidence:
         pattern, files = save.pattern, save.files
-        formats = [c for c in (sharded_weights(save.path, files), whole_files(save)) if c is not None]
+        formats = [c for c in (sharded_weights(save.path, files), whole_files(save), whole_archives(save),
+                               config_without_weights(save), *run_records(save)) if c is not None]
         if pattern is not None and pattern.evidence:
             checks, ranks = [_required(files, glob) for glob in pattern.require], None
             if pattern.ranks is not None:

@@ -135,6 +135,15 @@ class Ray(Framework):
                 "restore does not know it"))])
         return Evidence([Check(kind, Verdict.PASSED, f"registered in {SNAPSHOT} (written after its files)")])
 
+    def run_evidence(self, save: Save) -> Check | None:
+        """A save a user's pattern names in a run directory that holds Ray's snapshot (`checkpoint_{time}`
+        over Ray's own names, or a pattern for `report(checkpoint_dir_name=...)`'s): Ray owns that
+        directory, and its registration decides as for its own saves. A copy cut short beside
+        whatever files the pattern requires is not registered, and Ray's restore does not know it."""
+        if save.cand.layout == LAYOUT or SNAPSHOT not in save.run.names:
+            return None
+        return self.evidence(save).checks[0]
+
     def metrics(self, save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
         try:
             listed = read_snapshot(save.run.path)

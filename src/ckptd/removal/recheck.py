@@ -24,7 +24,7 @@ from ckptd.archive.upload import Archiver
 from ckptd.discover import ROOT_MARKS
 from ckptd.evidence import resume_pointers
 from ckptd.layouts import is_rank_dir, recognise_by_name, unfinished_markers
-from ckptd.model import Action, Checkpoint, State
+from ckptd.model import Action, Checkpoint, State, pointer_reason
 from ckptd.planner import Scanner, rule_dir
 from ckptd.policy import Decision
 from ckptd.removal.outcome import Anchors
@@ -117,7 +117,7 @@ class Rechecks:
         """Whether the run's resume pointer names it now (rolled back to it since the plan, say)."""
         run_path = planned.path.parent
         pointer = resume_pointers(run_path, os.listdir(run_path)).get(planned.name)
-        return None if pointer is None else f"named by {pointer}: the framework resumes from it"
+        return None if pointer is None else pointer_reason(pointer)
 
     def _anchor_problem(self, planned: Checkpoint, anchors: Anchors, now: float) -> str | None:
         """Whether the run's anchors the plan kept are all still there, complete and unchanged.
