@@ -332,3 +332,42 @@ def test_a_lease_made_afresh_never_gives_a_token_below_the_volumes(tmp_path, kub
     b.step()
     assert b.held() and b.current_epoch() == token + 1
     assert the_lease(kube)["leaseTransitions"] == token + 1
+
+
+# --- the shipped sidecar's RBAC ----------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+VERBS = {"GET": "get", "POST": "create", "PUT": "update"}  # the API server's verb for each method
+
+
+def test_the_sidecars_role_grants_every_call_ckptd_makes_on_leases_and_nothing_more(tmp_path, kube):
+    """The calls are those a whole tenure makes against the API server (made here, counted by it):
+    made, taken, renewed, fenced, handed back, taken again by another."""
+    yaml = pytest.importorskip("yaml", reason="needs PyYAML (the test extra)")
+    docs = list(yaml.safe_load_all((REPO / "k8s" / "ckptd-sidecar.yaml").read_text()))
+    [role] = [d for d in docs if d["kind"] == "Role"]
+    [binding] = [d for d in docs if d["kind"] == "RoleBinding"]
+    [account] = [d for d in docs if d["kind"] == "ServiceAccount"]
+    [pod] = [d for d in docs if d["kind"] == "Pod"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert [(s["kind"], s["name"]) for s in binding["subjects"]] == [("ServiceAccount", account["metadata"]["name"])]
+    assert pod["spec"]["serviceAccountName"] == account["metadata"]["name"]
+    assert pod["spec"].get("automountServiceAccountToken", True) is True
+    [ckptd] = [c for c in pod["spec"]["initContainers"] if c["name"] == "ckptd"]
+    assert {e["name"]: e["value"] for e in ckptd["env"]}["CKPTD_LEADERSHIP"] == "kubernetes"
+    installs = [line for line in (REPO / "Dockerfile").read_text().splitlines() if "pip install '." in line]
+    assert installs and all("kubernetes" in line for line in installs), installs
+
+    (a, b, _c), mono = pair(tmp_path, kube.kubeconfig)
+    a.step()
+    b.step()
+    a.step()
+    assert a.fence(a.current_epoch()) is None
+    a.release()
+    b.step()
+    assert b.held()
+    used = {VERBS[method] for method in kube.store()["requests"]}
+    [rule] = role["rules"]  # one rule: leases alone
+    assert rule["apiGroups"] == ["coordination.k8s.io"] and rule["resources"] == ["leases"]
+    assert used == set(rule["verbs"]) == {"get", "create", "update"}, (used, rule)
