@@ -371,3 +371,28 @@ def test_the_sidecars_role_grants_every_call_ckptd_makes_on_leases_and_nothing_m
     [rule] = role["rules"]  # one rule: leases alone
     assert rule["apiGroups"] == ["coordination.k8s.io"] and rule["resources"] == ["leases"]
     assert used == set(rule["verbs"]) == {"get", "create", "update"}, (used, rule)
+
+
+def test_a_whole_second_goes_out_with_the_six_fraction_digits_the_api_server_parses(tmp_path, kube):
+    """apimachinery parses a MicroTime with RFC3339Micro: "…:05Z" is refused (400), as the fake does."""
+    (a, _b, _c), _mono = pair(tmp_path, kube.kubeconfig)
+    a.wall = lambda: 1796676000.0
+    a.step()
+    assert a.held(), a.error or a.blocked
+    assert the_lease(kube)["renewTime"].endswith(".000001Z")
+
+
+def test_a_second_lease_for_the_same_root_is_not_taken_beside_a_live_one(tmp_path, kube):
+    """Two pods configured with different lease_names: the one that finds the volume's record
+    naming the other Lease, renewed, stands by and says why."""
+    from ckptd.kubelease import KubeLeadership
+    from ckptd.leaserecord import Holder
+
+    (a, _b, _c), _mono = pair(tmp_path, kube.kubeconfig)
+    a.step()
+    assert a.held()
+    other = KubeLeadership(tmp_path, duration=D, margin=M, kubeconfig=kube.kubeconfig, lease_name="another",
+                           holder=Holder("h", 9, 0.0, "id9"))
+    other.step()
+    assert not other.held() and f"leads {tmp_path} by kubernetes (token 0)" in (other.blocked or ""), other.blocked
+    assert a.fence(a.current_epoch()) is None
