@@ -63,8 +63,10 @@ def engine_record(root: Path) -> dict:
     return json.loads((root / ".ckptd" / "engine.json").read_text())
 
 
-def the_lease(kube: FakeKube) -> dict:
-    [lease] = kube.leases().values()
+def the_lease(kube: FakeKube, root: Path) -> dict:
+    """The spec of `root`'s Lease (ckptd-<its volume id>), as the API server holds it."""
+    lease = kube.lease(f"ckptd-{(root / '.ckptd' / 'volume-id').read_text().strip()}")
+    assert lease is not None
     return lease["spec"]
 
 
@@ -100,12 +102,12 @@ def test_one_deletes_and_a_killed_leader_is_replaced_with_the_next_token(tmp_pat
     try:
         a, b = leader_and_standby(tmp_path, root, kube.kubeconfig)
         a.wait_message("deleted job/checkpoint-1")
-        lease = the_lease(kube)
+        lease = the_lease(kube, root)
         assert lease["leaseTransitions"] == 0 and lease["holderIdentity"].split("_")[-2] == str(a.proc.pid)
         assert engine_record(root)["epoch"] == 0 and engine_record(root)["holder"]["pid"] == a.proc.pid
-        assert engine_record(root)["key"] == f"ckptd-test/ckptd-{(root / '.ckptd' / 'volume-id').read_text().strip()}"
+        assert engine_record(root)["key"] == f"{kube.namespace}/ckptd-{(root / '.ckptd' / 'volume-id').read_text().strip()}"
         status = run_ckptd("status", "-c", tmp_path / "b.toml")
-        assert "leadership: kubernetes Lease ckptd-test/ckptd-" in status.stdout, status.stdout
+        assert f"leadership: kubernetes Lease {kube.namespace}/ckptd-" in status.stdout, status.stdout
         assert f"token 0, held by {os.uname().nodename} pid {a.proc.pid}, taken" in status.stdout, status.stdout
         health = run_ckptd("health", "-c", tmp_path / "b.toml")
         assert health.returncode == 0, health.stdout
@@ -116,7 +118,7 @@ def test_one_deletes_and_a_killed_leader_is_replaced_with_the_next_token(tmp_pat
         a.proc.wait(30)
         [took] = b.wait_message(TOOK, timeout=30)
         assert logged_at(took) - killed <= TAKEOVER_BOUND, b.dump()
-        lease = the_lease(kube)
+        lease = the_lease(kube, root)
         assert lease["leaseTransitions"] == 1 and lease["holderIdentity"].split("_")[-2] == str(b.proc.pid)
         assert engine_record(root)["epoch"] == 1 and engine_record(root)["holder"]["pid"] == b.proc.pid
         ckpts(root, 3)
@@ -139,7 +141,7 @@ def test_a_frozen_leader_is_replaced_and_deletes_nothing_when_it_wakes(tmp_path,
         wait_stopped(a.proc.pid)
         [took] = b.wait_message(TOOK, timeout=30)
         assert logged_at(took) - stopped <= TAKEOVER_BOUND, b.dump()
-        assert the_lease(kube)["leaseTransitions"] == 1
+        assert the_lease(kube, root)["leaseTransitions"] == 1
         since = engine_record(root)["since"]
         ckpts(root, 2)
         b.wait_message("deleted job/checkpoint-1")
@@ -197,13 +199,13 @@ def test_a_prune_does_not_delete_while_a_daemon_holds_the_lease_and_does_once_it
         a.wait_message(TOOK)
         proc = run_ckptd("prune", "-c", cron)
         assert proc.returncode == 75, proc.stdout + proc.stderr
-        assert f"pid {a.proc.pid} holds the Lease ckptd-test/ckptd-" in proc.stderr, proc.stderr
+        assert f"pid {a.proc.pid} holds the Lease {kube.namespace}/ckptd-" in proc.stderr, proc.stderr
         assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
-    assert the_lease(kube)["holderIdentity"] == ""  # handed back as it stopped: no wait for it to expire
+    assert the_lease(kube, root)["holderIdentity"] == ""  # handed back as it stopped: no wait for it to expire
     proc = run_ckptd("prune", "-c", cron)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert listing(root / "job") == ["checkpoint-3"]
-    assert the_lease(kube)["leaseTransitions"] == 1
+    assert the_lease(kube, root)["leaseTransitions"] == 1
 
 
 def test_check_config_says_where_the_lease_is_and_run_refuses_without_a_kubeconfig(tmp_path, kube):
@@ -313,7 +315,8 @@ def test_of_two_standbys_that_decide_at_once_the_api_server_lets_one_win(tmp_pat
     c.step()
     c.renewing.get = real_get
     assert not c.held() and "wrote the Lease" in (c.blocked or "") and "modified" in (c.blocked or ""), c.blocked
-    assert the_lease(kube)["holderIdentity"] == b.identity and the_lease(kube)["leaseTransitions"] == 1
+    lease = the_lease(kube, tmp_path)
+    assert lease["holderIdentity"] == b.identity and lease["leaseTransitions"] == 1
 
 
 def test_a_lease_made_afresh_never_gives_a_token_below_the_volumes(tmp_path, kube):
@@ -331,7 +334,7 @@ def test_a_lease_made_afresh_never_gives_a_token_below_the_volumes(tmp_path, kub
     b.kubeconfig = a.kubeconfig
     b.step()
     assert b.held() and b.current_epoch() == token + 1
-    assert the_lease(kube)["leaseTransitions"] == token + 1
+    assert the_lease(kube, tmp_path)["leaseTransitions"] == token + 1
 
 
 # --- the shipped sidecar's RBAC ----------------------------------------------------------------------
@@ -359,7 +362,7 @@ def test_the_sidecars_role_grants_every_call_ckptd_makes_on_leases_and_nothing_m
     installs = [line for line in (REPO / "Dockerfile").read_text().splitlines() if "pip install '." in line]
     assert installs and all("kubernetes" in line for line in installs), installs
 
-    (a, b, _c), mono = pair(tmp_path, kube.kubeconfig)
+    (a, b, _c), _mono = pair(tmp_path, kube.kubeconfig)
     a.step()
     b.step()
     a.step()
@@ -379,7 +382,7 @@ def test_a_whole_second_goes_out_with_the_six_fraction_digits_the_api_server_par
     a.wall = lambda: 1796676000.0
     a.step()
     assert a.held(), a.error or a.blocked
-    assert the_lease(kube)["renewTime"].endswith(".000001Z")
+    assert the_lease(kube, tmp_path)["renewTime"].endswith(".000001Z")
 
 
 def test_a_second_lease_for_the_same_root_is_not_taken_beside_a_live_one(tmp_path, kube):

@@ -256,8 +256,8 @@ class FakeKube:
         except FileNotFoundError:
             return {"rv": 0, "leases": {}, "requests": {}}
 
-    def leases(self) -> dict[str, dict[str, Any]]:
-        return self.store()["leases"]
+    def lease(self, name: str) -> dict[str, Any] | None:
+        return self.store()["leases"].get(f"{self.namespace}/{name}")
 
 
 def main(argv: list[str] | None = None) -> int:
