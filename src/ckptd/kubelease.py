@@ -542,6 +542,26 @@ class KubeLeadership:
             }
 
 
+def take_for_prune(lead: KubeLeadership, tell: Callable[[str], None]) -> bool:
+    """For one prune: whether `lead` took the Lease. A holder seen renewing it is not waited for; one
+    that does not (killed, frozen) is watched for the duration plus the margin first, as any
+    standby must (the holder's renewTime cannot say: it is another host's clock)."""
+    lead.step()
+    first = lead._key
+    deadline = lead.mono() + lead.duration + lead.margin + 2 * lead.interval
+    between_looks = threading.Event()  # never set: a timer between looks, nothing to synchronise with
+    said = False
+    while not lead.held():
+        if lead.error is not None or lead._key != first or lead.mono() >= deadline or lead.name is None:
+            return False  # unreachable, renewed while watched (a live holder), or past the wait
+        if not said and lead.blocked:
+            tell(f"{lead.root}: {lead.blocked}; watching it for up to {lead.duration + lead.margin:g}s")
+            said = True
+        between_looks.wait(lead.interval)
+        lead.step()
+    return True
+
+
 def kube_leadership(root: Path, daemon: Any, why: str) -> KubeLeadership:
     """The root's Kubernetes leadership from `[daemon]` and `[daemon.kubernetes]` (config.models)."""
     k = daemon.kubernetes

@@ -208,6 +208,25 @@ def test_a_prune_does_not_delete_while_a_daemon_holds_the_lease_and_does_once_it
     assert the_lease(kube, root)["leaseTransitions"] == 1
 
 
+def test_a_prune_after_a_killed_holder_watches_its_lease_lapse_then_deletes(tmp_path, kube):
+    """The holder's renewTime is another host's clock: the prune watches the Lease go unrenewed for
+    the duration plus the margin by its own, then takes it (one token on) and deletes."""
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2, 3)
+    with DaemonProc("-c", kube_config(tmp_path, "a", root, kube.kubeconfig, keep_last=5)) as a:
+        a.wait_message(TOOK)
+        a.proc.kill()
+        a.proc.wait(30)
+    assert the_lease(kube, root)["holderIdentity"].split("_")[-2] == str(a.proc.pid)  # not handed back
+    started = time.monotonic()
+    proc = run_ckptd("prune", "-c", kube_config(tmp_path, "cron", root, kube.kubeconfig, keep_last=1))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert time.monotonic() - started >= D + M
+    assert f"pid {a.proc.pid} holds the Lease" in proc.stderr and f"watching it for up to {D + M:g}s" in proc.stderr
+    assert listing(root / "job") == ["checkpoint-3"]
+    assert the_lease(kube, root)["leaseTransitions"] == 1
+
+
 def test_check_config_says_where_the_lease_is_and_run_refuses_without_a_kubeconfig(tmp_path, kube):
     root = tmp_path / "vol"
     root.mkdir()

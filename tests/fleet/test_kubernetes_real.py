@@ -14,6 +14,7 @@ import pytest
 
 from tests.fleet.test_kubernetes import (  # noqa: F401 (collected here again, with this module's `kube`)
     test_a_frozen_leader_is_replaced_and_deletes_nothing_when_it_wakes,
+    test_a_prune_after_a_killed_holder_watches_its_lease_lapse_then_deletes,
     test_a_prune_does_not_delete_while_a_daemon_holds_the_lease_and_does_once_it_stopped,
     test_a_second_lease_for_the_same_root_is_not_taken_beside_a_live_one,
     test_a_whole_second_goes_out_with_the_six_fraction_digits_the_api_server_parses,

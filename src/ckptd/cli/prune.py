@@ -40,11 +40,18 @@ def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadershi
         local = LocalLeadership(RootLock(d.state_dir, root.path), why)
         local.step()
         return (local, None) if local.held() else (None, local.blocked)
-    if kind in ("etcd", "kubernetes"):  # a held key or Lease is not waited for
-        from ckptd.etcdlease import etcd_leadership
-        from ckptd.kubelease import kube_leadership
+    if kind == "kubernetes":  # a Lease not renewed is watched first, as the volume lease is
+        from ckptd.kubelease import kube_leadership, take_for_prune
 
-        engine = (etcd_leadership if kind == "etcd" else kube_leadership)(root.path, d, why)
+        kube = kube_leadership(root.path, d, why)
+        if take_for_prune(kube, lambda line: print(line, file=sys.stderr)):
+            kube.start()  # renewed while the prune runs
+            return kube, None
+        return None, kube.blocked or kube.error
+    if kind == "etcd":  # a held key is not waited for: etcd deletes it when its holder's lease ends
+        from ckptd.etcdlease import etcd_leadership
+
+        engine = etcd_leadership(root.path, d, why)
         engine.step()
         if engine.held():
             engine.start()  # renewed while the prune runs
