@@ -199,6 +199,12 @@ def _spec(lease: dict[str, Any] | None) -> dict[str, Any]:
     return (lease or {}).get("spec") or {}
 
 
+def _token(spec: dict[str, Any]) -> int:
+    """leaseTransitions, 0 where a Lease made by another tool has none."""
+    value = spec.get("leaseTransitions")
+    return value if isinstance(value, int) else 0
+
+
 class KubeLeadership:
     """One root's leadership by a Kubernetes Lease. Thread-safe as `VolumeLease` is: a renewal
     thread, the daemon's filesystem thread (fence, held) and the event loop (status) share it."""
@@ -288,7 +294,7 @@ class KubeLeadership:
             spec = _spec(self.fencing.get(name))
         except (KubeUnavailable, KubeConfigMissing) as exc:
             return f"cannot ask the API server whether this ckptd still leads: {exc}"
-        if spec.get("holderIdentity") != self.identity or spec.get("leaseTransitions") != epoch:
+        if spec.get("holderIdentity") != self.identity or _token(spec) != epoch:
             return f"the Lease {self.key} no longer names this ckptd at token {epoch}"
         if (why := engine_record_refusal(self.root, epoch, self.me.id, self.key)) is not None:
             return why
@@ -359,7 +365,7 @@ class KubeLeadership:
             return
         spec = _spec(lease)
         self.seen = spec or None
-        unchanged_for = self._observe(spec, t0)
+        unchanged_for = self._observe(spec, self.mono())  # after the answer: the change was made before it
         self.error = None
         if not self.want:
             self.blocked = "observing only (dry run)"
@@ -382,7 +388,7 @@ class KubeLeadership:
             self.blocked = other
             return
         floor = rec["epoch"] if rec is not None and rec.get("key") == self.key else -1
-        epoch = max(int(spec.get("leaseTransitions") or 0) + (1 if lease else 0), floor + 1)
+        epoch = max(_token(spec) + (1 if lease else 0), floor + 1)
         now = self.wall()
         new = {"holderIdentity": self.identity, "leaseDurationSeconds": self.seconds,
                "acquireTime": micro_time(now), "renewTime": micro_time(now), "leaseTransitions": epoch}
@@ -398,7 +404,7 @@ class KubeLeadership:
         except KubeUnavailable as exc:
             self._unreachable(exc)
             return
-        self._observe(_spec(out), t0)
+        self._observe(_spec(out), self.mono())
         if self.mono() >= t0 + self.duration:  # paused past its own deadline: took nothing
             self.blocked = "took the Lease too late to lead on it (past its own deadline)"
             return
@@ -415,7 +421,7 @@ class KubeLeadership:
             lease = self.renewing.get(self.name)
             spec = _spec(lease)
             if lease is None or spec.get("holderIdentity") != self.identity \
-                    or spec.get("leaseTransitions") != epoch:
+                    or _token(spec) != epoch:
                 who = holder_of(spec.get("holderIdentity") or "") or {}
                 taken = (f"was taken over ({who.get('host')} pid {who.get('pid')}, token "
                          f"{spec.get('leaseTransitions')})" if lease else "is gone")
@@ -435,7 +441,7 @@ class KubeLeadership:
                 self._lose(f"no renewal succeeded before its deadline ({exc})")
             return
         self.seen = _spec(out)
-        self._observe(self.seen, t0)
+        self._observe(self.seen, self.mono())
         self.deadline = t0 + self.duration
         # Touched at each renewal: a volume lease's holder (a host configured otherwise) sees a
         # live engine leader by it (leaserecord.engine_leader_seen).
@@ -485,7 +491,7 @@ class KubeLeadership:
                 lease = self.renewing.get(self.name)
                 spec = _spec(lease)
                 if lease is not None and spec.get("holderIdentity") == self.identity \
-                        and spec.get("leaseTransitions") == epoch:
+                        and _token(spec) == epoch:
                     now = micro_time(self.wall())
                     handed_back = {**spec, "holderIdentity": "", "leaseDurationSeconds": 1, "renewTime": now,
                                    "acquireTime": now}
