@@ -418,3 +418,32 @@ def test_a_second_lease_for_the_same_root_is_not_taken_beside_a_live_one(tmp_pat
     other.step()
     assert not other.held() and f"leads {tmp_path} by kubernetes (token 0)" in (other.blocked or ""), other.blocked
     assert a.fence(a.current_epoch()) is None
+
+
+def test_a_renewal_that_finds_another_holder_stands_down_before_the_volume_says_so(tmp_path, kube):
+    """The new holder took the Lease and has not written the volume's record yet (frozen between
+    the two, or not a ckptd): the Lease alone says so, and the old leader stands down."""
+    from ckptd.kubelease import KubeApi, kube_source
+
+    (a, _b, _c), _mono = pair(tmp_path, kube.kubeconfig)
+    a.step()
+    assert a.held()
+    api = KubeApi(kube_source(kube.kubeconfig), None, 5.0)
+    lease = api.get(a.name)
+    assert lease is not None
+    api.replace({**lease, "spec": {**lease["spec"], "holderIdentity": "elsewhere_7_x", "leaseTransitions": 1}})
+    a.step()
+    assert not a.held() and a.current_epoch() is None
+
+
+def test_every_take_moves_leasetransitions_on_even_with_no_record_on_the_volume(tmp_path, kube):
+    """client-go's rule, which other readers of the Lease count on: one up at every change of holder,
+    whatever the volume holds (here its record is gone)."""
+    (a, b, _c), mono = pair(tmp_path, kube.kubeconfig)
+    a.step()
+    b.step()
+    (tmp_path / ".ckptd" / "engine.json").unlink()
+    mono[0] += D + M
+    b.step()
+    assert b.held() and b.current_epoch() == 1
+    assert the_lease(kube, tmp_path)["leaseTransitions"] == 1
