@@ -31,9 +31,12 @@ client-go's leader election (k8s.io/client-go/tools/leaderelection, `tryAcquireO
   looked at again after the reads. As with etcd, no API server can fence a write to a POSIX
   filesystem: hence the record on the volume, and another process's trash waiting `takeover_wait`.
 
-A leader that takes the root's own lock (`.ckptd/local.lock`) for its tenure does so where the
-record is written (`_try_take`) and lets it go in `_lose` and `release`: the two places a tenure
-begins and ends.
+The root's own lock, `<root>/.ckptd/local.lock`, is held for the tenure, as the volume lease's
+holder holds it: a ckptd with `leadership = "local"` or a prune holds it while it deletes, so the
+two exclude each other. It is taken before the Lease (`_try_take`: one held by another process
+refuses the take) and let go in `_lose` and `release`. One held by the lapsed holder itself (a
+frozen process keeps its locks; the lock table shows its pid, or it is on another host) is passed
+over, as `VolumeLease._take_locks` does, and taken at a later renewal once that holder lets go.
 
 The client is `lightkube` (the `kubernetes` extra): a synchronous client for the renewal thread
 (kubernetes_asyncio is async only), kubeconfig and in-cluster configuration with exec credential
@@ -63,6 +66,7 @@ from ckptd.lease import boottime, renewal_thread
 from ckptd.leaserecord import (
     ENGINE_RECORD,
     Holder,
+    RecordIO,
     engine_leader_seen,
     engine_record_refusal,
     read_engine_record,
@@ -253,6 +257,7 @@ class KubeLeadership:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.want = True
+        self.io = RecordIO(root)  # the root's lock (`lock_root`), held for the tenure
 
     @property
     def key(self) -> str:
@@ -387,6 +392,9 @@ class KubeLeadership:
                 and (other := engine_leader_seen(self.root, self.margin)) is not None:  # another Lease, etcd
             self.blocked = other
             return
+        if (busy := self._take_root_lock(holder)) is not None:
+            self.blocked = busy
+            return
         floor = rec["epoch"] if rec is not None and rec.get("key") == self.key else -1
         epoch = max(_token(spec) + (1 if lease else 0), floor + 1)
         now = self.wall()
@@ -399,13 +407,16 @@ class KubeLeadership:
             else:
                 out = self.renewing.replace({**lease, "spec": {**spec, **new}})
         except KubeConflict as exc:
+            self.io.unlock_root()
             self.blocked = f"another process wrote the Lease {self.key} first ({exc})"
             return
         except KubeUnavailable as exc:
+            self.io.unlock_root()
             self._unreachable(exc)
             return
         self._observe(_spec(out), self.mono())
         if self.mono() >= t0 + self.duration:  # paused past its own deadline: took nothing
+            self.io.unlock_root()
             self.blocked = "took the Lease too late to lead on it (past its own deadline)"
             return
         self._record(epoch, now)
@@ -443,6 +454,10 @@ class KubeLeadership:
         self.seen = _spec(out)
         self._observe(self.seen, self.mono())
         self.deadline = t0 + self.duration
+        if not self._root_locked():  # taken over from a frozen holder: its lock, once it lets go
+            with contextlib.suppress(OSError):
+                if self.io.lock_root() is None and self._root_locked():
+                    log.info("%s: this ckptd holds %s/local.lock again", self.root, LEASE_DIR)
         # Touched at each renewal: a volume lease's holder (a host configured otherwise) sees a
         # live engine leader by it (leaserecord.engine_leader_seen).
         with contextlib.suppress(OSError):
@@ -474,9 +489,33 @@ class KubeLeadership:
         write_engine_record(self.root, {"backend": self.kind, "key": self.key, "epoch": epoch,
                                         "duration": self.duration, "holder": asdict(self.me), "since": since})
 
+    def _root_locked(self) -> bool:
+        lock = self.io._root_lock
+        return lock is not None and lock.held
+
+    def _take_root_lock(self, holder: str) -> str | None:
+        """Take `<root>/.ckptd/local.lock`: None if taken (or it cannot be on a read-only root:
+        the Lease alone decides), or if the process holding it is the Lease's lapsed holder; else
+        why not (a ckptd with `leadership = "local"` or a prune deletes here)."""
+        why = self.io.lock_root()
+        if why is None or not self.io.root_busy:
+            return why
+        lapsed = holder_of(holder) if holder and holder != self.identity else None
+        if lapsed is not None and isinstance(lapsed.get("pid"), int):
+            _, pids = self.io.lock_pids()
+            here = lapsed["host"] == self.me.host
+            if (here and pids == {lapsed["pid"]}) or (not pids and not here):
+                log.warning("%s: %s pid %s, whose Lease lapsed, still holds %s/local.lock (a frozen "
+                            "process): taking over on the Lease; its fence refuses its renames when it "
+                            "runs again",
+                            self.root, lapsed["host"], lapsed["pid"], LEASE_DIR)
+                return None
+        return why
+
     def _lose(self, why: str) -> None:
         log.error("%s: Kubernetes leadership lost: %s; this ckptd no longer deletes here", self.root, why)
         self.epoch, self.deadline, self.since = None, float("-inf"), None
+        self.io.unlock_root()
 
     def release(self) -> None:
         """Stop leading; hand the Lease back (client-go's release: no holder, the transitions
@@ -486,6 +525,7 @@ class KubeLeadership:
             # first: nothing renames from here on
             self.epoch, self.deadline, self.since = None, float("-inf"), None
             if epoch is None or not held or self.renewing is None or self.name is None:
+                self.io.unlock_root()
                 return
             try:
                 lease = self.renewing.get(self.name)
@@ -498,6 +538,8 @@ class KubeLeadership:
                     self.renewing.replace({**lease, "spec": handed_back})
             except (KubeUnavailable, KubeConflict) as exc:
                 log.warning("%s: cannot hand the Kubernetes Lease back (it will expire): %s", self.root, exc)
+            finally:
+                self.io.unlock_root()
 
     # --- the renewal thread ---------------------------------------------------
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -103,7 +104,8 @@ def test_one_deletes_and_a_killed_leader_is_replaced_with_the_next_token(tmp_pat
         a, b = leader_and_standby(tmp_path, root, kube.kubeconfig)
         a.wait_message("deleted job/checkpoint-1")
         lease = the_lease(kube, root)
-        assert lease["leaseTransitions"] == 0 and lease["holderIdentity"].split("_")[-2] == str(a.proc.pid)
+        assert lease["leaseTransitions"] == 0 and lease["holderIdentity"].split("_")[-2] == str(a.proc.pid), \
+            (lease, a.dump(), b.dump())
         assert engine_record(root)["epoch"] == 0 and engine_record(root)["holder"]["pid"] == a.proc.pid
         assert engine_record(root)["key"] == f"{kube.namespace}/ckptd-{(root / '.ckptd' / 'volume-id').read_text().strip()}"
         status = run_ckptd("status", "-c", tmp_path / "b.toml")
@@ -248,9 +250,11 @@ def pair(root: Path, kubeconfig: Path):
     from ckptd.kubelease import KubeLeadership
     from ckptd.leaserecord import Holder
 
+    # This host and process, as a process frozen here would show in the lock table: each takes the
+    # root's lock over the lapsed holder's (kubelease._take_root_lock).
     mono = [100.0]
-    made = [KubeLeadership(root, duration=D, margin=M, kubeconfig=kubeconfig, holder=Holder("h", n, 0.0, f"id{n}"),
-                           mono=lambda: mono[0]) for n in (1, 2, 3)]
+    made = [KubeLeadership(root, duration=D, margin=M, kubeconfig=kubeconfig, mono=lambda: mono[0],
+                           holder=Holder(socket.gethostname(), os.getpid(), 0.0, f"id{n}")) for n in (1, 2, 3)]
     return made, mono
 
 
@@ -447,3 +451,40 @@ def test_every_take_moves_leasetransitions_on_even_with_no_record_on_the_volume(
     b.step()
     assert b.held() and b.current_epoch() == 1
     assert the_lease(kube, tmp_path)["leaseTransitions"] == 1
+
+
+# --- the root's own lock: a Lease's holder and a `local` ckptd exclude each other -----------------
+
+
+def local_config(tmp: Path, name: str, root: Path, *, keep_last: int) -> Path:
+    path = node_config(tmp, name, root, keep_last=keep_last)
+    path.write_text(path.read_text().replace("leadership = 'volume'", "leadership = 'local'"))
+    return path
+
+
+def test_a_local_prune_does_not_delete_while_a_lease_holder_deletes_there(tmp_path, kube):
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2, 3)
+    cron = local_config(tmp_path, "cron", root, keep_last=1)
+    with DaemonProc("-c", kube_config(tmp_path, "a", root, kube.kubeconfig, keep_last=5)) as a:
+        a.wait_message(TOOK)
+        proc = run_ckptd("prune", "-c", cron)
+        assert proc.returncode == 75, proc.stdout + proc.stderr
+        assert f"another ckptd is deleting in {root} (holds {root / '.ckptd' / 'local.lock'})" in proc.stderr
+        assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    proc = run_ckptd("prune", "-c", cron)  # the holder gone, the lock with it
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert listing(root / "job") == ["checkpoint-3"]
+
+
+def test_a_lease_is_not_taken_while_a_local_ckptd_deletes_there(tmp_path, kube):
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2, 3)
+    with DaemonProc("-c", local_config(tmp_path, "a", root, keep_last=5)) as a:
+        a.wait_message("this ckptd deletes here (holds")
+        proc = run_ckptd("prune", "-c", kube_config(tmp_path, "cron", root, kube.kubeconfig, keep_last=1))
+        assert proc.returncode == 75, proc.stdout + proc.stderr
+        assert f'a ckptd with leadership = "local" deletes here (it holds {root / ".ckptd" / "local.lock"})' \
+            in proc.stderr
+        assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+        assert kube.lease(f"ckptd-{(root / '.ckptd' / 'volume-id').read_text().strip()}") is None
