@@ -37,12 +37,12 @@ FROM base AS deepspeed
 # with the next install, which keeps the installed 2.13.0+cpu.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url "$TORCH_INDEX_URL" --no-deps torch==2.13.0 \
- && pip install '.[deepspeed,metrics]'
+ && pip install '.[deepspeed,metrics,kubernetes]'
 USER ckptd
 WORKDIR /var/lib/ckptd
 
 # The default target: the last stage.
 FROM base AS slim
-RUN pip install '.[metrics]'
+RUN pip install '.[metrics,kubernetes]'
 USER ckptd
 WORKDIR /var/lib/ckptd

@@ -1,9 +1,11 @@
 """How long a standby takes to take over: a leader SIGKILLed, or SIGSTOPped (frozen: its locks held).
 
-`python -m bench.takeover [--backend volume|etcd|both] [--rounds 5] [--duration 5] [--margin 2]`
-starts, per round, two `ckptd run --log-format json -v` on a small volume with their own
+`python -m bench.takeover [--backend volume|etcd|kubernetes|both|all] [--rounds 5] [--duration 5]
+[--margin 2]` starts, per round, two `ckptd run --log-format json -v` on a small volume with their own
 state_dirs (two hosts), `leadership` the backend's (etcd: a real 3-member cluster on 127.0.0.1
-ports, bench/etcdcluster.py), waits for one to lead and the other to stand by, then signals the
+ports, bench/etcdcluster.py; kubernetes: the FAKE Lease API server of the tests,
+tests/support/fakekube.py, as no real one can run here: its figures time ckptd's election, not
+a real API server's latency), waits for one to lead and the other to stand by, then signals the
 leader and times, on this process's monotonic clock, from the signal to the standby's "this ckptd
 deletes here" line (as its reader thread received it). A stopped leader is killed after.
 
@@ -22,6 +24,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.daemon import DaemonProc
 from ckptd.demo import hf_deepspeed_checkpoint
@@ -32,6 +35,8 @@ def config(path: Path, root: Path, state_dir: Path, backend: str, duration: floa
     etcd = ""
     if backend == "etcd":
         etcd = "[daemon.etcd]\nendpoints = [" + ", ".join(f"'{e}'" for e in endpoints) + "]\n"
+    elif backend == "kubernetes":  # endpoints: the kubeconfig naming the fake API server
+        etcd = f"[daemon.kubernetes]\nkubeconfig = '{endpoints[0]}'\n"
     path.write_text(
         f"[daemon]\nstate_dir = '{state_dir}'\nleadership = '{backend}'\n"
         f"lease_duration = '{duration}s'\nlease_margin = '{margin}s'\n{etcd}"
@@ -66,9 +71,16 @@ def one_round(work: Path, backend: str, sig: int, duration: float, margin: float
 
 
 def measure(backend: str, rounds: int, duration: float, margin: float, work: Path) -> dict[str, object]:
-    cluster = None
+    cluster: Any = None
     endpoints: list[str] = []
-    if backend == "etcd":
+    if backend == "kubernetes":
+        from tests.support.fakekube import FakeKube
+
+        (work / "kube").mkdir(parents=True)
+        cluster = FakeKube(work / "kube")
+        cluster.start()
+        endpoints = [str(cluster.kubeconfig)]
+    elif backend == "etcd":
         from bench.etcdcluster import Cluster
 
         (work / "etcd").mkdir(parents=True)
@@ -94,14 +106,15 @@ def measure(backend: str, rounds: int, duration: float, margin: float, work: Pat
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.takeover")
-    p.add_argument("--backend", default="both", choices=["volume", "etcd", "both"])
+    p.add_argument("--backend", default="both", choices=["volume", "etcd", "kubernetes", "both", "all"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--margin", type=float, default=2.0)
     p.add_argument("--workdir", type=Path, default=None)
     args = p.parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="ckptd-bench-takeover-"))
-    backends = ["volume", "etcd"] if args.backend == "both" else [args.backend]
+    sets = {"both": ["volume", "etcd"], "all": ["volume", "etcd", "kubernetes"]}
+    backends = sets.get(args.backend, [args.backend])
     result = {"duration_s": args.duration, "margin_s": args.margin, "rounds": args.rounds}
     for backend in backends:
         result[backend] = measure(backend, args.rounds, args.duration, args.margin, work / backend)

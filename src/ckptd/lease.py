@@ -514,7 +514,8 @@ def choose_leadership(
     root: Path, configured: str, mounts: list[Mount] | None = None, coherent: bool | None = None,
     etcd: bool = False,
 ) -> tuple[str, str, str | None]:
-    """("local" | "volume" | "etcd", why, a problem that forbids leading here or None) for a root.
+    """("local" | "volume" | "etcd" | "kubernetes", why, a problem that forbids leading here or None)
+    for a root (`kubernetes` only where configured so).
     `coherent`: the root's key of that name (`mounts.coherence`); false forbids volume leadership.
     `etcd`: whether etcd endpoints are configured (`auto` then means etcd)."""
     mount = mount_of(root, read_mounts() if mounts is None else mounts)

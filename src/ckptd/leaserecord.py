@@ -60,7 +60,7 @@ LOCK = "leader.lock"
 CLAIM_PREFIX = "epoch-"
 BEAT_PREFIX = "beat-"  # beat-<epoch>-<seq>: each write of the record also makes a new name
 PROBE_PREFIX = ".probe-"  # made and removed before a takeover (RecordIO.probe)
-ENGINE_RECORD = "engine.json"  # an engine's token on the volume (etcdlease.py), touched at each renewal
+ENGINE_RECORD = "engine.json"  # an engine's token on the volume (etcdlease, kubelease), touched at renewals
 
 
 def _process_start() -> float:
@@ -422,8 +422,20 @@ def write_engine_record(root: Path, doc: dict[str, Any]) -> None:
         os.close(dir_fd)
 
 
+def engine_record_refusal(root: Path, epoch: int, holder_id: str, key: str) -> str | None:
+    """For an engine's leader before a rename: why the volume's record (`engine.json`) does not
+    name its token `epoch` of `key` and its holder, or None where it does."""
+    rec = read_engine_record(root)
+    if rec is None or rec.get("epoch") != epoch or rec.get("key") != key \
+            or (rec.get("holder") or {}).get("id") != holder_id:
+        other = (f"{rec.get('backend')} {rec.get('key')} token {rec.get('epoch')}" if rec
+                 else "no readable record")
+        return f"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) no longer names token {epoch} ({other})"
+    return None
+
+
 def engine_leader_seen(root: Path, margin: float, now: float | None = None) -> str | None:
-    """Who leads `root` by an engine (etcd), as `engine.json` says, while its holder renews: it
+    """Who leads `root` by an engine (etcd, Kubernetes), as `engine.json` says, while its holder renews: it
     touches the file at each renewal, so a modification time within the holder's duration plus
     `margin` is a live one. For a volume lease's holder, which must not delete beside it."""
     path = root / LEASE_DIR / ENGINE_RECORD

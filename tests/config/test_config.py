@@ -12,6 +12,7 @@ from ckptd.config import (
     ConfigError,
     Daemon,
     Etcd,
+    Kubernetes,
     FreeSpace,
     Pattern,
     Retention,
@@ -36,9 +37,9 @@ def test_config_example_loads_and_sets_every_key():
     assert config.roots[0].path == Path("/mnt/experiments")  # the one key without a default
     # every field of every model appears in the example, set or as an example line
     text = EXAMPLE.read_text()
-    for model in (Config, Root, Retention, Daemon, Etcd, RunRule, Pattern, Archive):
+    for model in (Config, Root, Retention, Daemon, Etcd, Kubernetes, RunRule, Pattern, Archive):
         for name in model.model_fields:
-            if name not in ("roots", "daemon", "retention", "runs", "etcd"):
+            if name not in ("roots", "daemon", "retention", "runs", "etcd", "kubernetes"):
                 assert f"{name} =" in text, f"config.example.toml does not document {model.__name__}.{name}"
 
 

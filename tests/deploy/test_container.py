@@ -100,7 +100,7 @@ def test_the_deepspeed_target_pins_the_torch_the_project_pins(dockerfile):
     pyproject = (REPO / "pyproject.toml").read_text()
     [pin] = [w for w in shlex.split(runs) if w.startswith("torch==")]
     assert f'"{pin}"' in pyproject  # the deepspeed extra's pin
-    assert "--index-url" in runs and ".[deepspeed,metrics]" in runs
+    assert "--index-url" in runs and ".[deepspeed,metrics,kubernetes]" in runs
     assert last(dockerfile["deepspeed"], "USER") == "ckptd"
 
 

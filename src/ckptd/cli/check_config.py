@@ -106,6 +106,14 @@ def volume_notes(config: Config) -> list[str]:
             out.append(f"{where}: leadership=etcd ({why}); lease TTL {max(2, math.ceil(d.lease_duration))}s at "
                        f"{', '.join(d.etcd.endpoints)}, key prefix {d.etcd.prefix}; its token fenced in "
                        f"{root.path / layouts.LEASE_DIR}")
+        elif kind == "kubernetes":
+            k = d.kubernetes
+            namespace = k.namespace or "<the pod's or context's namespace>"
+            seconds = max(1, math.ceil(d.lease_duration))
+            name = k.lease_name or "ckptd-<volume id>"
+            out.append(f"{where}: leadership=kubernetes ({why}); Lease {namespace}/{name}, "
+                       f"{seconds}s + {d.lease_margin:g}s margin; its leaseTransitions fenced in "
+                       f"{root.path / layouts.LEASE_DIR}")
         elif kind == "volume":
             lease = f"lease {d.lease_duration:g}s + {d.lease_margin:g}s margin"
             lease += f" in {root.path / layouts.LEASE_DIR}"

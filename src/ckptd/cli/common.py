@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ckptd.cli.parser import retention_overrides
 from ckptd.config import Config, Root, find_config
@@ -92,6 +93,21 @@ def slimming_keys(config: Config) -> list[str]:
     return keys
 
 
+def kubernetes_problems(d: Any) -> list[str]:
+    """For `leadership = "kubernetes"`: the client missing, or no API server to find (exit 78)."""
+    if missing_modules(["lightkube"]):
+        return ["daemon.leadership: kubernetes, but lightkube is not installed: pip install 'ckptd[kubernetes]'"]
+    from ckptd.kubelease import KubeConfigMissing, kube_source
+
+    try:
+        kind, where = kube_source(d.kubernetes.kubeconfig)
+    except KubeConfigMissing as exc:
+        return [f"daemon.kubernetes: {exc}"]
+    if kind == "kubeconfig" and not where.is_file():
+        return [f"daemon.kubernetes.kubeconfig: {where} does not exist"]
+    return []
+
+
 def require_extras(config: Config) -> None:
     """What `run` and `prune` would fail on later, said before they start (exit 78)."""
     problems = []
@@ -113,6 +129,8 @@ def require_extras(config: Config) -> None:
         problems.append(
             f"daemon.leadership: etcd ({d.leadership}), but etcd3gw is not installed: pip install 'ckptd[etcd]'"
         )
+    if d.leadership == "kubernetes":
+        problems += kubernetes_problems(d)
     archived = [i for i, root in enumerate(config.roots) if root.archive is not None]
     if archived and (missing := missing_modules(["boto3", "crc32c"])):
         problems.append(

@@ -41,6 +41,14 @@ def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadershi
         local = LocalLeadership(RootLock(d.state_dir, root.path), why)
         local.step()
         return (local, None) if local.held() else (None, local.blocked)
+    if kind == "kubernetes":  # a Lease not renewed is watched first, as the volume lease is
+        from ckptd.kubelease import kube_leadership, take_for_prune
+
+        kube = kube_leadership(root.path, d, why)
+        if take_for_prune(kube, lambda line: print(line, file=sys.stderr)):
+            kube.start()  # renewed while the prune runs
+            return kube, None
+        return None, kube.blocked or kube.error
     if kind == "etcd":  # a held key is not waited for: etcd deletes it when its holder's lease ends
         from ckptd.etcdlease import etcd_leadership
 

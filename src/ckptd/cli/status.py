@@ -143,15 +143,16 @@ def _lead_and_quiet_lines(root: dict[str, Any], now: float) -> list[str]:
         waiting = f"; {lead['waiting']}" if lead.get("waiting") else ""
         error = f"; error: {lead['error']}" if lead.get("error") else ""
         lines.append(f"leadership: {text}{waiting}{error} [{lead['why']}]")
-    elif lead and lead.get("kind") == "etcd":
+    elif lead and lead.get("kind") in ("etcd", "kubernetes"):
+        what = "etcd key" if lead["kind"] == "etcd" else "kubernetes Lease"
         holder = lead.get("holder")
         if isinstance(holder, dict):
             who = f"{holder.get('host')} pid {holder.get('pid')}" + (" (this ckptd)" if lead["held"] else "")
             since = lead.get("since")
             taken = f", taken {format_age(max(0.0, now - since))} ago" if isinstance(since, int | float) else ""
-            text = f"etcd key {lead.get('key')}, token {lead.get('epoch')}, held by {who}{taken}"
+            text = f"{what} {lead.get('key')}, token {lead.get('epoch')}, held by {who}{taken}"
         else:
-            text = f"etcd key {lead.get('key')} free"
+            text = f"{what} {lead.get('key')} free"
         waiting = f"; {lead['waiting']}" if lead.get("waiting") else ""
         error = f"; error: {lead['error']}" if lead.get("error") else ""
         lines.append(f"leadership: {text}{waiting}{error} [{lead['why']}]")

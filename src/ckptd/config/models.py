@@ -9,6 +9,7 @@ models' descriptions (`python -m tools.docgen`).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -555,6 +556,43 @@ class Etcd(_Strict):
         return self
 
 
+class Kubernetes(_Strict):
+    """Where the Lease is, for `leadership = "kubernetes"` (the `kubernetes` extra: lightkube). The
+    API server and credentials: `kubeconfig`, else $KUBECONFIG, else the pod's service account
+    (in a pod), else ~/.kube/config."""
+
+    namespace: str | None = Field(
+        None,
+        description="The Lease's namespace. Default: the pod's own (in a pod), else the kubeconfig "
+        "context's, else 'default'.",
+    )
+    lease_name: str | None = Field(
+        None,
+        description="The Lease's name (a DNS-1123 subdomain). Default: ckptd-<volume id>, the id kept "
+        "in <root>/.ckptd/volume-id, so every pod names the same Lease wherever it mounts the volume. "
+        "With more than one root, leave it unset: each root needs a Lease of its own.",
+    )
+    kubeconfig: Path | None = Field(
+        None, description="A kubeconfig file (its current context). Default: $KUBECONFIG, then in-cluster."
+    )
+
+    @field_validator("namespace")
+    @classmethod
+    def _label(cls, v: str | None) -> str | None:
+        if v is not None and (len(v) > 63 or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", v)):
+            raise ValueError(f"{v!r} is not a namespace name (DNS-1123 label: a-z, 0-9, '-', at most 63)")
+        return v
+
+    @field_validator("lease_name")
+    @classmethod
+    def _subdomain(cls, v: str | None) -> str | None:
+        label = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+        if v is not None and (len(v) > 253 or not re.fullmatch(rf"{label}(\.{label})*", v)):
+            raise ValueError(f"{v!r} is not a Lease name (DNS-1123 subdomain: a-z, 0-9, '-', '.', at most "
+                             "253)")
+        return v
+
+
 class Daemon(_Strict):
     """The daemon's own settings, one table for all roots."""
 
@@ -581,24 +619,30 @@ class Daemon(_Strict):
     )
     # before leadership: its validator reads it
     etcd: Etcd = Field(default_factory=Etcd, description="Where etcd is, for leadership = 'etcd'.")
-    leadership: Literal["auto", "local", "volume", "etcd"] = Field(
+    kubernetes: Kubernetes = Field(
+        default_factory=Kubernetes, description="Where the Lease is, for leadership = 'kubernetes'."
+    )
+    leadership: Literal["auto", "local", "volume", "etcd", "kubernetes"] = Field(
         "auto",
         description="How one ckptd is made the deleter of a root: 'local' (a lock in state_dir: one "
         "host), 'volume' (a lease on the volume, in <root>/.ckptd/: any number of hosts sharing it), "
         "'etcd' (an etcd lease and key per root, [daemon.etcd]; the token fenced on the volume too), "
+        "'kubernetes' (a coordination.k8s.io Lease per root, [daemon.kubernetes]; its leaseTransitions "
+        "fenced on the volume too), "
         "'auto' (etcd where endpoints are set, else volume on network filesystems, local elsewhere). "
         "Every host must resolve to the same.",
     )
     lease_duration: Duration = Field(
         30.0,
-        description="With volume or etcd leadership: how long a lease lasts unrenewed (renewed every "
-        "third of it; etcd's TTL, in whole seconds, at least 2). A leader that cannot renew for this long "
+        description="With volume, etcd or kubernetes leadership: how long a lease lasts unrenewed (renewed "
+        "every third of it; etcd's TTL, in whole seconds, at least 2; a Lease's leaseDurationSeconds). "
+        "A leader that cannot renew for this long "
         "stops deleting.",
     )
     lease_margin: Duration = Field(
         10.0,
-        description="With volume leadership: how much longer a standby waits after a lease runs out "
-        "before taking over. Covers clock skew between hosts and a pause between a leader's last "
+        description="With volume or kubernetes leadership: how much longer a standby waits after a lease "
+        "runs out before taking over. Covers clock skew between hosts and a pause between a leader's last "
         "check and its rename: keep it above both.",
     )
 
@@ -647,6 +691,14 @@ class Config(_Strict):
                         f"roots[{j}].path {str(b.path)!r} overlaps roots[{i}].path {str(a.path)!r}"
                     )
         return roots
+
+    @model_validator(mode="after")
+    def _one_lease_per_root(self) -> Config:
+        if self.daemon.kubernetes.lease_name is not None and len(self.roots) > 1:
+            raise ValueError("daemon.kubernetes.lease_name names one Lease, and there are "
+                             f"{len(self.roots)} roots: leave it unset (each root's is then "
+                             "ckptd-<its volume id>)")
+        return self
 
 
 def _overlap(a: str, b: str, table: list[mounts.Mount]) -> bool:

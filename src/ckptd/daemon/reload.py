@@ -26,10 +26,10 @@ def apply_config(d: Daemon, new: Config) -> None:
     if dry_run != d.dry_run:
         _switch_dry_run(d, dry_run)
     old = d.config.daemon
-    if (new.daemon.leadership, new.daemon.lease_duration, new.daemon.lease_margin, new.daemon.etcd) != (
-        old.leadership, old.lease_duration, old.lease_margin, old.etcd
-    ):
-        log.warning("daemon.leadership/lease_*/etcd: changes take effect at the next start, not at a reload")
+    leading = ("leadership", "lease_duration", "lease_margin", "etcd", "kubernetes")
+    if [getattr(new.daemon, k) for k in leading] != [getattr(old, k) for k in leading]:
+        log.warning("daemon.leadership/lease_*/etcd/kubernetes: changes take effect at the next start, "
+                    "not at a reload")
     mounts = read_mounts()
     by_path = {rt.root.path: rt for rt in d.roots}
     keep: list[RootRuntime] = []

@@ -17,6 +17,7 @@ from ckptd.lease import (
     volume_leader_seen,
 )
 from ckptd.etcdlease import EtcdLeadership, etcd_leadership
+from ckptd.kubelease import KubeLeadership, kube_leadership
 from ckptd.locks import LockHeld, RootLock
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
 from ckptd.removal.reaper import Reaper
@@ -118,9 +119,11 @@ class RootKeeper:
             if (mixed := volume_leader_seen(root.path)) is not None:
                 log.warning("%s: %s", root.path, mixed)
             return LocalLeadership(RootLock(d.state_dir, root.path), why)
-        lease: VolumeLease | EtcdLeadership
+        lease: VolumeLease | EtcdLeadership | KubeLeadership
         if kind == "etcd":
             lease = etcd_leadership(root.path, d, why)
+        elif kind == "kubernetes":
+            lease = kube_leadership(root.path, d, why)
         else:
             lease = VolumeLease(
                 root.path, duration=d.lease_duration, margin=d.lease_margin, why=why, problem=problem
@@ -165,7 +168,7 @@ class RootKeeper:
             status = rt.lead.status()
             local = rt.lead.kind == "local"
             how = (f"holds {status['lock']}" if local else f"volume lease, epoch {status['epoch']}"
-                   if rt.lead.kind == "volume" else f"etcd, token {status['epoch']}")
+                   if rt.lead.kind == "volume" else f"{rt.lead.kind}, token {status['epoch']}")
             log.info("%s: this ckptd deletes here (%s)", rt.root.path, how)
             rt.reaper.clear_work()  # what an interrupted consolidation left, into the trash
             self.purge(rt)  # what an earlier run left in the trash
