@@ -32,7 +32,15 @@ def archive_problem(
 ) -> str | None:
     """Why `c`'s archive does not yet allow deleting it locally, or None. `missing_ok` (a dry run,
     `plan`): no archive yet is no reason where the store can be reached, as it would be archived first."""
-    mkey = manifest_key(store.key(c.run, c.name))
+    return problem_at(store, c.run, c.name, c.path, state_dir, missing_ok=missing_ok)
+
+
+def problem_at(
+    store: Store, run: str, name: str, path: Path, state_dir: Path | None, *, missing_ok: bool = False
+) -> str | None:
+    """`archive_problem` of checkpoint `name` of `run` whose files are at `path` now (its place in
+    its run, or its entry in the trash, which the purge asks about)."""
+    mkey = manifest_key(store.key(run, name))
     try:
         data = store.get(mkey)
         if data is None:
@@ -44,26 +52,26 @@ def archive_problem(
             m = parse(data)
         except ValueError as exc:
             return f"its manifest {mkey} is not one ckptd can trust: {exc}"
-        if (m.run, m.checkpoint) != (c.run, c.name):
+        if (m.run, m.checkpoint) != (run, name):
             return f"its manifest {mkey} names {m.run}/{m.checkpoint}, not this checkpoint"
-        what = m.snapshot().differs(snapshot(c.path))
+        what = m.snapshot().differs(snapshot(path))
         if what is not None:
             return (f"differs from its archive at {store.url} ({what} since it was archived): "
                     "kept; ckptd never replaces an archive")
         for f in m.files:
             there = store.head(f.key)
             if there is None:
-                return f"its archived {f.path or c.name} is missing from {store.url}"
+                return f"its archived {f.path or name} is missing from {store.url}"
             if there.size != f.size or there.crc32c != f.crc32c or there.checksum_type not in (None, "FULL_OBJECT"):
-                return (f"its archived {f.path or c.name} at {store.url} is not what was read "
+                return (f"its archived {f.path or name} at {store.url} is not what was read "
                         f"({there.size} bytes, CRC32C {there.crc32c}; the manifest says {f.size}, {f.crc32c})")
         if has_record(state_dir, store.url, mkey, data):
             return None
         for f in m.files:  # not written by this ckptd: read every file again
-            path = c.path / f.path if f.path else c.path
-            crc = file_crc32c(path)
-            if crc != f.crc32c or identity(os.stat(path, follow_symlinks=False)) != f.identity:
-                return f"its manifest {mkey} does not match {f.path or c.name} here (CRC32C {crc}, not {f.crc32c})"
+            fpath = path / f.path if f.path else path
+            crc = file_crc32c(fpath)
+            if crc != f.crc32c or identity(os.stat(fpath, follow_symlinks=False)) != f.identity:
+                return f"its manifest {mkey} does not match {f.path or name} here (CRC32C {crc}, not {f.crc32c})"
         write_record(state_dir, store.url, mkey, data)
         return None
     except StoreError as exc:

@@ -190,12 +190,17 @@ class Archiver:
     def problem(self, c: Checkpoint, *, dry_run: bool = False) -> str | None:
         """Why `c` may not be deleted or slimmed now for want of a verified archive, or None
         (`gate.archive_problem`); None always where the archive is not required."""
-        from ckptd.archive.gate import archive_problem
+        return self.problem_at(c.run, c.name, c.path, dry_run=dry_run)
+
+    def problem_at(self, run: str, name: str, path: Path, *, dry_run: bool = False) -> str | None:
+        """`problem` of checkpoint `name` of `run` whose files are at `path` now: in its run, or in
+        the trash, where the purge asks again just before the irreversible removal."""
+        from ckptd.archive.gate import problem_at
 
         if not self.cfg.required:
             return None
-        why = archive_problem(self.store, c, self.state_dir, missing_ok=dry_run)
-        last = self.failures.get(c.rel)
+        why = problem_at(self.store, run, name, path, self.state_dir, missing_ok=dry_run)
+        last = self.failures.get(name if run == "." else f"{run}/{name}")
         if why is not None and last is not None and last not in why:
             why = f"{why} (its last attempt: {last})"
         return None if why is None else f"archive required: {why}"
