@@ -5,8 +5,9 @@ Asked by the reaper's re-check just before the rename (removal/recheck.py) and b
 - its manifest is there and well formed, and names this very checkpoint;
 - every file it lists is at the store with the size and full-object CRC32C it records;
 - the checkpoint on disk is, entry for entry, what was read for upload: the same files and
-  directories, each with the identity (dev, inode, size, mtime_ns) the manifest records, the
-  identity the reaper's own checks compare;
+  directories, each with the identity (dev, inode, size, mtime_ns, ctime_ns) the manifest
+  records; a file whose ctime alone moved (renamed into the trash, chmod-ed, or rewritten in
+  place with its mtime put back) is read again and its CRC32C compared with the manifest's;
 - its checksums were computed from these files by this ckptd (a local record, state_dir/archive/),
   or, where there is no such record (a manifest written by hand, a lost state_dir), every file is
   read again here and its CRC32C compared with the manifest's.
@@ -54,7 +55,8 @@ def problem_at(
             return f"its manifest {mkey} is not one ckptd can trust: {exc}"
         if (m.run, m.checkpoint) != (run, name):
             return f"its manifest {mkey} names {m.run}/{m.checkpoint}, not this checkpoint"
-        what = m.snapshot().differs(snapshot(path))
+        here = snapshot(path)
+        what = m.snapshot().differs(here, but_ctime=True)
         if what is not None:
             return (f"differs from its archive at {store.url} ({what} since it was archived): "
                     "kept; ckptd never replaces an archive")
@@ -65,12 +67,20 @@ def problem_at(
             if there.size != f.size or there.crc32c != f.crc32c or there.checksum_type not in (None, "FULL_OBJECT"):
                 return (f"its archived {f.path or name} at {store.url} is not what was read "
                         f"({there.size} bytes, CRC32C {there.crc32c}; the manifest says {f.size}, {f.crc32c})")
+        # ctime alone moved: renamed (a checkpoint that is one file, in the trash), chmod-ed, or
+        # rewritten in place with its mtime put back; its bytes say which
+        entries = {f.path: f for f in m.files}
+        for rel in m.snapshot().touched(here):
+            crc = file_crc32c(path / rel if rel else path)
+            if crc != entries[rel].crc32c:
+                return (f"differs from its archive at {store.url} ({rel or 'the file'} rewritten in place since it "
+                        f"was archived: CRC32C {crc}, not {entries[rel].crc32c}): kept; ckptd never replaces an archive")
         if has_record(state_dir, store.url, mkey, data):
             return None
         for f in m.files:  # not written by this ckptd: read every file again
             fpath = path / f.path if f.path else path
             crc = file_crc32c(fpath)
-            if crc != f.crc32c or identity(os.stat(fpath, follow_symlinks=False)) != f.identity:
+            if crc != f.crc32c or identity(os.stat(fpath, follow_symlinks=False))[:4] != f.identity[:4]:
                 return f"its manifest {mkey} does not match {f.path or name} here (CRC32C {crc}, not {f.crc32c})"
         write_record(state_dir, store.url, mkey, data)
         return None

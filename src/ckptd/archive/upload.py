@@ -6,8 +6,9 @@ uploaded with the CRC32C computed from the bytes read (in parts where it is larg
 memory is at most concurrency x part_size, whatever the checkpoint's size), and checked: the
 store's HEAD must report the same size and CRC32C, of the full object, and the file must have kept
 its identity while it was read. A file an earlier attempt left whole (same size, same CRC32C) is not
-sent again. Then the checkpoint is listed again (nothing added, removed or changed), and the
-manifest written create-only. The journal records the outcome; a local record (state_dir/archive/)
+sent again. Then the checkpoint is listed again (nothing added, removed or changed), a file
+changed within a timestamp tick of its read is read once more after that tick, and the manifest
+written create-only. The journal records the outcome; a local record (state_dir/archive/)
 says this ckptd computed the manifest's checksums from these very files (`gate.archive_problem`).
 """
 
@@ -29,6 +30,7 @@ from ckptd.archive.manifest import (
     Manifest,
     NotArchivable,
     crc32c_b64,
+    file_crc32c,
     file_key,
     identity,
     manifest_key,
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 
 PAUSE_FIFO_ENV = "CKPTD_TEST_ARCHIVE_FIFO"  # tests: hold an upload after its first part (`_pause_for_tests`)
 BACKOFF = (60.0, 3600.0)  # after a failed attempt: first wait, longest wait (seconds)
+RACY_NS = 1_000_000_000  # above every local filesystem's timestamp tick (as verdicts.RACY_NS)
 RECORDS = "archive"  # under state_dir: one record per manifest this ckptd wrote or verified in full
 
 
@@ -241,6 +244,7 @@ class Archiver:
             # An attempt killed mid-file: its parts cost money until aborted, and are redone.
             self.store.abort(left)
             log.info("aborted an unfinished upload of %s left by an earlier attempt", left.key)
+        read_ns = time.time_ns()  # the filesystem's clock, not self.clock: compared with ctimes
         before = snapshot(c.path)
         total = sum(i[2] for i in before.files.values())
         self._record("archiving", c, key=ckey, files=len(before.files), bytes=total)
@@ -259,6 +263,7 @@ class Archiver:
         after = snapshot(c.path)
         if (what := before.differs(after)) is not None:
             raise Changed(f"changed while it was archived ({what}): tried again at the next pass")
+        self._after_tick(c.path, entries, read_ns)
         manifest = Manifest(c.run, c.name, tuple(entries), before.dirs, before.is_file, self._meta(c))
         data = manifest.dumps()
         if not self.store.create_only(mkey, data):
@@ -342,6 +347,25 @@ class Archiver:
         crc = crc32c_b64(value)
         self.store.complete(key, upload_id, etags, crc)
         return crc
+
+    def _after_tick(self, path: Path, entries: list[FileEntry], read_ns: int) -> None:
+        """Each racily clean file read once more, after its timestamp tick is over: a file changed
+        within RACY_NS before its read began (git's rule, as the verdict cache's) could be rewritten
+        in that same tick after it was read, keeping its size, mtime and ctime, so that no identity
+        tells. Once the tick is over, any later change moves its ctime; its bytes are compared now.
+        Rare outside tests: a checkpoint is archived once it has been quiet for its quiet period.
+        Waits at most RACY_NS (a volume clock ahead of this host's is not waited for: read now)."""
+        racy = [e for e in entries if read_ns - max(e.identity[3], e.identity[4]) < RACY_NS]
+        if not racy:
+            return
+        wait_ns = min(RACY_NS, max(max(e.identity[3], e.identity[4]) for e in racy) + RACY_NS - time.time_ns())
+        if wait_ns > 0:
+            time.sleep(wait_ns / 1e9)  # the filesystem's clock must move on: nothing to wait on but time
+        for e in racy:
+            fpath = path / e.path if e.path else path
+            if file_crc32c(fpath) != e.crc32c or identity(os.stat(fpath, follow_symlinks=False)) != e.identity:
+                raise Changed(f"{e.path or path.name} was rewritten within its timestamp tick while it was "
+                              "archived: tried again at the next pass")
 
     def _unchanged(self, fd: int, path: Path, ident: Identity) -> None:
         try:
