@@ -1366,6 +1366,8 @@ MUTS = [
       edits=[("archive/upload.py", "        self._after_tick(c.path, entries, read_ns)\n", "\n")]),
  dict(id="AR11", what="the gate reads again a file whose ctime alone moved", tests=[T+"archive/test_archive_rewrite.py"],
       edits=[("archive/gate.py", "            if crc != entries[rel].crc32c:", "            if False:")]),
+ dict(id="AR12", what="verify = 'read-back' downloads every object and computes its CRC32C", tests=[T+"archive/test_archive_readback.py"],
+      edits=[("archive/gate.py", "        if read_back:\n", "        if False:\n")]),
  dict(id="NR1", what="a directory below the root holding .ckptd/ or .ckptd-trash/ (another ckptd's root) is not walked",
       tests=[T+"fleet/test_nested_roots.py::test_a_prune_of_the_parent_directory_leaves_a_live_daemons_root_alone"],
       edits=[("discover.py", "    names = set(names)\n    if layouts.TRASH_DIR not in names and (", "    names = set(names)\n    if True or (")]),

@@ -1,6 +1,7 @@
 """The archive gate: why a checkpoint must not be deleted (or slimmed) yet, or None.
 
-Asked by the reaper's re-check just before the rename (removal/recheck.py) and by `plan`. With
+Asked by the reaper's re-check just before the rename (removal/recheck.py), by the purge just
+before the irreversible removal (removal/purge.py, of the entry in the trash), and by `plan`. With
 `required = true`, a checkpoint may go only where:
 - its manifest is there and well formed, and names this very checkpoint;
 - every file it lists is at the store with the size and full-object CRC32C it records;
@@ -11,7 +12,9 @@ Asked by the reaper's re-check just before the rename (removal/recheck.py) and b
 - its checksums were computed from these files by this ckptd (a local record, state_dir/archive/),
   or, where there is no such record (a manifest written by hand, a lost state_dir), every file is
   read again here and its CRC32C compared with the manifest's.
-Anything that cannot be checked (the store down, credentials refused) is a reason to keep.
+With `verify = "read-back"`, every object is also downloaded and its CRC32C computed here (not in
+a dry run: `plan` does not download). Anything that cannot be checked (the store down, credentials
+refused) is a reason to keep.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ckptd.archive.manifest import NotArchivable, file_crc32c, identity, manifest_key, parse, snapshot
+from ckptd.archive.manifest import NotArchivable, crc32c_b64, file_crc32c, identity, manifest_key, parse, snapshot
 from ckptd.archive.store import Store, StoreError
 from ckptd.archive.upload import has_record, write_record
 from ckptd.config import Root
@@ -37,10 +40,12 @@ def archive_problem(
 
 
 def problem_at(
-    store: Store, run: str, name: str, path: Path, state_dir: Path | None, *, missing_ok: bool = False
+    store: Store, run: str, name: str, path: Path, state_dir: Path | None, *, missing_ok: bool = False,
+    read_back: bool = False,
 ) -> str | None:
     """`archive_problem` of checkpoint `name` of `run` whose files are at `path` now (its place in
-    its run, or its entry in the trash, which the purge asks about)."""
+    its run, or its entry in the trash, which the purge asks about). `read_back` (`verify =
+    "read-back"`): every object is downloaded and its CRC32C computed here, not taken from the store."""
     mkey = manifest_key(store.key(run, name))
     try:
         data = store.get(mkey)
@@ -67,6 +72,12 @@ def problem_at(
             if there.size != f.size or there.crc32c != f.crc32c or there.checksum_type not in (None, "FULL_OBJECT"):
                 return (f"its archived {f.path or name} at {store.url} is not what was read "
                         f"({there.size} bytes, CRC32C {there.crc32c}; the manifest says {f.size}, {f.crc32c})")
+        if read_back:
+            for f in m.files:
+                got = _read_back(store, f.key)
+                if got != (f.size, f.crc32c):
+                    return (f"its archived {f.path or name} at {store.url} reads back as {got[0]} bytes, CRC32C "
+                            f"{got[1]}; the manifest says {f.size}, {f.crc32c}")
         # ctime alone moved: renamed (a checkpoint that is one file, in the trash), chmod-ed, or
         # rewritten in place with its mtime put back; its bytes say which
         entries = {f.path: f for f in m.files}
@@ -92,6 +103,29 @@ def problem_at(
         return f"cannot be compared with its archive: {exc}"
     except Exception as exc:  # a bug, or an answer nobody foresaw: keep
         return f"its archive cannot be checked: {type(exc).__name__}: {exc}"
+
+
+class _Summing:
+    """A sink for a download: its size and CRC32C, nothing kept (memory: one chunk)."""
+
+    def __init__(self) -> None:
+        import crc32c
+
+        self._crc32c = crc32c.crc32c
+        self.value = 0
+        self.size = 0
+
+    def write(self, chunk: bytes) -> int:
+        self.value = self._crc32c(chunk, self.value)
+        self.size += len(chunk)
+        return len(chunk)
+
+
+def _read_back(store: Store, key: str) -> tuple[int, str]:
+    """The size and CRC32C of the object at `key`, as downloaded now."""
+    sink = _Summing()
+    store.download(key, sink)  # type: ignore[arg-type]
+    return sink.size, crc32c_b64(sink.value)
 
 
 def gated_plan(plan: Plan, roots: Sequence[Root], state_dir: Path | None) -> Plan:

@@ -202,7 +202,8 @@ class Archiver:
 
         if not self.cfg.required:
             return None
-        why = problem_at(self.store, run, name, path, self.state_dir, missing_ok=dry_run)
+        why = problem_at(self.store, run, name, path, self.state_dir, missing_ok=dry_run,
+                         read_back=self.cfg.verify == "read-back" and not dry_run)
         last = self.failures.get(name if run == "." else f"{run}/{name}")
         if why is not None and last is not None and last not in why:
             why = f"{why} (its last attempt: {last})"

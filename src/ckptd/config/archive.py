@@ -51,6 +51,14 @@ class Archive(BaseModel):
         64 * 1024**2,
         description="Files larger than this are uploaded in parts of this size (5MiB to 5GiB, S3's bounds).",
     )
+    verify: Literal["checksum", "read-back"] = Field(
+        "checksum",
+        description="How an archived object is verified before its local copy may go: 'checksum': the "
+        "size and full-object CRC32C the store reports (a HEAD), compared with what ckptd computed; "
+        "'read-back': every object downloaded again and its CRC32C computed by ckptd, just before the "
+        "rename into the trash and again before the purge (catches a store, or anyone writing to the "
+        "bucket, that keeps a claimed checksum over other bytes; costs a download of the checkpoint twice).",
+    )
     storage_class: str | None = Field(
         None, description="The objects' storage class: 'STANDARD_IA', 'GLACIER_IR', ...; unset: the bucket's."
     )
