@@ -50,6 +50,7 @@ def problem_at(
     try:
         data = store.get(mkey)
         if data is None:
+            snapshot(path, key=f"{run}/{name}")  # one that never can be archived says so
             if missing_ok:
                 store.check()
                 return None
@@ -98,7 +99,7 @@ def problem_at(
     except StoreError as exc:
         return f"its archive cannot be checked: {exc}"
     except NotArchivable as exc:
-        return f"cannot be archived: {exc}"
+        return f"cannot be archived: {exc}; kept because required = true"
     except OSError as exc:
         return f"cannot be compared with its archive: {exc}"
     except Exception as exc:  # a bug, or an answer nobody foresaw: keep

@@ -30,7 +30,20 @@ Identity = tuple[int, int, int, int, int]  # dev, inode, size, mtime_ns, ctime_n
 
 
 class NotArchivable(Exception):
-    """A checkpoint holding something no object can stand for (a symlink, a device, a FIFO)."""
+    """A checkpoint holding something no object can stand for (a symlink, a device, a FIFO, a name
+    no object key can carry)."""
+
+
+def key_problem(name: str) -> str | None:
+    """Why a file or directory name cannot be part of an object key, or None. S3 keys are UTF-8,
+    and a control character (a newline) does not survive its XML listings as the same key."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{name.encode('utf-8', 'surrogateescape')!r} is not a UTF-8 name"
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in name):
+        return f"{name!r} holds a control character (a newline?)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -70,8 +83,12 @@ def identity(st: os.stat_result) -> Identity:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def snapshot(path: Path) -> Snapshot:
-    """Walk the checkpoint without following a symlink. Raises NotArchivable or OSError."""
+def snapshot(path: Path, *, key: str | None = None) -> Snapshot:
+    """Walk the checkpoint without following a symlink. Raises NotArchivable or OSError. `key`:
+    its run and name (`run/checkpoint`), checked as well."""
+    for part in (key or "").split("/"):
+        if (why := key_problem(part)) is not None:
+            raise NotArchivable(f"{why}: no object key can name it")
     st = os.lstat(path)
     if stat.S_ISREG(st.st_mode):
         return Snapshot({"": identity(st)}, (), True)
@@ -85,6 +102,8 @@ def snapshot(path: Path) -> Snapshot:
         with os.scandir(path / rel if rel else path) as it:
             for e in it:
                 sub = f"{rel}/{e.name}" if rel else e.name
+                if (why := key_problem(e.name)) is not None:
+                    raise NotArchivable(f"{why}: no object key can name it")
                 est = e.stat(follow_symlinks=False)
                 if stat.S_ISDIR(est.st_mode):
                     dirs.append(sub)
@@ -92,7 +111,8 @@ def snapshot(path: Path) -> Snapshot:
                 elif stat.S_ISREG(est.st_mode):
                     files[sub] = identity(est)
                 else:
-                    raise NotArchivable(f"{sub} is not a regular file or a directory (a symlink?)")
+                    what = "a symlink" if stat.S_ISLNK(est.st_mode) else "not a regular file or a directory"
+                    raise NotArchivable(f"{sub} is {what}")
     return Snapshot(files, tuple(sorted(dirs)), False)
 
 

@@ -36,7 +36,7 @@ from ckptd.archive.manifest import (
     manifest_key,
     snapshot,
 )
-from ckptd.archive.store import Store, StoreError
+from ckptd.archive.store import Store, StoreError, object_url
 from ckptd.config.archive import Archive
 from ckptd.journal import Journal
 from ckptd.model import Action, Checkpoint, State
@@ -246,7 +246,7 @@ class Archiver:
             self.store.abort(left)
             log.info("aborted an unfinished upload of %s left by an earlier attempt", left.key)
         read_ns = time.time_ns()  # the filesystem's clock, not self.clock: compared with ctimes
-        before = snapshot(c.path)
+        before = snapshot(c.path, key=f"{c.run}/{c.name}")
         total = sum(i[2] for i in before.files.values())
         self._record("archiving", c, key=ckey, files=len(before.files), bytes=total)
         started = self.clock()
@@ -272,7 +272,7 @@ class Archiver:
         write_record(self.state_dir, self.store.url, mkey, data)
         seconds = self.clock() - started
         self._record("archived", c, key=mkey, files=len(entries), bytes=total, seconds=round(seconds, 3))
-        log.info("%s: archived to %s/%s (%d files, %d bytes, verified)", c.rel, self.store.url, mkey,
+        log.info("%s: archived to %s (%d files, %d bytes, verified)", c.rel, object_url(self.store, mkey),
                  len(entries), total)
         return None
 

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from ckptd.archive.manifest import SUFFIX, file_crc32c, parse
-from ckptd.archive.store import StoreError
+from ckptd.archive.store import StoreError, object_url
 from ckptd.archive.upload import archiver_for_plan
 from ckptd.cli.common import load
 from ckptd.config import Config, Root, format_size
@@ -75,7 +75,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
                 rows.append({"root": str(root.path), "run": m.run, "checkpoint": m.checkpoint, "state": "archived",
                              "step": m.meta.get("step"), "files": len(m.files), "bytes": m.size,
                              "archived_at": m.meta.get("archived_at"), "local": path.exists(),
-                             "url": f"{store.url}/{key.removeprefix(store.key()).lstrip('/')}"})
+                             "url": object_url(store, key)})
         except StoreError as exc:
             raise IOFault(f"{root.path}: {exc}") from None
         for path, (event, why) in sorted(journal.items()):
@@ -186,7 +186,7 @@ def newest_archived(config: Config, run_dir: Path) -> dict[str, object] | None:
             step = m.meta.get("step")
             if isinstance(step, int) and (best is None or step > best["step"]):  # type: ignore[operator]
                 best = {"run": m.run, "checkpoint": m.checkpoint, "step": step,
-                        "url": f"s3://{store.bucket}/{key.removesuffix(SUFFIX)}"}  # type: ignore[attr-defined]
+                        "url": object_url(store, key.removesuffix(SUFFIX))}
     except StoreError as exc:
         raise IOFault(f"{root.path}: {exc}") from None
     return best
