@@ -8,15 +8,18 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from ckptd.archive.manifest import SUFFIX, file_crc32c, parse
 from ckptd.archive.store import StoreError, object_url
-from ckptd.archive.upload import archiver_for_plan
-from ckptd.cli.common import load
+from ckptd.archive.upload import Archiver, archiver_for_plan
+from ckptd.cli.common import load, scan_all, with_effective_quiet
 from ckptd.config import Config, Root, format_size
 from ckptd.errors import EX_OK, IOFault, UsageError
 from ckptd.journal import read_journal
+from ckptd.model import Action
+from ckptd.policy import Decision
 from ckptd.mounts import holder
 from ckptd.removal.fs import _rename_noreplace
 
@@ -49,11 +52,36 @@ def _local_states(config: Config) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _decisions(config: Config) -> dict[Path, list[Decision]]:
+    """Each root's decisions as `plan` makes them now (the volume read, nothing written)."""
+    _, plan = scan_all(with_effective_quiet(config), time.time(), quiet=True)
+    out: dict[Path, list[Decision]] = {}
+    for d in plan.decisions:
+        out.setdefault(d.checkpoint.root, []).append(d)
+    return out
+
+
+def _pending(archiver: Archiver, decisions: list[Decision], seen: set[str], run: str | None) -> list[dict[str, object]]:
+    """The checkpoints to be archived (`Archiver.wanted`: retention would delete or slim them, or
+    every complete one 'on-complete') with no archive and no attempt yet."""
+    rows: list[dict[str, object]] = []
+    for c in archiver.wanted(decisions):
+        if str(c.path) in seen or (run and c.run != run and not c.run.startswith(f"{run}/")):
+            continue
+        why = ("complete: archived at the next pass" if archiver.cfg.when == "on-complete" and
+               not any(d.checkpoint is c and d.action in (Action.DELETE, Action.SLIM) for d in decisions)
+               else "retention would delete it: archived first, at the next pass")
+        rows.append({"root": str(c.root), "run": c.run, "checkpoint": c.name, "state": "pending", "why": why,
+                     "step": c.step, "local": True})
+    return rows
+
+
 def cmd_archive(args: argparse.Namespace) -> int:
     config = load(args)
     roots, run = _archived_roots(config, args.target)
     rows = []
     journal = _local_states(config)
+    decisions = _decisions(config)
     for root in roots:
         archiver = archiver_for_plan(root, config.daemon.state_dir)
         store = archiver.store
@@ -85,8 +113,10 @@ def cmd_archive(args: argparse.Namespace) -> int:
             if run and not rel.startswith(f"{run}/"):
                 continue
             state = "failed" if event == "archive-failed" else "interrupted"
+            seen.add(path)
             rows.append({"root": str(root.path), "run": os.path.dirname(rel) or ".", "checkpoint": os.path.basename(rel),
                          "state": state, "why": why, "local": os.path.exists(path)})
+        rows += _pending(archiver, decisions.get(root.path, []), seen, run)
     if args.json:
         print(json.dumps({"archives": rows}, indent=2))
         return EX_OK
