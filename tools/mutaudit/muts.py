@@ -1374,6 +1374,8 @@ MUTS = [
       edits=[("archive/manifest.py", "    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in name):", "    if False:")]),
  dict(id="AR15", what="two roots under one archive prefix are refused", tests=[T+"archive/test_archive_minor.py"],
       edits=[("config/models.py", "and _same_keys(a.archive, b.archive):", "and False:")]),
+ dict(id="AR16", what="max_bandwidth: each part waits for its tokens before it is sent", tests=[T+"archive/test_archive_throttle.py"],
+      edits=[("archive/upload.py", "            self.throttle.take(n)\n", "            pass\n")]),
  dict(id="NR1", what="a directory below the root holding .ckptd/ or .ckptd-trash/ (another ckptd's root) is not walked",
       tests=[T+"fleet/test_nested_roots.py::test_a_prune_of_the_parent_directory_leaves_a_live_daemons_root_alone"],
       edits=[("discover.py", "    names = set(names)\n    if layouts.TRASH_DIR not in names and (", "    names = set(names)\n    if True or (")]),

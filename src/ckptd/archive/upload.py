@@ -37,6 +37,7 @@ from ckptd.archive.manifest import (
     snapshot,
 )
 from ckptd.archive.store import Store, StoreError, object_url
+from ckptd.archive.throttle import TokenBucket
 from ckptd.config.archive import Archive
 from ckptd.journal import Journal
 from ckptd.model import Action, Checkpoint, State
@@ -158,6 +159,7 @@ class Archiver:
         self.retry_at: dict[str, tuple[float, float]] = {}  # rel -> (not before, the wait that gave)
         self.failing_since: dict[str, float] = {}  # rel -> when its first failed attempt in a row was
         self.uploaded_bytes = 0
+        self.throttle = TokenBucket(cfg.max_bandwidth) if cfg.max_bandwidth else None
 
     def wanted(self, decisions: Sequence[object]) -> list[Checkpoint]:
         """The checkpoints to archive now: those about to be deleted or slimmed ('before-delete'),
@@ -310,6 +312,7 @@ class Archiver:
             if size <= self.cfg.part_size:
                 data = _read(fd, size)
                 crc = crc32c_b64(crc32c.crc32c(data))
+                self._throttle(len(data))
                 self.store.put(key, data, crc)
             else:
                 crc = self._multipart(fd, key, size, crc32c)
@@ -326,6 +329,11 @@ class Archiver:
         finally:
             os.close(fd)
 
+    def _throttle(self, n: int) -> None:
+        """`max_bandwidth`: wait until `n` more bytes may be sent (archive/throttle.py)."""
+        if self.throttle is not None:
+            self.throttle.take(n)
+
     def _crc_of(self, fd: int, crc32c: object) -> str:
         value = 0
         while chunk := os.read(fd, 8 * 1024 * 1024):
@@ -340,6 +348,7 @@ class Archiver:
         while done < size:
             data = _read(fd, min(self.cfg.part_size, size - done))
             value = crc32c.crc32c(data, value)  # type: ignore[attr-defined]
+            self._throttle(len(data))
             etags.append(self.store.put_part(key, upload_id, len(etags) + 1, data,
                                              crc32c_b64(crc32c.crc32c(data))))  # type: ignore[attr-defined]
             done += len(data)
