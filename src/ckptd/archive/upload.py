@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.archive.manifest import (
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 PAUSE_FIFO_ENV = "CKPTD_TEST_ARCHIVE_FIFO"  # tests: hold an upload after its first part (`_pause_for_tests`)
 BACKOFF = (60.0, 3600.0)  # after a failed attempt: first wait, longest wait (seconds)
 RACY_NS = 1_000_000_000  # above every local filesystem's timestamp tick (as verdicts.RACY_NS)
+PROGRESS_EVERY = 60.0  # seconds between the log's progress lines of one long upload
 RECORDS = "archive"  # under state_dir: one record per manifest this ckptd wrote or verified in full
 
 
@@ -160,6 +162,11 @@ class Archiver:
         self.failing_since: dict[str, float] = {}  # rel -> when its first failed attempt in a row was
         self.uploaded_bytes = 0
         self.throttle = TokenBucket(cfg.max_bandwidth) if cfg.max_bandwidth else None
+        # Told each time a part or file is sent (or found whole): (rel, bytes done, bytes in all);
+        # `ckptd prune` draws it on a terminal. The log says it every PROGRESS_EVERY of a long upload.
+        self.on_progress: Callable[[str, int, int], None] | None = None
+        self._progress_lock = threading.Lock()
+        self._sending = _Sending("", 0, 0, 0.0)  # the checkpoint being uploaded
 
     def wanted(self, decisions: Sequence[object]) -> list[Checkpoint]:
         """The checkpoints to archive now: those about to be deleted or slimmed ('before-delete'),
@@ -252,6 +259,7 @@ class Archiver:
         total = sum(i[2] for i in before.files.values())
         self._record("archiving", c, key=ckey, files=len(before.files), bytes=total)
         started = self.clock()
+        self._sending = _Sending(c.rel, total, 0, started)
         with ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="ckptd-archive") as pool:
             futures = {
                 rel: pool.submit(self._one_file, c.path / rel if rel else c.path, file_key(ckey, rel), ident)
@@ -307,6 +315,7 @@ class Archiver:
                 crc = self._crc_of(fd, crc32c)
                 if there.crc32c == crc and there.checksum_type in (None, "FULL_OBJECT"):
                     self._unchanged(fd, path, ident)
+                    self._advance(size)
                     return crc, 0  # left whole by an earlier attempt
                 os.lseek(fd, 0, os.SEEK_SET)
             if size <= self.cfg.part_size:
@@ -314,6 +323,7 @@ class Archiver:
                 crc = crc32c_b64(crc32c.crc32c(data))
                 self._throttle(len(data))
                 self.store.put(key, data, crc)
+                self._advance(len(data))
             else:
                 crc = self._multipart(fd, key, size, crc32c)
             self._unchanged(fd, path, ident)
@@ -328,6 +338,22 @@ class Archiver:
             return crc, size
         finally:
             os.close(fd)
+
+    def _advance(self, n: int) -> None:
+        """`n` more bytes of the current checkpoint sent (or found whole): told to `on_progress`,
+        and logged once every PROGRESS_EVERY seconds of a long upload."""
+        with self._progress_lock:
+            p = self._sending
+            p.done += n
+            done, now = p.done, self.clock()
+            say = now - p.logged >= PROGRESS_EVERY
+            if say:
+                p.logged = now
+        if say:
+            pct = 100 * done // p.total if p.total else 100
+            log.info("%s: archiving to %s: %d of %d bytes sent (%d%%)", p.rel, self.store.url, done, p.total, pct)
+        if self.on_progress is not None:
+            self.on_progress(p.rel, done, p.total)
 
     def _throttle(self, n: int) -> None:
         """`max_bandwidth`: wait until `n` more bytes may be sent (archive/throttle.py)."""
@@ -352,6 +378,7 @@ class Archiver:
             etags.append(self.store.put_part(key, upload_id, len(etags) + 1, data,
                                              crc32c_b64(crc32c.crc32c(data))))  # type: ignore[attr-defined]
             done += len(data)
+            self._advance(len(data))
             if len(etags) == 1:
                 _pause_for_tests()
         crc = crc32c_b64(value)
@@ -393,6 +420,16 @@ class Archiver:
                                 step=c.step, store=self.store.url, **fields)
         except OSError as exc:
             log.error("cannot write the journal %s: %s", self.journal.path, exc.strerror)
+
+
+@dataclass
+class _Sending:
+    """The upload in progress: its checkpoint, its bytes in all and done, when the log last said so."""
+
+    rel: str
+    total: int
+    done: int
+    logged: float
 
 
 def _read(fd: int, n: int) -> bytearray:

@@ -20,6 +20,7 @@ from ckptd.errors import EX_OK, IOFault, UsageError
 from ckptd.journal import read_journal
 from ckptd.model import Action
 from ckptd.policy import Decision
+from ckptd.progress import Ticker
 from ckptd.mounts import holder
 from ckptd.removal.fs import _rename_noreplace
 
@@ -159,7 +160,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     into.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".ckptd-restore-{name}-", dir=into))
     try:
-        _download(store, m, tmp / name)
+        with Ticker(f"restore {args.checkpoint}", quiet=getattr(args, "quiet", False)) as ticker:
+            _download(store, m, tmp / name, ticker)
         # Whole, or not there at all; never over what appeared there meanwhile.
         src_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
         dst_fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY)
@@ -178,8 +180,11 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return EX_OK
 
 
-def _download(store: object, m: object, dest: Path) -> None:
-    """Every file of manifest `m` into `dest`, each checked against its size and CRC32C."""
+def _download(store: object, m: object, dest: Path, ticker: Ticker) -> None:
+    """Every file of manifest `m` into `dest`, each checked against its size and CRC32C; `ticker`
+    told how far it is (drawn on a terminal once slow)."""
+    total, done = m.size, 0  # type: ignore[attr-defined]
+    ticker.working(f"0 of {format_size(total)} downloaded")
     if not m.is_file:  # type: ignore[attr-defined]
         dest.mkdir()
         for d in m.dirs:  # type: ignore[attr-defined]
@@ -194,6 +199,8 @@ def _download(store: object, m: object, dest: Path) -> None:
         size, crc = path.stat().st_size, file_crc32c(path)
         if size != f.size or crc != f.crc32c:
             raise StoreError(f"{f.key}: downloaded {size} bytes, CRC32C {crc}; the manifest says {f.size}, {f.crc32c}")
+        done += size
+        ticker.saying(f"{format_size(done)} of {format_size(total)} downloaded and verified")
 
 
 def newest_archived(config: Config, run_dir: Path) -> dict[str, object] | None:
