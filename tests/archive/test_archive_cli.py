@@ -131,7 +131,7 @@ def test_killed_mid_upload_the_next_prune_aborts_what_was_left_and_finishes(tmp_
 
 
 def test_archive_list_shows_what_is_still_to_be_archived_as_pending(tmp_path, s3):  # noqa: F811
-    root, cfg, _ = setup(tmp_path, s3)
+    _, cfg, _ = setup(tmp_path, s3)
     listed = json.loads(ckptd("archive", "list", "-c", str(cfg), "--json").stdout)["archives"]
     assert sorted((a["checkpoint"], a["state"]) for a in listed) == [
         ("checkpoint-10", "pending"), ("checkpoint-20", "pending")]  # the one kept is not to be archived

@@ -10,6 +10,7 @@ import os
 from ckptd.journal import read_journal
 from ckptd.layouts import TRASH_DIR
 from tests.archive.test_archive_cli import ckptd, setup
+from tests.support.fwfixtures import copy_volume, fw_torch_volumes, lightning_volume  # noqa: F401  (fixtures)
 from tests.support.s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 GRACE = {"CKPTD_TRASH_GRACE": ""}  # the config's trash_grace, default 15m: the entries wait
@@ -43,7 +44,7 @@ def test_an_archive_emptied_during_the_grace_keeps_the_checkpoint(tmp_path, s3):
     # the next prune archives them again, verifies, and trashes them
     ckptd("prune", "-c", str(cfg), "-q", env=GRACE)
     assert sorted(os.listdir(root / "run")) == ["checkpoint-30"]
-    assert f"archive/run/checkpoint-10.ckptd-manifest.json" in {
+    assert "archive/run/checkpoint-10.ckptd-manifest.json" in {
         o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
 
 
@@ -83,3 +84,29 @@ def test_an_archive_that_still_verifies_is_purged(tmp_path, s3):  # noqa: F811
     assert "purged 2" in r.stdout, r.stdout + r.stderr
     assert sorted(os.listdir(root / "run")) == ["checkpoint-30"]
     assert os.listdir(root / TRASH_DIR) == []
+
+
+def test_a_checkpoint_that_is_one_file_is_purged_though_its_rename_moved_its_ctime(lightning_volume, tmp_path, s3):  # noqa: F811
+    """Lightning's .ckpt files (its own writer): renamed into the trash, each file's ctime moves,
+    so the purge's gate reads it again and finds the archived bytes: purged, not kept forever."""
+    root = copy_volume(lightning_volume, tmp_path / "vol")
+    bucket = s3.bucket()
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"""
+[daemon]
+state_dir = "{tmp_path / 'state'}"
+[[roots]]
+path = "{root}"
+[roots.retention]
+keep_last = 1
+keep_best = 0
+[roots.archive]
+url = "s3://{bucket}/archive"
+endpoint_url = "{s3.endpoint}"
+""")
+    ckptd("prune", "-c", str(cfg), "-q", env=GRACE)
+    trashed = [n for n in os.listdir(root / TRASH_DIR) if n.endswith(".ckpt")]
+    assert trashed
+    r = ckptd("trash", "purge", "--now", "-c", str(cfg), env=GRACE)
+    assert f"purged {len(trashed)} " in r.stdout, r.stdout + r.stderr
+    assert "restored" not in [e["event"] for e in read_journal(tmp_path / "state")]

@@ -33,7 +33,7 @@ def rewrite_keeping_mtime(path):
 
 
 def test_a_rewrite_after_the_upload_with_its_mtime_put_back_is_kept(tmp_path, s3):  # noqa: F811
-    root, cfg, bucket = setup(tmp_path, s3)
+    root, cfg, _ = setup(tmp_path, s3)
     text = cfg.read_text()
     cfg.write_text(text.replace("keep_last = 1", "keep_last = 10").replace('concurrency = 1', 'concurrency = 1\nwhen = "on-complete"'))
     ckptd("prune", "-c", str(cfg), "-q")  # archives all three, deletes nothing
@@ -52,6 +52,7 @@ def test_a_rewrite_after_the_upload_with_its_mtime_put_back_is_kept(tmp_path, s3
 
 
 def test_a_rewrite_during_the_upload_with_its_mtime_put_back_is_caught(volume, tmp_path, s3, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(uploadmod, "RACY_NS", 0)  # the ctime alone (the racy re-read: below)
     real_put = s3mod.S3Store.put
 
     def rewrite(self, key, data, crc32c):
@@ -61,7 +62,7 @@ def test_a_rewrite_during_the_upload_with_its_mtime_put_back_is_caught(volume, t
         return out
 
     monkeypatch.setattr(s3mod.S3Store, "put", rewrite)
-    reaper, plan, bucket = make(volume, tmp_path, s3)
+    reaper, plan, _ = make(volume, tmp_path, s3)
     results = {r.decision.checkpoint.name: r for r in reaper.execute(plan.decisions)}
     assert results["checkpoint-20"].outcome is Outcome.REFUSED, results["checkpoint-20"].detail
     assert "changed" in results["checkpoint-20"].detail, results["checkpoint-20"].detail
@@ -92,7 +93,7 @@ def test_a_rewrite_within_the_timestamp_tick_of_the_read_is_caught(volume, tmp_p
         return out
 
     monkeypatch.setattr(s3mod.S3Store, "put", rewrite)
-    reaper, plan, bucket = make(volume, tmp_path, s3)
+    reaper, plan, _ = make(volume, tmp_path, s3)
     reaper.archiver.archive_all(plan.decisions)
     assert "rewritten within its timestamp tick" in reaper.archiver.failures["run/checkpoint-20"]
     assert "run/checkpoint-10" not in reaper.archiver.failures

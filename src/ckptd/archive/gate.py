@@ -23,7 +23,17 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ckptd.archive.manifest import NotArchivable, crc32c_b64, file_crc32c, identity, manifest_key, parse, snapshot
+from ckptd.archive.manifest import (
+    Manifest,
+    NotArchivable,
+    Snapshot,
+    crc32c_b64,
+    file_crc32c,
+    identity,
+    manifest_key,
+    parse,
+    snapshot,
+)
 from ckptd.archive.store import Store, StoreError
 from ckptd.archive.upload import has_record, write_record
 from ckptd.config import Root
@@ -66,27 +76,9 @@ def problem_at(
         if what is not None:
             return (f"differs from its archive at {store.url} ({what} since it was archived): "
                     "kept; ckptd never replaces an archive")
-        for f in m.files:
-            there = store.head(f.key)
-            if there is None:
-                return f"its archived {f.path or name} is missing from {store.url}"
-            if there.size != f.size or there.crc32c != f.crc32c or there.checksum_type not in (None, "FULL_OBJECT"):
-                return (f"its archived {f.path or name} at {store.url} is not what was read "
-                        f"({there.size} bytes, CRC32C {there.crc32c}; the manifest says {f.size}, {f.crc32c})")
-        if read_back:
-            for f in m.files:
-                got = _read_back(store, f.key)
-                if got != (f.size, f.crc32c):
-                    return (f"its archived {f.path or name} at {store.url} reads back as {got[0]} bytes, CRC32C "
-                            f"{got[1]}; the manifest says {f.size}, {f.crc32c}")
-        # ctime alone moved: renamed (a checkpoint that is one file, in the trash), chmod-ed, or
-        # rewritten in place with its mtime put back; its bytes say which
-        entries = {f.path: f for f in m.files}
-        for rel in m.snapshot().touched(here):
-            crc = file_crc32c(path / rel if rel else path)
-            if crc != entries[rel].crc32c:
-                return (f"differs from its archive at {store.url} ({rel or 'the file'} rewritten in place since it "
-                        f"was archived: CRC32C {crc}, not {entries[rel].crc32c}): kept; ckptd never replaces an archive")
+        why = _objects_problem(store, m, name, read_back=read_back) or _rewritten(store, m, here, path)
+        if why is not None:
+            return why
         if has_record(state_dir, store.url, mkey, data):
             return None
         for f in m.files:  # not written by this ckptd: read every file again
@@ -104,6 +96,39 @@ def problem_at(
         return f"cannot be compared with its archive: {exc}"
     except Exception as exc:  # a bug, or an answer nobody foresaw: keep
         return f"its archive cannot be checked: {type(exc).__name__}: {exc}"
+
+
+def _objects_problem(store: Store, m: Manifest, name: str, *, read_back: bool) -> str | None:
+    """Why the objects `m` lists are not what was read: missing, or another size or CRC32C (as the
+    store reports it; `read_back`: as downloaded now). Or None."""
+    for f in m.files:
+        there = store.head(f.key)
+        if there is None:
+            return f"its archived {f.path or name} is missing from {store.url}"
+        if there.size != f.size or there.crc32c != f.crc32c or there.checksum_type not in (None, "FULL_OBJECT"):
+            return (f"its archived {f.path or name} at {store.url} is not what was read "
+                    f"({there.size} bytes, CRC32C {there.crc32c}; the manifest says {f.size}, {f.crc32c})")
+    if read_back:
+        for f in m.files:
+            got = _read_back(store, f.key)
+            if got != (f.size, f.crc32c):
+                return (f"its archived {f.path or name} at {store.url} reads back as {got[0]} bytes, CRC32C "
+                        f"{got[1]}; the manifest says {f.size}, {f.crc32c}")
+    return None
+
+
+def _rewritten(store: Store, m: Manifest, here: Snapshot, path: Path) -> str | None:
+    """Of the files whose ctime alone moved since `m` was written (renamed: a checkpoint that is one
+    file, in the trash; chmod-ed; or rewritten in place with its mtime put back), the first whose
+    bytes are not what was archived. Or None."""
+    entries = {f.path: f for f in m.files}
+    for rel in m.snapshot().touched(here):
+        crc = file_crc32c(path / rel if rel else path)
+        if crc != entries[rel].crc32c:
+            return (f"differs from its archive at {store.url} ({rel or 'the file'} rewritten in place since "
+                    f"it was archived: CRC32C {crc}, not {entries[rel].crc32c}): kept; ckptd never replaces "
+                    "an archive")
+    return None
 
 
 class _Summing:

@@ -63,7 +63,8 @@ class Snapshot:
         added = sorted(other.files.keys() - self.files.keys())
         gone = sorted(self.files.keys() - other.files.keys())
         n = 4 if but_ctime else 5
-        changed = sorted(k for k in self.files.keys() & other.files.keys() if self.files[k][:n] != other.files[k][:n])
+        both = self.files.keys() & other.files.keys()
+        changed = sorted(k for k in both if self.files[k][:n] != other.files[k][:n])
         for what, names in (("added", added), ("removed", gone), ("changed", changed)):
             if names:
                 more = f" and {len(names) - 1} more" if len(names) > 1 else ""

@@ -351,7 +351,8 @@ class Archiver:
                 p.logged = now
         if say:
             pct = 100 * done // p.total if p.total else 100
-            log.info("%s: archiving to %s: %d of %d bytes sent (%d%%)", p.rel, self.store.url, done, p.total, pct)
+            log.info("%s: archiving to %s: %d of %d bytes sent (%d%%)", p.rel, self.store.url, done, p.total,
+                     pct)
         if self.on_progress is not None:
             self.on_progress(p.rel, done, p.total)
 
@@ -395,12 +396,14 @@ class Archiver:
         racy = [e for e in entries if read_ns - max(e.identity[3], e.identity[4]) < RACY_NS]
         if not racy:
             return
-        wait_ns = min(RACY_NS, max(max(e.identity[3], e.identity[4]) for e in racy) + RACY_NS - time.time_ns())
+        last_ns = max(max(e.identity[3], e.identity[4]) for e in racy)
+        wait_ns = min(RACY_NS, last_ns + RACY_NS - time.time_ns())
         if wait_ns > 0:
             time.sleep(wait_ns / 1e9)  # the filesystem's clock must move on: nothing to wait on but time
         for e in racy:
             fpath = path / e.path if e.path else path
-            if file_crc32c(fpath) != e.crc32c or identity(os.stat(fpath, follow_symlinks=False)) != e.identity:
+            now = identity(os.stat(fpath, follow_symlinks=False))
+            if file_crc32c(fpath) != e.crc32c or now != e.identity:
                 raise Changed(f"{e.path or path.name} was rewritten within its timestamp tick while it was "
                               "archived: tried again at the next pass")
 

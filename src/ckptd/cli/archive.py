@@ -19,9 +19,9 @@ from ckptd.config import Config, Root, format_size
 from ckptd.errors import EX_OK, IOFault, UsageError
 from ckptd.journal import read_journal
 from ckptd.model import Action
+from ckptd.mounts import holder
 from ckptd.policy import Decision
 from ckptd.progress import Ticker
-from ckptd.mounts import holder
 from ckptd.removal.fs import _rename_noreplace
 
 ARCHIVE_EVENTS = ("archiving", "archived", "archive-failed")
@@ -62,7 +62,9 @@ def _decisions(config: Config) -> dict[Path, list[Decision]]:
     return out
 
 
-def _pending(archiver: Archiver, decisions: list[Decision], seen: set[str], run: str | None) -> list[dict[str, object]]:
+def _pending(
+    archiver: Archiver, decisions: list[Decision], seen: set[str], run: str | None
+) -> list[dict[str, object]]:
     """The checkpoints to be archived (`Archiver.wanted`: retention would delete or slim them, or
     every complete one 'on-complete') with no archive and no attempt yet."""
     rows: list[dict[str, object]] = []

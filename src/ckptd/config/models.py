@@ -658,7 +658,8 @@ class Config(_Strict):
                 if a.archive is not None and b.archive is not None and _same_keys(a.archive, b.archive):
                     raise ValueError(
                         f"roots[{j}].archive.url {b.archive.url!r} overlaps roots[{i}].archive.url "
-                        f"{a.archive.url!r}: two roots would archive under the same keys; give each its own prefix"
+                        f"{a.archive.url!r}: two roots would archive under the same keys; give each its "
+                        "own prefix"
                     )
         return roots
 

@@ -425,7 +425,8 @@ class Purging:
             mine = recognise_by_contents(name, os.listdir(f"/proc/self/fd/{trash_fd}/{entry}"))
         if mine is None:
             return "not recognised by its name or contents, so not known to be older than the run's newest"
-        return self._an_anchor(entry, trash_fd, run_rel, name, mine) or self._archive_gone(entry, trash_fd, rel)
+        return (self._an_anchor(entry, trash_fd, run_rel, name, mine)
+                or self._archive_gone(entry, trash_fd, rel))
 
     def _archive_gone(self, entry: str, trash_fd: int, rel: str) -> str | None:
         """With `[roots.archive] required`: why the archive the reaper verified before the rename no
