@@ -387,23 +387,24 @@ class Archiver:
         return crc
 
     def _after_tick(self, path: Path, entries: list[FileEntry], read_ns: int) -> None:
-        """Each racily clean file read once more, after its timestamp tick is over: a file changed
-        within RACY_NS before its read began (git's rule, as the verdict cache's) could be rewritten
+        """Each racily clean file read once more, after its timestamp tick is over: a file whose ctime
+        is within RACY_NS before its read began (git's rule, as the verdict cache's) could be rewritten
         in that same tick after it was read, keeping its size, mtime and ctime, so that no identity
         tells. Once the tick is over, any later change moves its ctime; its bytes are compared now.
         Rare outside tests: a checkpoint is archived once it has been quiet for its quiet period.
         Waits at most RACY_NS (a volume clock ahead of this host's is not waited for: read now)."""
-        racy = [e for e in entries if read_ns - max(e.identity[3], e.identity[4]) < RACY_NS]
+        # By ctime alone: any change moves it, utime included (an mtime set ahead changes nothing here)
+        racy = [e for e in entries if read_ns - e.identity[4] < RACY_NS]
         if not racy:
             return
-        last_ns = max(max(e.identity[3], e.identity[4]) for e in racy)
+        last_ns = max(e.identity[4] for e in racy)
         wait_ns = min(RACY_NS, last_ns + RACY_NS - time.time_ns())
         if wait_ns > 0:
             time.sleep(wait_ns / 1e9)  # the filesystem's clock must move on: nothing to wait on but time
         for e in racy:
             fpath = path / e.path if e.path else path
-            now = identity(os.stat(fpath, follow_symlinks=False))
-            if file_crc32c(fpath) != e.crc32c or now != e.identity:
+            crc = file_crc32c(fpath)
+            if crc != e.crc32c or identity(os.stat(fpath, follow_symlinks=False)) != e.identity:  # after the read
                 raise Changed(f"{e.path or path.name} was rewritten within its timestamp tick while it was "
                               "archived: tried again at the next pass")
 
