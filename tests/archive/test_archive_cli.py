@@ -145,3 +145,13 @@ def test_archive_list_shows_what_is_still_to_be_archived_as_pending(tmp_path, s3
     listed = json.loads(ckptd("archive", "list", "-c", str(cfg), "--json").stdout)["archives"]
     assert [(a["checkpoint"], a["why"]) for a in listed if a["state"] == "pending"] == [
         ("checkpoint-30", "complete: archived at the next pass")]
+
+
+def test_archive_list_needs_no_volume(tmp_path, s3):  # noqa: F811
+    """Listed on a machine without the volume (to restore from): the archive, and nothing pending."""
+    root, cfg, _ = setup(tmp_path, s3)
+    ckptd("prune", "-c", str(cfg), "-q")
+    root.rename(tmp_path / "elsewhere")
+    listed = json.loads(ckptd("archive", "list", "-c", str(cfg), "--json").stdout)["archives"]
+    assert sorted((a["checkpoint"], a["state"]) for a in listed) == [
+        ("checkpoint-10", "archived"), ("checkpoint-20", "archived")]

@@ -54,8 +54,13 @@ def _local_states(config: Config) -> dict[str, tuple[str, str]]:
 
 
 def _decisions(config: Config) -> dict[Path, list[Decision]]:
-    """Each root's decisions as `plan` makes them now (the volume read, nothing written)."""
-    _, plan = scan_all(with_effective_quiet(config), time.time(), quiet=True)
+    """Each root's decisions as `plan` makes them now (the volume read, nothing written). A root
+    that is not here (the list read on another machine, to restore from) has none: the list is of
+    the archive first."""
+    here = tuple(r for r in config.roots if r.archive is not None and r.path.is_dir())
+    if not here:
+        return {}
+    _, plan = scan_all(with_effective_quiet(config.model_copy(update={"roots": here})), time.time(), quiet=True)
     out: dict[Path, list[Decision]] = {}
     for d in plan.decisions:
         out.setdefault(d.checkpoint.root, []).append(d)
