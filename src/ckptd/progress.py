@@ -91,6 +91,11 @@ class Ticker:
         with self._lock:
             self.what, self.since = what, self.clock()
 
+    def saying(self, what: str) -> None:
+        """The same step, further on (`archiving run/ckpt: 1.2 GiB of 4 GiB sent`): its time runs on."""
+        with self._lock:
+            self.what = what
+
     def clear(self) -> None:
         with self._lock:
             if self.on and self.width:

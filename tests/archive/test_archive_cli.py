@@ -128,3 +128,30 @@ def test_killed_mid_upload_the_next_prune_aborts_what_was_left_and_finishes(tmp_
     assert sorted(os.listdir(root / "run")) == ["checkpoint-20"]
     events = [r["event"] for r in read_journal(tmp_path / "state")]
     assert events[1:3] == ["archiving", "archived"] and "trashed" in events
+
+
+def test_archive_list_shows_what_is_still_to_be_archived_as_pending(tmp_path, s3):  # noqa: F811
+    _, cfg, _ = setup(tmp_path, s3)
+    listed = json.loads(ckptd("archive", "list", "-c", str(cfg), "--json").stdout)["archives"]
+    assert sorted((a["checkpoint"], a["state"]) for a in listed) == [
+        ("checkpoint-10", "pending"), ("checkpoint-20", "pending")]  # the one kept is not to be archived
+    assert all("retention would delete it" in a["why"] for a in listed)
+    text = ckptd("archive", "list", "-c", str(cfg)).stdout
+    assert "pending      run/checkpoint-10" in text
+    ckptd("prune", "-c", str(cfg), "-q")
+    listed = json.loads(ckptd("archive", "list", "-c", str(cfg), "--json").stdout)["archives"]
+    assert sorted(a["state"] for a in listed) == ["archived", "archived"]
+    cfg.write_text(cfg.read_text().replace("concurrency = 1", 'concurrency = 1\nwhen = "on-complete"'))
+    listed = json.loads(ckptd("archive", "list", "-c", str(cfg), "--json").stdout)["archives"]
+    assert [(a["checkpoint"], a["why"]) for a in listed if a["state"] == "pending"] == [
+        ("checkpoint-30", "complete: archived at the next pass")]
+
+
+def test_archive_list_needs_no_volume(tmp_path, s3):  # noqa: F811
+    """Listed on a machine without the volume (to restore from): the archive, and nothing pending."""
+    root, cfg, _ = setup(tmp_path, s3)
+    ckptd("prune", "-c", str(cfg), "-q")
+    root.rename(tmp_path / "elsewhere")
+    listed = json.loads(ckptd("archive", "list", "-c", str(cfg), "--json").stdout)["archives"]
+    assert sorted((a["checkpoint"], a["state"]) for a in listed) == [
+        ("checkpoint-10", "archived"), ("checkpoint-20", "archived")]

@@ -84,6 +84,8 @@ def _kind(annotation: Any, parsers: set[str]) -> str:
         return 'duration ("90s", "10m", "6h", "7d", or seconds)'
     if "parse_size" in parsers:
         return 'size ("500GiB", "2TB", or bytes)'
+    if "_parse_rate" in parsers:
+        return 'rate ("50MiB/s")'
     if "parse_free_space" in parsers:
         return 'size or percentage ("500GiB", "10%")'
     origin = typing.get_origin(annotation)

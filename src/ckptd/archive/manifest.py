@@ -1,8 +1,13 @@
 """A checkpoint's files as read (`snapshot`), and the manifest that says its archive is whole.
 
-The identity of each entry is the one the reaper's own checks use (removal/fs.py `_identity` with
-contents): (dev, inode, size, mtime_ns). A checkpoint whose every entry still has the identity it had
-when it was read for upload holds the bytes that were read: nothing was replaced, rewritten or added.
+The identity of each entry is (dev, inode, size, mtime_ns, ctime_ns), as the verdict cache keeps it
+(verdicts.py). A checkpoint whose every entry still has the identity it had when it was read for
+upload holds the bytes that were read: nothing was replaced, rewritten or added. The ctime is what
+tells a file rewritten in place to the same size with its mtime put back (`os.utime`, a copy that
+keeps times): no call can set it. A rename, chmod or another hard link changes it too, without
+touching the bytes: the gate then reads that file again and compares its CRC32C (`gate`). A rewrite
+within the timestamp tick of the look that read the file keeps even its ctime: the upload reads such
+a racily clean file once more after its tick (`upload.Archiver._after_tick`).
 
 The manifest (`<prefix>/<run>/<checkpoint>.ckptd-manifest.json`) is written last, create-only: while
 it is missing, whatever objects are there are an archive in progress, never a whole one.
@@ -21,11 +26,24 @@ FORMAT = "ckptd-archive/1"
 SUFFIX = ".ckptd-manifest.json"
 _CHUNK = 8 * 1024 * 1024
 
-Identity = tuple[int, int, int, int]  # dev, inode, size, mtime_ns
+Identity = tuple[int, int, int, int, int]  # dev, inode, size, mtime_ns, ctime_ns
 
 
 class NotArchivable(Exception):
-    """A checkpoint holding something no object can stand for (a symlink, a device, a FIFO)."""
+    """A checkpoint holding something no object can stand for (a symlink, a device, a FIFO, a name
+    no object key can carry)."""
+
+
+def key_problem(name: str) -> str | None:
+    """Why a file or directory name cannot be part of an object key, or None. S3 keys are UTF-8,
+    and a control character (a newline) does not survive its XML listings as the same key."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{name.encode('utf-8', 'surrogateescape')!r} is not a UTF-8 name"
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in name):
+        return f"{name!r} holds a control character (a newline?)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -37,13 +55,16 @@ class Snapshot:
     dirs: tuple[str, ...]
     is_file: bool
 
-    def differs(self, other: Snapshot) -> str | None:
-        """What changed between two looks, in a few words, or None."""
+    def differs(self, other: Snapshot, *, but_ctime: bool = False) -> str | None:
+        """What changed between two looks, in a few words, or None. `but_ctime`: a file whose
+        ctime alone changed is not told (`touched` names those)."""
         if self.is_file != other.is_file:
             return "it was replaced"
         added = sorted(other.files.keys() - self.files.keys())
         gone = sorted(self.files.keys() - other.files.keys())
-        changed = sorted(k for k in self.files.keys() & other.files.keys() if self.files[k] != other.files[k])
+        n = 4 if but_ctime else 5
+        both = self.files.keys() & other.files.keys()
+        changed = sorted(k for k in both if self.files[k][:n] != other.files[k][:n])
         for what, names in (("added", added), ("removed", gone), ("changed", changed)):
             if names:
                 more = f" and {len(names) - 1} more" if len(names) > 1 else ""
@@ -52,13 +73,23 @@ class Snapshot:
             return "its directories changed"
         return None
 
+    def touched(self, other: Snapshot) -> list[str]:
+        """The files whose ctime alone differs in `other`: renamed, chmod-ed, linked, or rewritten
+        with their mtime put back; only their bytes can tell which."""
+        return sorted(k for k, i in self.files.items()
+                      if k in other.files and other.files[k][:4] == i[:4] and other.files[k] != i)
+
 
 def identity(st: os.stat_result) -> Identity:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def snapshot(path: Path) -> Snapshot:
-    """Walk the checkpoint without following a symlink. Raises NotArchivable or OSError."""
+def snapshot(path: Path, *, key: str | None = None) -> Snapshot:
+    """Walk the checkpoint without following a symlink. Raises NotArchivable or OSError. `key`:
+    its run and name (`run/checkpoint`), checked as well."""
+    for part in (key or "").split("/"):
+        if (why := key_problem(part)) is not None:
+            raise NotArchivable(f"{why}: no object key can name it")
     st = os.lstat(path)
     if stat.S_ISREG(st.st_mode):
         return Snapshot({"": identity(st)}, (), True)
@@ -72,6 +103,8 @@ def snapshot(path: Path) -> Snapshot:
         with os.scandir(path / rel if rel else path) as it:
             for e in it:
                 sub = f"{rel}/{e.name}" if rel else e.name
+                if (why := key_problem(e.name)) is not None:
+                    raise NotArchivable(f"{why}: no object key can name it")
                 est = e.stat(follow_symlinks=False)
                 if stat.S_ISDIR(est.st_mode):
                     dirs.append(sub)
@@ -79,7 +112,8 @@ def snapshot(path: Path) -> Snapshot:
                 elif stat.S_ISREG(est.st_mode):
                     files[sub] = identity(est)
                 else:
-                    raise NotArchivable(f"{sub} is not a regular file or a directory (a symlink?)")
+                    what = "a symlink" if stat.S_ISLNK(est.st_mode) else "not a regular file or a directory"
+                    raise NotArchivable(f"{sub} is {what}")
     return Snapshot(files, tuple(sorted(dirs)), False)
 
 
@@ -159,7 +193,7 @@ def parse(data: bytes) -> Manifest:
         m = Manifest(str(doc["run"]), str(doc["checkpoint"]), files, tuple(doc["dirs"]), bool(doc["is_file"]), meta)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"a field is missing or malformed ({exc!r})") from None
-    if not files or any(len(f.identity) != 4 for f in files):
+    if not files or any(len(f.identity) != 5 for f in files):
         raise ValueError("lists no file, or a file without its identity")
     for f in files:
         if f.path.startswith("/") or ".." in f.path.split("/"):

@@ -75,3 +75,12 @@ class Store(Protocol):
 
     def check(self) -> None:
         """Raise StoreError where the bucket cannot be reached or its credentials are refused."""
+
+
+def object_url(store: Store, key: str) -> str:
+    """The URL of the object at `key` (a full key, its prefix included), for messages:
+    `s3://bucket/prefix/run/ckpt.ckptd-manifest.json`, the prefix written once."""
+    prefix = store.key()
+    rest = key[len(prefix):].lstrip("/") if prefix and key.startswith(f"{prefix}/") else key
+    return f"{store.url}/{rest}"
+

@@ -6,8 +6,9 @@ uploaded with the CRC32C computed from the bytes read (in parts where it is larg
 memory is at most concurrency x part_size, whatever the checkpoint's size), and checked: the
 store's HEAD must report the same size and CRC32C, of the full object, and the file must have kept
 its identity while it was read. A file an earlier attempt left whole (same size, same CRC32C) is not
-sent again. Then the checkpoint is listed again (nothing added, removed or changed), and the
-manifest written create-only. The journal records the outcome; a local record (state_dir/archive/)
+sent again. Then the checkpoint is listed again (nothing added, removed or changed), a file
+changed within a timestamp tick of its read is read once more after that tick, and the manifest
+written create-only. The journal records the outcome; a local record (state_dir/archive/)
 says this ckptd computed the manifest's checksums from these very files (`gate.archive_problem`).
 """
 
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.archive.manifest import (
@@ -29,12 +31,14 @@ from ckptd.archive.manifest import (
     Manifest,
     NotArchivable,
     crc32c_b64,
+    file_crc32c,
     file_key,
     identity,
     manifest_key,
     snapshot,
 )
-from ckptd.archive.store import Store, StoreError
+from ckptd.archive.store import Store, StoreError, object_url
+from ckptd.archive.throttle import TokenBucket
 from ckptd.config.archive import Archive
 from ckptd.journal import Journal
 from ckptd.model import Action, Checkpoint, State
@@ -43,6 +47,8 @@ log = logging.getLogger(__name__)
 
 PAUSE_FIFO_ENV = "CKPTD_TEST_ARCHIVE_FIFO"  # tests: hold an upload after its first part (`_pause_for_tests`)
 BACKOFF = (60.0, 3600.0)  # after a failed attempt: first wait, longest wait (seconds)
+RACY_NS = 1_000_000_000  # above every local filesystem's timestamp tick (as verdicts.RACY_NS)
+PROGRESS_EVERY = 60.0  # seconds between the log's progress lines of one long upload
 RECORDS = "archive"  # under state_dir: one record per manifest this ckptd wrote or verified in full
 
 
@@ -155,6 +161,12 @@ class Archiver:
         self.retry_at: dict[str, tuple[float, float]] = {}  # rel -> (not before, the wait that gave)
         self.failing_since: dict[str, float] = {}  # rel -> when its first failed attempt in a row was
         self.uploaded_bytes = 0
+        self.throttle = TokenBucket(cfg.max_bandwidth) if cfg.max_bandwidth else None
+        # Told each time a part or file is sent (or found whole): (rel, bytes done, bytes in all);
+        # `ckptd prune` draws it on a terminal. The log says it every PROGRESS_EVERY of a long upload.
+        self.on_progress: Callable[[str, int, int], None] | None = None
+        self._progress_lock = threading.Lock()
+        self._sending = _Sending("", 0, 0, 0.0)  # the checkpoint being uploaded
 
     def wanted(self, decisions: Sequence[object]) -> list[Checkpoint]:
         """The checkpoints to archive now: those about to be deleted or slimmed ('before-delete'),
@@ -190,12 +202,18 @@ class Archiver:
     def problem(self, c: Checkpoint, *, dry_run: bool = False) -> str | None:
         """Why `c` may not be deleted or slimmed now for want of a verified archive, or None
         (`gate.archive_problem`); None always where the archive is not required."""
-        from ckptd.archive.gate import archive_problem
+        return self.problem_at(c.run, c.name, c.path, dry_run=dry_run)
+
+    def problem_at(self, run: str, name: str, path: Path, *, dry_run: bool = False) -> str | None:
+        """`problem` of checkpoint `name` of `run` whose files are at `path` now: in its run, or in
+        the trash, where the purge asks again just before the irreversible removal."""
+        from ckptd.archive.gate import problem_at
 
         if not self.cfg.required:
             return None
-        why = archive_problem(self.store, c, self.state_dir, missing_ok=dry_run)
-        last = self.failures.get(c.rel)
+        why = problem_at(self.store, run, name, path, self.state_dir, missing_ok=dry_run,
+                         read_back=self.cfg.verify == "read-back" and not dry_run)
+        last = self.failures.get(name if run == "." else f"{run}/{name}")
         if why is not None and last is not None and last not in why:
             why = f"{why} (its last attempt: {last})"
         return None if why is None else f"archive required: {why}"
@@ -236,10 +254,12 @@ class Archiver:
             # An attempt killed mid-file: its parts cost money until aborted, and are redone.
             self.store.abort(left)
             log.info("aborted an unfinished upload of %s left by an earlier attempt", left.key)
-        before = snapshot(c.path)
+        read_ns = time.time_ns()  # the filesystem's clock, not self.clock: compared with ctimes
+        before = snapshot(c.path, key=f"{c.run}/{c.name}")
         total = sum(i[2] for i in before.files.values())
         self._record("archiving", c, key=ckey, files=len(before.files), bytes=total)
         started = self.clock()
+        self._sending = _Sending(c.rel, total, 0, started)
         with ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="ckptd-archive") as pool:
             futures = {
                 rel: pool.submit(self._one_file, c.path / rel if rel else c.path, file_key(ckey, rel), ident)
@@ -254,6 +274,7 @@ class Archiver:
         after = snapshot(c.path)
         if (what := before.differs(after)) is not None:
             raise Changed(f"changed while it was archived ({what}): tried again at the next pass")
+        self._after_tick(c.path, entries, read_ns)
         manifest = Manifest(c.run, c.name, tuple(entries), before.dirs, before.is_file, self._meta(c))
         data = manifest.dumps()
         if not self.store.create_only(mkey, data):
@@ -261,7 +282,7 @@ class Archiver:
         write_record(self.state_dir, self.store.url, mkey, data)
         seconds = self.clock() - started
         self._record("archived", c, key=mkey, files=len(entries), bytes=total, seconds=round(seconds, 3))
-        log.info("%s: archived to %s/%s (%d files, %d bytes, verified)", c.rel, self.store.url, mkey,
+        log.info("%s: archived to %s (%d files, %d bytes, verified)", c.rel, object_url(self.store, mkey),
                  len(entries), total)
         return None
 
@@ -294,12 +315,15 @@ class Archiver:
                 crc = self._crc_of(fd, crc32c)
                 if there.crc32c == crc and there.checksum_type in (None, "FULL_OBJECT"):
                     self._unchanged(fd, path, ident)
+                    self._advance(size)
                     return crc, 0  # left whole by an earlier attempt
                 os.lseek(fd, 0, os.SEEK_SET)
             if size <= self.cfg.part_size:
                 data = _read(fd, size)
                 crc = crc32c_b64(crc32c.crc32c(data))
+                self._throttle(len(data))
                 self.store.put(key, data, crc)
+                self._advance(len(data))
             else:
                 crc = self._multipart(fd, key, size, crc32c)
             self._unchanged(fd, path, ident)
@@ -315,6 +339,28 @@ class Archiver:
         finally:
             os.close(fd)
 
+    def _advance(self, n: int) -> None:
+        """`n` more bytes of the current checkpoint sent (or found whole): told to `on_progress`,
+        and logged once every PROGRESS_EVERY seconds of a long upload."""
+        with self._progress_lock:
+            p = self._sending
+            p.done += n
+            done, now = p.done, self.clock()
+            say = now - p.logged >= PROGRESS_EVERY
+            if say:
+                p.logged = now
+        if say:
+            pct = 100 * done // p.total if p.total else 100
+            log.info("%s: archiving to %s: %d of %d bytes sent (%d%%)", p.rel, self.store.url, done, p.total,
+                     pct)
+        if self.on_progress is not None:
+            self.on_progress(p.rel, done, p.total)
+
+    def _throttle(self, n: int) -> None:
+        """`max_bandwidth`: wait until `n` more bytes may be sent (archive/throttle.py)."""
+        if self.throttle is not None:
+            self.throttle.take(n)
+
     def _crc_of(self, fd: int, crc32c: object) -> str:
         value = 0
         while chunk := os.read(fd, 8 * 1024 * 1024):
@@ -329,14 +375,38 @@ class Archiver:
         while done < size:
             data = _read(fd, min(self.cfg.part_size, size - done))
             value = crc32c.crc32c(data, value)  # type: ignore[attr-defined]
+            self._throttle(len(data))
             etags.append(self.store.put_part(key, upload_id, len(etags) + 1, data,
                                              crc32c_b64(crc32c.crc32c(data))))  # type: ignore[attr-defined]
             done += len(data)
+            self._advance(len(data))
             if len(etags) == 1:
                 _pause_for_tests()
         crc = crc32c_b64(value)
         self.store.complete(key, upload_id, etags, crc)
         return crc
+
+    def _after_tick(self, path: Path, entries: list[FileEntry], read_ns: int) -> None:
+        """Each racily clean file read once more, after its timestamp tick is over: a file whose ctime
+        is within RACY_NS before its read began (git's rule, as the verdict cache's) could be rewritten
+        in that same tick after it was read, keeping its size, mtime and ctime, so that no identity
+        tells. Once the tick is over, any later change moves its ctime; its bytes are compared now.
+        Rare outside tests: a checkpoint is archived once it has been quiet for its quiet period.
+        Waits at most RACY_NS (a volume clock ahead of this host's is not waited for: read now)."""
+        # By ctime alone: any change moves it, utime included (an mtime set ahead changes nothing here)
+        racy = [e for e in entries if read_ns - e.identity[4] < RACY_NS]
+        if not racy:
+            return
+        last_ns = max(e.identity[4] for e in racy)
+        wait_ns = min(RACY_NS, last_ns + RACY_NS - time.time_ns())
+        if wait_ns > 0:
+            time.sleep(wait_ns / 1e9)  # the filesystem's clock must move on: nothing to wait on but time
+        for e in racy:
+            fpath = path / e.path if e.path else path
+            crc = file_crc32c(fpath)
+            if crc != e.crc32c or identity(os.stat(fpath, follow_symlinks=False)) != e.identity:  # after the read
+                raise Changed(f"{e.path or path.name} was rewritten within its timestamp tick while it was "
+                              "archived: tried again at the next pass")
 
     def _unchanged(self, fd: int, path: Path, ident: Identity) -> None:
         try:
@@ -354,6 +424,16 @@ class Archiver:
                                 step=c.step, store=self.store.url, **fields)
         except OSError as exc:
             log.error("cannot write the journal %s: %s", self.journal.path, exc.strerror)
+
+
+@dataclass
+class _Sending:
+    """The upload in progress: its checkpoint, its bytes in all and done, when the log last said so."""
+
+    rel: str
+    total: int
+    done: int
+    logged: float
 
 
 def _read(fd: int, n: int) -> bytearray:

@@ -8,16 +8,20 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from ckptd.archive.manifest import SUFFIX, file_crc32c, parse
-from ckptd.archive.store import StoreError
-from ckptd.archive.upload import archiver_for_plan
-from ckptd.cli.common import load
+from ckptd.archive.store import StoreError, object_url
+from ckptd.archive.upload import Archiver, archiver_for_plan
+from ckptd.cli.common import load, scan_all, with_effective_quiet
 from ckptd.config import Config, Root, format_size
 from ckptd.errors import EX_OK, IOFault, UsageError
 from ckptd.journal import read_journal
+from ckptd.model import Action
 from ckptd.mounts import holder
+from ckptd.policy import Decision
+from ckptd.progress import Ticker
 from ckptd.removal.fs import _rename_noreplace
 
 ARCHIVE_EVENTS = ("archiving", "archived", "archive-failed")
@@ -49,11 +53,43 @@ def _local_states(config: Config) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _decisions(config: Config) -> dict[Path, list[Decision]]:
+    """Each root's decisions as `plan` makes them now (the volume read, nothing written). A root
+    that is not here (the list read on another machine, to restore from) has none: the list is of
+    the archive first."""
+    here = tuple(r for r in config.roots if r.archive is not None and r.path.is_dir())
+    if not here:
+        return {}
+    _, plan = scan_all(with_effective_quiet(config.model_copy(update={"roots": here})), time.time(), quiet=True)
+    out: dict[Path, list[Decision]] = {}
+    for d in plan.decisions:
+        out.setdefault(d.checkpoint.root, []).append(d)
+    return out
+
+
+def _pending(
+    archiver: Archiver, decisions: list[Decision], seen: set[str], run: str | None
+) -> list[dict[str, object]]:
+    """The checkpoints to be archived (`Archiver.wanted`: retention would delete or slim them, or
+    every complete one 'on-complete') with no archive and no attempt yet."""
+    rows: list[dict[str, object]] = []
+    for c in archiver.wanted(decisions):
+        if str(c.path) in seen or (run and c.run != run and not c.run.startswith(f"{run}/")):
+            continue
+        why = ("complete: archived at the next pass" if archiver.cfg.when == "on-complete" and
+               not any(d.checkpoint is c and d.action in (Action.DELETE, Action.SLIM) for d in decisions)
+               else "retention would delete it: archived first, at the next pass")
+        rows.append({"root": str(c.root), "run": c.run, "checkpoint": c.name, "state": "pending", "why": why,
+                     "step": c.step, "local": True})
+    return rows
+
+
 def cmd_archive(args: argparse.Namespace) -> int:
     config = load(args)
     roots, run = _archived_roots(config, args.target)
     rows = []
     journal = _local_states(config)
+    decisions = _decisions(config)
     for root in roots:
         archiver = archiver_for_plan(root, config.daemon.state_dir)
         store = archiver.store
@@ -75,7 +111,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
                 rows.append({"root": str(root.path), "run": m.run, "checkpoint": m.checkpoint, "state": "archived",
                              "step": m.meta.get("step"), "files": len(m.files), "bytes": m.size,
                              "archived_at": m.meta.get("archived_at"), "local": path.exists(),
-                             "url": f"{store.url}/{key.removeprefix(store.key()).lstrip('/')}"})
+                             "url": object_url(store, key)})
         except StoreError as exc:
             raise IOFault(f"{root.path}: {exc}") from None
         for path, (event, why) in sorted(journal.items()):
@@ -85,8 +121,10 @@ def cmd_archive(args: argparse.Namespace) -> int:
             if run and not rel.startswith(f"{run}/"):
                 continue
             state = "failed" if event == "archive-failed" else "interrupted"
+            seen.add(path)
             rows.append({"root": str(root.path), "run": os.path.dirname(rel) or ".", "checkpoint": os.path.basename(rel),
                          "state": state, "why": why, "local": os.path.exists(path)})
+        rows += _pending(archiver, decisions.get(root.path, []), seen, run)
     if args.json:
         print(json.dumps({"archives": rows}, indent=2))
         return EX_OK
@@ -129,7 +167,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     into.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".ckptd-restore-{name}-", dir=into))
     try:
-        _download(store, m, tmp / name)
+        with Ticker(f"restore {args.checkpoint}", quiet=getattr(args, "quiet", False)) as ticker:
+            _download(store, m, tmp / name, ticker)
         # Whole, or not there at all; never over what appeared there meanwhile.
         src_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
         dst_fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY)
@@ -148,8 +187,11 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return EX_OK
 
 
-def _download(store: object, m: object, dest: Path) -> None:
-    """Every file of manifest `m` into `dest`, each checked against its size and CRC32C."""
+def _download(store: object, m: object, dest: Path, ticker: Ticker) -> None:
+    """Every file of manifest `m` into `dest`, each checked against its size and CRC32C; `ticker`
+    told how far it is (drawn on a terminal once slow)."""
+    total, done = m.size, 0  # type: ignore[attr-defined]
+    ticker.working(f"0 of {format_size(total)} downloaded")
     if not m.is_file:  # type: ignore[attr-defined]
         dest.mkdir()
         for d in m.dirs:  # type: ignore[attr-defined]
@@ -164,6 +206,8 @@ def _download(store: object, m: object, dest: Path) -> None:
         size, crc = path.stat().st_size, file_crc32c(path)
         if size != f.size or crc != f.crc32c:
             raise StoreError(f"{f.key}: downloaded {size} bytes, CRC32C {crc}; the manifest says {f.size}, {f.crc32c}")
+        done += size
+        ticker.saying(f"{format_size(done)} of {format_size(total)} downloaded and verified")
 
 
 def newest_archived(config: Config, run_dir: Path) -> dict[str, object] | None:
@@ -186,7 +230,7 @@ def newest_archived(config: Config, run_dir: Path) -> dict[str, object] | None:
             step = m.meta.get("step")
             if isinstance(step, int) and (best is None or step > best["step"]):  # type: ignore[operator]
                 best = {"run": m.run, "checkpoint": m.checkpoint, "step": step,
-                        "url": f"s3://{store.bucket}/{key.removesuffix(SUFFIX)}"}  # type: ignore[attr-defined]
+                        "url": object_url(store, key.removesuffix(SUFFIX))}
     except StoreError as exc:
         raise IOFault(f"{root.path}: {exc}") from None
     return best

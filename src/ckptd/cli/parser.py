@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also look in the run's root's archive: an archived checkpoint newer than any "
                     "on the volume is printed as its URL (ckptd restore brings it back)")
 
-    sp = command("archive", "what each root's archive holds: archived, failed, interrupted", roots=False)
-    sp.add_argument("action", choices=("list",), help="list: every archived checkpoint, and those that failed")
+    sp = command("archive", "what each root's archive holds: archived, failed, interrupted, pending", roots=False)
+    sp.add_argument("action", choices=("list",), help="list: every archived checkpoint, those that failed, and those still to be archived")
     sp.add_argument("target", nargs="?", type=_path_arg, metavar="ROOT|RUN",
                     help="a root, a directory in one, or a run as the archive names it (default: all)")
     sp.add_argument("--json", action="store_true", help="print one JSON document")

@@ -186,6 +186,9 @@ def _prune_root(args: argparse.Namespace, config: Config, root: Root, journal: J
     # A slim may consolidate first (zero_to_fp32, silent for as long as it takes): a
     # terminal is told what is being waited for.
     ticker = Ticker(f"prune {root.path}", quiet=args.quiet or dry_run)
+    if reaper.archiver is not None:  # [roots.archive]: what is sent first, before any deletion
+        reaper.archiver.on_progress = lambda rel, done, total, t=ticker: t.saying(
+            f"archiving {rel}: {format_size(done)} of {format_size(total)} sent")
     with ticker:
         ticker.working(f"0 of {acting} deletions and slims done (a slim may consolidate first)")
         for n, result in enumerate(reaper.execute(plan.decisions), start=1):

@@ -6,16 +6,29 @@ a profile, an instance role), so a config file can be shared and committed.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator
 
-from ckptd.config.units import Size
+from ckptd.config.units import Size, _format_size_exact, parse_size
 
 # S3's own bounds on a multipart upload's parts (all but the last): 5 MiB to 5 GiB.
 MIN_PART = 5 * 1024**2
 MAX_PART = 5 * 1024**3
+
+
+def _parse_rate(value: Any) -> int:
+    """`"50MiB/s"` -> bytes a second."""
+    if not isinstance(value, str) or not value.strip().endswith("/s"):
+        raise ValueError(f"expected a rate like '50MiB/s' (got {value!r})")
+    rate = parse_size(value.strip()[:-2].strip())
+    if rate <= 0:
+        raise ValueError(f"must be more than 0 (got {value!r})")
+    return rate
+
+
+Rate = Annotated[int, BeforeValidator(_parse_rate), PlainSerializer(lambda n: f"{_format_size_exact(n)}/s")]
 
 
 class Archive(BaseModel):
@@ -50,6 +63,20 @@ class Archive(BaseModel):
     part_size: Size = Field(
         64 * 1024**2,
         description="Files larger than this are uploaded in parts of this size (5MiB to 5GiB, S3's bounds).",
+    )
+    max_bandwidth: Rate | None = Field(
+        None,
+        description="At most this much uploaded a second, all of the root's uploads together: '50MiB/s'. "
+        "Held on average over each part (a part waits its turn, then goes at the link's speed); "
+        "unset: no limit.",
+    )
+    verify: Literal["checksum", "read-back"] = Field(
+        "checksum",
+        description="How an archived object is verified before its local copy may go: 'checksum': the "
+        "size and full-object CRC32C the store reports (a HEAD), compared with what ckptd computed; "
+        "'read-back': every object downloaded again and its CRC32C computed by ckptd, just before the "
+        "rename into the trash and again before the purge (catches a store, or anyone writing to the "
+        "bucket, that keeps a claimed checksum over other bytes; costs a download of the checkpoint twice).",
     )
     storage_class: str | None = Field(
         None, description="The objects' storage class: 'STANDARD_IA', 'GLACIER_IR', ...; unset: the bucket's."

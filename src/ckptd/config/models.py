@@ -700,6 +700,29 @@ class Config(_Strict):
                              "ckptd-<its volume id>)")
         return self
 
+    @field_validator("roots")
+    @classmethod
+    def _disjoint_archives(cls, roots: tuple[Root, ...]) -> tuple[Root, ...]:
+        # Two roots archiving under one prefix would share keys (<prefix>/<run>/<checkpoint>): the
+        # second root's checkpoint would meet the first's manifest, never match it, and be kept forever.
+        for j, b in enumerate(roots):
+            for i, a in enumerate(roots[:j]):
+                if a.archive is not None and b.archive is not None and _same_keys(a.archive, b.archive):
+                    raise ValueError(
+                        f"roots[{j}].archive.url {b.archive.url!r} overlaps roots[{i}].archive.url "
+                        f"{a.archive.url!r}: two roots would archive under the same keys; give each its "
+                        "own prefix"
+                    )
+        return roots
+
+
+def _same_keys(a: Archive, b: Archive) -> bool:
+    """Whether two archives can name one object: the same store, and one prefix inside the other."""
+    if (a.endpoint_url or "", a.bucket) != (b.endpoint_url or "", b.bucket):
+        return False
+    p, q = a.prefix, b.prefix
+    return not p or not q or p == q or q.startswith(f"{p}/") or p.startswith(f"{q}/")
+
 
 def _overlap(a: str, b: str, table: list[mounts.Mount]) -> bool:
     return mounts.located_in(a, b, table) is not None or mounts.located_in(b, a, table) is not None

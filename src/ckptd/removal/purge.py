@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckptd import layouts, mounts, space
+from ckptd.archive.upload import Archiver
 from ckptd.config import pin_matches
 from ckptd.discover import find_run
 from ckptd.evidence import MOUNT, TooDeep, resume_pointers, walk
@@ -50,6 +51,8 @@ PURGING = "%purging"
 _ELSEWHERE = "its record says it came from another directory"
 # `Purging._rejudged`: nothing is at the path its run had (moved, renamed or removed): held for review
 _RUN_GONE = "its run is no longer where it was"
+# `Purging._archive_gone`: the archive verified before the rename no longer verifies: moved back
+_ARCHIVE = "with its archive no longer verified"
 # Why the trash cannot be made: full, over quota, read-only, not ours to write (or the root gone)
 _NO_TRASH = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EROFS, errno.EACCES, errno.EPERM})
 
@@ -68,6 +71,7 @@ class Purging:
     _purging: bool
     _due: dict[str, float]
     trash_grace: float
+    archiver: Archiver | None
 
     def purge(self, stop: Callable[[], bool] = lambda: False) -> tuple[int, int]:
         """Delete what may go from the trash. Returns (entries purged, bytes freed).
@@ -379,8 +383,10 @@ class Purging:
                 self._hold(entry, trash_fd)
                 return why
             # Another process's entry (maybe a late renamer's) is told as before; this process's own
-            # was judged again after its grace
-            how = "and judged again at its purge" if entry in self._finished else "without the lease"
+            # was judged again after its grace (as is any whose archive no longer verifies: nothing
+            # to do with a lease)
+            own = entry in self._finished or why.startswith(_ARCHIVE)
+            how = "and judged again at its purge" if own else "without the lease"
             undone = self._undo(entry, trash_fd, name, run_fd, rel, f"found in the trash {why}",
                                 beside=True, how=how)
             return f"{why}: {undone}"
@@ -419,7 +425,21 @@ class Purging:
             mine = recognise_by_contents(name, os.listdir(f"/proc/self/fd/{trash_fd}/{entry}"))
         if mine is None:
             return "not recognised by its name or contents, so not known to be older than the run's newest"
-        return self._an_anchor(entry, trash_fd, run_rel, name, mine)
+        return (self._an_anchor(entry, trash_fd, run_rel, name, mine)
+                or self._archive_gone(entry, trash_fd, rel))
+
+    def _archive_gone(self, entry: str, trash_fd: int, rel: str) -> str | None:
+        """With `[roots.archive] required`: why the archive the reaper verified before the rename no
+        longer allows the removal (its manifest or an object gone or changed during the grace, the
+        store unreachable: archive/gate.py, asked of the entry's files in the trash), or None.
+        Asked last: it reads the store. A keep like any other: the entry goes back into its run,
+        where the next pass archives it again (or keeps it, saying why)."""
+        if self.archiver is None:
+            return None
+        run_rel, _, name = rel.rpartition("/")
+        path = Path(f"/proc/self/fd/{trash_fd}") / entry
+        why = self.archiver.problem_at(run_rel or ".", name, path)
+        return None if why is None else f"{_ARCHIVE} ({why})"
 
     def _an_anchor(self, entry: str, trash_fd: int, run_rel: str, name: str, mine: Candidate) -> str | None:
         """Why the trash's `entry` (checkpoint `name` of `run_rel`, recognised as `mine`) would be
