@@ -672,7 +672,7 @@ MUTS = [
  dict(id="EC4", what="etcd: a keepalive that finds the lease gone stands the leader down", tests=[T+"fleet/test_etcd.py"], edits=[("etcdlease.py",
    "        if ttl <= 0:\n", "        if False:\n")]),
  dict(id="MB1", what="an etcd leader neither takes nor renames beside a live volume lease (mixed backends)", tests=[T+"fleet/test_etcd.py"], edits=[("etcdlease.py",
-   "            if (mixed := volume_lease_live(self.root)) is not None:  # a host configured otherwise\n                self.blocked = mixed\n                return\n", "")]),
+   "        if self.want and (mixed := volume_lease_live(self.root)) is not None:  # a host configured otherwise\n            self.blocked = mixed\n            return\n", "")]),
  dict(id="MB2", what="a volume lease is not taken beside a live etcd leader (mixed backends)", tests=[T+"fleet/test_etcd.py"], edits=[(LE,
    "            why = self._not_free(seen, unchanged_for) or engine_leader_seen(self.root, self.margin)", "            why = self._not_free(seen, unchanged_for)")]),
  dict(id="HB1", what="a standby steps every poll (no look at the volume) so its heartbeat stays fresh", tests=[T+"fleet/test_standby.py"], edits=[(DT,
