@@ -97,6 +97,7 @@ class Endpoints:
                 doc = client.post(client.get_url(path), json=body)
             except (Etcd3Exception, ValueError, OSError) as exc:  # ValueError: not JSON
                 problems.append(f"{self.urls[at]}: {str(exc).strip()[:200] or type(exc).__name__}")
+                log.debug("etcd %s %s (timeout %.2fs): %s", self.urls[at], path, timeout, problems[-1])
                 continue
             self.first = at
             return doc
@@ -277,6 +278,8 @@ class EtcdLeadership:
                 self._lose(f"no renewal succeeded before its deadline ({exc})")
             return
         ttl = int((doc.get("result") or doc).get("TTL", 0) or 0)
+        log.debug("%s: etcd keepalive (token %s) answered in %.2fs: TTL %d", self.root, self.epoch,
+                  self.mono() - t0, ttl)
         if ttl <= 0:
             self._lose("etcd says its lease is gone (expired or revoked)")
             return

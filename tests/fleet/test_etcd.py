@@ -413,6 +413,8 @@ def test_a_removed_ckptd_dir_under_an_etcd_leader_makes_no_second_key(tmp_path, 
     leader is there, so it makes no new id (a second key, a second leader); the leader writes its
     id and `engine.json` again at its next renewal, and the newcomer stands by under the same
     key. Before, the newcomer led under a new key, and the two took turns at every token."""
+    from ckptd.etcdlease import EtcdLeadership
+
     root = tmp_path / "vol"
     ckpts(root, 1, 2)
     a = c = None
@@ -422,7 +424,17 @@ def test_a_removed_ckptd_dir_under_an_etcd_leader_makes_no_second_key(tmp_path, 
         vid = (root / ".ckptd" / "volume-id").read_text()
         token = engine_record(root)["epoch"]
         mark = a.mark()
+        # The removal and a newcomer's first look, with a held still (well within its TTL) so that
+        # its renewal cannot write the id back first: the look finds none and makes none.
+        a.signal(signal.SIGSTOP)
+        wait_stopped(a.proc.pid)
         shutil.rmtree(root / ".ckptd")
+        look = EtcdLeadership(root, endpoints=etcd.endpoints, prefix="/test/", duration=D, margin=M)
+        look.step()
+        a.signal(signal.SIGCONT)
+        assert not look.held() and f"pid {a.proc.pid} holds the root's lock" in (look.blocked or ""), look.blocked
+        assert "volume-id is missing: not making a new volume id" in (look.blocked or ""), look.blocked
+        assert not (root / ".ckptd" / "volume-id").exists()
         c = DaemonProc("-c", etcd_config(tmp_path, "c", root, etcd.endpoints))
         c.wait_message("standby, observing only")
         a.wait_message(f".ckptd/engine.json did not name this ckptd's token {token}: written again",
