@@ -502,6 +502,27 @@ def test_a_lone_leader_writes_a_removed_engine_record_again(tmp_path, etcd):  # 
         assert engine_record(root)["epoch"] == token
 
 
+def test_a_rename_the_fence_refused_is_tried_again_while_this_ckptd_still_leads(tmp_path, etcd):  # noqa: F811
+    """A fence that refuses for a while (here: a volume lease's record, live for 3 s, of a host
+    configured otherwise; under load, an etcd read that timed out or a renewal late) while this
+    ckptd goes on leading: nothing on the volume changes for that, and the pass came back only at
+    the next reconcile (5 minutes). It is tried again after the lead's next renewal. Before, the
+    frozen-member case failed so under load (nobody deleted within 60 s)."""
+    from ckptd.leaserecord import Holder, Record, RecordIO
+
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+    with DaemonProc("-c", etcd_config(tmp_path, "a", root, etcd.endpoints)) as a:
+        a.wait_message("this ckptd deletes here (etcd, token")
+        now = time.time()
+        elsewhere = Holder("elsewhere", 1, 0.0, "x" * 32)
+        RecordIO(root).write(Record(1, elsewhere, now + 2, now, 0, 2.0, 1.0, since=now))
+        ckpts(root, 2)
+        a.wait_message("not deleting job/checkpoint-1: not the leader: elsewhere pid 1 leads")
+        a.wait_message("deleted job/checkpoint-1")
+        assert not said(a, "etcd leadership lost"), a.dump()
+
+
 def test_check_config_names_etcd_leadership_from_the_environment(tmp_path):
     root = tmp_path / "vol"
     root.mkdir()
