@@ -387,7 +387,8 @@ class EtcdLeadership:
         holder = rec.get("holder") or {}
         why = (f"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) names etcd key {other}, led by "
                f"{holder.get('host')} pid {holder.get('pid')} (token {rec.get('epoch')}), and this ckptd's "
-               f"key is {self.key}: every ckptd on a root must use the same [daemon.etcd] prefix and endpoints")
+               f"key is {self.key}: every ckptd on a root must use the same [daemon.etcd] prefix and "
+               "endpoints")
         if engine_record_live(self.root, self.margin) is not None:
             return why
         doc = self.renewing.post("/kv/range", {"key": _b64(other)}, self.timeout)

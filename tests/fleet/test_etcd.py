@@ -370,7 +370,8 @@ def test_auto_with_etcd_endpoints_on_one_node_only_leaves_one_deleter(tmp_path, 
     cron = local_config(tmp_path, "cron", root, keep_last=1, leadership="auto")
     a = b = None
     try:
-        with DaemonProc("-c", local_config(tmp_path, "once", root, keep_last=5, leadership="auto"), env=env) as once:
+        earlier = local_config(tmp_path, "once", root, keep_last=5, leadership="auto")
+        with DaemonProc("-c", earlier, env=env) as once:
             once.wait_message("this ckptd deletes here (etcd, token")
             once.proc.kill()
             once.proc.wait(30)
@@ -427,7 +428,8 @@ def test_a_removed_ckptd_dir_under_an_etcd_leader_makes_no_second_key(tmp_path, 
         look = EtcdLeadership(root, endpoints=etcd.endpoints, prefix="/test/", duration=D, margin=M)
         look.step()
         a.signal(signal.SIGCONT)
-        assert not look.held() and f"pid {a.proc.pid} holds the root's lock" in (look.blocked or ""), look.blocked
+        assert not look.held(), look.blocked
+        assert f"pid {a.proc.pid} holds the root's lock" in (look.blocked or ""), look.blocked
         assert "volume-id is missing: not making a new volume id" in (look.blocked or ""), look.blocked
         assert not (root / ".ckptd" / "volume-id").exists()
         c = DaemonProc("-c", etcd_config(tmp_path, "c", root, etcd.endpoints))
