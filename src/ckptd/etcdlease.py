@@ -47,7 +47,15 @@ from urllib.parse import urlsplit
 
 from ckptd.layouts import LEASE_DIR
 from ckptd.lease import boottime, renewal_thread
-from ckptd.leaserecord import ENGINE_RECORD, Holder, read_engine_record, volume_lease_live, write_engine_record
+from ckptd.leaserecord import (
+    ENGINE_RECORD,
+    Holder,
+    engine_record_live,
+    read_engine_record,
+    volume_lease_live,
+    write_engine_record,
+)
+from ckptd.locks import ROOT_LOCK, LockHeld, RootLock, RootLockHeld, RootLockUnavailable, lock_holders
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +97,7 @@ class Endpoints:
                 doc = client.post(client.get_url(path), json=body)
             except (Etcd3Exception, ValueError, OSError) as exc:  # ValueError: not JSON
                 problems.append(f"{self.urls[at]}: {str(exc).strip()[:200] or type(exc).__name__}")
+                log.debug("etcd %s %s (timeout %.2fs): %s", self.urls[at], path, timeout, problems[-1])
                 continue
             self.first = at
             return doc
@@ -104,24 +113,37 @@ def _unb64(text: str) -> str:
 
 
 def volume_id(root: Path, create: bool = True) -> str | None:
-    """The volume's id, made once (unless not `create`: None where there is none yet): a temp
-    file linked to `volume-id`; the first link wins."""
-    lease_dir = root / LEASE_DIR
-    path = lease_dir / VOLUME_ID
+    """The volume's id, made once (unless not `create`: None where there is none yet)."""
     try:
-        return path.read_text().strip()
+        return (root / LEASE_DIR / VOLUME_ID).read_text().strip()
     except FileNotFoundError:
         if not create:
             return None
+    return put_volume_id(root, uuid.uuid4().hex)
+
+
+def put_volume_id(root: Path, vid: str) -> str:
+    """`vid` as the volume's id unless it has one: a temp file linked to `volume-id`; the first
+    link wins. The id that won."""
+    lease_dir = root / LEASE_DIR
+    path = lease_dir / VOLUME_ID
     lease_dir.mkdir(exist_ok=True)
     tmp = lease_dir / f".{VOLUME_ID}.{uuid.uuid4().hex[:12]}.tmp"
-    tmp.write_text(uuid.uuid4().hex + "\n")
+    tmp.write_text(vid + "\n")
     try:
         with contextlib.suppress(FileExistsError):
             os.link(tmp, path)
     finally:
         tmp.unlink()
     return path.read_text().strip()
+
+
+def root_led_here(root: Path) -> str | None:
+    """Which processes of this host hold the root's own lock (the root directory's flock or
+    `.ckptd/local.lock`: a live leader of any kind, `locks.RootLock`), by /proc/locks (nothing is
+    tried, so nobody's lock is disturbed); None where none does or it cannot be seen."""
+    pids = set().union(*lock_holders(root, root / LEASE_DIR / ROOT_LOCK))
+    return f"pid {', '.join(map(str, sorted(pids)))} holds the root's lock" if pids else None
 
 
 class EtcdLeadership:
@@ -170,6 +192,11 @@ class EtcdLeadership:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.want = True
+        # The root's own lock, held for the tenure as a volume lease's leader holds it: a ckptd with
+        # `leadership = "local"` and a prune take it too, so neither deletes beside this one.
+        self.lock = RootLock(None, root)
+        self.passed: tuple[frozenset[int], str] | None = None  # a lapsed leader's lock passed over: pids, who
+        self.vid: str | None = None  # the volume id the key is named by, while this process leads
 
     # --- questions ----------------------------------------------------------
 
@@ -210,6 +237,10 @@ class EtcdLeadership:
         if rec is None or rec.get("epoch") != epoch or rec.get("holder", {}).get("id") != self.me.id:
             other = f"token {rec.get('epoch')}" if rec else "no readable record"
             return f"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) no longer names token {epoch} ({other})"
+        if rec.get("key") != key:
+            return f"the volume's record names etcd key {rec.get('key')}, not this ckptd's {key}"
+        if not self.lock.held and self.passed is None:
+            return f"this ckptd does not hold {self.lock.root_path}"
         if (mixed := volume_lease_live(self.root)) is not None:  # a host configured otherwise
             return mixed
         if self.mono() >= self.deadline:  # after the reads: a read that hung counts against it
@@ -221,12 +252,6 @@ class EtcdLeadership:
     def step(self) -> None:
         with self._mutex:
             try:
-                if self.key is None:
-                    vid = volume_id(self.root, create=self.want)  # a dry run writes nothing
-                    if vid is None:
-                        self.blocked = "observing only (dry run)"
-                        return
-                    self.key = f"{self.prefix}{vid}/leader"
                 if self.epoch is not None:
                     if self.want:
                         self._renew()
@@ -253,34 +278,177 @@ class EtcdLeadership:
                 self._lose(f"no renewal succeeded before its deadline ({exc})")
             return
         ttl = int((doc.get("result") or doc).get("TTL", 0) or 0)
+        log.debug("%s: etcd keepalive (token %s) answered in %.2fs: TTL %d", self.root, self.epoch,
+                  self.mono() - t0, ttl)
         if ttl <= 0:
             self._lose("etcd says its lease is gone (expired or revoked)")
             return
-        rec = read_engine_record(self.root)
-        if rec is not None and rec.get("epoch", 0) > (self.epoch or 0):
-            self._lose(f"the volume's record names a later token ({rec.get('epoch')})")
+        if (why := self._keep_anchor()) is not None or (why := self._keep_lock()) is not None:
+            self._lose(why)
             return
         self.deadline = t0 + min(ttl, self.ttl)
-        # Touched at each renewal: a volume lease's holder (a host configured otherwise) sees a
-        # live engine leader by it (leaserecord.engine_leader_seen).
-        with contextlib.suppress(OSError):
-            os.utime(self.root / LEASE_DIR / ENGINE_RECORD)
         if self.error is not None:
             log.info("%s: the etcd lease is renewed again", self.root)
             self.error = None
 
+    def _keep_anchor(self) -> str | None:
+        """At each renewal: the volume still names this leader's key and token, or why it does
+        not (and the lead is given up, its etcd lease revoked). `volume-id` and `engine.json` are
+        written again where they were removed (`rm -rf <root>/.ckptd`): a standby that found no
+        id would otherwise make a new one, and a second key would elect a second leader."""
+        assert self.vid is not None and self.epoch is not None
+        vid = volume_id(self.root, create=False) or put_volume_id(self.root, self.vid)
+        if vid != self.vid:
+            self._revoke_held()
+            return (f"{LEASE_DIR}/{VOLUME_ID} names another volume id ({vid}, not {self.vid}, this "
+                    f"ckptd's key {self.key}): it was made anew under this leader")
+        rec = read_engine_record(self.root)
+        if rec is not None and rec.get("epoch", 0) > self.epoch:
+            return f"the volume's record names a later token ({rec.get('epoch')})"
+        if rec is not None and (rec.get("key") != self.key or rec.get("epoch") != self.epoch
+                                or (rec.get("holder") or {}).get("id") != self.me.id):
+            if rec.get("key") != self.key:
+                self._revoke_held()
+                return (f"the volume's record names etcd key {rec.get('key')} (token {rec.get('epoch')}), "
+                        f"not this ckptd's {self.key}: every ckptd on a root must use the same "
+                        "[daemon.etcd] prefix")
+            rec = None  # an earlier token of this key, written late by a leader that was paused: ours over it
+        if rec is None:
+            log.warning("%s: %s/%s did not name this ckptd's token %s: written again", self.root, LEASE_DIR,
+                        ENGINE_RECORD, self.epoch)
+            self._write_record()
+        else:
+            # Touched at each renewal: a ckptd configured otherwise (volume, local) sees a live
+            # engine leader by it (leaserecord.engine_record_live).
+            with contextlib.suppress(OSError):
+                os.utime(self.root / LEASE_DIR / ENGINE_RECORD)
+        return None
+
+    def _keep_lock(self) -> str | None:
+        """At each renewal: the root's lock held again where it was lost (removed with `.ckptd/`)
+        or passed over (its lapsed holder, frozen, let go of it since); or why not (another
+        process than that holder has it now: this one stands down)."""
+        if self.lock.held:
+            with contextlib.suppress(LockHeld, OSError):
+                if self.lock.footing() is not None:
+                    self.lock.retake()
+            return None
+        try:
+            self.lock.acquire()
+        except RootLockHeld as exc:
+            held = set().union(*lock_holders(self.root, self.lock.root_path))
+            if self.passed is not None and (held <= self.passed[0] if held else not self.passed[0]):
+                return None  # still the frozen holder's
+            self._revoke_held()
+            return f"{exc}, and it is not the lapsed leader's whose lock this ckptd passed over"
+        except LockHeld as exc:
+            self._revoke_held()
+            return str(exc)
+        if self.passed is not None:
+            log.info("%s: this ckptd holds the root's lock again (%s let go of it)", self.root,
+                     self.passed[1])
+        self.passed = None
+        return None
+
+    def _write_record(self) -> None:
+        write_engine_record(self.root, {"backend": "etcd", "key": self.key, "volume_id": self.vid,
+                                        "epoch": self.epoch, "duration": self.duration,
+                                        "holder": asdict(self.me), "since": self.since})
+
+    def _volume_id(self) -> str | None:
+        """The volume id to name the key by at a take: the one on the volume; where there is none,
+        the one a live `engine.json` names; a new one only where no live leader of this host holds
+        the root's lock (it writes its own id again at its next renewal). None, and why in
+        `blocked`, where none may be had now."""
+        vid = volume_id(self.root, create=False)
+        if vid is not None or not self.want:  # a dry run writes nothing
+            if vid is None:
+                self.blocked = "observing only (dry run)"
+            return vid
+        live = engine_record_live(self.root, self.margin)
+        if live is not None and isinstance(live.get("volume_id"), str) and live["volume_id"]:
+            return put_volume_id(self.root, live["volume_id"])
+        if (led := root_led_here(self.root)) is not None:
+            self.blocked = (f"{led} (a ckptd with leadership = \"local\", a prune or another leader "
+                            f"deletes here) and {LEASE_DIR}/{VOLUME_ID} is missing: not making a new volume "
+                            "id (a second etcd key) beside it; a leader by etcd writes its own again at its "
+                            "next renewal")
+            return None
+        return volume_id(self.root, create=True)
+
+    def _other_key(self) -> str | None:
+        """Why not take this key: the volume's record names another key (a node with another
+        `prefix`, or a volume id made anew) whose holder is live by the record or by etcd; else
+        None."""
+        rec = read_engine_record(self.root)
+        other = rec.get("key") if rec is not None and rec.get("released") is not True else None
+        if not isinstance(other, str) or other == self.key:
+            return None
+        holder = rec.get("holder") or {}
+        why = (f"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) names etcd key {other}, led by "
+               f"{holder.get('host')} pid {holder.get('pid')} (token {rec.get('epoch')}), and this ckptd's "
+               f"key is {self.key}: every ckptd on a root must use the same [daemon.etcd] prefix and "
+               "endpoints")
+        if engine_record_live(self.root, self.margin) is not None:
+            return why
+        doc = self.renewing.post("/kv/range", {"key": _b64(other)}, self.timeout)
+        return why if doc.get("kvs") else None
+
+    def _lock_root(self) -> str | None:
+        """Take the root's lock for the tenure: None if taken, or if it is held only by the leader
+        whose key etcd has let go (its lease ended: a frozen process, SIGSTOP, a debugger, a hung
+        mount, keeps its locks until it exits; when it runs again its keepalive and its fence find
+        the lead gone). The rule is the volume lease's (lease.VolumeLease._take_locks): passed over
+        only where this host's lock table shows it held by that leader's pid alone, as
+        `engine.json` names it, on this host; or, where none shows here, when that leader is on
+        another host. Else why not."""
+        self.passed = None
+        try:
+            self.lock.acquire()
+            return None
+        except RootLockHeld as exc:
+            held = set().union(*lock_holders(self.root, self.lock.root_path))
+            rec = read_engine_record(self.root)
+            holder = (rec or {}).get("holder") or {}
+            lapsed = (rec is not None and rec.get("released") is not True and holder.get("id") != self.me.id
+                      and (held == {holder.get("pid")} and holder.get("host") == self.me.host
+                           or not held and holder.get("host") not in (None, self.me.host)))
+            if not lapsed:
+                return (f"{exc}: a ckptd with leadership = \"local\" or a prune deletes here; every ckptd "
+                        "that deletes in a root must use the same leadership")
+            who = f"{holder.get('host')} pid {holder.get('pid')}"
+            log.warning("%s: %s, whose etcd lease ended, still holds the root's lock (a frozen process: "
+                        "SIGSTOP, a debugger, a hung mount): taking over on etcd; its fence refuses its "
+                        "renames when it runs again", self.root, who)
+            self.passed = (frozenset(held), who)
+            return None
+        except (RootLockUnavailable, LockHeld) as exc:
+            return str(exc)
+
+    def _unlock_root(self) -> None:
+        self.lock.release()
+        self.passed = None
+
     def _try_take(self) -> None:
+        if self.want and (mixed := volume_lease_live(self.root)) is not None:  # a host configured otherwise
+            self.blocked = mixed
+            return
+        vid = self._volume_id()
+        if vid is None:
+            return
+        self.key = f"{self.prefix}{vid}/leader"
         if not self.want:
             self.blocked = "observing only (dry run)"
             return
-        assert self.key is not None
+        lease_id = None
         try:
             doc = self.renewing.post("/kv/range", {"key": _b64(self.key)}, self.timeout)
             if doc.get("kvs"):
                 self._saw(doc["kvs"][0])
                 return
-            if (mixed := volume_lease_live(self.root)) is not None:  # a host configured otherwise
-                self.blocked = mixed
+            why = self._other_key() or self._lock_root()
+            if why is not None:  # another key's live leader, or a ckptd that takes the root's lock
+                self.blocked = why
                 return
             t0 = self.mono()
             grant = self.renewing.post("/lease/grant", {"TTL": self.ttl}, self.timeout)
@@ -293,12 +461,16 @@ class EtcdLeadership:
             }
             out = self.renewing.post("/kv/txn", txn, self.timeout)
         except EtcdUnavailable as exc:
+            self._unlock_root()
+            if lease_id is not None:
+                self._revoke(lease_id)
             if self.error != str(exc):
                 log.warning("%s: cannot reach etcd: %s", self.root, exc)
             self.error = str(exc)
             self.blocked = f"cannot reach etcd ({', '.join(self.urls)})"
             return
         if not out.get("succeeded"):
+            self._unlock_root()
             self._revoke(lease_id)
             kvs = ((out.get("responses") or [{}])[0].get("response_range") or {}).get("kvs") or []
             if kvs:
@@ -307,13 +479,18 @@ class EtcdLeadership:
         epoch = int(out["header"]["revision"])
         rec = read_engine_record(self.root)
         if rec is not None and rec.get("epoch", 0) > epoch:  # a later token on the volume: never ours
+            self._unlock_root()
             self._revoke(lease_id)
             self.blocked = f"the volume's record names a later token ({rec.get('epoch')}) than etcd gave ({epoch})"
             return
-        write_engine_record(self.root, {"backend": "etcd", "key": self.key, "epoch": epoch, "duration": self.duration,
-                                        "holder": asdict(self.me), "since": self._wall()})
-        self.epoch, self.lease_id, self.deadline = epoch, lease_id, t0 + self.ttl
+        self.epoch, self.lease_id, self.deadline, self.vid = epoch, lease_id, t0 + self.ttl, vid
         self.since = self._wall()
+        try:
+            self._write_record()
+        except OSError:
+            self._revoke_held()
+            self._lose(f"cannot write {LEASE_DIR}/{ENGINE_RECORD}")
+            raise
         self.seen = {"holder": asdict(self.me), "since": self.since, "epoch": epoch}
         self.error = self.blocked = None
 
@@ -334,15 +511,30 @@ class EtcdLeadership:
         with contextlib.suppress(EtcdUnavailable):
             self.renewing.post("/lease/revoke", {"ID": lease_id}, self.timeout)
 
+    def _revoke_held(self) -> None:
+        """Give the key back at once (the lead is given up for a reason etcd does not know of)."""
+        if self.lease_id is not None:
+            self._revoke(self.lease_id)
+
     def _lose(self, why: str) -> None:
         log.error("%s: etcd leadership lost: %s; this ckptd no longer deletes here", self.root, why)
         self.epoch, self.lease_id, self.deadline, self.since = None, None, float("-inf"), None
+        self._unlock_root()
 
     def release(self) -> None:
-        """Stop leading; revoke the lease so that a standby need not wait for it to expire."""
+        """Stop leading: say so in `engine.json` (a ckptd configured otherwise need not wait for it
+        to go stale), let go of the root's lock and revoke the lease (a standby need not wait for it
+        to expire)."""
         with self._mutex:
-            lease_id, held = self.lease_id, self.held()
+            lease_id, held, epoch = self.lease_id, self.held(), self.epoch
             self.epoch, self.lease_id, self.deadline, self.since = None, None, float("-inf"), None
+            if held:
+                rec = read_engine_record(self.root)
+                mine = rec is not None and (rec.get("holder") or {}).get("id") == self.me.id
+                if rec is not None and mine and rec.get("epoch") == epoch:
+                    with contextlib.suppress(OSError):
+                        write_engine_record(self.root, {**rec, "released": True})
+            self._unlock_root()
             if lease_id is not None and held:
                 self._revoke(lease_id)
 
@@ -394,6 +586,18 @@ class EtcdLeadership:
                 "waiting": None if held else self.blocked,
                 "error": self.error,
             }
+
+
+def prefix_mismatch(root: Path, prefix: str) -> str | None:
+    """For start-up and check-config: where the root's `engine.json` names a key outside `prefix`
+    (a node configured with another `[daemon.etcd] prefix`), what that means; else None."""
+    rec = read_engine_record(root)
+    key = rec.get("key") if rec is not None else None
+    if not isinstance(key, str) or key.startswith(prefix):
+        return None
+    return (f"{LEASE_DIR}/{ENGINE_RECORD} names etcd key {key}, outside this ckptd's prefix {prefix}: a node "
+            "with another [daemon.etcd] prefix leads or led here; while its record is live this ckptd "
+            "deletes nothing (give every node of a root the same prefix and endpoints)")
 
 
 def etcd_leadership(root: Path, daemon: Any, why: str) -> EtcdLeadership:

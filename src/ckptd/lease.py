@@ -458,19 +458,30 @@ class VolumeLease:
 
 
 class LocalLeadership:
-    """The single-host case: the flock in `state_dir/locks/` (locks.RootLock)."""
+    """The single-host case: the flock in `state_dir/locks/` (locks.RootLock). Not while a
+    leader by an engine (etcd) says in `engine.json` that it leads the root: it holds the root's
+    lock as well, but one that took over from a frozen leader has passed over that leader's lock
+    and takes it only when that one lets go (`etcdlease.EtcdLeadership._lock_root`)."""
 
     kind = "local"
 
-    def __init__(self, lock: Any, why: str = ""):
+    def __init__(self, lock: Any, why: str = "", margin: float = 0.0):
         self.lock = lock
         self.why = why
+        self.margin = margin  # for a live engine record (leaserecord.engine_record_live)
         self.blocked: str | None = None
 
     def held(self) -> bool:
         return self.lock.held
 
     def step(self) -> None:
+        if (engine := engine_leader_seen(self.lock.root, self.margin)) is not None:
+            if self.lock.held:
+                log.error("%s: %s; this ckptd has leadership = \"local\": it lets go of the root's lock and "
+                          "deletes nothing here", self.lock.root, engine)
+                self.lock.release()
+            self.blocked = f"{engine}, and this ckptd has leadership = \"local\""
+            return
         if self.lock.held:
             return
         try:
@@ -488,7 +499,9 @@ class LocalLeadership:
         return 0.0
 
     def fence(self) -> str | None:
-        return None if self.lock.held else f"this ckptd does not hold {self.lock.path}"
+        if not self.lock.held:
+            return f"this ckptd does not hold {self.lock.path}"
+        return engine_leader_seen(self.lock.root, self.margin)
 
     def release(self) -> None:
         self.lock.release()

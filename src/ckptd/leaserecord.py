@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.layouts import LEASE_DIR
-from ckptd.locks import ROOT_LOCK, LockHeld, RootLock, RootLockUnavailable
+from ckptd.locks import ROOT_LOCK, LockHeld, RootLock, RootLockUnavailable, lock_holders
 
 log = logging.getLogger(__name__)
 
@@ -348,36 +348,10 @@ class RecordIO:
         return self._lock_fd is not None and self._root_lock is not None and self._root_lock.held
 
     def lock_pids(self) -> tuple[set[int], set[int]]:
-        """The processes of this host that hold `leader.lock` and `<root>/.ckptd/local.lock`, by
-        the kernel's table of locks (/proc/locks: each granted lock's kind, pid and
-        major:minor:inode). Another host's locks are not in it (an NFS server's lock manager or a
-        cluster filesystem keeps those), so empty sets mean: held from another host, or free."""
-        wanted = {}
-        for name in (LOCK, ROOT_LOCK):
-            try:
-                st = os.stat(self.dir / name, follow_symlinks=False)
-            except OSError:
-                continue
-            wanted[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = name
-        pids: dict[str, set[int]] = {LOCK: set(), ROOT_LOCK: set()}
-        try:
-            table = Path("/proc/locks").read_text().splitlines()
-        except OSError:
-            return pids[LOCK], pids[ROOT_LOCK]
-        for line in table:
-            fields = line.split()
-            if len(fields) < 6 or fields[1] == "->":  # "->": a waiter, not a holder
-                continue
-            pid, where = fields[4], fields[5].split(":")
-            if not pid.isdigit() or len(where) != 3:
-                continue
-            try:
-                key = (int(where[0], 16), int(where[1], 16), int(where[2]))
-            except ValueError:
-                continue
-            if key in wanted:
-                pids[wanted[key]].add(int(pid))
-        return pids[LOCK], pids[ROOT_LOCK]
+        """The processes of this host that hold `leader.lock` and `<root>/.ckptd/local.lock`
+        (`locks.lock_holders`: empty sets mean held from another host, or free)."""
+        lead, root = lock_holders(self.dir / LOCK, self.dir / ROOT_LOCK)
+        return lead, root
 
 
 def _beat(name: str) -> tuple[int, int] | None:
@@ -434,20 +408,30 @@ def engine_record_refusal(root: Path, epoch: int, holder_id: str, key: str) -> s
     return None
 
 
-def engine_leader_seen(root: Path, margin: float, now: float | None = None) -> str | None:
-    """Who leads `root` by an engine (etcd, Kubernetes), as `engine.json` says, while its holder renews: it
-    touches the file at each renewal, so a modification time within the holder's duration plus
-    `margin` is a live one. For a volume lease's holder, which must not delete beside it."""
+def engine_record_live(root: Path, margin: float, now: float | None = None) -> dict[str, Any] | None:
+    """`engine.json` while its holder renews (it touches the file at each renewal, so a
+    modification time within the holder's duration plus `margin` is a live one) and has not
+    handed the lead back; else None."""
     path = root / LEASE_DIR / ENGINE_RECORD
     try:
         mtime = os.stat(path).st_mtime
     except OSError:
         return None
     rec = read_engine_record(root)
-    if rec is None:
+    if rec is None or rec.get("released") is True:
         return None
     duration = rec.get("duration") if isinstance(rec.get("duration"), int | float) else 30.0
     if (time.time() if now is None else now) > mtime + duration + margin:
+        return None
+    return rec
+
+
+def engine_leader_seen(root: Path, margin: float, now: float | None = None) -> str | None:
+    """Who leads `root` by an engine (etcd, Kubernetes), as a live `engine.json` says (`engine_record_live`),
+    or None. For a volume lease's holder and a ckptd with `leadership = "local"`, which must not
+    delete beside it."""
+    rec = engine_record_live(root, margin, now)
+    if rec is None:
         return None
     holder = rec.get("holder") or {}
     return (f"{holder.get('host')} pid {holder.get('pid')} leads {root} by {rec.get('backend')} (token "

@@ -24,6 +24,11 @@ class LockHeld(Exception):
     pass
 
 
+class RootLockHeld(LockHeld):
+    """The root's own lock (`<root>/.ckptd/local.lock` or the root directory's flock) is held by
+    another process: not the state_dir lock, nor a live root above this one."""
+
+
 class RootLockUnavailable(LockHeld):
     """`<root>/.ckptd/local.lock` cannot be taken, on a root that is not read-only: deleting
     there could go on beside a ckptd with another state_dir, so nobody here deletes."""
@@ -140,7 +145,7 @@ class RootLock:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
             os.close(fd)
-            raise LockHeld(f"another ckptd is deleting in {self.root} (holds {self.root_path})") from None
+            raise RootLockHeld(f"another ckptd is deleting in {self.root} (holds {self.root_path})") from None
         except RootLockUnavailable:
             os.close(fd)
             raise
@@ -160,7 +165,8 @@ class RootLock:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
             os.close(fd)
-            raise LockHeld(f"another ckptd is deleting in {self.root} (holds the directory's lock)") from None
+            raise RootLockHeld(f"another ckptd is deleting in {self.root} (holds the directory's lock)") \
+                from None
         except OSError as exc:
             os.close(fd)
             log.debug("%s: no flock on the directory (%s): %s alone", self.root, exc.strerror, self.root_path)
@@ -249,6 +255,40 @@ class RootLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def lock_holders(*paths: Path) -> list[set[int]]:
+    """For each path, the processes of this host that hold a lock on it (flock or POSIX), by the
+    kernel's table of locks (/proc/locks: each granted lock's kind, pid and major:minor:inode).
+    Another host's locks are not in it (an NFS server's lock manager or a cluster filesystem
+    keeps those), so an empty set means: held from another host, or free. A path that cannot be
+    looked at has an empty set."""
+    wanted: dict[tuple[int, int, int], int] = {}
+    for i, path in enumerate(paths):
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            continue
+        wanted[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = i
+    pids: list[set[int]] = [set() for _ in paths]
+    try:
+        table = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return pids
+    for line in table:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] == "->":  # "->": a waiter, not a holder
+            continue
+        pid, where = fields[4], fields[5].split(":")
+        if not pid.isdigit() or len(where) != 3:
+            continue
+        try:
+            key = (int(where[0], 16), int(where[1], 16), int(where[2]))
+        except ValueError:
+            continue
+        if key in wanted:
+            pids[wanted[key]].add(int(pid))
+    return pids
 
 
 def _not_the_file(fd: int, path: Path) -> str | None:

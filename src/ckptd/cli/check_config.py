@@ -15,7 +15,9 @@ from ckptd.config import Config, config_warnings
 from ckptd.discover import find_runs
 from ckptd.envconfig import settings_in
 from ckptd.errors import EX_OK, CkptdError
+from ckptd.etcdlease import prefix_mismatch
 from ckptd.lease import choose_leadership, coherence_note, lock_scope, volume_leader_seen
+from ckptd.leaserecord import engine_leader_seen
 from ckptd.mounts import is_remote, mount_of, quiet_alone_problem, quiet_for, read_mounts
 from ckptd.planner import Scanner, run_names, unmatched_paths, world_size_warning
 from ckptd.policy import inferred_modes
@@ -106,6 +108,8 @@ def volume_notes(config: Config) -> list[str]:
             out.append(f"{where}: leadership=etcd ({why}); lease TTL {max(2, math.ceil(d.lease_duration))}s at "
                        f"{', '.join(d.etcd.endpoints)}, key prefix {d.etcd.prefix}; its token fenced in "
                        f"{root.path / layouts.LEASE_DIR}")
+            if (other := prefix_mismatch(root.path, d.etcd.prefix)) is not None:
+                out.append(f"warning: {where}: {other}")
         elif kind == "kubernetes":
             k = d.kubernetes
             namespace = k.namespace or "<the pod's or context's namespace>"
@@ -122,7 +126,8 @@ def volume_notes(config: Config) -> list[str]:
                 out.append(f"warning: {where}: {note}")
         else:
             out.append(f"{where}: leadership=local ({why}): one deleter per state_dir")
-            if (mixed := volume_leader_seen(root.path)) is not None:
+            mixed = volume_leader_seen(root.path) or engine_leader_seen(root.path, d.lease_margin)
+            if mixed is not None:
                 out.append(f"warning: {where}: {mixed}")
             if mount is not None and is_remote(mount.fstype):
                 out.append(

@@ -38,7 +38,7 @@ def _lead_for_prune(config: Config, root: Root, mounts: list) -> tuple[Leadershi
     kind, why, problem = choose_leadership(root.path, d.leadership, mounts, root.coherent,
                                            etcd=bool(d.etcd.endpoints))
     if kind == "local":
-        local = LocalLeadership(RootLock(d.state_dir, root.path), why)
+        local = LocalLeadership(RootLock(d.state_dir, root.path), why, d.lease_margin)
         local.step()
         return (local, None) if local.held() else (None, local.blocked)
     if kind == "kubernetes":  # a Lease not renewed is watched first, as the volume lease is

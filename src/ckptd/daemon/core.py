@@ -339,13 +339,15 @@ class Daemon:
             )
             _flush_logs()
             os._exit(0)
-        # A volume lease is marked released (a standby takes over at once), off the loop and
-        # bounded: a volume that no longer answers must not hold up the exit.
+        # A volume lease is marked released, an etcd lease revoked (a standby takes over at once),
+        # off the loop and bounded: a volume or etcd that no longer answers must not hold up the exit.
         stopped = loop.run_in_executor(None, lambda: all([rt.lead.stop() for rt in self.roots]))
         try:
             await asyncio.wait_for(asyncio.shield(stopped), SHUTDOWN_TIMEOUT)
         except TimeoutError:
-            log.warning("the volume lease could not be handed back in time: it expires by itself")
+            kinds = sorted({rt.lead.kind for rt in self.roots if rt.lead.kind != "local"})
+            leases = " and ".join(f"the {kind} lease" for kind in kinds)
+            log.warning("%s could not be handed back in time: it expires by itself", leases or "the lease")
             _flush_logs()
             os._exit(0)
         if self.journal is not None:

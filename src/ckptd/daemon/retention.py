@@ -19,6 +19,7 @@ from ckptd.planner import DiskSpace, decide, disk_space
 from ckptd.policy import Decision
 from ckptd.removal.outcome import DRY_RUN_NOTE, Outcome, Result
 from ckptd.removal.purge import waiting_in_trash
+from ckptd.removal.recheck import FENCED
 
 if TYPE_CHECKING:
     from ckptd.daemon.core import Daemon
@@ -96,12 +97,22 @@ class Retention:
         # Fencing: each rename asks whether this ckptd still leads, under the epoch held now.
         rt.reaper.fence = None if self.d.dry_run else self._fence(rt)
         rt.reaper.interrupted = self.d.interrupted
+        fenced = False
         for result in rt.reaper.execute(mine, consolidate=False):
             if result.outcome is Outcome.DEFERRED:
                 waiting.append((rt, result))
                 continue
             if self._carried_out(rt, result, done):
                 trashed = True
+            fenced = fenced or (result.outcome is Outcome.REFUSED and result.detail.startswith(FENCED))
+        if fenced:
+            # Refused by the fence: a read of etcd that timed out, a renewal late on a loaded host.
+            # Nothing on the volume changes for that, so no event would bring the pass back before
+            # the next reconcile (minutes): it is tried again after the lead's next renewal. A
+            # ckptd that lost the lead meanwhile stands by at that pass instead.
+            wait = max(RETENTION_MIN_INTERVAL, float(getattr(rt.lead, "interval", RETENTION_MIN_INTERVAL)))
+            self.due = min(self.due if self.due is not None else float("inf"), self.ran + wait)
+            log.debug("%s: a rename refused by the fence; retention again in %.1fs", rt.root.path, wait)
         if rt.reaper.stopped is not None:
             why, before, left = rt.reaper.stopped
             log.warning("%s: retention pass stopped before %s (%d deletion(s) or slim(s) not done): %s; "

@@ -16,8 +16,9 @@ from ckptd.lease import (
     coherence_note,
     volume_leader_seen,
 )
-from ckptd.etcdlease import EtcdLeadership, etcd_leadership
+from ckptd.etcdlease import EtcdLeadership, etcd_leadership, prefix_mismatch
 from ckptd.kubelease import KubeLeadership, kube_leadership
+from ckptd.leaserecord import engine_leader_seen
 from ckptd.locks import LockHeld, RootLock
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
 from ckptd.removal.reaper import Reaper
@@ -116,11 +117,14 @@ class RootKeeper:
         elif kind == "volume" and (note := coherence_note(root.path, mounts, root.coherent)) is not None:
             log.warning("%s: %s", root.path, note)
         if kind == "local":
-            if (mixed := volume_leader_seen(root.path)) is not None:
+            mixed = volume_leader_seen(root.path) or engine_leader_seen(root.path, d.lease_margin)
+            if mixed is not None:
                 log.warning("%s: %s", root.path, mixed)
-            return LocalLeadership(RootLock(d.state_dir, root.path), why)
+            return LocalLeadership(RootLock(d.state_dir, root.path), why, d.lease_margin)
         lease: VolumeLease | EtcdLeadership | KubeLeadership
         if kind == "etcd":
+            if (other := prefix_mismatch(root.path, d.etcd.prefix)) is not None:
+                log.warning("%s: %s", root.path, other)
             lease = etcd_leadership(root.path, d, why)
         elif kind == "kubernetes":
             lease = kube_leadership(root.path, d, why)
@@ -177,7 +181,8 @@ class RootKeeper:
             rt.leader = False
             log.warning("%s: standby from now on: this ckptd lost the lead and deletes nothing", rt.root.path)
         elif not held and not rt.said_standby:
-            why = rt.lead.blocked or rt.lead.status().get("error") or "waiting for the volume lease"
+            lease = "the etcd lease" if rt.lead.kind == "etcd" else "the volume lease"
+            why = rt.lead.blocked or rt.lead.status().get("error") or f"waiting for {lease}"
             log.warning("%s: standby, observing only: %s", rt.root.path, why)
             rt.said_standby = True
 

@@ -30,6 +30,8 @@ from ckptd.policy import Decision
 from ckptd.removal.outcome import Anchors
 
 
+FENCED = "not the leader: "  # how a refusal by the fence begins (`Rechecks._fenced`)
+
 class Rechecks:
     """Part of `Reaper` (removal/reaper.py): why a decision must not be carried out now."""
 
@@ -49,7 +51,7 @@ class Rechecks:
             why = self.fence()
         except Exception as exc:  # a fence that cannot answer is a no
             why = f"cannot tell whether this ckptd still leads: {exc!r}"
-        return None if why is None else f"not the leader: {why}"
+        return None if why is None else f"{FENCED}{why}"
 
     def recheck(self, decision: Decision, anchors: Anchors) -> str | None:
         """Why `decision` must not be carried out now, or None if it may.
