@@ -35,6 +35,7 @@ from bench import (
     stalled,
     standby,
     storm,
+    watchscale,
 )
 from bench.context import Context
 from bench.measure import REPO, env, hide_torch
@@ -57,9 +58,13 @@ BENCHMARKS: dict[str, Benchmark] = {
     "attest": attest.run,  # two real 2-rank DeepSpeed jobs: 1-3 min on 2 shared cores
     "standby": standby.run,
 }
-OPT_IN: dict[str, Benchmark] = {"consolidation": consolidation.bench}  # `--consolidation`; minutes, ~8 GiB
+OPT_IN: dict[str, Benchmark] = {
+    "consolidation": consolidation.bench,  # `--consolidation`; minutes, ~8 GiB
+    "watchscale": watchscale.run,  # `--only watchscale --sizes L,XL`: the watcher on whole volumes, ~20 min
+}
 ALL: dict[str, Benchmark] = {**BENCHMARKS, **OPT_IN}
-ORDER = [*(n for n in ALL if n not in ("attest", "standby")), "attest", "standby"]  # in the sections' numbers
+LAST = ("attest", "standby", "watchscale")
+ORDER = [*(n for n in ALL if n not in LAST), *LAST]  # in the sections' numbers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sizes",
         default=None,
-        help="volumes to measure on, of S (~2k files), M (~75k), L (~500k); default S,M",
+        help="volumes to measure on, of S (~2k files), M (~75k), L (~500k), XL (~1M, watchscale only); "
+        "default S,M",
     )
     p.add_argument("--large", action="store_true", help="add the L volume (~500k files; a few more minutes)")
     p.add_argument(
@@ -130,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The tree is named now, before anything is measured: a commit made during a run of half an
     # hour would otherwise be named as the one measured.
     machine_info = report.machine(workdir, REPO, ctx.torch_version, args.out)
-    names = args.only or [n for n in ORDER if n in BENCHMARKS or args.consolidation]
+    opted = ["consolidation"] if args.consolidation else []
+    names = args.only or [n for n in ORDER if n in BENCHMARKS or n in opted]
     rows: list[Row] = []
     sections: list[Section] = []
     print(f"ckptd benchmarks in {workdir}: sizes {', '.join(s.name for s in ctx.sizes)}", file=sys.stderr)

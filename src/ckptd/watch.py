@@ -26,7 +26,9 @@ What watchdog cannot do stays ckptd's:
   sends an `EventsLostEvent`, which becomes `on_overflow`, the daemon's rescan of what is in flight;
 - a watch the kernel refuses (the watch or the instance limit, ENOSPC/EMFILE from
   inotify_add_watch/inotify_init) is logged once and its root is left to polling; it is tried again
-  at most every RETRY_AFTER seconds (a recursive watch walks its tree).
+  after RETRY_AFTER seconds, twice as long after each refusal up to RETRY_MAX (each try walks the
+  tree until the kernel refuses: 0.4-0.55 s of CPU on a volume of 12,872 directories, 0.9 % of a
+  core at one try a minute).
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ log = logging.getLogger(__name__)
 # Scheduled watches (normally one per root). Each costs watchdog an emitter thread; beyond this many
 # the rest is polled.
 MAX_WATCHES = 64
-# A watch the kernel refused is asked for again no sooner than this (seconds, monotonic).
+# A watch the kernel refused is asked for again no sooner than this (seconds, monotonic), doubled at
+# each refusal in a row up to RETRY_MAX: a limit that refused it rarely changes by itself.
 RETRY_AFTER = 60.0
+RETRY_MAX = 1800.0
 
 # What ckptd is told of; EventsLostEvent passes the filter too (it is how an overflow arrives).
 EVENTS: list[type[FileSystemEvent]] = [
@@ -135,6 +139,7 @@ class Watcher:
         self._lock = threading.Lock()
         self._watches: dict[Key, ObservedWatch] = {}
         self._refused: dict[Key, float] = {}  # a refused watch -> when it may be asked for again
+        self._refusals: dict[Key, int] = {}  # a refused watch -> refusals in a row
         self.failed: set[str] = set()
         self.capped = False
 
@@ -223,13 +228,15 @@ class Watcher:
             os.set_inheritable(fd, False)
         _name_threads(observer, watch)
         self._refused.pop(key, None)
+        self._refusals.pop(key, None)
         self.failed.discard(path)
 
     def _refused_watch(self, key: Key, exc: OSError, now: float) -> None:
         path = key[0]
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
             return  # gone already; the next poll notices
-        self._refused[key] = now + RETRY_AFTER
+        self._refusals[key] = refusals = self._refusals.get(key, 0) + 1
+        self._refused[key] = now + retry_wait(refusals)
         if path in self.failed:
             return
         self.failed.add(path)
@@ -244,6 +251,11 @@ class Watcher:
             )
         else:
             log.warning("cannot watch %s (%s); polling it instead", path, exc.strerror or exc)
+
+
+def retry_wait(refusals: int) -> float:
+    """Seconds before a watch refused `refusals` times in a row is asked for again."""
+    return min(RETRY_AFTER * 2 ** min(refusals - 1, 32), RETRY_MAX)
 
 
 def _name_threads(observer: BaseObserver, watch: ObservedWatch) -> None:

@@ -131,6 +131,27 @@ def test_reload_applies_a_valid_config_and_keeps_the_old_on_an_invalid_one(tmp_p
     assert listing(root / "job") == ["checkpoint-5"]
 
 
+def test_a_reload_leaves_no_thread_behind(tmp_path):
+    """The config is read again on the filesystem thread: a SIGHUP starts no thread that stays (asyncio's
+    default executor would, for the daemon's life). Counted once a save's events went through every one
+    of watchdog's threads, and again after two reloads."""
+    root = tmp_path / "vol"
+    hf_deepspeed_checkpoint(root / "job", 1, world=2)
+    extra = "quiet_period = '0.2s'\nallow_short_quiet_period = true\nworld_size = 2"
+    cfg = write_config(tmp_path / "c.toml", root, tmp_path / "state", root_extra=extra,
+                       retention="keep_last = 5\nkeep_best = 0")
+    with DaemonProc("-c", cfg) as daemon:
+        daemon.wait_message("ready")
+        hf_deepspeed_checkpoint(root / "job", 2, world=2)
+        complete = {"checkpoint": "checkpoint-2", "state": "complete"}
+        daemon.wait_for(lambda line: complete.items() <= line.items())  # through every watchdog thread
+        threads = len(os.listdir(f"/proc/{daemon.proc.pid}/task"))
+        for count in (1, 2):
+            daemon.signal(signal.SIGHUP)
+            daemon.wait_message("reloaded", count=count)
+        assert len(os.listdir(f"/proc/{daemon.proc.pid}/task")) == threads
+
+
 def test_sigterm_during_a_purge_then_restart_finishes_it(tmp_path):
     root = tmp_path / "vol"
     hf_deepspeed_checkpoint(root / "job", 1, world=2)

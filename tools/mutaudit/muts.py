@@ -1255,6 +1255,8 @@ MUTS = [
    "        wanted = _uncovered(wanted)", "        wanted = set(wanted)")]),
  dict(id="WA6", what="a refused watch is asked for again at every step (a walk of its tree each time)", tests=[T+"daemon/test_daemon_async.py::test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_polling"], edits=[("watch.py",
    " and self._refused.get(k, 0.0) <= now]", "]")]),
+ dict(id="WA12", what="a refused watch is asked for again every RETRY_AFTER however often it was refused (a walk of its tree a minute)", tests=[T+"daemon/test_daemon_async.py::test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_polling"], edits=[("watch.py",
+   "now + retry_wait(refusals)", "now + RETRY_AFTER")]),
  dict(id="WA10", what="stop leaves the observer's threads running", tests=[T+"daemon/test_daemon_async.py::test_the_thread_leak_fixture_fails_a_test_that_leaves_an_observer_running", T+"daemon/test_daemon_async.py::test_stopping_closes_the_descriptor_and_joins_the_threads"], edits=[("watch.py",
    "        observer.stop()  # unschedules", "        pass  # unschedules")]),
  dict(id="WA11", what="an exhausted instance limit (EMFILE) is not told as one", tests=[T+"daemon/test_daemon_async.py::test_an_exhausted_instance_limit_is_logged_and_leaves_the_root_to_polling"], edits=[("watch.py",

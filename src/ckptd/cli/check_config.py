@@ -105,7 +105,8 @@ def volume_notes(config: Config) -> list[str]:
         mount = mount_of(root.path, mounts)
         locks = lock_scope(mount)
         if kind == "etcd":
-            out.append(f"{where}: leadership=etcd ({why}); lease TTL {max(2, math.ceil(d.lease_duration))}s at "
+            ttl = max(2, math.ceil(d.lease_duration))
+            out.append(f"{where}: leadership=etcd ({why}); lease TTL {ttl}s at "
                        f"{', '.join(d.etcd.endpoints)}, key prefix {d.etcd.prefix}; its token fenced in "
                        f"{root.path / layouts.LEASE_DIR}")
             if (other := prefix_mismatch(root.path, d.etcd.prefix)) is not None:

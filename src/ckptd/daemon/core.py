@@ -287,9 +287,9 @@ class Daemon:
         try:
             if self.config_path is None:
                 raise ConfigError(["no config file to reload (started without one)"])
-            new = await self._loop.run_in_executor(
-                None, _reloaded_config, self.config_path, dict(os.environ), self.cli_roots
-            )
+            # On the filesystem thread, idle between ticks: asyncio's default executor would start a
+            # thread at the first SIGHUP that stays for the daemon's life.
+            new = await self._on_fs(_reloaded_config, self.config_path, dict(os.environ), self.cli_roots)
         except ConfigError as exc:
             for line in exc.problems:
                 log.error("reload failed, keeping the old config: %s", line)

@@ -8,6 +8,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from ckptd.config import Config, format_size
+from ckptd.etcdlease import EtcdLeadership, etcd_leadership, prefix_mismatch
+from ckptd.kubelease import KubeLeadership, kube_leadership
 from ckptd.lease import (
     Leadership,
     LocalLeadership,
@@ -16,8 +18,6 @@ from ckptd.lease import (
     coherence_note,
     volume_leader_seen,
 )
-from ckptd.etcdlease import EtcdLeadership, etcd_leadership, prefix_mismatch
-from ckptd.kubelease import KubeLeadership, kube_leadership
 from ckptd.leaserecord import engine_leader_seen
 from ckptd.locks import LockHeld, RootLock
 from ckptd.mounts import AttributeCache, Mount, quiet_for, read_mounts
