@@ -25,7 +25,7 @@ RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin
 ENV CKPTD_STATE_DIR=/var/lib/ckptd
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY src ./src
+COPY ckptd ./ckptd
 # Healthy while the daemon's heartbeat is fresh; the first scan of a big volume takes a while.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=2m --retries=3 CMD ["ckptd", "health"]
 # Exec form: ckptd is PID 1 and gets `docker stop`'s SIGTERM itself (it stops within 10 s).

@@ -87,7 +87,7 @@ def main() -> int:
         side, ckpt, endpoint, bucket = args.child
         print(json.dumps(_child(side, Path(ckpt), endpoint, bucket)))
         return 0
-    env = {**os.environ, **CREDS, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    env = {**os.environ, **CREDS, "PYTHONPATH": os.pathsep.join([str(REPO)])}
     with tempfile.TemporaryDirectory(prefix="ckptd-bench-archive-") as tmp:
         ckpt = _volume(Path(tmp))
         total = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())

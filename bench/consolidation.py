@@ -12,7 +12,7 @@ Each consolidation runs as a child process; its peak RSS is the kernel's high-wa
   `safetensors.torch.save_file`, read back and compared, hashed;
 - DeepSpeed's own `convert_zero_checkpoint_to_fp32_state_dict(safe_serialization=True)`, what a user
   would run (`zero_to_fp32.py`): lazy mode and 5GB shards (no read-back);
-- ckptd: `python -m ckptd.consolidate` (lazy; ZeRO-2's merge unmaterialised; shards streamed one
+- ckptd: `python -m ckptd.removal.zero_to_fp32` (lazy; ZeRO-2's merge unmaterialised; shards streamed one
   tensor at a time, each read back through safetensors and compared), dropping the shards' mappings
   every 128 MiB (its default) and every 1 GiB: the memory above the floor follows that, not the model.
 `--shape wide` puts nearly all the weights in one tensor of 1 GiB: what the largest tensor costs.
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SRC = REPO / "src"
+SRC = REPO
 
 # (hidden, layers): Linear(16, h), `layers` × Linear(h, h), Linear(h, 8)
 SHAPES = {
@@ -143,7 +143,7 @@ def run(save_dir: Path, tag: str, reps: int, work: Path) -> list[dict]:
     def ckptd(*options: str):
         def cmd(out: Path) -> list[str]:
             out.mkdir()
-            return [py, "-m", "ckptd.consolidate", str(save_dir), tag, str(model_states), str(out),
+            return [py, "-m", "ckptd.removal.zero_to_fp32", str(save_dir), tag, str(model_states), str(out),
                     "--source-fingerprint", "bench", *options]  # fmt: skip
 
         return cmd
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     save_dir = args.checkpoint or generate(args.cache, SHAPES["quick" if args.quick else args.shape])
     tag = sorted(d.name for d in save_dir.glob("global_step*"))[-1]
     sys.path.insert(0, str(SRC))
-    from ckptd import dsmeta
+    from ckptd.frameworks import dsmeta
 
     shapes = dsmeta.expected_tensors(save_dir / tag / "mp_rank_00_model_states.pt")
     sizes = [4 * __import__("math").prod(s) for s in shapes.values()]

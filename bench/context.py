@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bench import volume
 from bench.volume import Shape, Volume
-from ckptd import verdicts
+from ckptd.judge import verdicts
 
 
 @dataclass

@@ -27,13 +27,13 @@ from bench.context import Context
 from bench.measure import check, fmt_bytes, fmt_ratio, fmt_time, median, run_child, settle, spread
 from bench.report import Row, Section
 from bench.volume import HOUR, write_checkpoint
-from ckptd import rules
 from ckptd.config import Retention, Root
-from ckptd.evidence import walk
+from ckptd.decide import rules
+from ckptd.decide.planner import Scanner, decide
+from ckptd.discover.layouts import TRASH_DIR
 from ckptd.journal import Journal
-from ckptd.layouts import TRASH_DIR
+from ckptd.judge.evidence import walk
 from ckptd.model import Action
-from ckptd.planner import Scanner, decide
 from ckptd.removal import trash as trash_module
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.daemon import DaemonProc
 from bench.etcdcluster import Cluster
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 
 _STARTED = re.compile(r'^grpc_server_started_total\{grpc_method="([^"]+)".*\}\s+([0-9.e+]+)$')
 

@@ -1,4 +1,4 @@
-"""`python -m bench.hints`: the inotify layer alone (`ckptd.watch.Watcher`), without the daemon.
+"""`python -m bench.hints`: the inotify layer alone (`ckptd.daemon.watch.Watcher`), without the daemon.
 
 A `Watcher` on an event loop watches the root holding RUNS in-flight checkpoint directories (one
 recursive watch, as the daemon schedules a root); a child
@@ -46,7 +46,7 @@ def _cpu() -> float:
 
 
 async def _once(root: Path, runs: int, files: int) -> dict[str, float]:
-    from ckptd.watch import Watcher
+    from ckptd.daemon.watch import Watcher
 
     loop = asyncio.get_running_loop()
     last: dict[str, float] = {}
@@ -107,14 +107,14 @@ def main() -> int:
     if args.write:
         _write(Path(args.write[0]), int(args.write[1]), int(args.write[2]))
         return 0
-    import ckptd.watch
+    import ckptd.daemon.watch
 
     results = []
     for _ in range(args.reps):
         with tempfile.TemporaryDirectory(prefix="ckptd-hints-") as d:
             results.append(asyncio.run(_once(Path(d), RUNS, FILES)))
     med = {k: statistics.median(r[k] for r in results) for k in results[0]}
-    print(json.dumps({"watch": os.path.abspath(ckptd.watch.__file__), "median": med, "reps": results}))
+    print(json.dumps({"watch": os.path.abspath(ckptd.daemon.watch.__file__), "median": med, "reps": results}))
     return 0
 
 

@@ -30,7 +30,7 @@ from bench.daemon import DaemonProc, is_complete, is_settled, write_config
 from bench.measure import fmt_time, median, percentile
 from bench.report import Row, Section
 from bench.volume import HOUR, STEP, write_checkpoint
-from ckptd.tracker import HINT_DEBOUNCE
+from ckptd.daemon.tracker import HINT_DEBOUNCE
 
 NAME = "3. detection latency"
 SLACK_S = 0.100  # the target: p99 overhead ≤ 100 ms (inotify), ≤ poll_interval + 100 ms (polling)

@@ -24,7 +24,7 @@ NOTORCH = REPO / "bench" / "notorch"
 
 def env(*, torch: bool) -> dict[str, str]:
     """The environment for a child: this checkout's ckptd and bench first; torch hidden unless asked."""
-    paths = [str(REPO / "src"), str(REPO)]
+    paths = [str(REPO)]
     if not torch:
         paths.insert(0, str(NOTORCH))
     extra = os.environ.get("PYTHONPATH")

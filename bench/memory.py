@@ -21,7 +21,7 @@ from bench.context import Context
 from bench.daemon import start_until_complete, write_config
 from bench.measure import check, env, run_child
 from bench.report import Row, Section
-from ckptd.watch import MAX_WATCHES
+from ckptd.daemon.watch import MAX_WATCHES
 
 NAME = "5. memory"
 TARGET_MIB = 80  # the daemon on M

@@ -20,8 +20,8 @@ from pathlib import Path
 from bench.context import Context
 from bench.measure import fmt_time, median
 from bench.report import Row, Section
-from ckptd import planner, policy
 from ckptd.config import Retention, Root
+from ckptd.decide import planner, policy
 from ckptd.model import Action, Check, Checkpoint, Run, TrainerState, Verdict
 
 NAME = "6. planning"

@@ -58,9 +58,10 @@ def _timed(module: object, name: str, acc: dict[str, float]) -> None:
 
 def scan(config_path: Path, reps: int) -> dict:
     t0 = time.perf_counter()
-    from ckptd import evidence, planner
     from ckptd.config import load_config
-    from ckptd.policy import summarise
+    from ckptd.decide import planner
+    from ckptd.decide.policy import summarise
+    from ckptd.judge import evidence
 
     import_s = time.perf_counter() - t0
     rss_imported = proc_status_kib("VmRSS")
@@ -199,8 +200,8 @@ def start(tracker: object) -> None:
 def tracker_cycles(config_path: Path, cycles: int, in_flight: int) -> dict:
     from bench.volume import STEP, write_checkpoint
     from ckptd.config import load_config
+    from ckptd.daemon.tracker import RootTracker
     from ckptd.model import State
-    from ckptd.tracker import RootTracker
 
     root = load_config(config_path).roots[0]
     clock = [1000.0]  # a fake monotonic clock: settling is moved on by hand, never by sleeping
@@ -344,7 +345,7 @@ def idle_hours(config_path: Path, *, warmup: float, hours: float, count: bool, b
     """
     from ckptd.config import load_config
     from ckptd.daemon import Daemon
-    from ckptd.tracker import RootTracker
+    from ckptd.daemon.tracker import RootTracker
 
     if not backoff:
         RootTracker._max_span = lambda self: 1  # type: ignore[method-assign]
@@ -423,7 +424,7 @@ def one_reconcile(config_path: Path, *, deep: bool = True) -> dict:
     runs once plain between two markers (`mark`: for `strace` to count the system calls), once
     timed, once through the counting wrappers."""
     from ckptd.config import load_config
-    from ckptd.tracker import RootTracker
+    from ckptd.daemon.tracker import RootTracker
 
     root = load_config(config_path).roots[0]
     clock = [1000.0]

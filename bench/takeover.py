@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.daemon import DaemonProc
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 
 
 def config(path: Path, root: Path, state_dir: Path, backend: str, duration: float, margin: float,

@@ -15,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckptd import layouts
-from ckptd.demo import age, hf_deepspeed_checkpoint
-from ckptd.evidence import Inspector, RunContext
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint
+from ckptd.discover import layouts
+from ckptd.judge.evidence import Inspector, RunContext
 
 ENTRIES = 40_000
 REPS = 7

@@ -41,7 +41,7 @@ def main() -> int:
     mods = [m for m in sys.modules if m.startswith("watchdog")]
     rss["ckptd_daemon_imported"] = _rss_kib()
     out["watchdog_modules"] = len(mods)
-    from ckptd.watch import Watcher
+    from ckptd.daemon.watch import Watcher
 
     hints: list[str] = []
     # First without tracemalloc (its own records cost memory): the RSS the schedule adds.

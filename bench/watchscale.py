@@ -41,7 +41,7 @@ from bench.measure import NOTORCH, REPO, env, fmt_time, median, percentile
 from bench.report import Row, Section
 from bench.volume import HOUR, STEP, Shape, write_checkpoint
 from bench.watchprobe import sample
-from ckptd.watch import RETRY_AFTER
+from ckptd.daemon.watch import RETRY_AFTER
 
 NAME = "15. watcher at scale"
 WORLD = 16

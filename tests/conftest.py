@@ -23,14 +23,12 @@ from tests.support.fwfixtures import (  # noqa: F401  (session fixtures: real fr
 )
 
 # Test the tree these tests sit in, not whichever copy of ckptd is installed: pyproject.toml's
-# pytest `pythonpath` puts this checkout's src/ (and its root, for tests.support) first on sys.path;
-# the variable carries src/ to every `python -m ckptd` the tests start. The root is not needed there:
-# a `python -m` child has its working directory, the checkout's root (pytest's rootdir, chdir'd to
-# here), as sys.path[0] already, which is how a `python -m tests.support.*` child finds the package
-# (the helpers that start one elsewhere give it the root explicitly: tests.support.child_pythonpath).
+# pytest `pythonpath` puts this checkout's root (its ckptd/ and tests.support) first on sys.path;
+# the variable carries it to every `python -m ckptd` the tests start, wherever their working
+# directory is (the helpers that start one elsewhere give it explicitly: tests.support.child_pythonpath).
 # The root on it changed no import; test_two_daemons_on_one_root_only_one_deletes_and_the_other_takes_over's
 # failures then were a takeover race in ckptd (docs/design/hazards.md), fixed in removal/purge.py.
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 os.chdir(REPO)
 # A deleted checkpoint waits daemon.trash_grace (15 minutes) in the trash before its purge: every
 # test ckptd (in this process, and each `ckptd` it starts) purges at once, as before the grace
@@ -58,7 +56,7 @@ HEAVY = ("deepspeed", "frameworks", "mounts", "slow", "network")
 # The fast tier (`pytest -m fast`): the files whose tests run in this process (pure planning, the
 # tracker, the reaper and the lease on real directories, the daemon's async parts) or start the CLI
 # a few times at most, less any test of theirs with a heavy marker. Together they reach every module
-# of src/ckptd (docs/development.md has the time and the coverage). The tests that run daemons,
+# of ckptd/ (docs/development.md has the time and the coverage). The tests that run daemons,
 # many CLI calls, framework jobs or mounts are in the default run only.
 FAST_FILES = {
     "test_attest.py", "test_config.py", "test_daemon_async.py", "test_envconfig.py", "test_evidence.py",

@@ -5,7 +5,7 @@
     python -m tools.testcount --no-collect   # the assertion count only (no pytest run)
 
 Collected ids come from `pytest --collect-only -q` run in a subprocess against this checkout
-(src/ first on PYTHONPATH). Assertions are counted from the AST of every .py file under tests/:
+(the checkout first on PYTHONPATH). Assertions are counted from the AST of every .py file under tests/:
 each `assert` statement and each `pytest.raises(...)` / `raises(...)` call, split into the test
 files (test_*.py) and everything else (conftest, tests/support/). A move of tests between files keeps
 both totals; a lost test or assertion lowers one of them.
@@ -50,7 +50,7 @@ def count_assertions(root: Path = TESTS) -> dict[str, int]:
 
 
 def collected(*extra: str, ids_out: Path | None = None) -> int:
-    path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *extra]
     env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ckptd.archive.upload import PAUSE_FIFO_ENV
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.journal import read_journal
 from tests.support.s3server import s3, s3_server  # noqa: F401  (fixtures)
 

@@ -13,11 +13,11 @@ import pytest
 from ckptd.archive import s3 as s3mod
 from ckptd.archive import upload as uploadmod
 from ckptd.archive.manifest import file_crc32c, manifest_key, snapshot
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.config import Retention, Root
 from ckptd.config.archive import Archive
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.decide.planner import Scanner, decide
 from ckptd.journal import Journal, read_journal
-from ckptd.planner import Scanner, decide
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper
 from tests.support.s3server import s3, s3_server  # noqa: F401  (fixtures)

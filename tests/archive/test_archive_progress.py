@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from ckptd.archive.upload import PROGRESS_EVERY
-from ckptd.progress import Ticker
+from ckptd.cli.progress import Ticker
 from tests.archive.test_archive_cli import setup
 from tests.archive.test_archive_gate import make
 from tests.support.s3server import s3, s3_server  # noqa: F401  (fixtures)
@@ -37,7 +37,7 @@ def test_the_ticker_says_how_far_a_step_is_without_restarting_its_time():
 
 
 def test_a_long_upload_is_logged_every_minute_and_told_each_part(volume, tmp_path, s3, caplog):  # noqa: F811
-    from ckptd.demo import hf_deepspeed_checkpoint
+    from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
     from tests.support.volumes import OLD
 
     for i, step in enumerate((50, 60)):

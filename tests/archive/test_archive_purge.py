@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
+from ckptd.discover.layouts import TRASH_DIR
 from ckptd.journal import read_journal
-from ckptd.layouts import TRASH_DIR
 from tests.archive.test_archive_cli import ckptd, setup
 from tests.support.fwfixtures import copy_volume, fw_torch_volumes, lightning_volume  # noqa: F401  (fixtures)
 from tests.support.s3server import s3, s3_server  # noqa: F401  (fixtures)

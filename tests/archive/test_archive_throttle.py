@@ -62,7 +62,7 @@ def test_max_bandwidth_is_a_rate():
 
 def test_the_archiver_sends_no_faster_than_max_bandwidth(volume, tmp_path, s3):  # noqa: F811
     """Real uploads to moto, the bucket's clock the test's: bytes sent over the clock's time."""
-    from ckptd.demo import hf_deepspeed_checkpoint
+    from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
     from tests.support.volumes import OLD
 
     for i, step in enumerate((50, 60)):  # shards bigger than a part: multipart sends too

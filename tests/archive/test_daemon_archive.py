@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.request
 
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from tests.support.daemonproc import DaemonProc, write_config
 from tests.support.s3server import s3, s3_server  # noqa: F401  (fixtures)
 

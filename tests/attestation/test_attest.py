@@ -1,5 +1,5 @@
 """Commit records: the writer (ckptd.attest) on a real tmp filesystem, and the judge
-(ckptd.attestation) with `now` passed in. The engine's use of them on real framework saves is in
+(ckptd.judge.attestation) with `now` passed in. The engine's use of them on real framework saves is in
 test_attest_frameworks.py."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import attest, attestation
-from ckptd.evidence import walk
+from ckptd import attest
+from ckptd.judge import attestation
+from ckptd.judge.evidence import walk
 from ckptd.model import (
     ATTESTED,
     COMMIT_RECORDS,
@@ -313,8 +314,8 @@ def test_a_saved_look_is_not_restored_for_a_checkpoint_with_records(tmp_path):
     """Planning may restore a checkpoint as a look saved it while its directories are unchanged; a
     lease's heartbeat changes no directory, and its verdict hangs on the clock: looked at again."""
     from ckptd.config import Root
-    from ckptd.planner import Scanner
-    from ckptd.verdicts import Verdicts
+    from ckptd.decide.planner import Scanner
+    from ckptd.judge.verdicts import Verdicts
 
     root = tmp_path / "vol"
     ck = root / "run" / "checkpoint-5"
@@ -339,8 +340,8 @@ def test_a_saved_look_is_not_restored_when_only_time_passed(tmp_path, monkeypatc
     from types import SimpleNamespace
 
     from ckptd.config import Root
-    from ckptd.planner import Scanner
-    from ckptd.verdicts import Verdicts
+    from ckptd.decide.planner import Scanner
+    from ckptd.judge.verdicts import Verdicts
 
     root = tmp_path / "vol"
     ck = root / "run" / "checkpoint-5"
@@ -451,7 +452,7 @@ def test_the_writer_and_the_integrations_import_no_framework_and_no_ckptd_depend
         "heavy = ('pydantic', 'transformers', 'torch', 'accelerate', 'deepspeed', 'lightning', 'watchdog')\n"
         "print([m for m in heavy if m in sys.modules])"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

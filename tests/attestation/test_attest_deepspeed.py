@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import attestation
 from ckptd.config import Root
+from ckptd.decide.planner import Scanner
+from ckptd.judge import attestation
 from ckptd.model import ATTESTED, State
-from ckptd.planner import Scanner
 from tests.support import dsgen
 from tests.support.common import REPO, run_ckptd
 from tests.support.daemonproc import DaemonProc, write_config
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.deepspeed
 def test_each_rank_records_its_deepspeed_save(tmp_path):
     pytest.importorskip("deepspeed")
     out = tmp_path / "run"
-    env = {"DSGEN_ATTEST": "1", "PYTHONPATH": os.pathsep.join([str(REPO / "src"),
+    env = {"DSGEN_ATTEST": "1", "PYTHONPATH": os.pathsep.join([str(REPO),
                                                                  os.environ.get("PYTHONPATH", "")])}
     dsgen.generate(out, world_size=2, stage=2, layout="bare", steps=(10, 20), env=env)
     tag = out / "global_step20"

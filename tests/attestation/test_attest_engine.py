@@ -14,9 +14,9 @@ import pytest
 
 from ckptd import attest
 from ckptd.config import Retention, Root
+from ckptd.decide.planner import Scanner
+from ckptd.decide.policy import decide_run
 from ckptd.model import ATTESTED, COMMIT_RECORDS, QUIET, State, Verdict
-from ckptd.planner import Scanner
-from ckptd.policy import decide_run
 from tests.support import fwgen
 
 pytestmark = pytest.mark.frameworks

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import attestation
+from ckptd.cli.demo_volume import age
 from ckptd.config import Root
-from ckptd.demo import age
+from ckptd.decide.planner import Scanner
+from ckptd.judge import attestation
 from ckptd.model import ATTESTED, COMMIT_RECORDS, SAVE_LEASE, State
-from ckptd.planner import Scanner
 from tests.support import child_pythonpath, fwgen
 from tests.support.common import run_ckptd
 

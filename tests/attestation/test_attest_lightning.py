@@ -39,7 +39,7 @@ FIT = LIGHTNING_TINY + textwrap.dedent('''
 def test_a_lightning_fit_with_the_callback_saves_as_modelcheckpoint_does(tmp_path):
     pytest.importorskip("lightning")
     out = tmp_path / "ckpts"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-c", FIT, str(out)], capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -56,7 +56,7 @@ def test_a_two_process_ddp_fit_with_the_callback_saves_one_file_without_records(
                       .replace("logger=False,", "logger=False, num_sanity_val_steps=0,"))
     assert 'strategy="ddp"' in script.read_text()
     out = tmp_path / "ckpts"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONWARNINGS": "ignore",
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore",
            "PL_TORCH_DISTRIBUTED_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=300,
                           env=env, cwd=tmp_path)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint, write_zip
+from ckptd.discover.layouts import TRASH_DIR
 from ckptd.errors import EX_NOINPUT, EX_USAGE
+from ckptd.fleet.locks import RootLock
 from ckptd.journal import read_journal
-from ckptd.layouts import TRASH_DIR
-from ckptd.locks import RootLock
 from ckptd.removal.outcome import DRY_RUN_NOTE
 from tests.support.common import run_ckptd
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.config import format_size
-from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.errors import EX_CONFIG, EX_IOERR, EX_NOINPUT, EX_USAGE
 from ckptd.removal.outcome import DRY_RUN_NOTE
 from tests.support.common import REPO, run_ckptd
@@ -291,8 +291,8 @@ def test_verify_warns_when_a_checkpoint_holds_another_steps_files(tmp_path, stat
 
 
 def test_step_mismatch_looks_at_trainer_checkpoints_only(tmp_path):
-    from ckptd.evidence import Inspector, RunContext, step_mismatch
-    from ckptd.layouts import recognise
+    from ckptd.discover.layouts import recognise
+    from ckptd.judge.evidence import Inspector, RunContext, step_mismatch
 
     run = tmp_path / "job"
     hf_deepspeed_checkpoint(run, 20, world=1)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from tests.support.common import run_ckptd
 from tests.support.rtkit import names
 

@@ -8,9 +8,9 @@ import os
 import time
 from pathlib import Path
 
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
+from ckptd.discover.layouts import PIN_FILE, TRASH_DIR
 from ckptd.journal import read_journal
-from ckptd.layouts import PIN_FILE, TRASH_DIR
 from tests.support.common import in_trash
 from tests.support.common import run_ckptd as _run
 

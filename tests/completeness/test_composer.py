@@ -112,7 +112,7 @@ def test_what_latest_rank0_names_is_never_deleted(composer_volume, tmp_path):
 def test_composer_names_recognised_and_not():
     """CheckpointSaver's default names are Composer's; another rank's file, the symlink and other `.pt`
     files are not (never touched)."""
-    from ckptd import layouts
+    from ckptd.discover import layouts
 
     cand = layouts.recognise("ep3-ba120-rank0.pt", False, lambda: [])
     assert (cand.layout, cand.step, cand.is_dir) == ("composer", 120, False)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import age
+from ckptd.cli.demo_volume import age
 from tests.support import fwattack, fwgen
 from tests.support.common import run_ckptd
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import age
+from ckptd.cli.demo_volume import age
 from tests.support import dsgen
 from tests.support.common import LOSSES, run_ckptd, shift_mtimes
 from tests.support.daemonproc import DaemonProc
@@ -181,7 +181,7 @@ def test_a_malicious_pickle_is_never_executed(zero2_hf, tmp_path):
     assert census(doc)[0]["detail"].endswith("(dp_world_size=2, mp_world_size=1 from mp_rank_00_model_states.pt)")
     # and torch's reader, ckptd's fallback, refuses it outright under weights_only=True
     probe = (
-        "import sys; from pathlib import Path; from ckptd.dsmeta import MetadataUnavailable, load_safely\n"
+        "import sys; from pathlib import Path; from ckptd.frameworks.dsmeta import MetadataUnavailable, load_safely\n"
         "try:\n    load_safely(Path(sys.argv[1]))\nexcept MetadataUnavailable as exc:\n    print(exc)\n"
     )
     out = subprocess.run([sys.executable, "-c", probe, str(target)], capture_output=True, text=True, timeout=120)

@@ -13,16 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import dsmeta, evidence, layouts, wholefile
+from ckptd.cli.demo_volume import age, deepspeed_files, hf_deepspeed_checkpoint, write_model_states, write_zip
 from ckptd.config import Root
-from ckptd.demo import age, deepspeed_files, hf_deepspeed_checkpoint, write_model_states, write_zip
-from ckptd.discover import find_runs
-from ckptd.evidence import Inspector, RunContext
-from ckptd.frameworks import nemo
+from ckptd.decide.planner import Scanner
+from ckptd.discover import layouts
+from ckptd.discover.runs import find_runs
+from ckptd.frameworks import dsmeta, nemo
+from ckptd.judge import evidence, wholefile
+from ckptd.judge.evidence import Inspector, RunContext
+from ckptd.judge.verdicts import RACY_NS, Verdicts
+from ckptd.judge.wholefile import safetensors_problem
 from ckptd.model import State, Verdict
-from ckptd.planner import Scanner
-from ckptd.verdicts import RACY_NS, Verdicts
-from ckptd.wholefile import safetensors_problem
 from tests.support.ddpfiles import ddp_checkpoint
 
 NOW = 1_800_000_000.0
@@ -515,7 +516,7 @@ def test_world_sizes_are_read_without_torch_and_without_running_anything(tmp_pat
     import sys
     import zipfile
 
-    from ckptd.dsmeta import read_plain_data
+    from ckptd.frameworks.dsmeta import read_plain_data
 
     class Evil:
         def __reduce__(self):
@@ -570,7 +571,7 @@ def test_a_model_states_file_still_being_written_does_not_import_torch(tmp_path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # the local header is there, the directory is not
     code = (
-        "import sys; from pathlib import Path; from ckptd.dsmeta import MetadataUnavailable, read_world_sizes\n"
+        "import sys; from pathlib import Path; from ckptd.frameworks.dsmeta import MetadataUnavailable, read_world_sizes\n"
         "try:\n    read_world_sizes(Path(sys.argv[1]))\nexcept MetadataUnavailable as exc:\n    print(exc)\n"
         "print('torch' in sys.modules)\n"
     )
@@ -587,7 +588,7 @@ def test_an_empty_or_foreign_model_states_file_does_not_import_torch(tmp_path, c
     path = tmp_path / "mp_rank_00_model_states.pt"
     path.write_bytes(content)
     code = (
-        "import sys; from pathlib import Path; from ckptd.dsmeta import MetadataUnavailable, read_world_sizes\n"
+        "import sys; from pathlib import Path; from ckptd.frameworks.dsmeta import MetadataUnavailable, read_world_sizes\n"
         "try:\n    read_world_sizes(Path(sys.argv[1]))\nexcept MetadataUnavailable as exc:\n    print('refused')\n"
         "print('torch' in sys.modules)\n"
     )

@@ -88,7 +88,7 @@ def test_keras_metrics_come_from_the_file_name(keras_volume, tmp_path):
 
 def test_a_keras_file_without_a_named_epoch_is_never_touched(tmp_path):
     """`resnet50.keras` beside `resnet101.keras` are models, not epochs 50 and 101: not recognised."""
-    from ckptd import layouts
+    from ckptd.discover import layouts
 
     for name in ("resnet50.keras", "model.03-0.52.keras", "best.keras", "vgg-16.weights.h5"):
         assert layouts.recognise(name, False, lambda: []) is None, name
@@ -203,7 +203,7 @@ def test_a_padded_template_stays_a_run_past_epoch_nine(tmp_path):
 
 def test_templates_of_keras_names_are_read_only_where_the_epoch_shows():
     """The light side of recognise_among: bare model names are no run, even two of a kind."""
-    from ckptd import layouts
+    from ckptd.discover import layouts
 
     def among(*names):
         return {c.name: c.step for c in layouts.recognise_among(names)}

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ckptd.demo import age
+from ckptd.cli.demo_volume import age
 from tests.support.common import run_ckptd
 from tests.support.rtkit import config, dcp_save, no_deepspeed, prune
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import age
+from ckptd.cli.demo_volume import age
 from tests.support import child_pythonpath, fwgen
 from tests.support.common import run_ckptd
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ckptd.demo import age
+from ckptd.cli.demo_volume import age
 from tests.support.common import run_ckptd
 from tests.support.fwfixtures import copy_volume
 

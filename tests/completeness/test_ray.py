@@ -164,7 +164,7 @@ def test_a_snapshot_being_rewritten_deletes_nothing(ray_volume, tmp_path):
 
 
 def test_ray_names_recognised_and_not():
-    from ckptd import layouts
+    from ckptd.discover import layouts
 
     cand = layouts.recognise("checkpoint_2026-12-07_17-45-32.517380", True, lambda: ["model.pt"])
     assert (cand.layout, cand.unit) == ("ray", "save time")

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from ckptd.demo import age, hf_deepspeed_checkpoint
-from ckptd.verdicts import RACY_NS
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint
+from ckptd.judge.verdicts import RACY_NS
 from tests.support import dsgen
 from tests.support.common import run_ckptd
 from tests.support.rtkit import actions, config, no_deepspeed, prune, rename_best, trainer_run

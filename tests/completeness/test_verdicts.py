@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import dsmeta, evidence, wholefile
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint
 from ckptd.config import Root
-from ckptd.demo import age, hf_deepspeed_checkpoint
-from ckptd.evidence import Entry
-from ckptd.frameworks import hf
+from ckptd.decide.planner import Scanner
+from ckptd.frameworks import dsmeta, hf
+from ckptd.judge import evidence, wholefile
+from ckptd.judge.evidence import Entry
+from ckptd.judge.verdicts import FILE, RACY_NS, Verdicts, cache_path
 from ckptd.model import State
-from ckptd.planner import Scanner
-from ckptd.verdicts import FILE, RACY_NS, Verdicts, cache_path
 
 SHARD = "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
@@ -122,9 +122,9 @@ def test_an_io_error_is_not_remembered(tmp_path, monkeypatch):
 def test_an_unreadable_trainer_state_is_not_remembered(tmp_path, monkeypatch):
     hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
     s = scanner(tmp_path)
-    import ckptd.volread
+    import ckptd.volume.volread
 
-    real_open = ckptd.volread.open_file
+    real_open = ckptd.volume.volread.open_file
     failing = [True]
 
     def flaky_open(path, *args, **kwargs):  # every read from the volume goes through volread
@@ -132,7 +132,7 @@ def test_an_unreadable_trainer_state_is_not_remembered(tmp_path, monkeypatch):
             raise OSError(errno.EIO, "Input/output error")
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(ckptd.volread, "open_file", flaky_open)
+    monkeypatch.setattr(ckptd.volume.volread, "open_file", flaky_open)
     assert by_rel(s)["run/checkpoint-10"].state is State.INCOMPLETE
     failing[0] = False
     assert by_rel(s)["run/checkpoint-10"].state is State.COMPLETE
@@ -143,7 +143,7 @@ def test_an_unreadable_trainer_state_is_not_remembered(tmp_path, monkeypatch):
 
 def looked(s: Scanner, rel: str = "run/checkpoint-10"):
     """One checkpoint looked at in full (walked and inspected), as the daemon's looks are."""
-    from ckptd.discover import find_run
+    from ckptd.discover.runs import find_run
 
     run_rel, _, name = rel.rpartition("/")
     run_dir = find_run(s.root.path, run_rel, patterns=s.patterns)
@@ -230,7 +230,7 @@ def test_a_file_changed_while_no_ckptd_ran_is_read_again(tmp_path, reads):
 def test_a_saved_checkpoint_is_restored_by_stats_of_its_directories_alone(tmp_path, monkeypatch):
     """What `plan` on an unchanged volume costs with the cache: no walk, no read; and what the
     restore depends on: its directories, the config for its run, its run directory's entries."""
-    from ckptd import evidence
+    from ckptd.judge import evidence
 
     for step in (10, 20):
         hf_deepspeed_checkpoint(tmp_path / "vol" / "run", step, world=2, losses={10: 0.5, 20: 0.4})
@@ -439,7 +439,7 @@ def test_a_runs_checkpoints_share_one_log_history(tmp_path):
     """Memory: each checkpoint's trainer_state.json logs the run's history up to its step; it is kept
     once per run, each checkpoint's a view of its first steps. A run restarted with another
     history keeps its own."""
-    from ckptd.verdicts import SharedHistory
+    from ckptd.judge.verdicts import SharedHistory
 
     losses = {10: 0.5, 20: 0.4, 30: 0.3}
     for step in (30, 10, 20):  # looked at in any order
@@ -477,7 +477,7 @@ def test_world_sizes_keep_every_field_through_the_cache():
     checkpoint with a missing shard demanded none: incomplete became complete."""
     import dataclasses
 
-    from ckptd.verdicts import WORLD, _decode_verdict, _encode_verdict
+    from ckptd.judge.verdicts import WORLD, _decode_verdict, _encode_verdict
 
     ws = dsmeta.WorldSizes(dp=4, mp=1, stage=None, source="model states", shards=True, bf16=True)
     encoded = json.loads(json.dumps(_encode_verdict(WORLD, ws, {}, [])))
@@ -548,11 +548,11 @@ def test_a_cache_from_other_checks_or_layouts_is_ignored(tmp_path, monkeypatch):
     """The cache is versioned by the code its verdicts and restored checkpoints came from: the
     checks (evidence, dsmeta, slim), layouts (commit files, markers),
     mounts, config (patterns) and planner (the restore)."""
-    from ckptd import verdicts
+    from ckptd.judge import verdicts
 
     monkeypatch.setattr(verdicts, "_LOGIC", None)
     before = verdicts.logic_version()
-    for name in ("layouts", "mounts", "planner", "volread", "weights"):
+    for name in ("discover/layouts", "volume/mounts", "decide/planner", "volume/volread", "judge/weights"):
         code = tmp_path / name
         shutil.copytree(verdicts._CODE_DIR, code, ignore=shutil.ignore_patterns("__pycache__"))
         with open(code / f"{name}.py", "a") as f:
@@ -567,9 +567,9 @@ def test_a_cache_from_other_checks_or_layouts_is_ignored(tmp_path, monkeypatch):
 def test_every_framework_module_is_part_of_the_logic_version():
     """A framework's save contract decides what a look finds: a change to any module of the
     frameworks package must discard saved verdicts, as a change to evidence.py does."""
-    from ckptd import verdicts
+    from ckptd.judge import verdicts
 
-    package = Path(verdicts.__file__).parent / "frameworks"
+    package = Path(verdicts.__file__).parents[1] / "frameworks"
     modules = sorted(package.glob("*.py"))
     assert modules and set(modules) <= set(verdicts.logic_files())
     assert all(path.exists() for path in verdicts.logic_files())
@@ -581,19 +581,20 @@ def test_every_module_a_look_reads_through_is_part_of_the_logic_version():
     changes (a module the digest left out would let a cache hold verdicts the new code would not give)."""
     import ast
 
-    from ckptd import verdicts
+    from ckptd.judge import verdicts
 
-    code = Path(verdicts.__file__).parent
+    code = Path(verdicts.__file__).parents[1]
     digested = {path.resolve() for path in verdicts.logic_files()}
-    for name in ("evidence.py", "wholefile.py"):
+    for name in ("judge/evidence.py", "judge/wholefile.py"):
         tree = ast.parse((code / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ckptd"):
-                targets = [f"{node.module}.{a.name}" for a in node.names] if node.module == "ckptd" else [node.module]
+                package = code.joinpath(*node.module.split(".")[1:]).is_dir()
+                targets = [f"{node.module}.{a.name}" for a in node.names] if package else [node.module]
                 for target in targets:
                     rel = target.split(".")[1:]
                     module, package = code.joinpath(*rel).with_suffix(".py"), code.joinpath(*rel)
-                    if target == "ckptd.verdicts":
+                    if target == "ckptd.judge.verdicts":
                         continue  # the digest's own file, hashed by logic_version itself
                     if module.exists():
                         assert module.resolve() in digested, f"{name} imports {target}: not in logic_files()"

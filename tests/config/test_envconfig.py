@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.config import ConfigError, FreeSpace, parse_listen
+from ckptd.config.effective import KNOWN, effective_config
 from ckptd.daemon import Daemon
-from ckptd.demo import hf_deepspeed_checkpoint
-from ckptd.envconfig import KNOWN, effective_config
 from ckptd.errors import EX_CONFIG
 from tests.support.common import REPO, run_ckptd
 from tests.support.daemonproc import write_config

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.config import format_size
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.discover.layouts import TRASH_DIR
 from ckptd.journal import read_journal
-from ckptd.layouts import TRASH_DIR
 from tests.support.common import REPO, run_ckptd
 from tests.support.daemonproc import DaemonProc, write_config
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.config import load_config
 from ckptd.daemon import Daemon
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.daemon.watch import Watcher, choose_observer
 from ckptd.errors import RootMissingError
-from ckptd.mounts import filesystem_type
-from ckptd.watch import Watcher, choose_observer
+from ckptd.volume.mounts import filesystem_type
 from tests.support.daemonproc import write_config
 from tests.support.logwatch import logs as logs
 
@@ -143,7 +143,7 @@ async def test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_po
     limit is lowered to 0 (no new watch for this user) for the two reconciles only, and restored.
     A refused watch is asked for again after RETRY_AFTER, not at every step (it walks its tree), and
     twice as long after each refusal in a row."""
-    from ckptd.watch import RETRY_AFTER
+    from ckptd.daemon.watch import RETRY_AFTER
 
     limit = Path("/proc/sys/fs/inotify/max_user_watches")
     try:
@@ -156,7 +156,7 @@ async def test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_po
     key = (str(tmp_path), True)
     (tmp_path / "run" / "checkpoint-1").mkdir(parents=True)
     try:
-        with caplog.at_level(logging.WARNING, logger="ckptd.watch"):
+        with caplog.at_level(logging.WARNING, logger="ckptd.daemon.watch"):
             try:
                 limit.write_text("0")
                 await asyncio.to_thread(watcher.reconcile, {key}, 0.0)
@@ -181,7 +181,7 @@ async def test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_po
 async def test_a_refused_watch_waits_twice_as_long_after_each_refusal_up_to_half_an_hour(refusals, wait):
     """Each try walks the root's tree until the kernel refuses (0.4-0.55 s of CPU on L's 12,872
     directories: 0.9 % of a core at one a minute, BENCHMARKS.md); a limit rarely changes by itself."""
-    from ckptd.watch import RETRY_MAX, retry_wait
+    from ckptd.daemon.watch import RETRY_MAX, retry_wait
 
     assert RETRY_MAX == 1800.0
     assert retry_wait(refusals) == wait
@@ -191,7 +191,7 @@ async def test_a_refused_watch_waits_twice_as_long_after_each_refusal_up_to_half
 async def test_an_exhausted_instance_limit_is_logged_and_leaves_the_root_to_polling(tmp_path, caplog):
     """EMFILE from inotify_init (fs.inotify.max_user_instances reached), provoked for real: watchdog's
     observer makes its one instance at the first schedule, with the limit lowered to 0 meanwhile."""
-    from ckptd.watch import RETRY_AFTER
+    from ckptd.daemon.watch import RETRY_AFTER
 
     limit = Path("/proc/sys/fs/inotify/max_user_instances")
     try:
@@ -203,7 +203,7 @@ async def test_an_exhausted_instance_limit_is_logged_and_leaves_the_root_to_poll
     watcher.start()
     key = (str(tmp_path), True)
     try:
-        with caplog.at_level(logging.WARNING, logger="ckptd.watch"):
+        with caplog.at_level(logging.WARNING, logger="ckptd.daemon.watch"):
             try:
                 limit.write_text("0")
                 await asyncio.to_thread(watcher.reconcile, {key}, 0.0)
@@ -330,7 +330,7 @@ async def test_auto_observer_reads_the_filesystem_type(tmp_path):
 async def test_auto_watches_with_watchdog_where_there_is_no_mount_table(tmp_path, monkeypatch):
     """A developer's laptop (macOS: no /proc/self/mountinfo) is watched by watchdog's platform
     observer (FSEvents there); a Linux box whose mount table cannot be read is polled."""
-    from ckptd import watch
+    from ckptd.daemon import watch
 
     monkeypatch.setattr(watch, "filesystem_type", lambda path: (None, None))
     assert choose_observer(tmp_path, "auto") == ("polling", "filesystem type unknown")
@@ -363,7 +363,7 @@ async def test_reload_validates_first_and_keeps_the_old_config(tmp_path):
 
 async def test_a_flaky_volume_is_logged_once_backed_off_and_nothing_is_deleted(tmp_path, monkeypatch, logs):
     """ESTALE (a stale NFS handle) injected at the evidence walk, the daemon's one deep read."""
-    from ckptd import evidence
+    from ckptd.judge import evidence
 
     root = tmp_path / "vol"
     for step in (1, 2):
@@ -406,7 +406,7 @@ async def test_a_flaky_volume_is_logged_once_backed_off_and_nothing_is_deleted(t
 
 
 async def test_watches_are_capped_and_recursive_ones_come_first(tmp_path, monkeypatch):
-    from ckptd import watch
+    from ckptd.daemon import watch
 
     monkeypatch.setattr(watch, "MAX_WATCHES", 3)
     for name in ("a", "b", "c", "d"):
@@ -536,7 +536,7 @@ async def test_a_stop_does_not_wait_for_a_look_at_the_volume_that_hangs(tmp_path
 
 async def test_a_standby_decides_but_never_deletes(tmp_path, logs):
     """Another ckptd holds the root's lock (here: the test): this one observes only."""
-    from ckptd.locks import RootLock
+    from ckptd.fleet.locks import RootLock
 
     root = tmp_path / "vol"
     for step in (1, 2, 3):
@@ -596,7 +596,7 @@ async def test_a_refusal_sends_the_tracker_to_look_at_what_changed_in_place(tmp_
     is seen by the reconcile itself: its ctime is stamped.)"""
     import time
 
-    from ckptd.verdicts import RACY_NS
+    from ckptd.judge.verdicts import RACY_NS
 
     root = tmp_path / "vol"
     for step in (1, 2):
@@ -652,7 +652,7 @@ async def test_a_missing_root_does_not_stop_retention_on_the_others(tmp_path):
 async def test_a_stop_saves_what_was_proven_for_the_next_start(tmp_path, monkeypatch, logs):
     """Reconciles save every 5 min; a stop saves what was proven since, so that the next start
     restores it (the racy-clean margin is set to 0 here: the test's files are a moment old)."""
-    from ckptd import verdicts
+    from ckptd.judge import verdicts
 
     monkeypatch.setattr(verdicts, "RACY_NS", 0)
     root = tmp_path / "vol"

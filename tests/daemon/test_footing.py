@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
+from ckptd.discover.layouts import LEASE_DIR
 from ckptd.journal import JOURNAL_NAME, read_journal
-from ckptd.layouts import LEASE_DIR
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc, write_config
 from tests.support.passhold import PassHold

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.health import judge
+from ckptd.daemon.health import judge
 from tests.support.common import run_ckptd
 
 NOW = 1_800_000_000.0

@@ -74,7 +74,7 @@ def test_a_save_storm_every_checkpoint_completes(tmp_path):
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckptd.demo import hf_deepspeed_checkpoint
+    from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 
     runs, world = 24, 2
     root = tmp_path / "vol"

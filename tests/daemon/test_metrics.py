@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.errors import EX_CONFIG, EX_IOERR
 from ckptd.journal import read_journal
 from tests.support.common import run_ckptd
@@ -200,7 +200,7 @@ def test_completion_latency_is_measured_once_from_first_sighting():
     """Metrics.sample on its own, with stand-ins for the daemon's roots and a hand-driven clock."""
     from types import SimpleNamespace
 
-    from ckptd.metrics import Metrics
+    from ckptd.daemon.metrics import Metrics
     from ckptd.model import State
 
     on_disk: dict[str, State] = {"run/old": State.SETTLING}  # there before the first scan
@@ -246,8 +246,8 @@ def test_a_budget_that_cannot_be_met_is_named_by_root_and_key():
     """ckptd_budget_unmet's source: the plan's own warnings and reasons (policy._take_oldest,
     keep_total's "over keep_total"), from a real plan of checkpoints that no budget may take."""
     from ckptd.config import FreeSpace, Retention, Root
-    from ckptd.metrics import unmet_budgets
-    from ckptd.planner import DiskSpace, decide
+    from ckptd.daemon.metrics import unmet_budgets
+    from ckptd.decide.planner import DiskSpace, decide
     from tests.support.memruns import ck, run_of
 
     pinned = run_of(ck(1, pinned=True, size=100), ck(2, size=100))  # both protected: newest, pinned
@@ -268,7 +268,7 @@ def test_the_oldest_incomplete_age_survives_a_restart(tmp_path):
     restarts. Once complete, or gone, it is forgotten."""
     from types import SimpleNamespace
 
-    from ckptd.metrics import INCOMPLETE_SINCE, Metrics
+    from ckptd.daemon.metrics import INCOMPLETE_SINCE, Metrics
     from ckptd.model import State
 
     on_disk: dict[str, State] = {"run/a": State.COMPLETE, "run/b": State.WRITING}

@@ -84,7 +84,7 @@ def many_checkpoints(tmp_path: Path, n: int = 240) -> Path:
         run.mkdir(parents=True)
         for step in range(n // 4):
             (run / f"ckpt_{step}").write_text("w")
-    from ckptd.demo import age
+    from ckptd.cli.demo_volume import age
 
     age(root, time.time() - 3600)
     cfg = tmp_path / "c.toml"
@@ -149,7 +149,7 @@ def test_a_slow_step_of_prune_says_what_it_waits_for_on_a_terminal():
     hand (draw) on a hand-driven clock; the thread only calls draw once a second."""
     import io
 
-    from ckptd.progress import Ticker
+    from ckptd.cli.progress import Ticker
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.journal import read_journal
 from tests.support.daemonproc import DaemonProc, write_config
 from tests.support.passhold import PassHold

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from ckptd import __version__
-from ckptd.envconfig import KNOWN, effective_config
+from ckptd.config.effective import KNOWN, effective_config
 from tests.support.common import REPO
 from tests.support.daemonproc import DaemonProc
 

@@ -179,8 +179,8 @@ def series(expr: str) -> set[str]:
 
 
 def exported() -> set[str]:
-    """The names src/ckptd/metrics.py registers."""
-    return set(re.findall(r'"(ckptd_\w+)"', (REPO / "src" / "ckptd" / "metrics.py").read_text()))
+    """The names ckptd/daemon/metrics.py registers."""
+    return set(re.findall(r'"(ckptd_\w+)"', (REPO / "ckptd" / "daemon" / "metrics.py").read_text()))
 
 
 def documented() -> set[str]:

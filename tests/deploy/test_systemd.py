@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import age
+from ckptd.cli.demo_volume import age
 from ckptd.errors import EX_CONFIG, EX_NOINPUT, EX_USAGE
 from tests.support.common import REPO
 
@@ -159,7 +159,7 @@ def test_the_unit_holds_what_the_readme_promises(name):
     # slimming's consolidation runs in the service: a memory limit, and one OOM kill is not the unit's end
     assert re.fullmatch(r"\d+[KMGT]", service["MemoryMax"][0]) and service["OOMPolicy"] == ["continue"]
     memory = text[text.index("# --- what ckptd runs"):text.index("MemoryMax=")]
-    assert "python -m ckptd.consolidate" in memory and "docs/slimming.md" in memory
+    assert "python -m ckptd.removal.zero_to_fp32" in memory and "docs/slimming.md" in memory
     assert "execs nothing" not in text and "starts no helper" not in text
     [exec_start] = service["ExecStart"]
     config = "/etc/ckptd/%i.toml" if "@" in name else "/etc/ckptd/config.toml"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import age, hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint
 from tests.support.common import run_ckptd
 from tests.support.rtkit import actions, config, trainer_run
 
@@ -20,7 +20,7 @@ def test_located_in_sees_a_bind_mount_by_identity_and_by_the_mount_table(tmp_pat
     """The two ways `mounts.located_in` sees a bind mount: walking up to the root's identity
     (works without the mount table: /proc unreadable) and, for a bind of a directory inside the
     root, the mount table (confirmed by identity). A directory elsewhere is in neither."""
-    from ckptd.mounts import located_in, read_mounts
+    from ckptd.volume.mounts import located_in, read_mounts
 
     root = tmp_path / "vol"
     (root / "team" / "run").mkdir(parents=True)

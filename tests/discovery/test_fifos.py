@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import dsmeta, evidence, layouts, slim, volread, wholefile
-from ckptd.demo import age, hf_deepspeed_checkpoint
-from ckptd.evidence import Entry
-from ckptd.frameworks import hf, megatron, orbax, torchtitan
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint
+from ckptd.discover import layouts
+from ckptd.frameworks import dsmeta, hf, megatron, orbax, torchtitan
 from ckptd.frameworks.base import read_pointer
+from ckptd.judge import evidence, slim, wholefile
+from ckptd.judge.evidence import Entry
+from ckptd.volume import volread
 from tests.support.common import run_ckptd
 from tests.support.rtkit import bare_deepspeed_run, config_file
 
@@ -168,7 +170,7 @@ def test_a_fifo_in_a_run_neither_hangs_prune_nor_deletes_what_it_could_protect(t
 def test_a_fifo_as_the_volume_lease_record_is_read_as_a_garbled_record(tmp_path):
     """<root>/.ckptd/leader.json is on the volume too: a FIFO there is a record that does not
     parse (as a torn one), read without blocking."""
-    from ckptd.leaserecord import RECORD, RecordIO
+    from ckptd.fleet.leaserecord import RECORD, RecordIO
 
     (tmp_path / layouts.LEASE_DIR).mkdir()
     os.mkfifo(tmp_path / layouts.LEASE_DIR / RECORD)
@@ -181,8 +183,8 @@ def test_a_fifo_named_like_a_shard_is_missing_from_the_deepspeed_census(tmp_path
     """The census counts files (or links to them) only: a FIFO named as rank 1's optimizer shard
     is not that shard. Other checks may also refuse the checkpoint; this one names the shard."""
     from ckptd.config import Root
+    from ckptd.decide.planner import Scanner
     from ckptd.model import Verdict
-    from ckptd.planner import Scanner
 
     root = tmp_path / "vol"
     hf_deepspeed_checkpoint(root / "run", 5, world=2, mtime=OLD)

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import layouts
+from ckptd.cli.demo_volume import age, write_zip
 from ckptd.config import Retention, Root
-from ckptd.demo import age, write_zip
-from ckptd.discover import depth_of, find_runs
+from ckptd.decide.planner import Scanner
+from ckptd.decide.policy import decide_run, metric_warnings
+from ckptd.discover import layouts
+from ckptd.discover.runs import depth_of, find_runs
 from ckptd.frameworks import lightning
+from ckptd.judge.wholefile import tar_problem
 from ckptd.model import State
-from ckptd.planner import Scanner
-from ckptd.policy import decide_run, metric_warnings
-from ckptd.wholefile import tar_problem
 from tests.support.fwdcp_one import put_dcp
 
 NOW = 1_800_000_000.0
@@ -286,7 +286,7 @@ def test_nemos_unfinished_marker_counts_for_a_lightning_named_file_too(tmp_path)
 def test_the_daemons_polling_finds_a_new_lightning_version_below_max_depth(tmp_path):
     """A resumed fit opens lightning_logs/version_1/checkpoints: the daemon's re-listing of the
     directory that changed counts depth as discovery does (framework-made directories are free)."""
-    from ckptd.tracker import RootTracker
+    from ckptd.daemon.tracker import RootTracker
 
     logs = tmp_path / "team" / "run" / "lightning_logs"
     write_zip(logs / "version_0" / "checkpoints" / "epoch=0-step=2.ckpt")
@@ -303,7 +303,7 @@ def test_the_daemons_polling_finds_a_new_lightning_version_below_max_depth(tmp_p
 def test_the_daemons_relisting_counts_depth_as_discovery_does(tmp_path):
     """Re-listing a changed directory below framework-made ones: `lightning_logs/version_0` has used
     none of max_depth=2, so a run two levels below it is in reach, as a full scan finds it."""
-    from ckptd.tracker import RootTracker
+    from ckptd.daemon.tracker import RootTracker
 
     version = tmp_path / "lightning_logs" / "version_0"
     write_zip(version / "checkpoints" / "epoch=0-step=2.ckpt")

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import layouts
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.config import Retention, Root
-from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
+from ckptd.decide.planner import Scanner, decide
+from ckptd.discover import layouts
 from ckptd.journal import Journal
 from ckptd.model import Action
-from ckptd.planner import Scanner, decide
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper
 from tests.support.common import run_ckptd
@@ -278,8 +278,8 @@ def test_the_reaper_refuses_a_ranks_part_of_the_last_whole_step_whatever_the_pla
 def test_a_checkpoint_holding_a_run_is_neither_deleted_nor_slimmed_by_the_policy():
     """Pure: checkpoints in, actions out. keep_full_last would slim the old one; keep_last=1 would
     delete it; holding a run, it is kept as it is, protected from the budgets too."""
+    from ckptd.decide.policy import decide_run, enforce_max_size
     from ckptd.model import Check, Checkpoint, Run, Slimming, Verdict
-    from ckptd.policy import decide_run, enforce_max_size
 
     complete = (Check("quiet", Verdict.PASSED, "quiet"),)
     full = Slimming(removable=(("global_step1/zero_pp_rank_0_mp_rank_00_optim_states.pt", 60),), source="global_step1")

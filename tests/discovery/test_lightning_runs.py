@@ -23,9 +23,9 @@ import pytest
 
 from ckptd import latest
 from ckptd.config import Root, load_config
+from ckptd.decide.planner import Scanner, decide
 from ckptd.journal import Journal
 from ckptd.model import Run
-from ckptd.planner import Scanner, decide
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper
 from tests.support.common import run_ckptd
@@ -258,7 +258,7 @@ def test_versions_are_merged_while_the_step_count_carries_on_and_kept_apart_wher
     resumed from version_2: two runs, version_0+1 and version_2+3, each ordered by step; a version
     numbered by epoch is compared with no step; another experiment and a plain directory are their
     own runs, unchanged."""
-    from ckptd.planner import experiments
+    from ckptd.decide.planner import experiments
 
     root = Root(path=Path("/vol"))
     v = "exp/lightning_logs/version_{}/checkpoints"

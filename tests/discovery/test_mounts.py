@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.mounts import mount_of, mounts_below, parse_mountinfo, read_mounts
+from ckptd.volume.mounts import mount_of, mounts_below, parse_mountinfo, read_mounts
 
 # Captured shapes: the root, an NFS export with attribute-cache options, a path with a
 # space (written \040 by the kernel), a bind mount inside a checkpoint, and a mount
@@ -77,7 +77,7 @@ proto=tcp,lookupcache=pos,local_lock=none,addr=10.0.0.1
 
 
 def _cache(point: str):
-    from ckptd.mounts import attribute_cache
+    from ckptd.volume.mounts import attribute_cache
 
     return attribute_cache(mount_of(point, parse_mountinfo(NFS_MOUNTINFO)))
 
@@ -119,7 +119,7 @@ def test_coherent_cifs_unknown_and_local_filesystems():
     ],
 )
 def test_the_effective_quiet_period_covers_the_cache(point, quiet, effective, warns):
-    from ckptd.mounts import quiet_for
+    from ckptd.volume.mounts import quiet_for
 
     got, _, warning = quiet_for(point, quiet, parse_mountinfo(NFS_MOUNTINFO))
     assert got == effective
@@ -127,7 +127,7 @@ def test_the_effective_quiet_period_covers_the_cache(point, quiet, effective, wa
 
 
 def test_leadership_auto_is_volume_on_network_filesystems_and_refuses_nocto():
-    from ckptd.lease import choose_leadership, lock_scope
+    from ckptd.fleet.lease import choose_leadership, lock_scope
 
     mounts = parse_mountinfo(NFS_MOUNTINFO)
     assert choose_leadership(Path("/mnt/default/x"), "auto", mounts)[::2] == ("volume", None)

@@ -9,7 +9,7 @@
    weights) do not move when it was saved: the "written last" anchor is the newest *save*, and the
    one touched last is kept as well, in doubt.
 
-Hand-made Trainer/DeepSpeed look-alikes (ckptd.demo) where a test needs a file order no single
+Hand-made Trainer/DeepSpeed look-alikes (ckptd.cli.demo_volume) where a test needs a file order no single
 real run leaves; the real DeepSpeed job's files (dsgen, `zero2_hf`) where one does; real Orbax
 steps (fwgen) for another layout's save time. mtimes are set with os.utime.
 """
@@ -24,15 +24,16 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import evidence, layouts
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint, write_model_states, write_zip
 from ckptd.config import Retention, Root
-from ckptd.demo import age, hf_deepspeed_checkpoint, write_model_states, write_zip
+from ckptd.daemon.tracker import HINT_DEBOUNCE
+from ckptd.decide.planner import Scanner, decide
+from ckptd.decide.policy import decide_run
+from ckptd.decide.rules import anchors
+from ckptd.discover import layouts
 from ckptd.frameworks import orbax
+from ckptd.judge import evidence
 from ckptd.model import Action, State, Verdict
-from ckptd.planner import Scanner, decide
-from ckptd.policy import decide_run
-from ckptd.rules import anchors
-from ckptd.tracker import HINT_DEBOUNCE
 from tests.support.common import run_ckptd
 from tests.support.fwdcp_one import put_dcp
 from tests.support.fwfixtures import copy_volume

@@ -1,6 +1,6 @@
 """`ckptd latest` and `ckptd.latest()`: the checkpoint a restart should load.
 
-Synthetic Trainer checkpoints on a real filesystem (ckptd.demo's writers), ages set with os.utime;
+Synthetic Trainer checkpoints on a real filesystem (ckptd.cli.demo_volume's writers), ages set with os.utime;
 the frameworks' own volumes, and their own loaders' verdicts, are in test_frameworks.py.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import slim
-from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.errors import RootMissingError, UsageError
+from ckptd.judge import slim
 from ckptd.resume import NothingToResumeError, find_latest, latest
 from tests.support.common import run_ckptd
 
@@ -178,7 +178,7 @@ def test_ckptd_latest_is_importable_cheaply_and_imports_no_torch(tmp_path):
     """`import ckptd` stays light (latest is loaded on first use), and naming a Trainer
     checkpoint needs no torch."""
     run = trainer_run(tmp_path / "out", [10, 20])
-    code = ("import sys, ckptd; light = 'ckptd.planner' not in sys.modules\n"
+    code = ("import sys, ckptd; light = 'ckptd.decide.planner' not in sys.modules\n"
             "print(ckptd.latest(sys.argv[1]), light, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "CKPTD_CONFIG": ""})

@@ -14,17 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import evidence, layouts
+from ckptd.cli.demo_volume import age, deepspeed_files, write_model_states, write_zip
 from ckptd.config import Retention, Root
-from ckptd.demo import age, deepspeed_files, write_model_states, write_zip
-from ckptd.evidence import resume_pointers
+from ckptd.decide.planner import Scanner, decide
+from ckptd.decide.policy import Action
+from ckptd.discover import layouts
 from ckptd.frameworks import megatron
 from ckptd.journal import Journal
-from ckptd.planner import Scanner, decide
-from ckptd.policy import Action
+from ckptd.judge import evidence
+from ckptd.judge.evidence import resume_pointers
+from ckptd.judge.verdicts import Verdicts
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper
-from ckptd.verdicts import Verdicts
 from tests.support.common import run_ckptd, wake_paused_consolidator
 from tests.support.rtkit import (
     bare_deepspeed_run,
@@ -79,7 +80,7 @@ def test_latest_rolled_back_during_consolidation_stops_the_slim(zero3_bf16_bare,
     shards moved to the trash a moment later, and the resume (load_optimizer_states=True) fails.
     The plan itself already says `slim` for a checkpoint `latest` names (the first re-check
     refuses it, every pass: a near-miss of its own)."""
-    from ckptd.consolidate import PAUSE_FIFO_ENV
+    from ckptd.removal.zero_to_fp32 import PAUSE_FIFO_ENV
 
     root = tmp_path / "vol"
     shutil.copytree(zero3_bf16_bare, root / "run")
@@ -113,7 +114,7 @@ def test_latest_rolled_back_during_consolidation_stops_the_slim(zero3_bf16_bare,
 
 
 def bare_deepspeed(run: Path, step: int, *, world: int = 2, mtime: float | None = None) -> Path:
-    """A bare `global_step<N>/` as DeepSpeed's save_checkpoint names its files (ckptd.demo's
+    """A bare `global_step<N>/` as DeepSpeed's save_checkpoint names its files (ckptd.cli.demo_volume's
     stand-ins: valid zips, the model states holding the world sizes ckptd reads)."""
     gs = run / f"global_step{step}"
     for name in deepspeed_files(world):

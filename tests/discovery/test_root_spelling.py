@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.errors import EX_USAGE
-from ckptd.locks import RootLock
+from ckptd.fleet.locks import RootLock
 from tests.support.common import run_ckptd
 
 OLD = time.time() - 3600

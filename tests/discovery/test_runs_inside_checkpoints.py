@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint, write_zip
 from tests.support.fwfixtures import copy_volume
 from tests.support.rtkit import config, dcp_save, names, prune
 
@@ -99,7 +99,7 @@ def test_a_dcp_run_written_inside_a_checkpoint_is_not_deleted_with_it(tmp_path):
     So checkpoint-500 is one complete old checkpoint of `out`: once the outer job saves again,
     keep_last deletes it, and the nested run's every save, its newest included, goes with it.
     (The same nested run at the top of a root is two checkpoints ckptd keeps the newest of.)
-    Real DCP files (dcp.save in one process); the Trainer's checkpoints are ckptd.demo's."""
+    Real DCP files (dcp.save in one process); the Trainer's checkpoints are ckptd.cli.demo_volume's."""
     root = tmp_path / "vol"
     out = root / "out"
     for step in (500, 1000, 1500):

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint, write_zip
 from ckptd.config import Root
-from ckptd.demo import hf_deepspeed_checkpoint, write_zip
+from ckptd.daemon.tracker import HINT_DEBOUNCE, RootTracker
+from ckptd.judge.settle import Settler
+from ckptd.judge.verdicts import RACY_NS
 from ckptd.model import State, Verdict
-from ckptd.settle import Settler
-from ckptd.tracker import HINT_DEBOUNCE, RootTracker
-from ckptd.verdicts import RACY_NS
 from tests.support.tracking import Clock, start, tracker
 from tests.support.tracking import clock as clock
 
@@ -129,7 +129,7 @@ def test_polling_does_not_walk_complete_checkpoints(tmp_path, clock, monkeypatch
     t.step(clock.advance(60))
     assert states(t) == {"run/checkpoint-10": State.COMPLETE}
     walked = []
-    import ckptd.evidence as evidence
+    import ckptd.judge.evidence as evidence
 
     real_walk = evidence.walk
     monkeypatch.setattr(evidence, "walk", lambda p: walked.append(p) or real_walk(p))
@@ -181,7 +181,7 @@ def test_hints_map_paths_to_checkpoints_runs_and_directories(tmp_path, clock):
 
 def test_at_start_a_write_into_an_old_checkpoint_is_seen_by_the_next_poll(tmp_path, clock):
     """Every checkpoint settles once after a start, old ones too; a poll stats their directories."""
-    from ckptd.demo import age
+    from ckptd.cli.demo_volume import age
 
     age(hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2), time.time() - 3600)
     hf_deepspeed_checkpoint(tmp_path / "run", 20, world=2)  # being written as the daemon starts
@@ -200,7 +200,7 @@ def test_mtimes_far_in_the_past_do_not_complete_anything_early(tmp_path, clock, 
     """A wall-clock step (NTP) or a skewed NFS server moves mtimes relative to 'now'; the daemon
     compares mtimes only with each other (in the fingerprint) and times quiet on the monotonic clock.
     (An mtime in the future holds it back: the next test.)"""
-    from ckptd.demo import age
+    from ckptd.cli.demo_volume import age
 
     ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
     age(ckpt, mtime)
@@ -387,7 +387,7 @@ def test_a_tracker_file_rewritten_beside_complete_checkpoints_is_seen_by_a_recon
     """Megatron's tracker is rewritten in place in the run directory; the evidence of every
     checkpoint of the run reads it, so a change to it (here: a job restarted from scratch)
     makes the reconcile look at them all."""
-    from ckptd.demo import write_zip
+    from ckptd.cli.demo_volume import write_zip
 
     run = tmp_path / "run"
     for step in (1000, 2000):
@@ -409,7 +409,7 @@ def test_a_tracker_file_rewritten_beside_complete_checkpoints_is_seen_by_a_recon
 def crashed(tmp_path, clock, monkeypatch):
     """A checkpoint whose rank 1 shard was left truncated (a crashed save), incomplete, and a
     record of every walk of it."""
-    import ckptd.evidence as evidence
+    import ckptd.judge.evidence as evidence
 
     ckpt = hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
     shard = ckpt / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -455,7 +455,7 @@ def test_a_file_created_in_a_backed_off_checkpoint_is_seen_at_the_next_poll(cras
 def test_the_failed_file_rewritten_in_place_is_seen_at_the_next_poll(crashed, clock):
     """A resumed rank rewrites its truncated shard under the same name: no directory changes,
     but the files that failed their check are stat'ed at every poll."""
-    from ckptd.demo import write_zip
+    from ckptd.cli.demo_volume import write_zip
 
     t, _, shard, walks = crashed
     polls_that_walked(t, clock, walks, 8)
@@ -493,7 +493,7 @@ def test_a_reconcile_checks_a_backed_off_checkpoint_as_a_poll_does(crashed, cloc
 def test_a_megatron_tracker_written_late_is_seen_at_the_next_poll(tmp_path, clock, monkeypatch):
     """The tracker is rewritten in place in the run directory: no directory of the checkpoint
     changes, but a backed-off checkpoint's run context is stat'ed at every poll."""
-    from ckptd.demo import write_zip
+    from ckptd.cli.demo_volume import write_zip
 
     run = tmp_path / "run"
     write_zip(run / "iter_0001000" / "mp_rank_00" / "model_optim_rng.pt")
@@ -531,7 +531,7 @@ def test_after_missed_events_a_rescan_finds_every_checkpoint_saved_meanwhile(tmp
 def test_an_error_in_the_first_looks_leaves_the_checkpoint_to_look_at(tmp_path, clock, monkeypatch):
     import errno
 
-    import ckptd.evidence as evidence
+    import ckptd.judge.evidence as evidence
 
     hf_deepspeed_checkpoint(tmp_path / "run", 10, world=2)
     t = tracker(tmp_path, clock)
@@ -560,7 +560,7 @@ def test_a_restart_walks_nothing_before_ready_and_completes_after_one_look(tmp_p
     """With what the last process saved, the start-up scan stats directories only; each checkpoint
     is settling until its quiet period ends, when it is walked in full (its files read from the
     saved verdicts: nothing opened) and found complete."""
-    import ckptd.evidence as evidence
+    import ckptd.judge.evidence as evidence
 
     for step in (10, 20):  # saved an hour ago (a checkpoint written lately is looked at once watched)
         hf_deepspeed_checkpoint(tmp_path / "vol" / "run", step, world=2, mtime=time.time() - 3600)

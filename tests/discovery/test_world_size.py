@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import age
+from ckptd.cli.demo_volume import age
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
 from tests.support.fwfixtures import copy_volume

@@ -11,8 +11,8 @@ import json
 import threading
 from pathlib import Path
 
-from ckptd.layouts import LEASE_DIR
-from ckptd.leaserecord import RECORD
+from ckptd.discover.layouts import LEASE_DIR
+from ckptd.fleet.leaserecord import RECORD
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
 from tests.support.nodes import ckpts, node_config

@@ -166,8 +166,8 @@ def test_with_quorum_lost_nobody_deletes_and_one_leads_again_when_it_is_back(tmp
 
 
 def pair(root: Path, endpoints: list[str]):
-    from ckptd.etcdlease import EtcdLeadership
-    from ckptd.leaserecord import Holder
+    from ckptd.fleet.etcdlease import EtcdLeadership
+    from ckptd.fleet.leaserecord import Holder
 
     mono = [100.0]
     # Both of this process's pid: the root's lock each takes is this process's, so the second, once
@@ -210,7 +210,7 @@ def test_a_keepalive_that_finds_the_lease_gone_stands_the_leader_down(tmp_path, 
 
 
 def test_the_fence_refuses_where_the_volume_names_another_token(tmp_path, etcd):  # noqa: F811
-    from ckptd.etcdlease import read_engine_record, write_engine_record
+    from ckptd.fleet.etcdlease import read_engine_record, write_engine_record
 
     a, _b, _mono = pair(tmp_path, etcd.endpoints)
     a.step()
@@ -409,7 +409,7 @@ def test_a_removed_ckptd_dir_under_an_etcd_leader_makes_no_second_key(tmp_path, 
     leader is there, so it makes no new id (a second key, a second leader); the leader writes its
     id and `engine.json` again at its next renewal, and the newcomer stands by under the same
     key. Before, the newcomer led under a new key, and the two took turns at every token."""
-    from ckptd.etcdlease import EtcdLeadership
+    from ckptd.fleet.etcdlease import EtcdLeadership
 
     root = tmp_path / "vol"
     ckpts(root, 1, 2)
@@ -505,7 +505,7 @@ def test_a_rename_the_fence_refused_is_tried_again_while_this_ckptd_still_leads(
     ckptd goes on leading: nothing on the volume changes for that, and the pass came back only at
     the next reconcile (5 minutes). It is tried again after the lead's next renewal. Before, the
     frozen-member case failed so under load (nobody deleted within 60 s)."""
-    from ckptd.leaserecord import Holder, Record, RecordIO
+    from ckptd.fleet.leaserecord import Holder, Record, RecordIO
 
     root = tmp_path / "vol"
     ckpts(root, 1)

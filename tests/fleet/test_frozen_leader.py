@@ -17,7 +17,17 @@ from pathlib import Path
 import pytest
 
 from tests.support.daemonproc import DaemonProc
-from tests.support.nodes import D, M, ckpts, lease_record, listing, logged_at, node_config, trashed, wait_stopped
+from tests.support.nodes import (
+    D,
+    M,
+    ckpts,
+    lease_record,
+    listing,
+    logged_at,
+    node_config,
+    trashed,
+    wait_stopped,
+)
 
 # What the test allows between the stop and the takeover's log line: the duration and the
 # margin the rules wait, a lease step (D/3) to see the last renewal and one to act, and slack
@@ -116,7 +126,7 @@ class NoLocksIO:
 
     @staticmethod
     def make(root: Path):
-        from ckptd.leaserecord import RecordIO
+        from ckptd.fleet.leaserecord import RecordIO
 
         class IO(RecordIO):
             def lock(self) -> str | None:
@@ -137,8 +147,8 @@ class NoLocksIO:
     ],
 )
 def test_a_standby_passes_over_only_the_lapsed_holders_own_locks(tmp_path, locks, taken):
-    from ckptd.lease import VolumeLease
-    from ckptd.leaserecord import Holder
+    from ckptd.fleet.lease import VolumeLease
+    from ckptd.fleet.leaserecord import Holder
 
     wall, mono = [1_000_000.0], [50.0]
     a = VolumeLease(tmp_path, duration=3.0, margin=1.0, io=NoLocksIO.make(tmp_path),
@@ -163,8 +173,8 @@ def test_a_standby_passes_over_only_the_lapsed_holders_own_locks(tmp_path, locks
 def test_a_local_lock_held_by_another_process_than_the_lease_lock_is_not_passed_over(tmp_path):
     """The lapsed holder's lease lock, and a ckptd with `leadership = "local"` (another process)
     holding the root's own lock: it deletes here, so the standby does not take over."""
-    from ckptd.lease import VolumeLease
-    from ckptd.leaserecord import Holder
+    from ckptd.fleet.lease import VolumeLease
+    from ckptd.fleet.leaserecord import Holder
 
     wall, mono = [1_000_000.0], [50.0]
     a = VolumeLease(tmp_path, duration=3.0, margin=1.0, io=NoLocksIO.make(tmp_path),

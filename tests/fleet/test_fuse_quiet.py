@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from ckptd.demo import age, write_zip
+from ckptd.cli.demo_volume import age, write_zip
 from tests.support.common import run_ckptd
 
 CACHING = ("attr_timeout=30", "entry_timeout=30")

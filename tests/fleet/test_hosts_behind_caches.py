@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.layouts import PIN_FILE
+from ckptd.discover.layouts import PIN_FILE
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
 from tests.support.nodes import ckpts, lease_record, listing, logged_at, node_config, trashed, wait_stopped

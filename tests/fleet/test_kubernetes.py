@@ -247,8 +247,8 @@ def test_check_config_says_where_the_lease_is_and_run_refuses_without_a_kubeconf
 
 
 def pair(root: Path, kubeconfig: Path):
-    from ckptd.kubelease import KubeLeadership
-    from ckptd.leaserecord import Holder
+    from ckptd.fleet.kubelease import KubeLeadership
+    from ckptd.fleet.leaserecord import Holder
 
     # This host and process, as a process frozen here would show in the lock table: each takes the
     # root's lock over the lapsed holder's (kubelease._take_root_lock).
@@ -275,7 +275,7 @@ def test_the_fence_asks_the_api_server_and_refuses_once_the_lease_is_not_this_le
 
 
 def test_the_fence_refuses_where_the_volume_names_another_token(tmp_path, kube):
-    from ckptd.leaserecord import read_engine_record, write_engine_record
+    from ckptd.fleet.leaserecord import read_engine_record, write_engine_record
 
     (a, _b, _c), _mono = pair(tmp_path, kube.kubeconfig)
     a.step()
@@ -300,7 +300,7 @@ def test_expiry_is_judged_by_this_processs_monotonic_clock_never_by_the_holders_
     """The holder's renewTime is its wall clock: an hour behind ours (skew), the Lease still is not
     taken before this process has itself seen it unchanged for the duration and the margin; an hour
     ahead, it is taken once it has."""
-    from ckptd.kubelease import parse_micro
+    from ckptd.fleet.kubelease import parse_micro
 
     (a, b, c), mono = pair(tmp_path, kube.kubeconfig)
     a.wall = lambda: time.time() - 3600
@@ -411,8 +411,8 @@ def test_a_whole_second_goes_out_with_the_six_fraction_digits_the_api_server_par
 def test_a_second_lease_for_the_same_root_is_not_taken_beside_a_live_one(tmp_path, kube):
     """Two pods configured with different lease_names: the one that finds the volume's record
     naming the other Lease, renewed, stands by and says why."""
-    from ckptd.kubelease import KubeLeadership
-    from ckptd.leaserecord import Holder
+    from ckptd.fleet.kubelease import KubeLeadership
+    from ckptd.fleet.leaserecord import Holder
 
     (a, _b, _c), _mono = pair(tmp_path, kube.kubeconfig)
     a.step()
@@ -427,7 +427,7 @@ def test_a_second_lease_for_the_same_root_is_not_taken_beside_a_live_one(tmp_pat
 def test_a_renewal_that_finds_another_holder_stands_down_before_the_volume_says_so(tmp_path, kube):
     """The new holder took the Lease and has not written the volume's record yet (frozen between
     the two, or not a ckptd): the Lease alone says so, and the old leader stands down."""
-    from ckptd.kubelease import KubeApi, kube_source
+    from ckptd.fleet.kubelease import KubeApi, kube_source
 
     (a, _b, _c), _mono = pair(tmp_path, kube.kubeconfig)
     a.step()

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.cli.demo_volume import age
 from ckptd.config import Retention, Root
-from ckptd.demo import age
+from ckptd.decide.planner import Scanner, decide
+from ckptd.discover.layouts import PIN_FILE, TRASH_DIR
 from ckptd.journal import Journal, read_journal
-from ckptd.layouts import PIN_FILE, TRASH_DIR
-from ckptd.planner import Scanner, decide
+from ckptd.judge.settle import Settler
 from ckptd.removal import trash
 from ckptd.removal.reaper import Reaper
-from ckptd.settle import Settler
 from tests.support.daemonproc import DaemonProc
 from tests.support.nodes import D, M, ckpts, listing, node_config, wait_stopped
 from tests.support.volumes import names

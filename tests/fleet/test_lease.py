@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.layouts import LEASE_DIR
-from ckptd.lease import VolumeLease
-from ckptd.leaserecord import RECORD, Holder, Record, RecordIO, Seen
+from ckptd.discover.layouts import LEASE_DIR
+from ckptd.fleet.lease import VolumeLease
+from ckptd.fleet.leaserecord import RECORD, Holder, Record, RecordIO, Seen
 
 
 class Clock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptd.layouts import LEASE_DIR
+from ckptd.discover.layouts import LEASE_DIR
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
 from tests.support.nodes import ckpts, listing, node_config

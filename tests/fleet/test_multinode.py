@@ -153,7 +153,7 @@ def mounts_seen(monkeypatch, read) -> None:
 
 def test_check_config_warns_about_the_attribute_cache_and_names_the_leadership(tmp_path, monkeypatch, capsys):
     from ckptd import cli
-    from ckptd.mounts import parse_mountinfo
+    from ckptd.volume.mounts import parse_mountinfo
 
     ckptd_logger = logging.getLogger("ckptd")  # cli.main installs its own handlers: undone after
     for attr in ("handlers", "propagate", "level"):
@@ -179,7 +179,7 @@ def test_check_config_warns_about_the_attribute_cache_and_names_the_leadership(t
 async def test_the_daemon_watches_quiet_for_longer_on_a_caching_mount_and_says_so(tmp_path, monkeypatch, caplog):
     from ckptd.config import load_config
     from ckptd.daemon import Daemon, roots
-    from ckptd.mounts import parse_mountinfo
+    from ckptd.volume.mounts import parse_mountinfo
 
     root = tmp_path / "vol"
     ckpts(root, 1)
@@ -206,8 +206,8 @@ def test_plan_and_prune_go_by_the_effective_quiet_period(tmp_path, monkeypatch, 
     """Last written 90s ago, quiet_period 60s: complete on a local disk, not yet on a default NFS
     mount (60s of attribute cache: watched as 120s)."""
     from ckptd import cli
-    from ckptd.demo import age
-    from ckptd.mounts import parse_mountinfo
+    from ckptd.cli.demo_volume import age
+    from ckptd.volume.mounts import parse_mountinfo
 
     ckptd_logger = logging.getLogger("ckptd")
     monkeypatch.setattr(ckptd_logger, "handlers", list(ckptd_logger.handlers))

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import hf_deepspeed_checkpoint
-from ckptd.mounts import attribute_cache, mount_of, quiet_for, read_mounts
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
+from ckptd.volume.mounts import attribute_cache, mount_of, quiet_for, read_mounts
 from tests.support.daemonproc import DaemonProc
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from tests.support.common import run_ckptd
 from tests.support.rtkit import config, demo_config
 

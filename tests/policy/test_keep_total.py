@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.config import ConfigError, Retention, Root, parse_config
+from ckptd.decide.policy import Action, decide_run, metric_warnings
 from ckptd.model import Checkpoint, Run, TrainerState
-from ckptd.policy import Action, decide_run, metric_warnings
 from tests.support.memruns import COMPLETE, INCOMPLETE, ROOT, ck
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.config import Retention, Root, parse_config, path_matches
-from ckptd.demo import hf_deepspeed_checkpoint
 from ckptd.errors import ConfigError
 from tests.support.common import run_ckptd
 from tests.support.rtkit import config, config_file, demo_config, prune

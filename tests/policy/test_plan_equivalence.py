@@ -34,8 +34,8 @@ def test_a_decision_holds_every_field_its_init_is_given():
     """`Decision.__init__` is written out (one setattr instead of six): it sets every field, in order."""
     from dataclasses import fields, replace
 
+    from ckptd.decide.policy import Decision
     from ckptd.model import Action
-    from ckptd.policy import Decision
 
     c = SCENARIOS[0][1][0][1][0].checkpoints[0]
     d = Decision(c, Action.KEEP, ("x",), True, 0.5, "trainer_state")

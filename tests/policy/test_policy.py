@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from ckptd.config import FreeSpace, Retention
+from ckptd.decide.policy import Action, decide_run, enforce_max_size, enforce_min_free, metric_warnings
 from ckptd.model import Check, Checkpoint, Run, TrainerState, Verdict
-from ckptd.policy import Action, decide_run, enforce_max_size, enforce_min_free, metric_warnings
 from tests.support.memruns import COMPLETE, INCOMPLETE, ROOT, ck, run_of
 
 WRITING = (Check("quiet", Verdict.FAILED, "changed 1s ago"),)

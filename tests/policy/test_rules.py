@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import rules
 from ckptd.config import Retention
+from ckptd.decide import rules
 from ckptd.model import FILE_NAME, Check, Checkpoint, Reading, Run, TrainerState, Verdict
 
 ROOT = Path("/vol")

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptd.config import Retention
+from ckptd.decide.policy import decide_run
 from ckptd.model import Action, Checkpoint
-from ckptd.policy import decide_run
 from tests.support.memruns import ck, run_of
 
 
@@ -122,7 +122,7 @@ def demo_volume(tmp_path, state_env):
     import os
     import time
 
-    from ckptd.demo import age
+    from ckptd.cli.demo_volume import age
     from tests.support.common import run_ckptd
 
     assert run_ckptd("demo", tmp_path / "demo", env=state_env).returncode == 0

@@ -33,7 +33,7 @@ BENCHMARKS = (
 def test_quick_run_prints_every_benchmark_and_writes_the_report(tmp_path: Path):
     out = tmp_path / "BENCHMARKS.md"
     env = {k: v for k, v in os.environ.items() if k not in ("CKPTD_CONFIG", "NOTIFY_SOCKET")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out", str(out), "--workdir", str(tmp_path / "work")],
         capture_output=True,

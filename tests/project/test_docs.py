@@ -68,7 +68,7 @@ def test_every_command_and_option_is_in_the_cli_reference():
 
 def test_docgen_check_runs_from_a_checkout():
     proc = subprocess.run([sys.executable, "-m", "tools.docgen", "--check"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
+                          text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert (proc.returncode, proc.stderr) == (0, "")
 
 
@@ -167,7 +167,7 @@ def test_the_recipes_delete_nothing_beyond_the_defaults(monkeypatch):
     no slimming and no rule keeping fewer than the defaults do."""
     import yaml
 
-    from ckptd.envconfig import effective_config
+    from ckptd.config.effective import effective_config
 
     systemd = (REPO / "docs" / "deployment" / "systemd.md").read_text()
     installs = re.findall(r"install -m 644 (\S+) /etc/ckptd/\S+\.toml", systemd)

@@ -20,7 +20,7 @@ def test_every_mutation_names_exactly_one_place():
     stale = []
     for mut in _muts():
         for file, old, _ in mut["edits"]:
-            path = REPO / file if file.startswith(("tests/", "bench/")) else REPO / "src" / "ckptd" / file
+            path = REPO / file if file.startswith(("tests/", "bench/")) else REPO / "ckptd" / file
             count = path.read_text().count(old) if path.exists() else -1
             if count != 1:
                 stale.append(f"{mut['id']}: {file}: found {count} times")

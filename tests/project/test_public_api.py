@@ -50,7 +50,7 @@ def test_import_ckptd_is_light():
     for it until it calls something."""
     out = _python("import json, sys, ckptd\n"
                   f"print(json.dumps([m for m in sys.modules if m.split('.')[0] in {HEAVY!r}"
-                  " or m in ('ckptd.resume', 'ckptd.planner', 'ckptd.config', 'ckptd.attest')]))")
+                  " or m in ('ckptd.resume', 'ckptd.decide.planner', 'ckptd.config', 'ckptd.attest')]))")
     assert out == []
 
 

@@ -28,10 +28,10 @@ from watchdog.events import (
 )
 from watchdog.observers import Observer
 
-from ckptd.demo import age, write_zip
-from ckptd.evidence import fingerprint, walk
+from ckptd.cli.demo_volume import age, write_zip
+from ckptd.discover.layouts import TRASH_DIR
 from ckptd.journal import read_journal
-from ckptd.layouts import TRASH_DIR
+from ckptd.judge.evidence import fingerprint, walk
 from tests.support.daemonproc import DaemonProc, write_config
 
 STEPS = 16

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from ckptd.config import Retention, Root
+from ckptd.decide.planner import Scanner, decide
 from ckptd.journal import Journal
-from ckptd.planner import Scanner, decide
+from ckptd.judge.verdicts import Verdicts
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper
-from ckptd.verdicts import Verdicts
 from tests.support.common import run_ckptd
 from tests.support.rtkit import config, prune
 
@@ -37,7 +37,7 @@ def _linked_run(trainer_volume, root: Path, into: tuple[int, ...]) -> tuple[Path
     first.write_bytes(os.urandom(8 * MiB))
     for step in into[1:]:
         os.link(first, run / f"checkpoint-{step}" / "eval_predictions.npy")
-    from ckptd.demo import age
+    from ckptd.cli.demo_volume import age
 
     age(root, time.time() - 3600)
     return root, run

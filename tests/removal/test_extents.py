@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import extents
+from ckptd.decide import extents
 from tests.support.reflinkfs import reflink_xfs
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import slim
+from ckptd.decide.policy import Action
+from ckptd.discover.layouts import LEASE_DIR, TRASH_DIR
+from ckptd.fleet.leaserecord import RECORD, Holder, Record, RecordIO
 from ckptd.journal import read_journal
-from ckptd.layouts import LEASE_DIR, TRASH_DIR
-from ckptd.leaserecord import RECORD, Holder, Record, RecordIO
-from ckptd.policy import Action
+from ckptd.judge import slim
 from ckptd.removal.outcome import Outcome
 from tests.support.common import in_trash
 from tests.support.logwatch import logs  # noqa: F401 - the fixture
@@ -150,9 +150,9 @@ def test_a_slim_asks_before_each_rename(unconsolidated, tmp_path, monkeypatch, a
 async def test_the_daemon_fences_its_deletions_with_the_volume_lease(tmp_path, logs):  # noqa: F811
     """The lease record is rewritten under a leader that has not renewed yet (an operator, a host
     configured with a shorter lease): its next deletion is refused at the fence."""
+    from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
     from ckptd.config import load_config
     from ckptd.daemon import Daemon
-    from ckptd.demo import hf_deepspeed_checkpoint
 
     root = tmp_path / "vol"
     for step in (1, 2):
@@ -184,7 +184,7 @@ def test_a_pin_seen_only_under_its_name_in_the_trash_sends_it_back(volume, tmp_p
     checkpoint's listing from before a pin written on another host: tests/fleet/test_hosts_behind_caches.py shows it
     on a real one): the look under its new name in the trash, which no cache has seen, finds the
     pin, and it goes back."""
-    from ckptd.layouts import PIN_FILE
+    from ckptd.discover.layouts import PIN_FILE
 
     reaper, plan, journal = make(volume, tmp_path)
     (volume / "run" / "checkpoint-10" / PIN_FILE).touch()

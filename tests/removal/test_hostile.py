@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import evidence
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.config import Retention, Root
-from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
-from ckptd.evidence import MAX_WALK_DEPTH, TooDeep, walk
+from ckptd.decide.planner import Scanner, decide
+from ckptd.discover.layouts import TRASH_DIR
 from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES
 from ckptd.journal import Journal, read_journal
-from ckptd.layouts import TRASH_DIR
+from ckptd.judge import evidence
+from ckptd.judge.evidence import MAX_WALK_DEPTH, TooDeep, walk
 from ckptd.model import State, Verdict
-from ckptd.planner import Scanner, decide
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper
 from tests.support.common import run_ckptd
@@ -297,7 +297,7 @@ def _model_states_with(tmp_path: Path, data: bytes) -> Path:
 def test_pickles_that_would_exhaust_memory_are_refused(tmp_path, data, why):
     import resource
 
-    from ckptd.dsmeta import MetadataUnavailable, read_plain_data
+    from ckptd.frameworks.dsmeta import MetadataUnavailable, read_plain_data
 
     path = _model_states_with(tmp_path, data)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -311,7 +311,7 @@ def test_a_huge_pickle_is_not_read(tmp_path):
     import resource
     import zipfile
 
-    from ckptd.dsmeta import MAX_PICKLE_BYTES, MetadataUnavailable, read_world_sizes
+    from ckptd.frameworks.dsmeta import MAX_PICKLE_BYTES, MetadataUnavailable, read_world_sizes
 
     path = tmp_path / "mp_rank_00_model_states.pt"
     chunk = b"\0" * (1 << 20)
@@ -327,7 +327,7 @@ def test_a_huge_pickle_is_not_read(tmp_path):
 def test_an_absurd_world_size_is_not_believed(tmp_path):
     import pickle
 
-    from ckptd.dsmeta import MetadataUnavailable, read_world_sizes
+    from ckptd.frameworks.dsmeta import MetadataUnavailable, read_world_sizes
 
     path = _model_states_with(tmp_path, pickle.dumps({"dp_world_size": 2**31 - 1, "mp_world_size": 1}))
     with pytest.raises(MetadataUnavailable, match="no usable dp_world_size"):

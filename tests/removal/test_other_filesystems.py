@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import mounts as mounts_module
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint
 from ckptd.config import Retention, Root
-from ckptd.demo import age, hf_deepspeed_checkpoint
-from ckptd.evidence import walk
+from ckptd.decide.planner import Scanner, decide
+from ckptd.decide.policy import Action
+from ckptd.discover.layouts import TRASH_DIR
 from ckptd.journal import Journal
-from ckptd.layouts import TRASH_DIR
-from ckptd.mounts import is_mount_root
-from ckptd.planner import Scanner, decide
-from ckptd.policy import Action
+from ckptd.judge.evidence import walk
 from ckptd.removal import fs
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper
+from ckptd.volume import mounts as mounts_module
+from ckptd.volume.mounts import is_mount_root
 from tests.support.common import run_ckptd
 
 OLD = 1_700_000_000.0

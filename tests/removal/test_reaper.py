@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint, write_zip
 from ckptd.config import Retention, Root
-from ckptd.demo import age, hf_deepspeed_checkpoint, write_zip
+from ckptd.decide.planner import Scanner, decide
+from ckptd.decide.policy import Action
+from ckptd.discover.layouts import PIN_FILE, TRASH_DIR
+from ckptd.fleet.locks import LockHeld, RootLock
 from ckptd.journal import Journal, read_journal
-from ckptd.layouts import PIN_FILE, TRASH_DIR
-from ckptd.locks import LockHeld, RootLock
-from ckptd.planner import Scanner, decide
-from ckptd.policy import Action
 from ckptd.removal import fs
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper

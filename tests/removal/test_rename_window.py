@@ -20,10 +20,9 @@ import pytest
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
-from ckptd.demo import hf_deepspeed_checkpoint
-
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
+from ckptd.discover.layouts import PIN_FILE, TRASH_DIR
 from ckptd.journal import read_journal
-from ckptd.layouts import PIN_FILE, TRASH_DIR
 from ckptd.removal.decision import RECORD, changed, snapshot
 from ckptd.removal.outcome import Outcome
 from tests.support.common import in_trash

@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import mounts, slim
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint
 from ckptd.config import Retention, Root
-from ckptd.demo import age, hf_deepspeed_checkpoint
+from ckptd.decide.planner import Scanner, decide
+from ckptd.decide.policy import Action
+from ckptd.discover.layouts import TRASH_DIR
 from ckptd.journal import Journal
-from ckptd.layouts import TRASH_DIR
-from ckptd.planner import Scanner, decide
-from ckptd.policy import Action
+from ckptd.judge import slim
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper
+from ckptd.volume import mounts
 from tests.support.common import run_ckptd
 from tests.support.rtkit import config, demo_config, prune
 

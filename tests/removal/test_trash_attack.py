@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.layouts import PIN_FILE, TRASH_DIR
+from ckptd.discover.layouts import PIN_FILE, TRASH_DIR
 from ckptd.removal.decision import RECORD
 from tests.support.common import run_ckptd
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from ckptd.config import Retention, Root
+from ckptd.decide.planner import Scanner, decide
+from ckptd.discover.layouts import PIN_FILE, TRASH_DIR
 from ckptd.journal import Journal, read_journal
-from ckptd.layouts import PIN_FILE, TRASH_DIR
-from ckptd.planner import Scanner, decide
 from ckptd.removal import purge as purge_module
 from ckptd.removal.outcome import Outcome
 from ckptd.removal.reaper import Reaper
@@ -194,7 +194,7 @@ def test_a_purge_killed_halfway_is_finished_not_restored(volume, tmp_path, monke
 
 
 def _volume(root: Path) -> None:
-    from ckptd.demo import hf_deepspeed_checkpoint
+    from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 
     old = time.time() - 86400
     for i, step in enumerate((10, 20, 30, 40)):

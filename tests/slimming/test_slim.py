@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import slim
+from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint, trainer_state, write_zip
 from ckptd.config import ConfigError, Retention, Root, format_size, parse_config
-from ckptd.demo import age, hf_deepspeed_checkpoint, trainer_state, write_zip
+from ckptd.decide.planner import Scanner, decide
+from ckptd.decide.policy import Action
+from ckptd.discover.layouts import PIN_FILE, TRASH_DIR
 from ckptd.journal import read_journal
-from ckptd.layouts import PIN_FILE, TRASH_DIR
+from ckptd.judge import slim
 from ckptd.model import State, Verdict
-from ckptd.planner import Scanner, decide
-from ckptd.policy import Action
 from ckptd.removal.outcome import Outcome
 from tests.support.common import in_trash, run_ckptd
 from tests.support.slimkit import fake_consolidator, reaper_for, write_safetensors
@@ -135,7 +135,7 @@ def save_weights(path: Path, dtype: str = "float32", tensors: dict[str, tuple[in
 
 
 def ds_run(root: Path, weights=None) -> Path:
-    """Trainer+DeepSpeed checkpoints 10 and 20 (synthetic shards: ckptd.demo), each given `weights(ck)`."""
+    """Trainer+DeepSpeed checkpoints 10 and 20 (synthetic shards: ckptd.cli.demo_volume), each given `weights(ck)`."""
     for i, step in enumerate((10, 20)):
         ck = hf_deepspeed_checkpoint(root / "run", step, world=2)
         if weights is not None:
@@ -376,7 +376,7 @@ def test_a_checkpoint_deleted_while_consolidating_gets_nothing_and_loses_nothing
 
 
 def test_a_failed_consolidation_leaves_its_output_in_the_trash_only(tmp_path, monkeypatch):
-    from ckptd.consolidate import ConsolidationFailed
+    from ckptd.removal.zero_to_fp32 import ConsolidationFailed
 
     def fail(out_dir):
         raise ConsolidationFailed("killed by signal 9 (no output)")

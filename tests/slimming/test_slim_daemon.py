@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import slim
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.config import load_config
-from ckptd.consolidate import ConsolidationFailed
 from ckptd.daemon import Daemon
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.judge import slim
 from ckptd.removal.consolidation import WORK_DIR
+from ckptd.removal.zero_to_fp32 import ConsolidationFailed
 from tests.support.daemonproc import write_config
 from tests.support.logwatch import logs  # noqa: F401 - the fixture
 from tests.support.slimkit import write_consolidated

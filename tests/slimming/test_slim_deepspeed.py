@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import slim
-from ckptd.consolidate import PAUSE_FIFO_ENV
-from ckptd.demo import age
+from ckptd.cli.demo_volume import age
+from ckptd.discover.layouts import LEASE_DIR
 from ckptd.journal import read_journal
-from ckptd.layouts import LEASE_DIR
+from ckptd.judge import slim
 from ckptd.removal.consolidation import WORK_DIR
+from ckptd.removal.zero_to_fp32 import PAUSE_FIFO_ENV
 from tests.support import dsgen
 from tests.support.common import run_ckptd, wake_paused_consolidator
 from tests.support.daemonproc import DaemonProc
@@ -545,7 +545,7 @@ def test_many_shards_and_remapped_sources_are_bit_identical(zero2_bf16_bare_3ran
     out = tmp_path / "out"
     out.mkdir()
     tag = zero2_bf16_bare_3ranks / "global_step10"
-    proc = subprocess.run([sys.executable, "-m", "ckptd.consolidate", str(zero2_bf16_bare_3ranks), "global_step10",
+    proc = subprocess.run([sys.executable, "-m", "ckptd.removal.zero_to_fp32", str(zero2_bf16_bare_3ranks), "global_step10",
                            str(tag / "mp_rank_00_model_states.pt"), str(out), "--source-fingerprint", "t",
                            "--max-shard-bytes", "1", "--remap-bytes", "1"],
                           capture_output=True, text=True, timeout=180,
@@ -563,7 +563,7 @@ def test_the_consolidation_benchmark_runs(zero2_bf16_bare_3ranks):
     full run, by hand."""
     from tests.support.common import REPO
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "bench.consolidation", "--quick", "--checkpoint",
                            str(zero2_bf16_bare_3ranks)], capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptd.config import FreeSpace, Retention
+from ckptd.decide.policy import Action, decide_run, enforce_max_size, enforce_min_free, summarise
 from ckptd.model import Check, Checkpoint, Run, Slimming, TrainerState, Verdict
-from ckptd.policy import Action, decide_run, enforce_max_size, enforce_min_free, summarise
 
 ROOT = Path("/vol")
 COMPLETE = (Check("quiet", Verdict.PASSED, "quiet"),)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ckptd.demo import age, write_zip
+from ckptd.cli.demo_volume import age, write_zip
 
 
 def ddp_checkpoint(run: Path, step: int, ranks: int, mtime: float) -> Path:

@@ -39,9 +39,9 @@ def _torchvision_absent() -> None:
     except Exception:  # a CUDA build beside a CPU torch raises RuntimeError, not ImportError
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
             del sys.modules[name]
-    import torchmetrics.functional  # noqa: F401  (decides torchvision is absent before the stand-in exists)
-
     import importlib.abc
+
+    import torchmetrics.functional  # noqa: F401  (decides torchvision is absent before the stand-in exists)
 
     def missing(attr: str) -> type:
         def refuse(*args: object, **kwargs: object) -> None:

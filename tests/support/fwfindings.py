@@ -1,6 +1,6 @@
 """What ckptd says about each framework volume, beside what the framework itself says (a table).
 
-    PYTHONPATH=src python -m tests.support.fwfindings [OUT] [--frameworks orbax,dcp,...] [--reuse]
+    PYTHONPATH=. python -m tests.support.fwfindings [OUT] [--frameworks orbax,dcp,...] [--reuse]
 
 Generates the volumes with fwgen.py (or, with --reuse, reads OUT/fwgen.json from an earlier run),
 ages every entry an hour with os.utime (so the default 60 s quiet period is over), then runs this
@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptd.demo import age
+from ckptd.cli.demo_volume import age
 from tests.support import REPO, fwgen
 
 
 def ckptd(*args: str, state: Path) -> tuple[int, Any]:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "XDG_STATE_HOME": str(state)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_STATE_HOME": str(state)}
     env.pop("CKPTD_CONFIG", None)
     proc = subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, env=env,
                           timeout=300)
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         if torch_names:
             results.update(fwgen.generate(torch_names, out))
         (out / "fwgen.json").write_text(json.dumps(results, default=str, indent=1))
-    print(f"volumes under {out}; ckptd from {REPO / 'src'}; no config, default settings, every mtime 1 h old\n")
+    print(f"volumes under {out}; ckptd from {REPO}; no config, default settings, every mtime 1 h old\n")
     print("| framework | checkpoint | killed at | framework says | ckptd plan: state, action, layout, step, metric "
           "| ckptd verify: rc, checks not passed | verdict |")
     print("|---|---|---|---|---|---|---|")

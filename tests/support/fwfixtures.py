@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from ckptd.demo import age
+from ckptd.cli.demo_volume import age
 from tests.support import fwgen, volcache
 
 TORCH_FRAMEWORKS = ("dcp", "accelerate", "trainer", "lightning")

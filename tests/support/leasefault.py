@@ -1,6 +1,6 @@
 """`ckptd run --foreground --log-format json ARGS...` with faults injected into its volume lease's writes.
 
-The injection seam is `ckptd.leaserecord.RecordIO.write`, the one method through which the lease
+The injection seam is `ckptd.fleet.leaserecord.RecordIO.write`, the one method through which the lease
 record is written (renewals, takeovers, release). While the file named by
 $CKPTD_TEST_LEASE_FAULT exists, every call raises OSError with the errno named in it
 (`EIO`, `ESTALE`): what a network filesystem returns when the server or the client's
@@ -16,8 +16,8 @@ import errno
 import os
 import sys
 
-from ckptd import leaserecord
 from ckptd.cli import main
+from ckptd.fleet import leaserecord
 
 TRIGGER = os.environ["CKPTD_TEST_LEASE_FAULT"]
 _real_write = leaserecord.RecordIO.write

@@ -1,6 +1,6 @@
 """`ckptd run --foreground -v --log-format json ARGS...` held or killed at its lease record's writes.
 
-The seam is `ckptd.leaserecord.RecordIO.write`, the one method through which the lease record is written
+The seam is `ckptd.fleet.leaserecord.RecordIO.write`, the one method through which the lease record is written
 (claims, renewals, release; tests/support/leasefault.py uses it too). Two faults, each in a window too
 narrow for a signal from another process to land in:
 
@@ -23,8 +23,8 @@ import os
 import signal
 import sys
 
-from ckptd import leaserecord
 from ckptd.cli import main
+from ckptd.fleet import leaserecord
 
 HOLD = os.environ.get("CKPTD_TEST_LEASE_HOLD")
 HOLD_READ = os.environ.get("CKPTD_TEST_LEASE_HOLD_READ")

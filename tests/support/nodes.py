@@ -7,10 +7,10 @@ import threading
 from datetime import datetime
 from pathlib import Path
 
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
+from ckptd.discover.layouts import LEASE_DIR
+from ckptd.fleet.leaserecord import RECORD
 from ckptd.journal import read_journal
-from ckptd.layouts import LEASE_DIR
-from ckptd.leaserecord import RECORD
 
 D, M = 1.5, 0.5
 

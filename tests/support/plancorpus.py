@@ -7,7 +7,7 @@ Hand-made checkpoints, as the scan would leave them: planning is pure, and the s
 (a pinned slimmed checkpoint holding a mount, NaN metrics from three sources, rank directories
 with different newest steps...) are combinations no framework run would produce in a test's time.
 
-    PYTHONPATH=src python3 -m tests.support.plancorpus          # rewrite tests/data/plan_decisions.json from the code as it is
+    PYTHONPATH=. python3 -m tests.support.plancorpus          # rewrite tests/data/plan_decisions.json from the code as it is
 
 Regenerate only on a commit whose decisions are known good (it records what the code decides).
 """
@@ -19,11 +19,11 @@ import math
 import random
 from pathlib import Path
 
-from ckptd import planner
 from ckptd.config import Root
-from ckptd.evidence import ONE_SAVE
+from ckptd.decide import planner
+from ckptd.discover.layouts import PIN_FILE
 from ckptd.frameworks.pattern import EVIDENCE, QUIET_ALONE
-from ckptd.layouts import PIN_FILE
+from ckptd.judge.evidence import ONE_SAVE
 from ckptd.model import (
     FILE_NAME,
     ORBAX_METRICS,

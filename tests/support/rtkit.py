@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from tests.support.common import run_ckptd
 from tests.support.fwfixtures import copy_volume
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import slim
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.config import Retention, Root
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.decide.planner import Scanner, decide
 from ckptd.journal import Journal
-from ckptd.planner import Scanner, decide
+from ckptd.judge import slim
 from ckptd.removal.reaper import Reaper
 
 
@@ -68,7 +68,7 @@ def fake_consolidator(monkeypatch, during=lambda out_dir: None):
 def write_consolidated(out_dir: Path, tag: str, source_fingerprint: str):
     """What the consolidator leaves in its work directory (one shard, the index with ckptd's record),
     and the parent's account of it. A look-alike: the real one needs torch, DeepSpeed and seconds."""
-    from ckptd.consolidate import Consolidated
+    from ckptd.removal.zero_to_fp32 import Consolidated
 
     shard = slim.shard_name(1, 1)
     write_safetensors(out_dir / shard)

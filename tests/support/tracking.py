@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.config import Root
-from ckptd.tracker import RootTracker
-from ckptd.verdicts import RACY_NS
+from ckptd.daemon.tracker import RootTracker
+from ckptd.judge.verdicts import RACY_NS
 
 
 class Clock:

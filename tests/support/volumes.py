@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.config import Retention, Root
-from ckptd.demo import hf_deepspeed_checkpoint
+from ckptd.decide.planner import Scanner, decide
 from ckptd.journal import Journal
-from ckptd.planner import Scanner, decide
 from ckptd.removal.reaper import Reaper
 
 NOW = 1_800_000_000.0

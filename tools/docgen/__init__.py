@@ -4,7 +4,7 @@
 stale (tests/project/test_docs.py does the same). Two pages, one source of truth each:
 
 - docs/reference/configuration.md: every key of config.toml, from the pydantic models'
-  field descriptions (src/ckptd/config/models.py). A field without a description is an error here,
+  field descriptions (ckptd/config/models.py). A field without a description is an error here,
   so a new key cannot reach users undocumented.
 - docs/reference/cli.md: every command and option, from the argparse parser
   (ckptd.cli.build_parser), so `--help` and the page say the same.
@@ -139,7 +139,7 @@ def _described(model: type[BaseModel], names: Iterator[str]) -> Iterator[tuple[s
     for name in names:
         field = model.model_fields[name]
         if not (field.description or "").strip():
-            where = "src/ckptd/config/models.py"
+            where = "ckptd/config/models.py"
             raise UndocumentedError(f"{model.__name__}.{name} has no description ({where})")
         yield name, field
 
@@ -150,7 +150,7 @@ def _table(
 ) -> list[str]:
     doc = (model.__doc__ or "").strip()
     if not doc:
-        raise UndocumentedError(f"{model.__name__} has no docstring (src/ckptd/config/models.py)")
+        raise UndocumentedError(f"{model.__name__} has no docstring (ckptd/config/models.py)")
     out = [f"## `{heading}` {{#{anchor}}}", "", _prose(doc), ""]
     if intro:
         out += [intro, ""]
@@ -174,7 +174,7 @@ def configuration_page() -> str:
     root = Root(path=Path("/placeholder"))
     list(_described(Config, iter(Config.model_fields)))  # the top level's own two keys
     lines = [
-        GENERATED.format(source="the models in src/ckptd/config/models.py"),
+        GENERATED.format(source="the models in ckptd/config/models.py"),
         "# Configuration reference",
         "",
         "Every key of the config file (`-c CONFIG`, else `$CKPTD_CONFIG`, else `/etc/ckptd/config.toml`).",
@@ -249,7 +249,7 @@ def cli_page() -> str:
 
     parser = build_parser()
     lines = [
-        GENERATED.format(source="the parser in src/ckptd/cli/parser.py (build_parser)"),
+        GENERATED.format(source="the parser in ckptd/cli/parser.py (build_parser)"),
         "# Command-line reference",
         "",
         " ".join((parser.description or "").split()),
@@ -263,7 +263,7 @@ def cli_page() -> str:
     ]
     for name, sub in _subcommands(parser).items():
         if not (sub.description or "").strip():
-            raise UndocumentedError(f"ckptd {name} has no description (src/ckptd/cli/parser.py)")
+            raise UndocumentedError(f"ckptd {name} has no description (ckptd/cli/parser.py)")
         lines += [f"## `ckptd {name}` {{#{name}}}", "", " ".join(sub.description.split()), "", "```text",
                   _synopsis(name, sub), "```", ""]
         lines += ["| argument | value | default | what |", "|---|---|---|---|"]
@@ -271,7 +271,7 @@ def cli_page() -> str:
             if isinstance(action, argparse._HelpAction):
                 continue
             if not (action.help or "").strip():
-                raise UndocumentedError(f"ckptd {name} {action.dest} has no help (src/ckptd/cli/parser.py)")
+                raise UndocumentedError(f"ckptd {name} {action.dest} has no help (ckptd/cli/parser.py)")
             flags = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.metavar or action.dest}`"
             default = action.default
             unset = default in (None, False, argparse.SUPPRESS) or action.nargs == "*"

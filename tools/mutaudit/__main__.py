@@ -36,7 +36,7 @@ def _git(*args: str, cwd: Path = REPO) -> str:
 
 def _apply(worktree: Path, mutation: dict) -> None:
     for name, old, new in mutation["edits"]:
-        path = worktree / "src" / "ckptd" / name
+        path = worktree / "ckptd" / name
         text = path.read_text()
         if text.count(old) != 1:
             n = text.count(old)
@@ -45,7 +45,7 @@ def _apply(worktree: Path, mutation: dict) -> None:
 
 
 def _run(worktree: Path, tests: list[str]) -> tuple[bool, str, float]:
-    env = {**os.environ, "PYTHONPATH": str(worktree / "src")}
+    env = {**os.environ, "PYTHONPATH": str(worktree)}
     env.pop("CKPTD_CONFIG", None)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 caught, detail, secs = _run(worktree, tests)
             finally:
-                _git("checkout", "--", "src", cwd=worktree)
+                _git("checkout", "--", "ckptd", cwd=worktree)
             verdict = "CAUGHT" if caught else "SURVIVED"
             if not caught and m.get("equivalent"):
                 verdict, detail = "EQUIV", m["equivalent"]  # survives by design: nothing to catch

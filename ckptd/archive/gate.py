@@ -1,0 +1,180 @@
+"""The archive gate: why a checkpoint must not be deleted (or slimmed) yet, or None.
+
+Asked by the reaper's re-check just before the rename (removal/recheck.py), by the purge just
+before the irreversible removal (removal/purge.py, of the entry in the trash), and by `plan`. With
+`required = true`, a checkpoint may go only where:
+- its manifest is there and well formed, and names this very checkpoint;
+- every file it lists is at the store with the size and full-object CRC32C it records;
+- the checkpoint on disk is, entry for entry, what was read for upload: the same files and
+  directories, each with the identity (dev, inode, size, mtime_ns, ctime_ns) the manifest
+  records; a file whose ctime alone moved (renamed into the trash, chmod-ed, or rewritten in
+  place with its mtime put back) is read again and its CRC32C compared with the manifest's;
+- its checksums were computed from these files by this ckptd (a local record, state_dir/archive/),
+  or, where there is no such record (a manifest written by hand, a lost state_dir), every file is
+  read again here and its CRC32C compared with the manifest's.
+With `verify = "read-back"`, every object is also downloaded and its CRC32C computed here (not in
+a dry run: `plan` does not download). Anything that cannot be checked (the store down, credentials
+refused) is a reason to keep.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from ckptd.archive.manifest import (
+    Manifest,
+    NotArchivable,
+    Snapshot,
+    crc32c_b64,
+    file_crc32c,
+    identity,
+    manifest_key,
+    parse,
+    snapshot,
+)
+from ckptd.archive.store import Store, StoreError
+from ckptd.archive.upload import has_record, write_record
+from ckptd.config import Root
+from ckptd.decide.policy import Decision, Plan
+from ckptd.model import Action, Checkpoint
+
+
+def archive_problem(
+    store: Store, c: Checkpoint, state_dir: Path | None, *, missing_ok: bool = False
+) -> str | None:
+    """Why `c`'s archive does not yet allow deleting it locally, or None. `missing_ok` (a dry run,
+    `plan`): no archive yet is no reason where the store can be reached, as it would be archived first."""
+    return problem_at(store, c.run, c.name, c.path, state_dir, missing_ok=missing_ok)
+
+
+def problem_at(
+    store: Store, run: str, name: str, path: Path, state_dir: Path | None, *, missing_ok: bool = False,
+    read_back: bool = False,
+) -> str | None:
+    """`archive_problem` of checkpoint `name` of `run` whose files are at `path` now (its place in
+    its run, or its entry in the trash, which the purge asks about). `read_back` (`verify =
+    "read-back"`): every object is downloaded and its CRC32C computed here, not taken from the store."""
+    mkey = manifest_key(store.key(run, name))
+    try:
+        data = store.get(mkey)
+        if data is None:
+            snapshot(path, key=f"{run}/{name}")  # one that never can be archived says so
+            if missing_ok:
+                store.check()
+                return None
+            return f"not archived to {store.url} yet"
+        try:
+            m = parse(data)
+        except ValueError as exc:
+            return f"its manifest {mkey} is not one ckptd can trust: {exc}"
+        if (m.run, m.checkpoint) != (run, name):
+            return f"its manifest {mkey} names {m.run}/{m.checkpoint}, not this checkpoint"
+        here = snapshot(path)
+        what = m.snapshot().differs(here, but_ctime=True)
+        if what is not None:
+            return (f"differs from its archive at {store.url} ({what} since it was archived): "
+                    "kept; ckptd never replaces an archive")
+        why = _objects_problem(store, m, name, read_back=read_back) or _rewritten(store, m, here, path)
+        if why is not None:
+            return why
+        if has_record(state_dir, store.url, mkey, data):
+            return None
+        for f in m.files:  # not written by this ckptd: read every file again
+            fpath = path / f.path if f.path else path
+            crc = file_crc32c(fpath)
+            if crc != f.crc32c or identity(os.stat(fpath, follow_symlinks=False))[:4] != f.identity[:4]:
+                return f"its manifest {mkey} does not match {f.path or name} here (CRC32C {crc}, not {f.crc32c})"
+        write_record(state_dir, store.url, mkey, data)
+        return None
+    except StoreError as exc:
+        return f"its archive cannot be checked: {exc}"
+    except NotArchivable as exc:
+        return f"cannot be archived: {exc}; kept because required = true"
+    except OSError as exc:
+        return f"cannot be compared with its archive: {exc}"
+    except Exception as exc:  # a bug, or an answer nobody foresaw: keep
+        return f"its archive cannot be checked: {type(exc).__name__}: {exc}"
+
+
+def _objects_problem(store: Store, m: Manifest, name: str, *, read_back: bool) -> str | None:
+    """Why the objects `m` lists are not what was read: missing, or another size or CRC32C (as the
+    store reports it; `read_back`: as downloaded now). Or None."""
+    for f in m.files:
+        there = store.head(f.key)
+        if there is None:
+            return f"its archived {f.path or name} is missing from {store.url}"
+        if there.size != f.size or there.crc32c != f.crc32c or there.checksum_type not in (None, "FULL_OBJECT"):
+            return (f"its archived {f.path or name} at {store.url} is not what was read "
+                    f"({there.size} bytes, CRC32C {there.crc32c}; the manifest says {f.size}, {f.crc32c})")
+    if read_back:
+        for f in m.files:
+            got = _read_back(store, f.key)
+            if got != (f.size, f.crc32c):
+                return (f"its archived {f.path or name} at {store.url} reads back as {got[0]} bytes, CRC32C "
+                        f"{got[1]}; the manifest says {f.size}, {f.crc32c}")
+    return None
+
+
+def _rewritten(store: Store, m: Manifest, here: Snapshot, path: Path) -> str | None:
+    """Of the files whose ctime alone moved since `m` was written (renamed: a checkpoint that is one
+    file, in the trash; chmod-ed; or rewritten in place with its mtime put back), the first whose
+    bytes are not what was archived. Or None."""
+    entries = {f.path: f for f in m.files}
+    for rel in m.snapshot().touched(here):
+        crc = file_crc32c(path / rel if rel else path)
+        if crc != entries[rel].crc32c:
+            return (f"differs from its archive at {store.url} ({rel or 'the file'} rewritten in place since "
+                    f"it was archived: CRC32C {crc}, not {entries[rel].crc32c}): kept; ckptd never replaces "
+                    "an archive")
+    return None
+
+
+class _Summing:
+    """A sink for a download: its size and CRC32C, nothing kept (memory: one chunk)."""
+
+    def __init__(self) -> None:
+        import crc32c
+
+        self._crc32c = crc32c.crc32c
+        self.value = 0
+        self.size = 0
+
+    def write(self, chunk: bytes) -> int:
+        self.value = self._crc32c(chunk, self.value)
+        self.size += len(chunk)
+        return len(chunk)
+
+
+def _read_back(store: Store, key: str) -> tuple[int, str]:
+    """The size and CRC32C of the object at `key`, as downloaded now."""
+    sink = _Summing()
+    store.download(key, sink)  # type: ignore[arg-type]
+    return sink.size, crc32c_b64(sink.value)
+
+
+def gated_plan(plan: Plan, roots: Sequence[Root], state_dir: Path | None) -> Plan:
+    """`plan` as the reaper would carry it out with each root's archive: a deletion or slim that
+    would be refused for want of a verified archive (the store cannot be reached, its archive
+    differs) is a keep, saying why; one still to be archived says it will be first. Reads only
+    (the store, and every file of a checkpoint whose manifest this ckptd did not write)."""
+    from ckptd.archive.upload import archiver_for_plan
+
+    archivers = {r.path: archiver_for_plan(r, state_dir) for r in roots if r.archive is not None}
+    if not archivers:
+        return plan
+    out = []
+    for d in plan.decisions:
+        archiver = archivers.get(d.checkpoint.root)
+        if archiver is None or d.action not in (Action.DELETE, Action.SLIM):
+            out.append(d)
+            continue
+        why = archiver.problem(d.checkpoint, dry_run=True)
+        if why is None:
+            note = f"archived to {archiver.store.url} first, verified"
+            out.append(Decision(d.checkpoint, d.action, (*d.reasons, note), d.protected, d.metric, d.metric_source))
+        else:
+            out.append(Decision(d.checkpoint, Action.KEEP, (*d.reasons, f"kept: {why}"), True, d.metric,
+                                d.metric_source))
+    return Plan(tuple(out), plan.warnings)

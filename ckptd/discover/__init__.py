@@ -1,0 +1,1 @@
+"""Finding runs under a root and recognising their checkpoints. Reads only."""

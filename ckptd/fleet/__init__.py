@@ -1,0 +1,1 @@
+"""One deleter per root: the local root lock, the volume lease and its record, the engine backends."""

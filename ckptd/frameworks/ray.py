@@ -1,0 +1,183 @@
+"""Ray Train (2.x, the default "v2" trainers): `checkpoint_<date>_<time>/` directories and the run's snapshot.
+
+The save contract, from Ray 2.60's own code:
+
+- A worker's `ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))` copies the checkpoint's
+  files into the run directory `<storage_path>/<name>/checkpoint_%Y-%m-%d_%H-%M-%S.%f/`
+  (ray/train/v2/_internal/execution/storage.py `make_default_checkpoint_dir_name`, `persist_current_checkpoint`:
+  `create_dir`, then `_pyarrow_fs_copy_files` file by file, in place; no marker, no rename). The files are
+  the user's own: Ray writes none of its own into the checkpoint, so nothing inside it says it is finished.
+- Afterwards the controller registers it (checkpoint_manager.py `CheckpointManager.register_checkpoint`) and
+  writes the run's `checkpoint_manager_snapshot.json` beside the checkpoints (`_write_state_to_storage`,
+  rewritten in place): `checkpoint_results` (each `checkpoint_dir_name` with the metrics reported with it),
+  `latest_checkpoint_result`. That record is the commit: a checkpoint it does not name was never
+  registered (a copy killed midway, or one still being copied or not yet registered), and Ray's restore does
+  not know it. So: complete exactly when the snapshot names it.
+- Ray's restore (the same `RunConfig(storage_path, name)` launched again) loads the snapshot
+  (`_maybe_load_state_from_storage`), hands `latest_checkpoint_result` to `ray.train.get_checkpoint()`, and
+  refuses the whole run (`_assert_checkpoints_exist`: CheckpointManagerInitializationError, "a reference to a
+  checkpoint that does not exist anymore") when any checkpoint the snapshot lists is gone. So every
+  checkpoint the snapshot lists is a resume pointer's target (`resume_pointers`): ckptd never deletes one.
+- `CheckpointConfig(num_to_keep=K, checkpoint_score_attribute=...)` (`_save_state_and_delete_old_checkpoints`)
+  drops the worst beyond K (by the score, else the oldest), never the latest, from the snapshot *before* it
+  deletes their directories. So what Ray keeps is what its snapshot lists, and ckptd keeps all of that:
+  retention of a Ray run is Ray's own; `keep_*` cannot reproduce it any other way without breaking the
+  restore. A directory Ray dropped from the snapshot but did not finish deleting is not registered: it is
+  incomplete, and kept as every incomplete checkpoint is.
+
+Its order is the time in its name (`unit` "save time": the digits of the name, as microseconds); its metrics
+are those reported with it, read from the snapshot. The older `checkpoint_00000N` names (Ray Tune and the
+pre-2.x trainers, metrics in the trial's result.json) are not recognised here.
+"""
+
+from __future__ import annotations
+
+import calendar
+import json
+import re
+from collections.abc import Callable, Collection
+from pathlib import Path
+
+from ckptd.discover.layouts import Candidate
+from ckptd.frameworks.base import (
+    MAX_TRAINER_STATE_BYTES,
+    Evidence,
+    Framework,
+    Metrics,
+    Save,
+    unreadable_names_all,
+)
+from ckptd.model import Check, Reading, Verdict, as_metric
+from ckptd.volume import volread
+
+LAYOUT = "ray"
+SNAPSHOT = "checkpoint_manager_snapshot.json"  # ray/train/v2/_internal/constants.py
+SAVE_TIME = "save time"  # what a Ray checkpoint's number counts: the microseconds its name's time stands for
+SNAPSHOT_METRICS = "ray checkpoint_manager_snapshot.json"  # where its metrics are read
+_NAME = re.compile(r"checkpoint_(\d{4})-(\d\d)-(\d\d)_(\d\d)-(\d\d)-(\d\d)\.(\d{6})")
+
+
+def name_time(name: str) -> int | None:
+    """The microseconds a `checkpoint_%Y-%m-%d_%H-%M-%S.%f` name stands for (its local time read as UTC:
+    only their order matters), or None."""
+    m = _NAME.fullmatch(name)
+    if m is None:
+        return None
+    y, mo, d, h, mi, s, us = (int(g) for g in m.groups())
+    if not (1 <= mo <= 12 and 1 <= d <= 31 and h < 24 and mi < 60 and s < 62):
+        return None
+    return calendar.timegm((y, mo, d, h, mi, s, 0, 0, 0)) * 1_000_000 + us
+
+
+class Unreadable(Exception):
+    """The snapshot is there but cannot be read or parsed (Ray rewrites it in place: a reader may meet
+    it half-written)."""
+
+
+Listed = tuple[str | None, dict[str, dict[str, object]]]
+
+
+def read_snapshot(run: Path) -> Listed | None:
+    """(the latest's checkpoint_dir_name, {checkpoint_dir_name: its reported metrics} of every
+    checkpoint the run's snapshot lists); None when there is no snapshot. Raises Unreadable."""
+    try:
+        raw = volread.read_bytes(run / SNAPSHOT, MAX_TRAINER_STATE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise Unreadable(f"{SNAPSHOT} cannot be read: {exc.strerror or exc}") from exc
+    if len(raw) > MAX_TRAINER_STATE_BYTES:
+        raise Unreadable(f"{SNAPSHOT} is over {MAX_TRAINER_STATE_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise Unreadable(f"{SNAPSHOT} is not whole JSON ({exc}): being rewritten?") from exc
+    results = doc.get("checkpoint_results") if isinstance(doc, dict) else None
+    if not isinstance(results, list):
+        raise Unreadable(f"{SNAPSHOT} has no checkpoint_results list")
+    latest = doc.get("latest_checkpoint_result")
+    listed: dict[str, dict[str, object]] = {}
+    for r in [latest, *results, *(doc.get("pending_training_results") or [])]:
+        if isinstance(r, dict) and isinstance(name := r.get("checkpoint_dir_name"), str):
+            metrics = r.get("metrics")
+            listed.setdefault(name, metrics if isinstance(metrics, dict) else {})
+    latest_name = latest.get("checkpoint_dir_name") if isinstance(latest, dict) else None
+    return (latest_name if isinstance(latest_name, str) else None), listed
+
+
+class Ray(Framework):
+    layout = LAYOUT
+    # `checkpoint_2026-12-07_17-45-32.517380` is Ray's unless the user's own pattern says otherwise: a
+    # pattern such as `checkpoint_{time}` is asked first (layouts.recognise_by_name), so it keeps its meaning
+    names_first = False
+    named_alone = True  # its contents are the user's: the snapshot, not a file inside, says what it is
+    run_files = (SNAPSHOT,)  # rewritten in place after every registration: the plan notices a rewrite
+
+    def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:
+        if not is_dir or (t := name_time(name)) is None:
+            return None
+        return Candidate(name, t, LAYOUT, True, unit=SAVE_TIME)
+
+    def evidence(self, save: Save) -> Evidence:
+        kind = "ray registration"
+        name = save.cand.name
+        try:
+            listed = read_snapshot(save.run.path)
+        except Unreadable as exc:
+            return Evidence([Check(kind, Verdict.UNKNOWN, str(exc))])
+        if listed is None:
+            return Evidence([Check(kind, Verdict.FAILED, (
+                f"no {SNAPSHOT} beside it: Ray registers a checkpoint there after every worker's files are "
+                "copied; its restore knows none"))])
+        if name not in listed[1]:
+            return Evidence([Check(kind, Verdict.FAILED, (
+                f"not in {SNAPSHOT}: never registered (its copy killed midway, or not finished yet); Ray's "
+                "restore does not know it"))])
+        return Evidence([Check(kind, Verdict.PASSED, f"registered in {SNAPSHOT} (written after its files)")])
+
+    def run_evidence(self, save: Save) -> Check | None:
+        """A save a user's pattern names in a run directory that holds Ray's snapshot (`checkpoint_{time}`
+        over Ray's own names, or a pattern for `report(checkpoint_dir_name=...)`'s): Ray owns that
+        directory, and its registration decides as for its own saves. A copy cut short beside
+        whatever files the pattern requires is not registered, and Ray's restore does not know it."""
+        if save.cand.layout == LAYOUT or SNAPSHOT not in save.run.names:
+            return None
+        return self.evidence(save).checks[0]
+
+    def metrics(self, save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
+        try:
+            listed = read_snapshot(save.run.path)
+        except Unreadable as exc:
+            return (), str(exc)
+        if listed is None or save.cand.name not in listed[1]:
+            return (), f"not in {SNAPSHOT}: Ray keeps the metrics reported with a checkpoint there"
+        out = []
+        for k, v in listed[1][save.cand.name].items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                out.append((str(k), Reading(as_metric(v), SNAPSHOT_METRICS)))
+        return tuple(out), None
+
+    def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:
+        return snapshot_targets(run_path, names)
+
+
+def snapshot_targets(run_path: Path, names: Collection[str]) -> dict[str, str]:
+    """Every checkpoint the run's snapshot lists: Ray's restore resumes from its latest and refuses the
+    run when any listed one is missing. A snapshot that cannot be read or parsed may list any of them."""
+    found: dict[str, str] = {}
+    if SNAPSHOT not in names:
+        return found
+    try:
+        listed = read_snapshot(run_path)
+    except Unreadable as exc:
+        unreadable_names_all(found, [n for n in names if _NAME.fullmatch(n)], f"{exc}; it may list any of them")
+        return found
+    latest, listed_names = listed if listed is not None else (None, {})
+    for name in listed_names:
+        if name in names:
+            found[name] = (f"{SNAPSHOT} (the latest: what Ray's restore resumes from)" if name == latest else
+                           f"{SNAPSHOT} (listed: Ray's restore refuses the run if it is gone)")
+    return found
+
+
+FRAMEWORK = Ray()

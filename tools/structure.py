@@ -1,0 +1,239 @@
+"""The package's structure, measured from its imports and one real `ckptd prune`.
+
+    python -m tools.structure [PACKAGE_DIR]     # default: the ckptd package this checkout imports
+
+Prints:
+- the modules at the package's top (its public faces should be all that sits there);
+- the import circles: strongly connected sets of modules, counting every import (a module's own
+  and those inside functions, which is how a circle is usually held open), and each edge's kind;
+- the floors: a module's floor is one more than the highest floor it imports (a module importing
+  nothing of ckptd is on floor 0), computed on the circles collapsed;
+- the walk from `ckptd prune` to the first rename into the trash: a real prune of `ckptd demo`'s
+  volume, traced with `sys.setprofile`; the ckptd files it passes through, and the calls that
+  climb back up, from a module on a lower floor into one on a higher floor (a callback, an
+  in-function import, or an object handed down).
+
+Reads the source and runs one prune in a temporary directory; changes nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import io
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+def module_name(pkg_dir: Path, path: Path) -> str:
+    rel = path.relative_to(pkg_dir.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(pkg_dir: Path) -> dict[str, dict[str, str]]:
+    """module -> {imported module: 'top' | 'function'} (only modules of the package)."""
+    files = {module_name(pkg_dir, p): p for p in pkg_dir.rglob("*.py") if "__pycache__" not in p.parts}
+    graph: dict[str, dict[str, str]] = {m: {} for m in files}
+    root = pkg_dir.name
+    for mod, path in files.items():
+        tree = ast.parse(path.read_text())
+        is_pkg = path.name == "__init__.py"
+        base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+
+        def visit(node, kind):
+            for child in ast.iter_child_nodes(node):
+                k = kind
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    k = "function"
+                elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                    k = "typing"
+                if isinstance(child, ast.ImportFrom):
+                    target = child.module or ""
+                    if child.level:
+                        up = base[: len(base) - (child.level - 1)]
+                        target = ".".join(up + ([child.module] if child.module else []))
+                    names = [f"{target}.{a.name}" for a in child.names]
+                    for t in [n for n in names if n in files] or [target]:
+                        if t in files and t != mod:
+                            graph[mod].setdefault(t, k)
+                elif isinstance(child, ast.Import):
+                    for a in child.names:
+                        if a.name.split(".")[0] == root:
+                            t = a.name
+                            while t not in files and "." in t:
+                                t = t.rsplit(".", 1)[0]
+                            if t in files and t != mod:
+                                graph[mod].setdefault(t, k)
+                visit(child, k)
+
+        visit(tree, "top")
+    # importing a.b.c runs a/__init__ and a/b/__init__ too; those are not edges of interest
+    return graph
+
+
+def circles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of size > 1 (typing-only edges left out)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+    sys.setrecursionlimit(10000)
+
+    def strong(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w, kind in graph[v].items():
+            if kind == "typing" or _is_parent_package(w, v):
+                continue
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def _is_parent_package(target: str, mod: str) -> bool:
+    # a package's __init__ re-exporting its own modules, and a module importing its package's
+    # __init__, are one unit: not a circle between stages
+    return mod.startswith(target + ".") or target.startswith(mod + ".")
+
+
+def _stage(mod: str, root: str) -> str:
+    parts = mod.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else root
+
+
+def _stage_graph(graph, root):
+    out: dict[str, dict[str, str]] = {}
+    for m, deps in graph.items():
+        out.setdefault(_stage(m, root), {})
+        for d, kind in deps.items():
+            a, b = _stage(m, root), _stage(d, root)
+            if a != b and kind != "typing" and b != root:
+                out[a].setdefault(b, kind)
+                out.setdefault(b, {})
+    return out
+
+
+def floors(graph, comps) -> dict[str, int]:
+    member = {m: i for i, c in enumerate(comps) for m in c}
+    node = lambda m: member.get(m, m)  # noqa: E731
+    dag: dict[object, set] = {}
+    for m, deps in graph.items():
+        for d, kind in deps.items():
+            if kind != "typing" and not _is_parent_package(d, m) and node(d) != node(m):
+                dag.setdefault(node(m), set()).add(node(d))
+    memo: dict[object, int] = {}
+
+    def floor(n):
+        if n not in memo:
+            memo[n] = 0
+            memo[n] = 1 + max((floor(d) for d in dag.get(n, ())), default=-1)
+        return memo[n]
+
+    return {m: floor(node(m)) for m in graph}
+
+
+def walk(pkg_dir: Path) -> list[str]:
+    """Each call (caller's module, callee's module) a real `ckptd prune` of the demo volume makes
+    between ckptd's own functions, up to its first rename into the trash."""
+    sys.path.insert(0, str(pkg_dir.parent))
+    from ckptd.cli import main  # noqa: PLC0415 (the package measured, imported from its own tree)
+
+    tmp = Path(tempfile.mkdtemp(prefix="ckptd-structure-"))
+    with contextlib.redirect_stdout(io.StringIO()):
+        main(["demo", str(tmp / "demo")])
+    config = next((tmp / "demo").glob("*.toml"))
+    os.environ.setdefault("CKPTD_TRASH_GRACE", "0")
+    os.environ["CKPTD_STATE_DIR"] = str(tmp / "state")
+    calls: list[tuple[str, str]] = []
+    prefix = str(pkg_dir) + os.sep
+    done = []
+
+    def ckptd_module(frame):
+        while frame is not None and not frame.f_code.co_filename.startswith(prefix):
+            frame = frame.f_back
+        return None if frame is None else module_name(pkg_dir, Path(frame.f_code.co_filename))
+
+    def profile(frame, event, arg):
+        if done:
+            return
+        if event == "call" and frame.f_code.co_filename.startswith(prefix):
+            callee, caller = ckptd_module(frame), ckptd_module(frame.f_back)
+            if caller is not None:
+                calls.append((caller, callee))
+        elif event == "c_call" and getattr(arg, "__name__", "") in ("rename", "renameat2") and calls:
+            done.append(True)
+
+    sys.setprofile(profile)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+            main(["prune", "-q", "-c", str(config)])
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("package", nargs="?", type=Path, default=Path(__file__).resolve().parents[1] / "ckptd")
+    ap.add_argument("--no-walk", action="store_true", help="skip the traced prune")
+    args = ap.parse_args()
+    pkg = args.package.resolve()
+    graph = imports(pkg)
+    top = sorted(p.name for p in pkg.glob("*.py"))
+    print(f"modules at the top of {pkg.name}/: {len(top)}: {', '.join(top)}")
+    comps = circles(graph)
+    print(f"import circles: {len(comps)}")
+    for c in comps:
+        inner = sorted(f"{a} -> {b} ({k})" for a in c for b, k in graph[a].items() if b in c and not _is_parent_package(b, a))
+        print(f"  {len(c)} modules: {', '.join(c)}")
+        for e in inner:
+            print(f"    {e}")
+    stages = _stage_graph(graph, pkg.name)
+    stage_comps = circles(stages)
+    print(f"circles between stages (sub-packages and top modules): {len(stage_comps)}")
+    for c in stage_comps:
+        print(f"  {', '.join(c)}")
+        for a in c:
+            for b in sorted(b for b in stages[a] if b in c):
+                print(f"    {a} -> {b}: " + ", ".join(sorted(f"{x}->{y}" for x in graph for y in graph[x]
+                                                        if _stage(x, pkg.name) == a and _stage(y, pkg.name) == b
+                                                        and graph[x][y] != "typing"))[:300])
+    fl = floors(graph, comps)
+    print(f"floors: {max(fl.values()) + 1}")
+    if args.no_walk:
+        return
+    calls = walk(pkg)
+    steps = [(a, b) for a, b in calls if a != b]
+    up = [(a, b) for a, b in steps if fl.get(b, 0) > fl.get(a, 0)]
+    files = sorted({m for pair in calls for m in pair})
+    print(f"prune -> first rename: {len(files)} files; {len(set(steps))} distinct calls between files "
+          f"({len(steps)} made), {len(set(up))} of them up a floor ({len(up)} made)")
+    for a, b in sorted(set(up)):
+        print(f"  up: {a} (floor {fl[a]}) -> {b} (floor {fl[b]})")
+
+
+if __name__ == "__main__":
+    main()
