@@ -160,6 +160,9 @@ class Archiver:
         self.failures: dict[str, str] = {}  # rel -> why its last attempt failed
         self.retry_at: dict[str, tuple[float, float]] = {}  # rel -> (not before, the wait that gave)
         self.failing_since: dict[str, float] = {}  # rel -> when its first failed attempt in a row was
+        # rel -> when it was first wanted and not yet archived (a retention that would delete it, or
+        # 'on-complete'); gone once archived or no longer wanted. The metrics' pending checkpoints.
+        self.pending_since: dict[str, float] = {}
         self.uploaded_bytes = 0
         self.throttle = TokenBucket(cfg.max_bandwidth) if cfg.max_bandwidth else None
         # Told each time a part or file is sent (or found whole): (rel, bytes done, bytes in all);
@@ -184,11 +187,14 @@ class Archiver:
         each time) before the next, so a store that is down is not asked at every pass."""
         now = self.clock()
         acting = {d.checkpoint.rel for d in decisions if d.action in (Action.DELETE, Action.SLIM)}  # type: ignore[attr-defined]
-        for c in self.wanted(decisions):
+        wanted = self.wanted(decisions)
+        self.pending_since = {c.rel: self.pending_since.get(c.rel, now) for c in wanted}
+        for c in wanted:
             if now < self.retry_at.get(c.rel, (0.0, 0.0))[0]:
                 continue
             why = self.archive(c, trust_record=c.rel not in acting)
             if why is None:
+                self.pending_since.pop(c.rel, None)
                 self.failures.pop(c.rel, None)
                 self.retry_at.pop(c.rel, None)
                 self.failing_since.pop(c.rel, None)

@@ -81,8 +81,9 @@ class RootSample:
     leader: bool
     runs: tuple[RunSample, ...] = ()
     # [roots.archive], or None: bytes uploaded by this daemon, checkpoints whose last attempt
-    # failed, and how long the oldest of them has been failing (seconds)
-    archive: tuple[int, int, float] | None = None
+    # failed and how long the oldest of them has been failing (seconds), checkpoints waiting for
+    # their archive and how long the oldest of them has waited (seconds)
+    archive: tuple[int, int, float, int, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,9 @@ class Metrics:
             archiver = getattr(getattr(rt, "reaper", None), "archiver", None)
             archive = None if archiver is None else (
                 archiver.uploaded_bytes, len(archiver.failures),
-                max((wall - t for t in archiver.failing_since.values()), default=0.0))
+                max((wall - t for t in archiver.failing_since.values()), default=0.0),
+                len(archiver.pending_since),
+                max((wall - t for t in archiver.pending_since.values()), default=0.0))
             samples.append(
                 RootSample(
                     path=path,
@@ -385,11 +388,18 @@ class _Collector:
                            "Checkpoints whose last attempt to archive failed (kept meanwhile, where required).")
         failing_age = per_root(core.GaugeMetricFamily, "ckptd_archive_oldest_failure_age_seconds",
                                "How long the checkpoint failing to archive longest has been failing (0: none).")
+        pending = per_root(core.GaugeMetricFamily, "ckptd_archive_pending_checkpoints",
+                           "Checkpoints to be archived (before a deletion, or every complete one "
+                           "on-complete) not archived yet.")
+        pending_age = per_root(core.GaugeMetricFamily, "ckptd_archive_oldest_pending_age_seconds",
+                               "How long the checkpoint waiting longest for its archive has waited (0: none).")
         for s in samples:
             if s.archive is not None:
                 uploaded.add_metric([s.path], s.archive[0])
                 failing.add_metric([s.path], s.archive[1])
                 failing_age.add_metric([s.path], s.archive[2])
+                pending.add_metric([s.path], s.archive[3])
+                pending_age.add_metric([s.path], s.archive[4])
         trash_bytes = per_root(
             core.GaugeMetricFamily, "ckptd_trash_bytes",
             "What waits in the root's trash (deleted, restorable, not yet purged), at scrape time.",

@@ -53,4 +53,8 @@ def test_the_daemon_keeps_what_it_cannot_archive_and_status_says_why(tmp_path, s
         assert f'ckptd_archive_uploaded_bytes_total{{root="{root}"}} 0.0' in metrics
         age = next(line for line in metrics.splitlines() if line.startswith("ckptd_archive_oldest_failure_age_seconds{"))
         assert float(age.rsplit(" ", 1)[1]) >= 0
+        # both wait for their archive: retention would delete them, and the store is down
+        assert f'ckptd_archive_pending_checkpoints{{root="{root}"}} 2.0' in metrics
+        waited = next(line for line in metrics.splitlines() if line.startswith("ckptd_archive_oldest_pending_age_seconds{"))
+        assert float(waited.rsplit(" ", 1)[1]) >= float(age.rsplit(" ", 1)[1])
     assert sorted(os.listdir(root / "run")) == ["checkpoint-10", "checkpoint-20", "checkpoint-30"]
