@@ -125,39 +125,12 @@ def settling_now(since: float, quiet: float | None, now: float) -> str:
 
 
 def _lead_and_quiet_lines(root: dict[str, Any], now: float) -> list[str]:
-    """`status`: who deletes here and under which lease; the quiet period, if the mount changed it."""
+    """`status`: who deletes here and under which lease; the archive; the quiet period, if the
+    mount changed it."""
     lines = []
     lead = root.get("leadership")
-    if lead and lead.get("kind") == "volume":
-        holder = lead.get("holder")
-        if holder and not lead.get("released"):
-            left = lead["expires"] - now
-            when = f"expires in {left:.0f}s" if left >= 0 else f"expired {-left:.0f}s ago"
-            who = f"{holder['host']} pid {holder['pid']}" + (" (this ckptd)" if lead["held"] else "")
-            since = lead.get("since")
-            if isinstance(since, int | float) and since > 0:  # when this epoch was taken
-                when += f", taken {format_age(max(0.0, now - since))} ago"
-            text = f"volume lease epoch {lead['epoch']}, held by {who}, {when}"
-        else:
-            text = "volume lease free" + (f" (epoch {lead['epoch']} released)" if holder else "")
-        waiting = f"; {lead['waiting']}" if lead.get("waiting") else ""
-        error = f"; error: {lead['error']}" if lead.get("error") else ""
-        lines.append(f"leadership: {text}{waiting}{error} [{lead['why']}]")
-    elif lead and lead.get("kind") in ("etcd", "kubernetes"):
-        what = "etcd key" if lead["kind"] == "etcd" else "kubernetes Lease"
-        holder = lead.get("holder")
-        if isinstance(holder, dict):
-            who = f"{holder.get('host')} pid {holder.get('pid')}" + (" (this ckptd)" if lead["held"] else "")
-            since = lead.get("since")
-            taken = f", taken {format_age(max(0.0, now - since))} ago" if isinstance(since, int | float) else ""
-            text = f"{what} {lead.get('key')}, token {lead.get('epoch')}, held by {who}{taken}"
-        else:
-            text = f"{what} {lead.get('key')} free"
-        waiting = f"; {lead['waiting']}" if lead.get("waiting") else ""
-        error = f"; error: {lead['error']}" if lead.get("error") else ""
-        lines.append(f"leadership: {text}{waiting}{error} [{lead['why']}]")
-    elif lead:
-        lines.append(f"leadership: local lock {lead['lock']} [{lead['why']}]")
+    if lead:
+        lines.append(_leadership_line(lead, now))
     archive = root.get("archive")
     if archive and archive.get("failed"):
         (rel, why), more = next(iter(archive["failed"].items())), len(archive["failed"]) - 1
@@ -168,4 +141,41 @@ def _lead_and_quiet_lines(root: dict[str, Any], now: float) -> list[str]:
     if quiet is not None and effective is not None and effective != quiet:
         lines.append(f"quiet_period {quiet:g}s, watched as {effective:g}s: {root.get('attribute_cache')}")
     return lines
+
+
+def _leadership_line(lead: dict[str, Any], now: float) -> str:
+    """One line: the lease this root is led under (volume, etcd, kubernetes) or the local lock."""
+    if lead.get("kind") == "volume":
+        text = _volume_lease_text(lead, now)
+    elif lead.get("kind") in ("etcd", "kubernetes"):
+        text = _engine_lease_text(lead, now)
+    else:
+        return f"leadership: local lock {lead['lock']} [{lead['why']}]"
+    waiting = f"; {lead['waiting']}" if lead.get("waiting") else ""
+    error = f"; error: {lead['error']}" if lead.get("error") else ""
+    return f"leadership: {text}{waiting}{error} [{lead['why']}]"
+
+
+def _volume_lease_text(lead: dict[str, Any], now: float) -> str:
+    holder = lead.get("holder")
+    if not holder or lead.get("released"):
+        return "volume lease free" + (f" (epoch {lead['epoch']} released)" if holder else "")
+    left = lead["expires"] - now
+    when = f"expires in {left:.0f}s" if left >= 0 else f"expired {-left:.0f}s ago"
+    who = f"{holder['host']} pid {holder['pid']}" + (" (this ckptd)" if lead["held"] else "")
+    since = lead.get("since")
+    if isinstance(since, int | float) and since > 0:  # when this epoch was taken
+        when += f", taken {format_age(max(0.0, now - since))} ago"
+    return f"volume lease epoch {lead['epoch']}, held by {who}, {when}"
+
+
+def _engine_lease_text(lead: dict[str, Any], now: float) -> str:
+    what = "etcd key" if lead["kind"] == "etcd" else "kubernetes Lease"
+    holder = lead.get("holder")
+    if not isinstance(holder, dict):
+        return f"{what} {lead.get('key')} free"
+    who = f"{holder.get('host')} pid {holder.get('pid')}" + (" (this ckptd)" if lead["held"] else "")
+    since = lead.get("since")
+    taken = f", taken {format_age(max(0.0, now - since))} ago" if isinstance(since, int | float) else ""
+    return f"{what} {lead.get('key')}, token {lead.get('epoch')}, held by {who}{taken}"
 

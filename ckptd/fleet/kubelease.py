@@ -519,11 +519,18 @@ class KubeLeadership:
 
     def release(self) -> None:
         """Stop leading; hand the Lease back (client-go's release: no holder, the transitions
-        kept) so that a standby need not wait for it to expire."""
+        kept) so that a standby need not wait for it to expire, and say so in `engine.json` (a
+        ckptd configured otherwise need not wait for the record to go stale, as etcd's release)."""
         with self._mutex:
             epoch, held = self.epoch, self.held()
             # first: nothing renames from here on
             self.epoch, self.deadline, self.since = None, float("-inf"), None
+            if held and epoch is not None:
+                rec = read_engine_record(self.root)
+                if rec is not None and (rec.get("holder") or {}).get("id") == self.me.id \
+                        and rec.get("epoch") == epoch and rec.get("key") == self.key:
+                    with contextlib.suppress(OSError):
+                        write_engine_record(self.root, {**rec, "released": True})
             if epoch is None or not held or self.renewing is None or self.name is None:
                 self.io.unlock_root()
                 return

@@ -470,9 +470,12 @@ def test_a_local_prune_does_not_delete_while_a_lease_holder_deletes_there(tmp_pa
         a.wait_message(TOOK)
         proc = run_ckptd("prune", "-c", cron)
         assert proc.returncode == 75, proc.stdout + proc.stderr
-        assert f"another ckptd is deleting in {root} (holds {root / '.ckptd' / 'local.lock'})" in proc.stderr
+        # Refused by the live engine record (engine.json names the Lease's holder), which a local
+        # ckptd reads before it takes the root's lock; the lock the holder keeps refuses it too.
+        assert f"leads {root} by kubernetes" in proc.stderr, proc.stderr
+        assert 'this ckptd has leadership = "local"' in proc.stderr, proc.stderr
         assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
-    proc = run_ckptd("prune", "-c", cron)  # the holder gone, the lock with it
+    proc = run_ckptd("prune", "-c", cron)  # the holder gone (its record released), the lock with it
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert listing(root / "job") == ["checkpoint-3"]
 
