@@ -212,3 +212,37 @@ def test_a_local_file_rewritten_to_the_same_crc32c_is_kept(tmp_path, s3):  # noq
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     r = ckptd("prune", "-c", str(cfg), "-q", env={"CKPTD_TRASH_GRACE": "0"}, check=False)
     assert "checkpoint-10" in os.listdir(root / "run"), f"deleted though it differs from its archive: {r.stderr}"
+
+
+ODD = "r +%2F?#&=ü~*'\\"  # a run's name S3 keys and URLs treat specially: space, plus, percent, query, fragment
+
+
+def test_odd_names_archive_verify_and_restore_bit_identical(tmp_path, s3):  # noqa: F811
+    """A run whose name holds characters URLs and S3 listings treat specially: archived under a key
+    that says the same name, verified, deleted, and restored byte for byte."""
+    from ckptd.demo import hf_deepspeed_checkpoint
+
+    root, cfg, bucket = setup(tmp_path, s3, steps=())
+    old = time.time() - 3600
+    for i, step in enumerate((10, 20, 30)):
+        ckpt = hf_deepspeed_checkpoint(root / ODD, step, world=2)
+        # names that differ only where URLs or Unicode normalisation might fold them together
+        for n, name in enumerate(("x+y", "x y", "x%2By", "\u00e9", "e\u0301", "a?b#c")):
+            (ckpt / name).write_bytes(f"{name} {n}".encode() * (n + 1))
+        for d, _, files in os.walk(ckpt, topdown=False):
+            for f in files:
+                os.utime(Path(d, f), (old + i, old + i))
+            os.utime(d, (old + i, old + i))
+    saved = tmp_path / "saved"
+    shutil.copytree(root / ODD / "checkpoint-10", saved)
+    ckptd("prune", "-c", str(cfg), "-q")
+    assert sorted(os.listdir(root / ODD)) == ["checkpoint-30"]
+    keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket)["Contents"]}
+    assert f"archive/{ODD}/checkpoint-10.ckptd-manifest.json" in keys
+    ckptd("restore", f"{ODD}/checkpoint-10", "-c", str(cfg), "--to", str(tmp_path / "back"))
+    back = tmp_path / "back" / "checkpoint-10"
+    for d, _, files in os.walk(saved):
+        for f in files:
+            rel = Path(d, f).relative_to(saved)
+            assert (back / rel).read_bytes() == (saved / rel).read_bytes()
+    assert sum(len(f) for _, _, f in os.walk(back)) == sum(len(f) for _, _, f in os.walk(saved))
