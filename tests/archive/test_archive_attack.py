@@ -246,3 +246,42 @@ def test_odd_names_archive_verify_and_restore_bit_identical(tmp_path, s3):  # no
             rel = Path(d, f).relative_to(saved)
             assert (back / rel).read_bytes() == (saved / rel).read_bytes()
     assert sum(len(f) for _, _, f in os.walk(back)) == sum(len(f) for _, _, f in os.walk(saved))
+
+
+def test_restore_refuses_an_object_changed_in_the_bucket_and_leaves_nothing(tmp_path, s3):  # noqa: F811
+    """An object overwritten after the deletion with other bytes of the same size, claiming the
+    original CRC32C (moto keeps the claim): restore computes the CRC32C itself and refuses, leaving
+    neither the checkpoint nor its temporary directory."""
+    root, cfg, bucket = setup(tmp_path, s3)
+    ckptd("prune", "-c", str(cfg), "-q")
+    client = s3.client()
+    key = "archive/run/checkpoint-10/global_step10/mp_rank_00_model_states.pt"
+    original = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(len(original)), ChecksumAlgorithm="CRC32C",
+                      ChecksumCRC32C=b64(crc32c_raw(original)))
+    (tmp_path / "back").mkdir()
+    r = ckptd("restore", "run/checkpoint-10", "-c", str(cfg), "--to", str(tmp_path / "back"), check=False)
+    assert r.returncode == 74, r.stderr
+    assert os.listdir(tmp_path / "back") == []
+
+
+def test_another_checkpoints_manifest_copied_over_during_the_grace_keeps_it(tmp_path, s3):  # noqa: F811
+    """During the grace, checkpoint-20's manifest is copied over checkpoint-10's, once as it is and
+    once with its run and checkpoint rewritten to say checkpoint-10: the purge puts checkpoint-10
+    back into its run either way (the names differ; the files' identities differ)."""
+    root, cfg, bucket = pruned(tmp_path, s3)
+    client = s3.client()
+    other = client.get_object(Bucket=bucket, Key="archive/run/checkpoint-20.ckptd-manifest.json")["Body"].read()
+    key = "archive/run/checkpoint-10.ckptd-manifest.json"
+    client.put_object(Bucket=bucket, Key=key, Body=other)
+    r = ckptd("trash", "purge", "--now", "-c", str(cfg), env=GRACE)
+    assert "checkpoint-10" in os.listdir(root / "run"), r.stdout + r.stderr
+    ckptd("prune", "-c", str(cfg), "-q", env=GRACE, check=False)  # kept: its archive is not its own
+    assert "checkpoint-10" in os.listdir(root / "run")
+    doc = json.loads(other)
+    doc["checkpoint"] = "checkpoint-10"
+    for f in doc["files"]:
+        f["key"] = f["key"].replace("checkpoint-20", "checkpoint-10")
+    client.put_object(Bucket=bucket, Key=key, Body=json.dumps(doc).encode())
+    r = ckptd("prune", "-c", str(cfg), "-q", env={"CKPTD_TRASH_GRACE": "0"}, check=False)
+    assert "checkpoint-10" in os.listdir(root / "run"), r.stderr
