@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.archive.upload import PAUSE_FIFO_ENV
 from ckptd.layouts import TRASH_DIR
 from tests.archive.test_archive_cli import ckptd, setup
 from tests.support.s3server import s3, s3_server  # noqa: F401  (fixtures)
@@ -285,3 +286,50 @@ def test_another_checkpoints_manifest_copied_over_during_the_grace_keeps_it(tmp_
     client.put_object(Bucket=bucket, Key=key, Body=json.dumps(doc).encode())
     r = ckptd("prune", "-c", str(cfg), "-q", env={"CKPTD_TRASH_GRACE": "0"}, check=False)
     assert "checkpoint-10" in os.listdir(root / "run"), r.stderr
+
+
+def test_the_daemon_killed_mid_upload_then_a_file_rewritten_archives_what_is_there_now(tmp_path, s3):  # noqa: F811
+    """`ckptd run` killed with SIGKILL in the middle of a multipart upload, after it uploaded
+    config.json; config.json is then rewritten in place (same size, its mtime put back). The next
+    daemon sends it again (its CRC32C differs from the object's), and what it deletes restores as
+    the files were when they were deleted, byte for byte."""
+    import select
+
+    from tests.support.daemonproc import DaemonProc
+
+    root, cfg, bucket = setup(tmp_path, s3, shard_size=6 * 1024 * 1024, steps=(10, 20))
+    # the rewrite makes checkpoint-10 settle again: a short quiet period keeps the test short
+    cfg.write_text(cfg.read_text().replace("world_size = 2", 'world_size = 2\nquiet_period = "5s"'))
+    fifo = tmp_path / "hold"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    env = {"CKPTD_TRASH_GRACE": "0"}
+    try:
+        with DaemonProc("-c", cfg, env={**env, PAUSE_FIFO_ENV: str(fifo)}) as daemon:
+            ready, _, _ = select.select([reader], [], [], 120)
+            assert ready, "the daemon never reached the middle of a multipart upload\n" + daemon.dump()
+            assert int(os.read(reader, 64).split()[0]) == daemon.proc.pid
+            daemon.proc.kill()
+            daemon.proc.wait(timeout=30)
+    finally:
+        os.close(reader)
+    keys = {o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])}
+    assert "archive/run/checkpoint-10/config.json" in keys
+    f = root / "run" / "checkpoint-10" / "config.json"
+    st = os.stat(f)
+    new = f.read_bytes().replace(b"roberta", b"ROBERTA")
+    with open(f, "r+b") as out:
+        out.write(new)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    saved = tmp_path / "saved"
+    shutil.copytree(root / "run" / "checkpoint-10", saved)
+    with DaemonProc("-c", cfg, env=env) as daemon:
+        daemon.wait_for(lambda line: "purged" in line.get("message", "") and "checkpoint-10" in line.get("message", ""),
+                        timeout=120)
+    assert "checkpoint-10" not in os.listdir(root / "run")
+    ckptd("restore", "run/checkpoint-10", "-c", str(cfg), "--to", str(tmp_path / "back"))
+    back = tmp_path / "back" / "checkpoint-10"
+    for d, _, files in os.walk(saved):
+        for name in files:
+            rel = Path(d, name).relative_to(saved)
+            assert (back / rel).read_bytes() == (saved / rel).read_bytes(), rel
