@@ -333,3 +333,72 @@ def test_the_daemon_killed_mid_upload_then_a_file_rewritten_archives_what_is_the
         for name in files:
             rel = Path(d, name).relative_to(saved)
             assert (back / rel).read_bytes() == (saved / rel).read_bytes(), rel
+
+
+RENAMEAT = 264  # x86_64
+
+
+def _in_syscall(session: int, syscall: int) -> bool:
+    """Whether a process of `session` (strace's, and what it runs) is inside `syscall` now."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == session:
+            continue
+        try:
+            if os.getsid(int(pid)) != session:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/syscall") as fh:
+                    if fh.read().split(" ", 1)[0] == str(syscall):
+                        return True
+        except OSError:
+            continue
+    return False
+
+
+def _held_at_trash_rename(proc: subprocess.Popen, root: Path, journal: Path, timeout: float) -> str:
+    """Poll (bounded) until the `ckptd` under strace is held in the rename of a checkpoint into
+    the trash: its intent journaled, its decision record in place, the checkpoint still in its
+    run. That checkpoint's name."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _in_syscall(proc.pid, RENAMEAT) and journal.exists():
+            for line in journal.read_text().splitlines():
+                rec = json.loads(line)
+                if rec.get("event") != "trashing":
+                    continue
+                name = os.path.basename(rec["path"])
+                target = os.path.basename(rec["trash"])
+                if (root / "run" / name).exists() and (root / TRASH_DIR / f"{target}%decision").exists() \
+                        and _in_syscall(proc.pid, RENAMEAT):
+                    return name
+        os.sched_yield()
+    raise AssertionError("never held at a rename into the trash")
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="renameat's number is x86_64's")
+def test_the_archive_gone_and_a_file_rewritten_between_the_gate_and_the_rename(tmp_path, s3):  # noqa: F811
+    """`ckptd prune` (trash_grace 0) held by strace at the rename into the trash, just after the
+    gate passed: meanwhile the manifest is deleted from the bucket and a file rewritten in place
+    (same size, mtime put back). The rename goes ahead, but the purge asks again: the checkpoint
+    goes back into its run."""
+    root, cfg, bucket = setup(tmp_path, s3)
+    proc = subprocess.Popen(
+        ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "inject=renameat:delay_enter=2000000",
+         sys.executable, "-m", "ckptd", "prune", "-c", str(cfg), "-q"],
+        env={**os.environ, "CKPTD_TRASH_GRACE": "0"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        ckpt = _held_at_trash_rename(proc, root, tmp_path / "state" / "journal.jsonl", 120)
+        s3.client().delete_object(Bucket=bucket, Key=f"archive/run/{ckpt}.ckptd-manifest.json")
+        f = root / "run" / ckpt / "config.json"
+        st = os.stat(f)
+        data = f.read_bytes()
+        with open(f, "r+b") as out:
+            out.write(data.upper())
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert (root / "run" / ckpt / "config.json").read_bytes() == data.upper(), err
