@@ -43,7 +43,7 @@ def forge_same_crc32c(data: bytes, at: int = 0) -> bytes:
     base = bytearray(data)
     base[at] ^= 0xFF  # the change we want
     fix = at + 4 if at + 8 <= len(base) else at - 4
-    assert 0 <= fix and fix + 4 <= len(base)
+    assert fix >= 0 and fix + 4 <= len(base)
 
     def crc_with(x: int) -> int:
         b = bytearray(base)
@@ -163,7 +163,7 @@ def test_restore_refuses_a_manifest_that_names_another_checkpoint(tmp_path, s3):
     """checkpoint-20's manifest copied over checkpoint-10's: the gate refuses it (it names another
     checkpoint), but `restore run/checkpoint-10` gives back checkpoint-20's files as checkpoint-10,
     'every file verified'."""
-    root, cfg, bucket = pruned(tmp_path, s3)
+    _root, cfg, bucket = pruned(tmp_path, s3)
     client = s3.client()
     other = client.get_object(Bucket=bucket, Key="archive/run/checkpoint-20.ckptd-manifest.json")["Body"].read()
     client.put_object(Bucket=bucket, Key="archive/run/checkpoint-10.ckptd-manifest.json", Body=other)
@@ -176,8 +176,8 @@ def test_restore_refuses_a_manifest_that_names_another_checkpoint(tmp_path, s3):
 @pytest.mark.xfail(strict=True, reason="manifest.parse checks files' paths but not dirs: restore mkdirs ../ outside --to")
 def test_restore_makes_nothing_outside_its_target(tmp_path, s3):  # noqa: F811
     """A manifest's `dirs` are not checked as its files' paths are (manifest.parse): one naming
-    `../../x` makes a directory outside the --to directory."""
-    root, cfg, bucket = pruned(tmp_path, s3)
+    `../../../x` makes a directory outside the --to directory."""
+    _root, cfg, bucket = pruned(tmp_path, s3)
     client = s3.client()
     key = "archive/run/checkpoint-10.ckptd-manifest.json"
     doc = json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
@@ -253,7 +253,7 @@ def test_restore_refuses_an_object_changed_in_the_bucket_and_leaves_nothing(tmp_
     """An object overwritten after the deletion with other bytes of the same size, claiming the
     original CRC32C (moto keeps the claim): restore computes the CRC32C itself and refuses, leaving
     neither the checkpoint nor its temporary directory."""
-    root, cfg, bucket = setup(tmp_path, s3)
+    _root, cfg, bucket = setup(tmp_path, s3)
     ckptd("prune", "-c", str(cfg), "-q")
     client = s3.client()
     key = "archive/run/checkpoint-10/global_step10/mp_rank_00_model_states.pt"
