@@ -454,3 +454,43 @@ def test_the_daemon_killed_after_its_purge_claim_asks_the_archive_again(tmp_path
         daemon.wait_message("state written", timeout=120)
     here = os.listdir(root / "run") + os.listdir(root / TRASH_DIR)
     assert any(ckpt in n for n in here), f"{ckpt} removed with no manifest in the bucket"
+
+
+def _hf_checkpoints(run: Path, steps, mtime: float) -> None:
+    """HF Trainer checkpoints (no DeepSpeed) written by torch's and safetensors' own writers: a
+    tiny model's weights, its AdamW state after a step, the Trainer's state."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ckptd.demo import age, trainer_state
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    for i, step in enumerate(steps):
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        ckpt = run / f"checkpoint-{step}"
+        ckpt.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
+        torch.save(opt.state_dict(), ckpt / "optimizer.pt")
+        torch.save({"lr": 1e-3}, ckpt / "scheduler.pt")
+        torch.save({"python": 1}, ckpt / "rng_state.pth")
+        (ckpt / "config.json").write_text(json.dumps({"model_type": "bert"}))
+        (ckpt / "trainer_state.json").write_text(json.dumps(trainer_state(step, {}, None, run_dir=str(run))))
+        age(ckpt, mtime + i)
+
+
+def test_a_slim_is_archived_whole_first_and_its_optimizer_state_restores(tmp_path, s3):  # noqa: F811
+    """keep_full_last: the older checkpoints are slimmed (their optimizer state removed), each
+    archived whole first; restore gives back the optimizer state byte for byte."""
+    root, cfg, bucket = setup(tmp_path, s3, steps=())
+    _hf_checkpoints(root / "run", (10, 20, 30), time.time() - 3600)
+    cfg.write_text(cfg.read_text().replace("keep_last = 1", "keep_last = 3\nkeep_full_last = 1"))
+    saved = tmp_path / "saved"
+    shutil.copytree(root / "run" / "checkpoint-10", saved)
+    ckptd("prune", "-c", str(cfg), "-q", env={"CKPTD_TRASH_GRACE": "0"})
+    optim = [p for p in saved.rglob("optimizer.pt")]
+    assert optim and not any((root / "run" / "checkpoint-10" / p.relative_to(saved)).exists() for p in optim)
+    ckptd("restore", "run/checkpoint-10", "-c", str(cfg), "--to", str(tmp_path / "back"))
+    for p in optim:
+        assert (tmp_path / "back" / "checkpoint-10" / p.relative_to(saved)).read_bytes() == p.read_bytes()
