@@ -225,3 +225,62 @@ def test_a_dead_volume_leader_whose_clock_ran_ahead_is_replaced(tmp_path):
             raise AssertionError("b never led; status:\n" + st.stdout) from None
     finally:
         stop_all(a, b)
+
+
+def test_a_removed_ckptd_dir_under_a_volume_leader_leaves_one_deleter(tmp_path):
+    """`rm -rf <root>/.ckptd` under a live volume leader with a standby: the record, the epoch
+    claims and the lock files go (the leader's locks stay on unlinked inodes)."""
+    import shutil
+
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+    took = "this ckptd deletes here (volume lease, epoch"
+    a = b = None
+    try:
+        a = DaemonProc("-c", node_config(tmp_path, "a", root))
+        a.wait_message(took)
+        b = DaemonProc("-c", node_config(tmp_path, "b", root))
+        b.wait_message("standby, observing only")
+        shutil.rmtree(root / ".ckptd")
+        for step in range(2, 12):
+            ckpts(root, step)
+            wait_until(lambda: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= step - 1,
+                       30, f"checkpoint-{step - 1} trashed")
+        by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
+        assert not (by_a and by_b), f"both trashed: a {by_a}, b {by_b}\n" + b.dump() + "\n---\n" + a.dump()
+    finally:
+        stop_all(a, b)
+
+
+def test_a_removed_ckptd_dir_under_a_kube_leader_makes_no_second_lease(tmp_path, kube):
+    """The fake Lease API (tests/support/fakekube.py). The leader pauses (SIGSTOP) for a few seconds,
+    well inside its 10 s Lease, to hold open the window between the removal and its next renewal."""
+    import shutil
+
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+
+    def config(name):
+        path = kube_config(tmp_path, name, root, kube.kubeconfig)
+        path.write_text(path.read_text().replace("lease_duration = '2.0s'", "lease_duration = '10s'"))
+        return path
+
+    took = "this ckptd deletes here (kubernetes, token"
+    a = c = None
+    try:
+        a = DaemonProc("-c", config("a"))
+        a.wait_message(took)
+        a.signal(signal.SIGSTOP)
+        wait_stopped(a.proc.pid)
+        shutil.rmtree(root / ".ckptd")
+        c = DaemonProc("-c", config("c"))
+        c.wait_message("standby, observing only")
+        a.signal(signal.SIGCONT)
+        record = root / ".ckptd" / "engine.json"
+        wait_until(lambda: record.exists() and json.loads(record.read_text())["holder"]["pid"] == a.proc.pid,
+                   30, "a to write its record again")
+        ckpts(root, 2)
+        a.wait_message("deleted job/checkpoint-1", timeout=30)
+        assert not [m for m in c.lines if took in m.get("message", "")], c.dump()
+    finally:
+        stop_all(a, c)
