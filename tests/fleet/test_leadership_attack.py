@@ -284,3 +284,32 @@ def test_a_removed_ckptd_dir_under_a_kube_leader_makes_no_second_lease(tmp_path,
         assert not [m for m in c.lines if took in m.get("message", "")], c.dump()
     finally:
         stop_all(a, c)
+
+
+@pytest.mark.parametrize("first", ["etcd", "kubernetes"])
+def test_an_etcd_node_and_a_kube_node_on_one_root_never_both_delete(tmp_path, etcd, kube, first):  # noqa: F811
+    """The fake Lease API (tests/support/fakekube.py) beside a real etcd."""
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+    configs = {"etcd": lambda name: etcd_config(tmp_path, name, root, etcd.endpoints),
+               "kubernetes": lambda name: kube_config(tmp_path, name, root, kube.kubeconfig)}
+    second = "kubernetes" if first == "etcd" else "etcd"
+    a = b = None
+    try:
+        a = DaemonProc("-c", configs[first]("a"))
+        a.wait_message(f"this ckptd deletes here ({first}, token")
+        b = DaemonProc("-c", configs[second]("b"))
+        b.wait_message("standby, observing only")
+        for step in range(2, 8):
+            ckpts(root, step)
+            wait_until(lambda: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= step - 1,
+                       30, f"checkpoint-{step - 1} trashed")
+        assert trashed(tmp_path / "b") == [], b.dump()
+        # The first is killed: its record goes stale and the other takes the root.
+        a.proc.kill()
+        a.proc.wait(30)
+        b.wait_message(f"this ckptd deletes here ({second}, token", timeout=30)
+        ckpts(root, 8)
+        b.wait_message("deleted job/checkpoint-7", timeout=30)
+    finally:
+        stop_all(a, b)
