@@ -313,3 +313,47 @@ def test_an_etcd_node_and_a_kube_node_on_one_root_never_both_delete(tmp_path, et
         b.wait_message("deleted job/checkpoint-7", timeout=30)
     finally:
         stop_all(a, b)
+
+
+@pytest.mark.parametrize("backends", [("volume", "volume"), ("etcd", "volume"), ("etcd", "etcd")])
+def test_file_times_in_lease_dir_jumping_leave_one_deleter(tmp_path, etcd, backends):  # noqa: F811
+    """Clock jumps as the files show them: every name in <root>/.ckptd/ set a day back, then a day
+    ahead, over and over (os.utime), while a leader and a standby run."""
+    import os
+
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+
+    def config(kind, name):
+        return etcd_config(tmp_path, name, root, etcd.endpoints) if kind == "etcd" else node_config(tmp_path, name, root)
+
+    stop = threading.Event()
+
+    def storm() -> None:
+        flip = 1
+        while not stop.wait(0.02):
+            flip = -flip
+            for p in (root / ".ckptd").glob("*"):
+                try:
+                    t = time.time() + flip * 86400
+                    os.utime(p, (t, t))
+                except OSError:
+                    pass
+
+    a = b = None
+    jumper = threading.Thread(target=storm, daemon=True)
+    try:
+        a = DaemonProc("-c", config(backends[0], "a"))
+        a.wait_message("this ckptd deletes here")
+        b = DaemonProc("-c", config(backends[1], "b"))
+        b.wait_message("standby, observing only")
+        jumper.start()
+        for step in range(2, 10):
+            ckpts(root, step)
+            wait_until(lambda: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= step - 1,
+                       30, f"checkpoint-{step - 1} trashed")
+        by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
+        assert not (by_a and by_b), f"both trashed: a {by_a}, b {by_b}\n" + b.dump() + "\n---\n" + a.dump()
+    finally:
+        stop.set()
+        stop_all(a, b)
