@@ -357,3 +357,31 @@ def test_file_times_in_lease_dir_jumping_leave_one_deleter(tmp_path, etcd, backe
     finally:
         stop.set()
         stop_all(a, b)
+
+
+def test_two_kube_api_servers_on_one_root_never_lead_side_by_side(tmp_path, kube):
+    """Two fake Lease APIs (tests/support/fakekube.py), as two clusters sharing one volume while
+    a fleet moves: the same Lease name on each."""
+    from tests.support.fakekube import FakeKube
+
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+    (tmp_path / "kube2").mkdir()
+    other = FakeKube(tmp_path / "kube2")
+    other.start()
+    took = "this ckptd deletes here (kubernetes, token"
+    a = b = None
+    try:
+        a = DaemonProc("-c", kube_config(tmp_path, "a", root, kube.kubeconfig))
+        a.wait_message(took)
+        b = DaemonProc("-c", kube_config(tmp_path, "b", root, other.kubeconfig))
+        b.wait_message("standby, observing only")
+        for step in range(2, 10):
+            ckpts(root, step)
+            wait_until(lambda: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= step - 1,
+                       30, f"checkpoint-{step - 1} trashed")
+        assert trashed(tmp_path / "b") == [], b.dump()
+        assert not [m for m in b.lines if took in m.get("message", "")], b.dump()
+    finally:
+        stop_all(a, b)
+        other.stop()
