@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from bench.etcdcluster import Cluster
-from tests.fleet.test_etcd import D, etcd_config, stop_all
+from tests.fleet.test_etcd import etcd_config, stop_all
+from tests.fleet.test_kubernetes import kube, kube_config  # noqa: F401 (the fixture)
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
 from tests.support.etcd import etcd  # noqa: F401 (the fixture)
-from tests.fleet.test_kubernetes import kube, kube_config  # noqa: F401 (the fixture)
 from tests.support.nodes import ckpts, listing, node_config, trashed, wait_stopped
 
 TOOK = "this ckptd deletes here (etcd, token"
@@ -59,7 +59,7 @@ def test_two_etcd_clusters_on_one_root_never_lead_side_by_side(tmp_path, etcd): 
         # as a runs. New checkpoints arrive one by one; only one process may ever trash them.
         for step in range(2, 14):
             ckpts(root, step)
-            wait_until(lambda: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= step - 1,
+            wait_until(lambda n=step - 1: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= n,
                        30, f"checkpoint-{step - 1} trashed")
         by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
         assert not (by_a and by_b), f"both trashed: a {by_a}, b {by_b}\n" + b.dump() + "\n---\n" + a.dump()
@@ -71,8 +71,9 @@ def test_two_etcd_clusters_on_one_root_never_lead_side_by_side(tmp_path, etcd): 
 
 def bump_revision(endpoint: str, n: int) -> None:
     """Write `n` keys: etcd's revision goes up by `n` (a busy cluster's revision is in the millions)."""
-    from etcd3gw.client import Etcd3Client
     from urllib.parse import urlsplit
+
+    from etcd3gw.client import Etcd3Client
 
     parts = urlsplit(endpoint)
     client = Etcd3Client(host=parts.hostname, port=parts.port, api_path="/v3/")
@@ -179,7 +180,7 @@ def test_volume_lease_successor_that_dies_after_passing_over_a_frozen_leader_is_
     "as with etcd: kubelease._take_root_lock passes over local.lock only when its holder is the "
     "Lease's lapsed holder (the dead successor), and the frozen first leader holds it; c's status "
     "blames a ckptd with leadership = local"))
-def test_kube_successor_that_dies_after_passing_over_a_frozen_leader_is_replaced(tmp_path, kube):
+def test_kube_successor_that_dies_after_passing_over_a_frozen_leader_is_replaced(tmp_path, kube):  # noqa: F811
     """The fake Lease API (tests/support/fakekube.py: no API server can run here)."""
     kubeconfig = kube.kubeconfig
 
@@ -244,7 +245,7 @@ def test_a_removed_ckptd_dir_under_a_volume_leader_leaves_one_deleter(tmp_path):
         shutil.rmtree(root / ".ckptd")
         for step in range(2, 12):
             ckpts(root, step)
-            wait_until(lambda: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= step - 1,
+            wait_until(lambda n=step - 1: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= n,
                        30, f"checkpoint-{step - 1} trashed")
         by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
         assert not (by_a and by_b), f"both trashed: a {by_a}, b {by_b}\n" + b.dump() + "\n---\n" + a.dump()
@@ -252,7 +253,7 @@ def test_a_removed_ckptd_dir_under_a_volume_leader_leaves_one_deleter(tmp_path):
         stop_all(a, b)
 
 
-def test_a_removed_ckptd_dir_under_a_kube_leader_makes_no_second_lease(tmp_path, kube):
+def test_a_removed_ckptd_dir_under_a_kube_leader_makes_no_second_lease(tmp_path, kube):  # noqa: F811
     """The fake Lease API (tests/support/fakekube.py). The leader pauses (SIGSTOP) for a few seconds,
     well inside its 10 s Lease, to hold open the window between the removal and its next renewal."""
     import shutil
@@ -302,7 +303,7 @@ def test_an_etcd_node_and_a_kube_node_on_one_root_never_both_delete(tmp_path, et
         b.wait_message("standby, observing only")
         for step in range(2, 8):
             ckpts(root, step)
-            wait_until(lambda: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= step - 1,
+            wait_until(lambda n=step - 1: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= n,
                        30, f"checkpoint-{step - 1} trashed")
         assert trashed(tmp_path / "b") == [], b.dump()
         # The first is killed: its record goes stale and the other takes the root.
@@ -350,7 +351,7 @@ def test_file_times_in_lease_dir_jumping_leave_one_deleter(tmp_path, etcd, backe
         jumper.start()
         for step in range(2, 10):
             ckpts(root, step)
-            wait_until(lambda: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= step - 1,
+            wait_until(lambda n=step - 1: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= n,
                        30, f"checkpoint-{step - 1} trashed")
         by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
         assert not (by_a and by_b), f"both trashed: a {by_a}, b {by_b}\n" + b.dump() + "\n---\n" + a.dump()
@@ -359,7 +360,7 @@ def test_file_times_in_lease_dir_jumping_leave_one_deleter(tmp_path, etcd, backe
         stop_all(a, b)
 
 
-def test_two_kube_api_servers_on_one_root_never_lead_side_by_side(tmp_path, kube):
+def test_two_kube_api_servers_on_one_root_never_lead_side_by_side(tmp_path, kube):  # noqa: F811
     """Two fake Lease APIs (tests/support/fakekube.py), as two clusters sharing one volume while
     a fleet moves: the same Lease name on each."""
     from tests.support.fakekube import FakeKube
@@ -378,7 +379,7 @@ def test_two_kube_api_servers_on_one_root_never_lead_side_by_side(tmp_path, kube
         b.wait_message("standby, observing only")
         for step in range(2, 10):
             ckpts(root, step)
-            wait_until(lambda: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= step - 1,
+            wait_until(lambda n=step - 1: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= n,
                        30, f"checkpoint-{step - 1} trashed")
         assert trashed(tmp_path / "b") == [], b.dump()
         assert not [m for m in b.lines if took in m.get("message", "")], b.dump()
