@@ -408,3 +408,48 @@ def test_a_prune_on_another_etcd_cluster_does_not_delete_beside_a_live_etcd_lead
             assert proc.returncode == 75, proc.stdout + proc.stderr
     finally:
         other.stop()
+
+
+@pytest.mark.parametrize("engine", ["etcd", "kubernetes"])
+def test_a_woken_engine_ex_leader_s_late_rename_of_a_pinned_checkpoint_is_moved_back(tmp_path, etcd, kube, engine):  # noqa: F811
+    """The etcd leader (or the fake Lease API's, tests/support/fakekube.py) stopped between its fence and its rename (tests/support/stopfault.py: the
+    window is microseconds wide), checkpoint-1 pinned meanwhile, b takes over on etcd; a runs again
+    and renames: its after-check must move it back, and b must never trash or purge it."""
+    import os
+    import sys
+
+    from ckptd.layouts import PIN_FILE, TRASH_DIR
+
+    root = tmp_path / "vol"
+    ckpts(root, 1, 2)
+
+    def config(name):
+        if engine == "etcd":
+            return etcd_config(tmp_path, name, root, etcd.endpoints)
+        return kube_config(tmp_path, name, root, kube.kubeconfig)
+
+    fifos = tmp_path / "fifos"
+    fifos.mkdir()
+    os.mkfifo(fifos / "before")
+    a = DaemonProc("-c", config("a"),
+                   command=[sys.executable, "-m", "tests.support.stopfault"],
+                   env={"CKPTD_TEST_FENCE_FIFOS": str(fifos)})
+    b = None
+    try:
+        a.wait_message("waiting at the fence before a rename")
+        a.signal(signal.SIGSTOP)
+        wait_stopped(a.proc.pid)
+        (root / "job" / "checkpoint-1" / PIN_FILE).touch()
+        b = DaemonProc("-c", config("b"))
+        b.wait_message(f"this ckptd deletes here ({engine}, token", timeout=60)
+        b.wait_message("decide keep job/checkpoint-1: pinned")
+        a.signal(signal.SIGCONT)
+        with open(fifos / "before", "wb") as fifo:
+            fifo.write(b"go\n")
+        a.wait_message("without the lease", timeout=30)
+    finally:
+        stop_all(a, b)
+    assert listing(root / "job") == ["checkpoint-1", "checkpoint-2"], a.dump()
+    assert (root / "job" / "checkpoint-1" / PIN_FILE).exists()
+    assert os.listdir(root / TRASH_DIR) == []
+    assert trashed(tmp_path / "b") == []
