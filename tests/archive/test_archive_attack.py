@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.archive.upload import PAUSE_FIFO_ENV
-from ckptd.layouts import TRASH_DIR
+from ckptd.discover.layouts import TRASH_DIR
 from tests.archive.test_archive_cli import ckptd, setup
 from tests.support.s3server import s3, s3_server  # noqa: F401  (fixtures)
 
@@ -221,7 +221,7 @@ ODD = "r +%2F?#&=ü~*'\\"  # a run's name S3 keys and URLs treat specially: spac
 def test_odd_names_archive_verify_and_restore_bit_identical(tmp_path, s3):  # noqa: F811
     """A run whose name holds characters URLs and S3 listings treat specially: archived under a key
     that says the same name, verified, deleted, and restored byte for byte."""
-    from ckptd.demo import hf_deepspeed_checkpoint
+    from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 
     root, cfg, bucket = setup(tmp_path, s3, steps=())
     old = time.time() - 3600
@@ -462,7 +462,7 @@ def _hf_checkpoints(run: Path, steps, mtime: float) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from ckptd.demo import age, trainer_state
+    from ckptd.cli.demo_volume import age, trainer_state
 
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.AdamW(model.parameters())

@@ -418,7 +418,7 @@ def test_a_woken_engine_ex_leader_s_late_rename_of_a_pinned_checkpoint_is_moved_
     import os
     import sys
 
-    from ckptd.layouts import PIN_FILE, TRASH_DIR
+    from ckptd.discover.layouts import PIN_FILE, TRASH_DIR
 
     root = tmp_path / "vol"
     ckpts(root, 1, 2)
