@@ -112,8 +112,10 @@ def test_metrics_after_a_prune(pruned):
     assert m[("ckptd_checkpoint_completion_seconds_count", frozenset())] == 1
     # Both ends are sampled at the end of a tick: the first sighting's tick may have had more work
     # after its look (a watch added, the trash's entries judged again at their purge) than the
-    # completing one, so anything from a few milliseconds to well under a minute is fine.
-    assert 0 < m[("ckptd_checkpoint_completion_seconds_sum", frozenset())] < 30
+    # completing one, so anything from a few milliseconds to well under a minute is fine; and a
+    # checkpoint first seen by the tick that finds it complete (its save ended within one look)
+    # counts 0 (seen once in a full run on a busy machine).
+    assert 0 <= m[("ckptd_checkpoint_completion_seconds_sum", frozenset())] < 30
     assert m[("ckptd_checkpoint_completion_seconds_bucket", frozenset({"le": "1.0"}.items()))] == 1
     assert at_root("ckptd_oldest_incomplete_checkpoint_age_seconds") == 0
     assert at_root("ckptd_rescans_total") == 0
