@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator
 
-from ckptd.config.units import Size, _format_size_exact, parse_size
+from ckptd.config.units import Size, format_size_exact, parse_size
 
 # S3's own bounds on a multipart upload's parts (all but the last): 5 MiB to 5 GiB.
 MIN_PART = 5 * 1024**2
@@ -28,7 +28,7 @@ def _parse_rate(value: Any) -> int:
     return rate
 
 
-Rate = Annotated[int, BeforeValidator(_parse_rate), PlainSerializer(lambda n: f"{_format_size_exact(n)}/s")]
+Rate = Annotated[int, BeforeValidator(_parse_rate), PlainSerializer(lambda n: f"{format_size_exact(n)}/s")]
 
 
 class Archive(BaseModel):

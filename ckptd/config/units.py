@@ -102,7 +102,7 @@ def format_size(size: float) -> str:
     return f"{int(size)}B"
 
 
-def _format_size_exact(size: int) -> str:
+def format_size_exact(size: int) -> str:
     for unit in ("PiB", "TiB", "GiB", "MiB", "KiB"):
         n = _SIZE_UNITS[unit.lower()]
         if size >= n and size % n == 0:
@@ -124,7 +124,7 @@ class FreeSpace(BaseModel):
         return self.bytes
 
     def __str__(self) -> str:
-        return f"{self.percent:g}%" if self.percent is not None else _format_size_exact(self.bytes or 0)
+        return f"{self.percent:g}%" if self.percent is not None else format_size_exact(self.bytes or 0)
 
 
 def parse_free_space(value: Any) -> FreeSpace:
@@ -142,7 +142,7 @@ def parse_free_space(value: Any) -> FreeSpace:
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(format_duration)]
-Size = Annotated[int, BeforeValidator(parse_size), PlainSerializer(_format_size_exact)]
+Size = Annotated[int, BeforeValidator(parse_size), PlainSerializer(format_size_exact)]
 FreeSpaceFloor = Annotated[FreeSpace, BeforeValidator(parse_free_space), PlainSerializer(str)]
 
 

@@ -510,7 +510,7 @@ def unmatched_paths(root: Root, ckpt_rels: list[str], run_rels: list[str]) -> li
     return out
 
 
-# What the evidence says about ranks (evidence.py: `_rank_files` with a configured world size, the
+# What the evidence says about ranks (evidence.py: `rank_files` with a configured world size, the
 # DeepSpeed census's origin): "rng_state_4.pth missing (4/8 ranks)", "(dp_world_size=4,
 # mp_world_size=1 from mp_rank_00_model_states.pt)".
 _RANKS_SHORT = re.compile(r" missing \((\d+)/(\d+) ranks\)$")

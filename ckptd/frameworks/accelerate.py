@@ -19,12 +19,12 @@ from ckptd.frameworks.base import (
     Framework,
     Remembered,
     Save,
-    _known_world,
-    _rank_files,
     files_whole,
+    known_world,
+    rank_files,
     read_now,
 )
-from ckptd.frameworks.deepspeed import _DS_FILE, _deepspeed_tag_dirs
+from ckptd.frameworks.deepspeed import DS_FILE, deepspeed_tag_dirs
 from ckptd.model import Check, Entry, Verdict
 from ckptd.volume import volread
 
@@ -48,7 +48,7 @@ _ACCELERATE_BEFORE = re.compile(r"(?:optimizer|scheduler|sampler)(?:_\d+)?\.(?:b
 
 
 def _before_random_states(rel: str) -> bool:
-    return bool(_ACCELERATE_BEFORE.fullmatch(rel) or ("/" in rel and _DS_FILE.fullmatch(rel)))
+    return bool(_ACCELERATE_BEFORE.fullmatch(rel) or ("/" in rel and DS_FILE.fullmatch(rel)))
 
 
 # save_accelerator_state (accelerate checkpointing.py) writes one file per prepared object:
@@ -104,7 +104,7 @@ def _object_files(files: Mapping[str, Entry]) -> tuple[Check, frozenset[str]]:
 _PICKLES = re.compile(r"(?:random_states|custom_checkpoint)_\d+\.pkl")
 
 
-def _pickle_problem(path: Path, size: int) -> str | None:
+def pickle_problem(path: Path, size: int) -> str | None:
     if size == 0:
         return "is empty"
     with volread.open_file(path) as f:
@@ -119,7 +119,7 @@ def _pickle_problem(path: Path, size: int) -> str | None:
 def _pickles_check(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> Check:
     name = "accelerate pickles"
     rels = sorted(rel for rel, e in files.items() if e.kind == "f" and _PICKLES.fullmatch(rel))
-    failed = files_whole(name, path, files, rels, _pickle_problem, "load_state cannot restore it", remembered)
+    failed = files_whole(name, path, files, rels, pickle_problem, "load_state cannot restore it", remembered)
     return failed or Check(name, PASSED, f"{len(rels)} whole" if rels else "none")
 
 
@@ -144,12 +144,12 @@ class Accelerate(Framework):
 
     def evidence(self, save: Save) -> Evidence:
         files = save.files
-        checks = [save.deepspeed(d)[0] for d in _deepspeed_tag_dirs(files)]  # under DeepSpeed: pytorch_model/
-        world = _known_world(save.world_size, save.mp_world_size)
-        rank_check, ranks = _rank_files(files, _RANDOM_STATES, world)
+        checks = [save.deepspeed(d)[0] for d in deepspeed_tag_dirs(files)]  # under DeepSpeed: pytorch_model/
+        world = known_world(save.world_size, save.mp_world_size)
+        rank_check, ranks = rank_files(files, _RANDOM_STATES, world)
         checks.append(rank_check)
         checks.append(copyin.copy_leftovers(files))
-        tags = _deepspeed_tag_dirs(files)
+        tags = deepspeed_tag_dirs(files)
         checks.append(hfweights.weights_check(save.path, files, who="accelerate", tags=tags))
         if (order := hfweights.weights_order(files, "random_states_0.pkl", "accelerate", tags)) is not None:
             checks.append(order)
@@ -159,10 +159,10 @@ class Accelerate(Framework):
         return Evidence(checks, ranks, kinds=kinds)
 
     def tags(self, files: Mapping[str, Entry]) -> list[str]:
-        return _deepspeed_tag_dirs(files)
+        return deepspeed_tag_dirs(files)
 
     def save_file(self, rel: str) -> bool:
-        return bool(_ACCELERATE_FILE.fullmatch(rel) or _DS_FILE.fullmatch(rel))
+        return bool(_ACCELERATE_FILE.fullmatch(rel) or DS_FILE.fullmatch(rel))
 
     def written_before(self, rel: str) -> Callable[[str], bool] | None:
         return _before_random_states if _RANDOM_STATES.fullmatch(rel) else None

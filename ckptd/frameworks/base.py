@@ -309,12 +309,12 @@ MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # JSON a framework writes (trainer_s
 MAX_POINTER_BYTES = 4096
 
 
-def _known_world(world_size: int | None, mp_world_size: int) -> int | None:
+def known_world(world_size: int | None, mp_world_size: int) -> int | None:
     """Every rank's count from the config (data- times model-parallel), if it says."""
     return world_size * mp_world_size if world_size is not None else None
 
 
-def _rank_files(
+def rank_files(
     files: dict[str, Entry], regex: re.Pattern[str], world: int | None, *, name: str = "random states"
 ) -> tuple[Check, int | None]:
     """Each rank's file, `regex` capturing the rank, in the checkpoint's top directory (or where

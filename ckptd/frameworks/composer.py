@@ -64,7 +64,7 @@ def torch_zip_problem(path: str, size: int) -> str | None:
 
     if size == 0:
         return "empty"
-    if not wholefile._is_zip(path, size):
+    if not wholefile.is_zip(path, size):
         return "not a whole zip archive (torch.save writes its central directory last): a save killed midway?"
     with volread.open_file(path) as f, zipfile.ZipFile(f) as zf:
         names = zf.namelist()

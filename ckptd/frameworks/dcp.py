@@ -26,8 +26,8 @@ from ckptd.frameworks.base import (
     OrderProblems,
     Remembered,
     Save,
-    _known_world,
-    _rank_files,
+    known_world,
+    rank_files,
     read_now,
 )
 from ckptd.frameworks.hfweights import SAFETENSORS_INDEX
@@ -107,7 +107,7 @@ def _rank_metadata(files: dict[str, Entry], d: str, world: int | None) -> tuple[
     prefix = f"{d}/" if d else ""
     regex = re.compile(re.escape(prefix) + _RANK_METADATA.pattern)
     where = f"dcp rank metadata ({d})" if d else "dcp rank metadata"
-    check, ranks = _rank_files(files, regex, world, name=where)
+    check, ranks = rank_files(files, regex, world, name=where)
     if check.verdict is not PASSED:
         return check, ranks
     # A rank writes its data before its metadata: one whose data is here and metadata not is not done
@@ -159,7 +159,7 @@ class DCP(Framework):
     def evidence(self, save: Save) -> Evidence:
         files = save.files
         if ".metadata" not in files and any(_RANK_METADATA.fullmatch(r) for r in files):
-            check, ranks = _rank_metadata(files, "", _known_world(save.world_size, save.mp_world_size))
+            check, ranks = _rank_metadata(files, "", known_world(save.world_size, save.mp_world_size))
             return Evidence([check, *storage_checks(save.path, files, "", save.remembered_file)], ranks)
         storage = storage_checks(save.path, files, "", save.remembered_file)
         return Evidence([_dcp_metadata(files, ""), *storage])

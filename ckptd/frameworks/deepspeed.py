@@ -43,7 +43,7 @@ _NAME = re.compile(r"global_step(\d+)")  # engine.save_checkpoint's default tag:
 
 _OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _ZERO3_MODEL = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
-_DS_FILE = re.compile(r"(?:[^/]+/)?(?:bf16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states\.pt")
+DS_FILE = re.compile(r"(?:[^/]+/)?(?:bf16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states\.pt")
 _MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 
 
@@ -75,7 +75,7 @@ def zero_to_fp32_reads(name: str) -> bool:
     return name.endswith(("model_states.pt", "optim_states.pt"))
 
 
-def _global_step_dirs(files: dict[str, Entry]) -> list[str]:
+def global_step_dirs(files: dict[str, Entry]) -> list[str]:
     return sorted(
         rel
         for rel, e in files.items()
@@ -83,7 +83,7 @@ def _global_step_dirs(files: dict[str, Entry]) -> list[str]:
     )
 
 
-def _deepspeed_tag_dirs(files: dict[str, Entry]) -> list[str]:
+def deepspeed_tag_dirs(files: dict[str, Entry]) -> list[str]:
     """Top-level directories holding DeepSpeed model states (accelerate names its tag `pytorch_model`)."""
     return sorted(
         {rel.partition("/")[0] for rel in files if rel.count("/") == 1 and rel.endswith("model_states.pt")}
@@ -121,7 +121,7 @@ class DeepSpeed(Framework):
         return zero_to_fp32_reads(name)
 
     def save_file(self, rel: str) -> bool:
-        return bool(_DS_FILE.fullmatch(rel))
+        return bool(DS_FILE.fullmatch(rel))
 
     def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:
         return latest_pointer(run_path, names)

@@ -24,13 +24,13 @@ from ckptd.frameworks.base import (
     Framework,
     Remembered,
     Save,
-    _known_world,
-    _rank_files,
     files_whole,
+    known_world,
+    rank_files,
     read_now,
     read_pointer,
 )
-from ckptd.frameworks.deepspeed import _global_step_dirs
+from ckptd.frameworks.deepspeed import global_step_dirs
 from ckptd.judge import verdicts as verdicts_
 from ckptd.model import Check, Entry, TrainerState, Verdict, as_metric
 from ckptd.volume import volread
@@ -94,7 +94,7 @@ def _rng_states(files: dict[str, Entry], world: int | None) -> tuple[Check, int 
         if "rng_state.pth" in files:
             return Check("rng states", PASSED, "rng_state.pth (one process)"), None
         return Check("rng states", PASSED, "none saved"), None
-    return _rank_files(files, _RNG, world, name="rng states")
+    return rank_files(files, _RNG, world, name="rng states")
 
 
 def _deepspeed_latest(path: Path, files: Mapping[str, Entry], remembered: Remembered = read_now) -> Check:
@@ -171,7 +171,7 @@ def _state_files(
 _JSON_PARSED_BYTES = 1024 * 1024
 
 
-def _json_problem(path: Path, size: int) -> str | None:
+def json_problem(path: Path, size: int) -> str | None:
     if size == 0:
         return "is empty"
     try:
@@ -194,7 +194,7 @@ def _json_files(path: Path, files: Mapping[str, Entry], remembered: Remembered =
     name = "trainer json files"
     rels = sorted(rel for rel, e in files.items() if e.kind == "f" and "/" not in rel
                   and rel.endswith(".json") and rel != TRAINER_STATE)
-    failed = files_whole(name, path, files, rels, _json_problem, "from_pretrained raises on it", remembered)
+    failed = files_whole(name, path, files, rels, json_problem, "from_pretrained raises on it", remembered)
     return failed or Check(name, PASSED, f"{len(rels)} JSON files parse" if rels else "no other JSON files")
 
 
@@ -216,17 +216,17 @@ class Trainer(Framework):
         checks = []
         ts_check, trainer_state = save.trainer_state()
         checks.append(ts_check)
-        census = [save.deepspeed(d) for d in _global_step_dirs(files)]
+        census = [save.deepspeed(d) for d in global_step_dirs(files)]
         checks.extend(check for check, _ in census)
         if census:
             checks.append(_deepspeed_latest(save.path, files, save.remembered_file))
         worlds = [w.dp * w.mp for _, w in census if w is not None]
         if not worlds:  # a DDP job's world size, from the config
-            worlds = [w] if (w := _known_world(save.world_size, save.mp_world_size)) else []
+            worlds = [w] if (w := known_world(save.world_size, save.mp_world_size)) else []
         rng_check, ranks = _rng_states(files, worlds[0] if worlds else None)
         checks.append(rng_check)
         checks.append(copyin.copy_leftovers(files))
-        tags = _global_step_dirs(files)
+        tags = global_step_dirs(files)
         checks.append(hfweights.weights_check(save.path, files, who="the Trainer", tags=tags))
         if (order := hfweights.weights_order(files, TRAINER_STATE, "the Trainer", tags)) is not None:
             checks.append(order)
@@ -236,14 +236,14 @@ class Trainer(Framework):
         return Evidence(checks, ranks, trainer_state, kinds)
 
     def tags(self, files: Mapping[str, Entry]) -> list[str]:
-        return _global_step_dirs(files)
+        return global_step_dirs(files)
 
     def slim_keeps(self, name: str) -> bool:
         return name in WEIGHTS_FILES or bool(_SHARDED_WEIGHTS.fullmatch(name)) or name == TRAINER_STATE
 
     def consolidation_source(self, name: str, files: Mapping[str, Entry]) -> tuple[str | None, str | None]:
         """Its one DeepSpeed tag (the Trainer under DeepSpeed saves `global_step<N>/` inside it)."""
-        tags = _global_step_dirs(files)
+        tags = global_step_dirs(files)
         if len(tags) != 1:
             return None, f"{len(tags) or 'no'} global_step directories to consolidate from"
         tag = tags[0]

@@ -17,7 +17,7 @@ from ckptd.discover import layouts
 from ckptd.discover.layouts import Candidate
 from ckptd.frameworks import lightning, megatron
 from ckptd.frameworks.base import Evidence, Framework, Metrics, RunContext, Save
-from ckptd.frameworks.deepspeed import _deepspeed_tag_dirs
+from ckptd.frameworks.deepspeed import deepspeed_tag_dirs
 from ckptd.model import Check, Entry, Verdict
 
 PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
@@ -98,7 +98,7 @@ class NeMo(Framework):
         checks = [_nemo_unfinished(save.run, save.cand)]
         # Lightning's DeepSpeedStrategy: a directory named like the file, the shards in its tag
         # directory `checkpoint/` (save_checkpoint(filepath, tag="checkpoint")): their census.
-        for d in _deepspeed_tag_dirs(files):
+        for d in deepspeed_tag_dirs(files):
             checks.append(save.deepspeed(d)[0])
         lightning_fsdp = lightning._is_lightning_fsdp(save.cand, files)  # DCP's files, Lightning's meta.pt
         if lightning_fsdp:
@@ -109,7 +109,7 @@ class NeMo(Framework):
         return Evidence(checks)
 
     def tags(self, files: Mapping[str, Entry]) -> list[str]:
-        return _deepspeed_tag_dirs(files)  # Lightning's DeepSpeed `<name>.ckpt/checkpoint/`
+        return deepspeed_tag_dirs(files)  # Lightning's DeepSpeed `<name>.ckpt/checkpoint/`
 
     def metrics(self, save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
         return lightning.metrics(save, metric, whole, scores)

@@ -31,9 +31,9 @@ from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
-from ckptd.frameworks.accelerate import _pickle_problem as pickle_problem  # its random_states pickles'
-from ckptd.frameworks.base import Evidence, Framework, Save, _known_world, _rank_files, files_whole
-from ckptd.frameworks.hf import _json_problem as json_problem  # the Trainer's JSON files'
+from ckptd.frameworks.accelerate import pickle_problem  # its random_states pickles'
+from ckptd.frameworks.base import Evidence, Framework, Save, files_whole, known_world, rank_files
+from ckptd.frameworks.hf import json_problem  # the Trainer's JSON files'
 from ckptd.frameworks.hfweights import index_shards
 from ckptd.judge import slim
 from ckptd.model import Check, Entry, Verdict
@@ -159,7 +159,7 @@ def archive_problem(path: Path, size: int) -> str | None:
     finally:
         os.close(fd)
     if head.startswith(_ZIP_MAGIC):
-        return None if wholefile._is_zip(path, size) else (
+        return None if wholefile.is_zip(path, size) else (
             "is a zip archive (torch.save's, whatever its suffix) without its end record: a save killed "
             "midway?")
     if head[_TAR_MAGIC[0]:] == _TAR_MAGIC[1]:
@@ -264,8 +264,8 @@ class UserPattern(Framework):
             checks, ranks = [_required(files, glob) for glob in pattern.require], None
             if pattern.ranks is not None:
                 regex = re.compile(re.escape(pattern.ranks).replace(re.escape("{rank}"), r"(\d+)"))
-                world = _known_world(save.world_size, save.mp_world_size)
-                rank_check, ranks = _rank_files(files, regex, world, name=f"ranks ({pattern.ranks})")
+                world = known_world(save.world_size, save.mp_world_size)
+                rank_check, ranks = rank_files(files, regex, world, name=f"ranks ({pattern.ranks})")
                 checks.append(rank_check)
             return Evidence(checks + formats, ranks)
         named = f"pattern {pattern.name!r} names" if pattern is not None else "it has"

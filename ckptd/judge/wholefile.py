@@ -2,7 +2,7 @@
 
 The engine's file integrity check (`evidence._integrity`) asks `file_problem` of every torch.save
 file (a zip archive, whose directory sits at the end, so a truncated one has no end record at its
-very end: `_is_zip`), every safetensors file (its header's offsets must fit the file), and a
+very end: `is_zip`), every safetensors file (its header's offsets must fit the file), and a
 checkpoint that is itself one archive its framework writes in place (`Framework.whole_file_formats`:
 NeMo's `.nemo` tar). Each reads a few bytes at known offsets, never the whole file. An OSError is
 not a verdict: it passes through, so that the verdict cache (verdicts.py) does not remember it.
@@ -39,7 +39,7 @@ def file_problem(path: str | Path, e: Entry) -> str | None:
         return f": {problem}" if problem else None
     if e.size == 0:
         return " is empty"
-    if not _is_zip(path, e.size):
+    if not is_zip(path, e.size):
         return " is not a complete zip archive (truncated?)"
     return None
 
@@ -52,7 +52,7 @@ _LOCAL = b"PK\x03\x04"  # a member's local header: where a zip writer starts
 _EOCD_SEARCH = 22 + 0xFFFF  # the record, and the longest comment it may carry
 
 
-def _is_zip(path: str | Path, size: int) -> bool:
+def is_zip(path: str | Path, size: int) -> bool:
     """Whether the file ends exactly in a zip's end record, consistent with its central directory.
 
     A file cut off mid-write can still hold a whole zip *inside* it (a tensor whose bytes
