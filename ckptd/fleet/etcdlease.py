@@ -310,9 +310,9 @@ class EtcdLeadership:
         rec = read_engine_record(self.root)
         if rec is not None and not self._same_cluster(rec):
             self._revoke_held()
-            return (f"the volume's record names etcd cluster {rec.get('cluster_id')} (token {rec.get('epoch')}, "
-                    f"{self._who(rec)}), not this ckptd's {self.cluster}: every ckptd on a root must use "
-                    "the same [daemon.etcd] endpoints")
+            return (f"the volume's record names etcd cluster {rec.get('cluster_id')} "
+                    f"(token {rec.get('epoch')}, {self._who(rec)}), not this ckptd's {self.cluster}: "
+                    "every ckptd on a root must use the same [daemon.etcd] endpoints")
         if rec is not None and rec.get("epoch", 0) > self.epoch:
             return f"the volume's record names a later token ({rec.get('epoch')})"
         if (rec is not None and rec.get("epoch") == self.epoch and rec.get("key") == self.key
@@ -369,7 +369,8 @@ class EtcdLeadership:
 
     def _write_record(self) -> None:
         write_engine_record(self.root, {"backend": "etcd", "key": self.key, "volume_id": self.vid,
-                                        "epoch": self.epoch, "cluster_id": self.cluster, "duration": self.duration,
+                                        "epoch": self.epoch, "cluster_id": self.cluster,
+                                        "duration": self.duration,
                                         "holder": asdict(self.me), "since": self.since})
 
     def _volume_id(self) -> str | None:
@@ -417,15 +418,16 @@ class EtcdLeadership:
         if rec is None or self._same_cluster(rec):
             return None
         if engine_record_live(self.root, self.margin) is not None:
-            return (f"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) names etcd cluster {rec.get('cluster_id')}, "
-                    f"led by {self._who(rec)} (token {rec.get('epoch')}), and this ckptd's cluster is "
-                    f"{self.cluster}: every ckptd on a root must use the same [daemon.etcd] endpoints")
+            return (f"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) names etcd cluster "
+                    f"{rec.get('cluster_id')}, led by {self._who(rec)} (token {rec.get('epoch')}), "
+                    f"and this ckptd's cluster is {self.cluster}: every ckptd on a root must use the "
+                    "same [daemon.etcd] endpoints")
         if self._ignored != rec.get("cluster_id"):
             self._ignored = rec.get("cluster_id")
-            log.warning("%s: %s/%s names another etcd cluster (%s, token %s, %s), released or stale: its token "
-                        "is not compared with this cluster's (%s)", self.root, LEASE_DIR, ENGINE_RECORD,
-                        rec.get("cluster_id"), rec.get("epoch"), "released" if rec.get("released") is True
-                        else "stale", self.cluster)
+            log.warning("%s: %s/%s names another etcd cluster (%s, token %s, %s), released or stale: "
+                        "its token is not compared with this cluster's (%s)", self.root, LEASE_DIR,
+                        ENGINE_RECORD, rec.get("cluster_id"), rec.get("epoch"),
+                        "released" if rec.get("released") is True else "stale", self.cluster)
         return None
 
     def _other_key(self) -> str | None:
@@ -464,7 +466,8 @@ class EtcdLeadership:
             holder = (rec or {}).get("holder") or {}
             # The holder's key is absent from etcd (`_try_take` read it) only where the record is of
             # this cluster; another cluster's record is passed over only once it is stale too.
-            gone = rec is not None and (self._same_cluster(rec) or engine_record_live(self.root, self.margin) is None)
+            gone = rec is not None and (self._same_cluster(rec)
+                                        or engine_record_live(self.root, self.margin) is None)
             lapsed = (gone and rec.get("released") is not True and holder.get("id") != self.me.id
                       and (held == {holder.get("pid")} and holder.get("host") == self.me.host
                            or not held and holder.get("host") not in (None, self.me.host)))
@@ -538,7 +541,7 @@ class EtcdLeadership:
             self._revoke(lease_id)
             self.blocked = why
             return
-        if rec is not None and self._same_cluster(rec) and rec.get("epoch", 0) > epoch:  # a later token: never ours
+        if rec is not None and self._same_cluster(rec) and rec.get("epoch", 0) > epoch:  # never ours
             self._unlock_root()
             self._revoke(lease_id)
             self.blocked = f"the volume's record names a later token ({rec.get('epoch')}) than etcd gave ({epoch})"

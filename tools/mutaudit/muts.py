@@ -672,10 +672,10 @@ MUTS = [
  dict(id="EC4", what="etcd: a keepalive that finds the lease gone stands the leader down", tests=[T+"fleet/test_etcd.py"], edits=[("fleet/etcdlease.py",
    "        if ttl <= 0:\n", "        if False:\n")]),
  dict(id="EC10", what="etcd: a live engine.json of another etcd cluster refuses the take", tests=[T+"fleet/test_etcd_clusters.py::test_a_live_record_of_another_cluster_refuses_the_take"], edits=[("fleet/etcdlease.py",
-   "        if engine_record_live(self.root, self.margin) is not None:\n            return (f\"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) names etcd cluster",
-   "        if False:\n            return (f\"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) names etcd cluster")]),
+   "        if engine_record_live(self.root, self.margin) is not None:\n            return (f\"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) names etcd cluster \"",
+   "        if False:\n            return (f\"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) names etcd cluster \"")]),
  dict(id="EC11", what="etcd: a lapsed holder's root lock is passed over only when its record is of this cluster or stale", tests=[T+"fleet/test_leadership_attack.py::test_a_prune_on_another_etcd_cluster_does_not_delete_beside_a_live_etcd_leader"], edits=[("fleet/etcdlease.py",
-   "            gone = rec is not None and (self._same_cluster(rec) or engine_record_live(self.root, self.margin) is None)",
+   "            gone = rec is not None and (self._same_cluster(rec)\n                                        or engine_record_live(self.root, self.margin) is None)",
    "            gone = rec is not None")],
       equivalent="_other_cluster, asked just before, refuses the same live record of another cluster; the two "
                  "differ only where that record is written between the two looks, a window no test here holds open"),
