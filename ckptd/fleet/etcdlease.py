@@ -83,6 +83,7 @@ class Endpoints:
             ))
         self.urls = urls
         self.first = 0
+        self.cluster_id: str | None = None  # etcd's cluster_id, from the last answer's header
 
     def post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         from etcd3gw.exceptions import Etcd3Exception
@@ -100,6 +101,9 @@ class Endpoints:
                 log.debug("etcd %s %s (timeout %.2fs): %s", self.urls[at], path, timeout, problems[-1])
                 continue
             self.first = at
+            header = doc.get("header") if isinstance(doc, dict) else None
+            if isinstance(header, dict) and header.get("cluster_id") is not None:
+                self.cluster_id = str(header["cluster_id"])
             return doc
         raise EtcdUnavailable("; ".join(problems))
 
@@ -197,6 +201,7 @@ class EtcdLeadership:
         self.lock = RootLock(None, root)
         self.passed: tuple[frozenset[int], str] | None = None  # a lapsed leader's lock passed over: pids, who
         self.vid: str | None = None  # the volume id the key is named by, while this process leads
+        self._ignored: Any = None  # another cluster's released or stale record, warned of once
 
     # --- questions ----------------------------------------------------------
 
@@ -303,8 +308,20 @@ class EtcdLeadership:
             return (f"{LEASE_DIR}/{VOLUME_ID} names another volume id ({vid}, not {self.vid}, this "
                     f"ckptd's key {self.key}): it was made anew under this leader")
         rec = read_engine_record(self.root)
+        if rec is not None and not self._same_cluster(rec):
+            self._revoke_held()
+            return (f"the volume's record names etcd cluster {rec.get('cluster_id')} "
+                    f"(token {rec.get('epoch')}, {self._who(rec)}), not this ckptd's {self.cluster}: "
+                    "every ckptd on a root must use the same [daemon.etcd] endpoints")
         if rec is not None and rec.get("epoch", 0) > self.epoch:
             return f"the volume's record names a later token ({rec.get('epoch')})"
+        if (rec is not None and rec.get("epoch") == self.epoch and rec.get("key") == self.key
+                and (rec.get("holder") or {}).get("id") != self.me.id):
+            # One token of one key in one cluster names one holder: another holder there is a
+            # leader this ckptd cannot order itself against; it stands down rather than overwrite it.
+            self._revoke_held()
+            return (f"the volume's record names this ckptd's token {self.epoch} held by {self._who(rec)}: "
+                    "standing down rather than writing over it")
         if rec is not None and (rec.get("key") != self.key or rec.get("epoch") != self.epoch
                                 or (rec.get("holder") or {}).get("id") != self.me.id):
             if rec.get("key") != self.key:
@@ -352,7 +369,8 @@ class EtcdLeadership:
 
     def _write_record(self) -> None:
         write_engine_record(self.root, {"backend": "etcd", "key": self.key, "volume_id": self.vid,
-                                        "epoch": self.epoch, "duration": self.duration,
+                                        "epoch": self.epoch, "cluster_id": self.cluster,
+                                        "duration": self.duration,
                                         "holder": asdict(self.me), "since": self.since})
 
     def _volume_id(self) -> str | None:
@@ -375,6 +393,42 @@ class EtcdLeadership:
                             "next renewal")
             return None
         return volume_id(self.root, create=True)
+
+    @property
+    def cluster(self) -> str | None:
+        return self.renewing.cluster_id
+
+    def _same_cluster(self, rec: dict[str, Any]) -> bool:
+        """Whether `rec` was written under this ckptd's etcd cluster (a record without one, from an
+        earlier ckptd, counts as this cluster's): tokens are etcd revisions, comparable only there."""
+        theirs = rec.get("cluster_id")
+        return theirs is None or self.cluster is None or str(theirs) == self.cluster
+
+    @staticmethod
+    def _who(rec: dict[str, Any]) -> str:
+        holder = rec.get("holder") or {}
+        return f"{holder.get('host')} pid {holder.get('pid')}"
+
+    def _other_cluster(self) -> str | None:
+        """Why not take: the volume's record is live (not released, touched within its duration
+        and margin) and names another etcd cluster (a node given other endpoints: its key is absent
+        from this cluster, its token not comparable with this cluster's). A released or stale record
+        of another cluster (the fleet moved to a new or rebuilt cluster) is passed over, said once."""
+        rec = read_engine_record(self.root)
+        if rec is None or self._same_cluster(rec):
+            return None
+        if engine_record_live(self.root, self.margin) is not None:
+            return (f"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) names etcd cluster "
+                    f"{rec.get('cluster_id')}, led by {self._who(rec)} (token {rec.get('epoch')}), "
+                    f"and this ckptd's cluster is {self.cluster}: every ckptd on a root must use the "
+                    "same [daemon.etcd] endpoints")
+        if self._ignored != rec.get("cluster_id"):
+            self._ignored = rec.get("cluster_id")
+            log.warning("%s: %s/%s names another etcd cluster (%s, token %s, %s), released or stale: "
+                        "its token is not compared with this cluster's (%s)", self.root, LEASE_DIR,
+                        ENGINE_RECORD, rec.get("cluster_id"), rec.get("epoch"),
+                        "released" if rec.get("released") is True else "stale", self.cluster)
+        return None
 
     def _other_key(self) -> str | None:
         """Why not take this key: the volume's record names another key (a node with another
@@ -410,7 +464,11 @@ class EtcdLeadership:
             held = set().union(*lock_holders(self.root, self.lock.root_path))
             rec = read_engine_record(self.root)
             holder = (rec or {}).get("holder") or {}
-            lapsed = (rec is not None and rec.get("released") is not True and holder.get("id") != self.me.id
+            # The holder's key is absent from etcd (`_try_take` read it) only where the record is of
+            # this cluster; another cluster's record is passed over only once it is stale too.
+            gone = rec is not None and (self._same_cluster(rec)
+                                        or engine_record_live(self.root, self.margin) is None)
+            lapsed = (gone and rec.get("released") is not True and holder.get("id") != self.me.id
                       and (held == {holder.get("pid")} and holder.get("host") == self.me.host
                            or not held and holder.get("host") not in (None, self.me.host)))
             if not lapsed:
@@ -446,7 +504,7 @@ class EtcdLeadership:
             if doc.get("kvs"):
                 self._saw(doc["kvs"][0])
                 return
-            why = self._other_key() or self._lock_root()
+            why = self._other_cluster() or self._other_key() or self._lock_root()
             if why is not None:  # another key's live leader, or a ckptd that takes the root's lock
                 self.blocked = why
                 return
@@ -478,7 +536,12 @@ class EtcdLeadership:
             return
         epoch = int(out["header"]["revision"])
         rec = read_engine_record(self.root)
-        if rec is not None and rec.get("epoch", 0) > epoch:  # a later token on the volume: never ours
+        if (why := self._other_cluster()) is not None:  # another cluster's leader wrote it meanwhile
+            self._unlock_root()
+            self._revoke(lease_id)
+            self.blocked = why
+            return
+        if rec is not None and self._same_cluster(rec) and rec.get("epoch", 0) > epoch:  # never ours
             self._unlock_root()
             self._revoke(lease_id)
             self.blocked = f"the volume's record names a later token ({rec.get('epoch')}) than etcd gave ({epoch})"

@@ -38,11 +38,6 @@ def wait_until(pred, timeout: float, what: str) -> None:
         tick.wait(0.05)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "two nodes on one root naming different etcd clusters (same prefix) both take the lead: the key "
-    "names the same, so _other_key sees no conflict, and _lock_root passes over the live leader's "
-    "local.lock as a lapsed one's (its key is absent in this node's cluster); the tokens of two "
-    "clusters are not comparable, so the lead moves between two live processes"))
 def test_two_etcd_clusters_on_one_root_never_lead_side_by_side(tmp_path, etcd):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1)
@@ -81,11 +76,6 @@ def bump_revision(endpoint: str, n: int) -> None:
         client.put(f"/other-app/{i}", "x")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "after etcd is rebuilt (a new cluster, or one restored from an older snapshot) its revisions "
-    "start lower than the token in .ckptd/engine.json, even a released one: _try_take refuses every "
-    "token below the record's ('the volume's record names a later token'), so nobody deletes until "
-    "the new cluster's revision passes the old one (never, on a cluster that was busy)"))
 def test_a_rebuilt_etcd_cluster_elects_a_leader(tmp_path, etcd):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1)
@@ -388,10 +378,6 @@ def test_two_kube_api_servers_on_one_root_never_lead_side_by_side(tmp_path, kube
         other.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a prune whose [daemon.etcd] endpoints name another cluster than the daemon's (same prefix) "
-    "finds the key absent there and passes over the live daemon's local.lock as a lapsed leader's "
-    "(etcdlease._lock_root): it deletes beside a leader that is renewing"))
 def test_a_prune_on_another_etcd_cluster_does_not_delete_beside_a_live_etcd_leader(tmp_path, etcd):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1, 2, 3)
