@@ -139,8 +139,6 @@ def _hold_purge_after_its_claim(cfg: Path, root: Path) -> str:
         proc.wait(timeout=30)
 
 
-@pytest.mark.xfail(strict=True, reason="an entry left `%purging` by a killed purge is removed by the next purge "
-                   "without the archive gate (purge.py _purge_entries skips _not_yet; _claimed left_by_crash)")
 def test_a_purge_killed_after_its_claim_asks_the_archive_again(tmp_path, s3):  # noqa: F811
     """A purge killed (SIGKILL) just after renaming an entry `%purging`, before removing anything
     of it, leaves the checkpoint whole in the trash. Its archive's manifest is then deleted from
@@ -158,7 +156,6 @@ def test_a_purge_killed_after_its_claim_asks_the_archive_again(tmp_path, s3):  #
     assert any(ckpt in n for n in here), f"{ckpt} purged with no manifest in the bucket: {r.stdout}{r.stderr}"
 
 
-@pytest.mark.xfail(strict=True, reason="restore does not check that the manifest names the checkpoint asked for (gate.problem_at does)")
 def test_restore_refuses_a_manifest_that_names_another_checkpoint(tmp_path, s3):  # noqa: F811
     """checkpoint-20's manifest copied over checkpoint-10's: the gate refuses it (it names another
     checkpoint), but `restore run/checkpoint-10` gives back checkpoint-20's files as checkpoint-10,
@@ -173,7 +170,6 @@ def test_restore_refuses_a_manifest_that_names_another_checkpoint(tmp_path, s3):
     assert r.returncode != 0 and got is None, f"restored as checkpoint-10: latest says {got!r}; {r.stdout}"
 
 
-@pytest.mark.xfail(strict=True, reason="manifest.parse checks files' paths but not dirs: restore mkdirs ../ outside --to")
 def test_restore_makes_nothing_outside_its_target(tmp_path, s3):  # noqa: F811
     """A manifest's `dirs` are not checked as its files' paths are (manifest.parse): one naming
     `../../../x` makes a directory outside the --to directory."""
@@ -404,8 +400,6 @@ def test_the_archive_gone_and_a_file_rewritten_between_the_gate_and_the_rename(t
     assert (root / "run" / ckpt / "config.json").read_bytes() == data.upper(), err
 
 
-@pytest.mark.xfail(strict=True, reason="manifest.parse lets json's RecursionError through (it catches ValueError): "
-                   "archive list, latest --archive and restore exit 70 'internal error' on one such manifest")
 def test_one_deeply_nested_manifest_breaks_no_listing(tmp_path, s3):  # noqa: F811
     """A manifest that is JSON nested 100000 deep (written by hand): the gate keeps its checkpoint
     (it cannot be checked), but `archive list` and `latest --archive` die on it with exit 70 and a
@@ -422,8 +416,6 @@ def test_one_deeply_nested_manifest_breaks_no_listing(tmp_path, s3):  # noqa: F8
     assert "checkpoint-20" in listed.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="as test_a_purge_killed_after_its_claim_asks_the_archive_again, for the daemon: "
-                   "a `%purging` entry is finished without the archive gate")
 def test_the_daemon_killed_after_its_purge_claim_asks_the_archive_again(tmp_path, s3):  # noqa: F811
     """`ckptd run` (trash_grace 0) under strace, every unlinkat held at its entry, killed with
     SIGKILL once it has renamed a trashed checkpoint `%purging`. The checkpoint's manifest is then
