@@ -488,8 +488,6 @@ def test_a_slim_is_archived_whole_first_and_its_optimizer_state_restores(tmp_pat
         assert (tmp_path / "back" / "checkpoint-10" / p.relative_to(saved)).read_bytes() == p.read_bytes()
 
 
-@pytest.mark.xfail(strict=True, reason="config.models._same_keys compares endpoint_url as a string: a trailing '/' "
-                   "(or localhost for 127.0.0.1) lets two roots share one prefix")
 def test_two_roots_under_one_prefix_through_one_endpoint_spelled_twice_are_refused(tmp_path):
     """The same store and prefix for two roots, the endpoint once with a trailing slash: accepted,
     though the two roots would share keys (the second's checkpoints meet the first's manifests and
