@@ -93,8 +93,8 @@ def entries(root: Path) -> list[str]:
     return sorted(n for n in os.listdir(root / TRASH_DIR) if not n.endswith("%decision"))
 
 
-@pytest.mark.xfail(strict=True, reason="read-back compares a CRC32C only: a forged object of the same size and "
-                   "CRC32C passes, the local copy is purged and restore returns the forged bytes")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/archive.md): read-back compares a CRC32C only: a "
+                   "forged object of the same size and CRC32C passes, the local copy is purged and restore returns it")
 def test_read_back_catches_an_object_of_the_same_size_and_crc32c(tmp_path, s3):  # noqa: F811
     """verify = "read-back" is documented to catch other bytes kept under the original checksum.
     A CRC32C is no digest: 4 bytes chosen by linear algebra give other bytes of the same size and
@@ -184,7 +184,8 @@ def test_restore_makes_nothing_outside_its_target(tmp_path, s3):  # noqa: F811
     assert not (tmp_path / "to" / "escaped").exists() and not (tmp_path / "escaped").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="the gate re-reads a ctime-touched file and compares only its CRC32C: a same-CRC32C rewrite passes")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/archive.md): the gate re-reads a ctime-touched file "
+                   "and compares only its CRC32C: a same-CRC32C rewrite passes")
 def test_a_local_file_rewritten_to_the_same_crc32c_is_kept(tmp_path, s3):  # noqa: F811
     """After its archive verified, a file of the checkpoint is rewritten in place: other bytes, the
     same size, its mtime put back with os.utime. The ctime moved, so the gate reads it again, but
