@@ -234,8 +234,8 @@ class Purging:
             contents, [row for row in seen if row not in _pin_rows(seen)])
         if left_by_crash:
             if not pinned:
-                return self._judged_after_crash(name, dir_fd, rel, whole=isinstance(contents, list) and diff is None,
-                                                known=isinstance(contents, list))
+                return self._judged_after_crash(name, dir_fd, rel, known=isinstance(contents, list),
+                                                whole=isinstance(contents, list) and diff is None)
             if not isinstance(contents, list):  # nothing says it is whole
                 diff = "no decision record to compare it with"
             why = self._unclaim(name, dir_fd, f"pinned ({pinned[0]}) after its purge began",
@@ -248,7 +248,9 @@ class Purging:
             return self._unclaim(name, dir_fd, f"changed as its purge began ({diff})", review=False)
         return None
 
-    def _judged_after_crash(self, name: str, dir_fd: int, rel: str | None, *, whole: bool, known: bool) -> str | None:
+    def _judged_after_crash(
+        self, name: str, dir_fd: int, rel: str | None, *, whole: bool, known: bool
+    ) -> str | None:
         """An unpinned `<name>%purging` a killed purge left: why it is kept, or None: remove it.
         Still whole (its contents what its decision record saw): renamed back and judged afresh
         (`_rejudged`: pins, its run's anchors, and the archive gate where one is required), then
@@ -272,7 +274,8 @@ class Purging:
                 return f"cannot claim it again ({exc.strerror})"
             return None
         if self.archiver is not None and known and rel is not None:
-            return self._unclaim(name, dir_fd, "its purge was interrupted with an archive required", review=True)
+            return self._unclaim(name, dir_fd, "its purge was interrupted with an archive required",
+                                 review=True)
         return None
 
     def _back_now(self, name: str, dir_fd: int, rel: str | None, why: str) -> str:
