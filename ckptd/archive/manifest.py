@@ -174,12 +174,21 @@ class Manifest:
         return json.dumps(doc, indent=1, sort_keys=True).encode()
 
 
+# The largest manifest read: ckptd writes about 200 bytes a file, so this is millions of files;
+# anything larger is not one ckptd wrote, and parsing it would only cost memory
+MAX_MANIFEST = 256 * 1024 * 1024
+
+
 def parse(data: bytes) -> Manifest:
     """A manifest read back. Raises ValueError saying what is wrong with it."""
+    if len(data) > MAX_MANIFEST:
+        raise ValueError(f"larger than any manifest ckptd writes ({len(data)} bytes)")
     try:
         doc = json.loads(data)
     except ValueError as exc:
         raise ValueError(f"not JSON ({exc})") from None
+    except RecursionError:  # nested deeper than json's recursion allows: not one ckptd wrote
+        raise ValueError("not JSON ckptd can read (nested too deep)") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} manifest")
     try:
@@ -195,10 +204,16 @@ def parse(data: bytes) -> Manifest:
         raise ValueError(f"a field is missing or malformed ({exc!r})") from None
     if not files or any(len(f.identity) != 5 for f in files):
         raise ValueError("lists no file, or a file without its identity")
-    for f in files:
-        if f.path.startswith("/") or ".." in f.path.split("/"):
-            raise ValueError(f"names a path outside the checkpoint ({f.path!r})")
+    for path in [f.path for f in files] + [str(d) for d in m.dirs]:
+        if outside(path):
+            raise ValueError(f"names a path outside the checkpoint ({path!r})")
     return m
+
+
+def outside(rel: str) -> bool:
+    """Whether a path a manifest names (a file's, a directory's) could lead out of its checkpoint:
+    absolute, or climbing with `..`."""
+    return rel.startswith("/") or ".." in rel.split("/") or "\0" in rel
 
 
 def manifest_key(ckpt_key: str) -> str:

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from ckptd.archive.manifest import MAX_MANIFEST
 from ckptd.archive.store import ObjectInfo, StoreError, Upload
 from ckptd.config.archive import Archive
 
@@ -153,7 +154,8 @@ class S3Store:
     def get(self, key: str) -> bytes | None:
         try:
             r = self.client.get_object(Bucket=self.bucket, Key=key)
-            return bytes(r["Body"].read())
+            # at most one byte over the largest manifest: parse refuses a larger one unread
+            return bytes(r["Body"].read(MAX_MANIFEST + 1))
         except Exception as exc:
             if _code(exc) in ("404", "NoSuchKey", "NotFound"):
                 return None

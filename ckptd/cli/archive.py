@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckptd.archive.manifest import SUFFIX, file_crc32c, parse
+from ckptd.archive.manifest import SUFFIX, file_crc32c, outside, parse
 from ckptd.archive.store import StoreError, object_url
 from ckptd.archive.upload import Archiver, archiver_for_plan
 from ckptd.cli.common import load, scan_all, with_effective_quiet
@@ -160,6 +160,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
         m = parse(data)
     except ValueError as exc:
         raise IOFault(f"{mkey}: {exc}") from None
+    if (m.run, m.checkpoint) != (run, name):  # another checkpoint's manifest copied over this one's
+        raise IOFault(f"{mkey}: names {m.run}/{m.checkpoint}, not {run}/{name}: not restored")
     into = Path(os.path.abspath(args.to)) if args.to else (root.path / run if run != "." else root.path)
     dest = into / name
     if os.path.lexists(dest):
@@ -187,6 +189,15 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return EX_OK
 
 
+def _inside(dest: Path, rel: str) -> Path:
+    """`dest / rel`, confirmed to stay inside `dest` (parse refuses `..` and absolute paths; this
+    is the last word before anything is made): StoreError where it would not."""
+    path = Path(os.path.normpath(dest / rel))
+    if outside(rel) or not path.is_relative_to(dest) or path == dest:
+        raise StoreError(f"the manifest names {rel!r}, outside the checkpoint: nothing restored")
+    return path
+
+
 def _download(store: object, m: object, dest: Path, ticker: Ticker) -> None:
     """Every file of manifest `m` into `dest`, each checked against its size and CRC32C; `ticker`
     told how far it is (drawn on a terminal once slow)."""
@@ -195,9 +206,9 @@ def _download(store: object, m: object, dest: Path, ticker: Ticker) -> None:
     if not m.is_file:  # type: ignore[attr-defined]
         dest.mkdir()
         for d in m.dirs:  # type: ignore[attr-defined]
-            (dest / d).mkdir(parents=True, exist_ok=True)
+            (_inside(dest, d)).mkdir(parents=True, exist_ok=True)
     for f in m.files:  # type: ignore[attr-defined]
-        path = dest / f.path if f.path else dest
+        path = _inside(dest, f.path) if f.path else dest
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as out:
             store.download(f.key, out)  # type: ignore[attr-defined]

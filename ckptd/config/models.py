@@ -718,10 +718,36 @@ class Config(_Strict):
 
 def _same_keys(a: Archive, b: Archive) -> bool:
     """Whether two archives can name one object: the same store, and one prefix inside the other."""
-    if (a.endpoint_url or "", a.bucket) != (b.endpoint_url or "", b.bucket):
+    if (_endpoint(a.endpoint_url), a.bucket) != (_endpoint(b.endpoint_url), b.bucket):
         return False
     p, q = a.prefix, b.prefix
     return not p or not q or p == q or q.startswith(f"{p}/") or p.startswith(f"{q}/")
+
+
+_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1", "ip6-localhost"})
+
+
+def _endpoint(url: str | None) -> str:
+    """An endpoint URL as the store it reaches, so one store spelled two ways compares equal:
+    scheme and host lower-cased, a loopback name for 127.0.0.1, the scheme's default port
+    spelled out, a trailing "/" dropped, AWS's own endpoints (and none) as "". Two spellings
+    that differ only in DNS (an alias of one host) cannot be told from here; those stay apart."""
+    if not url:
+        return ""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        return url
+    scheme, host = parts.scheme.lower(), (parts.hostname or "").lower().rstrip(".")
+    if host in _LOOPBACK:
+        host = "127.0.0.1"
+    if host == "s3.amazonaws.com" or (host.startswith("s3.") and host.endswith(".amazonaws.com")):
+        return ""
+    port = port or {"http": 80, "https": 443}.get(scheme, 0)
+    return f"{scheme}://{host}:{port}{parts.path.rstrip('/')}"
 
 
 def _overlap(a: str, b: str, table: list[mounts.Mount]) -> bool:

@@ -234,7 +234,8 @@ class Purging:
             contents, [row for row in seen if row not in _pin_rows(seen)])
         if left_by_crash:
             if not pinned:
-                return None
+                return self._judged_after_crash(name, dir_fd, rel, known=isinstance(contents, list),
+                                                whole=isinstance(contents, list) and diff is None)
             if not isinstance(contents, list):  # nothing says it is whole
                 diff = "no decision record to compare it with"
             why = self._unclaim(name, dir_fd, f"pinned ({pinned[0]}) after its purge began",
@@ -245,6 +246,36 @@ class Purging:
             return self._back_now(name, dir_fd, rel, why)
         if diff is not None:
             return self._unclaim(name, dir_fd, f"changed as its purge began ({diff})", review=False)
+        return None
+
+    def _judged_after_crash(
+        self, name: str, dir_fd: int, rel: str | None, *, whole: bool, known: bool
+    ) -> str | None:
+        """An unpinned `<name>%purging` a killed purge left: why it is kept, or None: remove it.
+        Still whole (its contents what its decision record saw): renamed back and judged afresh
+        (`_rejudged`: pins, its run's anchors, and the archive gate where one is required), then
+        claimed again only if that judgement lets it go; a keep puts it back into its run (or holds
+        it). Part of it removed while an archive is required: the removal was allowed by an archive
+        that may no longer verify, and nothing says it does: held for review. Otherwise (no record,
+        a slim's files, no archive) its removal is finished as the decision made it."""
+        if whole and rel is not None:
+            try:
+                _rename_noreplace(f"{name}{PURGING}", dir_fd, name, dir_fd)
+            except OSError as exc:
+                log.error("%s/%s%s: its purge was interrupted, and it cannot be renamed back to be judged "
+                          "again (%s): left as it is", TRASH_DIR, name, PURGING, exc)
+                return f"cannot be judged again ({exc.strerror})"
+            why = self._rejudged(name, dir_fd, rel)
+            if why is not None:
+                return why
+            try:
+                _rename_noreplace(name, dir_fd, f"{name}{PURGING}", dir_fd)
+            except OSError as exc:
+                return f"cannot claim it again ({exc.strerror})"
+            return None
+        if self.archiver is not None and known and rel is not None:
+            return self._unclaim(name, dir_fd, "its purge was interrupted with an archive required",
+                                 review=True)
         return None
 
     def _back_now(self, name: str, dir_fd: int, rel: str | None, why: str) -> str:
