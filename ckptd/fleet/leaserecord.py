@@ -73,6 +73,22 @@ def _process_start() -> float:
         return time.time()
 
 
+def holder_gone(holder: Holder, slack: float = 2.0) -> bool:
+    """True when `holder` is a process of this host that no longer runs: its pid absent, or held by a
+    process started more than `slack` seconds from the holder's start (the pid reused). False for a
+    holder on another host, or when this host cannot tell."""
+    if holder.host != socket.gethostname():
+        return False
+    try:
+        ticks = int(Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return abs(time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK") - holder.start) > slack
+
+
 @dataclass(frozen=True)
 class Holder:
     host: str

@@ -190,11 +190,6 @@ def test_kube_successor_that_dies_after_passing_over_a_frozen_leader_is_replaced
     _chain_after_a_frozen_leader(tmp_path, config, "this ckptd deletes here (kubernetes, token")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a volume lease whose holder's clock ran ahead (its record's wall-clock expiry a day in the "
-    "future) and which then died is never taken over until the standby's wall clock reaches that "
-    "expiry: lease.VolumeLease._not_free requires wall <= expires + margin to have passed as well "
-    "as duration + margin unchanged on the standby's own monotonic clock"))
 def test_a_dead_volume_leader_whose_clock_ran_ahead_is_replaced(tmp_path):
     root = tmp_path / "vol"
     ckpts(root, 1)
