@@ -41,7 +41,8 @@ def _role_text(role: str, root: dict[str, Any]) -> str:
     if role != "standby" or not isinstance(holder, dict) or lead.get("released"):
         return ROLES.get(role, role)
     try:
-        who = Holder(str(holder["host"]), int(holder["pid"]), float(holder["start"]), str(holder.get("id", "")))
+        who = Holder(str(holder["host"]), int(holder["pid"]), float(holder["start"]),
+                     str(holder.get("id", "")))
     except (KeyError, TypeError, ValueError):
         return ROLES.get(role, role)
     if not holder_gone(who):

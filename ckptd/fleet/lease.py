@@ -385,9 +385,9 @@ class VolumeLease:
         if unchanged_for < duration + margin:
             return (f"waiting for the lease to go unrenewed for {duration + margin:g}s "
                     f"(unchanged for {unchanged_for:.1f}s)")
-        if rec is not None and rec.epoch == seen.epoch and self.wall() <= rec.expires + margin:
-            if self._wall_rule_moot(rec, duration, margin) is None:
-                return f"{rec.holder.describe()}'s lease has not expired (+{margin:g}s margin)"
+        if rec is not None and rec.epoch == seen.epoch and self.wall() <= rec.expires + margin \
+                and self._wall_rule_moot(rec, duration, margin) is None:
+            return f"{rec.holder.describe()}'s lease has not expired (+{margin:g}s margin)"
         return None
 
     def _wall_rule_moot(self, rec: Record, duration: float, margin: float) -> str | None:
@@ -408,8 +408,9 @@ class VolumeLease:
             return None
         if self._skew_said != (rec.epoch, rec.seq):
             self._skew_said = (rec.epoch, rec.seq)
-            log.warning("%s: %s's lease (epoch %d) has gone unrenewed for the duration plus the margin and %s: "
-                        "taking over on that rule alone, not waiting for the record's wall-clock expiry",
+            log.warning("%s: %s's lease (epoch %d) has gone unrenewed for the duration plus the margin "
+                        "and %s: taking over on that rule alone, not waiting for the record's wall-clock "
+                        "expiry",
                         self.root, rec.holder.describe(), rec.epoch, why)
         return why
 

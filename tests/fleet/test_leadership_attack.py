@@ -112,10 +112,6 @@ def test_a_rebuilt_etcd_cluster_elects_a_leader(tmp_path, etcd):  # noqa: F811
     assert listing(root / "job") == ["checkpoint-2"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "after a frozen etcd leader was passed over and its successor died, no one leads while the "
-    "frozen one stays frozen: etcdlease._lock_root passes over local.lock only when its holder's "
-    "pid is the one engine.json names (the successor's), and the frozen first leader holds it"))
 def test_a_successor_that_dies_after_passing_over_a_frozen_leader_is_replaced(tmp_path, etcd):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1)
@@ -176,10 +172,6 @@ def test_volume_lease_successor_that_dies_after_passing_over_a_frozen_leader_is_
     _chain_after_a_frozen_leader(tmp_path, node_config, "this ckptd deletes here (volume lease, epoch")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "as with etcd: kubelease._take_root_lock passes over local.lock only when its holder is the "
-    "Lease's lapsed holder (the dead successor), and the frozen first leader holds it; c's status "
-    "blames a ckptd with leadership = local"))
 def test_kube_successor_that_dies_after_passing_over_a_frozen_leader_is_replaced(tmp_path, kube):  # noqa: F811
     """The fake Lease API (tests/support/fakekube.py: no API server can run here)."""
     kubeconfig = kube.kubeconfig
