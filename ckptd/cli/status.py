@@ -13,6 +13,7 @@ from ckptd.cli.common import load, without_c_hint
 from ckptd.cli.output import columns
 from ckptd.config import Config, format_age, format_size
 from ckptd.errors import EX_OK
+from ckptd.fleet.leaserecord import Holder, holder_gone
 from ckptd.removal.inventory import summary, trash_entries
 
 
@@ -30,6 +31,24 @@ ROLES = {
     "dry-run": "dry run: decides, deletes nothing",
     "stopped": "stopped: leads but deletes nothing until its lock and journal are its own again",
 }
+
+
+def _role_text(role: str, root: dict[str, Any]) -> str:
+    """ROLES' line, except for a standby whose lease names a process of this host that is gone:
+    nobody deletes there until this one (or another standby) takes over."""
+    lead = root.get("leadership") or {}
+    holder = lead.get("holder")
+    if role != "standby" or not isinstance(holder, dict) or lead.get("released"):
+        return ROLES.get(role, role)
+    try:
+        who = Holder(str(holder["host"]), int(holder["pid"]), float(holder["start"]),
+                     str(holder.get("id", "")))
+    except (KeyError, TypeError, ValueError):
+        return ROLES.get(role, role)
+    if not holder_gone(who):
+        return ROLES.get(role, role)
+    return (f"standby: the lease's holder ({who.describe()}) is gone, so nothing deletes here until this "
+            "one takes over")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -71,7 +90,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             if oldest is not None:  # as old as it is now, not as it was at the daemon's last write
                 oldest += max(0.0, now - doc["heartbeat"])
             extra = f"; oldest incomplete: {format_age(oldest)}" if oldest is not None else ""
-            print(f"  {root['path']}: {ROLES.get(role, role)} (observer {root['observer']}{extra})")
+            print(f"  {root['path']}: {_role_text(role, root)} (observer {root['observer']}{extra})")
             if root.get("lost_footing"):
                 print(f"    stopped because {root['lost_footing']}")
             for line in _lead_and_quiet_lines(root, time.time()):

@@ -51,6 +51,8 @@ from ckptd.fleet.leaserecord import (
     ENGINE_RECORD,
     Holder,
     engine_record_live,
+    passed_over_doc,
+    passed_over_pids,
     read_engine_record,
     volume_lease_live,
     write_engine_record,
@@ -368,10 +370,12 @@ class EtcdLeadership:
         return None
 
     def _write_record(self) -> None:
+        passed = self.passed[0] if self.passed else ()  # frozen holders of the root's lock, passed over
         write_engine_record(self.root, {"backend": "etcd", "key": self.key, "volume_id": self.vid,
                                         "epoch": self.epoch, "cluster_id": self.cluster,
                                         "duration": self.duration,
-                                        "holder": asdict(self.me), "since": self.since})
+                                        "holder": asdict(self.me), "since": self.since,
+                                        **passed_over_doc(self.me.host, passed)})
 
     def _volume_id(self) -> str | None:
         """The volume id to name the key by at a take: the one on the volume; where there is none,
@@ -454,8 +458,9 @@ class EtcdLeadership:
         mount, keeps its locks until it exits; when it runs again its keepalive and its fence find
         the lead gone). The rule is the volume lease's (lease.VolumeLease._take_locks): passed over
         only where this host's lock table shows it held by that leader's pid alone, as
-        `engine.json` names it, on this host; or, where none shows here, when that leader is on
-        another host. Else why not."""
+        `engine.json` names it, on this host, or by frozen leaders that one passed over in turn
+        (`engine.json`'s `passed_over`: their etcd leases ended before its); or, where none shows
+        here, when that leader is on another host. Else why not."""
         self.passed = None
         try:
             self.lock.acquire()
@@ -468,12 +473,16 @@ class EtcdLeadership:
             # this cluster; another cluster's record is passed over only once it is stale too.
             gone = rec is not None and (self._same_cluster(rec)
                                         or engine_record_live(self.root, self.margin) is None)
+            # the lapsed leader's pid, or frozen ones it passed over itself (engine.json names them)
+            frozen = {holder.get("pid")} | passed_over_pids(rec, self.me.host)
             lapsed = (gone and rec.get("released") is not True and holder.get("id") != self.me.id
-                      and (held == {holder.get("pid")} and holder.get("host") == self.me.host
+                      and (held and held <= frozen and holder.get("host") == self.me.host
                            or not held and holder.get("host") not in (None, self.me.host)))
             if not lapsed:
-                return (f"{exc}: a ckptd with leadership = \"local\" or a prune deletes here; every ckptd "
-                        "that deletes in a root must use the same leadership")
+                pids = ", ".join(map(str, sorted(held))) or "(another host)"
+                return (f"{exc}: held by pid {pids}, neither the lapsed leader's nor a frozen one it passed "
+                        "over: a ckptd with leadership = \"local\" or a prune deletes here (every ckptd that "
+                        "deletes in a root must use the same leadership), or a leader that is still live")
             who = f"{holder.get('host')} pid {holder.get('pid')}"
             log.warning("%s: %s, whose etcd lease ended, still holds the root's lock (a frozen process: "
                         "SIGSTOP, a debugger, a hung mount): taking over on etcd; its fence refuses its "

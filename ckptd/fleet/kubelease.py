@@ -69,6 +69,8 @@ from ckptd.fleet.leaserecord import (
     RecordIO,
     engine_leader_seen,
     engine_record_refusal,
+    passed_over_doc,
+    passed_over_pids,
     read_engine_record,
     volume_lease_live,
     write_engine_record,
@@ -247,6 +249,7 @@ class KubeLeadership:
         self.server: str | None = None
         self.epoch: int | None = None  # the token held (leaseTransitions), or None
         self.deadline = float("-inf")
+        self._passed_over: frozenset[int] = frozenset()  # frozen holders of local.lock passed over
         self.since: float | None = None
         self.seen: dict[str, Any] | None = None  # the Lease's spec as last read
         self._key: str | None = None  # the spec last seen, as text: a change restarts the wait
@@ -486,8 +489,10 @@ class KubeLeadership:
         return None
 
     def _record(self, epoch: int, since: float | None) -> None:
+        passed = () if self._root_locked() else self._passed_over
         write_engine_record(self.root, {"backend": self.kind, "key": self.key, "epoch": epoch,
-                                        "duration": self.duration, "holder": asdict(self.me), "since": since})
+                                        "duration": self.duration, "holder": asdict(self.me), "since": since,
+                                        **passed_over_doc(self.me.host, passed)})
 
     def _root_locked(self) -> bool:
         lock = self.io._root_lock
@@ -495,22 +500,35 @@ class KubeLeadership:
 
     def _take_root_lock(self, holder: str) -> str | None:
         """Take `<root>/.ckptd/local.lock`: None if taken (or it cannot be on a read-only root:
-        the Lease alone decides), or if the process holding it is the Lease's lapsed holder; else
-        why not (a ckptd with `leadership = "local"` or a prune deletes here)."""
+        the Lease alone decides), or if the processes holding it are the Lease's lapsed holder or
+        frozen holders it passed over in turn (`engine.json`'s `passed_over`; recorded again by this
+        one until it holds the lock itself); else why not (a ckptd with `leadership = "local"` or a
+        prune deletes here)."""
+        self._passed_over = frozenset()
         why = self.io.lock_root()
         if why is None or not self.io.root_busy:
             return why
         lapsed = holder_of(holder) if holder and holder != self.identity else None
+        pids: set[int] = set()
         if lapsed is not None and isinstance(lapsed.get("pid"), int):
             _, pids = self.io.lock_pids()
             here = lapsed["host"] == self.me.host
-            if (here and pids == {lapsed["pid"]}) or (not pids and not here):
+            # the lapsed holder's pid, or frozen ones it passed over itself (engine.json names them)
+            rec = read_engine_record(self.root)
+            mine = rec is not None and rec.get("key") == self.key \
+                and (rec.get("holder") or {}).get("id") == lapsed.get("id")
+            frozen = {lapsed["pid"]} | (passed_over_pids(rec, self.me.host) if mine else set())
+            if (here and pids and pids <= frozen) or (not pids and not here):
                 log.warning("%s: %s pid %s, whose Lease lapsed, still holds %s/local.lock (a frozen "
                             "process): taking over on the Lease; its fence refuses its renames when it "
                             "runs again",
-                            self.root, lapsed["host"], lapsed["pid"], LEASE_DIR)
+                            self.root, lapsed["host"], ", ".join(map(str, sorted(pids))) or lapsed["pid"],
+                            LEASE_DIR)
+                self._passed_over = frozenset(pids)
                 return None
-        return why
+        return (f"{why}: held by pid {', '.join(map(str, sorted(pids))) or '(unknown here)'}, neither the "
+                "Lease's lapsed holder nor a frozen one it passed over: a ckptd with leadership = "
+                "\"local\" or a prune deletes here, or a leader that is still live")
 
     def _lose(self, why: str) -> None:
         log.error("%s: Kubernetes leadership lost: %s; this ckptd no longer deletes here", self.root, why)

@@ -28,7 +28,10 @@ Rules:
   began at t0 is visible before any standby can see it, so a standby that saw no renewal for
   duration + margin acts after the leader's deadline t0 + duration has passed. (1) is what
   `status` shows. Each uses the larger of its own and the record's duration and margin, so
-  hosts configured differently still wait long enough.
+  hosts configured differently still wait long enough. (1) is set aside, and (2) decides alone,
+  for a record whose expiry lies more than the duration plus the margin past this host's clock
+  (no renewal writes that: one of the two clocks is wrong, and waiting would stop retention for
+  the skew) and for a holder on this host whose process is gone (`_wall_rule_moot`).
 - Before it claims, a standby makes and removes a name in `.ckptd/` (`RecordIO.probe`) and looks
   again; if anything it watched moved, it does not take over. A FUSE client that caches
   listings and contents (sshfs, rclone's VFS, s3fs, gcsfuse) drops its cache of a directory it
@@ -66,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.discover.layouts import LEASE_DIR
-from ckptd.fleet.leaserecord import RECORD, Holder, Record, RecordIO, Seen, engine_leader_seen
+from ckptd.fleet.leaserecord import RECORD, Holder, Record, RecordIO, Seen, engine_leader_seen, holder_gone
 from ckptd.fleet.locks import LockHeld
 from ckptd.volume.mounts import Mount, attribute_cache, coherence, is_remote, mount_of, read_mounts
 
@@ -113,6 +116,7 @@ class VolumeLease:
         self.seq = 0
         self.seen: Seen | None = None  # the last look at the volume
         self._mine: Record | None = None  # the record this process wrote last, while it leads
+        self._skew_said: tuple[int, int] | None = None  # the record the wall rule was last set aside for
         self._listing_cached = False  # said that a fresh look here showed more than a cached one
         self.error: str | None = None  # the last I/O error, while it lasts
         self.blocked: str | None = None  # why the last try did not take it
@@ -381,9 +385,34 @@ class VolumeLease:
         if unchanged_for < duration + margin:
             return (f"waiting for the lease to go unrenewed for {duration + margin:g}s "
                     f"(unchanged for {unchanged_for:.1f}s)")
-        if rec is not None and rec.epoch == seen.epoch and self.wall() <= rec.expires + margin:
+        if rec is not None and rec.epoch == seen.epoch and self.wall() <= rec.expires + margin \
+                and self._wall_rule_moot(rec, duration, margin) is None:
             return f"{rec.holder.describe()}'s lease has not expired (+{margin:g}s margin)"
         return None
+
+    def _wall_rule_moot(self, rec: Record, duration: float, margin: float) -> str | None:
+        """Why the wall-clock rule does not bind for `rec`, whose lease has been watched unchanged
+        for the duration plus the margin already (rule 2, which alone is safe), or None.
+
+        A record whose expiry lies further ahead than any renewal writes (more than the duration
+        plus the margin past this host's wall clock) was written by a clock ahead of ours: waiting
+        for ours to reach it would stop retention for as long as the skew. A holder on this host
+        whose process is gone (its pid absent, or reused by a process started at another time)
+        renews nothing again. Either way the monotonic rule decides alone."""
+        ahead = rec.expires - self.wall()
+        if ahead > duration + margin:
+            why = f"its expiry is {ahead:.0f}s ahead of this host's clock"
+        elif holder_gone(rec.holder):
+            why = "its process is gone"
+        else:
+            return None
+        if self._skew_said != (rec.epoch, rec.seq):
+            self._skew_said = (rec.epoch, rec.seq)
+            log.warning("%s: %s's lease (epoch %d) has gone unrenewed for the duration plus the margin "
+                        "and %s: taking over on that rule alone, not waiting for the record's wall-clock "
+                        "expiry",
+                        self.root, rec.holder.describe(), rec.epoch, why)
+        return why
 
     def release(self) -> None:
         """Stop leading; if held, say so in the record so a standby need not wait for it to expire."""

@@ -46,6 +46,7 @@ import socket
 import stat
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,22 @@ def _process_start() -> float:
         return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return time.time()
+
+
+def holder_gone(holder: Holder, slack: float = 2.0) -> bool:
+    """True when `holder` is a process of this host that no longer runs: its pid absent, or held by a
+    process started more than `slack` seconds from the holder's start (the pid reused). False for a
+    holder on another host, or when this host cannot tell."""
+    if holder.host != socket.gethostname():
+        return False
+    try:
+        ticks = int(Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return abs(time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK") - holder.start) > slack
 
 
 @dataclass(frozen=True)
@@ -424,6 +441,21 @@ def engine_record_live(root: Path, margin: float, now: float | None = None) -> d
     if (time.time() if now is None else now) > mtime + duration + margin:
         return None
     return rec
+
+
+def passed_over_pids(rec: dict[str, Any] | None, host: str) -> set[int]:
+    """The processes of `host` holding `local.lock` that the leader `rec` (an `engine.json`) names
+    passed over at its take: frozen earlier leaders, whose engine lease had ended. Its successor may
+    pass over the same ones (they are no ckptd with `leadership = "local"` nor a prune)."""
+    doc = (rec or {}).get("passed_over")
+    if not isinstance(doc, dict) or doc.get("host") != host or not isinstance(doc.get("pids"), list):
+        return set()
+    return {pid for pid in doc["pids"] if isinstance(pid, int) and not isinstance(pid, bool)}
+
+
+def passed_over_doc(host: str, pids: Iterable[int]) -> dict[str, Any]:
+    """`engine.json`'s `passed_over`, as `passed_over_pids` reads it."""
+    return {"passed_over": {"host": host, "pids": sorted(pids)}} if pids else {}
 
 
 def engine_leader_seen(root: Path, margin: float, now: float | None = None) -> str | None:

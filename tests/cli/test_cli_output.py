@@ -226,6 +226,29 @@ def test_status_shows_the_role_aligned_rows_and_readable_durations(tmp_path, rol
     assert not any(line.rstrip().endswith("-:") for line in lines)
 
 
+def test_status_of_a_standby_whose_lease_holder_is_gone_says_nothing_deletes(tmp_path):
+    """A volume lease naming a process of this host that has exited: not 'another ckptd deletes here'."""
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    root = root_doc("/vol", "standby", False)
+    root["leadership"] = {"kind": "volume", "why": "test", "held": False, "epoch": 3, "released": False,
+                          "holder": {"host": socket.gethostname(), "pid": dead.pid, "start": time.time() - 60,
+                                     "id": "x"},
+                          "expires": time.time() + 5, "since": time.time() - 60, "duration": 10.0,
+                          "margin": 5.0, "waiting": "waiting for the lease to go unrenewed", "error": None}
+    state = tmp_path / "state"
+    write_state(state, dry_run=False, roots=[root], now=time.time())
+    config = tmp_path / "c.toml"
+    config.write_text(f"[daemon]\nstate_dir = '{state}'\n")
+    proc = run_ckptd("status", "-c", config)
+    assert proc.returncode == 0, proc.stderr
+    assert f"/vol: standby: the lease's holder ({socket.gethostname()} pid {dead.pid}) is gone" in proc.stdout, \
+        proc.stdout
+    assert "another ckptd deletes here" not in proc.stdout
+
+
 @pytest.mark.parametrize("max_age", ["-5", "0", "nan", "inf", "soon"])
 def test_health_refuses_a_max_age_that_is_not_a_positive_number(tmp_path, state_env, max_age):
     proc = run_ckptd("health", "--max-age", max_age, env=state_env)

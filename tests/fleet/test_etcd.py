@@ -381,7 +381,8 @@ def test_auto_with_etcd_endpoints_on_one_node_only_leaves_one_deleter(tmp_path, 
         a.wait_message("this ckptd deletes here (holds")
         b = DaemonProc("-c", local_config(tmp_path, "b", root, keep_last=1, leadership="auto"), env=env)
         b.wait_message("leadership=etcd (auto: etcd endpoints are configured)")
-        held = (f"another ckptd is deleting in {root} (holds {root / '.ckptd' / 'local.lock'}): a ckptd with "
+        held = (f"another ckptd is deleting in {root} (holds {root / '.ckptd' / 'local.lock'}): held by pid "
+                f"{a.proc.pid}, neither the lapsed leader's nor a frozen one it passed over: a ckptd with "
                 "leadership = \"local\" or a prune deletes here")
         b.wait_message(f"standby, observing only: {held}")
         b.wait_message("decide delete job/checkpoint-1")  # decided; not carried out

@@ -102,10 +102,6 @@ def test_a_rebuilt_etcd_cluster_elects_a_leader(tmp_path, etcd):  # noqa: F811
     assert listing(root / "job") == ["checkpoint-2"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "after a frozen etcd leader was passed over and its successor died, no one leads while the "
-    "frozen one stays frozen: etcdlease._lock_root passes over local.lock only when its holder's "
-    "pid is the one engine.json names (the successor's), and the frozen first leader holds it"))
 def test_a_successor_that_dies_after_passing_over_a_frozen_leader_is_replaced(tmp_path, etcd):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1)
@@ -166,10 +162,6 @@ def test_volume_lease_successor_that_dies_after_passing_over_a_frozen_leader_is_
     _chain_after_a_frozen_leader(tmp_path, node_config, "this ckptd deletes here (volume lease, epoch")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "as with etcd: kubelease._take_root_lock passes over local.lock only when its holder is the "
-    "Lease's lapsed holder (the dead successor), and the frozen first leader holds it; c's status "
-    "blames a ckptd with leadership = local"))
 def test_kube_successor_that_dies_after_passing_over_a_frozen_leader_is_replaced(tmp_path, kube):  # noqa: F811
     """The fake Lease API (tests/support/fakekube.py: no API server can run here)."""
     kubeconfig = kube.kubeconfig
@@ -180,11 +172,6 @@ def test_kube_successor_that_dies_after_passing_over_a_frozen_leader_is_replaced
     _chain_after_a_frozen_leader(tmp_path, config, "this ckptd deletes here (kubernetes, token")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a volume lease whose holder's clock ran ahead (its record's wall-clock expiry a day in the "
-    "future) and which then died is never taken over until the standby's wall clock reaches that "
-    "expiry: lease.VolumeLease._not_free requires wall <= expires + margin to have passed as well "
-    "as duration + margin unchanged on the standby's own monotonic clock"))
 def test_a_dead_volume_leader_whose_clock_ran_ahead_is_replaced(tmp_path):
     root = tmp_path / "vol"
     ckpts(root, 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -140,17 +141,63 @@ def test_a_fast_wall_clock_cannot_take_a_live_lease(world):
 
 
 def test_a_slow_wall_clock_waits_for_the_expiry_too(world):
-    """The record's expiry is honoured: a standby whose wall clock is behind waits for it."""
+    """The record's expiry is honoured: a standby whose wall clock is behind (by less than a renewal
+    could explain) waits for it."""
     a, b, advance, _root = world
     a.step()
-    b.wall = Clock(a.wall() - 600)
+    b.wall = Clock(a.wall() - 5)
     b.step()
     advance(D + M + 1)
     b.step()
     assert not b.held() and "not expired" in b.blocked
-    b.wall.t += 600 + D + M + 1
+    b.wall.t += D + M  # its own wall clock is apart from the world's: still short of expiry + margin
+    b.step()
+    assert not b.held() and "not expired" in b.blocked
+    b.wall.t += 6
     b.step()
     assert b.held()
+
+
+def test_a_dead_leader_whose_record_is_far_ahead_is_replaced_on_the_monotonic_rule(world, caplog):
+    """A record expiring a day past this host's clock (the holder's clock ran ahead, or this one's
+    behind): no renewal writes that, and waiting for this clock to reach it stops retention for the
+    skew. The monotonic rule still holds: not before unchanged for the duration plus the margin."""
+    a, b, advance, _root = world
+    a.wall = Clock(b.wall() + 86400)
+    a.step()
+    b.step()
+    advance(D + M - 1)
+    b.step()
+    assert not b.held() and "unrenewed" in b.blocked
+    advance(1.5)
+    with caplog.at_level(logging.WARNING, logger="ckptd.fleet.lease"):
+        b.step()
+    assert b.held() and b.epoch == 2
+    assert "ahead of this host's clock" in caplog.text
+
+
+def test_a_gone_holder_of_this_host_is_replaced_without_waiting_for_the_wall_clock(tmp_path):
+    """Its process exited (here: a pid that has been reaped); the standby's wall clock a little behind."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    wall = Clock(1_000_000.0)
+    a = VolumeLease(tmp_path, duration=D, margin=M, io=OneProcessIO(tmp_path),
+                    holder=Holder(socket.gethostname(), dead.pid, 0.0, "a"), wall=wall, mono=Clock(0.0))
+    a.step()
+    b = host("b", Clock(wall() - 5), Clock(100.0), tmp_path)
+    b.step()
+    b.mono.t += D + M - 1
+    b.wall.t += D + M - 1
+    b.step()
+    assert not b.held()
+    b.mono.t += 1.5
+    b.wall.t += 1.5
+    b.step()
+    assert b.held(), b.blocked
 
 
 def test_a_leader_whose_renewals_fail_stops_at_its_deadline_before_anyone_may_take_over(tmp_path):
