@@ -46,7 +46,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ckptd.discover.layouts import LEASE_DIR
-from ckptd.fleet.lease import boottime, renewal_thread
+from ckptd.fleet.lease import boottime, renewal_thread, stop_renewing
 from ckptd.fleet.leaserecord import (
     ENGINE_RECORD,
     Holder,
@@ -626,16 +626,7 @@ class EtcdLeadership:
         self._thread = renewal_thread(self, "etcd leadership", f"ckptd-etcd-{self.root.name}", on_change)
 
     def stop(self, release: bool = True, timeout: float = 5.0) -> bool:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("%s: etcd does not answer; the lease is left to expire", self.root)
-                return False
-            self._thread = None
-        if release:
-            self.release()
-        return True
+        return stop_renewing(self, "etcd does not answer; the lease is left to expire", release, timeout)
 
     # --- status ----------------------------------------------------------------
 

@@ -62,7 +62,7 @@ from typing import Any
 
 from ckptd.discover.layouts import LEASE_DIR
 from ckptd.fleet.etcdlease import volume_id
-from ckptd.fleet.lease import boottime, renewal_thread
+from ckptd.fleet.lease import boottime, renewal_thread, stop_renewing
 from ckptd.fleet.leaserecord import (
     ENGINE_RECORD,
     Holder,
@@ -579,17 +579,8 @@ class KubeLeadership:
                                       on_change)
 
     def stop(self, release: bool = True, timeout: float = 5.0) -> bool:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("%s: the Kubernetes API server does not answer; the Lease is left to expire",
-                            self.root)
-                return False
-            self._thread = None
-        if release:
-            self.release()
-        return True
+        return stop_renewing(self, "the Kubernetes API server does not answer; the Lease is left to expire",
+                             release, timeout)
 
     # --- status ----------------------------------------------------------------
 

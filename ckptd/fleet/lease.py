@@ -453,16 +453,7 @@ class VolumeLease:
     def stop(self, release: bool = True, timeout: float = 5.0) -> bool:
         """End the renewal thread and hand the lease back. False if the thread is stuck in a call
         the volume does not answer: then nothing is released (the lease expires by itself)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("%s: the volume does not answer; the lease is left to expire", self.root)
-                return False
-            self._thread = None
-        if release:
-            self.release()
-        return True
+        return stop_renewing(self, "the volume does not answer; the lease is left to expire", release, timeout)
 
     # --- status ----------------------------------------------------------------------
 
@@ -622,6 +613,22 @@ def lock_scope(mount: Mount | None) -> str:
     if fs in ("gpfs", "ceph", "cephfs"):
         return "cluster-wide"
     return "this host only" if not is_remote(fs) else "unknown"
+
+
+def stop_renewing(lead: Any, unanswered: str, release: bool, timeout: float) -> bool:
+    """A lease's stop(): end its renewal thread (`renewal_thread`) and hand the lease back. False,
+    releasing nothing, where the thread is stuck in a call its engine or volume does not answer:
+    the lease then expires by itself (`unanswered` says so in the log)."""
+    lead._stop.set()
+    if lead._thread is not None:
+        lead._thread.join(timeout)
+        if lead._thread.is_alive():
+            log.warning("%s: %s", lead.root, unanswered)
+            return False
+        lead._thread = None
+    if release:
+        lead.release()
+    return True
 
 
 def renewal_thread(lead: Any, what: str, name: str, on_change: Callable[[], None]) -> threading.Thread:
