@@ -6,7 +6,6 @@ loads (through `latest-rank0.pt`); keep_last=1 keeps it, and never deletes what 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -16,30 +15,34 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import child_pythonpath, volcache
+from tests.support import composerenv, volcache
 from tests.support.common import run_ckptd, shift_mtimes
 
 pytestmark = pytest.mark.frameworks
-ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath()}
 WHOLE, KILLED = ["ep1-ba4-rank0.pt", "ep2-ba8-rank0.pt"], "ep3-ba12-rank0.pt"
 
 
 @pytest.fixture(scope="session")
-def composer_volume(tmp_path_factory) -> tuple[Path, dict[str, str]]:
-    if importlib.util.find_spec("composer") is None:
-        pytest.skip("mosaicml (Composer) is not installed: docs/frameworks/composer.md says how")
+def composer_env() -> dict[str, str]:
+    """The environment of a Composer child: Composer installed apart, once, into the tests' cache
+    (tests/support/composerenv.py); skips only where the package index cannot be reached."""
+    return composerenv.env()
+
+
+@pytest.fixture(scope="session")
+def composer_volume(tmp_path_factory, composer_env) -> tuple[Path, dict[str, str]]:
     out = tmp_path_factory.mktemp("composer")
 
     def make(out: Path) -> dict[str, str]:
-        proc = subprocess.run([sys.executable, "-m", "tests.support.fwcomposer", str(out), "run", "3"], env=ENV,
+        proc = subprocess.run([sys.executable, "-m", "tests.support.fwcomposer", str(out), "run", "3"], env=composer_env,
                               capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
         assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-3000:]  # killed in the third save
         proc = subprocess.run([sys.executable, "-m", "tests.support.fwcomposer", str(out), "run", "check"],
-                              env=ENV, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+                              env=composer_env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    truth = volcache.generated("composer", ["run", 3], ["fwcomposer.py"], out, make)
+    truth = volcache.generated("composer", ["run", 3, composerenv.key()], ["fwcomposer.py"], out, make)
     shift_mtimes(out, 3600)  # an hour old, order kept
     return out, truth
 
@@ -59,7 +62,7 @@ def volume(src: Path, tmp_path: Path) -> Path:
     return root
 
 
-def test_composer_saves_and_the_one_killed_mid_save(composer_volume, tmp_path):
+def test_composer_saves_and_the_one_killed_mid_save(composer_volume, composer_env, tmp_path):
     src, truth = composer_volume
     root = volume(src, tmp_path)
     run = root / "run"
@@ -86,7 +89,7 @@ def test_composer_saves_and_the_one_killed_mid_save(composer_volume, tmp_path):
     assert left == [WHOLE[1], KILLED, "latest-rank0.pt"]
     assert (run / "latest-rank0.pt").resolve() == run / WHOLE[1]  # the symlink still names a save
     # and Composer itself still loads what is left and autoresumes from it
-    proc = subprocess.run([sys.executable, "-m", "tests.support.fwcomposer", str(root), "run", "check"], env=ENV,
+    proc = subprocess.run([sys.executable, "-m", "tests.support.fwcomposer", str(root), "run", "check"], env=composer_env,
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = json.loads(proc.stdout.strip().splitlines()[-1])

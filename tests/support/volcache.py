@@ -35,8 +35,14 @@ PACKAGES = ("torch", "deepspeed", "jax", "jaxlib", "orbax-checkpoint", "accelera
 
 
 def cache_dir() -> Path | None:
+    """Where generated volumes are kept; None with CKPTD_TESTS_NO_CACHE."""
     if os.environ.get("CKPTD_TESTS_NO_CACHE"):
         return None
+    return cache_root()
+
+
+def cache_root() -> Path:
+    """The tests' cache folder (also where tests/support/composerenv.py keeps Composer's install)."""
     if where := os.environ.get("CKPTD_TESTS_CACHE"):
         return Path(where)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
