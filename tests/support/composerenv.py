@@ -34,19 +34,25 @@ import pytest
 
 from tests.support import REPO, volcache
 
-# Composer 0.32.1 and, for `import composer` and its Trainer on the CPU, what the test extra does not
-# install, each within Composer's own bounds (mosaicml's METADATA: mosaicml-cli<0.8, coolname<3,
-# tabulate==0.9.0, importlib-metadata<9, pillow<12); mcli's and gql's imports (backoff ... wcwidth).
-# torch_optimizer, arrow, termcolor, argcomplete: declared but not imported on this path.
+# Composer 0.32.1 and what its import and its Trainer on the CPU need that the test extra does not
+# install, within mosaicml's own bounds (its METADATA: mosaicml-cli<0.8, coolname<3, tabulate==0.9.0,
+# importlib-metadata<9, pillow<12); then what mcli's import needs (backoff ... validators), and the
+# direct dependencies of these that the test extra brings only by way of others (zipp, graphql-core).
+# mcli 0.7.5 declares gql<4, questionary<2.1 and rich<14: only its import runs here (no remote call),
+# and the newer ones (rich from the test venv) import. Declared but never imported on this path:
+# torch_optimizer, arrow, termcolor, argcomplete. The torch stack (torch, numpy, torchmetrics, ...) is
+# the test venv's on purpose: those are the versions ckptd is tested with.
 PINS = (
     "mosaicml==0.32.1",
     "mosaicml-cli==0.7.5",
     "coolname==2.2.0",
     "tabulate==0.9.0",
     "importlib-metadata==8.9.0",
+    "zipp==4.1.2",
     "pillow==11.3.0",
     "backoff==2.2.1",
     "gql==4.4.0",
+    "graphql-core==3.3.2",
     "tenacity==9.2.1",
     "websockets==17.4",
     "ruamel.yaml==0.19.1",
