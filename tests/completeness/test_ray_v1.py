@@ -148,6 +148,7 @@ def test_ray_v1_experiment_state_being_copied_over_deletes_nothing(ray_v1_volume
     state.write_bytes(state.read_bytes()[:200])
     shift_mtimes(root, 3600)
     cfg, seen = rows(tmp_path, root, trial, keep_last=1, keep_best=0)
+    assert set(seen) == set(CKPTS), seen
     assert all(c["action"] == "keep" and c["state"] != "complete" for c in seen.values()), seen
     assert run_ckptd("prune", "-c", cfg).returncode == 0
     assert sorted(p.name for p in trial.iterdir() if p.name.startswith("checkpoint_")) == CKPTS
