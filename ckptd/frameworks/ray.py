@@ -156,9 +156,13 @@ class Ray(Framework):
         over Ray's own names, or a pattern for `report(checkpoint_dir_name=...)`'s): Ray owns that
         directory, and its registration decides as for its own saves. A copy cut short beside
         whatever files the pattern requires is not registered, and Ray's restore does not know it."""
-        if save.cand.layout == LAYOUT or SNAPSHOT not in save.run.names:
+        if save.cand.layout == LAYOUT:
             return None
-        return self.evidence(save).checks[0]
+        if SNAPSHOT in save.run.names:
+            return self.evidence(save).checks[0]
+        if rayv1.is_trial(save.run.names) and rayv1.index(save.cand.name) is not None:
+            return v1_registration(save)  # `checkpoint_{step}` over a V1 trial's own names
+        return None
 
     def metrics(self, save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
         if rayv1.index(save.cand.name) is not None:

@@ -146,9 +146,12 @@ def _checkpoints_of(pickled: bytes, trial_name: str, state: str) -> set[str]:
     return found
 
 
+PARAMS = "params.json"  # tune/logger/json.py `JsonLoggerCallback.log_trial_start`: written as a trial starts
+
+
 def is_trial(names: Collection[str]) -> bool:
-    """Whether a directory holding `names` is a Ray Tune trial's (its result.json beside checkpoints)."""
-    return RESULT in names
+    """Whether a directory holding `names` is a Ray Tune trial's: its params.json and result.json."""
+    return RESULT in names and PARAMS in names
 
 
 def registered(trial: Path) -> tuple[str, set[str] | None, dict[str, dict[str, object]] | None]:

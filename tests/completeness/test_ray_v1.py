@@ -128,6 +128,27 @@ def test_ray_v1_num_to_keep_reproduced_by_a_config(ray_v1_volume, tmp_path, ray_
     assert len(left) < len(CKPTS)
 
 
+def test_a_users_checkpoint_step_pattern_over_a_v1_trial_is_judged_by_rays_records(ray_v1_volume, tmp_path):
+    """Before ckptd knew these names, `checkpoint_{step}` was the way to list them, and a user's pattern is
+    asked before Ray's module. With `require = ["model.pt"]` the copy cut after model.pt was complete and
+    `ckptd latest` named it; the experiment state decides as for Ray's own names."""
+    src, truth = ray_v1_volume
+    root, trial = trial_copy(src, tmp_path, truth)
+    assert (trial / CKPTS[3] / "model.pt").exists()  # what the pattern requires, there
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text(f"[daemon]\nstate_dir = '{tmp_path / 'state'}'\n[[roots]]\npath = '{root}'\n"
+                   "patterns = [{name = 'checkpoint_{step}', require = ['model.pt']}]\n"
+                   "[roots.retention]\nkeep_last = 1\nkeep_best = 0\n")
+    proc = run_ckptd("plan", "-c", cfg, "--json")
+    assert proc.returncode == 0, proc.stderr
+    seen = {os.path.basename(c["path"]): c for c in json.loads(proc.stdout)["checkpoints"]}
+    assert {n: (seen[n]["layout"], seen[n]["state"]) for n in CKPTS} == {
+        CKPTS[0]: ("pattern", "complete"), CKPTS[1]: ("pattern", "complete"), CKPTS[2]: ("pattern", "complete"),
+        CKPTS[3]: ("pattern", "incomplete")}, seen
+    proc = run_ckptd("latest", trial, "-c", cfg)
+    assert proc.stdout == f"{trial / truth['restore']}\n", proc.stderr
+
+
 def test_ray_v1_restore_target_is_never_deleted(ray_v1_volume, tmp_path):
     """Ray's restore resumes from the experiment state's latest: with a best-only config that would drop
     it, it stays (and the restore still finds it)."""

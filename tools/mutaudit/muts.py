@@ -1142,6 +1142,9 @@ MUTS = [
  dict(id="RV4", what="a Ray V1 checkpoint's metrics are the result.json result reported with it",
    tests=[T+"completeness/test_ray_v1.py::test_ray_v1_metrics_are_the_result_json_ones"],
    edits=[("frameworks/ray.py", "            out.append((str(k), Reading(as_metric(v), V1_METRICS)))", "            pass")]),
+ dict(id="RV5", what="a user's pattern over a Ray V1 trial's checkpoint_00000N is judged by Ray's records too",
+   tests=[T+"completeness/test_ray_v1.py::test_a_users_checkpoint_step_pattern_over_a_v1_trial_is_judged_by_rays_records"],
+   edits=[("frameworks/ray.py", "            return v1_registration(save)  # `checkpoint_{step}`", "            return None  # `checkpoint_{step}`")]),
  # --- a deletion rests on what the disk says now
  dict(id="RT3a", what="a restore stats the files whose contents a decision rests on", tests="rt3", edits=[(V,
    "        if e.kind in (\"d\", \"m\") or not e.rel or (e.kind == \"f\" and e.rel in read)",
