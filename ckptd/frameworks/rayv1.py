@@ -4,10 +4,10 @@
 The save contract, from Ray 2.60's own code (ray/train/_internal, ray/tune):
 
 - A worker's `ray.train.report(metrics, checkpoint=...)` copies the checkpoint's files into
-  `<storage_path>/<experiment>/<trial>/checkpoint_%06d` (storage.py `StorageContext._make_checkpoint_dir_name`,
-  `persist_current_checkpoint`: `create_dir`, then `_pyarrow_fs_copy_files` file by file, in place; no marker,
-  no rename), and only then reports the result, with `checkpoint_dir_name` added to its metrics (session.py
-  `_TrainSession.report`). Nothing inside a checkpoint says it is finished.
+  `<storage_path>/<experiment>/<trial>/checkpoint_%06d` (storage.py
+  `StorageContext._make_checkpoint_dir_name`, `persist_current_checkpoint`: `create_dir`, then
+  `_pyarrow_fs_copy_files` file by file, in place; no marker, no rename), and only then reports the
+  result, with `checkpoint_dir_name` added to its metrics (session.py `_TrainSession.report`). Nothing inside a checkpoint says it is finished.
 - The driver appends the result to the trial's `result.json` in its staging directory (tune/logger/json.py
   `JsonLoggerCallback.log_trial_result`), then registers the checkpoint (tune_controller.py
   `_process_trial_save`, trial.py `Trial.on_checkpoint`, checkpoint_manager.py
@@ -15,7 +15,8 @@ The save contract, from Ray 2.60's own code (ray/train/_internal, ray/tune):
   latest, and deletes their directories). The trial's checkpoint manager is saved, cloudpickled, in the
   experiment's `experiment_state-<date>.json` (tune_controller.py `TuneController.save_to_dir`), and the
   staging directory (that file, each trial's result.json) is copied over the storage's
-  (experiment_state.py `_ExperimentCheckpointManager.sync_up_experiment_state`): throttled, rewritten in place.
+  (experiment_state.py `_ExperimentCheckpointManager.sync_up_experiment_state`): throttled, rewritten in
+  place.
 - Ray's restore (`Trainer.restore(path)`, `Tuner.restore`) reads the newest experiment state
   (`_find_newest_experiment_checkpoint`: the greatest file name) and resumes each trial from its checkpoint
   manager's latest result (tune_controller.py `_schedule_trial_restore`). So a checkpoint is complete exactly
@@ -43,7 +44,7 @@ from ckptd.volume import volread
 NAME = re.compile(r"checkpoint_(\d{6,})")  # storage.py `_make_checkpoint_dir_name`: f"checkpoint_{index:06d}"
 RESULT = "result.json"  # ray/tune/result.py EXPR_RESULT_FILE
 STATE_PREFIX, STATE_SUFFIX = "experiment_state-", ".json"  # tune_controller.py CKPT_FILE_TMPL
-MAX_RECORD_BYTES = 256 * 1024 * 1024  # result.json holds every result of a run: larger than a framework's JSON
+MAX_RECORD_BYTES = 256 * 1024 * 1024  # result.json holds every result of a run: more than a trainer's JSON
 INDEX = "checkpoint index"  # what a V1 checkpoint's number counts (its reports with a checkpoint, from 0)
 
 
@@ -155,7 +156,8 @@ def is_trial(names: Collection[str]) -> bool:
 
 
 def registered(trial: Path) -> tuple[str, set[str] | None, dict[str, dict[str, object]] | None]:
-    """(the record that decides, the names it registers or None, the result.json records). Raises Unreadable."""
+    """(the record that decides, the names it registers or None, the result.json records).
+    Raises Unreadable."""
     records = result_records(trial)
     state = experiment_checkpoints(trial)
     if state is not None:

@@ -154,7 +154,7 @@ def test_ray_v1_restore_target_is_never_deleted(ray_v1_volume, tmp_path):
     it, it stays (and the restore still finds it)."""
     src, truth = ray_v1_volume
     root, trial = trial_copy(src, tmp_path, truth)
-    cfg, seen = rows(tmp_path, root, trial, keep_last=0, keep_best=1, metric="loss", mode="min")
+    _, seen = rows(tmp_path, root, trial, keep_last=0, keep_best=1, metric="loss", mode="min")
     assert seen[truth["restore"]]["action"] == "keep"
     assert "what Ray's restore resumes from" in " ".join(seen[truth["restore"]]["reasons"])
 

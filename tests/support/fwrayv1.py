@@ -35,7 +35,7 @@ from pathlib import Path
 
 os.environ["RAY_TRAIN_V2_ENABLED"] = "0"  # before ray is imported: the older trainers
 
-from tests.support import refuse_in_light_test  # noqa: E402
+from tests.support import refuse_in_light_test
 
 LOSSES = (0.9, 0.5, 0.7, 0.6, 0.8)
 KEEP = 3
