@@ -7,7 +7,8 @@ The save contract, from Ray 2.60's own code (ray/train/_internal, ray/tune):
   `<storage_path>/<experiment>/<trial>/checkpoint_%06d` (storage.py
   `StorageContext._make_checkpoint_dir_name`, `persist_current_checkpoint`: `create_dir`, then
   `_pyarrow_fs_copy_files` file by file, in place; no marker, no rename), and only then reports the
-  result, with `checkpoint_dir_name` added to its metrics (session.py `_TrainSession.report`). Nothing inside a checkpoint says it is finished.
+  result, with `checkpoint_dir_name` added to its metrics (session.py `_TrainSession.report`). Nothing
+  inside a checkpoint says it is finished.
 - The driver appends the result to the trial's `result.json` in its staging directory (tune/logger/json.py
   `JsonLoggerCallback.log_trial_result`), then registers the checkpoint (tune_controller.py
   `_process_trial_save`, trial.py `Trial.on_checkpoint`, checkpoint_manager.py
