@@ -184,3 +184,16 @@ def test_ray_v1_names_recognised_and_not():
         c = layouts.recognise(name, True, lambda: ["model.pt"])
         assert c is None or c.layout != "ray", name
     assert layouts.recognise("checkpoint_000003", False, lambda: []) is None
+
+
+def test_a_rewritten_experiment_state_is_read_again_not_taken_from_the_verdict_cache(ray_v1_volume, tmp_path):
+    """The experiment state lies one level above the trial (its run directory): a verdict cached while it
+    held the checkpoints is not reused once it is rewritten (here cut short, as a copy over it in progress)."""
+    src, truth = ray_v1_volume
+    root, trial = trial_copy(src, tmp_path, truth)
+    _, seen = rows(tmp_path, root, trial, keep_last=1, keep_best=0)  # the same state_dir both times
+    assert [seen[n]["state"] for n in CKPTS] == ["complete", "complete", "complete", "incomplete"], seen
+    state = next(trial.parent.glob("experiment_state-*.json"))
+    state.write_bytes(state.read_bytes()[:200])
+    _, seen = rows(tmp_path, root, trial, keep_last=1, keep_best=0)
+    assert all(seen[n]["state"] != "complete" for n in CKPTS), seen

@@ -1145,6 +1145,9 @@ MUTS = [
  dict(id="RV5", what="a user's pattern over a Ray V1 trial's checkpoint_00000N is judged by Ray's records too",
    tests=[T+"completeness/test_ray_v1.py::test_a_users_checkpoint_step_pattern_over_a_v1_trial_is_judged_by_rays_records"],
    edits=[("frameworks/ray.py", "            return v1_registration(save)  # `checkpoint_{step}`", "            return None  # `checkpoint_{step}`")]),
+ dict(id="RV6", what="a verdict cached for a Ray V1 checkpoint is dropped when the experiment state above its trial is rewritten",
+   tests=[T+"completeness/test_ray_v1.py::test_a_rewritten_experiment_state_is_read_again_not_taken_from_the_verdict_cache"],
+   edits=[("decide/planner.py", "    paths += [p for f in frameworks.REGISTRY for p in f.outside_run_files(run_dir.path, run_dir.names)]\n", "")]),
  # --- a deletion rests on what the disk says now
  dict(id="RT3a", what="a restore stats the files whose contents a decision rests on", tests="rt3", edits=[(V,
    "        if e.kind in (\"d\", \"m\") or not e.rel or (e.kind == \"f\" and e.rel in read)",
