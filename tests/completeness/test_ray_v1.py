@@ -187,13 +187,27 @@ def test_ray_v1_names_recognised_and_not():
 
 
 def test_a_rewritten_experiment_state_is_read_again_not_taken_from_the_verdict_cache(ray_v1_volume, tmp_path):
-    """The experiment state lies one level above the trial (its run directory): a verdict cached while it
-    held the checkpoints is not reused once it is rewritten (here cut short, as a copy over it in progress)."""
+    """The experiment state lies one level above the trial (its run directory): a verdict remembered while it
+    held the checkpoints is not reused once it is rewritten (here cut short, as a copy over it in progress).
+    In process, with the verdicts' racy-clean clock ahead (tests/support/tracking.py): the copied files count
+    as written well before the look, so their verdicts are remembered."""
+    import time
+
+    from ckptd.config import Root
+    from ckptd.decide.planner import Scanner
+    from ckptd.discover.runs import find_runs
+    from ckptd.judge.verdicts import RACY_NS
+
     src, truth = ray_v1_volume
     root, trial = trial_copy(src, tmp_path, truth)
-    _, seen = rows(tmp_path, root, trial, keep_last=1, keep_best=0)  # the same state_dir both times
-    assert [seen[n]["state"] for n in CKPTS] == ["complete", "complete", "complete", "incomplete"], seen
+    scanner = Scanner(Root(path=root, quiet_period=0))
+    scanner.verdicts.clock_ns = lambda: time.time_ns() + 10 * RACY_NS
+
+    def states() -> dict[str, str]:
+        (run,) = find_runs(root, max_depth=4, patterns=scanner.patterns)
+        return {c.path.name: str(c.state) for c in scanner.inspect_run(run, now=time.time()).checkpoints}
+
+    assert states() == {CKPTS[0]: "complete", CKPTS[1]: "complete", CKPTS[2]: "complete", CKPTS[3]: "incomplete"}
     state = next(trial.parent.glob("experiment_state-*.json"))
     state.write_bytes(state.read_bytes()[:200])
-    _, seen = rows(tmp_path, root, trial, keep_last=1, keep_best=0)
-    assert all(seen[n]["state"] != "complete" for n in CKPTS), seen
+    assert all(s != "complete" for s in states().values())
