@@ -431,14 +431,14 @@ def run_context(run_dir: RunDir) -> object:
     """What of the run directory a checkpoint's evidence reads besides the checkpoint itself: the
     names that are not checkpoints (NeMo's `-unfinished` markers, pin files beside file
     checkpoints, Megatron's tracker) and the stat of each file a framework's evidence reads there
-    (`Framework.run_files`: it is rewritten in place)."""
+    (`Framework.run_files`, `outside_run_files`: rewritten in place)."""
     others = tuple(sorted(run_dir.names.difference(c.name for c in run_dir.candidates)))
     stats: list[tuple[int, int, int, int] | None] = []
-    for name in frameworks.RUN_FILES:
-        if name not in others:
-            continue
+    paths = [run_dir.path / name for name in frameworks.RUN_FILES if name in others]
+    paths += [p for f in frameworks.REGISTRY for p in f.outside_run_files(run_dir.path, run_dir.names)]
+    for path in paths:
         try:
-            st = os.stat(run_dir.path / name, follow_symlinks=False)
+            st = os.stat(path, follow_symlinks=False)
         except OSError:
             stats.append(None)
             continue

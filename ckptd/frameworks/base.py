@@ -130,6 +130,11 @@ class Framework:
     # plan's run context stats them so that a rewrite is seen (Megatron's tracker).
     run_files: tuple[str, ...] = ()
 
+    def outside_run_files(self, run_path: Path, names: Collection[str]) -> tuple[Path, ...]:
+        """Files outside the run directory (holding `names`) its evidence reads, rewritten in place: the
+        plan's run context stats them as it does `run_files` (Ray Tune's experiment state, one level up)."""
+        return ()
+
     def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:
         """Whether `name` alone says it is its save, at which step. The default: a file ending in one
         of `file_suffixes`, as `recognise_file` says."""

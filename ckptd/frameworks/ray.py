@@ -26,8 +26,8 @@ The save contract, from Ray 2.60's own code:
   incomplete, and kept as every incomplete checkpoint is.
 
 Its order is the time in its name (`unit` "save time": the digits of the name, as microseconds); its metrics
-are those reported with it, read from the snapshot. The older `checkpoint_00000N` names (Ray Tune and the
-pre-2.x trainers, metrics in the trial's result.json) are not recognised here.
+are those reported with it, read from the snapshot. The older trainers' `checkpoint_00000N` names (Ray Train
+V1 and Ray Tune, `RAY_TRAIN_V2_ENABLED=0`) are Ray's too: their contract is in rayv1.py, the same layout.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from ckptd.discover.layouts import Candidate
+from ckptd.frameworks import rayv1
 from ckptd.frameworks.base import (
     MAX_TRAINER_STATE_BYTES,
     Evidence,
@@ -54,6 +55,7 @@ LAYOUT = "ray"
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # ray/train/v2/_internal/constants.py
 SAVE_TIME = "save time"  # what a Ray checkpoint's number counts: the microseconds its name's time stands for
 SNAPSHOT_METRICS = "ray checkpoint_manager_snapshot.json"  # where its metrics are read
+V1_METRICS = "ray result.json"
 _NAME = re.compile(r"checkpoint_(\d{4})-(\d\d)-(\d\d)_(\d\d)-(\d\d)-(\d\d)\.(\d{6})")
 
 
@@ -111,14 +113,28 @@ class Ray(Framework):
     # pattern such as `checkpoint_{time}` is asked first (layouts.recognise_by_name), so it keeps its meaning
     names_first = False
     named_alone = True  # its contents are the user's: the snapshot, not a file inside, says what it is
-    run_files = (SNAPSHOT,)  # rewritten in place after every registration: the plan notices a rewrite
+    # rewritten in place after every registration (V1: copied over from the driver's staging directory):
+    # the plan notices a rewrite
+    run_files = (SNAPSHOT, rayv1.RESULT)
 
     def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:
-        if not is_dir or (t := name_time(name)) is None:
+        if not is_dir:
             return None
-        return Candidate(name, t, LAYOUT, True, unit=SAVE_TIME)
+        if (t := name_time(name)) is not None:
+            return Candidate(name, t, LAYOUT, True, unit=SAVE_TIME)
+        if (i := rayv1.index(name)) is not None:
+            return Candidate(name, i, LAYOUT, True, unit=rayv1.INDEX)
+        return None
+
+    def outside_run_files(self, run_path: Path, names: Collection[str]) -> tuple[Path, ...]:
+        """A V1 trial's experiment state, in the directory above it."""
+        if not rayv1.is_trial(names) or (state := rayv1.newest_state(run_path.parent)) is None:
+            return ()
+        return (run_path.parent / state,)
 
     def evidence(self, save: Save) -> Evidence:
+        if rayv1.index(save.cand.name) is not None:
+            return Evidence([v1_registration(save)])
         kind = "ray registration"
         name = save.cand.name
         try:
@@ -140,11 +156,17 @@ class Ray(Framework):
         over Ray's own names, or a pattern for `report(checkpoint_dir_name=...)`'s): Ray owns that
         directory, and its registration decides as for its own saves. A copy cut short beside
         whatever files the pattern requires is not registered, and Ray's restore does not know it."""
-        if save.cand.layout == LAYOUT or SNAPSHOT not in save.run.names:
+        if save.cand.layout == LAYOUT:
             return None
-        return self.evidence(save).checks[0]
+        if SNAPSHOT in save.run.names:
+            return self.evidence(save).checks[0]
+        if rayv1.is_trial(save.run.names) and rayv1.index(save.cand.name) is not None:
+            return v1_registration(save)  # `checkpoint_{step}` over a V1 trial's own names
+        return None
 
     def metrics(self, save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
+        if rayv1.index(save.cand.name) is not None:
+            return v1_metrics(save)
         try:
             listed = read_snapshot(save.run.path)
         except Unreadable as exc:
@@ -158,7 +180,43 @@ class Ray(Framework):
         return tuple(out), None
 
     def resume_pointers(self, run_path: Path, names: Collection[str]) -> dict[str, str]:
-        return snapshot_targets(run_path, names)
+        return {**rayv1.resume_targets(run_path, names), **snapshot_targets(run_path, names)}
+
+
+def v1_registration(save: Save) -> Check:
+    """A V1 checkpoint is complete when the newest experiment state's checkpoint manager holds it (what
+    Ray's restore knows); without an experiment state, when the trial's result.json names it (reported,
+    so copied whole)."""
+    kind = "ray registration"
+    try:
+        record, held, _ = rayv1.registered(save.run.path)
+    except rayv1.Unreadable as exc:
+        return Check(kind, Verdict.UNKNOWN, str(exc))
+    if held is None:
+        return Check(kind, Verdict.FAILED, (
+            f"no {rayv1.RESULT} and no experiment state: Ray reports a checkpoint there once its files are "
+            "copied, and its restore knows none"))
+    if save.cand.name not in held:
+        return Check(kind, Verdict.FAILED, (
+            f"not in {record}: never registered, or not yet saved there (its copy killed midway, or not "
+            "finished yet); Ray's restore does not know it"))
+    return Check(kind, Verdict.PASSED, f"registered in {record} (written after its files)")
+
+
+def v1_metrics(save: Save) -> Metrics:
+    """The result reported with a V1 checkpoint, from the trial's result.json (Ray keeps no metrics in
+    the checkpoint; `Result.from_path` pairs them the same way): `training_iteration` among them."""
+    try:
+        records = rayv1.result_records(save.run.path)
+    except rayv1.Unreadable as exc:
+        return (), str(exc)
+    if records is None or save.cand.name not in records:
+        return (), f"not in {rayv1.RESULT}: Ray keeps the metrics reported with a checkpoint there"
+    out = []
+    for k, v in records[save.cand.name].items():
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            out.append((str(k), Reading(as_metric(v), V1_METRICS)))
+    return tuple(out), None
 
 
 def snapshot_targets(run_path: Path, names: Collection[str]) -> dict[str, str]:
