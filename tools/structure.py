@@ -204,7 +204,8 @@ def parts(pkg_dir: Path) -> list[tuple[str, str, dict[str, set[str]]]]:
         tree = ast.parse(path.read_text())
         for node in tree.body:
             if isinstance(node, ast.ClassDef):
-                init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+                methods = [f for f in node.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+                init = next((f for f in methods if f.name == "__init__"), None)
                 if init is None:
                     continue
                 typed = {a.arg: _annotation(a) for a in init.args.args + init.args.kwonlyargs}
@@ -214,7 +215,6 @@ def parts(pkg_dir: Path) -> list[tuple[str, str, dict[str, set[str]]]]:
                               and isinstance(st.value, ast.Name) and st.value.id in params
                               for t in st.targets if isinstance(t, ast.Attribute)}
                     if params:
-                        methods = [f for f in node.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
                         reached: dict[str, set[str]] = {}
                         for f in methods:
                             for k, v in _reached(f.body, params if f is init else set(), selves).items():
