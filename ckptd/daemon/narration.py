@@ -11,17 +11,19 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptd.config import format_age, format_duration, format_size
-from ckptd.decide.planner import decide
+from ckptd.decide.planner import DiskSpace, decide
 from ckptd.decide.policy import Decision
 from ckptd.model import QUIET, Action, Checkpoint, State, Verdict, deciding_check
 from ckptd.removal.outcome import DRY_RUN_NOTE
 
 if TYPE_CHECKING:
-    from ckptd.daemon.core import Daemon
+    from ckptd.daemon.state import DaemonState
 
 # One logger for all of the daemon's rooms: its name is in every JSON log line ("logger").
 log = logging.getLogger("ckptd.daemon")
@@ -32,10 +34,13 @@ IN_FLIGHT = frozenset({State.WRITING, State.SETTLING})
 
 
 class Narrator:
-    """What the log has said of each checkpoint, and what it says next. On the filesystem thread."""
+    """What the log has said of each checkpoint, and what it says next. On the filesystem thread.
 
-    def __init__(self, daemon: Daemon):
-        self.d = daemon
+    Handed the shared state and `space` (free space counting the trash, for the preview's plan)."""
+
+    def __init__(self, state: DaemonState, *, space: Callable[[Path], DiskSpace]):
+        self.state = state
+        self.space = space
         # What the log last said of each checkpoint (by (root, rel)): its state.
         self.states: dict[tuple[str, str], State] = {}
         # Checkpoints found by a first scan, until each has settled: their first state and
@@ -49,7 +54,7 @@ class Narrator:
 
     def first_scan_done(self, now: float) -> None:
         """What the first scan found: each checkpoint's state as said, and the start-up line."""
-        roots = self.d.roots
+        roots = self.state.roots
         self.states = {(str(rt.root.path), c.rel): c.state for rt in roots for c in rt.tracker.checkpoints()}
         self.found_at_start = set(self.states)
         self.looks_due = {str(rt.root.path): len(rt.tracker.unseen) for rt in roots}
@@ -73,11 +78,11 @@ class Narrator:
         itself has seen it unchanged for its quiet period, on the monotonic clock (settle.py),
         so the first decisions come one quiet period after the first scan.
         """
-        roots = self.d.roots
+        roots = self.state.roots
         periods = sorted({rt.root.quiet_period for rt in roots}) or [0.0]
         quiet = " to ".join(dict.fromkeys(format_duration(p) for p in (periods[0], periods[-1])))
         head = f"ready: watching {len(roots)} root(s)"
-        now = self.d.clock()
+        now = self.state.clock()
         waiting = []
         for rt in roots:
             for c in rt.tracker.in_flight():
@@ -88,7 +93,7 @@ class Narrator:
                     d = now + rt.root.quiet_period
                 if c.state in IN_FLIGHT and d is not None:
                     waiting.append(d)
-        dry = "; dry run: nothing will be deleted" if self.d.dry_run else ""
+        dry = "; dry run: nothing will be deleted" if self.state.dry_run else ""
         if not waiting:
             return (
                 f"{head}, no checkpoint in flight: a new one is decided once ckptd has seen it "
@@ -104,7 +109,7 @@ class Narrator:
 
     def preview(self) -> None:
         """Once every checkpoint found at start was looked at: what `ckptd plan` would show."""
-        if self.preview_due and not any(rt.tracker.unseen for rt in self.d.roots):
+        if self.preview_due and not any(rt.tracker.unseen for rt in self.state.roots):
             # READY came before the looks (tracker.py, `unseen`): the preview waits for them.
             self.preview_due = False
             for line in self.as_plan_sees_it():
@@ -118,7 +123,7 @@ class Narrator:
         """
         wall = time.time()
         runs = []
-        for rt in self.d.roots:
+        for rt in self.state.roots:
             period = rt.root.quiet_period
             judged = [
                 replace(r, checkpoints=tuple(_by_file_times(c, period, wall) for c in r.checkpoints))
@@ -127,7 +132,7 @@ class Narrator:
             runs.append((rt.root, judged))
         if not any(r.checkpoints for _, rs in runs for r in rs):
             return []
-        plan = decide(runs, space=self.d.retention.space)
+        plan = decide(runs, space=self.space)
         states = collections.Counter(str(d.checkpoint.state) for d in plan.decisions)
         found = ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
         acts = []
@@ -147,14 +152,14 @@ class Narrator:
         if not self.looks_due or now - self.looks_said < SCAN_PROGRESS_EVERY:
             return
         self.looks_said = now
-        for rt in self.d.roots:
+        for rt in self.state.roots:
             total = self.looks_due.get(str(rt.root.path), 0)
             left = len(rt.tracker.unseen)
             if total and left:
                 log.info("%s: looked at %d of the %d checkpoints found at start (%d%%)", rt.root.path,
                          total - left, total, 100 * (total - left) // total,
                          extra={"root": str(rt.root.path), "done": total - left, "total": total})
-        if not any(rt.tracker.unseen for rt in self.d.roots):
+        if not any(rt.tracker.unseen for rt in self.state.roots):
             self.looks_due = {}
 
     def state_changes(self) -> None:
@@ -166,7 +171,7 @@ class Narrator:
         """
         said = self.states
         now: dict[tuple[str, str], State] = {}
-        for rt in self.d.roots:
+        for rt in self.state.roots:
             root = str(rt.root.path)
             for run in rt.tracker.current_runs():
                 for c in run.checkpoints:
@@ -200,7 +205,7 @@ class Narrator:
         found at start (4,500 checkpoints said one line each before, twice), and after each
         that deletes or slims (a dry run: each whose deletions or slims are news, `news`).
         `kept` counts complete checkpoints kept; `incomplete` the rest."""
-        dry_run = self.d.dry_run
+        dry_run = self.state.dry_run
         acted = done["deleted"] + done["slimmed"] if not dry_run else news
         first = not self.totals_said and not self.found_at_start
         if not (first or acted):
