@@ -1,4 +1,6 @@
-"""What the daemon's log says of the checkpoints it watches (`Narrator`), once per change.
+"""What the daemon's log says of the checkpoints it watches (`Narrator`), once per change: the
+trackers report which checkpoints changed state since it last asked (`RootTracker.take_changes`),
+so it keeps no copy of every checkpoint's state.
 
 A new checkpoint, one complete, incomplete (and why), stalled, in flight again, gone; the
 start-up line and what `ckptd plan` would show meanwhile; how far the looks at what a first scan
@@ -24,6 +26,7 @@ from ckptd.removal.outcome import DRY_RUN_NOTE
 
 if TYPE_CHECKING:
     from ckptd.daemon.state import DaemonState
+    from ckptd.daemon.tracker import RootTracker
 
 # One logger for all of the daemon's rooms: its name is in every JSON log line ("logger").
 log = logging.getLogger("ckptd.daemon")
@@ -34,15 +37,13 @@ IN_FLIGHT = frozenset({State.WRITING, State.SETTLING})
 
 
 class Narrator:
-    """What the log has said of each checkpoint, and what it says next. On the filesystem thread.
+    """What the log says of each checkpoint as its state changes. On the filesystem thread.
 
     Handed the shared state and `space` (free space counting the trash, for the preview's plan)."""
 
     def __init__(self, state: DaemonState, *, space: Callable[[Path], DiskSpace]):
         self.state = state
         self.space = space
-        # What the log last said of each checkpoint (by (root, rel)): its state.
-        self.states: dict[tuple[str, str], State] = {}
         # Checkpoints found by a first scan, until each has settled: their first state and
         # decision are debug lines, and one totals line says what became of them (`totals`).
         self.found_at_start: set[tuple[str, str]] = set()
@@ -53,19 +54,24 @@ class Narrator:
         self.preview_due = False  # `as_plan_sees_it`, said once the start-up's looks are done
 
     def first_scan_done(self, now: float) -> None:
-        """What the first scan found: each checkpoint's state as said, and the start-up line."""
+        """What the first scan found: each checkpoint's state as said (no line each), the start-up line."""
         roots = self.state.roots
-        self.states = {(str(rt.root.path), c.rel): c.state for rt in roots for c in rt.tracker.checkpoints()}
-        self.found_at_start = set(self.states)
+        for rt in roots:
+            rt.tracker.take_changes()
+        self.found_at_start = {(str(rt.root.path), c.rel) for rt in roots for c in rt.tracker.checkpoints()}
         self.looks_due = {str(rt.root.path): len(rt.tracker.unseen) for rt in roots}
         self.looks_said = now
         self.start_notes = [self.what_comes_next()]
         self.preview_due = True  # what `plan` would show, once every checkpoint found was looked at
 
-    def found(self, root: str, found: list[Checkpoint]) -> None:
-        """What the first scan of a root added at a reload found (its totals come with the rest)."""
-        self.states.update({(root, c.rel): c.state for c in found})
-        self.found_at_start.update((root, c.rel) for c in found)
+    def found(self, root: str, tracker: RootTracker) -> None:
+        """What the first scan of a root added at a reload found, as said (its totals come with the rest)."""
+        tracker.take_changes()
+        self.found_at_start.update((root, c.rel) for c in tracker.checkpoints())
+
+    def let_go(self, root: str) -> None:
+        """A root no longer configured (a reload): what it found at start is not waited for."""
+        self.found_at_start = {key for key in self.found_at_start if key[0] != root}
 
     def totals_due(self) -> bool:
         """Everything found at start has settled, and no totals line said so yet."""
@@ -167,38 +173,42 @@ class Narrator:
         checkpoint, one complete, incomplete (and why), stalled, in flight again, gone.
 
         Not every look: a checkpoint being written goes writing -> settling -> writing many
-        times; those transitions are debug lines (tracker.py).
+        times; those transitions are debug lines (tracker.py). What changed is each tracker's
+        report since the last call; `before` is the state then, which is the state the log said
+        last (or, while in flight, one it need not say again).
         """
-        said = self.states
-        now: dict[tuple[str, str], State] = {}
+        gone: list[tuple[str, str]] = []
         for rt in self.state.roots:
             root = str(rt.root.path)
-            for run in rt.tracker.current_runs():
-                for c in run.checkpoints:
-                    key = (root, c.rel)
-                    now[key] = c.state
-                    before = said.get(key)
-                    if before is not None and (c.state is before or {c.state, before} <= IN_FLIGHT):
-                        continue
-                    extra = {"root": root, "run": c.run, "checkpoint": c.name, "state": str(c.state)}
-                    level = logging.INFO
-                    if c.state is State.COMPLETE:
-                        what = f"complete ({c.layout}, {format_size(c.size_bytes)})"
-                        if key in self.found_at_start:  # one of thousands at start: the totals say it
-                            level = logging.DEBUG
-                    elif c.state in IN_FLIGHT:
-                        what = f"new, {c.state}" if before is None else f"{c.state} again (was {before})"
-                    else:
-                        what = f"{c.state}: {first_failed(c)}"
-                    if c.state not in IN_FLIGHT:
-                        self.found_at_start.discard(key)
-                    log.log(level, "%s: %s", c.rel, what, extra=extra)
-                    said[key] = c.state
-        for key in [k for k in said if k not in now]:
-            del said[key]
+            changes = rt.tracker.take_changes().states
+            now = [c for _, c in changes.values() if c is not None]
+            for c in sorted(now, key=lambda c: (c.run, c.sort_key())):  # path order, as `current_runs`
+                before = changes[c.rel][0]
+                if before is not None and (c.state is before or {c.state, before} <= IN_FLIGHT):
+                    continue
+                self._say(root, c, before)
+            gone += [(root, rel) for rel, (was, c) in changes.items() if c is None and was is not None]
+        for key in gone:
             self.found_at_start.discard(key)
             root, rel = key
             log.info("%s: gone (not by ckptd)", rel, extra={"root": root})
+
+    def _say(self, root: str, c: Checkpoint, before: State | None) -> None:
+        """One checkpoint's new state (`state_changes`)."""
+        key = (root, c.rel)
+        extra = {"root": root, "run": c.run, "checkpoint": c.name, "state": str(c.state)}
+        level = logging.INFO
+        if c.state is State.COMPLETE:
+            what = f"complete ({c.layout}, {format_size(c.size_bytes)})"
+            if key in self.found_at_start:  # one of thousands at start: the totals say it
+                level = logging.DEBUG
+        elif c.state in IN_FLIGHT:
+            what = f"new, {c.state}" if before is None else f"{c.state} again (was {before})"
+        else:
+            what = f"{c.state}: {first_failed(c)}"
+        if c.state not in IN_FLIGHT:
+            self.found_at_start.discard(key)
+        log.log(level, "%s: %s", c.rel, what, extra=extra)
 
     def totals(self, decisions: tuple[Decision, ...], done: dict[str, int], news: int) -> None:
         """One line for a retention pass: after the first that decided about every checkpoint

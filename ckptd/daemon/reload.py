@@ -67,6 +67,7 @@ def apply_config(
     for rt in by_path.values():
         log.info("%s: no longer configured", rt.root.path)
         rt.lead.stop()
+        narrator.let_go(str(rt.root.path))
     d.roots = keep
     d.config = new
     retention.decisions.clear()
@@ -98,7 +99,7 @@ def _new_root(keeper: RootKeeper, narrator: Narrator, root, new: Config) -> Root
     found = rt.tracker.checkpoints()
     log.info("%s: %d checkpoint(s) in %d run(s)", root.path, len(found), len(rt.tracker.runs),
              extra={"root": str(root.path)})
-    narrator.found(str(root.path), found)
+    narrator.found(str(root.path), rt.tracker)
     return rt
 
 

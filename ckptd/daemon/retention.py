@@ -171,8 +171,7 @@ class Retention:
             done[verb] += 1
             done["freed"] += moved
             if result.outcome is Outcome.TRASHED:
-                rt.tracker.forget(c.rel)
-                self.narrator.states.pop((str(rt.root.path), c.rel), None)
+                rt.tracker.forget(c.rel)  # no news for the narrator: said here, as a deletion
             else:
                 rt.tracker.look_again(c.rel)  # slimmed: not the checkpoint the plan saw
             reasons = "; ".join(result.decision.reasons)
