@@ -66,6 +66,16 @@ def test_each_state_change_is_said_once_in_order(tmp_path, caplog):
     lines = said(caplog, "job/checkpoint-2")
     assert [m.split(" (")[0] for _, m in lines] == ["job/checkpoint-2: new, settling", "job/checkpoint-2: complete"]
     assert {lvl for lvl, _ in lines} == {"INFO"}
+    # Written in two goes: settling, writing, settling again, complete; the log says new and complete.
+    hf_deepspeed_checkpoint(root / "job", 3, world=2, skip={"trainer_state.json"})
+    ticks(1)
+    hf_deepspeed_checkpoint(root / "job", 3, world=2)
+    ticks(1)
+    assert "job/checkpoint-3: writing (quiet: writing: changed since the last look)" in [
+        r.getMessage().replace("settling -> ", "") for r in caplog.records if r.name == "ckptd.daemon.tracker"]
+    ticks()
+    assert [m.split(" (")[0] for _, m in said(caplog, "job/checkpoint-3")] == [
+        "job/checkpoint-3: new, settling", "job/checkpoint-3: complete"]
     # A torn file added to a complete checkpoint (seen at the next reconcile): in flight again,
     # said against what was said last; then incomplete, and why; complete again once it is gone.
     (root / "job" / "checkpoint-2" / "extra.bin").write_bytes(b"x")
