@@ -11,7 +11,11 @@ Prints:
 - the walk from `ckptd prune` to the first rename into the trash: a real prune of `ckptd demo`'s
   volume, traced with `sys.setprofile`; the ckptd files it passes through, and the calls that
   climb back up, from a module on a lower floor into one on a higher floor (a callback, an
-  in-function import, or an object handed down).
+  in-function import, or an object handed down);
+- the daemon's parts (`--parts`, or by default): for each class or function of `daemon/` outside
+  `core.py` that is handed the `Daemon` or the parts' shared state (`DaemonState`), by a parameter
+  so annotated, which of that object's attributes it reaches (read or written), and how many of
+  them are private (a leading underscore).
 
 Reads the source and runs one prune in a temporary directory; changes nothing else.
 """
@@ -155,6 +159,75 @@ def floors(graph, comps) -> dict[str, int]:
     return {m: floor(node(m)) for m in graph}
 
 
+SHARED = ("Daemon", "DaemonState")  # what the daemon's parts may be handed whole
+
+
+def _annotation(arg: ast.arg) -> str:
+    return ast.unparse(arg.annotation).strip("'\"") if arg.annotation is not None else ""
+
+
+def _reached(body: list[ast.stmt], names: set[str], selves: set[str]) -> dict[str, set[str]]:
+    """{shared attribute reached: {'read', 'write'}} in `body`, where `names` are locals bound to a
+    shared object and `selves` the attributes of `self` holding one (`self.d = daemon`)."""
+    out: dict[str, set[str]] = {}
+    names = set(names)
+    nodes = [n for stmt in body for n in ast.walk(stmt)]
+    # aliases: `d = self.d`, `daemon = self.d`, `d, tr = self.d, rt.tracker`
+    for n in nodes:
+        if isinstance(n, ast.Assign):
+            pairs = [(n.targets[0], n.value)]
+            if isinstance(n.targets[0], ast.Tuple) and isinstance(n.value, ast.Tuple):
+                pairs = list(zip(n.targets[0].elts, n.value.elts, strict=False))
+            for t, v in pairs:
+                if isinstance(t, ast.Name) and _is_shared(v, names, selves):
+                    names.add(t.id)
+    for n in nodes:
+        if isinstance(n, ast.Attribute) and _is_shared(n.value, names, selves):
+            out.setdefault(n.attr, set()).add("write" if isinstance(n.ctx, ast.Store) else "read")
+    return out
+
+
+def _is_shared(node: ast.AST, names: set[str], selves: set[str]) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in names
+    return (isinstance(node, ast.Attribute) and node.attr in selves
+            and isinstance(node.value, ast.Name) and node.value.id == "self")
+
+
+def parts(pkg_dir: Path) -> list[tuple[str, str, dict[str, set[str]]]]:
+    """(part, shared type, {attribute: {'read', 'write'}}) for each class or module-level function
+    of `daemon/` but `core.py` that is handed a `Daemon` or `DaemonState`."""
+    out = []
+    for path in sorted((pkg_dir / "daemon").glob("*.py")):
+        if path.name == "core.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                methods = [f for f in node.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+                init = next((f for f in methods if f.name == "__init__"), None)
+                if init is None:
+                    continue
+                typed = {a.arg: _annotation(a) for a in init.args.args + init.args.kwonlyargs}
+                for kind in SHARED:
+                    params = {a for a, t in typed.items() if t == kind}
+                    selves = {t.attr for st in ast.walk(init) if isinstance(st, ast.Assign)
+                              and isinstance(st.value, ast.Name) and st.value.id in params
+                              for t in st.targets if isinstance(t, ast.Attribute)}
+                    if params:
+                        reached: dict[str, set[str]] = {}
+                        for f in methods:
+                            for k, v in _reached(f.body, params if f is init else set(), selves).items():
+                                reached.setdefault(k, set()).update(v)
+                        out.append((f"{node.name} ({path.name})", kind, reached))
+            elif isinstance(node, ast.FunctionDef):
+                for kind in SHARED:
+                    params = {a.arg for a in node.args.args + node.args.kwonlyargs if _annotation(a) == kind}
+                    if params:
+                        out.append((f"{node.name} ({path.name})", kind, _reached(node.body, params, set())))
+    return out
+
+
 def walk(pkg_dir: Path) -> list[str]:
     """Each call (caller's module, callee's module) a real `ckptd prune` of the demo volume makes
     between ckptd's own functions, up to its first rename into the trash."""
@@ -199,8 +272,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("package", nargs="?", type=Path, default=Path(__file__).resolve().parents[1] / "ckptd")
     ap.add_argument("--no-walk", action="store_true", help="skip the traced prune")
+    ap.add_argument("--parts", action="store_true", help="only the daemon's parts and what they reach")
     args = ap.parse_args()
     pkg = args.package.resolve()
+    print_parts(pkg)
+    if args.parts:
+        return
     graph = imports(pkg)
     top = sorted(p.name for p in pkg.glob("*.py"))
     print(f"modules at the top of {pkg.name}/: {len(top)}: {', '.join(top)}")
@@ -233,6 +310,19 @@ def main() -> None:
           f"({len(steps)} made), {len(set(up))} of them up a floor ({len(up)} made)")
     for a, b in sorted(set(up)):
         print(f"  up: {a} (floor {fl[a]}) -> {b} (floor {fl[b]})")
+
+
+def print_parts(pkg: Path) -> None:
+    found = parts(pkg)
+    every = {a for _, _, r in found for a in r}
+    private = sorted(a for a in every if a.startswith("_"))
+    print(f"daemon parts handed the Daemon or DaemonState whole: {len(found)}; attributes reached: "
+          f"{len(every)}, {len(private)} private{': ' + ', '.join(private) if private else ''}")
+    for name, kind, reached in found:
+        priv = [a for a in sorted(reached) if a.startswith("_")]
+        written = [a for a in sorted(reached) if "write" in reached[a]]
+        print(f"  {name} <- {kind}: {len(reached)} attributes ({len(priv)} private, {len(written)} written): "
+              + ", ".join(a + ("=" if a in written else "") for a in sorted(reached)))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import collections
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from ckptd.removal.outcome import Outcome, Result
 from ckptd.removal.zero_to_fp32 import Consolidation
 
 if TYPE_CHECKING:
-    from ckptd.daemon.core import Daemon
+    from ckptd.daemon.state import DaemonState
 
 # One logger for all of the daemon's rooms: its name is in every JSON log line ("logger").
 log = logging.getLogger("ckptd.daemon")
@@ -54,10 +55,26 @@ Waiting = tuple[RootRuntime, Result]  # a slim whose fp32 weights are to be cons
 
 class Consolidations:
     """Starts, stops and finishes the daemon's consolidations. On the filesystem thread, but for
-    `_on_consolidated` (on the loop) and the run itself (the consolidator's thread)."""
+    `_on_consolidated` (on the loop) and the run itself (the consolidator's thread).
 
-    def __init__(self, daemon: Daemon):
-        self.d = daemon
+    Handed the shared state and what it calls: `purge` (a root's trash, after a consolidation
+    that made nothing to keep), `run_aside` (the consolidator's thread), `to_loop` (from that
+    thread, a call on the loop) and `wake` (on the loop: the filesystem thread's next step)."""
+
+    def __init__(
+        self,
+        state: DaemonState,
+        *,
+        purge: Callable[[RootRuntime], None],
+        to_loop: Callable[..., None],
+        wake: Callable[[], None],
+        run_aside: Callable[[Callable[[], object]], concurrent.futures.Future],
+    ):
+        self.state = state
+        self.purge = purge
+        self.to_loop = to_loop
+        self.wake = wake
+        self.run_aside = run_aside
         self.running: ConsolidationJob | None = None  # the fs thread's alone
         self.ended = collections.deque[ConsolidationJob]()  # finished, for the fs thread
         self.failed: dict[tuple[str, str], str] = {}  # (root, rel) -> its fingerprint then
@@ -97,9 +114,9 @@ class Consolidations:
         unchanged = [r for rt, r in waiting if rt is job.rt and same(r.decision.checkpoint)]
         if unchanged and unchanged[0].decision.checkpoint.fingerprint == planned.fingerprint:
             return None  # still a slim whose weights are to be consolidated: re-checked this very pass
-        if job.rt not in self.d.roots:
+        if job.rt not in self.state.roots:
             return "its root is no longer configured"
-        if self.d.dry_run:
+        if self.state.dry_run:
             return "dry run"
         if not job.rt.leader:
             return "this ckptd no longer deletes there"
@@ -113,24 +130,24 @@ class Consolidations:
         return "its re-check failed"
 
     def _start(self, rt: RootRuntime, work: Work) -> None:
-        daemon = self.d
+        state = self.state
         c = work.decision.checkpoint
-        job = ConsolidationJob(rt, work, work.consolidation(daemon.config.daemon.consolidate_timeout))
-        loop = daemon._loop
+        job = ConsolidationJob(rt, work, work.consolidation(state.config.daemon.consolidate_timeout))
+        to_loop = self.to_loop
 
         def done(_: concurrent.futures.Future) -> None:  # on the worker thread
             try:
-                loop.call_soon_threadsafe(self._on_consolidated, job)
+                to_loop(self._on_consolidated, job)
             except RuntimeError:  # the loop is closed: the daemon is gone, the next start clears up
                 pass
 
-        job.started, job.said = time.time(), daemon.clock()
+        job.started, job.said = time.time(), state.clock()
         self.running = job  # before it runs: whoever sees it running sees it here too
-        if daemon.metrics is not None:
-            daemon.metrics.consolidations_running = 1
-        job.future = daemon._consolidator.submit(job.run.run)
+        if state.metrics is not None:
+            state.metrics.consolidations_running = 1
+        job.future = self.run_aside(job.run.run)
         job.future.add_done_callback(done)
-        daemon.counters["consolidations"] += 1
+        state.counters["consolidations"] += 1
         log.info(
             "consolidating %s: fp32 weights from %s, beside the tracking and deleting; the slim follows "
             "once they are verified in place",
@@ -142,7 +159,7 @@ class Consolidations:
     def _on_consolidated(self, job: ConsolidationJob) -> None:
         """From the worker (via call_soon_threadsafe): hand the finished job to the filesystem thread."""
         self.ended.append(job)
-        self.d._wake.set()
+        self.wake()
 
     def finish_ended(self) -> bool:
         """On the filesystem thread: finish each consolidation that ended; whether any did."""
@@ -154,11 +171,11 @@ class Consolidations:
 
     def _finish(self, job: ConsolidationJob) -> None:
         """On the filesystem thread: move the verified weights into place, or drop what was made."""
-        daemon = self.d
+        state = self.state
         if self.running is job:
             self.running = None
-            if daemon.metrics is not None:
-                daemon.metrics.consolidations_running = 0
+            if state.metrics is not None:
+                state.metrics.consolidations_running = 0
         assert job.future is not None
         try:
             outcome = job.future.result()
@@ -168,11 +185,11 @@ class Consolidations:
         result = rt.reaper.finish_consolidation(job.work, outcome)
         extra = {"run": c.run, "checkpoint": c.name, "action": "consolidate", "outcome": str(result.outcome)}
         if result.outcome is Outcome.CONSOLIDATED:
-            daemon.counters["consolidated"] += 1
+            state.counters["consolidated"] += 1
             log.info("consolidated %s: %s", c.rel, result.detail, extra=extra)
             rt.tracker.look_again(c.rel)  # fp32/ is new: it settles, and the slim follows
             return
-        daemon.keeper.purge(rt)  # what it made went to the trash
+        self.purge(rt)  # what it made went to the trash
         if job.stopping is not None:
             log.info("stopped consolidating %s: %s", c.rel, job.stopping, extra=extra)
             return
@@ -194,7 +211,7 @@ class Consolidations:
     def _say_not(self, rt: RootRuntime, result: Result, what: str) -> None:
         """A refusal or failure, logged once per reason and checkpoint, not every pass."""
         c = result.decision.checkpoint
-        self.d.counters[str(result.outcome)] += 1
+        self.state.counters[str(result.outcome)] += 1
         if rt.outcomes.get(c.rel) != result.detail:
             rt.outcomes[c.rel] = result.detail
             level = logging.ERROR if result.outcome is Outcome.FAILED else logging.WARNING

@@ -24,6 +24,8 @@ The rooms, each with one job: `roots.py` (each root's tracker, leadership and tr
 `tick.py` (the filesystem thread's steps), `narration.py` (what the log says of the
 checkpoints), `retention.py` (the plan and the reapers acting on it), `consolidation.py`
 (fp32 weights before a slim), `status.py` (the state file), `reload.py` (a new config).
+They share `state.py`'s `DaemonState` and are handed the collaborators they call, by name;
+none is handed the `Daemon`.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from ckptd.daemon.notify import notify, watchdog_interval
 from ckptd.daemon.reload import apply_config
 from ckptd.daemon.retention import Retention
 from ckptd.daemon.roots import RootKeeper, RootRuntime
+from ckptd.daemon.state import DaemonState
 from ckptd.daemon.status import STATE_PREFIX, StateFile
 from ckptd.daemon.tick import Tick
 from ckptd.daemon.watch import Watcher
@@ -68,8 +71,8 @@ SAVE_TIMEOUT = 3.0  # at a stop, for the verdicts proven since the last save (ve
 
 class Daemon:
     """The daemon: its loop, its threads and signals, and the rooms that do its work (each one
-    job: the module docstring names them). What the rooms share is here: the config, the roots,
-    dry_run, the counters, the clock."""
+    job: the module docstring names them). What the rooms share is `shared` (`DaemonState`): the
+    config, the roots, dry_run, the counters, the clock."""
 
     def __init__(
         self,
@@ -81,32 +84,71 @@ class Daemon:
         clock: Callable[[], float] = time.monotonic,
         install_signals: bool = True,
     ):
-        self.config = config
+        self.shared = DaemonState(config, dry_run=dry_run or config.daemon.dry_run, clock=clock)
         self.config_path = config_path
         self.cli_roots = cli_roots or []
         self.cli_dry_run = dry_run
-        self.dry_run = dry_run or config.daemon.dry_run
-        self.clock = clock
         self.install_signals = install_signals
-        self.roots: list[RootRuntime] = []
-        self.journal: Journal | None = None
-        self.counters = collections.Counter[str]()
-        self.started = time.time()
-        self.metrics: Metrics | None = None  # with [daemon] metrics_listen (metrics.py)
-        self._hints: collections.deque[str] = collections.deque()
         self._watchdog_every = watchdog_interval()
         self._reload = False
         self._sigint_count = 0
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()  # set once the first scan is done and READY=1 sent
-        # The rooms, each with one job (their modules say which).
-        self.keeper = RootKeeper(self)
-        self.tick = Tick(self)
-        self.narrator = Narrator(self)
-        self.retention = Retention(self)
-        self.consolidations = Consolidations(self)
-        self.state_file = StateFile(self, config.daemon.state_dir / f"{STATE_PREFIX}{os.getpid()}.json")
+        # The rooms, each with one job (their modules say which), each handed the shared state and
+        # what it calls: the other rooms, and these callables of the daemon's loop and threads.
+        shared = self.shared
+        self.keeper = RootKeeper(shared, wake=self.wake_threadsafe, purge_aside=self.purge_aside)
+        self.narrator = Narrator(shared, space=self.keeper.space)
+        self.consolidations = Consolidations(
+            shared, purge=self.keeper.purge, to_loop=self.call_soon_threadsafe, wake=self.wake,
+            run_aside=self.consolidate_aside,
+        )
+        self.retention = Retention(
+            shared, keeper=self.keeper, narrator=self.narrator, consolidations=self.consolidations,
+            interrupted=self.interrupted,
+        )
+        self.state_file = StateFile(
+            shared, config.daemon.state_dir / f"{STATE_PREFIX}{os.getpid()}.json",
+            retention=self.retention, consolidations=self.consolidations,
+        )
+        self.tick = Tick(
+            shared, keeper=self.keeper, narrator=self.narrator, retention=self.retention,
+            consolidations=self.consolidations, state_file=self.state_file, sync_watches=self.sync_watches,
+        )
+
+    # What the shared state holds, read here by the command line, tests and bench.
+    @property
+    def config(self) -> Config:
+        return self.shared.config
+
+    @property
+    def dry_run(self) -> bool:
+        return self.shared.dry_run
+
+    @property
+    def roots(self) -> list[RootRuntime]:
+        return self.shared.roots
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.shared.clock
+
+    @property
+    def counters(self) -> collections.Counter[str]:
+        return self.shared.counters
+
+    @property
+    def journal(self) -> Journal | None:
+        return self.shared.journal
+
+    @property
+    def metrics(self) -> Metrics | None:
+        return self.shared.metrics
+
+    @property
+    def started(self) -> float:
+        return self.shared.started
 
     # --- entry point ---------------------------------------------------------
 
@@ -136,6 +178,28 @@ class Daemon:
     async def _on_fs(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self._loop.run_in_executor(self._fs, fn, *args)
 
+    # --- what the rooms are handed of the loop and the threads ----------------
+
+    def wake(self) -> None:
+        """On the loop: look again now (the main loop's next step comes at once)."""
+        self._wake.set()
+
+    def wake_threadsafe(self) -> None:
+        """From any thread (a lease's renewal thread): `wake`, on the loop."""
+        self._loop.call_soon_threadsafe(self._wake.set)
+
+    def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
+        """From any thread: `fn(*args)` on the loop (RuntimeError once the loop is closed)."""
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def purge_aside(self, fn: Callable[[], None]) -> None:
+        """`fn` on the purger's thread (idle priority)."""
+        self._purger.submit(fn)
+
+    def consolidate_aside(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """`fn` on the consolidator's thread (one at a time)."""
+        return self._consolidator.submit(fn)
+
     def state(self) -> dict[str, Any]:
         """The state file's document (what `ckptd status` reads)."""
         return json.loads(self.state_file.text())
@@ -146,11 +210,12 @@ class Daemon:
         note = f" {DRY_RUN_NOTE}" if self.dry_run else ""
         source = self.config_path or "no config file (built-in defaults)"
         log.info("ckptd %s starting (pid %d), config %s%s", __version__, os.getpid(), source, note)
+        shared = self.shared
         if self.config.daemon.metrics_listen:
-            self.metrics = Metrics(self.counters, self.config.daemon.state_dir)
-            self.metrics.start(self.config.daemon.metrics_listen)
+            shared.metrics = Metrics(self.counters, self.config.daemon.state_dir)
+            shared.metrics.start(self.config.daemon.metrics_listen)
         self.config.daemon.state_dir.mkdir(parents=True, exist_ok=True)
-        self.journal = None if self.dry_run else Journal(self.config.daemon.state_dir)
+        shared.journal = None if self.dry_run else Journal(self.config.daemon.state_dir)
         for root in self.config.roots:
             self.roots.append(self.keeper.runtime(root, self.config))
         if any(rt.observer == "inotify" for rt in self.roots):
@@ -206,13 +271,13 @@ class Daemon:
             times.append(self.state_file.due)
         if self.retention.due is not None:
             times.append(self.retention.due)
-        if self._hints or any(rt.overflowed for rt in self.roots):
+        if self.shared.hints or any(rt.overflowed for rt in self.roots):
             return 0.0
         return max(0.0, min(times, default=now + 60) - now)
 
     def _on_path(self, path: str) -> None:
         """From watchdog's handler, on the loop (`watch.py`): a hint for the worker."""
-        self._hints.append(path)
+        self.shared.hints.append(path)
         self._wake.set()
 
     def _on_overflow(self) -> None:
@@ -224,14 +289,11 @@ class Daemon:
 
     # --- watches, metrics, systemd -------------------------------------------
 
-    def _sync_watches(self) -> None:
+    def sync_watches(self) -> None:
+        """Watch the inotify roots configured now (after a step, a reload), and only those."""
         if self.watcher is None:
             return
         self.watcher.reconcile({(str(rt.root.path), True) for rt in self.roots if rt.observer == "inotify"})
-
-    def _sample_metrics(self) -> None:
-        if self.metrics is not None:
-            self.metrics.sample(self.roots, self.clock())
 
     async def _ping_watchdog(self, every: float) -> None:
         """WATCHDOG=1 while the event loop runs, also during a long scan or consolidation on the
@@ -295,9 +357,15 @@ class Daemon:
                 log.error("reload failed, keeping the old config: %s", line)
             self.state_file.report("READY=1")
             return
-        await self._on_fs(apply_config, self, new)
+        await self._on_fs(self._apply_config, new)
         log.info("reloaded %s", self.config_path)
         self.state_file.report("READY=1")
+
+    def _apply_config(self, new: Config) -> None:
+        apply_config(
+            self.shared, new, cli_dry_run=self.cli_dry_run, keeper=self.keeper, narrator=self.narrator,
+            retention=self.retention, consolidations=self.consolidations, sync_watches=self.sync_watches,
+        )
 
     def _save_verdicts(self) -> None:
         for rt in self.roots:

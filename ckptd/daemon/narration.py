@@ -1,4 +1,6 @@
-"""What the daemon's log says of the checkpoints it watches (`Narrator`), once per change.
+"""What the daemon's log says of the checkpoints it watches (`Narrator`), once per change: the
+trackers report which checkpoints changed state since it last asked (`RootTracker.take_changes`),
+so it keeps no copy of every checkpoint's state.
 
 A new checkpoint, one complete, incomplete (and why), stalled, in flight again, gone; the
 start-up line and what `ckptd plan` would show meanwhile; how far the looks at what a first scan
@@ -11,17 +13,20 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptd.config import format_age, format_duration, format_size
-from ckptd.decide.planner import decide
+from ckptd.decide.planner import DiskSpace, decide
 from ckptd.decide.policy import Decision
 from ckptd.model import QUIET, Action, Checkpoint, State, Verdict, deciding_check
 from ckptd.removal.outcome import DRY_RUN_NOTE
 
 if TYPE_CHECKING:
-    from ckptd.daemon.core import Daemon
+    from ckptd.daemon.state import DaemonState
+    from ckptd.daemon.tracker import RootTracker
 
 # One logger for all of the daemon's rooms: its name is in every JSON log line ("logger").
 log = logging.getLogger("ckptd.daemon")
@@ -32,12 +37,13 @@ IN_FLIGHT = frozenset({State.WRITING, State.SETTLING})
 
 
 class Narrator:
-    """What the log has said of each checkpoint, and what it says next. On the filesystem thread."""
+    """What the log says of each checkpoint as its state changes. On the filesystem thread.
 
-    def __init__(self, daemon: Daemon):
-        self.d = daemon
-        # What the log last said of each checkpoint (by (root, rel)): its state.
-        self.states: dict[tuple[str, str], State] = {}
+    Handed the shared state and `space` (free space counting the trash, for the preview's plan)."""
+
+    def __init__(self, state: DaemonState, *, space: Callable[[Path], DiskSpace]):
+        self.state = state
+        self.space = space
         # Checkpoints found by a first scan, until each has settled: their first state and
         # decision are debug lines, and one totals line says what became of them (`totals`).
         self.found_at_start: set[tuple[str, str]] = set()
@@ -48,19 +54,24 @@ class Narrator:
         self.preview_due = False  # `as_plan_sees_it`, said once the start-up's looks are done
 
     def first_scan_done(self, now: float) -> None:
-        """What the first scan found: each checkpoint's state as said, and the start-up line."""
-        roots = self.d.roots
-        self.states = {(str(rt.root.path), c.rel): c.state for rt in roots for c in rt.tracker.checkpoints()}
-        self.found_at_start = set(self.states)
+        """What the first scan found: each checkpoint's state as said (no line each), the start-up line."""
+        roots = self.state.roots
+        for rt in roots:
+            rt.tracker.take_changes()
+        self.found_at_start = {(str(rt.root.path), c.rel) for rt in roots for c in rt.tracker.checkpoints()}
         self.looks_due = {str(rt.root.path): len(rt.tracker.unseen) for rt in roots}
         self.looks_said = now
         self.start_notes = [self.what_comes_next()]
         self.preview_due = True  # what `plan` would show, once every checkpoint found was looked at
 
-    def found(self, root: str, found: list[Checkpoint]) -> None:
-        """What the first scan of a root added at a reload found (its totals come with the rest)."""
-        self.states.update({(root, c.rel): c.state for c in found})
-        self.found_at_start.update((root, c.rel) for c in found)
+    def found(self, root: str, tracker: RootTracker) -> None:
+        """What the first scan of a root added at a reload found, as said (its totals come with the rest)."""
+        tracker.take_changes()
+        self.found_at_start.update((root, c.rel) for c in tracker.checkpoints())
+
+    def let_go(self, root: str) -> None:
+        """A root no longer configured (a reload): what it found at start is not waited for."""
+        self.found_at_start = {key for key in self.found_at_start if key[0] != root}
 
     def totals_due(self) -> bool:
         """Everything found at start has settled, and no totals line said so yet."""
@@ -73,11 +84,11 @@ class Narrator:
         itself has seen it unchanged for its quiet period, on the monotonic clock (settle.py),
         so the first decisions come one quiet period after the first scan.
         """
-        roots = self.d.roots
+        roots = self.state.roots
         periods = sorted({rt.root.quiet_period for rt in roots}) or [0.0]
         quiet = " to ".join(dict.fromkeys(format_duration(p) for p in (periods[0], periods[-1])))
         head = f"ready: watching {len(roots)} root(s)"
-        now = self.d.clock()
+        now = self.state.clock()
         waiting = []
         for rt in roots:
             for c in rt.tracker.in_flight():
@@ -88,7 +99,7 @@ class Narrator:
                     d = now + rt.root.quiet_period
                 if c.state in IN_FLIGHT and d is not None:
                     waiting.append(d)
-        dry = "; dry run: nothing will be deleted" if self.d.dry_run else ""
+        dry = "; dry run: nothing will be deleted" if self.state.dry_run else ""
         if not waiting:
             return (
                 f"{head}, no checkpoint in flight: a new one is decided once ckptd has seen it "
@@ -104,7 +115,7 @@ class Narrator:
 
     def preview(self) -> None:
         """Once every checkpoint found at start was looked at: what `ckptd plan` would show."""
-        if self.preview_due and not any(rt.tracker.unseen for rt in self.d.roots):
+        if self.preview_due and not any(rt.tracker.unseen for rt in self.state.roots):
             # READY came before the looks (tracker.py, `unseen`): the preview waits for them.
             self.preview_due = False
             for line in self.as_plan_sees_it():
@@ -118,7 +129,7 @@ class Narrator:
         """
         wall = time.time()
         runs = []
-        for rt in self.d.roots:
+        for rt in self.state.roots:
             period = rt.root.quiet_period
             judged = [
                 replace(r, checkpoints=tuple(_by_file_times(c, period, wall) for c in r.checkpoints))
@@ -127,7 +138,7 @@ class Narrator:
             runs.append((rt.root, judged))
         if not any(r.checkpoints for _, rs in runs for r in rs):
             return []
-        plan = decide(runs, space=self.d.retention.space)
+        plan = decide(runs, space=self.space)
         states = collections.Counter(str(d.checkpoint.state) for d in plan.decisions)
         found = ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
         acts = []
@@ -147,14 +158,14 @@ class Narrator:
         if not self.looks_due or now - self.looks_said < SCAN_PROGRESS_EVERY:
             return
         self.looks_said = now
-        for rt in self.d.roots:
+        for rt in self.state.roots:
             total = self.looks_due.get(str(rt.root.path), 0)
             left = len(rt.tracker.unseen)
             if total and left:
                 log.info("%s: looked at %d of the %d checkpoints found at start (%d%%)", rt.root.path,
                          total - left, total, 100 * (total - left) // total,
                          extra={"root": str(rt.root.path), "done": total - left, "total": total})
-        if not any(rt.tracker.unseen for rt in self.d.roots):
+        if not any(rt.tracker.unseen for rt in self.state.roots):
             self.looks_due = {}
 
     def state_changes(self) -> None:
@@ -162,45 +173,49 @@ class Narrator:
         checkpoint, one complete, incomplete (and why), stalled, in flight again, gone.
 
         Not every look: a checkpoint being written goes writing -> settling -> writing many
-        times; those transitions are debug lines (tracker.py).
+        times; those transitions are debug lines (tracker.py). What changed is each tracker's
+        report since the last call; `before` is the state then, which is the state the log said
+        last (or, while in flight, one it need not say again).
         """
-        said = self.states
-        now: dict[tuple[str, str], State] = {}
-        for rt in self.d.roots:
+        gone: list[tuple[str, str]] = []
+        for rt in self.state.roots:
             root = str(rt.root.path)
-            for run in rt.tracker.current_runs():
-                for c in run.checkpoints:
-                    key = (root, c.rel)
-                    now[key] = c.state
-                    before = said.get(key)
-                    if before is not None and (c.state is before or {c.state, before} <= IN_FLIGHT):
-                        continue
-                    extra = {"root": root, "run": c.run, "checkpoint": c.name, "state": str(c.state)}
-                    level = logging.INFO
-                    if c.state is State.COMPLETE:
-                        what = f"complete ({c.layout}, {format_size(c.size_bytes)})"
-                        if key in self.found_at_start:  # one of thousands at start: the totals say it
-                            level = logging.DEBUG
-                    elif c.state in IN_FLIGHT:
-                        what = f"new, {c.state}" if before is None else f"{c.state} again (was {before})"
-                    else:
-                        what = f"{c.state}: {first_failed(c)}"
-                    if c.state not in IN_FLIGHT:
-                        self.found_at_start.discard(key)
-                    log.log(level, "%s: %s", c.rel, what, extra=extra)
-                    said[key] = c.state
-        for key in [k for k in said if k not in now]:
-            del said[key]
+            changes = rt.tracker.take_changes().states
+            now = [c for _, c in changes.values() if c is not None]
+            for c in sorted(now, key=lambda c: (c.run, c.sort_key())):  # path order, as `current_runs`
+                before = changes[c.rel][0]
+                if before is not None and (c.state is before or {c.state, before} <= IN_FLIGHT):
+                    continue
+                self._say(root, c, before)
+            gone += [(root, rel) for rel, (was, c) in changes.items() if c is None and was is not None]
+        for key in gone:
             self.found_at_start.discard(key)
             root, rel = key
             log.info("%s: gone (not by ckptd)", rel, extra={"root": root})
+
+    def _say(self, root: str, c: Checkpoint, before: State | None) -> None:
+        """One checkpoint's new state (`state_changes`)."""
+        key = (root, c.rel)
+        extra = {"root": root, "run": c.run, "checkpoint": c.name, "state": str(c.state)}
+        level = logging.INFO
+        if c.state is State.COMPLETE:
+            what = f"complete ({c.layout}, {format_size(c.size_bytes)})"
+            if key in self.found_at_start:  # one of thousands at start: the totals say it
+                level = logging.DEBUG
+        elif c.state in IN_FLIGHT:
+            what = f"new, {c.state}" if before is None else f"{c.state} again (was {before})"
+        else:
+            what = f"{c.state}: {first_failed(c)}"
+        if c.state not in IN_FLIGHT:
+            self.found_at_start.discard(key)
+        log.log(level, "%s: %s", c.rel, what, extra=extra)
 
     def totals(self, decisions: tuple[Decision, ...], done: dict[str, int], news: int) -> None:
         """One line for a retention pass: after the first that decided about every checkpoint
         found at start (4,500 checkpoints said one line each before, twice), and after each
         that deletes or slims (a dry run: each whose deletions or slims are news, `news`).
         `kept` counts complete checkpoints kept; `incomplete` the rest."""
-        dry_run = self.d.dry_run
+        dry_run = self.state.dry_run
         acted = done["deleted"] + done["slimmed"] if not dry_run else news
         first = not self.totals_said and not self.found_at_start
         if not (first or acted):

@@ -5,6 +5,7 @@ roots no longer configured let go, and what cannot change without a restart says
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ckptd.config import Config
@@ -14,15 +15,33 @@ from ckptd.journal import Journal
 from ckptd.volume.mounts import Mount, read_mounts
 
 if TYPE_CHECKING:
-    from ckptd.daemon.core import Daemon
+    from ckptd.daemon.consolidation import Consolidations
+    from ckptd.daemon.narration import Narrator
+    from ckptd.daemon.retention import Retention
+    from ckptd.daemon.roots import RootKeeper
+    from ckptd.daemon.state import DaemonState
 
 # One logger for all of the daemon's rooms: its name is in every JSON log line ("logger").
 log = logging.getLogger("ckptd.daemon")
 
 
-def apply_config(d: Daemon, new: Config) -> None:
-    """Swap in a new config on the fs thread: keep what is known of roots that stay."""
-    dry_run = d.cli_dry_run or new.daemon.dry_run
+def apply_config(
+    d: DaemonState,
+    new: Config,
+    *,
+    cli_dry_run: bool,
+    keeper: RootKeeper,
+    narrator: Narrator,
+    retention: Retention,
+    consolidations: Consolidations,
+    sync_watches: Callable[[], None],
+) -> None:
+    """Swap in a new config on the fs thread: keep what is known of roots that stay.
+
+    `cli_dry_run`: the command line's --dry-run, which no config turns off. The rooms are those
+    whose state depends on the config: the keeper builds and follows the roots, the narrator
+    hears of a new root's checkpoints, the retention and consolidations forget what they decided."""
+    dry_run = cli_dry_run or new.daemon.dry_run
     if dry_run != d.dry_run:
         _switch_dry_run(d, dry_run)
     old = d.config.daemon
@@ -36,9 +55,9 @@ def apply_config(d: Daemon, new: Config) -> None:
     for root in new.roots:
         rt = by_path.pop(root.path, None)
         if rt is None:
-            rt = _new_root(d, root, new)
+            rt = _new_root(keeper, narrator, root, new)
         else:
-            _look_again(d, rt, root, new, mounts)
+            _look_again(keeper, rt, root, new, mounts)
         rt.next_poll = min(rt.next_poll, d.clock() + root.poll_interval)
         keep.append(rt)
     if new.daemon.metrics_listen != d.config.daemon.metrics_listen:
@@ -48,16 +67,17 @@ def apply_config(d: Daemon, new: Config) -> None:
     for rt in by_path.values():
         log.info("%s: no longer configured", rt.root.path)
         rt.lead.stop()
+        narrator.let_go(str(rt.root.path))
     d.roots = keep
     d.config = new
-    d.retention.decisions.clear()
-    d.consolidations.failed.clear()  # a new timeout or setting may let them through
-    d.retention.version += 1
-    d.retention.run()
-    d._sync_watches()
+    retention.decisions.clear()
+    consolidations.failed.clear()  # a new timeout or setting may let them through
+    retention.version += 1
+    retention.run()
+    sync_watches()
 
 
-def _switch_dry_run(d: Daemon, dry_run: bool) -> None:
+def _switch_dry_run(d: DaemonState, dry_run: bool) -> None:
     log.info("dry run %s", "on: deleting nothing from now on" if dry_run else "off: deleting again")
     d.dry_run = dry_run
     if not dry_run and d.journal is None:
@@ -71,19 +91,19 @@ def _switch_dry_run(d: Daemon, dry_run: bool) -> None:
             rt.leader, rt.said_standby = False, False
 
 
-def _new_root(d: Daemon, root, new: Config) -> RootRuntime:
+def _new_root(keeper: RootKeeper, narrator: Narrator, root, new: Config) -> RootRuntime:
     """A root the new config adds: scanned now, its checkpoints as found at start."""
-    rt = d.keeper.runtime(root, new)
-    d.keeper.try_lead(rt)
+    rt = keeper.runtime(root, new)
+    keeper.try_lead(rt)
     rt.tracker.full_scan()
     found = rt.tracker.checkpoints()
     log.info("%s: %d checkpoint(s) in %d run(s)", root.path, len(found), len(rt.tracker.runs),
              extra={"root": str(root.path)})
-    d.narrator.found(str(root.path), found)
+    narrator.found(str(root.path), rt.tracker)
     return rt
 
 
-def _look_again(d: Daemon, rt: RootRuntime, root, new: Config, mounts: list[Mount]) -> None:
+def _look_again(keeper: RootKeeper, rt: RootRuntime, root, new: Config, mounts: list[Mount]) -> None:
     """A root that stays: patterns, depth, world sizes may have changed."""
     if root.observer != rt.root.observer:
         log.warning("%s: observer changed: it takes effect at the next start", root.path)
@@ -92,5 +112,5 @@ def _look_again(d: Daemon, rt: RootRuntime, root, new: Config, mounts: list[Moun
     effective, rt.cache = effective_root(root, mounts)
     rt.configured_quiet = root.quiet_period
     rt.tracker.reconfigure(effective)
-    rt.reaper = d.keeper.reaper(rt.tracker, new)
+    rt.reaper = keeper.reaper(rt.tracker, new)
     rt.tracker.full_scan()

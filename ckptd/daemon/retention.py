@@ -5,25 +5,24 @@ decisions. On the filesystem thread."""
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptd.config import Root, format_size
 from ckptd.daemon.consolidation import Waiting
 from ckptd.daemon.metrics import unmet_budgets
 from ckptd.daemon.narration import IN_FLIGHT
-from ckptd.decide.planner import DiskSpace, decide, disk_space
+from ckptd.decide.planner import decide
 from ckptd.decide.policy import Decision
 from ckptd.model import Action, State
 from ckptd.removal.outcome import DRY_RUN_NOTE, Outcome, Result
-from ckptd.removal.purge import waiting_in_trash
 from ckptd.removal.recheck import FENCED
 
 if TYPE_CHECKING:
-    from ckptd.daemon.core import Daemon
-    from ckptd.daemon.roots import RootRuntime
+    from ckptd.daemon.consolidation import Consolidations
+    from ckptd.daemon.narration import Narrator
+    from ckptd.daemon.roots import RootKeeper, RootRuntime
+    from ckptd.daemon.state import DaemonState
 
 # One logger for all of the daemon's rooms: its name is in every JSON log line ("logger").
 log = logging.getLogger("ckptd.daemon")
@@ -34,10 +33,26 @@ RETENTION_MIN_INTERVAL = 1.0
 
 
 class Retention:
-    """Decides, lets the leaders' reapers act, and remembers what was decided and said."""
+    """Decides, lets the leaders' reapers act, and remembers what was decided and said.
 
-    def __init__(self, daemon: Daemon):
-        self.d = daemon
+    Handed the shared state, the keeper (leadership, the purge, free space counting the trash),
+    the narrator (the totals line), the consolidations (slims waiting for fp32 weights), and
+    `interrupted` (why a pass must stop before its next deletion: a stop, a reload)."""
+
+    def __init__(
+        self,
+        state: DaemonState,
+        *,
+        keeper: RootKeeper,
+        narrator: Narrator,
+        consolidations: Consolidations,
+        interrupted: Callable[[], str | None],
+    ):
+        self.state = state
+        self.keeper = keeper
+        self.narrator = narrator
+        self.consolidations = consolidations
+        self.interrupted = interrupted
         self.decisions: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}  # by (root, rel)
         self.version = 0  # bumped when `decisions` changes (the state file's cache)
         self.said_actions: dict[tuple[str, str], str] = {}  # what the log last said each would do
@@ -58,9 +73,9 @@ class Retention:
 
     def run(self) -> None:
         """Decide across every root (min_free is per filesystem), then let each leader's reaper act."""
-        d = self.d
+        d = self.state
         runs = [(rt.root, rt.tracker.current_runs(resume=True)) for rt in d.roots]
-        plan = decide(runs, space=self.space)
+        plan = decide(runs, space=self.keeper.space)
         for w in plan.warnings:
             log.warning("%s", w)
         if d.metrics is not None:
@@ -72,9 +87,9 @@ class Retention:
         done = {"deleted": 0, "slimmed": 0, "freed": 0, "would delete": 0, "would slim": 0}
         waiting: list[Waiting] = []  # slims whose fp32 weights are to be consolidated first
         for rt in d.roots:
-            if d.interrupted() is not None:  # said by the root whose pass it stopped
+            if self.interrupted() is not None:  # said by the root whose pass it stopped
                 break
-            d.keeper.try_lead(rt)
+            self.keeper.try_lead(rt)
             if (not rt.leader or rt.catching_up) and not d.dry_run:
                 continue
             mine = [x for x in plan.decisions if x.checkpoint.root == rt.root.path]
@@ -84,8 +99,8 @@ class Retention:
             if not on_complete and not any(x.action in (Action.DELETE, Action.SLIM) for x in mine):
                 continue
             self._act(rt, mine, done, waiting)
-        d.narrator.totals(plan.decisions, done, news)
-        d.consolidations.schedule(plan.decisions, waiting)
+        self.narrator.totals(plan.decisions, done, news)
+        self.consolidations.schedule(plan.decisions, waiting)
         self._forget_gone(plan.decisions)
 
     def _act(
@@ -95,8 +110,8 @@ class Retention:
         consolidated first waits (`Consolidations.schedule`)."""
         trashed = False
         # Fencing: each rename asks whether this ckptd still leads, under the epoch held now.
-        rt.reaper.fence = None if self.d.dry_run else self._fence(rt)
-        rt.reaper.interrupted = self.d.interrupted
+        rt.reaper.fence = None if self.state.dry_run else self._fence(rt)
+        rt.reaper.interrupted = self.interrupted
         fenced = False
         for result in rt.reaper.execute(mine, consolidate=False):
             if result.outcome is Outcome.DEFERRED:
@@ -119,12 +134,12 @@ class Retention:
                         "what is left is decided again", rt.root.path, before, left, why,
                         extra={"root": str(rt.root.path)})
         if trashed:
-            self.d.keeper.purge(rt)
+            self.keeper.purge(rt)
 
     def _fence(self, rt: RootRuntime) -> Callable[[], str | None]:
         """What the reaper asks just before each rename: that this ckptd still leads (its epoch), and
         still stands on the lock and journal it took (`RootKeeper.footing`)."""
-        lead, footing = rt.lead.fencer(), self.d.keeper.footing
+        lead, footing = rt.lead.fencer(), self.keeper.footing
 
         def fence() -> str | None:
             why = lead()
@@ -137,7 +152,7 @@ class Retention:
     def _carried_out(self, rt: RootRuntime, result: Result, done: dict[str, int]) -> bool:
         """Count and say one thing the reaper did (or would do, or refused); True when it moved
         something to the trash."""
-        d = self.d
+        d = self.state
         c = result.decision.checkpoint
         action = str(result.decision.action)
         verb = "deleted" if action == "delete" else "slimmed"
@@ -156,8 +171,7 @@ class Retention:
             done[verb] += 1
             done["freed"] += moved
             if result.outcome is Outcome.TRASHED:
-                rt.tracker.forget(c.rel)
-                d.narrator.states.pop((str(rt.root.path), c.rel), None)
+                rt.tracker.forget(c.rel)  # no news for the narrator: said here, as a deletion
             else:
                 rt.tracker.look_again(c.rel)  # slimmed: not the checkpoint the plan saw
             reasons = "; ".join(result.decision.reasons)
@@ -186,7 +200,7 @@ class Retention:
         if len(kept) != len(self.decisions):
             self.decisions, self.version = kept, self.version + 1
         self.said_actions = {k: v for k, v in self.said_actions.items() if k in current}
-        for rt in self.d.roots:
+        for rt in self.state.roots:
             rels = {c.rel for c in rt.tracker.checkpoints()}
             rt.outcomes = {k: v for k, v in rt.outcomes.items() if k in rels}
 
@@ -202,7 +216,7 @@ class Retention:
         deletions and slims were news.
         """
         news_acting = 0
-        dry_run = self.d.dry_run
+        dry_run = self.state.dry_run
         note = f" {DRY_RUN_NOTE}" if dry_run else ""
         busy = {(c.root, c.run) for d in decisions if (c := d.checkpoint).state in IN_FLIGHT}
         for d in decisions:
@@ -239,28 +253,6 @@ class Retention:
                 },
             )
         return news_acting
-
-    def space(self, path: Path) -> DiskSpace:
-        """Free space on `path`'s filesystem, counting what its roots hold in the trash as freed:
-        what this daemon moved there, and what waits there longer (another process's, one a killed
-        prune left: removal.purge.waiting_in_trash).
-
-        While a purge runs, an entry it is removing may be counted with what statvfs sees freed
-        already: free space is overestimated for a moment, so min_free deletes less, never more.
-        """
-        space = disk_space(path)
-        dev = os.stat(path).st_dev
-        pending = 0
-        for rt in self.d.roots:
-            # Another root gone or unreachable (unmounted, ESTALE) must not stop this one's
-            # retention: its filesystem is the one it was last seen on.
-            try:
-                rt.dev = os.stat(rt.root.path).st_dev
-            except OSError:
-                pass
-            if rt.dev == dev:
-                pending += waiting_in_trash(rt.root.path)
-        return DiskSpace(free=space.free + pending, total=space.total)
 
 
 def configured_budgets(root: Root) -> tuple[str, ...]:

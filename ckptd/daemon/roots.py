@@ -1,15 +1,20 @@
 """Each root as the daemon runs it (`RootRuntime`), and its keeper (`RootKeeper`): the root's
 tracker and reaper built from the config, its leadership followed (lead where it is held, stand
-by where not), its trash emptied on the purger's thread at idle priority."""
+by where not), its trash emptied on the purger's thread at idle priority, and what waits in the
+trash counted as free space (`RootKeeper.space`)."""
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptd.config import Config, format_size
 from ckptd.daemon.tracker import RootTracker
 from ckptd.daemon.watch import choose_observer
+from ckptd.decide.planner import DiskSpace, disk_space
 from ckptd.fleet.etcdlease import EtcdLeadership, etcd_leadership, prefix_mismatch
 from ckptd.fleet.kubelease import KubeLeadership, kube_leadership
 from ckptd.fleet.lease import (
@@ -22,11 +27,12 @@ from ckptd.fleet.lease import (
 )
 from ckptd.fleet.leaserecord import engine_leader_seen
 from ckptd.fleet.locks import LockHeld, RootLock
+from ckptd.removal.purge import waiting_in_trash
 from ckptd.removal.reaper import Reaper
 from ckptd.volume.mounts import AttributeCache, Mount, quiet_for, read_mounts
 
 if TYPE_CHECKING:
-    from ckptd.daemon.core import Daemon
+    from ckptd.daemon.state import DaemonState
 
 # One logger for all of the daemon's rooms: its name is in every JSON log line ("logger").
 log = logging.getLogger("ckptd.daemon")
@@ -49,7 +55,7 @@ class RootRuntime:
         self.last_error: str | None = None
         self.failures = 0
         self.outcomes: dict[str, str] = {}  # checkpoint -> the last refusal or failure said about it
-        self.dev: int | None = None  # the root's filesystem, as last seen (`Retention.space`)
+        self.dev: int | None = None  # the root's filesystem, as last seen (`RootKeeper.space`)
         self.configured_quiet = tracker.root.quiet_period  # before `effective_root`
         self.catching_up = False  # took over a volume lease: no retention before a full scan
         self.cache: AttributeCache | None = None  # the mount's attribute cache (mounts.py)
@@ -89,17 +95,26 @@ def effective_root(root, mounts: list[Mount]):
 class RootKeeper:
     """Builds each root's runtime, follows its leadership and empties its trash, for the daemon.
 
-    On the filesystem thread, but for the purge itself (the purger's thread)."""
+    On the filesystem thread, but for the purge itself (the purger's thread, `purge_aside`). A
+    lease's thread calls `wake` (from any thread) when the lease changes hands."""
 
-    def __init__(self, daemon: Daemon):
-        self.d = daemon
+    def __init__(
+        self,
+        state: DaemonState,
+        *,
+        wake: Callable[[], None],
+        purge_aside: Callable[[Callable[[], None]], None],
+    ):
+        self.state = state
+        self.wake = wake
+        self.purge_aside = purge_aside
         self.lead_gained = False  # a root's lead was taken: run retention now, not at the next event
         self.purge_stop = False  # the daemon is stopping: a purge leaves the rest of the trash
 
     def runtime(self, root, config: Config) -> RootRuntime:
         mounts = read_mounts()
         effective, cache = effective_root(root, mounts)
-        tracker = RootTracker(effective, self.d.clock, state_dir=self.d.config.daemon.state_dir)
+        tracker = RootTracker(effective, self.state.clock, state_dir=self.state.config.daemon.state_dir)
         reaper = self.reaper(tracker, config)
         observer, why = choose_observer(root.path, root.observer)
         log.info("%s: observer=%s (%s)", root.path, observer, why, extra={"root": str(root.path)})
@@ -132,16 +147,15 @@ class RootKeeper:
             lease = VolumeLease(
                 root.path, duration=d.lease_duration, margin=d.lease_margin, why=why, problem=problem
             )
-        lease.want = not self.d.dry_run
-        daemon = self.d
-        lease.start(on_change=lambda: daemon._loop.call_soon_threadsafe(daemon._wake.set))
+        lease.want = not self.state.dry_run
+        lease.start(on_change=self.wake)
         return lease
 
     def reaper(self, tracker: RootTracker, config: Config) -> Reaper:
         return Reaper(
             tracker.scanner,
-            self.d.journal,
-            dry_run=self.d.dry_run,
+            self.state.journal,
+            dry_run=self.state.dry_run,
             consolidate_timeout=config.daemon.consolidate_timeout,
             trash_grace=config.trash_grace(tracker.scanner.root),
         )
@@ -152,7 +166,7 @@ class RootKeeper:
         A local lock is tried when `attempt`; a volume lease is taken and renewed by its own
         thread, and only looked at here (no I/O).
         """
-        dry_run = self.d.dry_run
+        dry_run = self.state.dry_run
         if dry_run and not rt.said_dry_run:
             log.info("%s: dry run: deciding, deleting nothing (no lock taken)", rt.root.path,
                      extra={"root": str(rt.root.path), "dry_run": True})
@@ -167,7 +181,7 @@ class RootKeeper:
             if not isinstance(rt.lead, LocalLeadership):
                 # It stood by looking at the volume loosely: a full scan first (the next tick),
                 # and no retention here until it is done (`Retention.run`).
-                rt.catching_up, rt.next_reconcile = True, self.d.clock()
+                rt.catching_up, rt.next_reconcile = True, self.state.clock()
             rt.leader, rt.said_standby = True, False
             status = rt.lead.status()
             local = rt.lead.kind == "local"
@@ -194,8 +208,8 @@ class RootKeeper:
         lock = rt.lead.lock if isinstance(rt.lead, LocalLeadership) else None
         try:
             why = lock.footing() if lock is not None and lock.held else None
-            if why is None and self.d.journal is not None:
-                why = self.d.journal.footing()
+            if why is None and self.state.journal is not None:
+                why = self.state.journal.footing()
         except OSError as exc:  # cannot tell: as good as lost
             why = f"cannot look at its lock or journal: {exc}"
         return why
@@ -205,7 +219,7 @@ class RootKeeper:
         lock and journal again where that is safe: the files made afresh and locked, with nobody
         else holding them (locks.RootLock.retake: the root directory's own lock, held throughout,
         kept any other ckptd out meanwhile). Until then the root's role is `stopped`."""
-        if self.d.dry_run or not (rt.leader or rt.lost_footing is not None):
+        if self.state.dry_run or not (rt.leader or rt.lost_footing is not None):
             return
         why = self.footing(rt)
         if why is None:
@@ -217,7 +231,7 @@ class RootKeeper:
         try:
             if isinstance(rt.lead, LocalLeadership):
                 rt.lead.lock.retake()
-            journal = self.d.journal
+            journal = self.state.journal
             if journal is not None and (lost := journal.footing()) is not None:
                 journal.reopen(lost)
         except (LockHeld, OSError) as exc:
@@ -236,11 +250,11 @@ class RootKeeper:
         rt.lost_footing = rt.retake_blocked = None
 
     def purge(self, rt: RootRuntime) -> None:
-        if self.d.dry_run:
+        if self.state.dry_run:
             return
 
         rt.reaper.foreign_wait = rt.lead.takeover_wait()  # what another process trashed waits this long
-        counters = self.d.counters
+        counters = self.state.counters
 
         def purge() -> None:
             # A leader that lost the lead leaves the rest of the trash to the one that has it.
@@ -251,4 +265,26 @@ class RootKeeper:
             if count:
                 log.info("%s: purged %d trash entries (%s)", rt.root.path, count, format_size(freed))
 
-        self.d._purger.submit(purge)
+        self.purge_aside(purge)
+
+    def space(self, path: Path) -> DiskSpace:
+        """Free space on `path`'s filesystem, counting what its roots hold in the trash as freed:
+        what this daemon moved there, and what waits there longer (another process's, one a killed
+        prune left: removal.purge.waiting_in_trash).
+
+        While a purge runs, an entry it is removing may be counted with what statvfs sees freed
+        already: free space is overestimated for a moment, so min_free deletes less, never more.
+        """
+        space = disk_space(path)
+        dev = os.stat(path).st_dev
+        pending = 0
+        for rt in self.state.roots:
+            # Another root gone or unreachable (unmounted, ESTALE) must not stop this one's
+            # retention: its filesystem is the one it was last seen on.
+            try:
+                rt.dev = os.stat(rt.root.path).st_dev
+            except OSError:
+                pass
+            if rt.dev == dev:
+                pending += waiting_in_trash(rt.root.path)
+        return DiskSpace(free=space.free + pending, total=space.total)

@@ -19,8 +19,10 @@ from ckptd.model import State
 
 if TYPE_CHECKING:
     from ckptd.archive.upload import Archiver
-    from ckptd.daemon.core import Daemon
+    from ckptd.daemon.consolidation import Consolidations
+    from ckptd.daemon.retention import Retention
     from ckptd.daemon.roots import RootRuntime
+    from ckptd.daemon.state import DaemonState
 
 # One logger for all of the daemon's rooms: its name is in every JSON log line ("logger").
 log = logging.getLogger("ckptd.daemon")
@@ -31,21 +33,28 @@ STATE_PREFIX = "daemon."
 
 class StateFile:
     """The daemon's state file (`<state_dir>/daemon.<pid>.json`), rewritten atomically at most once
-    a second, and the status line systemd shows. On the filesystem thread."""
+    a second, and the status line systemd shows. On the filesystem thread.
 
-    def __init__(self, daemon: Daemon, path: Path):
-        self.d = daemon
+    Handed the shared state, and the rooms whose state it shows: the retention's decisions, the
+    running consolidation."""
+
+    def __init__(
+        self, state: DaemonState, path: Path, *, retention: Retention, consolidations: Consolidations
+    ):
+        self.state = state
+        self.retention = retention
+        self.consolidations = consolidations
         self.path = path
         self.written = -1e9
         self.due: float | None = None  # a write put off by STATE_MIN_INTERVAL comes then
         self.runs_cache: dict[Path, tuple[tuple[int, int], str]] = {}  # see `runs_json`
 
     def status_line(self) -> str:
-        roots = self.d.roots
+        roots = self.state.roots
         states = collections.Counter(str(c.state) for rt in roots for c in rt.tracker.checkpoints())
         runs = sum(len(rt.tracker.runs) for rt in roots)
         parts = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "none"
-        counters = self.d.counters
+        counters = self.state.counters
         return (
             f"{runs} runs; checkpoints: {parts}; {counters['deleted']} deleted, "
             f"{format_size(counters['bytes_reclaimed'])} reclaimed"
@@ -58,7 +67,7 @@ class StateFile:
         """The state file's JSON. Written at every poll for the heartbeat: each root's runs are
         encoded again only when its tracker or the decisions changed (on the L volume, 6,400
         checkpoints, encoding them was most of an idle tick)."""
-        d = self.d
+        d = self.state
         now_mono = d.clock()
         roots = []
         for rt in d.roots:
@@ -82,7 +91,7 @@ class StateFile:
                 "archive": archive_state(rt.reaper.archiver),
             }
             roots.append(_json(head)[:-1] + ',"runs":' + self.runs_json(rt) + "}")
-        job = d.consolidations.running
+        job = self.consolidations.running
         head = {
             "pid": os.getpid(),
             "version": __version__,
@@ -102,15 +111,15 @@ class StateFile:
         return _json(head)[:-1] + ',"roots":[' + ",".join(roots) + "]}"
 
     def runs_json(self, rt: RootRuntime) -> str:
-        decisions = self.d.retention.decisions
-        key = (rt.tracker.version, self.d.retention.version)
+        decisions = self.retention.decisions
+        key = (rt.tracker.version, self.retention.version)
         hit = self.runs_cache.get(rt.root.path)
         if hit is not None and hit[0] == key:
             return hit[1]
         root_key = str(rt.root.path)
         # The settler's monotonic times as wall-clock times, so that `ckptd status` says how long
         # a checkpoint has been unchanged when it is asked, not when this was written.
-        to_wall = time.time() - self.d.clock()
+        to_wall = time.time() - self.state.clock()
         runs = []
         for run in rt.tracker.current_runs():
             ckpts = []
@@ -141,7 +150,7 @@ class StateFile:
 
     def write(self, force: bool = False) -> None:
         """Rewrite the state file atomically (readers see the old or the new), at most once a second."""
-        now = self.d.clock()
+        now = self.state.clock()
         if not force and now - self.written < STATE_MIN_INTERVAL:
             self.due = self.written + STATE_MIN_INTERVAL
             return

@@ -5,6 +5,7 @@ to the log, retention and the state file."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ckptd.daemon.tracker import Changes
@@ -12,26 +13,49 @@ from ckptd.errors import RootMissingError
 from ckptd.fleet.lease import LocalLeadership
 
 if TYPE_CHECKING:
-    from ckptd.daemon.core import Daemon
-    from ckptd.daemon.roots import RootRuntime
+    from ckptd.daemon.consolidation import Consolidations
+    from ckptd.daemon.narration import Narrator
+    from ckptd.daemon.retention import Retention
+    from ckptd.daemon.roots import RootKeeper, RootRuntime
+    from ckptd.daemon.state import DaemonState
+    from ckptd.daemon.status import StateFile
 
 # One logger for all of the daemon's rooms: its name is in every JSON log line ("logger").
 log = logging.getLogger("ckptd.daemon")
 
 
 class Tick:
-    """The daemon's steps on the filesystem thread (the per-root trackers need no locks)."""
+    """The daemon's steps on the filesystem thread (the per-root trackers need no locks).
 
-    def __init__(self, daemon: Daemon):
-        self.d = daemon
+    Handed the shared state and the rooms a step goes through, in the order it calls them, and
+    `sync_watches` (the watcher follows the roots configured now)."""
+
+    def __init__(
+        self,
+        state: DaemonState,
+        *,
+        keeper: RootKeeper,
+        narrator: Narrator,
+        retention: Retention,
+        consolidations: Consolidations,
+        state_file: StateFile,
+        sync_watches: Callable[[], None],
+    ):
+        self.state = state
+        self.keeper = keeper
+        self.narrator = narrator
+        self.retention = retention
+        self.consolidations = consolidations
+        self.state_file = state_file
+        self.sync_watches = sync_watches
 
     def first_scan(self) -> None:
-        d = self.d
+        d = self.state
         now = d.clock()
         for rt in d.roots:
             if not isinstance(rt.lead, LocalLeadership) and not d.dry_run:
                 rt.lead.step()  # a first look now (its thread may not have had one): no false "standby"
-            d.keeper.try_lead(rt, attempt=True)
+            self.keeper.try_lead(rt, attempt=True)
             rt.tracker.full_scan()
             rt.catching_up = False  # this was the scan a lead taken at start-up waits for
             rt.next_poll = now + rt.root.poll_interval
@@ -41,20 +65,20 @@ class Tick:
                 "%s: %d checkpoint(s) in %d run(s)", rt.root.path, n, len(rt.tracker.runs),
                 extra={"root": str(rt.root.path)},
             )
-        d.narrator.first_scan_done(now)
-        d._sync_watches()
-        d._sample_metrics()
-        d.state_file.write(force=True)
+        self.narrator.first_scan_done(now)
+        self.sync_watches()
+        self._sample_metrics()
+        self.state_file.write(force=True)
 
     def run(self) -> None:
         """One step of work, on the filesystem thread."""
-        d = self.d
+        d = self.state
         now = d.clock()
         hints = []
-        while d._hints:
-            hints.append(d._hints.popleft())
+        while d.hints:
+            hints.append(d.hints.popleft())
         # A consolidation ended: its weights go into place, or are dropped; the next one waiting may start.
-        retention = d.consolidations.finish_ended()
+        retention = self.consolidations.finish_ended()
         changed = False
         for rt in d.roots:
             tr = rt.tracker
@@ -73,27 +97,32 @@ class Tick:
             if completed or changes.vanished or step.vanished:
                 retention = True
             changed = changed or retention or bool(changes.transitions or step.transitions)
-        d.narrator.preview()
-        if d.keeper.lead_gained:
-            d.keeper.lead_gained, retention = False, True
+        narrator, keeper = self.narrator, self.keeper
+        narrator.preview()
+        if keeper.lead_gained:
+            keeper.lead_gained, retention = False, True
         if changed:
-            d.narrator.state_changes()
-        if d.narrator.totals_due():
+            narrator.state_changes()
+        if narrator.totals_due():
             # Everything found at start has settled, complete or not: decide (and say so) once
             # even where none completed (all incomplete: a world_size too large says why here).
             retention = True
-        d.retention.when_due(now, retention)
-        d._sync_watches()
-        d.consolidations.say_progress(now)
-        d.narrator.first_looks(now)
-        d._sample_metrics()
-        d.state_file.write()
+        self.retention.when_due(now, retention)
+        self.sync_watches()
+        self.consolidations.say_progress(now)
+        narrator.first_looks(now)
+        self._sample_metrics()
+        self.state_file.write()
+
+    def _sample_metrics(self) -> None:
+        if self.state.metrics is not None:
+            self.state.metrics.sample(self.state.roots, self.state.clock())
 
     def _look(self, rt: RootRuntime, now: float, changes: Changes) -> tuple[bool, Changes | None]:
         """Look at one root as its deadlines say (a reconcile, a rescan after an inotify overflow,
         a poll), follow its lead, and step its settling. Returns whether it reconciled, and the
         step's changes (None: the volume did not answer, `_failed`)."""
-        d, tr = self.d, rt.tracker
+        d, keeper, tr = self.state, self.keeper, rt.tracker
         reconciled = False
         try:
             if now >= rt.next_reconcile:
@@ -112,15 +141,15 @@ class Tick:
                 # same: the state file's heartbeat is written at its end (`run`), and `ckptd health`,
                 # a Kubernetes liveness probe, judges a standby by it as it judges a leader.
                 rt.next_poll = now + rt.root.poll_interval
-                d.keeper.try_lead(rt)
+                keeper.try_lead(rt)
                 return reconciled, Changes()
             elif now >= rt.next_poll:
                 tr.poll(changes)
                 rt.next_poll = now + rt.root.poll_interval
-                d.keeper.try_lead(rt, attempt=True)
+                keeper.try_lead(rt, attempt=True)
                 if rt.leader and rt.reaper.trash_pending():  # another process's, maybe renamed late
-                    d.keeper.purge(rt)
-            d.keeper.try_lead(rt)  # a volume lease changes hands on its own thread
+                    keeper.purge(rt)
+            keeper.try_lead(rt)  # a volume lease changes hands on its own thread
             return reconciled, tr.step(now)
         except (OSError, RootMissingError) as exc:
             self._failed(rt, now, exc)

@@ -66,11 +66,20 @@ class RunState:
 
 @dataclass
 class Changes:
-    """What one step found, for the daemon to act on."""
+    """What one step found, for the daemon to act on; and, kept by the tracker across steps, each
+    checkpoint whose state changed since the last `RootTracker.take_changes` (what the log says)."""
 
     completed: list[Checkpoint] = field(default_factory=list)
     vanished: list[str] = field(default_factory=list)  # checkpoint paths relative to the root
     transitions: int = 0
+    # By checkpoint rel: its state before its first change here (None: new), and the checkpoint as
+    # last looked at (None: gone). One entry per checkpoint however often it changed meanwhile.
+    states: dict[str, tuple[State | None, Checkpoint | None]] = field(default_factory=dict)
+
+    def changed(self, rel: str, before: State | None, after: Checkpoint | None) -> None:
+        """`rel` went from `before` to `after` (its state before any earlier change here is kept)."""
+        first = self.states.get(rel)
+        self.states[rel] = (before if first is None else first[0], after)
 
 
 class RootTracker:
@@ -95,6 +104,9 @@ class RootTracker:
         # checkpoint of the volume (6,400 on the L volume; the loop asks between every two ticks).
         self.flying: dict[str, Checkpoint] = {}
         self.version = 0  # bumped when what the state file shows changes (a checkpoint's state or size)
+        # Every change of a checkpoint's state since `take_changes`, from any look (a poll, a step,
+        # a reconcile, a reload's scan, a look after a slim or a refusal): the narrator's news.
+        self.pending = Changes()
         self.unseen: collections.deque[str] = collections.deque()  # found at start-up, not looked at yet
         self.deep_next = False  # the next reconcile walks complete checkpoints too (after a reload)
         self.rescans = 0  # targeted rescans after missed events
@@ -142,6 +154,11 @@ class RootTracker:
             )
             for rel, rs in sorted(self.runs.items())
         ]
+
+    def take_changes(self) -> Changes:
+        """The checkpoints whose state changed since the last call (`Changes.states`), and forget them."""
+        taken, self.pending = self.pending, Changes()
+        return taken
 
     def in_flight(self) -> list[Checkpoint]:
         return list(self.flying.values())
@@ -400,6 +417,8 @@ class RootTracker:
         else:
             self.flying[fresh.rel] = fresh
         before = old.state if old is not None else None
+        if fresh.state is not before or fresh.rel in self.pending.states:  # (news of it as it is now)
+            self.pending.changed(fresh.rel, before, fresh)
         if fresh.state is not before:
             changes.transitions += 1
             log.debug(
@@ -413,13 +432,17 @@ class RootTracker:
             if fresh.state is State.COMPLETE:
                 changes.completed.append(fresh)
 
-    def _vanish(self, rs: RunState, name: str, changes: Changes) -> None:
+    def _vanish(self, rs: RunState, name: str, changes: Changes, *, trashed: bool = False) -> None:
         c = rs.checkpoints.pop(name)
         self.flying.pop(c.rel, None)
         self.version += 1
         self.schedule.forget(c.rel)
         self.scanner.verdicts.forget(str(c.path))
         changes.vanished.append(c.rel)
+        if trashed:  # ckptd's own doing, said as a deletion (retention.py): no news of it
+            self.pending.states.pop(c.rel, None)
+        else:
+            self.pending.changed(c.rel, c.state, None)
         log.debug("%s: gone", c.rel)
 
     def _drop_run(self, rel: str, changes: Changes) -> None:
@@ -451,7 +474,7 @@ class RootTracker:
         run_rel, _, name = rel.rpartition("/")
         rs = self.runs.get(run_rel or ".")
         if rs is not None and name in rs.checkpoints:
-            self._vanish(rs, name, Changes())
+            self._vanish(rs, name, Changes(), trashed=True)
 
 
 def _under(path: str, rel: str) -> bool:
