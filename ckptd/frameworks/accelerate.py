@@ -12,7 +12,6 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
-from ckptd.discover.layouts import EPOCH, SAVE, STEP, Candidate
 from ckptd.frameworks import copyin, hfweights
 from ckptd.frameworks.base import (
     Evidence,
@@ -25,7 +24,7 @@ from ckptd.frameworks.base import (
     read_now,
 )
 from ckptd.frameworks.deepspeed import DS_FILE, deepspeed_tag_dirs
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import EPOCH, SAVE, STEP, Candidate, Check, Entry, Verdict
 from ckptd.volume import volread
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN

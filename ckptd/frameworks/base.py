@@ -16,15 +16,16 @@ that uses another's contract calls it (the Trainer under DeepSpeed: `save.deepsp
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase, translate
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ckptd.discover.layouts import Candidate
-from ckptd.model import Check, Entry, Reading, TrainerState, Verdict
+from ckptd.model import Candidate, Check, Entry, Reading, TrainerState, Verdict
 from ckptd.volume import volread
 
 if TYPE_CHECKING:
@@ -46,6 +47,16 @@ class RunContext:
     names: frozenset[str]
 
 
+class MemoryKind:
+    """What `Save.remembered` keeps, by kind: verdicts.py keeps each its own way, under these names
+    in state_dir (a new name is a new cache format)."""
+
+    FILE = "file"  # a file's integrity verdict (evidence's)
+    WORLD = "world"  # DeepSpeed's world sizes (dsmeta.WorldSizes)
+    TRAINER_STATE = "ts"  # trainer_state.json's check and contents (hf.py)
+    FRAMEWORK = "fw"  # a framework module's own read of one file (Save.remembered_file): a JSON value
+
+
 @dataclass(frozen=True)
 class Save:
     """One checkpoint, as the engine walked it, for its framework to judge."""
@@ -59,8 +70,8 @@ class Save:
     removed: frozenset[str]  # optimizer shards a slim marker lists as removed on purpose
     pattern: Pattern | None
     # What the engine remembers between inspections while a file's identity stays the same
-    # (verdicts.py): `remembered(kind, entry, read)` is `read()`'s value, or the one remembered for
-    # the same file. An OSError from `read` passes through, not remembered.
+    # (verdicts.py): `remembered(kind, entry, read)` (`kind`: a `MemoryKind`) is `read()`'s value, or
+    # the one remembered for the same file. An OSError from `read` passes through, not remembered.
     remembered: Callable[[str, Entry, Callable[[], object]], object] = lambda kind, entry, read: read()
     # A trainer state with its log history kept once per run (`Verdicts.share_history`)
     share_history: Callable[[TrainerState, str], TrainerState] = lambda ts, run: ts
@@ -79,7 +90,7 @@ class Save:
 
         return hf.remembered_trainer_state(self)
     # remembered_file(rel, read): read()'s JSON-able result on the file `rel`, or the one remembered
-    # while that file is the same (verdicts.FRAMEWORK): a look at an unchanged checkpoint opens
+    # while that file is the same (MemoryKind.FRAMEWORK): a look at an unchanged checkpoint opens
     # nothing. An OSError from read() passes through and is not remembered.
     remembered_file: Callable[[str, Callable[[], object]], object] = lambda rel, read: read()
 
@@ -124,7 +135,7 @@ class Framework:
     # are its own (`checkpoint-<N>/`), asked before the user's patterns; the others' after them.
     names_first: bool = False
     # The extensions of its saves that are files a checkpoint directory may hold as a run of its own
-    # (`layouts.held` looks at such files; `layouts.name_fields` takes them off a name).
+    # (`layouts.held` looks at such files; `frameworks.name_fields` takes them off a name).
     held_suffixes: tuple[str, ...] = ()
     # Files in the run directory (beside its checkpoints) its evidence reads, rewritten in place: the
     # plan's run context stats them so that a rewrite is seen (Megatron's tracker).
@@ -303,6 +314,43 @@ def files_whole(
         if why is not None:
             return Check(name, Verdict.FAILED, f"{rel} {why}: {fails}")
     return None
+
+
+# Globs on paths inside a checkpoint, as a user writes them (a pattern's `require`, `slim_files`):
+# segment by segment, so `*` never crosses a `/`.
+def matches(path: str, glob: str) -> bool:
+    """`glob` matches `path` segment by segment: `*` never crosses a `/`."""
+    p, g = path.split("/"), glob.split("/")
+    return len(p) == len(g) and all(fnmatchcase(a, b) for a, b in zip(p, g, strict=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_matchers(globs: tuple[str, ...]) -> dict[int, tuple[tuple[Callable[[str], Any], ...], ...]]:
+    """`globs` by their number of segments, each segment compiled once (as `fnmatchcase` does)."""
+    by_depth: dict[int, list[tuple[Callable[[str], Any], ...]]] = {}
+    for glob in globs:
+        parts = glob.split("/")
+        by_depth.setdefault(len(parts), []).append(tuple(re.compile(translate(b)).match for b in parts))
+    return {n: tuple(gs) for n, gs in by_depth.items()}
+
+
+def matches_any(path: str, globs: tuple[str, ...]) -> bool:
+    """`matches(path, g)` for some g in `globs`, without splitting and translating each glob per path:
+    a survey asks this for every file of every checkpoint."""
+    p = path.split("/")
+    for segments in _segment_matchers(globs).get(len(p), ()):
+        for a, m in zip(p, segments, strict=True):
+            if not m(a):
+                break
+        else:
+            return True
+    return False
+
+
+
+# The single file an older ckptd consolidated a DeepSpeed checkpoint's fp32 weights into (slim.py,
+# which now writes fp32/): what a slim of a bare DeepSpeed save keeps as its weights.
+CONSOLIDATED = "model.safetensors"
 
 
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # JSON a framework writes (trainer_state.json, an index)

@@ -18,7 +18,6 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from ckptd.config import format_age
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks.base import (
     MTIME_SLACK,
     Evidence,
@@ -31,7 +30,7 @@ from ckptd.frameworks.base import (
     read_now,
 )
 from ckptd.frameworks.hfweights import SAFETENSORS_INDEX
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import Candidate, Check, Entry, Verdict
 from ckptd.volume import volread
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN

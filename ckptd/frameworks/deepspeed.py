@@ -18,12 +18,13 @@ from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 from ckptd.config import format_age
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks import dsmeta
 from ckptd.frameworks.base import (
+    CONSOLIDATED,
     MTIME_SLACK,
     Evidence,
     Framework,
+    MemoryKind,
     OrderProblems,
     Save,
     pointer_target,
@@ -31,9 +32,7 @@ from ckptd.frameworks.base import (
     unreadable_names_all,
     write_span,
 )
-from ckptd.judge import slim
-from ckptd.judge import verdicts as verdicts_
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import Candidate, Check, Entry, Verdict
 from ckptd.volume import mounts, volread
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
@@ -94,7 +93,7 @@ class DeepSpeed(Framework):
     layout = LAYOUT
     named_alone = True
     names_first = True
-    slim_weights = (slim.CONSOLIDATED,)  # only what ckptd consolidates from its shards
+    slim_weights = (CONSOLIDATED,)  # only what ckptd consolidates from its shards
     checkpoint_is_tag = True
 
     def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:
@@ -147,7 +146,7 @@ def _world_sizes(save: Save, gs: str, stage3: bool) -> dsmeta.WorldSizes | str:
             except dsmeta.MetadataUnavailable as exc:
                 return str(exc)
 
-        found = save.remembered(verdicts_.WORLD, entry, read)  # an OSError: the volume is failing
+        found = save.remembered(MemoryKind.WORLD, entry, read)  # an OSError: the volume is failing
         if isinstance(found, dsmeta.WorldSizes):
             return found
         why = found

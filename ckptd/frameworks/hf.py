@@ -16,12 +16,12 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks import copyin, deepspeed, hfweights
 from ckptd.frameworks.base import (
     MAX_TRAINER_STATE_BYTES,
     Evidence,
     Framework,
+    MemoryKind,
     Remembered,
     Save,
     files_whole,
@@ -31,8 +31,7 @@ from ckptd.frameworks.base import (
     read_pointer,
 )
 from ckptd.frameworks.deepspeed import global_step_dirs
-from ckptd.judge import verdicts as verdicts_
-from ckptd.model import Check, Entry, TrainerState, Verdict, as_metric
+from ckptd.model import Candidate, Check, Entry, TrainerState, Verdict, as_metric
 from ckptd.volume import volread
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
@@ -295,7 +294,7 @@ def remembered_trainer_state(save: Save) -> tuple[Check, TrainerState | None]:
         return check, (save.share_history(ts, str(path.parent)) if ts is not None else None)
 
     try:
-        return save.remembered(verdicts_.TRAINER_STATE, entry, read)  # type: ignore[return-value]
+        return save.remembered(MemoryKind.TRAINER_STATE, entry, read)  # type: ignore[return-value]
     except OSError as exc:  # not remembered: read again next time
         return Check(TRAINER_STATE, FAILED, f"unreadable: {type(exc).__name__}: {exc}"), None
 

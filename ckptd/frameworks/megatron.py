@@ -14,7 +14,6 @@ import re
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks import dcp
 from ckptd.frameworks.base import (
     MAX_POINTER_BYTES,
@@ -26,7 +25,7 @@ from ckptd.frameworks.base import (
     read_pointer,
     unreadable_names_all,
 )
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import Candidate, Check, Entry, Verdict
 from ckptd.volume import volread
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN

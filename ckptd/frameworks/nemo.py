@@ -13,12 +13,11 @@ import os
 import re
 from collections.abc import Callable, Collection, Mapping
 
-from ckptd.discover import layouts
-from ckptd.discover.layouts import Candidate
+from ckptd import frameworks
 from ckptd.frameworks import lightning, megatron
 from ckptd.frameworks.base import Evidence, Framework, Metrics, RunContext, Save
 from ckptd.frameworks.deepspeed import deepspeed_tag_dirs
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import Candidate, Check, Entry, Verdict
 
 PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
 
@@ -48,7 +47,7 @@ def _nemo_unfinished(run: RunContext, cand: Candidate) -> Check:
     marker = unfinished_marker(cand.name)
     if marker in run.names:
         return Check("nemo marker", FAILED, f"{marker} present: save not finished")
-    if layouts.is_rank_dir(run.path.name):
+    if frameworks.is_rank_dir(run.path.name):
         if os.path.lexists(run.path.parent / marker):
             why = f"../{marker} present (one for every rank's file): save not finished"
             return Check("nemo marker", FAILED, why)

@@ -13,7 +13,6 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks.base import (
     MAX_POINTER_BYTES,
     MAX_TRAINER_STATE_BYTES,
@@ -24,7 +23,7 @@ from ckptd.frameworks.base import (
     Save,
     read_now,
 )
-from ckptd.model import ORBAX_METRICS, Check, Entry, Reading, Verdict, as_metric
+from ckptd.model import ORBAX_METRICS, Candidate, Check, Entry, Reading, Verdict, as_metric
 from ckptd.volume import volread
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN

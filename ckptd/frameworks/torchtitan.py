@@ -11,11 +11,10 @@ import re
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks import dcp
 from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES, Evidence, Framework, Save
 from ckptd.frameworks.hfweights import SAFETENSORS_INDEX
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import Candidate, Check, Entry, Verdict
 from ckptd.volume import volread
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN

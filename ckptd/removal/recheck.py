@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ckptd.archive.upload import Archiver
 from ckptd.decide import policy, rules
-from ckptd.decide.planner import Scanner, rule_dir
+from ckptd.decide.planner import Scanner, retention_for, rule_dir
 from ckptd.decide.policy import Decision
 from ckptd.discover.layouts import is_rank_dir, recognise_by_name, unfinished_markers
 from ckptd.discover.runs import ROOT_MARKS
@@ -156,7 +156,7 @@ class Rechecks:
         run = self.scanner.reinspect_experiment(planned.run, now=now)
         fresh = None
         if run is not None:
-            retention, _ = self.scanner.root.retention_for(rule_dir(run))
+            retention, _ = retention_for(self.scanner.root, rule_dir(run))
             decisions = policy.decide_run(run, retention)
             if retention.max_size is not None:
                 decisions, _ = policy.enforce_max_size(decisions, retention.max_size)

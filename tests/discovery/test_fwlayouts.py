@@ -23,7 +23,7 @@ from ckptd.decide.policy import decide_run, metric_warnings
 from ckptd.discover import layouts
 from ckptd.discover.runs import depth_of, find_runs
 from ckptd.frameworks import lightning
-from ckptd.judge.wholefile import tar_problem
+from ckptd.frameworks.formats import tar_problem
 from ckptd.model import State
 from tests.support.fwdcp_one import put_dcp
 
