@@ -23,7 +23,7 @@ from ckptd.frameworks.base import (
     rank_files,
     read_now,
 )
-from ckptd.frameworks.deepspeed import DS_FILE, deepspeed_tag_dirs
+from ckptd.frameworks.deepspeed import DS_FILE, census, deepspeed_tag_dirs
 from ckptd.model import EPOCH, SAVE, STEP, Candidate, Check, Entry, Verdict
 from ckptd.volume import volread
 
@@ -143,7 +143,7 @@ class Accelerate(Framework):
 
     def evidence(self, save: Save) -> Evidence:
         files = save.files
-        checks = [save.deepspeed(d)[0] for d in deepspeed_tag_dirs(files)]  # under DeepSpeed: pytorch_model/
+        checks = [census(save, d)[0] for d in deepspeed_tag_dirs(files)]  # under DeepSpeed: pytorch_model/
         world = known_world(save.world_size, save.mp_world_size)
         rank_check, ranks = rank_files(files, _RANDOM_STATES, world)
         checks.append(rank_check)

@@ -10,7 +10,7 @@ carry (`metrics`), the whole-file archives it writes (`whole_file_formats`); and
 directory: what its resume pointers and "last" copies name (`resume_pointers`). Retention and
 `ckptd latest` ask which run a directory of checkpoints belongs to (`run_key`): the directory
 itself, unless the framework puts each launch of one run in a directory of its own. A framework
-that uses another's contract calls it (the Trainer under DeepSpeed: `save.deepspeed`).
+that uses another's contract calls its module (the Trainer under DeepSpeed: `deepspeed.census`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from ckptd.volume import volread
 
 if TYPE_CHECKING:
     from ckptd.config import Pattern
-    from ckptd.frameworks import dsmeta
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
@@ -76,19 +75,6 @@ class Save:
     # A trainer state with its log history kept once per run (`Verdicts.share_history`)
     share_history: Callable[[TrainerState, str], TrainerState] = lambda ts, run: ts
 
-    def deepspeed(self, gs: str) -> tuple[Check, dsmeta.WorldSizes | None]:
-        """DeepSpeed's shard census of one tag directory ("" for the checkpoint itself), its world
-        sizes read once while the model states are the same (frameworks/deepspeed.py)."""
-        from ckptd.frameworks import deepspeed  # its contract; imported here, as it imports this module
-
-        return deepspeed.census(self, gs)
-
-    def trainer_state(self) -> tuple[Check, TrainerState | None]:
-        """trainer_state.json's check and contents, parsed again only when the file changed
-        (frameworks/hf.py)."""
-        from ckptd.frameworks import hf  # its contract; imported here, as it imports this module
-
-        return hf.remembered_trainer_state(self)
     # remembered_file(rel, read): read()'s JSON-able result on the file `rel`, or the one remembered
     # while that file is the same (MemoryKind.FRAMEWORK): a look at an unchanged checkpoint opens
     # nothing. An OSError from read() passes through and is not remembered.

@@ -101,7 +101,7 @@ class DeepSpeed(Framework):
         return Candidate(name, int(m[1]), LAYOUT, True) if m else None
 
     def evidence(self, save: Save) -> Evidence:
-        return Evidence([save.deepspeed("")[0]])
+        return Evidence([census(save, "")[0]])
 
     def tags(self, files: Mapping[str, Entry]) -> list[str]:
         return [""]

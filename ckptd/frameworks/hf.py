@@ -213,9 +213,9 @@ class Trainer(Framework):
     def evidence(self, save: Save) -> Evidence:
         files = save.files
         checks = []
-        ts_check, trainer_state = save.trainer_state()
+        ts_check, trainer_state = remembered_trainer_state(save)
         checks.append(ts_check)
-        census = [save.deepspeed(d) for d in global_step_dirs(files)]
+        census = [deepspeed.census(save, d) for d in global_step_dirs(files)]
         checks.extend(check for check, _ in census)
         if census:
             checks.append(_deepspeed_latest(save.path, files, save.remembered_file))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Mapping
 from ckptd import frameworks
 from ckptd.frameworks import lightning, megatron
 from ckptd.frameworks.base import Evidence, Framework, Metrics, RunContext, Save
-from ckptd.frameworks.deepspeed import deepspeed_tag_dirs
+from ckptd.frameworks.deepspeed import census, deepspeed_tag_dirs
 from ckptd.model import Candidate, Check, Entry, Verdict
 
 PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
@@ -98,7 +98,7 @@ class NeMo(Framework):
         # Lightning's DeepSpeedStrategy: a directory named like the file, the shards in its tag
         # directory `checkpoint/` (save_checkpoint(filepath, tag="checkpoint")): their census.
         for d in deepspeed_tag_dirs(files):
-            checks.append(save.deepspeed(d)[0])
+            checks.append(census(save, d)[0])
         lightning_fsdp = lightning._is_lightning_fsdp(save.cand, files)  # DCP's files, Lightning's meta.pt
         if lightning_fsdp:
             checks.append(lightning._lightning_fsdp(files))
