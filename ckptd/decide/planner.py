@@ -20,7 +20,7 @@ from ckptd import frameworks
 from ckptd.config import Retention, Root, path_matches, pin_matches
 from ckptd.decide import extents, policy, rules
 from ckptd.decide.policy import Decision, Plan
-from ckptd.discover.layouts import Candidate, compile_pattern, is_rank_dir, recognise
+from ckptd.discover.layouts import compile_pattern, is_rank_dir, recognise
 from ckptd.discover.runs import RunDir, depth_of, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
 from ckptd.judge.census import with_sibling_census
@@ -36,7 +36,7 @@ from ckptd.judge.evidence import (
 )
 from ckptd.judge.slim import config_refusals
 from ckptd.judge.verdicts import Verdicts, cache_path
-from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
+from ckptd.model import QUIET, Candidate, Check, Checkpoint, Run, State, Verdict
 from ckptd.volume import mounts
 
 log = logging.getLogger(__name__)

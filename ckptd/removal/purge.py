@@ -24,13 +24,12 @@ from ckptd.discover import layouts
 from ckptd.discover.layouts import (
     HIDDEN_TRASH,
     TRASH_DIR,
-    Candidate,
     recognise_by_contents,
     recognise_with_siblings,
 )
 from ckptd.discover.runs import find_run
 from ckptd.judge.evidence import MOUNT, TooDeep, resume_pointers, walk
-from ckptd.model import State
+from ckptd.model import Candidate, State
 from ckptd.removal.decision import RECORD, changed, drop_record, pins_inside, read_record, snapshot
 from ckptd.removal.fs import (
     _DIR_FLAGS,
