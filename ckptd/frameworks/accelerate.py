@@ -14,6 +14,8 @@ from pathlib import Path
 
 from ckptd.frameworks import copyin, hfweights
 from ckptd.frameworks.base import (
+    FAILED,
+    PASSED,
     Evidence,
     Framework,
     Remembered,
@@ -24,10 +26,8 @@ from ckptd.frameworks.base import (
     read_now,
 )
 from ckptd.frameworks.deepspeed import DS_FILE, census, deepspeed_tag_dirs
-from ckptd.model import EPOCH, SAVE, STEP, Candidate, Check, Entry, Verdict
+from ckptd.model import EPOCH, SAVE, STEP, Candidate, Check, Entry
 from ckptd.volume import volread
-
-PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
 LAYOUT = "accelerate"
 # `checkpoint_<n>` with automatic_checkpoint_naming (a save counter), `step_<n>`/`epoch_<n>` as its

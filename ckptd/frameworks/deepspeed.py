@@ -21,7 +21,10 @@ from ckptd.config import format_age
 from ckptd.frameworks import dsmeta
 from ckptd.frameworks.base import (
     CONSOLIDATED,
+    FAILED,
     MTIME_SLACK,
+    PASSED,
+    UNKNOWN,
     Evidence,
     Framework,
     MemoryKind,
@@ -32,10 +35,8 @@ from ckptd.frameworks.base import (
     unreadable_names_all,
     write_span,
 )
-from ckptd.model import Candidate, Check, Entry, Verdict
+from ckptd.model import Candidate, Check, Entry
 from ckptd.volume import mounts, volread
-
-PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
 LAYOUT = "deepspeed"
 _NAME = re.compile(r"global_step(\d+)")  # engine.save_checkpoint's default tag: f"global_step{global_steps}"

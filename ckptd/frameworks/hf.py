@@ -18,7 +18,10 @@ from pathlib import Path
 
 from ckptd.frameworks import copyin, deepspeed, hfweights
 from ckptd.frameworks.base import (
+    FAILED,
     MAX_TRAINER_STATE_BYTES,
+    PASSED,
+    UNKNOWN,
     Evidence,
     Framework,
     MemoryKind,
@@ -31,10 +34,9 @@ from ckptd.frameworks.base import (
     read_pointer,
 )
 from ckptd.frameworks.deepspeed import global_step_dirs
-from ckptd.model import Candidate, Check, Entry, TrainerState, Verdict, as_metric
+from ckptd.model import Candidate, Check, Entry, TrainerState, as_metric
 from ckptd.volume import volread
 
-PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 LAYOUT = "hf"
 TRAINER_STATE = "trainer_state.json"
 _NAME = re.compile(r"checkpoint-(\d+)")  # Trainer._save_checkpoint: f"{PREFIX_CHECKPOINT_DIR}-{global_step}"

@@ -22,7 +22,16 @@ from pathlib import Path
 
 from ckptd import frameworks
 from ckptd.frameworks import dsmeta, nemo
-from ckptd.frameworks.base import Evidence, Framework, Metrics, Save, pointer_target, unreadable_names_all
+from ckptd.frameworks.base import (
+    FAILED,
+    PASSED,
+    Evidence,
+    Framework,
+    Metrics,
+    Save,
+    pointer_target,
+    unreadable_names_all,
+)
 from ckptd.frameworks.megatron import MEGATRON_CORE_METADATA
 from ckptd.model import (
     CKPT_STATE,
@@ -34,10 +43,7 @@ from ckptd.model import (
     Check,
     Entry,
     Reading,
-    Verdict,
 )
-
-PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
 
 LAYOUT = "lightning"
 
@@ -87,7 +93,6 @@ def _lightning_fsdp(files: dict[str, Entry]) -> Check:
     if files[LIGHTNING_FSDP_META].kind != "f":
         return Check(name, FAILED, f"{LIGHTNING_FSDP_META} is not a file")
     return Check(name, PASSED, f".metadata and {LIGHTNING_FSDP_META} present (written after DCP's save)")
-
 
 
 def metrics(save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:

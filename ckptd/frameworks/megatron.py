@@ -16,7 +16,10 @@ from pathlib import Path
 
 from ckptd.frameworks import dcp
 from ckptd.frameworks.base import (
+    FAILED,
     MAX_POINTER_BYTES,
+    PASSED,
+    UNKNOWN,
     Evidence,
     Framework,
     RunContext,
@@ -25,10 +28,8 @@ from ckptd.frameworks.base import (
     read_pointer,
     unreadable_names_all,
 )
-from ckptd.model import Candidate, Check, Entry, Verdict
+from ckptd.model import Candidate, Check, Entry
 from ckptd.volume import volread
-
-PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
 LAYOUT = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"  # checkpointing.py get_checkpoint_tracker_filename
@@ -117,7 +118,6 @@ def _megatron_core(path: Path, files: dict[str, Entry], d: str) -> Check:
         return Check(name, FAILED, "not a JSON object")
     backend = doc.get("sharded_backend")
     return Check(name, PASSED, f"parsed (sharded_backend={backend!r})" if backend else "parsed")
-
 
 
 class Megatron(Framework):

@@ -15,11 +15,9 @@ from collections.abc import Callable, Collection, Mapping
 
 from ckptd import frameworks
 from ckptd.frameworks import lightning, megatron
-from ckptd.frameworks.base import Evidence, Framework, Metrics, RunContext, Save
+from ckptd.frameworks.base import FAILED, PASSED, Evidence, Framework, Metrics, RunContext, Save
 from ckptd.frameworks.deepspeed import census, deepspeed_tag_dirs
-from ckptd.model import Candidate, Check, Entry, Verdict
-
-PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
+from ckptd.model import Candidate, Check, Entry
 
 LAYOUT = "nemo"
 UNFINISHED_SUFFIX = "-unfinished"
@@ -53,7 +51,6 @@ def _nemo_unfinished(run: RunContext, cand: Candidate) -> Check:
             return Check("nemo marker", FAILED, why)
         return Check("nemo marker", PASSED, f"no {marker}, here or above the rank directories")
     return Check("nemo marker", PASSED, f"no {marker}")
-
 
 
 # What a NeMo distributed-checkpoint directory holds (NeMo 1: torch_dist; NeMo 2: weights/ + context/).

@@ -32,14 +32,22 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ckptd.frameworks.accelerate import pickle_problem  # its random_states pickles'
-from ckptd.frameworks.base import Evidence, Framework, Save, files_whole, known_world, matches, rank_files
+from ckptd.frameworks.base import (
+    FAILED,
+    PASSED,
+    Evidence,
+    Framework,
+    Save,
+    files_whole,
+    known_world,
+    matches,
+    rank_files,
+)
 from ckptd.frameworks.formats import SAFETENSORS_SUFFIX, ZIP_SUFFIXES, is_zip, tar_problem
 from ckptd.frameworks.hf import json_problem  # the Trainer's JSON files'
 from ckptd.frameworks.hfweights import index_shards
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import Check, Entry
 from ckptd.volume import volread
-
-PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
 
 LAYOUT = "pattern"
 EVIDENCE = "evidence"
