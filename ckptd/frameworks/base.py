@@ -382,6 +382,23 @@ def read_pointer(path: Path) -> str:
     return raw.decode("utf-8", "surrogateescape").strip()
 
 
+def run_pointer(
+    found: dict[str, str], run_path: Path, pointer: str, names: Collection[str], label: str
+) -> str | None:
+    """The text of the resume pointer `pointer` in the run directory (`read_pointer`), or None:
+    gone since the listing (as if never there), or unreadable, when it may name any entry of the
+    run: then every one of `names` is named by it in `found` (`unreadable_names_all`), `label` saying
+    whose pointer, kept until it can be read."""
+    try:
+        return read_pointer(run_path / pointer)
+    except FileNotFoundError:
+        return None  # gone since the listing: as if never there
+    except OSError as exc:
+        why = f"{label} (unreadable: {exc.strerror or exc}; it may name any checkpoint here)"
+        unreadable_names_all(found, names, why)
+        return None
+
+
 def pointer_target(run_path: Path, text: str) -> set[str]:
     """The entries of `run_path` a resume pointer holding the relative or absolute path `text` makes
     a framework load when it joins it to the run directory (`os.path.join(load_dir, tag)`). What the

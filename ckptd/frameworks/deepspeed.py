@@ -31,8 +31,7 @@ from ckptd.frameworks.base import (
     OrderProblems,
     Save,
     pointer_target,
-    read_pointer,
-    unreadable_names_all,
+    run_pointer,
     write_span,
 )
 from ckptd.model import Candidate, Check, Entry
@@ -359,13 +358,8 @@ def latest_pointer(run_path: Path, names: Collection[str]) -> dict[str, str]:
     if LATEST not in names:
         return found
     label = "DeepSpeed's latest"
-    try:
-        text = read_pointer(run_path / LATEST)
-    except FileNotFoundError:
-        return found  # gone since the listing: as if never there
-    except OSError as exc:
-        why = f"{label} (unreadable: {exc.strerror or exc}; it may name any checkpoint here)"
-        unreadable_names_all(found, names, why)
+    text = run_pointer(found, run_path, LATEST, names, label)
+    if text is None:
         return found
     named, why = pointer_target(run_path, text), label
     if not named and os.path.isabs(text):

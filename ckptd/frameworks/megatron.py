@@ -26,7 +26,7 @@ from ckptd.frameworks.base import (
     Save,
     pointer_target,
     read_pointer,
-    unreadable_names_all,
+    run_pointer,
 )
 from ckptd.model import Candidate, Check, Entry
 from ckptd.volume import volread
@@ -162,13 +162,8 @@ def tracker_pointer(run_path: Path, names: Collection[str]) -> dict[str, str]:
     tracker = TRACKER
     if tracker not in names:
         return found
-    try:
-        text = read_pointer(run_path / tracker)
-    except FileNotFoundError:
-        return found  # gone since the listing: as if never there
-    except OSError as exc:
-        why = f"{tracker} (unreadable: {exc.strerror or exc}; it may name any checkpoint here)"
-        unreadable_names_all(found, names, why)
+    text = run_pointer(found, run_path, tracker, names, tracker)
+    if text is None:
         return found
     iteration = megatron_iteration(text)
     if iteration is None and text != "release":
