@@ -965,7 +965,7 @@ MUTS = [
 
  dict(id="RB2", what="Lightning's DeepSpeed checkpoint directory (<name>.ckpt/checkpoint/) gets the shard census",
    tests=[T+"completeness/test_lightning_strategies.py::test_a_lightning_deepspeed_checkpoint_missing_a_shard_is_not_complete"], edits=[("frameworks/nemo.py",
-   "        for d in deepspeed_tag_dirs(files):\n            checks.append(save.deepspeed(d)[0])\n        lightning_fsdp =",
+   "        for d in deepspeed_tag_dirs(files):\n            checks.append(census(save, d)[0])\n        lightning_fsdp =",
    "        lightning_fsdp =")]),
 
  dict(id="RB3", what="a DCP directory inside a checkpoint named as a run's save (step_10/) is a held run",
