@@ -20,9 +20,10 @@ from ckptd import frameworks
 from ckptd.config import Retention, Root, path_matches, pin_matches
 from ckptd.decide import extents, policy, rules
 from ckptd.decide.policy import Decision, Plan
-from ckptd.discover.layouts import compile_pattern, is_rank_dir, recognise
+from ckptd.discover.layouts import compile_pattern, recognise
 from ckptd.discover.runs import RunDir, depth_of, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
+from ckptd.frameworks import is_rank_dir
 from ckptd.judge.census import with_sibling_census
 from ckptd.judge.evidence import (
     EVIDENCE,
@@ -469,7 +470,7 @@ MODEL_PARALLEL = "NeMo's model-parallel ranks"
 
 def with_whole_steps(runs: list[Run]) -> list[Run]:
     """`runs`, each model-parallel rank's directory (`mp_rank_00/`, `mp_rank_01/` beside each other:
-    `layouts.is_rank_dir`) with the newest step that every rank holds complete named as what the
+    `frameworks.is_rank_dir`) with the newest step that every rank holds complete named as what the
     framework resumes from (`Run.resume`), so every rank keeps its part of it.
 
     Each rank directory is a run of its own, and a step is one file in each. Judged apart, a rank

@@ -17,7 +17,6 @@ from collections.abc import Callable, Collection
 from dataclasses import replace
 
 from ckptd import frameworks
-from ckptd.frameworks import is_rank_dir, name_fields  # noqa: F401 (discovery's words too: planner, recheck)
 from ckptd.frameworks.base import Framework
 from ckptd.model import STEP, TIME, Candidate
 
