@@ -1258,7 +1258,7 @@ MUTS = [
            "        run = self.scanner.reinspect_run(planned.run, now=now)")]),
  dict(id="LX4", what="a run rule's match names the experiment", tests=[T+"discovery/test_lightning_runs.py"], edits=[(C,
    " or (key != run and path_matches(key, rule.match)):", ":")]),
- dict(id="RP1", what="a resume pointer there but unreadable (DeepSpeed's latest, Megatron's tracker) names every checkpoint of its run",
+ dict(id="RP4", what="a resume pointer there but unreadable (DeepSpeed's latest, Megatron's tracker) names every checkpoint of its run",
       tests=[T+"discovery/test_resume_pointers.py::test_an_unreadable_latest_keeps_every_checkpoint_of_its_run"],
       edits=[("frameworks/base.py", "        unreadable_names_all(found, names, why)\n        return None", "        return None")]),
  dict(id="LX4b", what="the planner hands the config the run a directory belongs to (the config knows no framework)",
