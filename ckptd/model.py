@@ -38,6 +38,29 @@ class Entry(NamedTuple):
     nlink: int = 1
 
 
+# What a checkpoint's number counts, when it is not a training step (`Candidate.unit`,
+# `Checkpoint.unit`): ckptd orders a run by it, then by time, and says so in `plan`.
+STEP = "step"
+EPOCH = "epoch"  # a Lightning/NeMo name without a step: `epoch=3-val_loss=0.52.ckpt`, accelerate's epoch_<n>
+CONSUMED_SAMPLES = "consumed_samples"  # NeMo 2 under Megatron: `...-epoch=0-consumed_samples=8000.0`
+SAVE = "save"  # accelerate's automatic naming: checkpoint_<n> counts saves, not steps
+TIME = "time"  # a user pattern's `{time}`: the date and time in the name, its digits read in order
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A name recognised as a checkpoint (discover/layouts.py asks each framework module in turn,
+    and each answers with one): of which layout, at which step."""
+
+    name: str
+    step: int  # what the run is ordered by: a training step, unless `unit` says otherwise
+    layout: str
+    is_dir: bool
+    in_progress: bool = False  # the layout's own "not finished" name (Orbax tmp)
+    pattern: int | None = None  # which of the root's patterns matched (the user pattern layout)
+    unit: str = STEP  # what `step` counts: STEP, EPOCH, CONSUMED_SAMPLES, SAVE or TIME
+
+
 class State(StrEnum):
     COMPLETE = "complete"  # every check that applies passed
     INCOMPLETE = "incomplete"  # quiet, but some evidence is missing or unreadable
@@ -244,7 +267,7 @@ class Checkpoint:
     pinned: bool = False
     trainer_state: TrainerState | None = None
     slim: Slimming = Slimming()
-    unit: str = "step"  # what `step` counts: "step", or "epoch", "consumed_samples", "save" (layouts.py)
+    unit: str = STEP  # what `step` counts: STEP, or EPOCH, CONSUMED_SAMPLES, SAVE, TIME (`Candidate.unit`)
     # Metrics the checkpoint carries itself (its name, Orbax's metrics item, Lightning's state),
     # by name; the Trainer's come from the run's log history instead (`Run.reading`).
     metrics: tuple[tuple[str, Reading], ...] = ()
@@ -283,7 +306,7 @@ class Checkpoint:
     @property
     def step_label(self) -> str:
         """`1200`, or `epoch 3` / `save 2` / `consumed_samples 8000` when the name has no step."""
-        return str(self.step) if self.unit == "step" else f"{self.unit} {self.step}"
+        return str(self.step) if self.unit == STEP else f"{self.unit} {self.step}"
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from pathlib import Path
 from ckptd import frameworks
 from ckptd.config import Config, Root, find_config
 from ckptd.config.effective import effective_config
-from ckptd.decide.planner import Scanner
+from ckptd.decide.planner import CONFIG_CHECKS, Scanner
 from ckptd.discover import layouts
 from ckptd.discover.runs import RunDir, find_runs
 from ckptd.errors import CkptdError, RootMissingError, UsageError
@@ -217,7 +217,7 @@ def _root(path: Path, config: Config | str | os.PathLike[str] | None, env: Mappi
             return root.restricted((rel,))
         return Root(path=path)
     file = Path(config) if config is not None else find_config(None)
-    return effective_config(file, env, [path]).roots[0]
+    return effective_config(file, env, [path], checks=CONFIG_CHECKS).roots[0]
 
 
 def _refuse_a_checkpoint(path: Path) -> None:

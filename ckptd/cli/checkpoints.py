@@ -13,7 +13,7 @@ from ckptd.cli.common import load, root_for, with_effective_quiet
 from ckptd.cli.output import checkpoint_json
 from ckptd.cli.progress import Ticker
 from ckptd.config import Root, find_config, format_size
-from ckptd.decide.planner import Scanner
+from ckptd.decide.planner import Scanner, retention_for
 from ckptd.discover import layouts
 from ckptd.discover.runs import find_run, find_runs
 from ckptd.errors import EX_OK, RootMissingError, UsageError
@@ -67,7 +67,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"checkpoint, or a configured pattern){what}"
         )
     run_dir = path.parent
-    retention, world = root.retention_for(run_rel)
+    retention, world = retention_for(root, run_rel)
     inspector = Inspector(quiet_period=root.quiet_period, mp_world_size=root.mp_world_size)
     # Reading every file's integrity of a big checkpoint takes a while: a terminal is told.
     with Ticker(f"verify {path}", quiet=args.quiet) as ticker:

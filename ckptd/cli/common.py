@@ -15,7 +15,7 @@ from ckptd.cli.parser import retention_overrides
 from ckptd.cli.progress import Progress
 from ckptd.config import Config, Root, find_config
 from ckptd.config.effective import effective_config
-from ckptd.decide.planner import Scanner, decide
+from ckptd.decide.planner import CONFIG_CHECKS, Scanner, decide
 from ckptd.decide.policy import Plan
 from ckptd.errors import ConfigError, IOFault, RootMissingError, UsageError
 from ckptd.removal.purge import waiting_in_trash
@@ -33,7 +33,9 @@ def config_path(args: argparse.Namespace) -> Path | None:
 def load(args: argparse.Namespace) -> Config:
     """The file (or defaults), then ROOT arguments, then CKPTD_* variables (envconfig.py)."""
     roots = [Path(r) for r in getattr(args, "roots", None) or []]
-    return effective_config(config_path(args), os.environ, roots, retention_overrides(args))
+    return effective_config(
+        config_path(args), os.environ, roots, retention_overrides(args), checks=CONFIG_CHECKS
+    )
 
 
 def with_effective_quiet(config: Config, *, say: bool = True) -> Config:

@@ -28,6 +28,7 @@ from ckptd.config.loading import (
     system_path,
 )
 from ckptd.config.models import (
+    DEFAULT_SLIM_FILES,
     QUIET_FLOOR,
     TIME_BUCKETS,
     Config,
@@ -61,6 +62,7 @@ from ckptd.errors import ConfigError  # what loading raises: one line per proble
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "DEFAULT_SLIM_FILES",
     "QUIET_FLOOR",
     "SYSTEM_DIRS",
     "SYSTEM_TREES",

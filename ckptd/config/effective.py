@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ckptd.config import Config, read_toml, refusals
-from ckptd.config.loading import _loc, _message
+from ckptd.config.loading import ConfigCheck, _loc, _message
 from ckptd.errors import ConfigError, UsageError
 from ckptd.volume import mounts
 
@@ -206,9 +206,9 @@ def _apply_flags(data: dict[str, Any], retention: Mapping[str, tuple[str, Any]],
         blame.origins.insert(0, (re.compile(rf"^roots\[\d+\]\.(retention|runs\[\d+\])\.{key}$"), flag))
 
 
-def _validated(data: dict[str, Any], blame: _Blame) -> Config:
-    """`data` as a Config; ConfigError with each problem (validation's, then the refusals') against
-    whom `blame` names, one line per variable, not one per root."""
+def _validated(data: dict[str, Any], blame: _Blame, checks: Sequence[ConfigCheck]) -> Config:
+    """`data` as a Config; ConfigError with each problem (validation's, then the refusals' and the
+    `checks'`) against whom `blame` names, one line per variable, not one per root."""
     problems: list[str] = []
     try:
         config = Config.model_validate(data)
@@ -218,7 +218,8 @@ def _validated(data: dict[str, Any], blame: _Blame) -> Config:
             if line not in problems:  # one line per variable, not one per root
                 problems.append(line)
         raise ConfigError(problems) from None
-    problems = [blame.refusal_line(where, why) for where, why in refusals(config)]
+    refused = refusals(config) + [r for check in checks for r in check(config)]
+    problems = [blame.refusal_line(where, why) for where, why in refused]
     if problems:
         raise ConfigError(problems)
     return config
@@ -229,13 +230,15 @@ def effective_config(
     env: Mapping[str, str],
     roots: Sequence[Path] = (),
     retention: Mapping[str, tuple[str, Any]] | None = None,
+    checks: Sequence[ConfigCheck] = (),
 ) -> Config:
     """The config in force: `path` (or the defaults), `roots` from the command line (or
     `$CKPTD_ROOTS`) replacing the file's roots, then the `CKPTD_*` settings on top, then
     `retention`: key -> (the command-line flag, its value), as `restic forget --keep-last 3`
     is the policy for that call. A flag sets its key in every root's retention and in every
     run rule that sets it; --keep-last or --keep-best replaces keep_total (the other way to
-    count) wherever it is set."""
+    count) wherever it is set. `checks`: what the layers above the config refuse besides
+    (`loading.ConfigCheck`: the frameworks', `slim.config_refusals`)."""
     for line in unknown_variables(env):
         log.warning("%s", line)
     data = read_toml(path) if path is not None else {}
@@ -245,7 +248,7 @@ def effective_config(
     if problems:
         raise ConfigError(problems)
     _apply_flags(data, retention or {}, blame)
-    config = _validated(data, blame)
+    config = _validated(data, blame, checks)
     if any(scopes):
         pairs = zip(config.roots, scopes, strict=True)
         config = config.model_copy(update={"roots": tuple(r.restricted(s) if s else r for r, s in pairs)})

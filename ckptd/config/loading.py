@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -195,12 +195,21 @@ def format_validation_error(source: str, exc: ValidationError) -> list[str]:
     return [f"{source}: {_loc(e['loc'])}: {_message(e)}" for e in exc.errors()]
 
 
-def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
+# A check of a valid config by a layer above the config's, which knows what the config cannot
+# (the frameworks': `slim.config_refusals`): (key, why) for each setting it refuses (exit 78).
+ConfigCheck = Callable[[Config], Iterable[tuple[str, str]]]
+
+
+def parse_config(
+    data: Mapping[str, Any], source: str = "<config>", checks: Sequence[ConfigCheck] = ()
+) -> Config:
+    """`data` as a Config, refused (ConfigError) on a validation error, then on `refusals` and
+    each of `checks`."""
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(source, exc)) from None
-    refused = refusals(config)
+    refused = refusals(config) + [r for check in checks for r in check(config)]
     if refused:
         raise ConfigError([f"{source}: {key}: {why}" for key, why in refused])
     return config

@@ -26,9 +26,11 @@ from pydantic import (
 
 from ckptd.config.archive import Archive
 from ckptd.config.units import Duration, FreeSpaceFloor, Size, format_duration, parse_listen
-from ckptd.judge.slim import DEFAULT_SLIM_FILES, removes_load_need
 from ckptd.volume import mounts
 
+# The default of the `slim_files` setting (user-facing: config reference, config.example.toml):
+# DeepSpeed's optimizer shards, in its tag or in a Trainer checkpoint's, and the Trainer's optimizer.pt.
+DEFAULT_SLIM_FILES = ("global_step*/*optim_states.pt", "optimizer.pt")
 # Retention's thinning by time, finest first (rules.time_buckets).
 TIME_BUCKETS = ("keep_hourly", "keep_daily", "keep_weekly", "keep_monthly")
 # How long a deleted checkpoint waits in the trash by default: longer than a pass and a reload (a
@@ -173,12 +175,8 @@ class Retention(_Strict):
             parts = glob.split("/")
             if not glob or glob.startswith("/") or any(p in ("", ".", "..") for p in parts):
                 raise ValueError(f"a slim_files glob is a relative path without '.' or '..' (got {glob!r})")
-            needed = removes_load_need(glob)
-            if needed is not None:
-                raise ValueError(
-                    f"{glob!r} would remove {needed}, which loading the weights needs: name only "
-                    "the optimizer state to drop (default: global_step*/*optim_states.pt, optimizer.pt)"
-                )
+        # A glob that would remove what loading the weights needs is refused too, by whoever reads
+        # the config with the frameworks at hand (`slim.config_refusals`, passed to effective_config).
         return v
 
     @model_validator(mode="after")
@@ -490,21 +488,21 @@ class Root(_Strict):
         object.__setattr__(self, "runs", runs)
         return self
 
-    def rule_for(self, run: str) -> int | None:
+    def rule_for(self, run: str, key: str | None = None) -> int | None:
         """Which of `runs` applies to the run directory `run` (relative to the root): the first whose
-        `match` names the directory, or the run it belongs to (`frameworks.run_key`: a Lightning
-        experiment's name, for each of its version_N/checkpoints); None for none."""
-        from ckptd.frameworks import run_key
-
-        key = run_key(run)
+        `match` names the directory, or `key`, the run it belongs to (`frameworks.run_key`: a
+        Lightning experiment's name, for each of its version_N/checkpoints); None for none. The
+        config knows no framework: whoever applies it passes `key` (None: `run` is its own run)."""
+        key = run if key is None else key
         for i, rule in enumerate(self.runs):
             if path_matches(run, rule.match) or (key != run and path_matches(key, rule.match)):
                 return i
         return None
 
-    def retention_for(self, run: str) -> tuple[Retention, int | None]:
-        """The retention policy and world size for a run (its path relative to the root)."""
-        i = self.rule_for(run) if self.runs else None
+    def retention_for(self, run: str, key: str | None = None) -> tuple[Retention, int | None]:
+        """The retention policy and world size for a run (its path relative to the root, and the
+        run it belongs to: `rule_for`)."""
+        i = self.rule_for(run, key) if self.runs else None
         if i is not None:
             rule = self.runs[i]
             overrides = {k: getattr(rule, k) for k in rule.model_fields_set if k in Retention.model_fields}

@@ -56,7 +56,7 @@ from ckptd.daemon.state import DaemonState
 from ckptd.daemon.status import STATE_PREFIX, StateFile
 from ckptd.daemon.tick import Tick
 from ckptd.daemon.watch import Watcher
-from ckptd.decide.planner import refuse_a_checkpoint_as_root
+from ckptd.decide.planner import CONFIG_CHECKS, refuse_a_checkpoint_as_root
 from ckptd.errors import ConfigError, UsageError
 from ckptd.journal import Journal
 from ckptd.removal.outcome import DRY_RUN_NOTE
@@ -446,7 +446,7 @@ def _flush_logs() -> None:
 def _reloaded_config(path: Path, environ: dict[str, str], cli_roots: list[Path]) -> Config:
     """The config a reload swaps in, refused (ConfigError) where `ckptd run` would refuse it at
     start: a root that is a checkpoint, or lies in one (cli preflight)."""
-    new = effective_config(path, environ, cli_roots)
+    new = effective_config(path, environ, cli_roots, checks=CONFIG_CHECKS)
     for root in new.roots:
         try:
             refuse_a_checkpoint_as_root(root)

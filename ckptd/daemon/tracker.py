@@ -45,12 +45,12 @@ from ckptd.config import Root
 from ckptd.daemon.schedule import HINT_DEBOUNCE as HINT_DEBOUNCE  # where tests and bench import it from
 from ckptd.daemon.schedule import Backoff, LookSchedule
 from ckptd.decide.planner import Scanner, run_context
-from ckptd.discover.layouts import HIDDEN_TRASH, LEASE_DIR, TRASH_DIR, Candidate
+from ckptd.discover.layouts import HIDDEN_TRASH, LEASE_DIR, TRASH_DIR
 from ckptd.discover.runs import RunDir, depth_of, find_runs
 from ckptd.judge.census import against_sibling_kinds, against_siblings
 from ckptd.judge.evidence import resume_pointers
 from ckptd.judge.settle import Settler
-from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
+from ckptd.model import QUIET, Candidate, Check, Checkpoint, Run, State, Verdict
 
 log = logging.getLogger("ckptd.daemon.tracker")
 

@@ -17,12 +17,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckptd import frameworks
-from ckptd.config import Root, path_matches, pin_matches
+from ckptd.config import Retention, Root, path_matches, pin_matches
 from ckptd.decide import extents, policy, rules
 from ckptd.decide.policy import Decision, Plan
-from ckptd.discover.layouts import Candidate, compile_pattern, is_rank_dir, recognise
+from ckptd.discover.layouts import compile_pattern, recognise
 from ckptd.discover.runs import RunDir, depth_of, find_run, find_runs
 from ckptd.errors import RootMissingError, UsageError
+from ckptd.frameworks import is_rank_dir
 from ckptd.judge.census import with_sibling_census
 from ckptd.judge.evidence import (
     EVIDENCE,
@@ -34,8 +35,9 @@ from ckptd.judge.evidence import (
     on_quiet_alone,
     resume_pointers,
 )
+from ckptd.judge.slim import config_refusals
 from ckptd.judge.verdicts import Verdicts, cache_path
-from ckptd.model import QUIET, Check, Checkpoint, Run, State, Verdict
+from ckptd.model import QUIET, Candidate, Check, Checkpoint, Run, State, Verdict
 from ckptd.volume import mounts
 
 log = logging.getLogger(__name__)
@@ -223,7 +225,7 @@ class Scanner:
         applies to its run, and its run directory's context (`run_context`)."""
         if self._context is not None and self._context[0] is run_dir:
             return self._context[1]  # a run's checkpoints are looked at one after another
-        retention, world = self.root.retention_for(run_dir.rel)
+        retention, world = retention_for(self.root, run_dir.rel)
         metric = retention.metric if retention.keep_best or retention.keep_total is not None else None
         slim_weights = retention.slim_weights if retention.keep_full_last is not None else None
         key = (self._config_key, world, sorted(retention.pins), retention.slim_files, metric, slim_weights)
@@ -234,7 +236,7 @@ class Scanner:
 
     def inspect(self, run_dir: RunDir, cand: Candidate, *, now: float) -> Checkpoint | None:
         """One checkpoint's evidence; None if it vanished while we looked (not ours to decide about)."""
-        retention, world = self.root.retention_for(run_dir.rel)
+        retention, world = retention_for(self.root, run_dir.rel)
         try:
             found = self.inspector.inspect(
                 self.root.path,
@@ -343,6 +345,23 @@ def _join_rel(rel: str, sub: str) -> str:
     return sub if rel == "." else f"{rel}/{sub}"
 
 
+# What the config cannot check itself, knowing no framework (`slim.config_refusals`: a slim_files
+# glob that would remove what loading the weights needs): passed wherever a config is read (the
+# commands, a reload, `ckptd latest`) to `effective_config`, refused like its own problems (exit 78).
+CONFIG_CHECKS = (config_refusals,)
+
+
+def rule_for(root: Root, rel: str) -> int | None:
+    """Which of `root`'s run rules applies to the run directory `rel`: one naming the directory, or
+    the run it belongs to (`frameworks.run_key`: a Lightning experiment's name); None for none."""
+    return root.rule_for(rel, frameworks.run_key(rel))
+
+
+def retention_for(root: Root, rel: str) -> tuple[Retention, int | None]:
+    """The retention policy and world size for the run directory `rel`, by the rule `rule_for` finds."""
+    return root.retention_for(rel, frameworks.run_key(rel))
+
+
 def rule_dir(run: Run) -> str:
     """A directory of `run` (relative to its root), for the config's rule and world size: an
     experiment's directories all have the same rule (`experiments` merges no others)."""
@@ -375,7 +394,7 @@ def experiments(root: Root, runs: list[Run]) -> list[Run]:
         if key == run.rel or not run.checkpoints:
             slots.append(run)
             continue
-        group = (key, root.rule_for(run.rel) if root.runs else None)
+        group = (key, root.rule_for(run.rel, key) if root.runs else None)
         if group not in by_key:
             by_key[group] = []
             slots.append(group)
@@ -451,7 +470,7 @@ MODEL_PARALLEL = "NeMo's model-parallel ranks"
 
 def with_whole_steps(runs: list[Run]) -> list[Run]:
     """`runs`, each model-parallel rank's directory (`mp_rank_00/`, `mp_rank_01/` beside each other:
-    `layouts.is_rank_dir`) with the newest step that every rank holds complete named as what the
+    `frameworks.is_rank_dir`) with the newest step that every rank holds complete named as what the
     framework resumes from (`Run.resume`), so every rank keeps its part of it.
 
     Each rank directory is a run of its own, and a step is one file in each. Judged apart, a rank
@@ -520,7 +539,7 @@ _RANK_CHECKS = ("rng states", "random states", "ranks (")
 
 def world_size_key(root: Root, run: str) -> str:
     """The config key a run's world size comes from: `runs[1].world_size` or `world_size`."""
-    i = root.rule_for(run)
+    i = rule_for(root, run)
     if i is not None:
         return f"runs[{i}].world_size" if root.runs[i].world_size is not None else "world_size"
     return "world_size"
@@ -535,7 +554,7 @@ def world_size_warning(root: Root, run: Run) -> str | None:
     where that file cannot be read, as in an image without torch), or rank files that fall short
     by the same count in every quiet checkpoint and pass in none.
     """
-    _, world = root.retention_for(rule_dir(run))
+    _, world = retention_for(root, rule_dir(run))
     if world is None:
         return None
     key = world_size_key(root, rule_dir(run))
@@ -603,7 +622,7 @@ def _evidence_warnings(run: Run) -> list[str]:
 
 def _decide_run(root: Root, run: Run) -> tuple[list[Decision], list[str]]:
     """One run's decisions under its retention (max_size included, min_free not) and its warnings."""
-    retention, _ = root.retention_for(rule_dir(run))
+    retention, _ = retention_for(root, rule_dir(run))
     ds = policy.decide_run(run, retention)
     warnings = list(policy.metric_warnings(run, retention, ds))
     if (world := world_size_warning(root, run)) is not None:

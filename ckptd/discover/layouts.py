@@ -14,19 +14,11 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
-if TYPE_CHECKING:
-    from ckptd.frameworks.base import Framework
-
-# What a checkpoint's number counts, when it is not a training step (`Candidate.unit`): ckptd
-# orders a run by it, then by time, and says so in `plan`.
-STEP = "step"
-EPOCH = "epoch"  # a Lightning/NeMo name without a step: `epoch=3-val_loss=0.52.ckpt`, accelerate's epoch_<n>
-CONSUMED_SAMPLES = "consumed_samples"  # NeMo 2 under Megatron: `...-epoch=0-consumed_samples=8000.0`
-SAVE = "save"  # accelerate's automatic naming: checkpoint_<n> counts saves, not steps
-TIME = "time"  # a user pattern's `{time}`: the date and time in the name, its digits read in order
+from ckptd import frameworks
+from ckptd.frameworks.base import Framework
+from ckptd.model import STEP, TIME, Candidate
 
 PIN_FILE = ".ckptd-keep"
 TRASH_DIR = ".ckptd-trash"
@@ -36,36 +28,6 @@ LEASE_DIR = ".ckptd"  # the volume lease (lease.py)
 # Made by every ckptd that deletes in a root (locks.RootLock), and only in a root: a checkpoint's own
 # `.ckptd/` holds commit records (attest.RECORD_DIR), never this
 ROOT_LOCK_FILE = f"{LEASE_DIR}/local.lock"
-
-# A checkpoint name's `name=value` fields, as Lightning's ModelCheckpoint templates (and NeMo's and
-# Keras's after them) write them: joined by '-' (ModelCheckpoint._format_checkpoint_name,
-# auto_insert_metric_name). A field follows the start or a '-': `warmup_step=100` in a Hydra sweep
-# directory (`lr=0.1,warmup_step=100`) is not a step. Values are numbers as Python formats them
-# (`-0.40`, `1e-05`, `8000.0`, `nan`, `inf`).
-_FIELD = re.compile(
-    r"(?:^|-)([A-Za-z_][A-Za-z0-9_.]*)=(-?(?:nan|inf|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?))(?=-|$)"
-)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    name: str
-    step: int  # what the run is ordered by: a training step, unless `unit` says otherwise
-    layout: str
-    is_dir: bool
-    in_progress: bool = False  # the layout's own "not finished" name (Orbax tmp)
-    pattern: int | None = None  # which of the root's patterns matched (the user pattern layout)
-    unit: str = STEP  # what `step` counts: STEP, EPOCH, CONSUMED_SAMPLES or SAVE
-
-
-def name_fields(name: str) -> dict[str, str]:
-    """The `name=value` fields of a checkpoint name, the extension of a framework's file save
-    (`held_suffixes`) removed: `epoch=3-step=40-val_loss=0.52.ckpt` -> {'epoch': '3', 'step': '40',
-    'val_loss': '0.52'}."""
-    for suffix in _registry().HELD_SUFFIXES:
-        name = name.removesuffix(suffix)
-    return {m[1]: m[2] for m in _FIELD.finditer(name)}
-
 
 # A user pattern's fields and wildcards (config `Pattern.name`): `{step}` a number, `{time}` a date
 # and time written year first (`2024-05-01_12-00-00.000000`, `20240501-120000`, a Unix time),
@@ -96,22 +58,9 @@ def pattern_step(m: re.Match[str]) -> tuple[int, str]:
     return int(re.sub(r"\D", "", found["time"])), TIME
 
 
-_FRAMEWORKS = None
-
-
-def _registry():  # -> the ckptd.frameworks module
-    """frameworks/, which imports this module: imported on first use."""
-    global _FRAMEWORKS
-    if _FRAMEWORKS is None:
-        from ckptd import frameworks
-
-        _FRAMEWORKS = frameworks
-    return _FRAMEWORKS
-
-
-def framework(layout: str):  # -> frameworks.base.Framework
+def framework(layout: str) -> Framework:
     """`layout`'s framework: what it says of its own names and parts."""
-    return _registry().get(layout)
+    return frameworks.get(layout)
 
 
 def recognise_by_name(
@@ -120,15 +69,14 @@ def recognise_by_name(
     """Layouts that a name alone identifies: the frameworks whose names are their own first
     (`names_first`: `checkpoint-<N>/` is the Trainer's whatever a pattern says), then the user's
     patterns, then the others, each in registry order."""
-    fws = _registry()
-    for f in fws.NAMES_FIRST:
+    for f in frameworks.NAMES_FIRST:
         if (cand := f.recognise_name(name, is_dir)) is not None:
             return cand
     for i, regex in enumerate(patterns):
         if m := regex.fullmatch(name):
             step, unit = pattern_step(m)
-            return Candidate(name, step, fws.USER_PATTERN.layout, is_dir, pattern=i, unit=unit)
-    for f in fws.NAMES_AFTER:
+            return Candidate(name, step, frameworks.USER_PATTERN.layout, is_dir, pattern=i, unit=unit)
+    for f in frameworks.NAMES_AFTER:
         if (cand := f.recognise_name(name, is_dir)) is not None:
             return cand
     return None
@@ -140,7 +88,7 @@ def recognise_among(names: Collection[str]) -> list[Candidate]:
     one template that only their siblings show to be a run."""
     found: list[Candidate] = []
     left = set(names)
-    for f in _registry().REGISTRY:
+    for f in frameworks.REGISTRY:
         for cand in f.recognise_among(sorted(left)):
             found.append(cand)
             left.discard(cand.name)
@@ -164,38 +112,32 @@ def recognise_by_contents(name: str, children: Collection[str]) -> Candidate | N
     framework asked in registry order: a numeric directory is an Orbax step only with Orbax's own
     files in it, so a run or team directory that happens to be called `42` is never mistaken for
     a checkpoint."""
-    for f in _registry().BY_CONTENTS:
+    for f in frameworks.BY_CONTENTS:
         if (cand := f.recognise_contents(name, children)) is not None:
             return cand
     return None
 
 
-def is_rank_dir(name: str) -> bool:
-    """One model-parallel rank's directory (`mp_rank_00`, as a framework names it: `rank_dir`): its
-    checkpoints are parts of checkpoints whose other parts are in its sibling rank directories."""
-    return any(f.rank_dir(name) for f in _registry().REGISTRY)
-
-
 def unnamed_save(children: Collection[str]) -> str | None:
     """The framework whose save a directory holding `children` is, whatever its name
     (`unnamed_save`: accelerate's `save_state(output_dir=...)`), or None."""
-    return next((f.layout for f in _registry().REGISTRY if f.unnamed_save(children)), None)
+    return next((f.layout for f in frameworks.REGISTRY if f.unnamed_save(children)), None)
 
 
 def is_framework_dir(name: str) -> bool:
     """A directory a framework makes on the way to its checkpoints (not counted against max_depth)."""
-    return any(f.makes_dir(name) for f in _registry().REGISTRY)
+    return any(f.makes_dir(name) for f in frameworks.REGISTRY)
 
 
 def unfinished_markers(name: str) -> set[str]:
     """The names of the markers a framework puts beside `name` while saving it (`unfinished_marker`)."""
-    return {m for f in _registry().REGISTRY if (m := f.unfinished_marker(name)) is not None}
+    return {m for f in frameworks.REGISTRY if (m := f.unfinished_marker(name)) is not None}
 
 
 def resume_copy(name: str) -> str | None:
     """Why `name` is a copy a framework's resume loads and rewrites at each save (never a step of
     its own, never deleted), or None (`resume_copy`)."""
-    return next((why for f in _registry().REGISTRY if (why := f.resume_copy(name)) is not None), None)
+    return next((why for f in frameworks.REGISTRY if (why := f.resume_copy(name)) is not None), None)
 
 
 def held(layout: str, rels: Collection[str], dirs: Collection[str]) -> list[str]:
@@ -215,8 +157,7 @@ def held(layout: str, rels: Collection[str], dirs: Collection[str]) -> list[str]
     checkpoint (`part_inside`: FSDP's `pytorch_model_fsdp_0/` DCP directory). Parts of a held
     checkpoint are not listed again.
     """
-    fws = _registry()
-    held_files = (*fws.HELD_SUFFIXES, PIN_FILE)
+    held_files = (*frameworks.HELD_SUFFIXES, PIN_FILE)
     items = sorted([(d, True) for d in dirs if d] + [(f, False) for f in rels if f.endswith(held_files)])
     tree = _Tree(rels, dirs)
     own = framework(layout)
@@ -265,17 +206,16 @@ def _inside_listed(rel: str, seen: Collection[str]) -> bool:
 def _is_held(rel: str, is_dir: bool, own: Framework, tree: _Tree) -> bool:
     """Whether the entry `rel` of a checkpoint of the framework `own` is held (`held`): a pin below
     its top, a nested run's resume copy, or a checkpoint that is not its own part."""
-    fws = _registry()
     parent, _, name = rel.rpartition("/")
     if name.endswith(PIN_FILE):
         return bool(parent) or name != PIN_FILE  # `.ckptd-keep` at its top pins the checkpoint itself
-    if not is_dir and not name.endswith(fws.HELD_SUFFIXES):
+    if not is_dir and not name.endswith(frameworks.HELD_SUFFIXES):
         return False  # only the frameworks' file saves are files
     tag = not parent and is_dir and not own.checkpoint_is_tag
-    if tag and any(f.recognise_name(name, True) for f in fws.TAGS):
+    if tag and any(f.recognise_name(name, True) for f in frameworks.TAGS):
         return False  # its own DeepSpeed tag (the Trainer's global_stepN/), the common case: no more to do
     cand = recognise(name, is_dir, lambda: tree.children(rel))
-    if cand is None and name.endswith(fws.HELD_SUFFIXES) and resume_copy(name) is not None:
+    if cand is None and name.endswith(frameworks.HELD_SUFFIXES) and resume_copy(name) is not None:
         return True  # a nested run's last.ckpt: what its resume loads
     if cand is None:
         return False

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.discover import layouts
-from ckptd.discover.layouts import Candidate
+from ckptd.model import Candidate
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ then `BY_CONTENTS`), so a framework's place here is its place in recognition.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -84,6 +85,31 @@ def run_key(rel: str) -> str:
         if (key := f.run_key(rel)) != rel:
             return key
     return rel
+
+
+def is_rank_dir(name: str) -> bool:
+    """One model-parallel rank's directory (`mp_rank_00`, as a framework names it: `rank_dir`): its
+    checkpoints are parts of checkpoints whose other parts are in its sibling rank directories."""
+    return any(f.rank_dir(name) for f in REGISTRY)
+
+
+# A checkpoint name's `name=value` fields, as Lightning's ModelCheckpoint templates (and NeMo's and
+# Keras's after them) write them: joined by '-' (ModelCheckpoint._format_checkpoint_name,
+# auto_insert_metric_name). A field follows the start or a '-': `warmup_step=100` in a Hydra sweep
+# directory (`lr=0.1,warmup_step=100`) is not a step. Values are numbers as Python formats them
+# (`-0.40`, `1e-05`, `8000.0`, `nan`, `inf`).
+_FIELD = re.compile(
+    r"(?:^|-)([A-Za-z_][A-Za-z0-9_.]*)=(-?(?:nan|inf|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?))(?=-|$)"
+)
+
+
+def name_fields(name: str) -> dict[str, str]:
+    """The `name=value` fields of a checkpoint name, the extension of a framework's file save
+    (`held_suffixes`) removed: `epoch=3-step=40-val_loss=0.52.ckpt` -> {'epoch': '3', 'step': '40',
+    'val_loss': '0.52'}."""
+    for suffix in HELD_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return {m[1]: m[2] for m in _FIELD.finditer(name)}
 
 
 def get(layout: str) -> Framework:

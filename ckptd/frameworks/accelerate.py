@@ -12,9 +12,10 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
-from ckptd.discover.layouts import EPOCH, SAVE, STEP, Candidate
 from ckptd.frameworks import copyin, hfweights
 from ckptd.frameworks.base import (
+    FAILED,
+    PASSED,
     Evidence,
     Framework,
     Remembered,
@@ -24,11 +25,9 @@ from ckptd.frameworks.base import (
     rank_files,
     read_now,
 )
-from ckptd.frameworks.deepspeed import DS_FILE, deepspeed_tag_dirs
-from ckptd.model import Check, Entry, Verdict
+from ckptd.frameworks.deepspeed import DS_FILE, census, deepspeed_tag_dirs
+from ckptd.model import EPOCH, SAVE, STEP, Candidate, Check, Entry
 from ckptd.volume import volread
-
-PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
 LAYOUT = "accelerate"
 # `checkpoint_<n>` with automatic_checkpoint_naming (a save counter), `step_<n>`/`epoch_<n>` as its
@@ -144,7 +143,7 @@ class Accelerate(Framework):
 
     def evidence(self, save: Save) -> Evidence:
         files = save.files
-        checks = [save.deepspeed(d)[0] for d in deepspeed_tag_dirs(files)]  # under DeepSpeed: pytorch_model/
+        checks = [census(save, d)[0] for d in deepspeed_tag_dirs(files)]  # under DeepSpeed: pytorch_model/
         world = known_world(save.world_size, save.mp_world_size)
         rank_check, ranks = rank_files(files, _RANDOM_STATES, world)
         checks.append(rank_check)

@@ -10,26 +10,26 @@ carry (`metrics`), the whole-file archives it writes (`whole_file_formats`); and
 directory: what its resume pointers and "last" copies name (`resume_pointers`). Retention and
 `ckptd latest` ask which run a directory of checkpoints belongs to (`run_key`): the directory
 itself, unless the framework puts each launch of one run in a directory of its own. A framework
-that uses another's contract calls it (the Trainer under DeepSpeed: `save.deepspeed`).
+that uses another's contract calls its module (the Trainer under DeepSpeed: `deepspeed.census`).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase, translate
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ckptd.discover.layouts import Candidate
-from ckptd.model import Check, Entry, Reading, TrainerState, Verdict
+from ckptd.model import Candidate, Check, Entry, Reading, TrainerState, Verdict
 from ckptd.volume import volread
 
 if TYPE_CHECKING:
     from ckptd.config import Pattern
-    from ckptd.frameworks import dsmeta
 
 PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
@@ -46,6 +46,16 @@ class RunContext:
     names: frozenset[str]
 
 
+class MemoryKind:
+    """What `Save.remembered` keeps, by kind: verdicts.py keeps each its own way, under these names
+    in state_dir (a new name is a new cache format)."""
+
+    FILE = "file"  # a file's integrity verdict (evidence's)
+    WORLD = "world"  # DeepSpeed's world sizes (dsmeta.WorldSizes)
+    TRAINER_STATE = "ts"  # trainer_state.json's check and contents (hf.py)
+    FRAMEWORK = "fw"  # a framework module's own read of one file (Save.remembered_file): a JSON value
+
+
 @dataclass(frozen=True)
 class Save:
     """One checkpoint, as the engine walked it, for its framework to judge."""
@@ -59,27 +69,14 @@ class Save:
     removed: frozenset[str]  # optimizer shards a slim marker lists as removed on purpose
     pattern: Pattern | None
     # What the engine remembers between inspections while a file's identity stays the same
-    # (verdicts.py): `remembered(kind, entry, read)` is `read()`'s value, or the one remembered for
-    # the same file. An OSError from `read` passes through, not remembered.
+    # (verdicts.py): `remembered(kind, entry, read)` (`kind`: a `MemoryKind`) is `read()`'s value, or
+    # the one remembered for the same file. An OSError from `read` passes through, not remembered.
     remembered: Callable[[str, Entry, Callable[[], object]], object] = lambda kind, entry, read: read()
     # A trainer state with its log history kept once per run (`Verdicts.share_history`)
     share_history: Callable[[TrainerState, str], TrainerState] = lambda ts, run: ts
 
-    def deepspeed(self, gs: str) -> tuple[Check, dsmeta.WorldSizes | None]:
-        """DeepSpeed's shard census of one tag directory ("" for the checkpoint itself), its world
-        sizes read once while the model states are the same (frameworks/deepspeed.py)."""
-        from ckptd.frameworks import deepspeed  # its contract; imported here, as it imports this module
-
-        return deepspeed.census(self, gs)
-
-    def trainer_state(self) -> tuple[Check, TrainerState | None]:
-        """trainer_state.json's check and contents, parsed again only when the file changed
-        (frameworks/hf.py)."""
-        from ckptd.frameworks import hf  # its contract; imported here, as it imports this module
-
-        return hf.remembered_trainer_state(self)
     # remembered_file(rel, read): read()'s JSON-able result on the file `rel`, or the one remembered
-    # while that file is the same (verdicts.FRAMEWORK): a look at an unchanged checkpoint opens
+    # while that file is the same (MemoryKind.FRAMEWORK): a look at an unchanged checkpoint opens
     # nothing. An OSError from read() passes through and is not remembered.
     remembered_file: Callable[[str, Callable[[], object]], object] = lambda rel, read: read()
 
@@ -124,7 +121,7 @@ class Framework:
     # are its own (`checkpoint-<N>/`), asked before the user's patterns; the others' after them.
     names_first: bool = False
     # The extensions of its saves that are files a checkpoint directory may hold as a run of its own
-    # (`layouts.held` looks at such files; `layouts.name_fields` takes them off a name).
+    # (`layouts.held` looks at such files; `frameworks.name_fields` takes them off a name).
     held_suffixes: tuple[str, ...] = ()
     # Files in the run directory (beside its checkpoints) its evidence reads, rewritten in place: the
     # plan's run context stats them so that a rewrite is seen (Megatron's tracker).
@@ -310,6 +307,43 @@ def files_whole(
     return None
 
 
+# Globs on paths inside a checkpoint, as a user writes them (a pattern's `require`, `slim_files`):
+# segment by segment, so `*` never crosses a `/`.
+def matches(path: str, glob: str) -> bool:
+    """`glob` matches `path` segment by segment: `*` never crosses a `/`."""
+    p, g = path.split("/"), glob.split("/")
+    return len(p) == len(g) and all(fnmatchcase(a, b) for a, b in zip(p, g, strict=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_matchers(globs: tuple[str, ...]) -> dict[int, tuple[tuple[Callable[[str], Any], ...], ...]]:
+    """`globs` by their number of segments, each segment compiled once (as `fnmatchcase` does)."""
+    by_depth: dict[int, list[tuple[Callable[[str], Any], ...]]] = {}
+    for glob in globs:
+        parts = glob.split("/")
+        by_depth.setdefault(len(parts), []).append(tuple(re.compile(translate(b)).match for b in parts))
+    return {n: tuple(gs) for n, gs in by_depth.items()}
+
+
+def matches_any(path: str, globs: tuple[str, ...]) -> bool:
+    """`matches(path, g)` for some g in `globs`, without splitting and translating each glob per path:
+    a survey asks this for every file of every checkpoint."""
+    p = path.split("/")
+    for segments in _segment_matchers(globs).get(len(p), ()):
+        for a, m in zip(p, segments, strict=True):
+            if not m(a):
+                break
+        else:
+            return True
+    return False
+
+
+
+# The single file an older ckptd consolidated a DeepSpeed checkpoint's fp32 weights into (slim.py,
+# which now writes fp32/): what a slim of a bare DeepSpeed save keeps as its weights.
+CONSOLIDATED = "model.safetensors"
+
+
 MAX_TRAINER_STATE_BYTES = 64 * 1024 * 1024  # JSON a framework writes (trainer_state.json, an index)
 MAX_POINTER_BYTES = 4096
 
@@ -351,6 +385,23 @@ def read_pointer(path: Path) -> str:
     if len(raw) > MAX_POINTER_BYTES:
         raise OSError(errno.EFBIG, f"longer than {MAX_POINTER_BYTES} bytes", str(path))
     return raw.decode("utf-8", "surrogateescape").strip()
+
+
+def run_pointer(
+    found: dict[str, str], run_path: Path, pointer: str, names: Collection[str], label: str
+) -> str | None:
+    """The text of the resume pointer `pointer` in the run directory (`read_pointer`), or None:
+    gone since the listing (as if never there), or unreadable, when it may name any entry of the
+    run: then every one of `names` is named by it in `found` (`unreadable_names_all`), `label` saying
+    whose pointer, kept until it can be read."""
+    try:
+        return read_pointer(run_path / pointer)
+    except FileNotFoundError:
+        return None  # gone since the listing: as if never there
+    except OSError as exc:
+        why = f"{label} (unreadable: {exc.strerror or exc}; it may name any checkpoint here)"
+        unreadable_names_all(found, names, why)
+        return None
 
 
 def pointer_target(run_path: Path, text: str) -> set[str]:

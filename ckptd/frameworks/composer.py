@@ -39,10 +39,10 @@ import zipfile
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks import dcp
 from ckptd.frameworks.base import Evidence, Framework, Save, pointer_target, unreadable_names_all
-from ckptd.model import Check, Verdict
+from ckptd.frameworks.formats import is_zip
+from ckptd.model import Candidate, Check, Verdict
 from ckptd.volume import volread
 
 LAYOUT = "composer"
@@ -58,13 +58,9 @@ LATEST_NOTE = "latest-rank0.pt (Composer's symlink to its newest save: what auto
 def torch_zip_problem(path: str, size: int) -> str | None:
     """Why a torch.save zip is not a whole save, or None: its end record ends the file (written at
     close) and torch's pickle (`<archive>/data.pkl`) is a member."""
-    from ckptd.judge import (
-        wholefile,  # imported here: wholefile reads the registry, which imports this module
-    )
-
     if size == 0:
         return "empty"
-    if not wholefile.is_zip(path, size):
+    if not is_zip(path, size):
         return "not a whole zip archive (torch.save writes its central directory last): a save killed midway?"
     with volread.open_file(path) as f, zipfile.ZipFile(f) as zf:
         names = zf.namelist()

@@ -18,9 +18,11 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from ckptd.config import format_age
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks.base import (
+    FAILED,
     MTIME_SLACK,
+    PASSED,
+    UNKNOWN,
     Evidence,
     Framework,
     OrderProblems,
@@ -31,10 +33,8 @@ from ckptd.frameworks.base import (
     read_now,
 )
 from ckptd.frameworks.hfweights import SAFETENSORS_INDEX
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import Candidate, Check, Entry
 from ckptd.volume import volread
-
-PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
 DATA_SUFFIX = ".distcp"  # each rank's data files, __<rank>_<i>.distcp (filesystem.py _FileSystemWriter)
 LAYOUT = "dcp"
@@ -121,7 +121,6 @@ def _rank_metadata(files: dict[str, Entry], d: str, world: int | None) -> tuple[
     n = ranks if ranks is not None else world
     detail = f"{prefix}__0.metadata..{prefix}__{(n or 1) - 1}.metadata, one per rank (use_collectives=False)"
     return Check(where, PASSED, f"{detail}: {check.detail}"), ranks
-
 
 
 def written_after_shards(rel: str) -> Callable[[str], bool]:

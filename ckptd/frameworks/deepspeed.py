@@ -18,25 +18,24 @@ from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 from ckptd.config import format_age
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks import dsmeta
 from ckptd.frameworks.base import (
+    CONSOLIDATED,
+    FAILED,
     MTIME_SLACK,
+    PASSED,
+    UNKNOWN,
     Evidence,
     Framework,
+    MemoryKind,
     OrderProblems,
     Save,
     pointer_target,
-    read_pointer,
-    unreadable_names_all,
+    run_pointer,
     write_span,
 )
-from ckptd.judge import slim
-from ckptd.judge import verdicts as verdicts_
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import Candidate, Check, Entry
 from ckptd.volume import mounts, volread
-
-PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
 LAYOUT = "deepspeed"
 _NAME = re.compile(r"global_step(\d+)")  # engine.save_checkpoint's default tag: f"global_step{global_steps}"
@@ -94,7 +93,7 @@ class DeepSpeed(Framework):
     layout = LAYOUT
     named_alone = True
     names_first = True
-    slim_weights = (slim.CONSOLIDATED,)  # only what ckptd consolidates from its shards
+    slim_weights = (CONSOLIDATED,)  # only what ckptd consolidates from its shards
     checkpoint_is_tag = True
 
     def recognise_name(self, name: str, is_dir: bool) -> Candidate | None:
@@ -102,7 +101,7 @@ class DeepSpeed(Framework):
         return Candidate(name, int(m[1]), LAYOUT, True) if m else None
 
     def evidence(self, save: Save) -> Evidence:
-        return Evidence([save.deepspeed("")[0]])
+        return Evidence([census(save, "")[0]])
 
     def tags(self, files: Mapping[str, Entry]) -> list[str]:
         return [""]
@@ -147,7 +146,7 @@ def _world_sizes(save: Save, gs: str, stage3: bool) -> dsmeta.WorldSizes | str:
             except dsmeta.MetadataUnavailable as exc:
                 return str(exc)
 
-        found = save.remembered(verdicts_.WORLD, entry, read)  # an OSError: the volume is failing
+        found = save.remembered(MemoryKind.WORLD, entry, read)  # an OSError: the volume is failing
         if isinstance(found, dsmeta.WorldSizes):
             return found
         why = found
@@ -359,13 +358,8 @@ def latest_pointer(run_path: Path, names: Collection[str]) -> dict[str, str]:
     if LATEST not in names:
         return found
     label = "DeepSpeed's latest"
-    try:
-        text = read_pointer(run_path / LATEST)
-    except FileNotFoundError:
-        return found  # gone since the listing: as if never there
-    except OSError as exc:
-        why = f"{label} (unreadable: {exc.strerror or exc}; it may name any checkpoint here)"
-        unreadable_names_all(found, names, why)
+    text = run_pointer(found, run_path, LATEST, names, label)
+    if text is None:
         return found
     named, why = pointer_target(run_path, text), label
     if not named and os.path.isabs(text):

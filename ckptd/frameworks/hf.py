@@ -16,12 +16,15 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks import copyin, deepspeed, hfweights
 from ckptd.frameworks.base import (
+    FAILED,
     MAX_TRAINER_STATE_BYTES,
+    PASSED,
+    UNKNOWN,
     Evidence,
     Framework,
+    MemoryKind,
     Remembered,
     Save,
     files_whole,
@@ -31,11 +34,9 @@ from ckptd.frameworks.base import (
     read_pointer,
 )
 from ckptd.frameworks.deepspeed import global_step_dirs
-from ckptd.judge import verdicts as verdicts_
-from ckptd.model import Check, Entry, TrainerState, Verdict, as_metric
+from ckptd.model import Candidate, Check, Entry, TrainerState, as_metric
 from ckptd.volume import volread
 
-PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 LAYOUT = "hf"
 TRAINER_STATE = "trainer_state.json"
 _NAME = re.compile(r"checkpoint-(\d+)")  # Trainer._save_checkpoint: f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
@@ -214,9 +215,9 @@ class Trainer(Framework):
     def evidence(self, save: Save) -> Evidence:
         files = save.files
         checks = []
-        ts_check, trainer_state = save.trainer_state()
+        ts_check, trainer_state = remembered_trainer_state(save)
         checks.append(ts_check)
-        census = [save.deepspeed(d) for d in global_step_dirs(files)]
+        census = [deepspeed.census(save, d) for d in global_step_dirs(files)]
         checks.extend(check for check, _ in census)
         if census:
             checks.append(_deepspeed_latest(save.path, files, save.remembered_file))
@@ -295,7 +296,7 @@ def remembered_trainer_state(save: Save) -> tuple[Check, TrainerState | None]:
         return check, (save.share_history(ts, str(path.parent)) if ts is not None else None)
 
     try:
-        return save.remembered(verdicts_.TRAINER_STATE, entry, read)  # type: ignore[return-value]
+        return save.remembered(MemoryKind.TRAINER_STATE, entry, read)  # type: ignore[return-value]
     except OSError as exc:  # not remembered: read again next time
         return Check(TRAINER_STATE, FAILED, f"unreadable: {type(exc).__name__}: {exc}"), None
 

@@ -43,9 +43,9 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
-from ckptd.discover.layouts import EPOCH, STEP, Candidate, name_fields
+from ckptd import frameworks
 from ckptd.frameworks.base import Evidence, Framework, Metrics, Save
-from ckptd.model import FILE_NAME, KEPT_FOR, Check, Reading, Verdict, as_metric
+from ckptd.model import EPOCH, FILE_NAME, KEPT_FOR, STEP, Candidate, Check, Reading, Verdict, as_metric
 from ckptd.volume import volread
 
 LAYOUT = "keras"
@@ -148,7 +148,7 @@ class Keras(Framework):
 
     def recognise_file(self, name: str) -> Candidate | None:
         stem = _stem(name)
-        fields = name_fields(stem)
+        fields = frameworks.name_fields(stem)
         for key, unit in (("epoch", EPOCH), ("step", STEP), ("batch", STEP)):
             if (value := fields.get(key)) is not None and value.isdigit():
                 return Candidate(name, int(value), LAYOUT, False, unit=unit)
@@ -214,7 +214,7 @@ class Keras(Framework):
     def metrics(self, save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
         out = []
         stem = _stem(save.cand.name)
-        for k, v in {**named_metrics(stem), **name_fields(stem)}.items():
+        for k, v in {**named_metrics(stem), **frameworks.name_fields(stem)}.items():
             try:
                 out.append((k, Reading(as_metric(float(v)), FILE_NAME)))
             except ValueError:

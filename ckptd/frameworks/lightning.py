@@ -20,14 +20,30 @@ import re
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ckptd.discover import layouts
-from ckptd.discover.layouts import CONSUMED_SAMPLES, EPOCH, STEP, Candidate, name_fields
+from ckptd import frameworks
 from ckptd.frameworks import dsmeta, nemo
-from ckptd.frameworks.base import Evidence, Framework, Metrics, Save, pointer_target, unreadable_names_all
+from ckptd.frameworks.base import (
+    FAILED,
+    PASSED,
+    Evidence,
+    Framework,
+    Metrics,
+    Save,
+    pointer_target,
+    unreadable_names_all,
+)
 from ckptd.frameworks.megatron import MEGATRON_CORE_METADATA
-from ckptd.model import CKPT_STATE, FILE_NAME, Check, Entry, Reading, Verdict
-
-PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
+from ckptd.model import (
+    CKPT_STATE,
+    CONSUMED_SAMPLES,
+    EPOCH,
+    FILE_NAME,
+    STEP,
+    Candidate,
+    Check,
+    Entry,
+    Reading,
+)
 
 LAYOUT = "lightning"
 
@@ -79,7 +95,6 @@ def _lightning_fsdp(files: dict[str, Entry]) -> Check:
     return Check(name, PASSED, f".metadata and {LIGHTNING_FSDP_META} present (written after DCP's save)")
 
 
-
 def metrics(save: Save, metric: str | None, whole: bool, scores: Callable) -> Metrics:
     """Its metrics from its name, else (a `.ckpt` file whose name lacks `metric`) from ModelCheckpoint's
     state inside it."""
@@ -108,7 +123,7 @@ class Lightning(Framework):
     def evidence(self, save: Save) -> Evidence:
         cand, run = save.cand, save.run
         # NeMo's callback wrote a marker for it, here or (one for every rank) above its rank directory
-        if nemo.unfinished_marker(cand.name) in run.names or layouts.is_rank_dir(run.path.name):
+        if nemo.unfinished_marker(cand.name) in run.names or frameworks.is_rank_dir(run.path.name):
             return Evidence([nemo._nemo_unfinished(run, cand)])
         return Evidence()
 
@@ -138,12 +153,12 @@ FRAMEWORK = Lightning()
 
 
 # Recognition by name. ModelCheckpoint names a file from its template's fields, `name=value` joined
-# by '-' (_format_checkpoint_name, auto_insert_metric_name; `layouts.name_fields`); NeMo's default
+# by '-' (_format_checkpoint_name, auto_insert_metric_name; `frameworks.name_fields`); NeMo's default
 # template is `{name}--{monitor:.4f}-{epoch}` (+ `-{step}` or `-{consumed_samples}`).
 def field_order(name: str) -> tuple[int, str] | None:
     """What a Lightning/NeMo name orders by: its step, else NeMo's consumed samples, else its epoch
     (then time, within one epoch)."""
-    fields = name_fields(name)
+    fields = frameworks.name_fields(name)
     for key, unit in (("step", STEP), ("consumed_samples", CONSUMED_SAMPLES), ("epoch", EPOCH)):
         value = fields.get(key)
         if value is not None and re.fullmatch(r"\d+(?:\.0*)?", value):
@@ -188,7 +203,7 @@ Readings = tuple[tuple[str, Reading], ...]
 
 def from_name(name: str) -> Readings:
     """The numeric fields of a Lightning/NeMo checkpoint name (step and epoch included)."""
-    return tuple((k, Reading(float(v), FILE_NAME)) for k, v in name_fields(name).items())
+    return tuple((k, Reading(float(v), FILE_NAME)) for k, v in frameworks.name_fields(name).items())
 
 
 class CkptScores:

@@ -14,22 +14,22 @@ import re
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks import dcp
 from ckptd.frameworks.base import (
+    FAILED,
     MAX_POINTER_BYTES,
+    PASSED,
+    UNKNOWN,
     Evidence,
     Framework,
     RunContext,
     Save,
     pointer_target,
     read_pointer,
-    unreadable_names_all,
+    run_pointer,
 )
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import Candidate, Check, Entry
 from ckptd.volume import volread
-
-PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
 LAYOUT = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"  # checkpointing.py get_checkpoint_tracker_filename
@@ -120,7 +120,6 @@ def _megatron_core(path: Path, files: dict[str, Entry], d: str) -> Check:
     return Check(name, PASSED, f"parsed (sharded_backend={backend!r})" if backend else "parsed")
 
 
-
 class Megatron(Framework):
     layout = LAYOUT
     named_alone = True
@@ -163,13 +162,8 @@ def tracker_pointer(run_path: Path, names: Collection[str]) -> dict[str, str]:
     tracker = TRACKER
     if tracker not in names:
         return found
-    try:
-        text = read_pointer(run_path / tracker)
-    except FileNotFoundError:
-        return found  # gone since the listing: as if never there
-    except OSError as exc:
-        why = f"{tracker} (unreadable: {exc.strerror or exc}; it may name any checkpoint here)"
-        unreadable_names_all(found, names, why)
+    text = run_pointer(found, run_path, tracker, names, tracker)
+    if text is None:
         return found
     iteration = megatron_iteration(text)
     if iteration is None and text != "release":

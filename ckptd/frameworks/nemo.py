@@ -13,14 +13,11 @@ import os
 import re
 from collections.abc import Callable, Collection, Mapping
 
-from ckptd.discover import layouts
-from ckptd.discover.layouts import Candidate
+from ckptd import frameworks
 from ckptd.frameworks import lightning, megatron
-from ckptd.frameworks.base import Evidence, Framework, Metrics, RunContext, Save
-from ckptd.frameworks.deepspeed import deepspeed_tag_dirs
-from ckptd.model import Check, Entry, Verdict
-
-PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
+from ckptd.frameworks.base import FAILED, PASSED, Evidence, Framework, Metrics, RunContext, Save
+from ckptd.frameworks.deepspeed import census, deepspeed_tag_dirs
+from ckptd.model import Candidate, Check, Entry
 
 LAYOUT = "nemo"
 UNFINISHED_SUFFIX = "-unfinished"
@@ -48,13 +45,12 @@ def _nemo_unfinished(run: RunContext, cand: Candidate) -> Check:
     marker = unfinished_marker(cand.name)
     if marker in run.names:
         return Check("nemo marker", FAILED, f"{marker} present: save not finished")
-    if layouts.is_rank_dir(run.path.name):
+    if frameworks.is_rank_dir(run.path.name):
         if os.path.lexists(run.path.parent / marker):
             why = f"../{marker} present (one for every rank's file): save not finished"
             return Check("nemo marker", FAILED, why)
         return Check("nemo marker", PASSED, f"no {marker}, here or above the rank directories")
     return Check("nemo marker", PASSED, f"no {marker}")
-
 
 
 # What a NeMo distributed-checkpoint directory holds (NeMo 1: torch_dist; NeMo 2: weights/ + context/).
@@ -99,7 +95,7 @@ class NeMo(Framework):
         # Lightning's DeepSpeedStrategy: a directory named like the file, the shards in its tag
         # directory `checkpoint/` (save_checkpoint(filepath, tag="checkpoint")): their census.
         for d in deepspeed_tag_dirs(files):
-            checks.append(save.deepspeed(d)[0])
+            checks.append(census(save, d)[0])
         lightning_fsdp = lightning._is_lightning_fsdp(save.cand, files)  # DCP's files, Lightning's meta.pt
         if lightning_fsdp:
             checks.append(lightning._lightning_fsdp(files))

@@ -13,10 +13,12 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks.base import (
+    FAILED,
     MAX_POINTER_BYTES,
     MAX_TRAINER_STATE_BYTES,
+    PASSED,
+    UNKNOWN,
     Evidence,
     Framework,
     Metrics,
@@ -24,10 +26,8 @@ from ckptd.frameworks.base import (
     Save,
     read_now,
 )
-from ckptd.model import ORBAX_METRICS, Check, Entry, Reading, Verdict, as_metric
+from ckptd.model import ORBAX_METRICS, Candidate, Check, Entry, Reading, as_metric
 from ckptd.volume import volread
-
-PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
 LAYOUT = "orbax"
 # Orbax's step names (orbax/checkpoint/_src/path/step.py: `<step_prefix>_<step>`, the step
@@ -79,7 +79,6 @@ def _orbax(cand: Candidate, path: Path, files: dict[str, Entry]) -> Check:
         )
         return Check(name, FAILED, why)
     return Check(name, PASSED, "finalized by rename from its tmp directory (an Orbax that records no commit)")
-
 
 
 class Orbax(Framework):

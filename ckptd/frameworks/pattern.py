@@ -32,14 +32,22 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ckptd.frameworks.accelerate import pickle_problem  # its random_states pickles'
-from ckptd.frameworks.base import Evidence, Framework, Save, files_whole, known_world, rank_files
+from ckptd.frameworks.base import (
+    FAILED,
+    PASSED,
+    Evidence,
+    Framework,
+    Save,
+    files_whole,
+    known_world,
+    matches,
+    rank_files,
+)
+from ckptd.frameworks.formats import SAFETENSORS_SUFFIX, ZIP_SUFFIXES, is_zip, tar_problem
 from ckptd.frameworks.hf import json_problem  # the Trainer's JSON files'
 from ckptd.frameworks.hfweights import index_shards
-from ckptd.judge import slim
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import Check, Entry
 from ckptd.volume import volread
-
-PASSED, FAILED = Verdict.PASSED, Verdict.FAILED
 
 LAYOUT = "pattern"
 EVIDENCE = "evidence"
@@ -62,17 +70,16 @@ _TAR_MAGIC = (257, b"ustar")  # POSIX tar's header magic
 def _read_elsewhere() -> tuple[str, ...]:
     """The suffixes whose end the engine's integrity check reads already (evidence._CHECKED_SUFFIXES and
     the modules' whole_file_formats), and those whole_files reads whole."""
-    from ckptd.judge import (
-        wholefile,  # imported here: wholefile reads the registry, which imports this module
-    )
+    from ckptd.frameworks import REGISTRY  # imported here: the registry imports this module
 
-    return (*wholefile.ZIP_SUFFIXES, wholefile.SAFETENSORS_SUFFIX, *wholefile.WHOLE_FILE_FORMATS, ".json",
+    whole_file = (suffix for fw in REGISTRY for suffix, _ in fw.whole_file_formats)
+    return (*ZIP_SUFFIXES, SAFETENSORS_SUFFIX, *whole_file, ".json",
             *_PICKLE_SUFFIXES)
 
 
 def _required(files: dict[str, Entry], glob: str) -> Check:
     """A file the user's pattern requires (`require`)."""
-    hit = next((rel for rel, e in files.items() if e.kind == "f" and rel and slim.matches(rel, glob)), None)
+    hit = next((rel for rel, e in files.items() if e.kind == "f" and rel and matches(rel, glob)), None)
     if hit is None:
         return Check(f"requires {glob}", FAILED, "no such file")
     return Check(f"requires {glob}", PASSED, f"{hit} present")
@@ -149,8 +156,6 @@ def whole_files(save: Save) -> Check | None:
 def archive_problem(path: Path, size: int) -> str | None:
     """Why a file whose first bytes say it is a zip (torch.save's, whatever its suffix) or a tar is
     not whole, or None (any other file: nothing known about it)."""
-    from ckptd.judge import wholefile  # see _read_elsewhere
-
     if size == 0:
         return None
     fd = volread.open_regular(path)
@@ -159,11 +164,11 @@ def archive_problem(path: Path, size: int) -> str | None:
     finally:
         os.close(fd)
     if head.startswith(_ZIP_MAGIC):
-        return None if wholefile.is_zip(path, size) else (
+        return None if is_zip(path, size) else (
             "is a zip archive (torch.save's, whatever its suffix) without its end record: a save killed "
             "midway?")
     if head[_TAR_MAGIC[0]:] == _TAR_MAGIC[1]:
-        return None if (why := wholefile.tar_problem(path, size)) is None else f"is a tar archive: {why}"
+        return None if (why := tar_problem(path, size)) is None else f"is a tar archive: {why}"
     return None
 
 
@@ -236,14 +241,14 @@ _INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 def partial_requires(require: tuple[str, ...]) -> list[str]:
     """The `require` globs a save killed between its shards could meet (`*.safetensors` meets one
     shard of four) where no other glob requires an index, each with why (`check-config` warns)."""
-    if any(slim.matches(index, glob) for index in _INDEX_NAMES for glob in require):
+    if any(matches(index, glob) for index in _INDEX_NAMES for glob in require):
         return []
     return [
         f"require {glob!r} could be met by a partial save ({shard}: save_pretrained writes its shards one "
         "by one, the index last): require the index too (e.g. 'model.safetensors.index.json'); ckptd "
         "checks shards and indexes whatever require says"
         for glob in require
-        if (shard := next((n for n in _PARTIAL_SHARDS if slim.matches(n, glob)), None)) is not None
+        if (shard := next((n for n in _PARTIAL_SHARDS if matches(n, glob)), None)) is not None
     ]
 
 

@@ -38,7 +38,6 @@ import re
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks import rayv1
 from ckptd.frameworks.base import (
     MAX_TRAINER_STATE_BYTES,
@@ -48,7 +47,7 @@ from ckptd.frameworks.base import (
     Save,
     unreadable_names_all,
 )
-from ckptd.model import Check, Reading, Verdict, as_metric
+from ckptd.model import Candidate, Check, Reading, Verdict, as_metric
 from ckptd.volume import volread
 
 LAYOUT = "ray"

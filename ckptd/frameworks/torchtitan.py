@@ -11,14 +11,11 @@ import re
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks import dcp
-from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES, Evidence, Framework, Save
+from ckptd.frameworks.base import FAILED, MAX_TRAINER_STATE_BYTES, PASSED, UNKNOWN, Evidence, Framework, Save
 from ckptd.frameworks.hfweights import SAFETENSORS_INDEX
-from ckptd.model import Check, Entry, Verdict
+from ckptd.model import Candidate, Check, Entry
 from ckptd.volume import volread
-
-PASSED, FAILED, UNKNOWN = Verdict.PASSED, Verdict.FAILED, Verdict.UNKNOWN
 
 LAYOUT = "torchtitan"
 _NAME = re.compile(r"step-(\d+)")  # torchtitan/components/checkpoint.py _create_checkpoint_id
@@ -49,7 +46,6 @@ def _torchtitan(path: Path, files: dict[str, Entry]) -> Check:
         present = len(shards) - len(missing)
         return Check(name, FAILED, f"{missing[0]} missing ({present}/{len(shards)} shards in the HF index)")
     return Check(name, PASSED, f"{HF_INDEX} and its {len(shards)} shards (HF format)")
-
 
 
 class Torchtitan(Framework):

@@ -14,7 +14,7 @@ Why each check exists:
   final barrier. rng_state_<rank>.pth files have no barrier, so count them.
 - file integrity: torch.save files are zip archives, whose directory sits at
   the end, so a truncated one has no end record at its very end; a safetensors
-  header's offsets must fit the file (wholefile.py reads them).
+  header's offsets must fit the file (wholefile.py asks, frameworks/formats.py reads them).
 - native markers: DCP's `.metadata` (the coordinator writes it after every
   rank), Orbax's tmp directory and commit file, NeMo's `-unfinished` marker,
   Megatron's tracker, megatron-core's `metadata.json` (written last), torchtitan's
@@ -40,9 +40,8 @@ from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 from ckptd import frameworks
-from ckptd.config import Pattern, format_age, format_duration, format_size, pin_matches
+from ckptd.config import DEFAULT_SLIM_FILES, Pattern, format_age, format_duration, format_size, pin_matches
 from ckptd.discover import layouts
-from ckptd.discover.layouts import Candidate
 from ckptd.frameworks import (
     EVIDENCE,
     NESTED_METADATA_SUFFIX,
@@ -50,12 +49,21 @@ from ckptd.frameworks import (
     QUIET_ALONE,
     nested_metadata_file,
 )
-from ckptd.frameworks.base import MAX_TRAINER_STATE_BYTES, MTIME_SLACK, SAVE_SPAN, RunContext, Save
+from ckptd.frameworks.base import (
+    MAX_TRAINER_STATE_BYTES,
+    MTIME_SLACK,
+    SAVE_SPAN,
+    MemoryKind,
+    RunContext,
+    Save,
+)
+from ckptd.frameworks.formats import SAFETENSORS_SUFFIX, ZIP_SUFFIXES
 from ckptd.judge import attestation, slim, wholefile
 from ckptd.judge import verdicts as verdicts_
 from ckptd.judge.weights import WeightsReader
 from ckptd.model import (  # Entry: re-exported, it is evidence's word
     QUIET,
+    Candidate,
     Check,
     Checkpoint,
     ConsolidatedWeights,
@@ -187,7 +195,7 @@ class Inspector:
         world_size: int | None = None,
         pins: frozenset[str] = frozenset(),
         quiet: QuietJudge | None = None,
-        slim_files: tuple[str, ...] = slim.DEFAULT_SLIM_FILES,
+        slim_files: tuple[str, ...] = DEFAULT_SLIM_FILES,
         pattern: Pattern | None = None,
         metric: str | None = None,
         slim_weights: str | None = None,
@@ -228,7 +236,7 @@ class Inspector:
             path, files, run, cand, world_size, self.mp_world_size, removed, pattern,
             remembered=self._remembered, share_history=self.verdicts.share_history,
             remembered_file=lambda rel, read: (
-                self._remembered(verdicts_.FRAMEWORK, files[rel], read) if rel in files else read()
+                self._remembered(MemoryKind.FRAMEWORK, files[rel], read) if rel in files else read()
             ),
         )
         found = fw.evidence(save)
@@ -334,7 +342,7 @@ class Inspector:
 
         look = self._look
         try:
-            return read() if look is None else look.verdict(verdicts_.FILE, e, read)
+            return read() if look is None else look.verdict(MemoryKind.FILE, e, read)
         except OSError as exc:
             return f" could not be read: {exc.strerror or exc}"
 
@@ -360,7 +368,7 @@ if not all(_OWN_MARK in n for n in (layouts.PIN_FILE, slim.MARKER, slim.LEGACY_W
 _OWN_TOP = frozenset({slim.MARKER, f"{slim.MARKER}.tmp", layouts.PIN_FILE})  # `_save_times`'s, at the top
 # The files the integrity check reads the end of: torch.save's zips and safetensors at any depth, and
 # a checkpoint that is itself one file in the archive format its framework writes (`whole_file_formats`).
-_CHECKED_SUFFIXES = (*wholefile.ZIP_SUFFIXES, wholefile.SAFETENSORS_SUFFIX)
+_CHECKED_SUFFIXES = (*ZIP_SUFFIXES, SAFETENSORS_SUFFIX)
 _WHOLE_FILE_SUFFIXES = tuple(wholefile.WHOLE_FILE_FORMATS)
 
 

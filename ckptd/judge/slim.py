@@ -14,19 +14,18 @@ of a checkpoint is optimizer state that only resuming needs.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase, translate
 from typing import TYPE_CHECKING, Any
 
+from ckptd import frameworks
 from ckptd.discover import layouts
+from ckptd.frameworks.base import CONSOLIDATED, matches_any
 from ckptd.model import ConsolidatedWeights, Slimming
 
 if TYPE_CHECKING:
-    from ckptd.frameworks.base import Framework
+    from ckptd.config import Config
     from ckptd.model import Dtypes, Entry, WeightsSeen
 
 MARKER = ".ckptd-slim.json"
@@ -41,14 +40,10 @@ WEIGHTS_DIR = "fp32"
 INDEX = "model.safetensors.index.json"
 INDEX_RECORD = "ckptd"  # the key of ckptd's record (source, shard hashes) in the index's "metadata"
 SLIM_WEIGHTS = ("fp32", "as-saved")
-# Where ckptd before fp32/ consolidated weights (a single file; markers that name it still verify),
-# and the work directory it used inside the checkpoint: a crash's leftover there is ckptd's own
-# temp file, removed with the optimizer state when the checkpoint is slimmed.
-CONSOLIDATED = "model.safetensors"
+# Where ckptd before fp32/ consolidated weights (`CONSOLIDATED`, a single file; markers that name
+# it still verify), and the work directory it used inside the checkpoint: a crash's leftover there
+# is ckptd's own temp file, removed with the optimizer state when the checkpoint is slimmed.
 LEGACY_WORK_DIR = f"{CONSOLIDATED}.ckptd-tmp"
-# The default of the `slim_files` setting (user-facing: config reference, config.example.toml):
-# DeepSpeed's optimizer shards, in its tag or in a Trainer checkpoint's, and the Trainer's optimizer.pt.
-DEFAULT_SLIM_FILES = ("global_step*/*optim_states.pt", "optimizer.pt")
 _DTYPE_NAMES = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16"}
 
 
@@ -67,35 +62,6 @@ def is_fp32(dtypes: frozenset[str]) -> bool:
     return bool(dtypes) and dtypes <= {"F32", "F64"}
 
 
-def matches(path: str, glob: str) -> bool:
-    """`glob` matches `path` segment by segment: `*` never crosses a `/`."""
-    p, g = path.split("/"), glob.split("/")
-    return len(p) == len(g) and all(fnmatchcase(a, b) for a, b in zip(p, g, strict=True))
-
-
-@functools.lru_cache(maxsize=64)
-def _segment_matchers(globs: tuple[str, ...]) -> dict[int, tuple[tuple[Callable[[str], Any], ...], ...]]:
-    """`globs` by their number of segments, each segment compiled once (as `fnmatchcase` does)."""
-    by_depth: dict[int, list[tuple[Callable[[str], Any], ...]]] = {}
-    for glob in globs:
-        parts = glob.split("/")
-        by_depth.setdefault(len(parts), []).append(tuple(re.compile(translate(b)).match for b in parts))
-    return {n: tuple(gs) for n, gs in by_depth.items()}
-
-
-def matches_any(path: str, globs: tuple[str, ...]) -> bool:
-    """`matches(path, g)` for some g in `globs`, without splitting and translating each glob per path:
-    a survey asks this for every file of every checkpoint."""
-    p = path.split("/")
-    for segments in _segment_matchers(globs).get(len(p), ()):
-        for a, m in zip(p, segments, strict=True):
-            if not m(a):
-                break
-        else:
-            return True
-    return False
-
-
 def never_removed(path: str) -> bool:
     """Files slimming keeps whatever `slim_files` says: ckptd's own (fp32/, pins, markers), and what
     a framework says a slim keeps (`Framework.slim_keeps`: weights, model states, trainer state)."""
@@ -104,7 +70,7 @@ def never_removed(path: str) -> bool:
         path == WEIGHTS_DIR
         or path.startswith(f"{WEIGHTS_DIR}/")
         or name in (layouts.PIN_FILE, MARKER)
-        or any(f.slim_keeps(name) for f in _registry().REGISTRY)
+        or any(f.slim_keeps(name) for f in frameworks.REGISTRY)
     )
 
 
@@ -131,7 +97,7 @@ def source_fingerprint(files: Mapping[str, Entry], tag_prefix: str) -> str:
     `tag_prefix` is "global_step10/" inside a Trainer checkpoint, "" for a bare `global_step10/`.
     """
     h = hashlib.sha256()
-    reads = _registry().REGISTRY
+    reads = frameworks.REGISTRY
     for rel in sorted(files):
         rest = rel[len(tag_prefix) :]
         read = any(f.consolidation_reads(rest) for f in reads)
@@ -239,18 +205,6 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _registry():  # -> the ckptd.frameworks module
-    """frameworks/ (imported here on first use, as they import this)."""
-    from ckptd import frameworks
-
-    return frameworks
-
-
-def _framework(layout: str) -> Framework:
-    """What `layout`'s framework lets a slim do."""
-    return _registry().get(layout)
-
-
 def survey(
     layout: str,
     name: str,
@@ -276,7 +230,7 @@ def survey(
     or of unknown dtype are not enough for "fp32": the fp32 master weights would go
     with the optimizer shards. `weights` holds what their headers say (`weights.py`).
     """
-    fw = _framework(layout)
+    fw = frameworks.get(layout)
     if not fw.slim_weights:
         return Slimming()
     if removable is None:  # else the caller's pass over the entries asked `removable_file` of each
@@ -347,7 +301,7 @@ def removes_load_need(glob: str) -> str | None:
     """A file loading the weights needs (`Framework.load_needs`) that a slim with `glob` among the
     `slim_files` would remove, or None: such a glob cannot be meant (`["*"]` takes config.json and
     the tokenizer, and `from_pretrained` fails on what is left)."""
-    for fw in _registry().REGISTRY:
+    for fw in frameworks.REGISTRY:
         if not fw.slim_weights:
             continue
         test = removable_file(fw.checkpoint_is_tag, "", (glob,))
@@ -355,6 +309,26 @@ def removes_load_need(glob: str) -> str | None:
         if found is not None:
             return found
     return None
+
+
+def config_refusals(config: Config) -> list[tuple[str, str]]:
+    """(key, why) for each retention table (a root's, a run rule's) whose `slim_files` holds a glob
+    that would remove what loading the weights needs (`removes_load_need`): its first such glob.
+    The config knows no framework; whoever reads it passes this check (`effective_config`'s
+    `checks`), so that check-config, plan, prune and run refuse such a config (exit 78)."""
+    out = []
+    for i, root in enumerate(config.roots):
+        tables = [("retention", root.retention), *((f"runs[{j}]", rule) for j, rule in enumerate(root.runs))]
+        for key, retention in tables:
+            for glob in retention.slim_files:
+                needed = removes_load_need(glob)
+                if needed is not None:
+                    out.append((f"roots[{i}].{key}.slim_files", (
+                        f"{glob!r} would remove {needed}, which loading the weights needs: name only "
+                        "the optimizer state to drop (default: global_step*/*optim_states.pt, optimizer.pt)"
+                    )))
+                    break
+    return out
 
 
 def removable_file(checkpoint_is_tag: bool, name: str, slim_files: Collection[str]) -> Callable[[str], bool]:
@@ -388,7 +362,7 @@ def _consolidated(
             return None, f"{path} is missing or not the size ckptd recorded when it consolidated it"
     if source is None or record.source != source:
         return None, f"{WEIGHTS_DIR}/ was consolidated from {record.source}, not from {source}"
-    tag_prefix = "" if _framework(layout).checkpoint_is_tag else f"{source}/"
+    tag_prefix = "" if frameworks.get(layout).checkpoint_is_tag else f"{source}/"
     if source_fingerprint(files, tag_prefix) != record.source_fingerprint:
         return None, f"{WEIGHTS_DIR}/ was consolidated from {source} as it was then: its shards changed since"
     return record, None
@@ -397,7 +371,7 @@ def _consolidated(
 def _source(layout: str, name: str, files: Mapping[str, Entry]) -> tuple[str | None, str | None]:
     """The DeepSpeed tag directory zero_to_fp32 would consolidate, or why there is none (its framework's
     `consolidation_source`)."""
-    return _framework(layout).consolidation_source(name, files)
+    return frameworks.get(layout).consolidation_source(name, files)
 
 
 def consolidation_paths(layout: str, name: str, source: str, files: Collection[str]) -> tuple[str, str, str]:
@@ -405,4 +379,4 @@ def consolidation_paths(layout: str, name: str, source: str, files: Collection[s
 
     zero_to_fp32 takes the directory holding the tag and the tag (its framework's `consolidation_paths`).
     """
-    return _framework(layout).consolidation_paths(name, source, files)
+    return frameworks.get(layout).consolidation_paths(name, source, files)

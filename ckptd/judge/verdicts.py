@@ -67,6 +67,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptd import __version__
+from ckptd.frameworks.base import MemoryKind
+from ckptd.frameworks.dsmeta import WorldSizes
 from ckptd.model import (
     ATTESTED,
     COMMIT_RECORDS,
@@ -95,8 +97,6 @@ YOUNG_NS = 600 * 1_000_000_000  # keep per-file verdicts of checkpoints changed 
 MAX_PERSISTED_HISTORY = 100_000  # log-history steps per trainer state written to disk; more: read again
 _ATTESTATION = (ATTESTED, COMMIT_RECORDS, SAVE_LEASE)  # checks from commit records (attestation.py)
 
-FILE, WORLD, TRAINER_STATE = "file", "world", "ts"  # kinds of verdict
-FRAMEWORK = "fw"  # a framework module's own read of one file (Save.remembered_file): a JSON value
 
 Identity = tuple[int, int, int, int, int]  # (dev, ino, size, mtime_ns, ctime_ns)
 Key = tuple[str, str]  # (kind, path relative to the checkpoint)
@@ -127,8 +127,8 @@ class Record:
         dirs: tuple[Stamp, ...] = (),
     ):
         self.digest = digest  # of every entry's identity at that look
-        self.verdicts = verdicts  # (kind, rel) -> verdict; FILE verdicts only when not intact (None)
-        self.whole = whole  # every verdict that look asked for was remembered: an absent FILE is intact
+        self.verdicts = verdicts  # (kind, rel) -> verdict; file verdicts only when not intact (None)
+        self.whole = whole  # every verdict that look asked for was remembered: no file verdict: intact
         self.proven = proven  # read by this process (False: loaded from disk, or reused from such)
         self.files = files  # per-file, while young: (kind, rel) -> (identity, verdict)
         self.fingerprint = fingerprint  # the checkpoint's fingerprint at that look (evidence.fingerprint)
@@ -163,7 +163,7 @@ class Look:
             if old.whole and old.digest == self.digest:  # nothing in the checkpoint changed
                 if key in old.verdicts:
                     found = (old.verdicts[key],)
-                elif kind == FILE:
+                elif kind == MemoryKind.FILE:
                     found = (None,)
             if found is None and old.files is not None:
                 hit = old.files.get(key)
@@ -180,7 +180,7 @@ class Look:
             raise
         if self.started_ns - max(entry.mtime_ns, entry.ctime_ns) >= RACY_NS:
             self.files[key] = (ident, value)  # `_keep`, inline: asked of every torch file
-            if kind != FILE or value is not None:
+            if kind != MemoryKind.FILE or value is not None:
                 self.verdicts[key] = value
         else:
             self.whole = False  # racily clean: read again next time
@@ -188,7 +188,7 @@ class Look:
 
     def _keep(self, key: Key, ident: Identity, value: Any) -> None:
         self.files[key] = (ident, value)
-        if key[0] != FILE or value is not None:
+        if key[0] != MemoryKind.FILE or value is not None:
             self.verdicts[key] = value
 
 
@@ -278,7 +278,9 @@ class Verdicts:
             files = rec.files or {}
             wanted = set(also)
             extra = [
-                (rel, *ident) for (kind, rel), (ident, _) in files.items() if kind == FILE and rel in wanted
+                (rel, *ident)
+                for (kind, rel), (ident, _) in files.items()
+                if kind == MemoryKind.FILE and rel in wanted
             ]
             if len(extra) < len(wanted):
                 return False  # no stamp for one of them: look
@@ -321,7 +323,7 @@ class Verdicts:
         rec = self._records.get(path)
         if rec is None:
             return []
-        return [rel for (kind, rel), v in rec.verdicts.items() if kind == FILE and v is not None]
+        return [rel for (kind, rel), v in rec.verdicts.items() if kind == MemoryKind.FILE and v is not None]
 
     def forget(self, path: str) -> None:
         if self._records.pop(path, None) is not None:
@@ -419,7 +421,7 @@ class Verdicts:
         rows: dict[int, int] = {}  # id(row) -> index in `table`
         table: list[list[Any]] = []
         for _, rec in saved:
-            found = rec.verdicts.get((TRAINER_STATE, "trainer_state.json"))
+            found = rec.verdicts.get((MemoryKind.TRAINER_STATE, "trainer_state.json"))
             if found is not None and found[1] is not None and len(found[1].history) <= MAX_PERSISTED_HISTORY:
                 for step, row in found[1].history.items():
                     if id(row) not in rows:
@@ -539,7 +541,7 @@ def _encode_checkpoint(rec: Record) -> dict[str, Any] | None:
     c = rec.checkpoint
     if c is None or not rec.dirs:
         return None
-    ts = rec.verdicts.get((TRAINER_STATE, "trainer_state.json"))
+    ts = rec.verdicts.get((MemoryKind.TRAINER_STATE, "trainer_state.json"))
     if c.trainer_state is not None and (ts is None or ts[1] is not c.trainer_state):
         return None  # its trainer state is not among the verdicts (or not this one)
     if ts is not None and ts[1] is not None and len(ts[1].history) > MAX_PERSISTED_HISTORY:
@@ -575,7 +577,7 @@ _NOWHERE = Path("/")  # a restored checkpoint's root until `Scanner.restore` giv
 
 
 def _decode_checkpoint(rec: Record, doc: dict[str, Any], check: Callable[[Any, Any, Any], Check]) -> None:
-    ts = rec.verdicts.get((TRAINER_STATE, "trainer_state.json"))
+    ts = rec.verdicts.get((MemoryKind.TRAINER_STATE, "trainer_state.json"))
     if doc["ts"] and (ts is None or ts[1] is None):
         return
     slimmed, removable, weights, source, blocker, keeps, dtype = doc["slim"]
@@ -625,7 +627,7 @@ def _stamps(
 ) -> tuple[Stamp, ...]:
     """The stamps a restore checks: every directory (a file created, removed or renamed inside
     changes one), the checkpoint itself, and every file whose contents a decision rests on."""
-    read = {rel for (kind, rel), (_, value) in files.items() if kind != FILE or value is not None}
+    read = {rel for (kind, rel), (_, value) in files.items() if kind != MemoryKind.FILE or value is not None}
     read.update(e.rel for e in content)
     return tuple(
         (e.rel, e.dev, e.ino, e.size, e.mtime_ns, e.ctime_ns)
@@ -640,15 +642,13 @@ def _stamps(
 
 def _encode_verdict(kind: str, value: Any, rows: dict[int, int], table: list[list[Any]]) -> Any:
     """JSON for one verdict; None where it is not worth keeping on disk (read again instead)."""
-    from ckptd.frameworks.dsmeta import WorldSizes
-
-    if kind == FILE:
+    if kind == MemoryKind.FILE:
         return value if isinstance(value, str) else None
-    if kind == WORLD:
+    if kind == MemoryKind.WORLD:
         if isinstance(value, WorldSizes):
             return dataclasses.asdict(value)  # every field: a census depends on each (shards, bf16)
         return value if isinstance(value, str) else None
-    if kind == TRAINER_STATE:
+    if kind == MemoryKind.TRAINER_STATE:
         check, ts = value
         encoded: dict[str, Any] = {"name": check.name, "verdict": check.verdict.value, "detail": check.detail}
         if ts is not None:
@@ -663,7 +663,7 @@ def _encode_verdict(kind: str, value: Any, rows: dict[int, int], table: list[lis
                 refs.append(i)
             encoded["ts"] = [ts.global_step, ts.best_model_checkpoint, ts.best_metric, refs]
         return encoded
-    if kind == FRAMEWORK:
+    if kind == MemoryKind.FRAMEWORK:
         return {"v": value}
     return None
 
@@ -674,34 +674,30 @@ def _decode_verdict(
     table: list[tuple[int, dict[str, Any]]],
     history: Callable[[list[tuple[int, Any]]], Mapping[int, Any]],
 ) -> Any:
-    from ckptd.frameworks.dsmeta import WorldSizes
-
-    if kind == FILE:
+    if kind == MemoryKind.FILE:
         if not isinstance(value, str):
             raise TypeError("a file verdict is not a string")
         return value
-    if kind == WORLD:
+    if kind == MemoryKind.WORLD:
         if isinstance(value, str):
             return value
         if set(value) != _world_fields():  # written with other fields: not this version's verdict
             raise ValueError(f"world sizes with fields {sorted(value)}")
         return WorldSizes(**value)
-    if kind == TRAINER_STATE:
+    if kind == MemoryKind.TRAINER_STATE:
         check = Check(str(value["name"]), Verdict(value["verdict"]), str(value["detail"]))
         ts = None
         if "ts" in value:
             global_step, best, best_metric, refs = value["ts"]
             ts = TrainerState(global_step, best, best_metric, history([table[i] for i in refs]))
         return (check, ts)
-    if kind == FRAMEWORK:
+    if kind == MemoryKind.FRAMEWORK:
         return value["v"]
     raise ValueError(f"unknown verdict kind {kind!r}")
 
 
 @functools.cache
 def _world_fields() -> frozenset[str]:
-    from ckptd.frameworks.dsmeta import WorldSizes
-
     return frozenset(f.name for f in dataclasses.fields(WorldSizes))
 
 

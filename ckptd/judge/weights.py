@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptd import frameworks
 from ckptd.judge import slim
 from ckptd.model import ConsolidatedWeights, Dtypes, WeightsSeen
 
@@ -96,8 +97,6 @@ class WeightsReader:
     def read(self, path: Path, files: Mapping[str, Entry]) -> WeightsSeen:
         """The weights of the checkpoint at `path`, whose entries (by relative path) are `files`."""
         dtypes: dict[str, Dtypes] = {}
-        from ckptd import frameworks  # which imports this module's importers: on first use
-
         for name in frameworks.SLIM_WEIGHTS:
             e = files.get(name)
             if e is not None and e.kind == "f":

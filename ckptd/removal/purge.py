@@ -19,18 +19,17 @@ from pathlib import Path
 
 from ckptd.archive.upload import Archiver
 from ckptd.config import pin_matches
-from ckptd.decide.planner import Scanner, disk_space
+from ckptd.decide.planner import Scanner, disk_space, retention_for
 from ckptd.discover import layouts
 from ckptd.discover.layouts import (
     HIDDEN_TRASH,
     TRASH_DIR,
-    Candidate,
     recognise_by_contents,
     recognise_with_siblings,
 )
 from ckptd.discover.runs import find_run
 from ckptd.judge.evidence import MOUNT, TooDeep, resume_pointers, walk
-from ckptd.model import State
+from ckptd.model import Candidate, State
 from ckptd.removal.decision import RECORD, changed, drop_record, pins_inside, read_record, snapshot
 from ckptd.removal.fs import (
     _DIR_FLAGS,
@@ -226,7 +225,7 @@ class Purging:
             return self._unclaim(name, dir_fd, f"cannot look at it ({exc})", review=True)
         origin = _trash_origin(name) or _origin_from_record(name, dir_fd)
         rel = origin[0] if origin is not None and not origin[1] else None  # a slim's files: no config pin
-        config_pins = self.scanner.root.retention_for(rel.rpartition("/")[0] or ".")[0].pins if rel else ()
+        config_pins = retention_for(self.scanner.root, rel.rpartition("/")[0] or ".")[0].pins if rel else ()
         pinned = pins_inside(seen) or [p for p in config_pins if rel and pin_matches(rel, p)]
         record = read_record(name, dir_fd)
         contents = record.get("contents") if record is not None else None
@@ -441,7 +440,7 @@ class Purging:
         run_path = self.root if run_rel == "." else self.root / run_rel
         is_dir = stat.S_ISDIR(os.stat(entry, dir_fd=trash_fd, follow_symlinks=False).st_mode)
         names = os.listdir(run_fd)
-        retention, _ = self.scanner.root.retention_for(run_rel)
+        retention, _ = retention_for(self.scanner.root, run_rel)
         record = read_record(entry, trash_fd)
         why = None if record is None else _against_record(record, run_rel, name, run_fd)
         if why is not None:

@@ -21,10 +21,11 @@ from pathlib import Path
 
 from ckptd.archive.upload import Archiver
 from ckptd.decide import policy, rules
-from ckptd.decide.planner import Scanner, rule_dir
+from ckptd.decide.planner import Scanner, retention_for, rule_dir
 from ckptd.decide.policy import Decision
-from ckptd.discover.layouts import is_rank_dir, recognise_by_name, unfinished_markers
+from ckptd.discover.layouts import recognise_by_name, unfinished_markers
 from ckptd.discover.runs import ROOT_MARKS
+from ckptd.frameworks import is_rank_dir
 from ckptd.judge.evidence import resume_pointers
 from ckptd.model import Action, Checkpoint, State, pointer_reason
 from ckptd.removal.outcome import Anchors
@@ -156,7 +157,7 @@ class Rechecks:
         run = self.scanner.reinspect_experiment(planned.run, now=now)
         fresh = None
         if run is not None:
-            retention, _ = self.scanner.root.retention_for(rule_dir(run))
+            retention, _ = retention_for(self.scanner.root, rule_dir(run))
             decisions = policy.decide_run(run, retention)
             if retention.max_size is not None:
                 decisions, _ = policy.enforce_max_size(decisions, retention.max_size)
@@ -196,7 +197,7 @@ def _in_another_root(root: Path, rel: str) -> str | None:
 def _last_whole_step(
     run_path: Path, name: str, is_dir: bool, patterns: Sequence[re.Pattern[str]]
 ) -> str | None:
-    """For one model-parallel rank's part of a step (`mp_rank_00/<name>.ckpt`, `layouts.is_rank_dir`):
+    """For one model-parallel rank's part of a step (`mp_rank_00/<name>.ckpt`, `frameworks.is_rank_dir`):
     why it must stay, unless a newer step is there in every rank's directory beside it, with no
     unfinished marker (NeMo's) above them. Names only, afresh: the last line of defence for the newest step
     every rank holds, which the plan keeps (`planner.with_whole_steps`)."""

@@ -18,11 +18,11 @@ from ckptd.config import Root
 from ckptd.decide.planner import Scanner
 from ckptd.discover import layouts
 from ckptd.discover.runs import find_runs
-from ckptd.frameworks import dsmeta, nemo
+from ckptd.frameworks import dsmeta, formats, nemo
+from ckptd.frameworks.formats import safetensors_problem
 from ckptd.judge import evidence, wholefile
 from ckptd.judge.evidence import Inspector, RunContext
 from ckptd.judge.verdicts import RACY_NS, Verdicts
-from ckptd.judge.wholefile import safetensors_problem
 from ckptd.model import State, Verdict
 from tests.support.ddpfiles import ddp_checkpoint
 
@@ -611,12 +611,12 @@ def test_every_prefix_of_a_real_torch_file_is_incomplete(tmp_path):
     torch = pytest.importorskip("torch")
     path = tmp_path / "states.pt"
     data = _torch_save(path, {"w": torch.arange(40.0), "step": 7, "name": "x" * 50})
-    assert wholefile.is_zip(path, len(data))
+    assert formats.is_zip(path, len(data))
     cut = tmp_path / "cut.pt"
     accepted = []
     for n in range(len(data)):
         cut.write_bytes(data[:n])
-        if wholefile.is_zip(cut, n):
+        if formats.is_zip(cut, n):
             accepted.append(n)
     assert accepted == []
 
@@ -629,11 +629,11 @@ def test_a_torch_file_whose_directory_is_longer_than_the_tail_read_at_once(tmp_p
     data = _torch_save(path, {f"t{i}": torch.zeros(2) for i in range(400)})
     record = data.rfind(b"PK\x05\x06")
     directory = struct.unpack_from("<I", data, record + 16)[0]
-    assert len(data) - directory > 2 * wholefile._TAIL  # the directory starts well before the tail
-    assert wholefile.is_zip(path, len(data))
+    assert len(data) - directory > 2 * formats._TAIL  # the directory starts well before the tail
+    assert formats.is_zip(path, len(data))
     for cut in (1, 22, 23, 98, len(data) - directory, len(data) // 2):
         path.write_bytes(data[: len(data) - cut])
-        assert not wholefile.is_zip(path, len(data) - cut), cut
+        assert not formats.is_zip(path, len(data) - cut), cut
 
 
 def test_a_half_written_file_holding_a_whole_zip_is_incomplete(tmp_path):
@@ -654,7 +654,7 @@ def test_a_half_written_file_holding_a_whole_zip_is_incomplete(tmp_path):
     assert end > len(payload)  # the inner zip sits inside the torch file
     path.write_bytes(data[:end])  # killed right after writing the inner zip's end record
     assert zipfile.is_zipfile(path), "the state that fooled the old check"
-    assert not wholefile.is_zip(path, end)
+    assert not formats.is_zip(path, end)
     entry = evidence.Entry("optim.pt", "f", end, 0)
     assert wholefile.file_problem(path, entry) == " is not a complete zip archive (truncated?)"
 
@@ -670,10 +670,10 @@ def test_other_writers_zips_pass_whole_and_fail_cut(tmp_path, entries, comment):
             z.writestr(f"f{i}", b"")
         z.comment = comment
     data = path.read_bytes()
-    assert wholefile.is_zip(path, len(data))
+    assert formats.is_zip(path, len(data))
     for cut in (1, 21, 22, 23, len(comment) + 22, len(data) // 2):
         path.write_bytes(data[: len(data) - cut])
-        assert not wholefile.is_zip(path, len(data) - cut), cut
+        assert not formats.is_zip(path, len(data) - cut), cut
 
 
 def test_an_end_record_whose_numbers_add_up_must_point_at_a_directory_entry(tmp_path):
@@ -684,11 +684,11 @@ def test_an_end_record_whose_numbers_add_up_must_point_at_a_directory_entry(tmp_
     path = tmp_path / "torn.pt"
     local, entry = b"PK\x03\x04", b"PK\x01\x02"
     path.write_bytes(local + body[4:] + record)  # a member where a zip begins, no entry at 60
-    assert not wholefile.is_zip(path, len(body) + len(record))
+    assert not formats.is_zip(path, len(body) + len(record))
     path.write_bytes(body[:60] + entry + body[64:] + record)  # the entry, but zeros where a zip begins
-    assert not wholefile.is_zip(path, len(body) + len(record))
+    assert not formats.is_zip(path, len(body) + len(record))
     path.write_bytes(local + body[4:60] + entry + body[64:] + record)
-    assert wholefile.is_zip(path, len(body) + len(record))
+    assert formats.is_zip(path, len(body) + len(record))
 
 
 # --- when a checkpoint was saved: a pin or a touch does not move it ----------------------------

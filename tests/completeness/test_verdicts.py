@@ -20,9 +20,10 @@ from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint
 from ckptd.config import Root
 from ckptd.decide.planner import Scanner
 from ckptd.frameworks import dsmeta, hf
+from ckptd.frameworks.base import MemoryKind
 from ckptd.judge import evidence, wholefile
 from ckptd.judge.evidence import Entry
-from ckptd.judge.verdicts import FILE, RACY_NS, Verdicts, cache_path
+from ckptd.judge.verdicts import RACY_NS, Verdicts, cache_path
 from ckptd.model import State
 
 SHARD = "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -69,14 +70,14 @@ def test_a_verdict_is_used_again_only_for_the_same_identity(field):
     v = Verdicts(clock_ns=lambda: 10 * RACY_NS)
     first = entry()
     look = v.begin("/c", [first])
-    assert look.verdict(FILE, first, lambda: " first read") == " first read"
+    assert look.verdict(MemoryKind.FILE, first, lambda: " first read") == " first read"
     v.end(look, [first], "fp")
     look = v.begin("/c", [first])
-    assert look.verdict(FILE, first, lambda: " read again") == " first read"  # same identity: remembered
+    assert look.verdict(MemoryKind.FILE, first, lambda: " read again") == " first read"  # same identity: remembered
     v.end(look, [first], "fp")
     changed = entry(**{field: getattr(first, field) + 1})
     look = v.begin("/c", [changed])
-    assert look.verdict(FILE, changed, lambda: " read again") == " read again"
+    assert look.verdict(MemoryKind.FILE, changed, lambda: " read again") == " read again"
 
 
 def test_a_racily_clean_file_is_read_again():
@@ -87,14 +88,14 @@ def test_a_racily_clean_file_is_read_again():
     e = entry()
     for expected in (" read 1", " read 2"):
         look = v.begin("/c", [e])
-        assert look.verdict(FILE, e, lambda expected=expected: expected) == expected
+        assert look.verdict(MemoryKind.FILE, e, lambda expected=expected: expected) == expected
         v.end(look, [e], "fp")
     now[0] = entry().ctime_ns + RACY_NS
     look = v.begin("/c", [e])
-    assert look.verdict(FILE, e, lambda: " read 3") == " read 3"
+    assert look.verdict(MemoryKind.FILE, e, lambda: " read 3") == " read 3"
     v.end(look, [e], "fp")
     look = v.begin("/c", [e])
-    assert look.verdict(FILE, e, lambda: " read 4") == " read 3"
+    assert look.verdict(MemoryKind.FILE, e, lambda: " read 4") == " read 3"
 
 
 def test_an_io_error_is_not_remembered(tmp_path, monkeypatch):
@@ -319,7 +320,7 @@ def lying_cache(state: Path, root: Path, ckpt: Path, *, checksum: bool = True, l
         if line[0] != rel:
             return
         if lie == "verdicts":
-            line[2:] = [[v for v in line[2] if v[0] != FILE]]  # and no saved checkpoint
+            line[2:] = [[v for v in line[2] if v[0] != MemoryKind.FILE]]  # and no saved checkpoint
         else:
             for check in line[3]["checks"]:
                 check[1] = "passed"
@@ -477,11 +478,11 @@ def test_world_sizes_keep_every_field_through_the_cache():
     checkpoint with a missing shard demanded none: incomplete became complete."""
     import dataclasses
 
-    from ckptd.judge.verdicts import WORLD, _decode_verdict, _encode_verdict
+    from ckptd.judge.verdicts import _decode_verdict, _encode_verdict
 
     ws = dsmeta.WorldSizes(dp=4, mp=1, stage=None, source="model states", shards=True, bf16=True)
-    encoded = json.loads(json.dumps(_encode_verdict(WORLD, ws, {}, [])))
-    back = _decode_verdict(WORLD, encoded, [], dict)
+    encoded = json.loads(json.dumps(_encode_verdict(MemoryKind.WORLD, ws, {}, [])))
+    back = _decode_verdict(MemoryKind.WORLD, encoded, [], dict)
     assert dataclasses.asdict(back) == dataclasses.asdict(ws)
 
 

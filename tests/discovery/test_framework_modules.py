@@ -100,15 +100,16 @@ FILE_PATTERN = re.compile(
 # A generic module asking one framework's module by name rather than the registry.
 # One framework's own module (the registry's functions, `ckptd.frameworks.get` and the like, and
 # `base` are what the engine is meant to use).
-_FW_MODULES = sorted(p.stem for p in (SRC / "ckptd" / "frameworks").glob("*.py") if p.stem not in ("__init__", "base", "dsmeta"))
+_FW_MODULES = sorted(p.stem for p in (SRC / "ckptd" / "frameworks").glob("*.py")
+                     if p.stem not in ("__init__", "base", "dsmeta", "formats"))
 # (dsmeta: DeepSpeed's metadata, read safely; the verdict cache keeps its WorldSizes and
-# consolidation reads it: a reader shared by design, as `base` is.)
+# consolidation reads it: a reader shared by design, as `base` is. formats: whether a zip,
+# safetensors or tar file is whole, which the engine's integrity check and the frameworks both ask.)
 FRAMEWORK_IMPORT = re.compile(rf"^ckptd\.frameworks\.({'|'.join(_FW_MODULES)})$")
 
 # Generic modules (or single literals in them) that may name a framework, each with why. An entry
 # that no longer matches anything fails the test: remove it.
 ALLOWED: dict[str, str] = {
-    "judge/wholefile.py:.safetensors": "a file format whose header the integrity check reads, not a framework",
     "cli/demo_volume.py": "writes demo checkpoints in each framework's own layout (`ckptd demo`): its files by design",
     "cli/demo_live.py": "a simulated DeepSpeed job writing its files (`ckptd demo --live`): its files by design",
     "cli/common.py:deepspeed": "a Python package `doctor` checks slimming can import, not a layout",
@@ -116,10 +117,9 @@ ALLOWED: dict[str, str] = {
     "removal/zero_to_fp32.py:global_step<N>": "argparse help of the zero_to_fp32 consolidation tool",
     "removal/zero_to_fp32.py:model_states": "argparse help (metavar) of the zero_to_fp32 consolidation tool",
     "model.py:trainer_state": "a metric's source as `plan` prints it (user-facing text)",
-    "judge/slim.py:global_step*/*optim_states.pt": "the default of the user's slim_files setting (config reference)",
-    "judge/slim.py:optimizer.pt": "the default of the user's slim_files setting (config reference)",
+    "config/models.py:global_step*/*optim_states.pt": "the default of the user's slim_files setting (config reference)",
+    "config/models.py:optimizer.pt": "the default of the user's slim_files setting (config reference)",
     "judge/slim.py:model.safetensors.index.json": "ckptd's own consolidated fp32/ weights: it writes HF's sharded format",
-    "judge/slim.py:model.safetensors": "ckptd's own consolidated weights of before fp32/ (a marker may name them)",
     "judge/slim.py:.safetensors": "ckptd's own consolidated shard names (shard_name)",
     "judge/verdicts.py:trainer_state.json": "the key evidence.py stores the trainer-state verdict under: being moved",
 }

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd import frameworks
 from ckptd.cli.demo_volume import age, write_zip
 from ckptd.config import Retention, Root
 from ckptd.decide.planner import Scanner
@@ -23,7 +24,7 @@ from ckptd.decide.policy import decide_run, metric_warnings
 from ckptd.discover import layouts
 from ckptd.discover.runs import depth_of, find_runs
 from ckptd.frameworks import lightning
-from ckptd.judge.wholefile import tar_problem
+from ckptd.frameworks.formats import tar_problem
 from ckptd.model import State
 from tests.support.fwdcp_one import put_dcp
 
@@ -79,7 +80,7 @@ def test_framework_made_directories_do_not_count_against_max_depth(tmp_path):
     ],
 )
 def test_name_fields(name, fields):
-    assert layouts.name_fields(name) == fields
+    assert frameworks.name_fields(name) == fields
 
 
 # --- NeMo (hand-made look-alikes of what NeMo's source writes: it cannot save here) ----------------

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from ckptd.cli.demo_volume import age, hf_deepspeed_checkpoint, trainer_state, write_zip
-from ckptd.config import ConfigError, Retention, Root, format_size, parse_config
+from ckptd.config import DEFAULT_SLIM_FILES, ConfigError, Retention, Root, format_size, parse_config
 from ckptd.decide.planner import Scanner, decide
 from ckptd.decide.policy import Action
 from ckptd.discover.layouts import PIN_FILE, TRASH_DIR
+from ckptd.frameworks.base import matches, matches_any
 from ckptd.journal import read_journal
 from ckptd.judge import slim
 from ckptd.model import State, Verdict
@@ -73,8 +74,8 @@ def trainer_volume(tmp_path: Path) -> Path:
     ],
 )
 def test_slim_file_globs_match_segment_by_segment(path, glob, expected):
-    assert slim.matches(path, glob) is expected
-    assert slim.matches_any(path, (glob,)) is expected
+    assert matches(path, glob) is expected
+    assert matches_any(path, (glob,)) is expected
 
 
 def test_the_survey_s_compiled_globs_agree_with_matching_one_glob_at_a_time():
@@ -91,7 +92,7 @@ def test_the_survey_s_compiled_globs_agree_with_matching_one_glob_at_a_time():
     for path in paths:
         for r in range(len(globs) + 1):
             for chosen in itertools.combinations(globs, r):
-                assert slim.matches_any(path, chosen) == any(slim.matches(path, g) for g in chosen), (path, chosen)
+                assert matches_any(path, chosen) == any(matches(path, g) for g in chosen), (path, chosen)
 
 
 def test_weights_and_model_states_are_never_removed_whatever_the_globs_say(tmp_path):
@@ -632,7 +633,7 @@ def test_keep_full_last_per_run():
     root = config.roots[0]
     assert root.retention_for("main")[0].keep_full_last == 3
     assert root.retention_for("sweeps/a")[0].keep_full_last == 1
-    assert Retention().keep_full_last is None and Retention().slim_files == slim.DEFAULT_SLIM_FILES
+    assert Retention().keep_full_last is None and Retention().slim_files == DEFAULT_SLIM_FILES
 
 
 def test_a_symlink_planted_under_the_markers_temp_name_is_not_followed(trainer_volume, tmp_path):
