@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.etcdcluster import Cluster
 from tests.fleet.test_etcd import etcd_config, stop_all
 from tests.fleet.test_kubernetes import kube, kube_config  # noqa: F401 (the fixture)
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
-from tests.support.etcd import etcd  # noqa: F401 (the fixture)
+from tests.support.etcd import etcd, running_cluster  # noqa: F401 (the fixture)
 from tests.support.nodes import ckpts, listing, node_config, trashed, wait_stopped
 
 TOOK = "this ckptd deletes here (etcd, token"
@@ -41,27 +40,24 @@ def wait_until(pred, timeout: float, what: str) -> None:
 def test_two_etcd_clusters_on_one_root_never_lead_side_by_side(tmp_path, etcd):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1)
-    other = Cluster(tmp_path / "etcd2")
-    (tmp_path / "etcd2").mkdir()
     a = b = None
-    try:
-        other.start()
-        a = DaemonProc("-c", etcd_config(tmp_path, "a", root, etcd.endpoints))
-        a.wait_message(TOOK)
-        b = DaemonProc("-c", etcd_config(tmp_path, "b", root, other.endpoints))
-        b.wait_message("etcd", timeout=30)
-        # a, live and renewing, holds the root's lock and the record: b must stand by for as long
-        # as a runs. New checkpoints arrive one by one; only one process may ever trash them.
-        for step in range(2, 14):
-            ckpts(root, step)
-            wait_until(lambda n=step - 1: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= n,
-                       30, f"checkpoint-{step - 1} trashed")
-        by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
-        assert not (by_a and by_b), f"both trashed: a {by_a}, b {by_b}\n" + b.dump() + "\n---\n" + a.dump()
-        assert lead_counts(b) == [0], "b took the lead beside a live a:\n" + b.dump()
-    finally:
-        stop_all(a, b)
-        other.stop()
+    with running_cluster(tmp_path / "etcd2") as other:
+        try:
+            a = DaemonProc("-c", etcd_config(tmp_path, "a", root, etcd.endpoints))
+            a.wait_message(TOOK)
+            b = DaemonProc("-c", etcd_config(tmp_path, "b", root, other.endpoints))
+            b.wait_message("etcd", timeout=30)
+            # a, live and renewing, holds the root's lock and the record: b must stand by for as long
+            # as a runs. New checkpoints arrive one by one; only one process may ever trash them.
+            for step in range(2, 14):
+                ckpts(root, step)
+                wait_until(lambda n=step - 1: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= n,
+                           30, f"checkpoint-{step - 1} trashed")
+            by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
+            assert not (by_a and by_b), f"both trashed: a {by_a}, b {by_b}\n" + b.dump() + "\n---\n" + a.dump()
+            assert lead_counts(b) == [0], "b took the lead beside a live a:\n" + b.dump()
+        finally:
+            stop_all(a, b)
 
 
 def bump_revision(endpoint: str, n: int) -> None:
@@ -87,18 +83,15 @@ def test_a_rebuilt_etcd_cluster_elects_a_leader(tmp_path, etcd):  # noqa: F811
         stop_all(a)
     assert json.loads((root / ".ckptd" / "engine.json").read_text())["released"] is True
     etcd.stop()  # the old cluster is gone: the fleet moves to a new one, nobody leads now
-    rebuilt = Cluster(tmp_path / "etcd2")
-    (tmp_path / "etcd2").mkdir()
     b = None
-    try:
-        rebuilt.start()
-        b = DaemonProc("-c", etcd_config(tmp_path, "b", root, rebuilt.endpoints))
-        ckpts(root, 2)
-        b.wait_message(TOOK, timeout=30)
-        b.wait_message("deleted job/checkpoint-1", timeout=30)
-    finally:
-        stop_all(b)
-        rebuilt.stop()
+    with running_cluster(tmp_path / "etcd2") as rebuilt:
+        try:
+            b = DaemonProc("-c", etcd_config(tmp_path, "b", root, rebuilt.endpoints))
+            ckpts(root, 2)
+            b.wait_message(TOOK, timeout=30)
+            b.wait_message("deleted job/checkpoint-1", timeout=30)
+        finally:
+            stop_all(b)
     assert listing(root / "job") == ["checkpoint-2"]
 
 
@@ -368,10 +361,7 @@ def test_two_kube_api_servers_on_one_root_never_lead_side_by_side(tmp_path, kube
 def test_a_prune_on_another_etcd_cluster_does_not_delete_beside_a_live_etcd_leader(tmp_path, etcd):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1, 2, 3)
-    other = Cluster(tmp_path / "etcd2")
-    (tmp_path / "etcd2").mkdir()
-    try:
-        other.start()
+    with running_cluster(tmp_path / "etcd2") as other:
         cron = etcd_config(tmp_path, "cron", root, other.endpoints, keep_last=1)
         with DaemonProc("-c", etcd_config(tmp_path, "a", root, etcd.endpoints, keep_last=5)) as a:
             a.wait_message(TOOK)
@@ -379,8 +369,6 @@ def test_a_prune_on_another_etcd_cluster_does_not_delete_beside_a_live_etcd_lead
             assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"], \
                 proc.stdout + proc.stderr
             assert proc.returncode == 75, proc.stdout + proc.stderr
-    finally:
-        other.stop()
 
 
 @pytest.mark.parametrize("engine", ["etcd", "kubernetes"])
