@@ -422,6 +422,9 @@ def test_a_local_prune_does_not_delete_while_a_lease_holder_deletes_there(tmp_pa
         assert f"leads {root} by kubernetes" in proc.stderr, proc.stderr
         assert 'this ckptd has leadership = "local"' in proc.stderr, proc.stderr
         assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    # Marked released as it stopped: a local ckptd need not wait for the record to go stale (which a
+    # slow enough prune start would hide).
+    assert engine_record(root)["released"] is True
     proc = run_ckptd("prune", "-c", cron)  # the holder gone (its record released), the lock with it
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert listing(root / "job") == ["checkpoint-3"]
