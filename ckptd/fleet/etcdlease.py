@@ -46,10 +46,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ckptd.discover.layouts import LEASE_DIR
-from ckptd.fleet.lease import boottime, renewal_thread, stop_renewing
+from ckptd.fleet.lease import boottime, lease_status, renewal_thread, stop_renewing
 from ckptd.fleet.leaserecord import (
     ENGINE_RECORD,
     Holder,
+    engine_leadership_ended,
     engine_record_live,
     passed_over_doc,
     passed_over_pids,
@@ -57,7 +58,15 @@ from ckptd.fleet.leaserecord import (
     volume_lease_live,
     write_engine_record,
 )
-from ckptd.fleet.locks import ROOT_LOCK, LockHeld, RootLock, RootLockHeld, RootLockUnavailable, lock_holders
+from ckptd.fleet.locks import (
+    LapsedLeader,
+    LockHeld,
+    PassedOver,
+    RootLock,
+    RootLockHeld,
+    root_lock_holders,
+    take_root_lock,
+)
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +157,7 @@ def root_led_here(root: Path) -> str | None:
     """Which processes of this host hold the root's own lock (the root directory's flock or
     `.ckptd/local.lock`: a live leader of any kind, `locks.RootLock`), by /proc/locks (nothing is
     tried, so nobody's lock is disturbed); None where none does or it cannot be seen."""
-    pids = set().union(*lock_holders(root, root / LEASE_DIR / ROOT_LOCK))
+    pids = root_lock_holders(root)
     return f"pid {', '.join(map(str, sorted(pids)))} holds the root's lock" if pids else None
 
 
@@ -201,7 +210,7 @@ class EtcdLeadership:
         # The root's own lock, held for the tenure as a volume lease's leader holds it: a ckptd with
         # `leadership = "local"` and a prune take it too, so neither deletes beside this one.
         self.lock = RootLock(None, root)
-        self.passed: tuple[frozenset[int], str] | None = None  # a lapsed leader's lock passed over: pids, who
+        self.passed: PassedOver | None = None  # a lapsed leader's hold on the root's lock, passed over
         self.vid: str | None = None  # the volume id the key is named by, while this process leads
         self._ignored: Any = None  # another cluster's released or stale record, warned of once
 
@@ -355,8 +364,8 @@ class EtcdLeadership:
         try:
             self.lock.acquire()
         except RootLockHeld as exc:
-            held = set().union(*lock_holders(self.root, self.lock.root_path))
-            if self.passed is not None and (held <= self.passed[0] if held else not self.passed[0]):
+            held = root_lock_holders(self.root)
+            if self.passed is not None and (held <= self.passed.pids if held else not self.passed.pids):
                 return None  # still the frozen holder's
             self._revoke_held()
             return f"{exc}, and it is not the lapsed leader's whose lock this ckptd passed over"
@@ -365,12 +374,12 @@ class EtcdLeadership:
             return str(exc)
         if self.passed is not None:
             log.info("%s: this ckptd holds the root's lock again (%s let go of it)", self.root,
-                     self.passed[1])
+                     self.passed.who)
         self.passed = None
         return None
 
     def _write_record(self) -> None:
-        passed = self.passed[0] if self.passed else ()  # frozen holders of the root's lock, passed over
+        passed = self.passed.pids if self.passed else ()  # frozen holders of the root's lock, passed over
         write_engine_record(self.root, {"backend": "etcd", "key": self.key, "volume_id": self.vid,
                                         "epoch": self.epoch, "cluster_id": self.cluster,
                                         "duration": self.duration,
@@ -454,43 +463,26 @@ class EtcdLeadership:
 
     def _lock_root(self) -> str | None:
         """Take the root's lock for the tenure: None if taken, or if it is held only by the leader
-        whose key etcd has let go (its lease ended: a frozen process, SIGSTOP, a debugger, a hung
-        mount, keeps its locks until it exits; when it runs again its keepalive and its fence find
-        the lead gone). The rule is the volume lease's (lease.VolumeLease._take_locks): passed over
-        only where this host's lock table shows it held by that leader's pid alone, as
-        `engine.json` names it, on this host, or by frozen leaders that one passed over in turn
-        (`engine.json`'s `passed_over`: their etcd leases ended before its); or, where none shows
-        here, when that leader is on another host. Else why not."""
-        self.passed = None
-        try:
-            self.lock.acquire()
+        whose key etcd has let go (`locks.take_root_lock`: passed over, and taken at a later renewal,
+        `_keep_lock`); else why not."""
+        why, self.passed = take_root_lock(self.lock, self._lapsed, self.me.host, lease="etcd lease")
+        return why
+
+    def _lapsed(self) -> LapsedLeader | None:
+        """The leader the volume's record names, where its etcd lease has ended: not released, not
+        this process, and its key absent from etcd (`_try_take` read it), which says so only where
+        the record is of this cluster; another cluster's record is passed over only once it is stale
+        too. With the frozen leaders it passed over itself (`engine.json`'s `passed_over`)."""
+        rec = read_engine_record(self.root)
+        gone = rec is not None and (self._same_cluster(rec)
+                                    or engine_record_live(self.root, self.margin) is None)
+        if not gone or rec.get("released") is True:
             return None
-        except RootLockHeld as exc:
-            held = set().union(*lock_holders(self.root, self.lock.root_path))
-            rec = read_engine_record(self.root)
-            holder = (rec or {}).get("holder") or {}
-            # The holder's key is absent from etcd (`_try_take` read it) only where the record is of
-            # this cluster; another cluster's record is passed over only once it is stale too.
-            gone = rec is not None and (self._same_cluster(rec)
-                                        or engine_record_live(self.root, self.margin) is None)
-            # the lapsed leader's pid, or frozen ones it passed over itself (engine.json names them)
-            frozen = {holder.get("pid")} | passed_over_pids(rec, self.me.host)
-            lapsed = (gone and rec.get("released") is not True and holder.get("id") != self.me.id
-                      and (held and held <= frozen and holder.get("host") == self.me.host
-                           or not held and holder.get("host") not in (None, self.me.host)))
-            if not lapsed:
-                pids = ", ".join(map(str, sorted(held))) or "(another host)"
-                return (f"{exc}: held by pid {pids}, neither the lapsed leader's nor a frozen one it passed "
-                        "over: a ckptd with leadership = \"local\" or a prune deletes here (every ckptd that "
-                        "deletes in a root must use the same leadership), or a leader that is still live")
-            who = f"{holder.get('host')} pid {holder.get('pid')}"
-            log.warning("%s: %s, whose etcd lease ended, still holds the root's lock (a frozen process: "
-                        "SIGSTOP, a debugger, a hung mount): taking over on etcd; its fence refuses its "
-                        "renames when it runs again", self.root, who)
-            self.passed = (frozenset(held), who)
+        holder = rec.get("holder") or {}
+        if holder.get("id") == self.me.id:
             return None
-        except (RootLockUnavailable, LockHeld) as exc:
-            return str(exc)
+        return LapsedLeader(holder.get("host"), holder.get("pid"),
+                            frozenset(passed_over_pids(rec, self.me.host)))
 
     def _unlock_root(self) -> None:
         self.lock.release()
@@ -600,12 +592,8 @@ class EtcdLeadership:
         with self._mutex:
             lease_id, held, epoch = self.lease_id, self.held(), self.epoch
             self.epoch, self.lease_id, self.deadline, self.since = None, None, float("-inf"), None
-            if held:
-                rec = read_engine_record(self.root)
-                mine = rec is not None and (rec.get("holder") or {}).get("id") == self.me.id
-                if rec is not None and mine and rec.get("epoch") == epoch:
-                    with contextlib.suppress(OSError):
-                        write_engine_record(self.root, {**rec, "released": True})
+            if held and epoch is not None and self.key is not None:
+                engine_leadership_ended(self.root, epoch, self.me.id, self.key)
             self._unlock_root()
             if lease_id is not None and held:
                 self._revoke(lease_id)
@@ -633,22 +621,9 @@ class EtcdLeadership:
     def status(self) -> dict[str, Any]:
         with self._mutex:
             seen = self.seen or {}
-            held = self.held()
-            return {
-                "kind": self.kind,
-                "why": self.why,
-                "held": held,
-                "epoch": seen.get("epoch"),
-                "holder": seen.get("holder"),
-                "since": seen.get("since"),
-                "released": False,
-                "key": self.key,
-                "endpoints": self.urls,
-                "duration": self.duration,
-                "margin": self.margin,
-                "waiting": None if held else self.blocked,
-                "error": self.error,
-            }
+            return lease_status(self, {"epoch": seen.get("epoch"), "holder": seen.get("holder"),
+                                       "since": seen.get("since"), "released": False, "key": self.key,
+                                       "endpoints": self.urls}, self.error)
 
 
 def prefix_mismatch(root: Path, prefix: str) -> str | None:

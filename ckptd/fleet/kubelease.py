@@ -36,7 +36,8 @@ holder holds it: a ckptd with `leadership = "local"` or a prune holds it while i
 two exclude each other. It is taken before the Lease (`_try_take`: one held by another process
 refuses the take) and let go in `_lose` and `release`. One held by the lapsed holder itself (a
 frozen process keeps its locks; the lock table shows its pid, or it is on another host) is passed
-over, as `VolumeLease._take_locks` does, and taken at a later renewal once that holder lets go.
+over, by the rule etcd's leader follows too (`locks.take_root_lock`), and taken at a later renewal
+once that holder lets go.
 
 The client is `lightkube` (the `kubernetes` extra): a synchronous client for the renewal thread
 (kubernetes_asyncio is async only), kubeconfig and in-cluster configuration with exec credential
@@ -62,12 +63,12 @@ from typing import Any
 
 from ckptd.discover.layouts import LEASE_DIR
 from ckptd.fleet.etcdlease import volume_id
-from ckptd.fleet.lease import boottime, renewal_thread, stop_renewing
+from ckptd.fleet.lease import boottime, lease_status, renewal_thread, stop_renewing
 from ckptd.fleet.leaserecord import (
     ENGINE_RECORD,
     Holder,
-    RecordIO,
     engine_leader_seen,
+    engine_leadership_ended,
     engine_record_refusal,
     passed_over_doc,
     passed_over_pids,
@@ -75,6 +76,7 @@ from ckptd.fleet.leaserecord import (
     volume_lease_live,
     write_engine_record,
 )
+from ckptd.fleet.locks import LapsedLeader, LockHeld, RootLock, take_root_lock
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +262,9 @@ class KubeLeadership:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.want = True
-        self.io = RecordIO(root)  # the root's lock (`lock_root`), held for the tenure
+        # The root's own lock, held for the tenure as a volume lease's leader holds it: a ckptd with
+        # `leadership = "local"` and a prune take it too, so neither deletes beside this one.
+        self.lock = RootLock(None, root)
 
     @property
     def key(self) -> str:
@@ -410,16 +414,16 @@ class KubeLeadership:
             else:
                 out = self.renewing.replace({**lease, "spec": {**spec, **new}})
         except KubeConflict as exc:
-            self.io.unlock_root()
+            self.lock.release()
             self.blocked = f"another process wrote the Lease {self.key} first ({exc})"
             return
         except KubeUnavailable as exc:
-            self.io.unlock_root()
+            self.lock.release()
             self._unreachable(exc)
             return
         self._observe(_spec(out), self.mono())
         if self.mono() >= t0 + self.duration:  # paused past its own deadline: took nothing
-            self.io.unlock_root()
+            self.lock.release()
             self.blocked = "took the Lease too late to lead on it (past its own deadline)"
             return
         self._record(epoch, now)
@@ -457,10 +461,10 @@ class KubeLeadership:
         self.seen = _spec(out)
         self._observe(self.seen, self.mono())
         self.deadline = t0 + self.duration
-        if not self._root_locked():  # taken over from a frozen holder: its lock, once it lets go
-            with contextlib.suppress(OSError):
-                if self.io.lock_root() is None and self._root_locked():
-                    log.info("%s: this ckptd holds %s/local.lock again", self.root, LEASE_DIR)
+        if not self.lock.held:  # taken over from a frozen holder: its lock, once it lets go
+            with contextlib.suppress(LockHeld, OSError):
+                self.lock.acquire()
+                log.info("%s: this ckptd holds %s/local.lock again", self.root, LEASE_DIR)
         # Touched at each renewal: a volume lease's holder (a host configured otherwise) sees a
         # live engine leader by it (leaserecord.engine_leader_seen).
         with contextlib.suppress(OSError):
@@ -489,51 +493,38 @@ class KubeLeadership:
         return None
 
     def _record(self, epoch: int, since: float | None) -> None:
-        passed = () if self._root_locked() else self._passed_over
+        passed = () if self.lock.held else self._passed_over
         write_engine_record(self.root, {"backend": self.kind, "key": self.key, "epoch": epoch,
                                         "duration": self.duration, "holder": asdict(self.me), "since": since,
                                         **passed_over_doc(self.me.host, passed)})
 
-    def _root_locked(self) -> bool:
-        lock = self.io._root_lock
-        return lock is not None and lock.held
-
     def _take_root_lock(self, holder: str) -> str | None:
-        """Take `<root>/.ckptd/local.lock`: None if taken (or it cannot be on a read-only root:
-        the Lease alone decides), or if the processes holding it are the Lease's lapsed holder or
-        frozen holders it passed over in turn (`engine.json`'s `passed_over`; recorded again by this
-        one until it holds the lock itself); else why not (a ckptd with `leadership = "local"` or a
-        prune deletes here)."""
-        self._passed_over = frozenset()
-        why = self.io.lock_root()
-        if why is None or not self.io.root_busy:
-            return why
+        """Take `<root>/.ckptd/local.lock` (`locks.take_root_lock`): None if taken (or it cannot be on
+        a read-only root: the Lease alone decides), or if it is held only by the Lease's lapsed
+        `holder` or frozen holders it passed over in turn (recorded again by this one until it holds
+        the lock itself); else why not (a ckptd with `leadership = "local"` or a prune deletes here)."""
+        why, passed = take_root_lock(self.lock, functools.partial(self._lapsed, holder), self.me.host,
+                                     lease="Lease")
+        self._passed_over = passed.pids if passed is not None else frozenset()
+        return why
+
+    def _lapsed(self, holder: str) -> LapsedLeader | None:
+        """The Lease's holder whose tenure `_try_take` found lapsed, where it is another ckptd (a pid
+        in its identity), with the frozen holders it passed over itself where the volume's record of
+        this Lease is its (`engine.json`'s `passed_over`)."""
         lapsed = holder_of(holder) if holder and holder != self.identity else None
-        pids: set[int] = set()
-        if lapsed is not None and isinstance(lapsed.get("pid"), int):
-            _, pids = self.io.lock_pids()
-            here = lapsed["host"] == self.me.host
-            # the lapsed holder's pid, or frozen ones it passed over itself (engine.json names them)
-            rec = read_engine_record(self.root)
-            mine = rec is not None and rec.get("key") == self.key \
-                and (rec.get("holder") or {}).get("id") == lapsed.get("id")
-            frozen = {lapsed["pid"]} | (passed_over_pids(rec, self.me.host) if mine else set())
-            if (here and pids and pids <= frozen) or (not pids and not here):
-                log.warning("%s: %s pid %s, whose Lease lapsed, still holds %s/local.lock (a frozen "
-                            "process): taking over on the Lease; its fence refuses its renames when it "
-                            "runs again",
-                            self.root, lapsed["host"], ", ".join(map(str, sorted(pids))) or lapsed["pid"],
-                            LEASE_DIR)
-                self._passed_over = frozenset(pids)
-                return None
-        return (f"{why}: held by pid {', '.join(map(str, sorted(pids))) or '(unknown here)'}, neither the "
-                "Lease's lapsed holder nor a frozen one it passed over: a ckptd with leadership = "
-                "\"local\" or a prune deletes here, or a leader that is still live")
+        if lapsed is None or not isinstance(lapsed.get("pid"), int):
+            return None
+        rec = read_engine_record(self.root)
+        mine = rec is not None and rec.get("key") == self.key \
+            and (rec.get("holder") or {}).get("id") == lapsed.get("id")
+        return LapsedLeader(lapsed["host"], lapsed["pid"],
+                            frozenset(passed_over_pids(rec, self.me.host)) if mine else frozenset())
 
     def _lose(self, why: str) -> None:
         log.error("%s: Kubernetes leadership lost: %s; this ckptd no longer deletes here", self.root, why)
         self.epoch, self.deadline, self.since = None, float("-inf"), None
-        self.io.unlock_root()
+        self.lock.release()
 
     def release(self) -> None:
         """Stop leading; hand the Lease back (client-go's release: no holder, the transitions
@@ -544,13 +535,9 @@ class KubeLeadership:
             # first: nothing renames from here on
             self.epoch, self.deadline, self.since = None, float("-inf"), None
             if held and epoch is not None:
-                rec = read_engine_record(self.root)
-                if rec is not None and (rec.get("holder") or {}).get("id") == self.me.id \
-                        and rec.get("epoch") == epoch and rec.get("key") == self.key:
-                    with contextlib.suppress(OSError):
-                        write_engine_record(self.root, {**rec, "released": True})
+                engine_leadership_ended(self.root, epoch, self.me.id, self.key)
             if epoch is None or not held or self.renewing is None or self.name is None:
-                self.io.unlock_root()
+                self.lock.release()
                 return
             try:
                 lease = self.renewing.get(self.name)
@@ -564,7 +551,7 @@ class KubeLeadership:
             except (KubeUnavailable, KubeConflict) as exc:
                 log.warning("%s: cannot hand the Kubernetes Lease back (it will expire): %s", self.root, exc)
             finally:
-                self.io.unlock_root()
+                self.lock.release()
 
     # --- the renewal thread ---------------------------------------------------
 
@@ -587,23 +574,12 @@ class KubeLeadership:
     def status(self) -> dict[str, Any]:
         with self._mutex:
             spec = self.seen or {}
-            held = self.held()
             holder = spec.get("holderIdentity")
-            return {
-                "kind": self.kind,
-                "why": self.why,
-                "held": held,
-                "epoch": spec.get("leaseTransitions"),
-                "holder": holder_of(holder) if holder else None,
-                "since": parse_micro(spec.get("acquireTime")),
-                "released": bool(spec) and not holder,
-                "key": self.key,
-                "server": self.server,
-                "duration": self.duration,
-                "margin": self.margin,
-                "waiting": None if held else self.blocked,
-                "error": self.error,
-            }
+            return lease_status(self, {"epoch": spec.get("leaseTransitions"),
+                                       "holder": holder_of(holder) if holder else None,
+                                       "since": parse_micro(spec.get("acquireTime")),
+                                       "released": bool(spec) and not holder, "key": self.key,
+                                       "server": self.server}, self.error)
 
 
 def take_for_prune(lead: KubeLeadership, tell: Callable[[str], None]) -> bool:

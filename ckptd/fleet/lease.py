@@ -461,20 +461,13 @@ class VolumeLease:
         with self._mutex:
             seen = self.seen
             rec = seen.record if seen else None
-            return {
-                "kind": self.kind,
-                "why": self.why,
-                "held": self.held(),
+            return lease_status(self, {
                 "epoch": seen.epoch if seen else None,
                 "holder": asdict(rec.holder) if rec else None,
                 "expires": rec.expires if rec else None,
                 "since": rec.since if rec else None,
                 "released": rec.released if rec else None,
-                "duration": self.duration,
-                "margin": self.margin,
-                "waiting": None if self.held() else self.blocked,
-                "error": self.error or self.problem,
-            }
+            }, error=self.error or self.problem)
 
 
 class LocalLeadership:
@@ -613,6 +606,16 @@ def lock_scope(mount: Mount | None) -> str:
     if fs in ("gpfs", "ceph", "cephfs"):
         return "cluster-wide"
     return "this host only" if not is_remote(fs) else "unknown"
+
+
+def lease_status(lead: Any, holding: dict[str, Any], error: str | None) -> dict[str, Any]:
+    """A lease's status() (`VolumeLease`, `etcdlease.EtcdLeadership`, `kubelease.KubeLeadership`),
+    called under its mutex: what every lease says (its kind, why it was chosen, whether this
+    process holds it, its timings, what it waits for and its last error), with `holding`, the lease
+    as last seen (epoch or token, holder, since, released, and where it is), between."""
+    held = lead.held()
+    return {"kind": lead.kind, "why": lead.why, "held": held, **holding, "duration": lead.duration,
+            "margin": lead.margin, "waiting": None if held else lead.blocked, "error": error}
 
 
 def stop_renewing(lead: Any, unanswered: str, release: bool, timeout: float) -> bool:

@@ -413,16 +413,32 @@ def write_engine_record(root: Path, doc: dict[str, Any]) -> None:
         os.close(dir_fd)
 
 
+def _names_leader(rec: dict[str, Any] | None, epoch: int, holder_id: str, key: str) -> bool:
+    """Whether an `engine.json` names the token `epoch` of `key` and the holder `holder_id`."""
+    return rec is not None and rec.get("epoch") == epoch and rec.get("key") == key \
+        and (rec.get("holder") or {}).get("id") == holder_id
+
+
 def engine_record_refusal(root: Path, epoch: int, holder_id: str, key: str) -> str | None:
     """For an engine's leader before a rename: why the volume's record (`engine.json`) does not
     name its token `epoch` of `key` and its holder, or None where it does."""
     rec = read_engine_record(root)
-    if rec is None or rec.get("epoch") != epoch or rec.get("key") != key \
-            or (rec.get("holder") or {}).get("id") != holder_id:
+    if not _names_leader(rec, epoch, holder_id, key):
         other = (f"{rec.get('backend')} {rec.get('key')} token {rec.get('epoch')}" if rec
                  else "no readable record")
         return f"the volume's record ({LEASE_DIR}/{ENGINE_RECORD}) no longer names token {epoch} ({other})"
     return None
+
+
+def engine_leadership_ended(root: Path, epoch: int, holder_id: str, key: str) -> None:
+    """For an engine's leader that stops cleanly (etcd's and the Lease's `release`): `engine.json`
+    marked released where it still names its token `epoch` of `key` and its holder, so that a ckptd
+    configured otherwise need not wait for the record to go stale (`engine_record_live`). A record
+    another leader wrote since is left as it is; one that cannot be written goes stale by itself."""
+    rec = read_engine_record(root)
+    if rec is not None and _names_leader(rec, epoch, holder_id, key):
+        with contextlib.suppress(OSError):
+            write_engine_record(root, {**rec, "released": True})
 
 
 def engine_record_live(root: Path, margin: float, now: float | None = None) -> dict[str, Any] | None:

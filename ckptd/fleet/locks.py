@@ -1,7 +1,8 @@
 """One deleter per root on this host: `RootLock`, the flocks every ckptd that deletes in a root
 takes, in its `state_dir` and in `<root>/.ckptd/local.lock`. The local leadership is that lock
 (`lease.LocalLeadership`); a volume lease's leader holds the root's own for its tenure
-(`leaserecord.RecordIO.lock_root`).
+(`leaserecord.RecordIO.lock_root`), and so does a leader by an engine (`take_root_lock`, the rule
+for a frozen, lapsed leader's hold that etcd's and the Lease's leaders share).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import hashlib
 import logging
 import os
 import stat
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.discover import layouts
@@ -289,6 +292,75 @@ def lock_holders(*paths: Path) -> list[set[int]]:
         if key in wanted:
             pids[wanted[key]].add(int(pid))
     return pids
+
+
+def root_lock_holders(root: Path) -> set[int]:
+    """The processes of this host that hold the root's own lock (`RootLock`: the root directory's
+    flock or `<root>/.ckptd/local.lock`), by the kernel's table (`lock_holders`: nothing is tried,
+    so nobody's lock is disturbed); empty where none does or it cannot be seen."""
+    return set().union(*lock_holders(root, root / layouts.LEASE_DIR / ROOT_LOCK))
+
+
+@dataclass(frozen=True)
+class LapsedLeader:
+    """A leader by an engine (etcd, Kubernetes) whose lease has ended (etcd let go of its key, its
+    Lease went unrenewed), as the engine or the volume's `engine.json` names it; `passed_over`: the
+    frozen leaders it had passed over in turn (`engine.json`'s `passed_over`: their leases ended
+    before its)."""
+
+    host: str | None
+    pid: object
+    passed_over: frozenset[int] = frozenset()
+
+    def describe(self) -> str:
+        return f"{self.host} pid {self.pid}"
+
+    def alone_holds(self, held: set[int], host: str) -> bool:
+        """Whether `held`, this host's holders of the root's lock by its lock table, are this leader
+        or frozen ones it passed over, with this leader on `host`; or, none showing here, whether
+        this leader is on another host (a lock held from there is not in this host's table)."""
+        if held:
+            return self.host == host and held <= {self.pid} | self.passed_over
+        return self.host is not None and self.host != host
+
+
+@dataclass(frozen=True)
+class PassedOver:
+    """The root's lock found held by a lapsed leader alone, and passed over at a take: by which
+    processes (recorded in `engine.json`'s `passed_over` until the new leader holds it), and who."""
+
+    pids: frozenset[int]
+    who: str
+
+
+def take_root_lock(lock: RootLock, lapsed: Callable[[], LapsedLeader | None], host: str, *,
+                   lease: str) -> tuple[str | None, PassedOver | None]:
+    """For a leader by an engine at its take: the root's own lock (`lock`, without a state_dir) for
+    its tenure, as a volume lease's leader holds it (`RecordIO.lock_root`), so that it and a ckptd
+    with `leadership = "local"` or a prune exclude each other. (None, None): taken. (why, None): not.
+
+    (None, PassedOver): held only by the leader whose `lease` ended (`lapsed()`, asked once the lock
+    is found held; None where there is none), as `LapsedLeader.alone_holds` says. A process frozen
+    by SIGSTOP, a debugger or a hung mount keeps its locks until it exits; when it runs again its
+    renewal and its fence find the lead gone. The rule is the volume lease's
+    (`lease.VolumeLease._take_locks`); the new leader takes the lock at a later renewal, once free."""
+    try:
+        lock.acquire()
+        return None, None
+    except RootLockHeld as exc:
+        held = root_lock_holders(lock.root)
+        leader = lapsed()
+        if leader is None or not leader.alone_holds(held, host):
+            pids = ", ".join(map(str, sorted(held))) or "(another host)"
+            return (f"{exc}: held by pid {pids}, neither the lapsed leader's nor a frozen one it passed "
+                    "over: a ckptd with leadership = \"local\" or a prune deletes here (every ckptd that "
+                    "deletes in a root must use the same leadership), or a leader that is still live"), None
+        log.warning("%s: %s, whose %s ended, still holds the root's lock (a frozen process: SIGSTOP, a "
+                    "debugger, a hung mount): taking over; its fence refuses its renames when it runs again",
+                    lock.root, leader.describe(), lease)
+        return None, PassedOver(frozenset(held), leader.describe())
+    except (RootLockUnavailable, LockHeld) as exc:
+        return str(exc), None
 
 
 def _not_the_file(fd: int, path: Path) -> str | None:

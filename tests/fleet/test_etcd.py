@@ -6,67 +6,35 @@ state_dirs, as in test_multinode.
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import shutil
 import signal
-import threading
 import time
 from pathlib import Path
 
+from tests.support import fleet
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
 from tests.support.etcd import etcd  # noqa: F401 (the fixture)
+from tests.support.fleet import (
+    ETCD_TOOK,
+    D,
+    M,
+    either_says,
+    engine_record,
+    etcd_config,
+    leader_and_standby,
+    said,
+    stop_all,
+)
 from tests.support.nodes import ckpts, listing, logged_at, node_config, trashed, wait_stopped
 
-D, M = 2.0, 1.0  # etcd's smallest TTL is 2 s with its default timings
 # The stop to the takeover's log line: the TTL etcd waits, a step (D/3) to see the key gone and
 # one to act, and slack for a loaded machine (the measured figures: bench/standby.py).
 TAKEOVER_BOUND = D + M + 2 * D / 3 + 3.0
-
-
-def etcd_config(tmp: Path, name: str, root: Path, endpoints: list[str], keep_last: int = 1) -> Path:
-    table = "[daemon.etcd]\nendpoints = [" + ", ".join(f"'{e}'" for e in endpoints) + "]\nprefix = '/test/'\n"
-    path = node_config(tmp, name, root, keep_last=keep_last, duration=D, margin=M, lease=table)
-    path.write_text(path.read_text().replace("leadership = 'volume'", "leadership = 'etcd'"))
-    return path
-
-
-def stop_all(*ds: DaemonProc | None) -> None:
-    for d in ds:
-        if d is not None:
-            if d.proc.poll() is None:
-                d.signal(signal.SIGCONT)
-            d.stop()
-
-
-def engine_record(root: Path) -> dict:
-    return json.loads((root / ".ckptd" / "engine.json").read_text())
-
-
-def said(d: DaemonProc, text: str, start: int = 0) -> list[dict]:
-    return [m for m in d.lines[start:] if text in m.get("message", "")]
-
-
-def either_says(ds: tuple[DaemonProc, ...], text: str, timeout: float = 60) -> DaemonProc:
-    """The first of `ds` to log `text`, bounded (looks every 50 ms)."""
-    tick = threading.Event()  # never set: a timer between looks
-    deadline = time.monotonic() + timeout
-    while True:
-        for d in ds:
-            if said(d, text):
-                return d
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout}s for {text!r}:\n" + "\n---\n".join(d.dump() for d in ds))
-        tick.wait(0.05)
-
-
-def leader_and_standby(tmp_path: Path, root: Path, endpoints: list[str]) -> tuple[DaemonProc, DaemonProc]:
-    a = DaemonProc("-c", etcd_config(tmp_path, "a", root, endpoints))
-    a.wait_message("this ckptd deletes here (etcd, token")
-    b = DaemonProc("-c", etcd_config(tmp_path, "b", root, endpoints))
-    b.wait_message("standby, observing only")
-    return a, b
+# A node that takes the root's lock, on the engine's timings.
+local_config = functools.partial(fleet.local_config, duration=D, margin=M)
 
 
 def test_one_deletes_and_a_killed_leader_is_replaced_after_its_ttl(tmp_path, etcd):  # noqa: F811
@@ -74,7 +42,7 @@ def test_one_deletes_and_a_killed_leader_is_replaced_after_its_ttl(tmp_path, etc
     ckpts(root, 1, 2)
     a = b = None
     try:
-        a, b = leader_and_standby(tmp_path, root, etcd.endpoints)
+        a, b = leader_and_standby(lambda n: etcd_config(tmp_path, n, root, etcd.endpoints), ETCD_TOOK)
         a.wait_message("deleted job/checkpoint-1")
         token = engine_record(root)["epoch"]
         assert engine_record(root)["holder"]["pid"] == a.proc.pid
@@ -105,7 +73,7 @@ def test_a_frozen_leader_is_replaced_and_deletes_nothing_when_it_wakes(tmp_path,
     ckpts(root, 1)
     a = b = None
     try:
-        a, b = leader_and_standby(tmp_path, root, etcd.endpoints)
+        a, b = leader_and_standby(lambda n: etcd_config(tmp_path, n, root, etcd.endpoints), ETCD_TOOK)
         a.signal(signal.SIGSTOP)
         stopped = time.time()
         wait_stopped(a.proc.pid)
@@ -138,7 +106,7 @@ def test_with_quorum_lost_nobody_deletes_and_one_leads_again_when_it_is_back(tmp
     ckpts(root, 1)
     a = b = None
     try:
-        a, b = leader_and_standby(tmp_path, root, etcd.endpoints)
+        a, b = leader_and_standby(lambda n: etcd_config(tmp_path, n, root, etcd.endpoints), ETCD_TOOK)
         for m in etcd.members[1:]:
             m.signal(signal.SIGSTOP)  # two of three: no quorum, the third cannot answer
         a.wait_message("etcd leadership lost", timeout=30)
@@ -301,7 +269,7 @@ def test_an_etcd_member_frozen_under_the_leader_leaves_one_deleter(tmp_path, etc
     ckpts(root, 1)
     a = b = None
     try:
-        a, b = leader_and_standby(tmp_path, root, etcd.endpoints)
+        a, b = leader_and_standby(lambda n: etcd_config(tmp_path, n, root, etcd.endpoints), ETCD_TOOK)
         etcd.members[0].signal(signal.SIGSTOP)
         ckpts(root, 2)
         either_says((a, b), "deleted job/checkpoint-1")
@@ -316,12 +284,6 @@ def test_an_etcd_member_frozen_under_the_leader_leaves_one_deleter(tmp_path, etc
 
 
 # --- an etcd leader and a ckptd that takes the root's lock (local, prune): one deletes ----------------
-
-
-def local_config(tmp: Path, name: str, root: Path, *, keep_last: int, leadership: str = "local") -> Path:
-    path = node_config(tmp, name, root, keep_last=keep_last, duration=D, margin=M)
-    path.write_text(path.read_text().replace("leadership = 'volume'", f"leadership = '{leadership}'"))
-    return path
 
 
 def test_a_local_daemon_and_a_local_prune_beside_an_etcd_leader_delete_nothing(tmp_path, etcd):  # noqa: F811
@@ -539,7 +501,7 @@ def test_after_a_restart_of_the_whole_etcd_cluster_one_deletes_again(tmp_path, e
     ckpts(root, 1)
     a = b = None
     try:
-        a, b = leader_and_standby(tmp_path, root, etcd.endpoints)
+        a, b = leader_and_standby(lambda n: etcd_config(tmp_path, n, root, etcd.endpoints), ETCD_TOOK)
         token = engine_record(root)["epoch"]
         for m in etcd.members:
             m.stop()

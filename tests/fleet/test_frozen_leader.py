@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.daemonproc import DaemonProc
+from tests.support.fleet import stop_all
 from tests.support.nodes import (
     D,
     M,
@@ -33,14 +34,6 @@ from tests.support.nodes import (
 # margin the rules wait, a lease step (D/3) to see the last renewal and one to act, and slack
 # for a loaded machine (the measured figures are bench/standby.py's, BENCHMARKS.md).
 TAKEOVER_BOUND = D + M + 2 * D / 3 + 3.0
-
-
-def stop_all(*ds: DaemonProc | None) -> None:
-    for d in ds:
-        if d is not None:
-            if d.proc.poll() is None:
-                d.signal(signal.SIGCONT)
-            d.stop()
 
 
 def lock_holders(path: Path) -> set[int]:

@@ -15,8 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -24,25 +22,12 @@ import pytest
 from ckptd.discover.layouts import PIN_FILE
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
+from tests.support.fleet import said, stop_all, wait_until
 from tests.support.nodes import ckpts, lease_record, listing, logged_at, node_config, trashed, wait_stopped
 
 # Everything a FUSE client can be told to cache: file contents across opens, attributes,
 # name lookups (positive and negative).
 CACHING = ("kernel_cache", "attr_timeout=30", "entry_timeout=30", "negative_timeout=30")
-
-
-def until(cond, timeout: float = 30, what: str = "a condition") -> None:
-    """Bounded wait on a condition of the volume (looks every 50 ms)."""
-    tick = threading.Event()  # never set: a timer between looks
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout}s for {what}")
-        tick.wait(0.05)
-
-
-def said(d: DaemonProc, text: str, start: int = 0) -> list[dict]:
-    return [m for m in d.lines[start:] if text in m.get("message", "")]
 
 
 class Bindfs:
@@ -60,7 +45,7 @@ class Bindfs:
         self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
         try:
-            until(lambda: os.path.ismount(point) or self.proc.poll() is not None, 20, "the FUSE mount")
+            wait_until(lambda: os.path.ismount(point) or self.proc.poll() is not None, 20, "the FUSE mount")
         except AssertionError:
             self.close()
             raise
@@ -123,16 +108,8 @@ def renewals(root: Path, n: int, timeout: float = 60) -> dict:
         now = lease_record(root)
         return now["epoch"] != first["epoch"] or now["seq"] >= first["seq"] + n
 
-    until(done, timeout, f"{n} renewals of epoch {first['epoch']}")
+    wait_until(done, timeout, f"{n} renewals of epoch {first['epoch']}")
     return lease_record(root)
-
-
-def stop_all(*ds: DaemonProc | None) -> None:
-    for d in ds:
-        if d is not None:
-            if d.proc.poll() is None:
-                d.signal(signal.SIGCONT)
-            d.stop()
 
 
 # --- 1. A leader on a caching mount, paused past its lease, resumed after a takeover ---------
@@ -251,7 +228,7 @@ def test_a_renewal_written_after_a_takeover_does_not_depose_the_new_leader(tmp_p
         taken = lease_record(root)
         with open(hold, "wb") as fifo:  # A's write goes on
             fifo.write(b"go\n")
-        until(lambda: not hold.exists(), 10, "the held write")
+        wait_until(lambda: not hold.exists(), 10, "the held write")
         ckpts(root, 2, 3)
         b.wait_message("deleted job/checkpoint-2", timeout=30)
         renewals(root, 9)
@@ -343,7 +320,7 @@ def test_two_hosts_behind_listing_caches_never_delete_at_once(tmp_path, cachefs)
         b.wait_message("standby, observing only")
         for step in range(2, 6):  # the leader sees each within the cache's 4 s
             ckpts(root, step)
-            until(lambda: len(listing(root / "job")) <= 1, 20, f"checkpoint-{step - 1} deleted")
+            wait_until(lambda: len(listing(root / "job")) <= 1, 20, f"checkpoint-{step - 1} deleted")
     finally:
         stop_all(a, b)
     # Who held the lease when: each claim ("deletes here") ends the tenure before it, on the
@@ -437,7 +414,7 @@ def test_a_standby_paused_after_its_look_does_not_act_on_that_look(tmp_path, fus
             renewals(root, 6)  # 3 s: past the expiry B read, + its margin
             with open(hold, "wb") as fifo:
                 fifo.write(b"go\n")
-            until(lambda: not hold.exists(), 10, "the held read")
+            wait_until(lambda: not hold.exists(), 10, "the held read")
             renewals(root, 6)
         assert not said(b, "this ckptd deletes here (volume lease"), b.dump()
         assert not said(a, "volume lease lost"), a.dump()
@@ -465,7 +442,7 @@ def test_the_newest_moved_away_meanwhile_is_not_taken_for_an_anchor_behind_a_lis
         a.wait_message("job/checkpoint-3: new, settling", timeout=30)
         os.rename(root / "job" / "checkpoint-3", root / "quarantined-3")  # on another host
         # The verdict on checkpoint-3 as the cache shows it, and what follows from it.
-        until(lambda: said(a, "job/checkpoint-3: incomplete") or said(a, "job/checkpoint-3: complete"), 30,
+        wait_until(lambda: said(a, "job/checkpoint-3: incomplete") or said(a, "job/checkpoint-3: complete"), 30,
               "a verdict on checkpoint-3")
         a.wait_message("state written", start=a.mark())
     assert listing(root / "job") == ["checkpoint-2"], a.dump()

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -23,85 +22,39 @@ import pytest
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
 from tests.support.fakekube import FakeKube
-from tests.support.nodes import ckpts, listing, logged_at, node_config, trashed, wait_stopped
+from tests.support.fleet import KUBE_TOOK as TOOK
+from tests.support.fleet import (  # noqa: F401 (kube: the fixture)
+    D,
+    M,
+    either_says,
+    engine_record,
+    kube,
+    kube_config,
+    leader_and_standby,
+    local_config,
+    said,
+    stop_all,
+)
+from tests.support.nodes import ckpts, listing, logged_at, trashed, wait_stopped
 
 pytest.importorskip("lightkube", reason="needs lightkube (the kubernetes extra)")
 
-D, M = 2.0, 1.0
 TAKEOVER_BOUND = D + M + 2.0  # the stop to the takeover's log line (issue 35's target)
-TOOK = "this ckptd deletes here (kubernetes, token"
 
 
-@pytest.fixture
-def kube(tmp_path):
-    (tmp_path / "kube").mkdir()
-    server = FakeKube(tmp_path / "kube")
-    server.start()
-    try:
-        yield server
-    finally:
-        if server.proc is not None and server.proc.poll() is None:
-            server.signal(signal.SIGCONT)
-        server.stop()
-
-
-def kube_config(tmp: Path, name: str, root: Path, kubeconfig: Path, keep_last: int = 1) -> Path:
-    table = f"[daemon.kubernetes]\nkubeconfig = '{kubeconfig}'\n"
-    path = node_config(tmp, name, root, keep_last=keep_last, duration=D, margin=M, lease=table)
-    path.write_text(path.read_text().replace("leadership = 'volume'", "leadership = 'kubernetes'"))
-    return path
-
-
-def stop_all(*ds: DaemonProc | None) -> None:
-    for d in ds:
-        if d is not None:
-            if d.proc.poll() is None:
-                d.signal(signal.SIGCONT)
-            d.stop()
-
-
-def engine_record(root: Path) -> dict:
-    return json.loads((root / ".ckptd" / "engine.json").read_text())
-
-
-def the_lease(kube: FakeKube, root: Path) -> dict:
+def the_lease(kube: FakeKube, root: Path) -> dict:  # noqa: F811 (the fixture's value)
     """The spec of `root`'s Lease (ckptd-<its volume id>), as the API server holds it."""
     lease = kube.lease(f"ckptd-{(root / '.ckptd' / 'volume-id').read_text().strip()}")
     assert lease is not None
     return lease["spec"]
 
 
-def said(d: DaemonProc, text: str, start: int = 0) -> list[dict]:
-    return [m for m in d.lines[start:] if text in m.get("message", "")]
-
-
-def either_says(ds: tuple[DaemonProc, ...], text: str, timeout: float = 60) -> DaemonProc:
-    """The first of `ds` to log `text`, bounded (looks every 50 ms)."""
-    tick = threading.Event()  # never set: a timer between looks
-    deadline = time.monotonic() + timeout
-    while True:
-        for d in ds:
-            if said(d, text):
-                return d
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout}s for {text!r}:\n" + "\n---\n".join(d.dump() for d in ds))
-        tick.wait(0.05)
-
-
-def leader_and_standby(tmp_path: Path, root: Path, kubeconfig: Path) -> tuple[DaemonProc, DaemonProc]:
-    a = DaemonProc("-c", kube_config(tmp_path, "a", root, kubeconfig))
-    a.wait_message(TOOK)
-    b = DaemonProc("-c", kube_config(tmp_path, "b", root, kubeconfig))
-    b.wait_message("standby, observing only")
-    return a, b
-
-
-def test_one_deletes_and_a_killed_leader_is_replaced_with_the_next_token(tmp_path, kube):
+def test_one_deletes_and_a_killed_leader_is_replaced_with_the_next_token(tmp_path, kube):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1, 2)
     a = b = None
     try:
-        a, b = leader_and_standby(tmp_path, root, kube.kubeconfig)
+        a, b = leader_and_standby(lambda n: kube_config(tmp_path, n, root, kube.kubeconfig), TOOK)
         a.wait_message("deleted job/checkpoint-1")
         lease = the_lease(kube, root)
         assert lease["leaseTransitions"] == 0 and lease["holderIdentity"].split("_")[-2] == str(a.proc.pid), \
@@ -132,12 +85,12 @@ def test_one_deletes_and_a_killed_leader_is_replaced_with_the_next_token(tmp_pat
     assert listing(root / "job") == ["checkpoint-3"]
 
 
-def test_a_frozen_leader_is_replaced_and_deletes_nothing_when_it_wakes(tmp_path, kube):
+def test_a_frozen_leader_is_replaced_and_deletes_nothing_when_it_wakes(tmp_path, kube):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1)
     a = b = None
     try:
-        a, b = leader_and_standby(tmp_path, root, kube.kubeconfig)
+        a, b = leader_and_standby(lambda n: kube_config(tmp_path, n, root, kube.kubeconfig), TOOK)
         a.signal(signal.SIGSTOP)
         stopped = time.time()
         wait_stopped(a.proc.pid)
@@ -161,14 +114,14 @@ def test_a_frozen_leader_is_replaced_and_deletes_nothing_when_it_wakes(tmp_path,
 
 
 @pytest.mark.parametrize("how", ["killed", "frozen"])
-def test_with_the_api_server_gone_nobody_deletes_and_one_leads_again_when_it_is_back(tmp_path, kube, how):
+def test_with_the_api_server_gone_nobody_deletes_and_one_leads_again_when_it_is_back(tmp_path, kube, how):  # noqa: F811
     """Killed: connections refused. Frozen (SIGSTOP): requests hang until their timeout, as behind
     a partition."""
     root = tmp_path / "vol"
     ckpts(root, 1)
     a = b = None
     try:
-        a, b = leader_and_standby(tmp_path, root, kube.kubeconfig)
+        a, b = leader_and_standby(lambda n: kube_config(tmp_path, n, root, kube.kubeconfig), TOOK)
         if how == "killed":
             kube.stop()
         else:
@@ -193,7 +146,7 @@ def test_with_the_api_server_gone_nobody_deletes_and_one_leads_again_when_it_is_
     assert listing(root / "job") == ["checkpoint-2"]
 
 
-def test_a_prune_does_not_delete_while_a_daemon_holds_the_lease_and_does_once_it_stopped(tmp_path, kube):
+def test_a_prune_does_not_delete_while_a_daemon_holds_the_lease_and_does_once_it_stopped(tmp_path, kube):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1, 2, 3)
     cron = kube_config(tmp_path, "cron", root, kube.kubeconfig, keep_last=1)
@@ -210,7 +163,7 @@ def test_a_prune_does_not_delete_while_a_daemon_holds_the_lease_and_does_once_it
     assert the_lease(kube, root)["leaseTransitions"] == 1
 
 
-def test_a_prune_after_a_killed_holder_watches_its_lease_lapse_then_deletes(tmp_path, kube):
+def test_a_prune_after_a_killed_holder_watches_its_lease_lapse_then_deletes(tmp_path, kube):  # noqa: F811
     """The holder's renewTime is another host's clock: the prune watches the Lease go unrenewed for
     the duration plus the margin by its own, then takes it (one token on) and deletes."""
     root = tmp_path / "vol"
@@ -229,7 +182,7 @@ def test_a_prune_after_a_killed_holder_watches_its_lease_lapse_then_deletes(tmp_
     assert the_lease(kube, root)["leaseTransitions"] == 1
 
 
-def test_check_config_says_where_the_lease_is_and_run_refuses_without_a_kubeconfig(tmp_path, kube):
+def test_check_config_says_where_the_lease_is_and_run_refuses_without_a_kubeconfig(tmp_path, kube):  # noqa: F811
     root = tmp_path / "vol"
     root.mkdir()
     proc = run_ckptd("check-config", "-c", kube_config(tmp_path, "a", root, kube.kubeconfig))
@@ -258,7 +211,7 @@ def pair(root: Path, kubeconfig: Path):
     return made, mono
 
 
-def test_the_fence_asks_the_api_server_and_refuses_once_the_lease_is_not_this_leaders(tmp_path, kube):
+def test_the_fence_asks_the_api_server_and_refuses_once_the_lease_is_not_this_leaders(tmp_path, kube):  # noqa: F811
     (a, b, _c), mono = pair(tmp_path, kube.kubeconfig)
     a.step()
     token = a.current_epoch()
@@ -274,7 +227,7 @@ def test_the_fence_asks_the_api_server_and_refuses_once_the_lease_is_not_this_le
     assert not a.held()
 
 
-def test_the_fence_refuses_where_the_volume_names_another_token(tmp_path, kube):
+def test_the_fence_refuses_where_the_volume_names_another_token(tmp_path, kube):  # noqa: F811
     from ckptd.fleet.leaserecord import read_engine_record, write_engine_record
 
     (a, _b, _c), _mono = pair(tmp_path, kube.kubeconfig)
@@ -288,7 +241,7 @@ def test_the_fence_refuses_where_the_volume_names_another_token(tmp_path, kube):
     assert not a.held()
 
 
-def test_the_fence_refuses_past_the_deadline_by_its_own_clock(tmp_path, kube):
+def test_the_fence_refuses_past_the_deadline_by_its_own_clock(tmp_path, kube):  # noqa: F811
     (a, _b, _c), mono = pair(tmp_path, kube.kubeconfig)
     a.step()
     token = a.current_epoch()
@@ -296,7 +249,7 @@ def test_the_fence_refuses_past_the_deadline_by_its_own_clock(tmp_path, kube):
     assert "ran out without a renewal" in (a.fence(token) or ""), a.fence(token)
 
 
-def test_expiry_is_judged_by_this_processs_monotonic_clock_never_by_the_holders_renew_time(tmp_path, kube):
+def test_expiry_is_judged_by_this_processs_monotonic_clock_never_by_the_holders_renew_time(tmp_path, kube):  # noqa: F811
     """The holder's renewTime is its wall clock: an hour behind ours (skew), the Lease still is not
     taken before this process has itself seen it unchanged for the duration and the margin; an hour
     ahead, it is taken once it has."""
@@ -323,7 +276,7 @@ def test_expiry_is_judged_by_this_processs_monotonic_clock_never_by_the_holders_
     assert c.held() and c.current_epoch() == 2
 
 
-def test_of_two_standbys_that_decide_at_once_the_api_server_lets_one_win(tmp_path, kube):
+def test_of_two_standbys_that_decide_at_once_the_api_server_lets_one_win(tmp_path, kube):  # noqa: F811
     """Both read the expired Lease at one resourceVersion; the second's update is refused (409)."""
     (a, b, c), mono = pair(tmp_path, kube.kubeconfig)
     a.step()
@@ -342,7 +295,7 @@ def test_of_two_standbys_that_decide_at_once_the_api_server_lets_one_win(tmp_pat
     assert lease["holderIdentity"] == b.identity and lease["leaseTransitions"] == 1
 
 
-def test_a_lease_made_afresh_never_gives_a_token_below_the_volumes(tmp_path, kube):
+def test_a_lease_made_afresh_never_gives_a_token_below_the_volumes(tmp_path, kube):  # noqa: F811
     """Deleted and made again, a Lease starts at leaseTransitions 0: the token stays above the one
     the volume records, so a fence bound to an earlier tenure can never match again."""
     (a, b, _c), _mono = pair(tmp_path, kube.kubeconfig)
@@ -366,7 +319,7 @@ REPO = Path(__file__).resolve().parents[2]
 VERBS = {"GET": "get", "POST": "create", "PUT": "update"}  # the API server's verb for each method
 
 
-def test_the_sidecars_role_grants_every_call_ckptd_makes_on_leases_and_nothing_more(tmp_path, kube):
+def test_the_sidecars_role_grants_every_call_ckptd_makes_on_leases_and_nothing_more(tmp_path, kube):  # noqa: F811
     """The calls are those a whole tenure makes against the API server (made here, counted by it):
     made, taken, renewed, fenced, handed back, taken again by another."""
     yaml = pytest.importorskip("yaml", reason="needs PyYAML (the test extra)")
@@ -399,7 +352,7 @@ def test_the_sidecars_role_grants_every_call_ckptd_makes_on_leases_and_nothing_m
     assert used == set(rule["verbs"]) == {"get", "create", "update"}, (used, rule)
 
 
-def test_a_whole_second_goes_out_with_the_six_fraction_digits_the_api_server_parses(tmp_path, kube):
+def test_a_whole_second_goes_out_with_the_six_fraction_digits_the_api_server_parses(tmp_path, kube):  # noqa: F811
     """apimachinery parses a MicroTime with RFC3339Micro: "…:05Z" is refused (400), as the fake does."""
     (a, _b, _c), _mono = pair(tmp_path, kube.kubeconfig)
     a.wall = lambda: 1796676000.0
@@ -408,7 +361,7 @@ def test_a_whole_second_goes_out_with_the_six_fraction_digits_the_api_server_par
     assert the_lease(kube, tmp_path)["renewTime"].endswith(".000001Z")
 
 
-def test_a_second_lease_for_the_same_root_is_not_taken_beside_a_live_one(tmp_path, kube):
+def test_a_second_lease_for_the_same_root_is_not_taken_beside_a_live_one(tmp_path, kube):  # noqa: F811
     """Two pods configured with different lease_names: the one that finds the volume's record
     naming the other Lease, renewed, stands by and says why."""
     from ckptd.fleet.kubelease import KubeLeadership
@@ -424,7 +377,7 @@ def test_a_second_lease_for_the_same_root_is_not_taken_beside_a_live_one(tmp_pat
     assert a.fence(a.current_epoch()) is None
 
 
-def test_a_renewal_that_finds_another_holder_stands_down_before_the_volume_says_so(tmp_path, kube):
+def test_a_renewal_that_finds_another_holder_stands_down_before_the_volume_says_so(tmp_path, kube):  # noqa: F811
     """The new holder took the Lease and has not written the volume's record yet (frozen between
     the two, or not a ckptd): the Lease alone says so, and the old leader stands down."""
     from ckptd.fleet.kubelease import KubeApi, kube_source
@@ -440,7 +393,7 @@ def test_a_renewal_that_finds_another_holder_stands_down_before_the_volume_says_
     assert not a.held() and a.current_epoch() is None
 
 
-def test_every_take_moves_leasetransitions_on_even_with_no_record_on_the_volume(tmp_path, kube):
+def test_every_take_moves_leasetransitions_on_even_with_no_record_on_the_volume(tmp_path, kube):  # noqa: F811
     """client-go's rule, which other readers of the Lease count on: one up at every change of holder,
     whatever the volume holds (here its record is gone)."""
     (a, b, _c), mono = pair(tmp_path, kube.kubeconfig)
@@ -456,13 +409,7 @@ def test_every_take_moves_leasetransitions_on_even_with_no_record_on_the_volume(
 # --- the root's own lock: a Lease's holder and a `local` ckptd exclude each other -----------------
 
 
-def local_config(tmp: Path, name: str, root: Path, *, keep_last: int) -> Path:
-    path = node_config(tmp, name, root, keep_last=keep_last)
-    path.write_text(path.read_text().replace("leadership = 'volume'", "leadership = 'local'"))
-    return path
-
-
-def test_a_local_prune_does_not_delete_while_a_lease_holder_deletes_there(tmp_path, kube):
+def test_a_local_prune_does_not_delete_while_a_lease_holder_deletes_there(tmp_path, kube):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1, 2, 3)
     cron = local_config(tmp_path, "cron", root, keep_last=1)
@@ -475,19 +422,24 @@ def test_a_local_prune_does_not_delete_while_a_lease_holder_deletes_there(tmp_pa
         assert f"leads {root} by kubernetes" in proc.stderr, proc.stderr
         assert 'this ckptd has leadership = "local"' in proc.stderr, proc.stderr
         assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    # Marked released as it stopped: a local ckptd need not wait for the record to go stale (which a
+    # slow enough prune start would hide).
+    assert engine_record(root)["released"] is True
     proc = run_ckptd("prune", "-c", cron)  # the holder gone (its record released), the lock with it
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert listing(root / "job") == ["checkpoint-3"]
 
 
-def test_a_lease_is_not_taken_while_a_local_ckptd_deletes_there(tmp_path, kube):
+def test_a_lease_is_not_taken_while_a_local_ckptd_deletes_there(tmp_path, kube):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1, 2, 3)
     with DaemonProc("-c", local_config(tmp_path, "a", root, keep_last=5)) as a:
         a.wait_message("this ckptd deletes here (holds")
         proc = run_ckptd("prune", "-c", kube_config(tmp_path, "cron", root, kube.kubeconfig, keep_last=1))
         assert proc.returncode == 75, proc.stdout + proc.stderr
-        assert f'a ckptd with leadership = "local" deletes here (it holds {root / ".ckptd" / "local.lock"})' \
-            in proc.stderr
+        # The rule etcd's leader follows too (locks.take_root_lock): the holder named by the lock table.
+        assert (f"another ckptd is deleting in {root} (holds {root / '.ckptd' / 'local.lock'}): held by pid "
+                f"{a.proc.pid}, neither the lapsed leader's nor a frozen one it passed over: a ckptd with "
+                'leadership = "local" or a prune deletes here') in proc.stderr, proc.stderr
         assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
         assert kube.lease(f"ckptd-{(root / '.ckptd' / 'volume-id').read_text().strip()}") is None

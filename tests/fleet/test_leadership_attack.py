@@ -14,54 +14,45 @@ from pathlib import Path
 
 import pytest
 
-from bench.etcdcluster import Cluster
-from tests.fleet.test_etcd import etcd_config, stop_all
-from tests.fleet.test_kubernetes import kube, kube_config  # noqa: F401 (the fixture)
 from tests.support.common import run_ckptd
 from tests.support.daemonproc import DaemonProc
-from tests.support.etcd import etcd  # noqa: F401 (the fixture)
+from tests.support.etcd import etcd, running_cluster  # noqa: F401 (the fixture)
+from tests.support.fleet import ETCD_TOOK as TOOK
+from tests.support.fleet import (  # noqa: F401 (kube: the fixture)
+    KUBE_TOOK,
+    arrive_one_by_one,
+    etcd_config,
+    kube,
+    kube_config,
+    leader_and_standby,
+    stop_all,
+    wait_until,
+)
 from tests.support.nodes import ckpts, listing, node_config, trashed, wait_stopped
-
-TOOK = "this ckptd deletes here (etcd, token"
 
 
 def lead_counts(*ds: DaemonProc) -> list[int]:
     return [sum(TOOK in m.get("message", "") for m in d.lines) for d in ds]
 
 
-def wait_until(pred, timeout: float, what: str) -> None:
-    tick = threading.Event()  # never set: a timer between looks
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout}s for {what}")
-        tick.wait(0.05)
-
-
 def test_two_etcd_clusters_on_one_root_never_lead_side_by_side(tmp_path, etcd):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1)
-    other = Cluster(tmp_path / "etcd2")
-    (tmp_path / "etcd2").mkdir()
     a = b = None
-    try:
-        other.start()
-        a = DaemonProc("-c", etcd_config(tmp_path, "a", root, etcd.endpoints))
-        a.wait_message(TOOK)
-        b = DaemonProc("-c", etcd_config(tmp_path, "b", root, other.endpoints))
-        b.wait_message("etcd", timeout=30)
-        # a, live and renewing, holds the root's lock and the record: b must stand by for as long
-        # as a runs. New checkpoints arrive one by one; only one process may ever trash them.
-        for step in range(2, 14):
-            ckpts(root, step)
-            wait_until(lambda n=step - 1: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= n,
-                       30, f"checkpoint-{step - 1} trashed")
-        by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
-        assert not (by_a and by_b), f"both trashed: a {by_a}, b {by_b}\n" + b.dump() + "\n---\n" + a.dump()
-        assert lead_counts(b) == [0], "b took the lead beside a live a:\n" + b.dump()
-    finally:
-        stop_all(a, b)
-        other.stop()
+    with running_cluster(tmp_path / "etcd2") as other:
+        try:
+            a = DaemonProc("-c", etcd_config(tmp_path, "a", root, etcd.endpoints))
+            a.wait_message(TOOK)
+            b = DaemonProc("-c", etcd_config(tmp_path, "b", root, other.endpoints))
+            b.wait_message("etcd", timeout=30)
+            # a, live and renewing, holds the root's lock and the record: b must stand by for as long
+            # as a runs. New checkpoints arrive one by one; only one process may ever trash them.
+            arrive_one_by_one(tmp_path, root, range(2, 14))
+            by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
+            assert not (by_a and by_b), f"both trashed: a {by_a}, b {by_b}\n" + b.dump() + "\n---\n" + a.dump()
+            assert lead_counts(b) == [0], "b took the lead beside a live a:\n" + b.dump()
+        finally:
+            stop_all(a, b)
 
 
 def bump_revision(endpoint: str, n: int) -> None:
@@ -87,46 +78,23 @@ def test_a_rebuilt_etcd_cluster_elects_a_leader(tmp_path, etcd):  # noqa: F811
         stop_all(a)
     assert json.loads((root / ".ckptd" / "engine.json").read_text())["released"] is True
     etcd.stop()  # the old cluster is gone: the fleet moves to a new one, nobody leads now
-    rebuilt = Cluster(tmp_path / "etcd2")
-    (tmp_path / "etcd2").mkdir()
     b = None
-    try:
-        rebuilt.start()
-        b = DaemonProc("-c", etcd_config(tmp_path, "b", root, rebuilt.endpoints))
-        ckpts(root, 2)
-        b.wait_message(TOOK, timeout=30)
-        b.wait_message("deleted job/checkpoint-1", timeout=30)
-    finally:
-        stop_all(b)
-        rebuilt.stop()
+    with running_cluster(tmp_path / "etcd2") as rebuilt:
+        try:
+            b = DaemonProc("-c", etcd_config(tmp_path, "b", root, rebuilt.endpoints))
+            ckpts(root, 2)
+            b.wait_message(TOOK, timeout=30)
+            b.wait_message("deleted job/checkpoint-1", timeout=30)
+        finally:
+            stop_all(b)
     assert listing(root / "job") == ["checkpoint-2"]
 
 
 def test_a_successor_that_dies_after_passing_over_a_frozen_leader_is_replaced(tmp_path, etcd):  # noqa: F811
-    root = tmp_path / "vol"
-    ckpts(root, 1)
-    a = b = c = None
-    try:
-        a = DaemonProc("-c", etcd_config(tmp_path, "a", root, etcd.endpoints))
-        a.wait_message(TOOK)
-        b = DaemonProc("-c", etcd_config(tmp_path, "b", root, etcd.endpoints))
-        b.wait_message("standby, observing only")
-        a.signal(signal.SIGSTOP)
-        wait_stopped(a.proc.pid)
-        b.wait_message(TOOK, timeout=30)
-        c = DaemonProc("-c", etcd_config(tmp_path, "c", root, etcd.endpoints))
-        c.wait_message("standby, observing only")
-        b.proc.kill()
-        b.proc.wait(30)
-        ckpts(root, 2)
-        try:
-            c.wait_message(TOOK, timeout=30)
-        except AssertionError:
-            st = run_ckptd("status", "-c", tmp_path / "c.toml")
-            raise AssertionError("c never led; status:\n" + st.stdout) from None
-        c.wait_message("deleted job/checkpoint-1", timeout=30)
-    finally:
-        stop_all(a, b, c)
+    def config(tmp, name, root):
+        return etcd_config(tmp, name, root, etcd.endpoints)
+
+    _chain_after_a_frozen_leader(tmp_path, config, TOOK)
 
 
 def _chain_after_a_frozen_leader(tmp_path: Path, config, took: str) -> None:
@@ -136,10 +104,7 @@ def _chain_after_a_frozen_leader(tmp_path: Path, config, took: str) -> None:
     ckpts(root, 1)
     a = b = c = None
     try:
-        a = DaemonProc("-c", config(tmp_path, "a", root))
-        a.wait_message(took)
-        b = DaemonProc("-c", config(tmp_path, "b", root))
-        b.wait_message("standby, observing only")
+        a, b = leader_and_standby(lambda n: config(tmp_path, n, root), took)
         a.signal(signal.SIGSTOP)
         wait_stopped(a.proc.pid)
         b.wait_message(took, timeout=30)
@@ -169,7 +134,7 @@ def test_kube_successor_that_dies_after_passing_over_a_frozen_leader_is_replaced
     def config(tmp, name, root):
         return kube_config(tmp, name, root, kubeconfig)
 
-    _chain_after_a_frozen_leader(tmp_path, config, "this ckptd deletes here (kubernetes, token")
+    _chain_after_a_frozen_leader(tmp_path, config, KUBE_TOOK)
 
 
 def test_a_dead_volume_leader_whose_clock_ran_ahead_is_replaced(tmp_path):
@@ -178,10 +143,7 @@ def test_a_dead_volume_leader_whose_clock_ran_ahead_is_replaced(tmp_path):
     a = b = None
     took = "this ckptd deletes here (volume lease, epoch"
     try:
-        a = DaemonProc("-c", node_config(tmp_path, "a", root))
-        a.wait_message(took)
-        b = DaemonProc("-c", node_config(tmp_path, "b", root))
-        b.wait_message("standby, observing only")
+        a, b = leader_and_standby(lambda n: node_config(tmp_path, n, root), took)
         a.signal(signal.SIGSTOP)
         wait_stopped(a.proc.pid)
         # Its last renewal as a host whose clock is a day ahead writes it (hand-made: no clock can
@@ -215,15 +177,9 @@ def test_a_removed_ckptd_dir_under_a_volume_leader_leaves_one_deleter(tmp_path):
     took = "this ckptd deletes here (volume lease, epoch"
     a = b = None
     try:
-        a = DaemonProc("-c", node_config(tmp_path, "a", root))
-        a.wait_message(took)
-        b = DaemonProc("-c", node_config(tmp_path, "b", root))
-        b.wait_message("standby, observing only")
+        a, b = leader_and_standby(lambda n: node_config(tmp_path, n, root), took)
         shutil.rmtree(root / ".ckptd")
-        for step in range(2, 12):
-            ckpts(root, step)
-            wait_until(lambda n=step - 1: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= n,
-                       30, f"checkpoint-{step - 1} trashed")
+        arrive_one_by_one(tmp_path, root, range(2, 12))
         by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
         assert not (by_a and by_b), f"both trashed: a {by_a}, b {by_b}\n" + b.dump() + "\n---\n" + a.dump()
     finally:
@@ -278,10 +234,7 @@ def test_an_etcd_node_and_a_kube_node_on_one_root_never_both_delete(tmp_path, et
         a.wait_message(f"this ckptd deletes here ({first}, token")
         b = DaemonProc("-c", configs[second]("b"))
         b.wait_message("standby, observing only")
-        for step in range(2, 8):
-            ckpts(root, step)
-            wait_until(lambda n=step - 1: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= n,
-                       30, f"checkpoint-{step - 1} trashed")
+        arrive_one_by_one(tmp_path, root, range(2, 8))
         assert trashed(tmp_path / "b") == [], b.dump()
         # The first is killed: its record goes stale and the other takes the root.
         a.proc.kill()
@@ -326,10 +279,7 @@ def test_file_times_in_lease_dir_jumping_leave_one_deleter(tmp_path, etcd, backe
         b = DaemonProc("-c", config(backends[1], "b"))
         b.wait_message("standby, observing only")
         jumper.start()
-        for step in range(2, 10):
-            ckpts(root, step)
-            wait_until(lambda n=step - 1: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= n,
-                       30, f"checkpoint-{step - 1} trashed")
+        arrive_one_by_one(tmp_path, root, range(2, 10))
         by_a, by_b = trashed(tmp_path / "a"), trashed(tmp_path / "b")
         assert not (by_a and by_b), f"both trashed: a {by_a}, b {by_b}\n" + b.dump() + "\n---\n" + a.dump()
     finally:
@@ -354,10 +304,7 @@ def test_two_kube_api_servers_on_one_root_never_lead_side_by_side(tmp_path, kube
         a.wait_message(took)
         b = DaemonProc("-c", kube_config(tmp_path, "b", root, other.kubeconfig))
         b.wait_message("standby, observing only")
-        for step in range(2, 10):
-            ckpts(root, step)
-            wait_until(lambda n=step - 1: len(trashed(tmp_path / "a")) + len(trashed(tmp_path / "b")) >= n,
-                       30, f"checkpoint-{step - 1} trashed")
+        arrive_one_by_one(tmp_path, root, range(2, 10))
         assert trashed(tmp_path / "b") == [], b.dump()
         assert not [m for m in b.lines if took in m.get("message", "")], b.dump()
     finally:
@@ -368,10 +315,7 @@ def test_two_kube_api_servers_on_one_root_never_lead_side_by_side(tmp_path, kube
 def test_a_prune_on_another_etcd_cluster_does_not_delete_beside_a_live_etcd_leader(tmp_path, etcd):  # noqa: F811
     root = tmp_path / "vol"
     ckpts(root, 1, 2, 3)
-    other = Cluster(tmp_path / "etcd2")
-    (tmp_path / "etcd2").mkdir()
-    try:
-        other.start()
+    with running_cluster(tmp_path / "etcd2") as other:
         cron = etcd_config(tmp_path, "cron", root, other.endpoints, keep_last=1)
         with DaemonProc("-c", etcd_config(tmp_path, "a", root, etcd.endpoints, keep_last=5)) as a:
             a.wait_message(TOOK)
@@ -379,8 +323,6 @@ def test_a_prune_on_another_etcd_cluster_does_not_delete_beside_a_live_etcd_lead
             assert listing(root / "job") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"], \
                 proc.stdout + proc.stderr
             assert proc.returncode == 75, proc.stdout + proc.stderr
-    finally:
-        other.stop()
 
 
 @pytest.mark.parametrize("engine", ["etcd", "kubernetes"])
