@@ -157,9 +157,12 @@ def test_a_pin_dropped_while_the_purge_renames_keeps_the_checkpoint(tmp_path):
 
 def test_a_restore_that_loses_the_rename_to_the_purge_says_so(tmp_path):
     cfg, root = pruned(tmp_path, keep_last=3)
-    purge = held(tmp_path, ["trash", "purge", "--now", "-c", cfg], "renameat2", "enter", secs=3)
+    # The purge is held at its rename long enough for the restore to start and find the entry
+    # (a Python start takes seconds on a loaded 2-core machine: 3 s was once too short, and the
+    # restore found the trash already empty); the restore is held at its own rename past that.
+    purge = held(tmp_path, ["trash", "purge", "--now", "-c", cfg], "renameat2", "enter", secs=12)
     restore = subprocess.run(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat2", "-e",
-                              "inject=renameat2:delay_enter=8000000:when=1", sys.executable, "-m", "ckptd",
+                              "inject=renameat2:delay_enter=15000000:when=1", sys.executable, "-m", "ckptd",
                               "trash", "restore", "-c", str(cfg), "run/ckpt_1"],
                              env={k: v for k, v in os.environ.items() if k != "CKPTD_CONFIG"} | GRACE,
                              capture_output=True, text=True, timeout=60)
