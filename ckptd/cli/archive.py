@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckptd.archive.manifest import SUFFIX, file_crc32c, outside, parse
+from ckptd.archive.manifest import SUFFIX, Digest, outside, parse
 from ckptd.archive.store import StoreError, object_url
 from ckptd.archive.upload import Archiver, archiver_for_plan
 from ckptd.cli.common import load, scan_all, with_effective_quiet
@@ -185,8 +185,22 @@ def cmd_restore(args: argparse.Namespace) -> int:
         raise IOFault(f"not restored: {exc}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"restored {dest} ({len(m.files)} files, {format_size(m.size)}, every file verified)")
+    how = "every file verified" if all(f.sha256 is not None for f in m.files) else (
+        "every file's CRC32C verified; its manifest, written before ckptd recorded SHA-256, has no SHA-256")
+    print(f"restored {dest} ({len(m.files)} files, {format_size(m.size)}, {how})")
     return EX_OK
+
+
+class _Writing:
+    """A download's sink: each chunk written to `out` and fed to a digest (no second read)."""
+
+    def __init__(self, out: object) -> None:
+        self.out = out
+        self.digest = Digest()
+
+    def write(self, chunk: bytes) -> int:
+        self.digest.update(chunk)
+        return self.out.write(chunk)  # type: ignore[attr-defined, no-any-return]
 
 
 def _inside(dest: Path, rel: str) -> Path:
@@ -199,7 +213,8 @@ def _inside(dest: Path, rel: str) -> Path:
 
 
 def _download(store: object, m: object, dest: Path, ticker: Ticker) -> None:
-    """Every file of manifest `m` into `dest`, each checked against its size and CRC32C; `ticker`
+    """Every file of manifest `m` into `dest`, each checked against its size, CRC32C and SHA-256 (a
+    manifest written before ckptd recorded SHA-256: CRC32C only, as `restore` then says); `ticker`
     told how far it is (drawn on a terminal once slow)."""
     total, done = m.size, 0  # type: ignore[attr-defined]
     ticker.working(f"0 of {format_size(total)} downloaded")
@@ -211,13 +226,16 @@ def _download(store: object, m: object, dest: Path, ticker: Ticker) -> None:
         path = _inside(dest, f.path) if f.path else dest
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as out:
-            store.download(f.key, out)  # type: ignore[attr-defined]
+            got = _Writing(out)
+            store.download(f.key, got)  # type: ignore[attr-defined]
             out.flush()
             os.fsync(out.fileno())
-        size, crc = path.stat().st_size, file_crc32c(path)
-        if size != f.size or crc != f.crc32c:
-            raise StoreError(f"{f.key}: downloaded {size} bytes, CRC32C {crc}; the manifest says {f.size}, {f.crc32c}")
-        done += size
+        d = got.digest
+        if not f.matches(d):
+            sha = f"SHA-256 {d.sha256}" if f.sha256 is not None else f"CRC32C {d.crc32c}"
+            want = f.sha256 if f.sha256 is not None else f.crc32c
+            raise StoreError(f"{f.key}: downloaded {d.size} bytes, {sha}; the manifest says {f.size}, {want}")
+        done += d.size
         ticker.saying(f"{format_size(done)} of {format_size(total)} downloaded and verified")
 
 
