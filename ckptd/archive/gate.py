@@ -59,11 +59,14 @@ def archive_problem(
 
 def problem_at(
     store: Store, run: str, name: str, path: Path, state_dir: Path | None, *, missing_ok: bool = False,
-    read_back: bool = False,
+    read_back: bool = False, part_removed: bool = False,
 ) -> str | None:
     """`archive_problem` of checkpoint `name` of `run` whose files are at `path` now (its place in
     its run, or its entry in the trash, which the purge asks about). `read_back` (`verify =
-    "read-back"`): every object is downloaded and its CRC32C computed here, not taken from the store."""
+    "read-back"`): every object is downloaded and its SHA-256 computed here, not taken from the
+    store. `part_removed`: what a purge killed halfway left at `path`; the archive must be whole
+    and verified as ever, and what is left of the checkpoint what was archived, files and
+    directories gone excepted."""
     mkey = manifest_key(store.key(run, name))
     try:
         data = store.get(mkey)
@@ -80,7 +83,7 @@ def problem_at(
         if (m.run, m.checkpoint) != (run, name):
             return f"its manifest {mkey} names {m.run}/{m.checkpoint}, not this checkpoint"
         here = snapshot(path)
-        what = m.snapshot().differs(here, but_ctime=True)
+        what = m.snapshot().differs(here, but_ctime=True, but_removed=part_removed)
         if what is not None:
             return (f"differs from its archive at {store.url} ({what} since it was archived): "
                     "kept; ckptd never replaces an archive")
@@ -90,6 +93,8 @@ def problem_at(
         if has_record(state_dir, store.url, mkey, data):
             return None
         for f in m.files:  # not written by this ckptd: read every file again
+            if part_removed and f.path not in here.files:
+                continue
             fpath = path / f.path if f.path else path
             d = file_digest(fpath)
             if not f.matches(d) or identity(os.stat(fpath, follow_symlinks=False))[:4] != f.identity[:4]:

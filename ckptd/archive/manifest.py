@@ -62,13 +62,14 @@ class Snapshot:
     dirs: tuple[str, ...]
     is_file: bool
 
-    def differs(self, other: Snapshot, *, but_ctime: bool = False) -> str | None:
+    def differs(self, other: Snapshot, *, but_ctime: bool = False, but_removed: bool = False) -> str | None:
         """What changed between two looks, in a few words, or None. `but_ctime`: a file whose
-        ctime alone changed is not told (`touched` names those)."""
+        ctime alone changed is not told (`touched` names those). `but_removed`: files and
+        directories gone are not told either (what a purge killed halfway left)."""
         if self.is_file != other.is_file:
             return "it was replaced"
         added = sorted(other.files.keys() - self.files.keys())
-        gone = sorted(self.files.keys() - other.files.keys())
+        gone = [] if but_removed else sorted(self.files.keys() - other.files.keys())
         n = 4 if but_ctime else 5
         both = self.files.keys() & other.files.keys()
         changed = sorted(k for k in both if self.files[k][:n] != other.files[k][:n])
@@ -76,7 +77,7 @@ class Snapshot:
             if names:
                 more = f" and {len(names) - 1} more" if len(names) > 1 else ""
                 return f"{names[0] or 'the file'}{more} {what}"
-        if set(self.dirs) != set(other.dirs):
+        if set(self.dirs) != set(other.dirs) and not (but_removed and set(other.dirs) <= set(self.dirs)):
             return "its directories changed"
         return None
 

@@ -213,15 +213,18 @@ class Archiver:
         (`gate.archive_problem`); None always where the archive is not required."""
         return self.problem_at(c.run, c.name, c.path, dry_run=dry_run)
 
-    def problem_at(self, run: str, name: str, path: Path, *, dry_run: bool = False) -> str | None:
+    def problem_at(
+        self, run: str, name: str, path: Path, *, dry_run: bool = False, part_removed: bool = False
+    ) -> str | None:
         """`problem` of checkpoint `name` of `run` whose files are at `path` now: in its run, or in
-        the trash, where the purge asks again just before the irreversible removal."""
+        the trash, where the purge asks again just before the irreversible removal (`part_removed`:
+        of what a purge killed halfway left, `gate.problem_at`)."""
         from ckptd.archive.gate import problem_at
 
         if not self.cfg.required:
             return None
         why = problem_at(self.store, run, name, path, self.state_dir, missing_ok=dry_run,
-                         read_back=self.cfg.verify == "read-back" and not dry_run)
+                         read_back=self.cfg.verify == "read-back" and not dry_run, part_removed=part_removed)
         last = self.failures.get(name if run == "." else f"{run}/{name}")
         if why is not None and last is not None and last not in why:
             why = f"{why} (its last attempt: {last})"

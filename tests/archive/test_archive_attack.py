@@ -185,20 +185,6 @@ def test_restore_makes_nothing_outside_its_target(tmp_path, s3):  # noqa: F811
     assert not (tmp_path / "to" / "escaped").exists() and not (tmp_path / "escaped").exists()
 
 
-def test_a_part_removed_claim_with_an_archive_required_is_held_for_review(tmp_path, s3):  # noqa: F811
-    """As above, one file of the claimed entry then removed as the killed purge would have (by hand:
-    no strace hold gives the kill between two unlinks cheaply): with `required = true` the rest is
-    held for review (`%review`), not finished, since nothing says its archive still verifies."""
-    root, cfg, _bucket = pruned(tmp_path, s3)
-    claimed = _hold_purge_after_its_claim(cfg, root)
-    victim = next(p for p in (root / TRASH_DIR / claimed).rglob("*") if p.is_file())
-    victim.unlink()
-    r = ckptd("trash", "purge", "--now", "-c", str(cfg), env=GRACE, check=False)
-    name = claimed.removesuffix("%purging")
-    assert f"{name}%review" in os.listdir(root / TRASH_DIR), r.stdout + r.stderr
-    assert "held for review" in r.stderr
-
-
 def test_a_local_file_rewritten_to_the_same_crc32c_is_kept(tmp_path, s3):  # noqa: F811
     """After its archive verified, a file of the checkpoint is rewritten in place: other bytes, the
     same size and CRC32C (4 chosen bytes), its mtime put back with os.utime. The ctime moved, so
