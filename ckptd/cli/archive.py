@@ -4,9 +4,12 @@ from it, every file verified against its manifest, into a directory that appears
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import json
+import logging
 import os
-import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -21,10 +24,15 @@ from ckptd.decide.policy import Decision
 from ckptd.errors import EX_OK, IOFault, UsageError
 from ckptd.journal import read_journal
 from ckptd.model import Action
-from ckptd.removal.fs import _rename_noreplace
+from ckptd.removal.fs import _remove_at, _rename_noreplace
 from ckptd.volume.mounts import holder
 
 ARCHIVE_EVENTS = ("archiving", "archived", "archive-failed")
+# A restore's hidden directory beside its target, `<RESTORE_TMP><checkpoint>-<random>`, held with
+# flock(2) while the restore runs (`_new_temp`); one no restore holds was left by a killed one
+RESTORE_TMP = ".ckptd-restore-"
+
+log = logging.getLogger(__name__)
 
 
 def _archived_roots(config: Config, target: str | None) -> tuple[list[Root], str | None]:
@@ -167,7 +175,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     if os.path.lexists(dest):
         raise UsageError(f"{dest} exists: restore --to another directory, or move it away first")
     into.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".ckptd-restore-{name}-", dir=into))
+    clean_stale_restores(into)
+    tmp, held = _new_temp(into, name)
     try:
         with Ticker(f"restore {args.checkpoint}", quiet=getattr(args, "quiet", False)) as ticker:
             _download(store, m, tmp / name, ticker)
@@ -184,11 +193,95 @@ def cmd_restore(args: argparse.Namespace) -> int:
     except StoreError as exc:
         raise IOFault(f"not restored: {exc}") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_own(into, tmp.name, held)
     how = "every file verified" if all(f.sha256 is not None for f in m.files) else (
         "every file's CRC32C verified; its manifest, written before ckptd recorded SHA-256, has no SHA-256")
     print(f"restored {dest} ({len(m.files)} files, {format_size(m.size)}, {how})")
     return EX_OK
+
+
+def _new_temp(into: Path, name: str) -> tuple[Path, int]:
+    """A new hidden directory in `into` to restore `name` into, and a descriptor of it holding an
+    exclusive flock(2) for as long as this restore runs: what tells another restore's
+    `clean_stale_restores` that it is not a killed one's. Where the filesystem refuses flock on a
+    directory (NFS), held by nothing: then no restore can tell, and none removes it."""
+    while True:
+        tmp = Path(tempfile.mkdtemp(prefix=f"{RESTORE_TMP}{name}-", dir=into))
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            # Blocks only while another restore's cleaning, which took it between mkdtemp and here,
+            # removes it: then it is gone (below) and another is made.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            return tmp, fd
+        try:
+            if os.lstat(tmp).st_ino == os.fstat(fd).st_ino:
+                return tmp, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _remove_own(into: Path, name: str, held: int) -> None:
+    """This restore's hidden directory removed (empty once renamed into place; else what a failed
+    restore downloaded), from descriptors, then its hold let go."""
+    try:
+        into_fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if os.stat(name, dir_fd=into_fd, follow_symlinks=False).st_ino == os.fstat(held).st_ino:
+                _remove_at(name, into_fd)
+        finally:
+            os.close(into_fd)
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", into / name, exc)
+    finally:
+        os.close(held)
+
+
+def clean_stale_restores(into: Path) -> list[str]:
+    """Remove from `into` what killed restores left: directories named as a restore names its hidden
+    one (`RESTORE_TMP`) that no running restore holds (flock, taken here without waiting, and held
+    while removing). Never a symlink of that name, nor anything else; removed from descriptors,
+    never following a link nor entering another filesystem (`removal.fs._remove_at`). One that
+    cannot be locked (in use, or a filesystem without flock on directories) is left. The names
+    removed."""
+    try:
+        into_fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    removed = []
+    try:
+        for entry in os.listdir(into_fd):
+            if entry.startswith(RESTORE_TMP) and _remove_if_stale(entry, into_fd):
+                removed.append(entry)
+                log.warning("removed %s, left by a restore that did not finish", into / entry)
+    finally:
+        os.close(into_fd)
+    return removed
+
+
+def _remove_if_stale(entry: str, into_fd: int) -> bool:
+    try:
+        fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=into_fd)
+    except OSError:  # a symlink (ELOOP), not a directory, gone: not a restore's
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                log.debug("cannot tell whether %s is in use (%s): left", entry, exc)
+            return False
+        st, held = os.stat(entry, dir_fd=into_fd, follow_symlinks=False), os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (held.st_dev, held.st_ino):
+            return False  # replaced since it was opened
+        _remove_at(entry, into_fd)
+        return True
+    except OSError as exc:
+        log.warning("cannot remove %s, left by a restore that did not finish: %s", entry, exc)
+        return False
+    finally:
+        os.close(fd)
 
 
 class _Writing:
