@@ -4,9 +4,8 @@ For each checkpoint: its leftover multipart uploads (an attempt killed mid-file)
 files listed with their identities (manifest.snapshot), the intent journaled; then each file is
 uploaded with the CRC32C and SHA-256 computed from the bytes read, in that one read (in parts where
 it is larger than part_size: memory is at most concurrency x part_size, whatever the checkpoint's
-size), and checked: the
-store's HEAD must report the same size and CRC32C, of the full object, and the file must have kept
-its identity while it was read. A file an earlier attempt left whole (same size, same CRC32C) is not
+size), and checked: the store's HEAD must report the same size and CRC32C, of the full object, and
+the file must have kept its identity while it was read. A file an earlier attempt left whole (same size, same CRC32C) is not
 sent again. Then the checkpoint is listed again (nothing added, removed or changed), a file
 changed within a timestamp tick of its read is read once more after that tick, and the manifest
 written create-only. The journal records the outcome; a local record (state_dir/archive/)
