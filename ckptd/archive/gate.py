@@ -8,13 +8,20 @@ before the irreversible removal (removal/purge.py, of the entry in the trash), a
 - the checkpoint on disk is, entry for entry, what was read for upload: the same files and
   directories, each with the identity (dev, inode, size, mtime_ns, ctime_ns) the manifest
   records; a file whose ctime alone moved (renamed into the trash, chmod-ed, or rewritten in
-  place with its mtime put back) is read again and its CRC32C compared with the manifest's;
+  place with its mtime put back) is read again and its SHA-256 compared with the manifest's;
 - its checksums were computed from these files by this ckptd (a local record, state_dir/archive/),
   or, where there is no such record (a manifest written by hand, a lost state_dir), every file is
-  read again here and its CRC32C compared with the manifest's.
-With `verify = "read-back"`, every object is also downloaded and its CRC32C computed here (not in
+  read again here and its SHA-256 compared with the manifest's.
+With `verify = "read-back"`, every object is also downloaded and its SHA-256 computed here (not in
 a dry run: `plan` does not download). Anything that cannot be checked (the store down, credentials
 refused) is a reason to keep.
+
+Bytes are compared by SHA-256, never by CRC32C alone: a CRC32C is affine, and anyone who can write
+the bucket or the volume can choose 4 bytes that keep it over other bytes. A manifest written
+before ckptd recorded SHA-256 (`FileEntry.sha256` None) is still trusted, but where its CRC32C
+would be the only word (read-back, a file whose ctime moved) the object is downloaded and its
+SHA-256 compared with the local file's, both computed here. Without such a comparison (no
+read-back, no record, every ctime as recorded) its CRC32C is compared, as before.
 """
 
 from __future__ import annotations
@@ -24,11 +31,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ckptd.archive.manifest import (
+    Digest,
+    FileEntry,
     Manifest,
     NotArchivable,
     Snapshot,
-    crc32c_b64,
-    file_crc32c,
+    file_digest,
     identity,
     manifest_key,
     parse,
@@ -51,11 +59,14 @@ def archive_problem(
 
 def problem_at(
     store: Store, run: str, name: str, path: Path, state_dir: Path | None, *, missing_ok: bool = False,
-    read_back: bool = False,
+    read_back: bool = False, part_removed: bool = False,
 ) -> str | None:
     """`archive_problem` of checkpoint `name` of `run` whose files are at `path` now (its place in
     its run, or its entry in the trash, which the purge asks about). `read_back` (`verify =
-    "read-back"`): every object is downloaded and its CRC32C computed here, not taken from the store."""
+    "read-back"`): every object is downloaded and its SHA-256 computed here, not taken from the
+    store. `part_removed`: what a purge killed halfway left at `path`; the archive must be whole
+    and verified as ever, and what is left of the checkpoint what was archived, files and
+    directories gone excepted."""
     mkey = manifest_key(store.key(run, name))
     try:
         data = store.get(mkey)
@@ -72,20 +83,22 @@ def problem_at(
         if (m.run, m.checkpoint) != (run, name):
             return f"its manifest {mkey} names {m.run}/{m.checkpoint}, not this checkpoint"
         here = snapshot(path)
-        what = m.snapshot().differs(here, but_ctime=True)
+        what = m.snapshot().differs(here, but_ctime=True, but_removed=part_removed)
         if what is not None:
             return (f"differs from its archive at {store.url} ({what} since it was archived): "
                     "kept; ckptd never replaces an archive")
-        why = _objects_problem(store, m, name, read_back=read_back) or _rewritten(store, m, here, path)
+        why = _objects_problem(store, m, name, path, read_back=read_back) or _rewritten(store, m, here, path)
         if why is not None:
             return why
         if has_record(state_dir, store.url, mkey, data):
             return None
         for f in m.files:  # not written by this ckptd: read every file again
+            if part_removed and f.path not in here.files:
+                continue
             fpath = path / f.path if f.path else path
-            crc = file_crc32c(fpath)
-            if crc != f.crc32c or identity(os.stat(fpath, follow_symlinks=False))[:4] != f.identity[:4]:
-                return f"its manifest {mkey} does not match {f.path or name} here (CRC32C {crc}, not {f.crc32c})"
+            d = file_digest(fpath)
+            if not f.matches(d) or identity(os.stat(fpath, follow_symlinks=False))[:4] != f.identity[:4]:
+                return f"its manifest {mkey} does not match {f.path or name} here ({_differ(d, f)})"
         write_record(state_dir, store.url, mkey, data)
         return None
     except StoreError as exc:
@@ -98,9 +111,10 @@ def problem_at(
         return f"its archive cannot be checked: {type(exc).__name__}: {exc}"
 
 
-def _objects_problem(store: Store, m: Manifest, name: str, *, read_back: bool) -> str | None:
+def _objects_problem(store: Store, m: Manifest, name: str, path: Path, *, read_back: bool) -> str | None:
     """Why the objects `m` lists are not what was read: missing, or another size or CRC32C (as the
-    store reports it; `read_back`: as downloaded now). Or None."""
+    store reports it; `read_back`: another size, CRC32C or SHA-256 as downloaded now; a file whose
+    manifest records no SHA-256 is compared with the file at `path`). Or None."""
     for f in m.files:
         there = store.head(f.key)
         if there is None:
@@ -110,48 +124,56 @@ def _objects_problem(store: Store, m: Manifest, name: str, *, read_back: bool) -
                     f"({there.size} bytes, CRC32C {there.crc32c}; the manifest says {f.size}, {f.crc32c})")
     if read_back:
         for f in m.files:
-            got = _read_back(store, f.key)
-            if got != (f.size, f.crc32c):
-                return (f"its archived {f.path or name} at {store.url} reads back as {got[0]} bytes, CRC32C "
-                        f"{got[1]}; the manifest says {f.size}, {f.crc32c}")
+            got = Digest()
+            store.download(f.key, got)  # type: ignore[arg-type]
+            if not f.matches(got):
+                return (f"its archived {f.path or name} at {store.url} reads back as {got.size} bytes, "
+                        f"{_differ(got, f)}; the manifest says {f.size} bytes")
+            if f.sha256 is None and (why := _against_local(got, f, path, name, store)) is not None:
+                return why
     return None
+
+
+def _against_local(got: Digest, f: FileEntry, path: Path, name: str, store: Store) -> str | None:
+    """An object whose manifest records no SHA-256 (written by an older ckptd), downloaded as
+    `got`: why it is not the local file's bytes (SHA-256 compared), or None."""
+    here = file_digest(path / f.path if f.path else path)
+    if here.sha256 == got.sha256:
+        return None
+    return (f"its archived {f.path or name} at {store.url} reads back with SHA-256 {got.sha256}, the file "
+            f"here has {here.sha256} (its manifest, written before ckptd recorded SHA-256, has none)")
+
+
+def _differ(d: Digest, f: FileEntry) -> str:
+    """How bytes of digest `d` differ from file `f`'s in its manifest, in a few words."""
+    if d.crc32c != f.crc32c:
+        return f"CRC32C {d.crc32c}, not {f.crc32c}"
+    if f.sha256 is not None and d.sha256 != f.sha256:
+        return f"SHA-256 {d.sha256}, not {f.sha256}: the same CRC32C over other bytes"
+    return f"{d.size} bytes, not {f.size}"
 
 
 def _rewritten(store: Store, m: Manifest, here: Snapshot, path: Path) -> str | None:
     """Of the files whose ctime alone moved since `m` was written (renamed: a checkpoint that is one
     file, in the trash; chmod-ed; or rewritten in place with its mtime put back), the first whose
-    bytes are not what was archived. Or None."""
+    bytes are not what was archived: by SHA-256; where the manifest records none, compared with
+    the object downloaded now. Or None."""
     entries = {f.path: f for f in m.files}
     for rel in m.snapshot().touched(here):
-        crc = file_crc32c(path / rel if rel else path)
-        if crc != entries[rel].crc32c:
+        f = entries[rel]
+        d = file_digest(path / rel if rel else path)
+        if not f.matches(d):
+            why = _differ(d, f)
+        elif f.sha256 is None:
+            there = Digest()
+            store.download(f.key, there)  # type: ignore[arg-type]
+            why = None if there.sha256 == d.sha256 else f"SHA-256 {d.sha256}, its object's {there.sha256}"
+        else:
+            why = None
+        if why is not None:
             return (f"differs from its archive at {store.url} ({rel or 'the file'} rewritten in place since "
-                    f"it was archived: CRC32C {crc}, not {entries[rel].crc32c}): kept; ckptd never replaces "
-                    "an archive")
+                    f"it was archived: {why}): kept; ckptd never replaces an archive")
     return None
-
-
-class _Summing:
-    """A sink for a download: its size and CRC32C, nothing kept (memory: one chunk)."""
-
-    def __init__(self) -> None:
-        import crc32c
-
-        self._crc32c = crc32c.crc32c
-        self.value = 0
-        self.size = 0
-
-    def write(self, chunk: bytes) -> int:
-        self.value = self._crc32c(chunk, self.value)
-        self.size += len(chunk)
-        return len(chunk)
-
-
-def _read_back(store: Store, key: str) -> tuple[int, str]:
-    """The size and CRC32C of the object at `key`, as downloaded now."""
-    sink = _Summing()
-    store.download(key, sink)  # type: ignore[arg-type]
-    return sink.size, crc32c_b64(sink.value)
 
 
 def gated_plan(plan: Plan, roots: Sequence[Root], state_dir: Path | None) -> Plan:

@@ -5,17 +5,24 @@ The identity of each entry is (dev, inode, size, mtime_ns, ctime_ns), as the ver
 upload holds the bytes that were read: nothing was replaced, rewritten or added. The ctime is what
 tells a file rewritten in place to the same size with its mtime put back (`os.utime`, a copy that
 keeps times): no call can set it. A rename, chmod or another hard link changes it too, without
-touching the bytes: the gate then reads that file again and compares its CRC32C (`gate`). A rewrite
+touching the bytes: the gate then reads that file again and compares its SHA-256 (`gate`). A rewrite
 within the timestamp tick of the look that read the file keeps even its ctime: the upload reads such
 a racily clean file once more after its tick (`upload.Archiver._after_tick`).
 
 The manifest (`<prefix>/<run>/<checkpoint>.ckptd-manifest.json`) is written last, create-only: while
-it is missing, whatever objects are there are an archive in progress, never a whole one.
+it is missing, whatever objects are there are an archive in progress, never a whole one. Each file
+has two checksums, computed from the bytes read for upload in the same pass: its CRC32C (what the S3
+API stores and reports on HEAD, to catch corruption cheaply) and its SHA-256 (what every comparison
+of bytes by ckptd itself uses: read-back, restore, the gate's re-read; a CRC32C is affine, and 4
+chosen bytes give other bytes with the same one). A manifest written before SHA-256 was recorded
+has none (`FileEntry.sha256` None): the gate then compares the object's SHA-256 with the local
+file's, both computed now (gate.py).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import stat
@@ -55,13 +62,14 @@ class Snapshot:
     dirs: tuple[str, ...]
     is_file: bool
 
-    def differs(self, other: Snapshot, *, but_ctime: bool = False) -> str | None:
+    def differs(self, other: Snapshot, *, but_ctime: bool = False, but_removed: bool = False) -> str | None:
         """What changed between two looks, in a few words, or None. `but_ctime`: a file whose
-        ctime alone changed is not told (`touched` names those)."""
+        ctime alone changed is not told (`touched` names those). `but_removed`: files and
+        directories gone are not told either (what a purge killed halfway left)."""
         if self.is_file != other.is_file:
             return "it was replaced"
         added = sorted(other.files.keys() - self.files.keys())
-        gone = sorted(self.files.keys() - other.files.keys())
+        gone = [] if but_removed else sorted(self.files.keys() - other.files.keys())
         n = 4 if but_ctime else 5
         both = self.files.keys() & other.files.keys()
         changed = sorted(k for k in both if self.files[k][:n] != other.files[k][:n])
@@ -69,7 +77,7 @@ class Snapshot:
             if names:
                 more = f" and {len(names) - 1} more" if len(names) > 1 else ""
                 return f"{names[0] or 'the file'}{more} {what}"
-        if set(self.dirs) != set(other.dirs):
+        if set(self.dirs) != set(other.dirs) and not (but_removed and set(other.dirs) <= set(self.dirs)):
             return "its directories changed"
         return None
 
@@ -122,15 +130,51 @@ def crc32c_b64(value: int) -> str:
     return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
-def file_crc32c(path: Path) -> str:
-    """The CRC32C of a file's bytes, read through once."""
-    import crc32c
+class Digest:
+    """A stream's size, CRC32C and SHA-256, fed chunk by chunk (memory: nothing kept); also a sink
+    for a download (`write`). hashlib and crc32c release the GIL over a large chunk."""
 
-    value = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            value = crc32c.crc32c(chunk, value)
-    return crc32c_b64(value)
+    def __init__(self) -> None:
+        import crc32c
+
+        self._crc32c = crc32c.crc32c
+        self._crc = 0
+        self._sha = hashlib.sha256()
+        self.size = 0
+
+    def update(self, chunk: bytes | bytearray | memoryview) -> None:
+        self._crc = self._crc32c(chunk, self._crc)
+        self._sha.update(chunk)
+        self.size += len(chunk)
+
+    def write(self, chunk: bytes) -> int:
+        self.update(chunk)
+        return len(chunk)
+
+    @property
+    def crc32c(self) -> str:
+        return crc32c_b64(self._crc)
+
+    @property
+    def sha256(self) -> str:
+        return self._sha.hexdigest()
+
+
+def fd_digest(fd: int) -> Digest:
+    """The digest of what is left to read from `fd`, read through once."""
+    d = Digest()
+    while chunk := os.read(fd, _CHUNK):
+        d.update(chunk)
+    return d
+
+
+def file_digest(path: Path) -> Digest:
+    """The digest of a file's bytes, read through once (never through a symlink)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return fd_digest(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -140,6 +184,12 @@ class FileEntry:
     size: int
     crc32c: str  # base64, of the whole file
     identity: Identity  # as read for upload
+    sha256: str | None = None  # hex, of the whole file; None in a manifest written before it was recorded
+
+    def matches(self, d: Digest) -> bool:
+        """Whether bytes of digest `d` are this file's: size and CRC32C, and SHA-256 where recorded
+        (where it is not, the caller compares another copy's SHA-256: gate.py)."""
+        return (d.size, d.crc32c) == (self.size, self.crc32c) and self.sha256 in (None, d.sha256)
 
 
 @dataclass(frozen=True)
@@ -165,7 +215,8 @@ class Manifest:
             "checkpoint": self.checkpoint,
             "is_file": self.is_file,
             "files": [
-                {"path": f.path, "key": f.key, "size": f.size, "crc32c": f.crc32c, "identity": list(f.identity)}
+                {"path": f.path, "key": f.key, "size": f.size, "crc32c": f.crc32c,
+                 "identity": list(f.identity), **({"sha256": f.sha256} if f.sha256 is not None else {})}
                 for f in self.files
             ],
             "dirs": list(self.dirs),
@@ -194,7 +245,7 @@ def parse(data: bytes) -> Manifest:
     try:
         files = tuple(
             FileEntry(str(f["path"]), str(f["key"]), int(f["size"]), str(f["crc32c"]),
-                      tuple(int(x) for x in f["identity"]))  # type: ignore[arg-type]
+                      tuple(int(x) for x in f["identity"]), _sha256(f.get("sha256")))  # type: ignore[arg-type]
             for f in doc["files"]
         )
         fixed = {"format", "run", "checkpoint", "is_file", "files", "dirs"}
@@ -208,6 +259,15 @@ def parse(data: bytes) -> Manifest:
         if outside(path):
             raise ValueError(f"names a path outside the checkpoint ({path!r})")
     return m
+
+
+def _sha256(value: object) -> str | None:
+    """A file's recorded SHA-256: 64 lowercase hex digits, or None where the manifest has none."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) != 64 or not set(value) <= set("0123456789abcdef"):
+        raise ValueError(f"a sha256 that is not 64 hex digits ({value!r})")
+    return value
 
 
 def outside(rel: str) -> bool:

@@ -2,10 +2,10 @@
 
 For each checkpoint: its leftover multipart uploads (an attempt killed mid-file) are aborted, its
 files listed with their identities (manifest.snapshot), the intent journaled; then each file is
-uploaded with the CRC32C computed from the bytes read (in parts where it is larger than part_size:
-memory is at most concurrency x part_size, whatever the checkpoint's size), and checked: the
-store's HEAD must report the same size and CRC32C, of the full object, and the file must have kept
-its identity while it was read. A file an earlier attempt left whole (same size, same CRC32C) is not
+uploaded with the CRC32C and SHA-256 computed from the bytes read, in that one read (in parts where
+it is larger than part_size: memory is at most concurrency x part_size, whatever the checkpoint's
+size), and checked: the store's HEAD must report the same size and CRC32C, of the full object, and
+the file must have kept its identity while it was read. A file an earlier attempt left whole (same size, same CRC32C) is not
 sent again. Then the checkpoint is listed again (nothing added, removed or changed), a file
 changed within a timestamp tick of its read is read once more after that tick, and the manifest
 written create-only. The journal records the outcome; a local record (state_dir/archive/)
@@ -26,12 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.archive.manifest import (
+    Digest,
     FileEntry,
     Identity,
     Manifest,
     NotArchivable,
     crc32c_b64,
-    file_crc32c,
+    fd_digest,
+    file_digest,
     file_key,
     identity,
     manifest_key,
@@ -210,15 +212,18 @@ class Archiver:
         (`gate.archive_problem`); None always where the archive is not required."""
         return self.problem_at(c.run, c.name, c.path, dry_run=dry_run)
 
-    def problem_at(self, run: str, name: str, path: Path, *, dry_run: bool = False) -> str | None:
+    def problem_at(
+        self, run: str, name: str, path: Path, *, dry_run: bool = False, part_removed: bool = False
+    ) -> str | None:
         """`problem` of checkpoint `name` of `run` whose files are at `path` now: in its run, or in
-        the trash, where the purge asks again just before the irreversible removal."""
+        the trash, where the purge asks again just before the irreversible removal (`part_removed`:
+        of what a purge killed halfway left, `gate.problem_at`)."""
         from ckptd.archive.gate import problem_at
 
         if not self.cfg.required:
             return None
         why = problem_at(self.store, run, name, path, self.state_dir, missing_ok=dry_run,
-                         read_back=self.cfg.verify == "read-back" and not dry_run)
+                         read_back=self.cfg.verify == "read-back" and not dry_run, part_removed=part_removed)
         last = self.failures.get(name if run == "." else f"{run}/{name}")
         if why is not None and last is not None and last not in why:
             why = f"{why} (its last attempt: {last})"
@@ -273,9 +278,9 @@ class Archiver:
             }
             entries = []
             for rel, fut in futures.items():
-                crc, sent = fut.result()
+                d, sent = fut.result()
                 ident = before.files[rel]
-                entries.append(FileEntry(rel, file_key(ckey, rel), ident[2], crc, ident))
+                entries.append(FileEntry(rel, file_key(ckey, rel), ident[2], d.crc32c, ident, d.sha256))
                 self.uploaded_bytes += sent
         after = snapshot(c.path)
         if (what := before.differs(after)) is not None:
@@ -306,11 +311,10 @@ class Archiver:
             "source": f"{socket.gethostname()}:{c.path}",
         }
 
-    def _one_file(self, path: Path, key: str, ident: Identity) -> tuple[str, int]:
+    def _one_file(self, path: Path, key: str, ident: Identity) -> tuple[Digest, int]:
         """Upload one file unless an earlier attempt left it whole; check the store's copy and that
-        the file kept `ident` while it was read. Its CRC32C, and the bytes sent."""
-        import crc32c
-
+        the file kept `ident` while it was read. Its digest (CRC32C and SHA-256, of the bytes read
+        for upload, in that one read), and the bytes sent."""
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             if identity(os.fstat(fd)) != ident:
@@ -318,30 +322,34 @@ class Archiver:
             size = ident[2]
             there = self.store.head(key)
             if there is not None and there.size == size and there.crc32c is not None:
-                crc = self._crc_of(fd, crc32c)
-                if there.crc32c == crc and there.checksum_type in (None, "FULL_OBJECT"):
+                d = fd_digest(fd)
+                if there.crc32c == d.crc32c and there.checksum_type in (None, "FULL_OBJECT"):
                     self._unchanged(fd, path, ident)
                     self._advance(size)
-                    return crc, 0  # left whole by an earlier attempt
+                    # The object is taken as whole by the store's CRC32C (or read back by the gate
+                    # where verify = "read-back"); the SHA-256 recorded is of the file's bytes.
+                    return d, 0  # left whole by an earlier attempt
                 os.lseek(fd, 0, os.SEEK_SET)
             if size <= self.cfg.part_size:
                 data = _read(fd, size)
-                crc = crc32c_b64(crc32c.crc32c(data))
+                d = Digest()
+                d.update(data)
                 self._throttle(len(data))
-                self.store.put(key, data, crc)
+                self.store.put(key, data, d.crc32c)
                 self._advance(len(data))
             else:
-                crc = self._multipart(fd, key, size, crc32c)
+                d = self._multipart(fd, key, size)
             self._unchanged(fd, path, ident)
             there = self.store.head(key)
             if there is None:
                 raise StoreError(f"{key} is not there after its upload")
+            crc = d.crc32c
             if there.size != size or there.crc32c != crc or there.checksum_type not in (None, "FULL_OBJECT"):
                 raise StoreError(
                     f"{key}: the store reports {there.size} bytes, CRC32C {there.crc32c} "
                     f"({there.checksum_type or 'single part'}), not the {size} bytes, CRC32C {crc} read here"
                 )
-            return crc, size
+            return d, size
         finally:
             os.close(fd)
 
@@ -367,30 +375,23 @@ class Archiver:
         if self.throttle is not None:
             self.throttle.take(n)
 
-    def _crc_of(self, fd: int, crc32c: object) -> str:
-        value = 0
-        while chunk := os.read(fd, 8 * 1024 * 1024):
-            value = crc32c.crc32c(chunk, value)  # type: ignore[attr-defined]
-        return crc32c_b64(value)
+    def _multipart(self, fd: int, key: str, size: int) -> Digest:
+        import crc32c
 
-    def _multipart(self, fd: int, key: str, size: int, crc32c: object) -> str:
         upload_id = self.store.begin(key)
         etags: list[str] = []
-        value = 0
-        done = 0
-        while done < size:
-            data = _read(fd, min(self.cfg.part_size, size - done))
-            value = crc32c.crc32c(data, value)  # type: ignore[attr-defined]
+        d = Digest()
+        while d.size < size:
+            data = _read(fd, min(self.cfg.part_size, size - d.size))
+            d.update(data)
             self._throttle(len(data))
             etags.append(self.store.put_part(key, upload_id, len(etags) + 1, data,
-                                             crc32c_b64(crc32c.crc32c(data))))  # type: ignore[attr-defined]
-            done += len(data)
+                                             crc32c_b64(crc32c.crc32c(data))))
             self._advance(len(data))
             if len(etags) == 1:
                 _pause_for_tests()
-        crc = crc32c_b64(value)
-        self.store.complete(key, upload_id, etags, crc)
-        return crc
+        self.store.complete(key, upload_id, etags, d.crc32c)
+        return d
 
     def _after_tick(self, path: Path, entries: list[FileEntry], read_ns: int) -> None:
         """Each racily clean file read once more, after its timestamp tick is over: a file whose ctime
@@ -409,8 +410,8 @@ class Archiver:
             time.sleep(wait_ns / 1e9)  # the filesystem's clock must move on: nothing to wait on but time
         for e in racy:
             fpath = path / e.path if e.path else path
-            crc = file_crc32c(fpath)
-            if crc != e.crc32c or identity(os.stat(fpath, follow_symlinks=False)) != e.identity:  # after the read
+            same = e.matches(file_digest(fpath))
+            if not same or identity(os.stat(fpath, follow_symlinks=False)) != e.identity:  # after the read
                 raise Changed(f"{e.path or path.name} was rewritten within its timestamp tick while it was "
                               "archived: tried again at the next pass")
 

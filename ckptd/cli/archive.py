@@ -4,14 +4,17 @@ from it, every file verified against its manifest, into a directory that appears
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import json
+import logging
 import os
-import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
 
-from ckptd.archive.manifest import SUFFIX, file_crc32c, outside, parse
+from ckptd.archive.manifest import SUFFIX, Digest, outside, parse
 from ckptd.archive.store import StoreError, object_url
 from ckptd.archive.upload import Archiver, archiver_for_plan
 from ckptd.cli.common import load, scan_all, with_effective_quiet
@@ -21,10 +24,15 @@ from ckptd.decide.policy import Decision
 from ckptd.errors import EX_OK, IOFault, UsageError
 from ckptd.journal import read_journal
 from ckptd.model import Action
-from ckptd.removal.fs import _rename_noreplace
+from ckptd.removal.fs import _remove_at, _rename_noreplace
 from ckptd.volume.mounts import holder
 
 ARCHIVE_EVENTS = ("archiving", "archived", "archive-failed")
+# A restore's hidden directory beside its target, `<RESTORE_TMP><checkpoint>-<random>`, held with
+# flock(2) while the restore runs (`_new_temp`); one no restore holds was left by a killed one
+RESTORE_TMP = ".ckptd-restore-"
+
+log = logging.getLogger(__name__)
 
 
 def _archived_roots(config: Config, target: str | None) -> tuple[list[Root], str | None]:
@@ -167,7 +175,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     if os.path.lexists(dest):
         raise UsageError(f"{dest} exists: restore --to another directory, or move it away first")
     into.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".ckptd-restore-{name}-", dir=into))
+    clean_stale_restores(into)
+    tmp, held = _new_temp(into, name)
     try:
         with Ticker(f"restore {args.checkpoint}", quiet=getattr(args, "quiet", False)) as ticker:
             _download(store, m, tmp / name, ticker)
@@ -184,9 +193,107 @@ def cmd_restore(args: argparse.Namespace) -> int:
     except StoreError as exc:
         raise IOFault(f"not restored: {exc}") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"restored {dest} ({len(m.files)} files, {format_size(m.size)}, every file verified)")
+        _remove_own(into, tmp.name, held)
+    how = "every file verified" if all(f.sha256 is not None for f in m.files) else (
+        "every file's CRC32C verified; its manifest, written before ckptd recorded SHA-256, has no SHA-256")
+    print(f"restored {dest} ({len(m.files)} files, {format_size(m.size)}, {how})")
     return EX_OK
+
+
+def _new_temp(into: Path, name: str) -> tuple[Path, int]:
+    """A new hidden directory in `into` to restore `name` into, and a descriptor of it holding an
+    exclusive flock(2) for as long as this restore runs: what tells another restore's
+    `clean_stale_restores` that it is not a killed one's. Where the filesystem refuses flock on a
+    directory (NFS), held by nothing: then no restore can tell, and none removes it."""
+    while True:
+        tmp = Path(tempfile.mkdtemp(prefix=f"{RESTORE_TMP}{name}-", dir=into))
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            # Blocks only while another restore's cleaning, which took it between mkdtemp and here,
+            # removes it: then it is gone (below) and another is made.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            return tmp, fd
+        try:
+            if os.lstat(tmp).st_ino == os.fstat(fd).st_ino:
+                return tmp, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _remove_own(into: Path, name: str, held: int) -> None:
+    """This restore's hidden directory removed (empty once renamed into place; else what a failed
+    restore downloaded), from descriptors, then its hold let go."""
+    try:
+        into_fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if os.stat(name, dir_fd=into_fd, follow_symlinks=False).st_ino == os.fstat(held).st_ino:
+                _remove_at(name, into_fd)
+        finally:
+            os.close(into_fd)
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", into / name, exc)
+    finally:
+        os.close(held)
+
+
+def clean_stale_restores(into: Path) -> list[str]:
+    """Remove from `into` what killed restores left: directories named as a restore names its hidden
+    one (`RESTORE_TMP`) that no running restore holds (flock, taken here without waiting, and held
+    while removing). Never a symlink of that name, nor anything else; removed from descriptors,
+    never following a link nor entering another filesystem (`removal.fs._remove_at`). One that
+    cannot be locked (in use, or a filesystem without flock on directories) is left. The names
+    removed."""
+    try:
+        into_fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    removed = []
+    try:
+        for entry in os.listdir(into_fd):
+            if entry.startswith(RESTORE_TMP) and _remove_if_stale(entry, into_fd):
+                removed.append(entry)
+                log.warning("removed %s, left by a restore that did not finish", into / entry)
+    finally:
+        os.close(into_fd)
+    return removed
+
+
+def _remove_if_stale(entry: str, into_fd: int) -> bool:
+    try:
+        fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=into_fd)
+    except OSError:  # a symlink (ELOOP), not a directory, gone: not a restore's
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                log.debug("cannot tell whether %s is in use (%s): left", entry, exc)
+            return False
+        st, held = os.stat(entry, dir_fd=into_fd, follow_symlinks=False), os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (held.st_dev, held.st_ino):
+            return False  # replaced since it was opened
+        _remove_at(entry, into_fd)
+        return True
+    except OSError as exc:
+        log.warning("cannot remove %s, left by a restore that did not finish: %s", entry, exc)
+        return False
+    finally:
+        os.close(fd)
+
+
+class _Writing:
+    """A download's sink: each chunk written to `out` and fed to a digest (no second read)."""
+
+    def __init__(self, out: object) -> None:
+        self.out = out
+        self.digest = Digest()
+
+    def write(self, chunk: bytes) -> int:
+        self.digest.update(chunk)
+        return self.out.write(chunk)  # type: ignore[attr-defined, no-any-return]
 
 
 def _inside(dest: Path, rel: str) -> Path:
@@ -199,7 +306,8 @@ def _inside(dest: Path, rel: str) -> Path:
 
 
 def _download(store: object, m: object, dest: Path, ticker: Ticker) -> None:
-    """Every file of manifest `m` into `dest`, each checked against its size and CRC32C; `ticker`
+    """Every file of manifest `m` into `dest`, each checked against its size, CRC32C and SHA-256 (a
+    manifest written before ckptd recorded SHA-256: CRC32C only, as `restore` then says); `ticker`
     told how far it is (drawn on a terminal once slow)."""
     total, done = m.size, 0  # type: ignore[attr-defined]
     ticker.working(f"0 of {format_size(total)} downloaded")
@@ -211,13 +319,16 @@ def _download(store: object, m: object, dest: Path, ticker: Ticker) -> None:
         path = _inside(dest, f.path) if f.path else dest
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as out:
-            store.download(f.key, out)  # type: ignore[attr-defined]
+            got = _Writing(out)
+            store.download(f.key, got)  # type: ignore[attr-defined]
             out.flush()
             os.fsync(out.fileno())
-        size, crc = path.stat().st_size, file_crc32c(path)
-        if size != f.size or crc != f.crc32c:
-            raise StoreError(f"{f.key}: downloaded {size} bytes, CRC32C {crc}; the manifest says {f.size}, {f.crc32c}")
-        done += size
+        d = got.digest
+        if not f.matches(d):
+            sha = f"SHA-256 {d.sha256}" if f.sha256 is not None else f"CRC32C {d.crc32c}"
+            want = f.sha256 if f.sha256 is not None else f.crc32c
+            raise StoreError(f"{f.key}: downloaded {d.size} bytes, {sha}; the manifest says {f.size}, {want}")
+        done += d.size
         ticker.saying(f"{format_size(done)} of {format_size(total)} downloaded and verified")
 
 

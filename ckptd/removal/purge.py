@@ -233,7 +233,7 @@ class Purging:
             contents, [row for row in seen if row not in _pin_rows(seen)])
         if left_by_crash:
             if not pinned:
-                return self._judged_after_crash(name, dir_fd, rel, known=isinstance(contents, list),
+                return self._judged_after_crash(name, dir_fd, rel,
                                                 whole=isinstance(contents, list) and diff is None)
             if not isinstance(contents, list):  # nothing says it is whole
                 diff = "no decision record to compare it with"
@@ -248,15 +248,18 @@ class Purging:
         return None
 
     def _judged_after_crash(
-        self, name: str, dir_fd: int, rel: str | None, *, whole: bool, known: bool
+        self, name: str, dir_fd: int, rel: str | None, *, whole: bool
     ) -> str | None:
         """An unpinned `<name>%purging` a killed purge left: why it is kept, or None: remove it.
         Still whole (its contents what its decision record saw): renamed back and judged afresh
         (`_rejudged`: pins, its run's anchors, and the archive gate where one is required), then
         claimed again only if that judgement lets it go; a keep puts it back into its run (or holds
-        it). Part of it removed while an archive is required: the removal was allowed by an archive
-        that may no longer verify, and nothing says it does: held for review. Otherwise (no record,
-        a slim's files, no archive) its removal is finished as the decision made it."""
+        it). Otherwise (part of it removed, or no record to tell) while an archive is required: the
+        removal was allowed by an archive that may no longer verify, so the archive is judged again
+        (what is left of it must be what was archived, `_archive_gone`); finished only where it
+        verifies, else held for review (it cannot go back into its run whole). With no archive
+        required (or a slim's files) its removal is finished as the decision made it: what is left is
+        no checkpoint any more, and a pin was looked for above."""
         if whole and rel is not None:
             try:
                 _rename_noreplace(f"{name}{PURGING}", dir_fd, name, dir_fd)
@@ -272,9 +275,9 @@ class Purging:
             except OSError as exc:
                 return f"cannot claim it again ({exc.strerror})"
             return None
-        if self.archiver is not None and known and rel is not None:
-            return self._unclaim(name, dir_fd, "its purge was interrupted with an archive required",
-                                 review=True)
+        why = None if rel is None else self._archive_gone(f"{name}{PURGING}", dir_fd, rel, part_removed=True)
+        if why is not None:
+            return self._unclaim(name, dir_fd, f"its purge was interrupted {why}", review=True)
         return None
 
     def _back_now(self, name: str, dir_fd: int, rel: str | None, why: str) -> str:
@@ -465,17 +468,20 @@ class Purging:
         return (self._an_anchor(entry, trash_fd, run_rel, name, mine)
                 or self._archive_gone(entry, trash_fd, rel))
 
-    def _archive_gone(self, entry: str, trash_fd: int, rel: str) -> str | None:
+    def _archive_gone(
+        self, entry: str, trash_fd: int, rel: str, *, part_removed: bool = False
+    ) -> str | None:
         """With `[roots.archive] required`: why the archive the reaper verified before the rename no
         longer allows the removal (its manifest or an object gone or changed during the grace, the
         store unreachable: archive/gate.py, asked of the entry's files in the trash), or None.
         Asked last: it reads the store. A keep like any other: the entry goes back into its run,
-        where the next pass archives it again (or keeps it, saying why)."""
+        where the next pass archives it again (or keeps it, saying why). `part_removed`: of what a
+        purge killed halfway left (`_judged_after_crash`)."""
         if self.archiver is None:
             return None
         run_rel, _, name = rel.rpartition("/")
         path = Path(f"/proc/self/fd/{trash_fd}") / entry
-        why = self.archiver.problem_at(run_rel or ".", name, path)
+        why = self.archiver.problem_at(run_rel or ".", name, path, part_removed=part_removed)
         return None if why is None else f"{_ARCHIVE} ({why})"
 
     def _an_anchor(self, entry: str, trash_fd: int, run_rel: str, name: str, mine: Candidate) -> str | None:

@@ -1,8 +1,8 @@
 """Attempts, by someone who had not seen the archive's code, to make ckptd delete a local checkpoint
 whose archive is not whole and verified (`[roots.archive] required = true`), or to make `ckptd
 restore` give back other bytes than were archived. The real `ckptd` as a subprocess against moto's
-S3 API server on 127.0.0.1; a purge killed with SIGKILL where strace holds it (no sleep). Those that
-still succeed are xfail(strict=True): remove the mark once the product refuses."""
+S3 API server on 127.0.0.1; a purge killed with SIGKILL where strace holds it (no sleep). An attack
+that still succeeds is marked xfail(strict=True) until the product refuses it (none now)."""
 
 from __future__ import annotations
 
@@ -93,13 +93,12 @@ def entries(root: Path) -> list[str]:
     return sorted(n for n in os.listdir(root / TRASH_DIR) if not n.endswith("%decision"))
 
 
-@pytest.mark.xfail(strict=True, reason="documented limit (docs/archive.md): read-back compares a CRC32C only: a "
-                   "forged object of the same size and CRC32C passes, the local copy is purged and restore returns it")
 def test_read_back_catches_an_object_of_the_same_size_and_crc32c(tmp_path, s3):  # noqa: F811
-    """verify = "read-back" is documented to catch other bytes kept under the original checksum.
-    A CRC32C is no digest: 4 bytes chosen by linear algebra give other bytes of the same size and
-    CRC32C, which the read-back accepts; the local copy is purged and `restore` hands back the
-    forged bytes as 'every file verified'."""
+    """verify = "read-back" catches other bytes kept under the original checksum. A CRC32C is no
+    digest: 4 bytes chosen by linear algebra give other bytes of the same size and CRC32C, which a
+    read-back comparing CRC32C accepted (the local copy purged, `restore` handing back the forged
+    bytes as 'every file verified'). The SHA-256 the manifest records tells them apart: the purge
+    moves the checkpoint back, and `restore` refuses the object and leaves nothing."""
     root, cfg, bucket = pruned(tmp_path, s3, verify="read-back")
     client = s3.client()
     key = "archive/run/checkpoint-10/global_step10/mp_rank_00_model_states.pt"
@@ -114,6 +113,8 @@ def test_read_back_catches_an_object_of_the_same_size_and_crc32c(tmp_path, s3): 
         "purged with its archive holding other bytes: " + r.stdout
         + f" / restore rc={back.returncode} gives back the forged bytes: "
         + str(restored.exists() and restored.read_bytes() == forged))
+    assert back.returncode == 74 and "SHA-256" in back.stderr, back.stdout + back.stderr
+    assert not (tmp_path / "back" / "checkpoint-10").exists()
 
 
 def _hold_purge_after_its_claim(cfg: Path, root: Path) -> str:
@@ -184,27 +185,11 @@ def test_restore_makes_nothing_outside_its_target(tmp_path, s3):  # noqa: F811
     assert not (tmp_path / "to" / "escaped").exists() and not (tmp_path / "escaped").exists()
 
 
-def test_a_part_removed_claim_with_an_archive_required_is_held_for_review(tmp_path, s3):  # noqa: F811
-    """As above, one file of the claimed entry then removed as the killed purge would have (by hand:
-    no strace hold gives the kill between two unlinks cheaply): with `required = true` the rest is
-    held for review (`%review`), not finished, since nothing says its archive still verifies."""
-    root, cfg, _bucket = pruned(tmp_path, s3)
-    claimed = _hold_purge_after_its_claim(cfg, root)
-    victim = next(p for p in (root / TRASH_DIR / claimed).rglob("*") if p.is_file())
-    victim.unlink()
-    r = ckptd("trash", "purge", "--now", "-c", str(cfg), env=GRACE, check=False)
-    name = claimed.removesuffix("%purging")
-    assert f"{name}%review" in os.listdir(root / TRASH_DIR), r.stdout + r.stderr
-    assert "held for review" in r.stderr
-
-
-@pytest.mark.xfail(strict=True, reason="documented limit (docs/archive.md): the gate re-reads a ctime-touched file "
-                   "and compares only its CRC32C: a same-CRC32C rewrite passes")
 def test_a_local_file_rewritten_to_the_same_crc32c_is_kept(tmp_path, s3):  # noqa: F811
     """After its archive verified, a file of the checkpoint is rewritten in place: other bytes, the
-    same size, its mtime put back with os.utime. The ctime moved, so the gate reads it again, but
-    compares only its CRC32C, which 4 chosen bytes keep: the local copy, which is not what the
-    archive holds, is deleted."""
+    same size and CRC32C (4 chosen bytes), its mtime put back with os.utime. The ctime moved, so
+    the gate reads it again; comparing its CRC32C alone let the local copy, which is not what the
+    archive holds, be deleted. Its SHA-256 is compared: kept."""
     root, cfg, bucket = setup(tmp_path, s3)
     with_grace_cfg(cfg, when="on-complete")
     ckpt = root / "run" / "checkpoint-10"
@@ -224,6 +209,7 @@ def test_a_local_file_rewritten_to_the_same_crc32c_is_kept(tmp_path, s3):  # noq
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     r = ckptd("prune", "-c", str(cfg), "-q", env={"CKPTD_TRASH_GRACE": "0"}, check=False)
     assert "checkpoint-10" in os.listdir(root / "run"), f"deleted though it differs from its archive: {r.stderr}"
+    assert "the same CRC32C over other bytes" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 ODD = "r +%2F?#&=ü~*'\\"  # a run's name S3 keys and URLs treat specially: space, plus, percent, query, fragment

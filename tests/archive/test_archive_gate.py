@@ -4,6 +4,7 @@ not whole, verified and of these very files. Real filesystem, real HTTP, real mu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from ckptd.archive import s3 as s3mod
 from ckptd.archive import upload as uploadmod
-from ckptd.archive.manifest import file_crc32c, manifest_key, snapshot
+from ckptd.archive.manifest import file_digest, manifest_key, snapshot
 from ckptd.cli.demo_volume import hf_deepspeed_checkpoint
 from ckptd.config import Retention, Root
 from ckptd.config.archive import Archive
@@ -44,15 +45,18 @@ def objects(s3, bucket):  # noqa: F811
 def test_archives_verifies_then_deletes(volume, tmp_path, s3):  # noqa: F811
     reaper, plan, bucket = make(volume, tmp_path, s3)
     before = {d.checkpoint.name: snapshot(d.checkpoint.path) for d in plan.deletions}
-    crcs = {(d.checkpoint.name, rel): file_crc32c(d.checkpoint.path / rel)
+    sums = {(d.checkpoint.name, rel): file_digest(d.checkpoint.path / rel)
             for d in plan.deletions for rel in before[d.checkpoint.name].files}
+    # each file's SHA-256 as hashlib computes it from the bytes on disk (not the Digest that writes it)
+    shas = {k: hashlib.sha256((volume / "run" / k[0] / k[1]).read_bytes()).hexdigest() for k in sums}
     results = reaper.execute(plan.decisions)
     assert [r.outcome for r in results] == [Outcome.TRASHED] * 3, [r.line() for r in results]
     assert names(volume) == ["checkpoint-40"]
     client = s3.client()
     for name, snap in before.items():
         doc = json.loads(client.get_object(Bucket=bucket, Key=f"archive/run/{name}.ckptd-manifest.json")["Body"].read())
-        assert {f["path"]: f["crc32c"] for f in doc["files"]} == {rel: crcs[(name, rel)] for rel in snap.files}
+        assert {f["path"]: f["crc32c"] for f in doc["files"]} == {rel: sums[(name, rel)].crc32c for rel in snap.files}
+        assert {f["path"]: f["sha256"] for f in doc["files"]} == {rel: shas[(name, rel)] for rel in snap.files}
         assert doc["framework"] and doc["step"] == int(name.split("-")[1]) and doc["verdict"]["state"] == "complete"
         for f in doc["files"]:  # the store's own checksum of each object: what was read here
             head = client.head_object(Bucket=bucket, Key=f["key"], ChecksumMode="ENABLED")

@@ -97,3 +97,37 @@ def test_a_rewrite_within_the_timestamp_tick_of_the_read_is_caught(volume, tmp_p
     reaper.archiver.archive_all(plan.decisions)
     assert "rewritten within its timestamp tick" in reaper.archiver.failures["run/checkpoint-20"]
     assert "run/checkpoint-10" not in reaper.archiver.failures
+
+
+def test_a_rewrite_within_the_tick_to_the_same_crc32c_is_caught(volume, tmp_path, s3, monkeypatch):  # noqa: F811
+    """As above, the rewrite within the tick being to other bytes of the same size and CRC32C (4
+    chosen bytes): the racy re-read compares the SHA-256 computed as the file was uploaded."""
+    from tests.archive.test_archive_attack import forge_same_crc32c
+
+    first: dict[tuple[int, int], int] = {}
+    real_identity = manifestmod.identity
+
+    def coarse(st):
+        dev, ino, size, mtime_ns, _ = real_identity(st)
+        return (dev, ino, size, mtime_ns, first.setdefault((dev, ino), time.time_ns()))
+
+    monkeypatch.setattr(manifestmod, "identity", coarse)
+    monkeypatch.setattr(uploadmod, "identity", coarse)
+    real_put = s3mod.S3Store.put
+    target = volume / "run" / "checkpoint-20" / "config.json"
+    forged = forge_same_crc32c(target.read_bytes())
+
+    def rewrite(self, key, data, crc32c):
+        out = real_put(self, key, data, crc32c)
+        if key.endswith("checkpoint-20/config.json"):
+            st = os.stat(target)
+            with open(target, "r+b") as f:
+                f.write(forged)
+            os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+        return out
+
+    monkeypatch.setattr(s3mod.S3Store, "put", rewrite)
+    reaper, plan, _ = make(volume, tmp_path, s3)
+    reaper.archiver.archive_all(plan.decisions)
+    assert "rewritten within its timestamp tick" in reaper.archiver.failures["run/checkpoint-20"]
+    assert target.read_bytes() == forged
