@@ -379,8 +379,10 @@ def test_the_archive_gone_and_a_file_rewritten_between_the_gate_and_the_rename(t
     (same size, mtime put back). The rename goes ahead, but the purge asks again: the checkpoint
     goes back into its run."""
     root, cfg, bucket = setup(tmp_path, s3)
+    # Each rename is held 6 s: the bucket's delete and the rewrite below must land inside the
+    # hold, and on a loaded 2-core machine 2 s was once too short for them.
     proc = subprocess.Popen(
-        ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "inject=renameat:delay_enter=2000000",
+        ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "inject=renameat:delay_enter=6000000",
          sys.executable, "-m", "ckptd", "prune", "-c", str(cfg), "-q"],
         env={**os.environ, "CKPTD_TRASH_GRACE": "0"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True)
