@@ -176,7 +176,9 @@ def test_a_restore_that_loses_the_rename_to_the_purge_says_so(tmp_path):
 
 def test_a_restore_that_renames_first_keeps_it_and_the_purge_leaves_it(tmp_path):
     cfg, root = pruned(tmp_path, keep_last=3)
-    purge = held(tmp_path, ["trash", "purge", "--now", "-c", cfg], "renameat2", "enter")
+    # Held 15 s: the whole restore (a Python start included) must run inside the hold; at a load
+    # of 15 on 2 cores the default 4 s was once too short.
+    purge = held(tmp_path, ["trash", "purge", "--now", "-c", cfg], "renameat2", "enter", secs=15)
     restore = ckptd("trash", "restore", "-c", cfg, "run/ckpt_1")
     out, _ = purge.communicate(timeout=60)
     assert restore.returncode == 0, restore.stderr
