@@ -119,3 +119,30 @@ def test_the_liveness_probe_finds_a_standby_healthy_lease_period_after_lease_per
         a.stop()
         if b is not None:
             b.stop()
+
+
+def test_a_standby_on_a_polled_root_keeps_its_heartbeat_fresh(tmp_path):
+    """On a polled root (a network filesystem: no inotify) nothing from the volume wakes a standby
+    and its reconcile is an hour away: it steps every poll all the same, so the heartbeat the
+    liveness probe reads stays fresh for lease period after lease period."""
+    probe = liveness_probe()
+    root = tmp_path / "vol"
+    ckpts(root, 1)
+    a = DaemonProc("-c", node_config(tmp_path, "a", root))
+    b = None
+    try:
+        a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
+        cfg = node_config(tmp_path, "b", root)
+        cfg.write_text(cfg.read_text().replace("poll_interval = '0.3s'\n", "poll_interval = '0.3s'\n"
+                                               "reconcile_interval = '1h'\nobserver = 'polling'\n"))
+        b = DaemonProc("-c", cfg)
+        b.wait_message("standby, observing only")
+        for _ in range(3):
+            renewed(root, 3)  # one lease period of the leader's renewals
+            proc = run_ckptd(*probe[1:], "-c", cfg, "--max-age", f"{2 * D:g}")
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert proc.stdout.startswith(f"healthy: pid {b.proc.pid}, heartbeat "), proc.stdout
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
