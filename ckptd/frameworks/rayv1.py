@@ -40,6 +40,7 @@ import re
 from collections.abc import Collection
 from pathlib import Path
 
+from ckptd.model import KEPT_FOR
 from ckptd.volume import volread
 
 NAME = re.compile(r"checkpoint_(\d{6,})")  # storage.py `_make_checkpoint_dir_name`: f"checkpoint_{index:06d}"
@@ -180,5 +181,12 @@ def resume_targets(trial: Path, names: Collection[str]) -> dict[str, str]:
         return {n: f"{exc}; it may name any of them" for n in ours}
     if state is None or not (held := state[1] & set(ours)):
         return {}
-    latest = max(held, key=lambda n: index(n) or 0)
-    return {latest: f"{state[0]} (the trial's latest: what Ray's restore resumes from)"}
+    latest = max(state[1], key=lambda n: index(n) or 0)
+    if latest in held:
+        return {latest: f"{state[0]} (the trial's latest: what Ray's restore resumes from)"}
+    # The state's latest is gone: `register_checkpoint` deletes the dropped latest before the controller
+    # saves the state naming the new one, so a job killed between them leaves a state whose restore fails
+    # (trainable.py `Trainable.restore`: "Could not recover from checkpoint as it does not exist on
+    # storage anymore"). Which one the user resumes from by hand is theirs to choose: all are kept.
+    return {n: (f"{KEPT_FOR}{state[0]} names {latest} as the trial's latest and it is gone: Ray's restore "
+                "fails; every checkpoint the state holds is kept for a resume by hand") for n in held}

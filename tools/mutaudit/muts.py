@@ -1148,6 +1148,9 @@ MUTS = [
  dict(id="RV6", what="a verdict cached for a Ray V1 checkpoint is dropped when the experiment state above its trial is rewritten",
    tests=[T+"completeness/test_ray_v1.py::test_a_rewritten_experiment_state_is_read_again_not_taken_from_the_verdict_cache"],
    edits=[("decide/planner.py", "    paths += [p for f in frameworks.REGISTRY for p in f.outside_run_files(run_dir.path, run_dir.names)]\n", "")]),
+ dict(id="RV7", what="a Ray V1 state whose latest is gone (Ray deleted it before saving the state) keeps every checkpoint it holds",
+   tests=[T+"completeness/test_ray_v1_resume.py::test_a_state_whose_latest_ray_deleted_keeps_every_checkpoint_it_holds"],
+   edits=[("frameworks/rayv1.py", "    latest = max(state[1], key=lambda n: index(n) or 0)", "    latest = max(held, key=lambda n: index(n) or 0)")]),
  # --- a deletion rests on what the disk says now
  dict(id="RT3a", what="a restore stats the files whose contents a decision rests on", tests="rt3", edits=[(V,
    "        if e.kind in (\"d\", \"m\") or not e.rel or (e.kind == \"f\" and e.rel in read)",
