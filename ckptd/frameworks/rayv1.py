@@ -170,8 +170,9 @@ def registered(trial: Path) -> tuple[str, set[str] | None, dict[str, dict[str, o
 def resume_targets(trial: Path, names: Collection[str]) -> dict[str, str]:
     """The checkpoint Ray's restore resumes the trial from: the greatest index its experiment state
     holds (storage.py numbers them in order; `register_checkpoint` never drops the latest). Only that
-    one: V1's restore loads the latest alone, and deletes a dropped one that is gone without a word
-    (storage.py `_delete_fs_path` logs the error). A state that cannot be read may name any."""
+    one: V1's restore loads the latest alone, and when it later drops one that is gone,
+    `_delete_fs_path` raises and tune_controller.py `_process_trial_save` logs it and carries on. A
+    state that cannot be read may name any."""
     ours = [n for n in names if NAME.fullmatch(n)]
     if not ours or not is_trial(names):
         return {}
