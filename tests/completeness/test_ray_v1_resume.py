@@ -84,3 +84,15 @@ def test_a_state_whose_latest_ray_deleted_keeps_every_checkpoint_it_holds(latest
     assert all(seen[n]["action"] == "keep" for n in names), seen
     assert run_ckptd("prune", "-c", cfg).returncode == 0
     assert sorted(p.name for p in trial.iterdir() if p.name.startswith("checkpoint_")) == names
+
+
+def test_a_nested_metric_is_named_by_its_path_as_rays_score_attribute(latest_deleted_volume, tmp_path):
+    """`report({"eval": {"loss": x}})`: Ray ranks by checkpoint_score_attribute="eval/loss" (flatten_dict);
+    ckptd's `metric = "eval/loss"` reads the same value (else none: keep_best could not reproduce it)."""
+    src, _ = latest_deleted_volume
+    root = tmp_path / "vol"
+    shutil.copytree(src / "run", root / "run")
+    (trial,) = [p for p in (root / "run").iterdir() if (p / "params.json").exists()]
+    _, seen = rows(tmp_path, root, trial, keep_last=1, keep_best=1, metric="eval/loss", mode="min")
+    assert {n: c["metric"] for n, c in seen.items() if c["state"] == "complete"} == {
+        "checkpoint_000000": 0.5, "checkpoint_000001": 0.6}, seen

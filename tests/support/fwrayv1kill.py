@@ -3,7 +3,7 @@ for tests/completeness/test_ray_v1_resume.py.
 
 ``python -m tests.support.fwrayv1kill OUT RUN after_delete NAME``: TorchTrainer on gloo, 2 CPU workers,
 CheckpointConfig(num_to_keep=2, "loss", "min"), reports with losses 0.5, 0.6, 0.9, 0.8 (rank 0 with a
-checkpoint). Report 3 waits (bounded) until the experiment state on the volume holds report 2 (Ray keeps
+checkpoint; each loss reported as "eval": {"loss": ...} too). Report 3 waits (bounded) until the experiment state on the volume holds report 2 (Ray keeps
 reports 0, 1 and 2, the latest). Registering report 3 makes Ray's `_CheckpointManager.register_checkpoint`
 (checkpoint_manager.py) drop report 2, the experiment state's latest so far, and delete its directory
 (storage.py `_delete_fs_path`), before the controller saves the experiment state naming report 3
@@ -56,7 +56,7 @@ def loop(config: dict) -> None:
             if rank == 0:
                 torch.save(torch.nn.Linear(4, 2).state_dict(), os.path.join(tmp, "model.pt"))
                 checkpoint = ray.train.Checkpoint.from_directory(tmp)
-            ray.train.report({"loss": loss, "report": i}, checkpoint=checkpoint)
+            ray.train.report({"loss": loss, "report": i, "eval": {"loss": loss}}, checkpoint=checkpoint)
 
 
 def resumed(config: dict) -> None:

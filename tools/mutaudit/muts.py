@@ -1151,6 +1151,9 @@ MUTS = [
  dict(id="RV7", what="a Ray V1 state whose latest is gone (Ray deleted it before saving the state) keeps every checkpoint it holds",
    tests=[T+"completeness/test_ray_v1_resume.py::test_a_state_whose_latest_ray_deleted_keeps_every_checkpoint_it_holds"],
    edits=[("frameworks/rayv1.py", "    latest = max(state[1], key=lambda n: index(n) or 0)", "    latest = max(held, key=lambda n: index(n) or 0)")]),
+ dict(id="RV8", what="a Ray V1 nested metric is named by its path joined with '/', as Ray's checkpoint_score_attribute",
+   tests=[T+"completeness/test_ray_v1_resume.py::test_a_nested_metric_is_named_by_its_path_as_rays_score_attribute"],
+   edits=[("frameworks/ray.py", "        if isinstance(v, dict) and depth < 8:", "        if False:")]),
  # --- a deletion rests on what the disk says now
  dict(id="RT3a", what="a restore stats the files whose contents a decision rests on", tests="rt3", edits=[(V,
    "        if e.kind in (\"d\", \"m\") or not e.rel or (e.kind == \"f\" and e.rel in read)",
