@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.completeness.test_ray import ISOLATED, can_isolate
-from tests.completeness.test_ray_v1 import V1_ENV, rows
+from tests.completeness.test_ray_v1 import V1_ENV, ray_v1_volume, rows  # noqa: F401 (a fixture)
 from tests.support import volcache
 from tests.support.common import run_ckptd, shift_mtimes
 
@@ -96,3 +96,29 @@ def test_a_nested_metric_is_named_by_its_path_as_rays_score_attribute(latest_del
     _, seen = rows(tmp_path, root, trial, keep_last=1, keep_best=1, metric="eval/loss", mode="min")
     assert {n: c["metric"] for n, c in seen.items() if c["state"] == "complete"} == {
         "checkpoint_000000": 0.5, "checkpoint_000001": 0.6}, seen
+
+
+def test_ray_v1_restore_carries_on_after_ckptds_prune(ray_v1_volume, tmp_path):  # noqa: F811 (the fixture)
+    """ckptd's keep_last=1 deletes checkpoints the experiment state still holds (Ray's num_to_keep=3 would
+    keep them): Ray's restore resumes from the state's latest, the one ckptd kept; when Ray later drops one
+    ckptd deleted, `_delete_fs_path` raises and `_process_trial_save` logs it, and the trial carries on. The
+    resumed run numbers on from the state's latest (its first save goes into the cut copy's directory), in a
+    state file of a new date, and ckptd follows that one."""
+    src, truth = ray_v1_volume
+    root = tmp_path / "vol"
+    shutil.copytree(src / "run", root / "run")
+    trial = root / "run" / truth["trial"]
+    cfg, seen = rows(tmp_path, root, trial, keep_last=1, keep_best=0)
+    assert [n for n, c in seen.items() if c["action"] == "delete"] == ["checkpoint_000001", "checkpoint_000002"]
+    assert run_ckptd("prune", "-c", cfg).returncode == 0
+    proc = job("tests.support.fwrayv1more", str(root / "run"), "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["error"] is None and got["resumed_from"] == truth["restore"] == "checkpoint_000003", got
+    assert "Error handling checkpoint" in proc.stderr  # checkpoint_000002, gone, dropped by Ray
+    assert got["left"] == ["checkpoint_000004", "checkpoint_000005"], got
+    assert len(list((root / "run").glob("experiment_state-*.json"))) == 2
+    shift_mtimes(root, 3600)
+    _, seen = rows(tmp_path, root, trial, keep_last=1, keep_best=0)
+    assert {n: seen[n]["state"] for n in got["left"]} == {n: "complete" for n in got["left"]}, seen
+    assert "what Ray's restore resumes from" in " ".join(seen["checkpoint_000005"]["reasons"])
