@@ -1141,7 +1141,7 @@ MUTS = [
    edits=[("frameworks/rayv1.py", "    if state is None or not (held := state[1] & set(ours)):", "    if True:")]),
  dict(id="RV4", what="a Ray V1 checkpoint's metrics are the result.json result reported with it",
    tests=[T+"completeness/test_ray_v1.py::test_ray_v1_metrics_are_the_result_json_ones"],
-   edits=[("frameworks/ray.py", "            out.append((str(k), Reading(as_metric(v), V1_METRICS)))", "            pass")]),
+   edits=[("frameworks/ray.py", "            out.append((k, Reading(as_metric(v), V1_METRICS)))", "            pass")]),
  dict(id="RV5", what="a user's pattern over a Ray V1 trial's checkpoint_00000N is judged by Ray's records too",
    tests=[T+"completeness/test_ray_v1.py::test_a_users_checkpoint_step_pattern_over_a_v1_trial_is_judged_by_rays_records"],
    edits=[("frameworks/ray.py", "            return v1_registration(save)  # `checkpoint_{step}`", "            return None  # `checkpoint_{step}`")]),
