@@ -122,3 +122,38 @@ def test_ray_v1_restore_carries_on_after_ckptds_prune(ray_v1_volume, tmp_path): 
     _, seen = rows(tmp_path, root, trial, keep_last=1, keep_best=0)
     assert {n: seen[n]["state"] for n in got["left"]} == {n: "complete" for n in got["left"]}, seen
     assert "what Ray's restore resumes from" in " ".join(seen["checkpoint_000005"]["reasons"])
+
+
+@pytest.fixture(scope="module")
+def retried_volume(tmp_path_factory) -> tuple[Path, dict]:
+    pytest.importorskip("ray.train", reason="ray[train] is not installed: docs/frameworks/ray.md says how")
+    if not can_isolate():
+        pytest.skip("needs `unshare -n` (root) to keep Ray's servers off every interface but the loopback")
+    out = tmp_path_factory.mktemp("rayv1retry")
+
+    def make(out: Path) -> dict:
+        proc = job("tests.support.fwrayv1retry", str(out))
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    truth = volcache.generated("rayv1retry", [], ["fwrayv1retry.py"], out, make)
+    shift_mtimes(out, 3600)
+    return out, truth
+
+
+def _retried(retried_volume, tmp_path, **retention) -> tuple[dict, dict]:
+    src, truth = retried_volume
+    root = tmp_path / "vol"
+    shutil.copytree(src / "run", root / "run")
+    (trial,) = [p for p in (root / "run").iterdir() if (p / "params.json").exists()]
+    return truth, rows(tmp_path, root, trial, **retention)[1]
+
+
+def test_a_worker_killed_mid_copy_and_retried_by_ray(retried_volume, tmp_path):
+    """Ray retries the workers from checkpoint_000001 and writes report 2 again into the cut copy's
+    directory: every checkpoint its manager holds is complete, the latest is its Result's."""
+    truth, seen = _retried(retried_volume, tmp_path, keep_last=1, keep_best=0)
+    assert truth["error"] == "None" and truth["checkpoint"] == "checkpoint_000003", truth
+    assert {n for n, c in seen.items() if c["state"] == "complete"} == set(truth["losses"]), seen
+    assert [n for n, c in seen.items() if c["action"] == "keep"] == [truth["checkpoint"]]
+
