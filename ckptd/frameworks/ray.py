@@ -212,10 +212,23 @@ def v1_metrics(save: Save) -> Metrics:
     if records is None or save.cand.name not in records:
         return (), f"not in {rayv1.RESULT}: Ray keeps the metrics reported with a checkpoint there"
     out = []
-    for k, v in records[save.cand.name].items():
+    for k, v in _flat(records[save.cand.name]):
         if isinstance(v, int | float) and not isinstance(v, bool):
-            out.append((str(k), Reading(as_metric(v), V1_METRICS)))
+            out.append((k, Reading(as_metric(v), V1_METRICS)))
     return tuple(out), None
+
+
+def _flat(metrics: dict, prefix: str = "", depth: int = 0) -> list[tuple[str, object]]:
+    """A result's metrics with nested ones named by their path joined with "/": Ray ranks by
+    `checkpoint_score_attribute="eval/loss"` for `report({"eval": {"loss": ...}})` so (checkpoint_manager.py
+    `_get_checkpoint_score`: ray/_private/dict.py `flatten_dict`)."""
+    out: list[tuple[str, object]] = []
+    for k, v in metrics.items():
+        if isinstance(v, dict) and depth < 8:
+            out += _flat(v, f"{prefix}{k}/", depth + 1)
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
 
 
 def snapshot_targets(run_path: Path, names: Collection[str]) -> dict[str, str]:

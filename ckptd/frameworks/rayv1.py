@@ -40,6 +40,7 @@ import re
 from collections.abc import Collection
 from pathlib import Path
 
+from ckptd.model import KEPT_FOR
 from ckptd.volume import volread
 
 NAME = re.compile(r"checkpoint_(\d{6,})")  # storage.py `_make_checkpoint_dir_name`: f"checkpoint_{index:06d}"
@@ -169,8 +170,9 @@ def registered(trial: Path) -> tuple[str, set[str] | None, dict[str, dict[str, o
 def resume_targets(trial: Path, names: Collection[str]) -> dict[str, str]:
     """The checkpoint Ray's restore resumes the trial from: the greatest index its experiment state
     holds (storage.py numbers them in order; `register_checkpoint` never drops the latest). Only that
-    one: V1's restore loads the latest alone, and deletes a dropped one that is gone without a word
-    (storage.py `_delete_fs_path` logs the error). A state that cannot be read may name any."""
+    one: V1's restore loads the latest alone, and when it later drops one that is gone,
+    `_delete_fs_path` raises and tune_controller.py `_process_trial_save` logs it and carries on. A
+    state that cannot be read may name any."""
     ours = [n for n in names if NAME.fullmatch(n)]
     if not ours or not is_trial(names):
         return {}
@@ -180,5 +182,12 @@ def resume_targets(trial: Path, names: Collection[str]) -> dict[str, str]:
         return {n: f"{exc}; it may name any of them" for n in ours}
     if state is None or not (held := state[1] & set(ours)):
         return {}
-    latest = max(held, key=lambda n: index(n) or 0)
-    return {latest: f"{state[0]} (the trial's latest: what Ray's restore resumes from)"}
+    latest = max(state[1], key=lambda n: index(n) or 0)
+    if latest in held:
+        return {latest: f"{state[0]} (the trial's latest: what Ray's restore resumes from)"}
+    # The state's latest is gone: `register_checkpoint` deletes the dropped latest before the controller
+    # saves the state naming the new one, so a job killed between them leaves a state whose restore fails
+    # (trainable.py `Trainable.restore`: "Could not recover from checkpoint as it does not exist on
+    # storage anymore"). Which one the user resumes from by hand is theirs to choose: all are kept.
+    return {n: (f"{KEPT_FOR}{state[0]} names {latest} as the trial's latest and it is gone: Ray's restore "
+                "fails; every checkpoint the state holds is kept for a resume by hand") for n in held}
