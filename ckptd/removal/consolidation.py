@@ -22,7 +22,7 @@ from ckptd.decide.policy import Decision
 from ckptd.discover.layouts import TRASH_DIR
 from ckptd.judge import slim
 from ckptd.judge.evidence import Entry, TooDeep, fingerprint, walk
-from ckptd.removal.fs import _DIR_FLAGS, _contents, _identity, open_dir_nofollow
+from ckptd.removal.fs import _DIR_FLAGS, _contents, _identity, open_dir_nofollow, open_private_dir
 from ckptd.removal.outcome import DRY_RUN_NOTE, Anchors, Outcome, Result, _Stop
 from ckptd.removal.trash import _trash_name
 from ckptd.removal.zero_to_fp32 import Consolidated, Consolidation, ConsolidationFailed
@@ -288,15 +288,7 @@ class Consolidating:
 
     def _open_area(self) -> int:
         """A descriptor of `<root>/.ckptd-consolidating/`, made if needed (0700), not through a symlink."""
-        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            try:
-                os.mkdir(WORK_DIR, 0o700, dir_fd=root_fd)
-            except FileExistsError:
-                pass
-            return os.open(WORK_DIR, _DIR_FLAGS, dir_fd=root_fd)
-        finally:
-            os.close(root_fd)
+        return open_private_dir(self.root, WORK_DIR, 0o700)
 
 
 def _made(weights: dict) -> str:

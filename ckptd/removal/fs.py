@@ -5,10 +5,12 @@ that never replace, and removal of a tree from descriptors that never enters ano
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from ckptd.discover import layouts
@@ -34,6 +36,50 @@ def open_dir_nofollow(root: Path, rel: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def open_private_dir(
+    root: Path,
+    name: str,
+    mode: int,
+    *,
+    create: bool = True,
+    look_first: bool = False,
+    vet: Callable[[int, int], None] | None = None,
+) -> int:
+    """A descriptor of ckptd's own directory `root/name` (the trash, the lease's `.ckptd/`, the
+    consolidation's work area), made with `mode` where it is missing and `create`, and opened
+    without following a symlink: one planted under the name is refused (ELOOP), as is a file
+    (ENOTDIR). The root itself may be a symlink (it is configured).
+
+    Made first, then opened (what is there already is kept: EEXIST is no error); with
+    `look_first`, opened first and made only where it is not there (FileNotFoundError without
+    `create`). `vet(root_fd, fd)` is asked before the descriptor is returned, while the root is
+    still open: what it raises closes the directory and goes to the caller. Raises OSError.
+    """
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = None
+        if look_first:
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+        if fd is None:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, mode, dir_fd=root_fd)
+            fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+        if vet is not None:
+            try:
+                vet(root_fd, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
+    finally:
+        os.close(root_fd)
 
 
 def _still_at(root: Path, rel: str, fd: int) -> bool:

@@ -25,13 +25,13 @@ from ckptd.journal import Journal
 from ckptd.model import Checkpoint
 from ckptd.removal.decision import Snapshot, changed, digest, drop_record, pins_inside, snapshot, write_record
 from ckptd.removal.fs import (
-    _DIR_FLAGS,
     _another_filesystem,
     _identity,
     _pinned_at,
     _rename_noreplace,
     _still_at,
     open_dir_nofollow,
+    open_private_dir,
 )
 from ckptd.removal.outcome import Anchors, Outcome, Result
 
@@ -343,29 +343,19 @@ class Trashing:
         never another filesystem: a mount at <root>/.ckptd-trash (a bind mount of a dataset, a
         disk) would be emptied by the purge, and renames into it fail with EXDEV anyway.
         Raises OSError saying why."""
-        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            if create:
-                try:
-                    os.mkdir(TRASH_DIR, 0o700, dir_fd=root_fd)
-                except FileExistsError:
-                    pass
-            fd = os.open(TRASH_DIR, _DIR_FLAGS, dir_fd=root_fd)
-            try:
-                why = _another_filesystem(TRASH_DIR, root_fd, fd, self.trash)
-            except BaseException:
-                os.close(fd)
-                raise
+
+        def same_filesystem(root_fd: int, fd: int) -> None:
+            why = _another_filesystem(TRASH_DIR, root_fd, fd, self.trash)
             if why is not None:
-                os.close(fd)
                 raise OSError(errno.EXDEV, f"{self.trash} is {why}: never purged, nothing moved into it")
-            return fd
+
+        try:
+            return open_private_dir(self.root, TRASH_DIR, 0o700, create=create, vet=same_filesystem)
         except OSError as exc:
-            if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            # The trash's own name refused (a symlink or a file planted there); not the root's
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP) and exc.filename == TRASH_DIR:
                 raise OSError(exc.errno, f"{self.trash} exists and is not a directory") from None
             raise
-        finally:
-            os.close(root_fd)
 
     def _ensure_trash(self) -> None:
         os.close(self._open_trash())
