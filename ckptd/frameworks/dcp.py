@@ -17,8 +17,8 @@ import struct
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
-from ckptd.config import format_age
 from ckptd.discover.layouts import Candidate
+from ckptd.formatting import format_age
 from ckptd.frameworks.base import (
     MTIME_SLACK,
     Evidence,

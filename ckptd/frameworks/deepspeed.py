@@ -17,8 +17,8 @@ import zipfile
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
-from ckptd.config import format_age
 from ckptd.discover.layouts import Candidate
+from ckptd.formatting import format_age
 from ckptd.frameworks import dsmeta
 from ckptd.frameworks.base import (
     MTIME_SLACK,

@@ -40,9 +40,10 @@ from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 from ckptd import frameworks
-from ckptd.config import Pattern, format_age, format_duration, format_size, pin_matches
+from ckptd.config import Pattern, pin_matches
 from ckptd.discover import layouts
 from ckptd.discover.layouts import Candidate
+from ckptd.formatting import format_age, format_duration, format_size
 from ckptd.frameworks import (
     EVIDENCE,
     NESTED_METADATA_SUFFIX,

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd import frameworks
-from ckptd.config import format_size
 from ckptd.decide.policy import Decision
 from ckptd.discover.layouts import TRASH_DIR
+from ckptd.formatting import format_size
 from ckptd.judge import slim
 from ckptd.judge.evidence import Entry, TooDeep, fingerprint, walk
 from ckptd.removal.fs import _DIR_FLAGS, _contents, _identity, open_dir_nofollow, open_private_dir

@@ -14,9 +14,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ckptd.config import format_size
 from ckptd.decide.policy import Decision
 from ckptd.discover.layouts import TRASH_DIR
+from ckptd.formatting import format_size
 from ckptd.judge import slim
 from ckptd.judge.evidence import Entry, TooDeep, fingerprint, read_slim_marker, walk
 from ckptd.model import Checkpoint, ConsolidatedWeights
