@@ -10,12 +10,10 @@ import ctypes
 import errno
 import os
 import stat
-from collections.abc import Callable
 from pathlib import Path
 
 from ckptd.discover import layouts
-from ckptd.judge.evidence import TooDeep, walk
-from ckptd.volume import mounts, space
+from ckptd.volume import mounts
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -45,7 +43,7 @@ def open_private_dir(
     *,
     create: bool = True,
     look_first: bool = False,
-    vet: Callable[[int, int], None] | None = None,
+    same_filesystem: bool = False,
 ) -> int:
     """A descriptor of ckptd's own directory `root/name` (the trash, the lease's `.ckptd/`, the
     consolidation's work area), made with `mode` where it is missing and `create`, and opened
@@ -54,8 +52,8 @@ def open_private_dir(
 
     Made first, then opened (what is there already is kept: EEXIST is no error); with
     `look_first`, opened first and made only where it is not there (FileNotFoundError without
-    `create`). `vet(root_fd, fd)` is asked before the descriptor is returned, while the root is
-    still open: what it raises closes the directory and goes to the caller. Raises OSError.
+    `create`). With `same_filesystem`, one on another filesystem than the root, or where a mount
+    is attached (`_another_filesystem`), is refused: EXDEV, saying which. Raises OSError.
     """
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -71,12 +69,15 @@ def open_private_dir(
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, mode, dir_fd=root_fd)
             fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
-        if vet is not None:
+        if same_filesystem:
             try:
-                vet(root_fd, fd)
+                why = _another_filesystem(name, root_fd, fd, root / name)
             except BaseException:
                 os.close(fd)
                 raise
+            if why is not None:
+                os.close(fd)
+                raise OSError(errno.EXDEV, f"{root / name} is {why}")
         return fd
     finally:
         os.close(root_fd)
@@ -221,14 +222,3 @@ def _remove_tree(name: str, parent_fd: int, dev: int, depth: int = 0) -> None:
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=parent_fd)
-
-
-def _size(path: Path) -> int:
-    """What removing `path` frees now: allocated blocks of the inodes whose every link is inside
-    it (a file hard-linked from a checkpoint that stays frees nothing: space.py)."""
-    try:
-        return space.freed_by(walk(path))
-    except TooDeep as exc:
-        return space.freed_by(exc.entries)
-    except OSError:
-        return 0

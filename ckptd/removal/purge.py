@@ -38,7 +38,6 @@ from ckptd.removal.fs import (
     _identity,
     _remove_at,
     _rename_noreplace,
-    _size,
     open_dir_nofollow,
 )
 from ckptd.removal.record import Recorder
@@ -591,6 +590,17 @@ def waiting_in_trash(root: Path) -> int:
     finally:
         os.close(root_fd)
     return total
+
+
+def _size(path: Path) -> int:
+    """What removing `path` frees now: allocated blocks of the inodes whose every link is inside
+    it (a file hard-linked from a checkpoint that stays frees nothing: space.py)."""
+    try:
+        return space.freed_by(walk(path))
+    except TooDeep as exc:
+        return space.freed_by(exc.entries)
+    except OSError:
+        return 0
 
 
 def lower_priority() -> None:

@@ -27,7 +27,6 @@ from ckptd.discover.layouts import HIDDEN_TRASH, TRASH_DIR
 from ckptd.model import Checkpoint
 from ckptd.removal.decision import Snapshot, changed, digest, drop_record, pins_inside, snapshot, write_record
 from ckptd.removal.fs import (
-    _another_filesystem,
     _identity,
     _pinned_at,
     _rename_noreplace,
@@ -71,18 +70,14 @@ class TrashDir:
         never another filesystem: a mount at <root>/.ckptd-trash (a bind mount of a dataset, a
         disk) would be emptied by the purge, and renames into it fail with EXDEV anyway.
         Raises OSError saying why."""
-
-        def same_filesystem(root_fd: int, fd: int) -> None:
-            why = _another_filesystem(TRASH_DIR, root_fd, fd, self.path)
-            if why is not None:
-                raise OSError(errno.EXDEV, f"{self.path} is {why}: never purged, nothing moved into it")
-
         try:
-            return open_private_dir(self.root, TRASH_DIR, 0o700, create=create, vet=same_filesystem)
+            return open_private_dir(self.root, TRASH_DIR, 0o700, create=create, same_filesystem=True)
         except OSError as exc:
             # The trash's own name refused (a symlink or a file planted there); not the root's
             if exc.errno in (errno.ENOTDIR, errno.ELOOP) and exc.filename == TRASH_DIR:
                 raise OSError(exc.errno, f"{self.path} exists and is not a directory") from None
+            if exc.errno == errno.EXDEV:  # on another filesystem (`open_private_dir`)
+                raise OSError(errno.EXDEV, f"{exc.strerror}: never purged, nothing moved into it") from None
             raise
 
     def ensure(self) -> None:
