@@ -113,7 +113,7 @@ def gone_from_run(ctx: Context, work: Path, *, world: int, shard: int, reps: int
         trash_fd = os.open(result.trash_path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             t0 = time.perf_counter()
-            why = reaper._rejudged(result.trash_path.name, trash_fd, decision.checkpoint.rel)
+            why = reaper.purging._rejudged(result.trash_path.name, trash_fd, decision.checkpoint.rel)
             out["rejudge"].append(time.perf_counter() - t0)
         finally:
             os.close(trash_fd)

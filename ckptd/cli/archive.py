@@ -19,9 +19,10 @@ from ckptd.archive.store import StoreError, object_url
 from ckptd.archive.upload import Archiver, archiver_for_plan
 from ckptd.cli.common import load, scan_all, with_effective_quiet
 from ckptd.cli.progress import Ticker
-from ckptd.config import Config, Root, format_size
+from ckptd.config import Config, Root
 from ckptd.decide.policy import Decision
 from ckptd.errors import EX_OK, IOFault, UsageError
+from ckptd.formatting import format_size
 from ckptd.journal import read_journal
 from ckptd.model import Action
 from ckptd.removal.fs import _remove_at, _rename_noreplace

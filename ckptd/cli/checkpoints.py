@@ -12,11 +12,12 @@ from pathlib import Path
 from ckptd.cli.common import load, root_for, with_effective_quiet
 from ckptd.cli.output import checkpoint_json
 from ckptd.cli.progress import Ticker
-from ckptd.config import Root, find_config, format_size
+from ckptd.config import Root, find_config
 from ckptd.decide.planner import Scanner, retention_for
 from ckptd.discover import layouts
 from ckptd.discover.runs import find_run, find_runs
 from ckptd.errors import EX_OK, RootMissingError, UsageError
+from ckptd.formatting import format_size
 from ckptd.judge.attestation import committed_summary
 from ckptd.judge.census import with_sibling_census
 from ckptd.judge.evidence import Inspector, RunContext, step_mismatch

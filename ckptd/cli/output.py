@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ckptd.config import format_size
 from ckptd.decide.policy import Decision
 from ckptd.errors import EX_IOERR, EX_OK
+from ckptd.formatting import format_size
 from ckptd.judge.attestation import committed_summary
 from ckptd.model import Action, Checkpoint
 from ckptd.removal.outcome import Outcome

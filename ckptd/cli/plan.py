@@ -9,9 +9,10 @@ import time
 from ckptd.archive.gate import gated_plan
 from ckptd.cli.common import load, require_extras, require_roots, scan_all, with_effective_quiet
 from ckptd.cli.output import checks_json, decision_json, print_table
-from ckptd.config import config_warnings, format_size
+from ckptd.config import config_warnings
 from ckptd.decide.policy import inferred_modes, summarise
 from ckptd.errors import EX_OK, ConfigError
+from ckptd.formatting import format_size
 from ckptd.removal.inventory import summary, trash_entries
 
 

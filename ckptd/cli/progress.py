@@ -12,6 +12,8 @@ import threading
 import time
 from typing import TextIO
 
+from ckptd.formatting import format_age
+
 BIG = 200  # checkpoints: fewer are looked at before a person could read the line
 AFTER = 1.0  # seconds: shown for fewer too, once they take this long
 EVERY = 0.1  # seconds between redraws
@@ -109,8 +111,6 @@ class Ticker:
             took = self.clock() - self.since
             if not self.on or not self.what or took < self.SLOW:
                 return
-            from ckptd.config import format_age
-
             text = f"{self.label}: {self.what}, {format_age(took)}"
             self.stream.write("\r" + text.ljust(self.width))
             self.stream.flush()

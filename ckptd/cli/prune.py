@@ -15,11 +15,12 @@ from ckptd.cli.common import load, preflight, with_effective_quiet
 from ckptd.cli.output import report_result
 from ckptd.cli.parser import EX_TEMPFAIL
 from ckptd.cli.progress import Progress, Ticker
-from ckptd.config import Config, Root, format_duration, format_size
+from ckptd.config import Config, Root
 from ckptd.decide.planner import Scanner, decide
 from ckptd.errors import EX_OK
 from ckptd.fleet.lease import Leadership, LocalLeadership, VolumeLease, choose_leadership
 from ckptd.fleet.locks import RootLock
+from ckptd.formatting import format_duration, format_size
 from ckptd.journal import Journal
 from ckptd.model import Action
 from ckptd.removal.outcome import DRY_RUN_NOTE, Outcome

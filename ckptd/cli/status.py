@@ -11,9 +11,10 @@ from typing import Any
 
 from ckptd.cli.common import load, without_c_hint
 from ckptd.cli.output import columns
-from ckptd.config import Config, format_age, format_size
+from ckptd.config import Config
 from ckptd.errors import EX_OK
 from ckptd.fleet.leaserecord import Holder, holder_gone
+from ckptd.formatting import format_age, format_size
 from ckptd.removal.inventory import summary, trash_entries
 
 

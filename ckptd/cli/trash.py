@@ -12,9 +12,10 @@ import time
 
 from ckptd.cli.common import load, preflight
 from ckptd.cli.parser import EX_TEMPFAIL
-from ckptd.config import Config, format_duration, format_size
+from ckptd.config import Config
 from ckptd.decide.planner import Scanner
 from ckptd.errors import EX_OK, UsageError
+from ckptd.formatting import format_duration, format_size
 from ckptd.journal import Journal
 from ckptd.removal.inventory import TrashEntry, trash_entries
 from ckptd.removal.reaper import Reaper

@@ -5,7 +5,8 @@ rather than a silently ignored line. Errors come back as one line per
 problem, pointing into the document: `config.toml: roots[0].retention.keep_last:
 must be >= 0 (got -1)`.
 
-- `units`: durations, sizes, free-space floors and `host:port`, parsed and formatted.
+- `units`: durations, sizes, free-space floors and `host:port`, parsed (and written back by
+  ckptd/formatting.py).
 - `models`: `[daemon]`, `[[roots]]`, `[roots.retention]`, `[[roots.runs]]`, `[[roots.patterns]]`
   and the paths they name (pins, run rules); the config reference is generated from them.
 - `loading`: finding and reading the file, one line per validation error, the refusals (exit 78).
@@ -50,15 +51,13 @@ from ckptd.config.units import (
     FreeSpace,
     FreeSpaceFloor,
     Size,
-    format_age,
-    format_duration,
-    format_size,
     parse_duration,
     parse_free_space,
     parse_listen,
     parse_size,
 )
 from ckptd.errors import ConfigError  # what loading raises: one line per problem
+from ckptd.formatting import format_age, format_duration, format_size  # ckptd/formatting.py's, kept here too
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",

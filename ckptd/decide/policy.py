@@ -37,8 +37,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ckptd.config import FreeSpace, Retention, Root, format_size
+from ckptd.config import FreeSpace, Retention, Root
 from ckptd.decide.rules import OrderedRun, _fmt, rules_for
+from ckptd.formatting import format_size
 from ckptd.model import (
     Action,
     Checkpoint,

@@ -23,8 +23,9 @@ from functools import cached_property
 from operator import attrgetter
 from typing import NamedTuple, Protocol
 
-from ckptd.config import Retention, format_duration
+from ckptd.config import Retention
 from ckptd.discover.layouts import PIN_FILE
+from ckptd.formatting import format_duration
 from ckptd.judge.attestation import committed_summary
 from ckptd.model import TRAINER_STATE, Checkpoint, Reading, Run, State, deciding_check, pointer_reason
 

@@ -53,6 +53,7 @@ from typing import Any
 
 from ckptd.discover.layouts import LEASE_DIR
 from ckptd.fleet.locks import ROOT_LOCK, LockHeld, RootLock, RootLockUnavailable, lock_holders
+from ckptd.removal.fs import open_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -180,21 +181,7 @@ class RecordIO:
         """`.ckptd/` opened afresh (an open revalidates the directory on NFS: see the module doc).
 
         Without `create`, raises FileNotFoundError when it is not there."""
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            try:
-                return os.open(LEASE_DIR, flags, dir_fd=root_fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                try:
-                    os.mkdir(LEASE_DIR, 0o755, dir_fd=root_fd)
-                except FileExistsError:
-                    pass
-                return os.open(LEASE_DIR, flags, dir_fd=root_fd)
-        finally:
-            os.close(root_fd)
+        return open_private_dir(self.root, LEASE_DIR, 0o755, create=create, look_first=True)
 
     def read(self) -> Seen:
         try:

@@ -7,7 +7,6 @@ for a frozen, lapsed leader's hold that etcd's and the Lease's leaders share).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import hashlib
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.discover import layouts
+from ckptd.removal.fs import open_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +116,8 @@ class RootLock:
     def _root_lock(self, blocking: bool) -> int | None:
         """The flock on `<root>/.ckptd/local.lock` (None where it cannot be had: see the class).
         Opened without following a symlink planted for `.ckptd` or the lock."""
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(layouts.LEASE_DIR, 0o755, dir_fd=root_fd)
-                dir_fd = os.open(layouts.LEASE_DIR, flags, dir_fd=root_fd)
-            finally:
-                os.close(root_fd)
+            dir_fd = open_private_dir(self.root, layouts.LEASE_DIR, 0o755)
             try:
                 fd = os.open(ROOT_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
                              0o644, dir_fd=dir_fd)

@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
-from ckptd.config import format_age
+from ckptd.formatting import format_age
 from ckptd.frameworks.base import (
     FAILED,
     MTIME_SLACK,

@@ -17,7 +17,7 @@ import zipfile
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
-from ckptd.config import format_age
+from ckptd.formatting import format_age
 from ckptd.frameworks import dsmeta
 from ckptd.frameworks.base import (
     CONSOLIDATED,

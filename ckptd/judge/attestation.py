@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ckptd.attest import RECORD_DIR
-from ckptd.config import format_age
+from ckptd.formatting import format_age
 from ckptd.model import ATTESTED, COMMIT_RECORDS, SAVE_LEASE, Check, Entry, Verdict
 from ckptd.volume import volread
 

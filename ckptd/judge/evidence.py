@@ -40,8 +40,9 @@ from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 from ckptd import frameworks
-from ckptd.config import DEFAULT_SLIM_FILES, Pattern, format_age, format_duration, format_size, pin_matches
+from ckptd.config import DEFAULT_SLIM_FILES, Pattern, pin_matches
 from ckptd.discover import layouts
+from ckptd.formatting import format_age, format_duration, format_size
 from ckptd.frameworks import (
     EVIDENCE,
     NESTED_METADATA_SUFFIX,

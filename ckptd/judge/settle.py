@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from ckptd.config import format_duration
+from ckptd.formatting import format_duration
 from ckptd.model import QUIET, STALL, Check, Verdict
 
 

@@ -708,6 +708,7 @@ _CODE_DIR = Path(__file__).resolve().parents[1]  # the ckptd package
 LOGIC_MODULES = (
     "judge/evidence", "judge/wholefile", "model", "judge/slim", "discover/layouts",
     "volume/mounts", "decide/planner", "volume/volread", "judge/weights", "volume/space", "judge/attestation", "attest",
+    "formatting",  # the sizes and ages a check's detail names (moved out of config/units.py)
 )
 # Packages whose every module is logic: each framework's save contract decides what a look finds;
 # the config's models decide the patterns and the evidence a user names.

@@ -17,14 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd import frameworks
-from ckptd.config import format_size
 from ckptd.decide.policy import Decision
 from ckptd.discover.layouts import TRASH_DIR
+from ckptd.formatting import format_size
 from ckptd.judge import slim
 from ckptd.judge.evidence import Entry, TooDeep, fingerprint, walk
-from ckptd.removal.fs import _DIR_FLAGS, _contents, _identity, open_dir_nofollow
+from ckptd.removal.fs import _DIR_FLAGS, _contents, _identity, open_dir_nofollow, open_private_dir
 from ckptd.removal.outcome import DRY_RUN_NOTE, Anchors, Outcome, Result, _Stop
-from ckptd.removal.trash import _trash_name
+from ckptd.removal.recheck import Fence, Rechecks
+from ckptd.removal.record import Recorder
+from ckptd.removal.trash import TrashDir, _trash_name
 from ckptd.removal.zero_to_fp32 import Consolidated, Consolidation, ConsolidationFailed
 
 log = logging.getLogger(__name__)
@@ -59,19 +61,27 @@ class Work:
 
 
 class Consolidating:
-    """Part of `Reaper` (removal/reaper.py): fp32 weights consolidated into a checkpoint."""
+    """A reaper's consolidations (removal/reaper.py): fp32 weights consolidated into a checkpoint,
+    re-checked first (`Rechecks`), under the fence, journalled (`Recorder`); what fails or is
+    refused goes to the trash (`TrashDir`)."""
 
-    root: Path
-    dry_run: bool
-    clock: Callable[[], float]
-    consolidate_timeout: float | None
+    def __init__(self, rechecks: Rechecks, fence: Fence, recorder: Recorder, trash: TrashDir,
+                 clock: Callable[[], float], *, dry_run: bool, consolidate_timeout: float | None):
+        self.rechecks = rechecks
+        self.fence = fence
+        self.recorder = recorder
+        self.trash_dir = trash
+        self.root = trash.root
+        self.clock = clock
+        self.dry_run = dry_run
+        self.consolidate_timeout = consolidate_timeout
 
     def begin_consolidation(self, decision: Decision, anchors: Anchors) -> Work | Result:
         """Re-check a slim that needs its fp32 weights first, and make an empty work directory for
         zero_to_fp32 (`Work.consolidation` runs it, on any thread; then `finish_consolidation`)."""
         c = decision.checkpoint
-        fields = self._fields(decision, 0, action="consolidate")
-        why = self.recheck(decision, anchors)
+        fields = self.recorder.fields(decision, 0, action="consolidate")
+        why = self.rechecks.recheck(decision, anchors)
         if why is None and (c.slim.source is None or c.slim.weights is not None):
             why = "nothing to consolidate"
         try:
@@ -81,15 +91,15 @@ class Consolidating:
             why = stop.why
             if stop.outcome is Outcome.FAILED:
                 log.error("not consolidating %s: %s", c.rel, why)
-                self._record("failed", why=why, **fields)
+                self.recorder.record("failed", why=why, **fields)
                 return Result(decision, Outcome.FAILED, why)
-        self._record("refused", why=why, **fields)
+        self.recorder.record("refused", why=why, **fields)
         return Result(decision, Outcome.REFUSED, why)
 
     def finish_consolidation(self, work: Work, outcome: Consolidated | BaseException) -> Result:
         """Move verified weights into the checkpoint as `fp32/`, if it is still the checkpoint the
         consolidation began from; else (or on a failed one) move the work directory to the trash."""
-        fields = self._fields(work.decision, 0, action="consolidate")
+        fields = self.recorder.fields(work.decision, 0, action="consolidate")
         try:
             if isinstance(outcome, BaseException):
                 raise _Stop(Outcome.FAILED, f"consolidation failed, nothing removed: {outcome}")
@@ -98,9 +108,9 @@ class Consolidating:
             weights = self._commit(work, outcome)
         except _Stop as stop:
             self._discard(work.name)
-            self._record(str(stop.outcome), why=stop.why, **fields)
+            self.recorder.record(str(stop.outcome), why=stop.why, **fields)
             return Result(work.decision, stop.outcome, stop.why)
-        self._record("consolidated", weights=weights, **fields)
+        self.recorder.record("consolidated", weights=weights, **fields)
         into = f"{slim.WEIGHTS_DIR}/ ({_made(weights)})"
         detail = f"consolidated {work.tag} into {into}; slimmed once it has settled"
         return Result(work.decision, Outcome.CONSOLIDATED, detail)
@@ -121,7 +131,7 @@ class Consolidating:
             os.close(area_fd)
         return sum(self._discard(name) for name in names)
 
-    def _consolidate_inline(self, decision: Decision, before: list[Entry], anchors: Anchors) -> dict:
+    def consolidate_inline(self, decision: Decision, before: list[Entry], anchors: Anchors) -> dict:
         """Step 1 of `slim_one` where the caller waits for it (`prune`). Raises `_Stop`."""
         c = decision.checkpoint
         work = self._begin(decision)
@@ -135,15 +145,16 @@ class Consolidating:
         except _Stop:
             self._discard(work.name)
             raise
-        self._record("consolidated", weights=weights, **self._fields(work.decision, 0, action="consolidate"))
+        fields = self.recorder.fields(work.decision, 0, action="consolidate")
+        self.recorder.record("consolidated", weights=weights, **fields)
         # Consolidation took a while: nobody but us may have touched the checkpoint since.
         if _unchanged_but(before, slim.WEIGHTS_DIR) != _unchanged_but(walk(c.path), slim.WEIGHTS_DIR):
             raise _Stop(Outcome.REFUSED, "changed while its weights were being consolidated")
         # Consolidation took a while: are the run's anchors still there, and does the framework's
         # resume pointer (DeepSpeed's `latest`, rolled back by an operator meanwhile) name it now?
-        why = self._anchor_problem(c, anchors, self.clock())
+        why = self.rechecks.anchor_problem(c, anchors, self.clock())
         if why is None:
-            why = self._pointer_problem(c)
+            why = self.rechecks.pointer_problem(c)
         if why is not None:
             raise _Stop(Outcome.REFUSED, why)
         return weights
@@ -263,7 +274,7 @@ class Consolidating:
             return "the consolidated weights are not where the consolidator left them"
         if _contents(work_fd) != out.identities:
             return "the consolidated files are not the ones that were verified"
-        return self._fenced()  # a ckptd that lost the lead adds nothing to a checkpoint either
+        return self.fence.why_not()  # a ckptd that lost the lead adds nothing to a checkpoint either
 
     def _discard(self, name: str) -> int:
         """Move a work directory (ours) into the trash, for `purge`. 1 if it moved."""
@@ -274,7 +285,7 @@ class Consolidating:
         try:
             if _identity(name, area_fd) is None:
                 return 0
-            trash_fd = self._open_trash()
+            trash_fd = self.trash_dir.open()
             try:
                 os.rename(name, f"{name}%consolidating", src_dir_fd=area_fd, dst_dir_fd=trash_fd)
             finally:
@@ -288,15 +299,7 @@ class Consolidating:
 
     def _open_area(self) -> int:
         """A descriptor of `<root>/.ckptd-consolidating/`, made if needed (0700), not through a symlink."""
-        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            try:
-                os.mkdir(WORK_DIR, 0o700, dir_fd=root_fd)
-            except FileExistsError:
-                pass
-            return os.open(WORK_DIR, _DIR_FLAGS, dir_fd=root_fd)
-        finally:
-            os.close(root_fd)
+        return open_private_dir(self.root, WORK_DIR, 0o700)
 
 
 def _made(weights: dict) -> str:

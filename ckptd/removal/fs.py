@@ -5,6 +5,7 @@ that never replace, and removal of a tree from descriptors that never enters ano
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -12,8 +13,7 @@ import stat
 from pathlib import Path
 
 from ckptd.discover import layouts
-from ckptd.judge.evidence import TooDeep, walk
-from ckptd.volume import mounts, space
+from ckptd.volume import mounts
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -34,6 +34,53 @@ def open_dir_nofollow(root: Path, rel: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def open_private_dir(
+    root: Path,
+    name: str,
+    mode: int,
+    *,
+    create: bool = True,
+    look_first: bool = False,
+    same_filesystem: bool = False,
+) -> int:
+    """A descriptor of ckptd's own directory `root/name` (the trash, the lease's `.ckptd/`, the
+    consolidation's work area), made with `mode` where it is missing and `create`, and opened
+    without following a symlink: one planted under the name is refused (ELOOP), as is a file
+    (ENOTDIR). The root itself may be a symlink (it is configured).
+
+    Made first, then opened (what is there already is kept: EEXIST is no error); with
+    `look_first`, opened first and made only where it is not there (FileNotFoundError without
+    `create`). With `same_filesystem`, one on another filesystem than the root, or where a mount
+    is attached (`_another_filesystem`), is refused: EXDEV, saying which. Raises OSError.
+    """
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = None
+        if look_first:
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+        if fd is None:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, mode, dir_fd=root_fd)
+            fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+        if same_filesystem:
+            try:
+                why = _another_filesystem(name, root_fd, fd, root / name)
+            except BaseException:
+                os.close(fd)
+                raise
+            if why is not None:
+                os.close(fd)
+                raise OSError(errno.EXDEV, f"{root / name} is {why}")
+        return fd
+    finally:
+        os.close(root_fd)
 
 
 def _still_at(root: Path, rel: str, fd: int) -> bool:
@@ -175,14 +222,3 @@ def _remove_tree(name: str, parent_fd: int, dev: int, depth: int = 0) -> None:
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=parent_fd)
-
-
-def _size(path: Path) -> int:
-    """What removing `path` frees now: allocated blocks of the inodes whose every link is inside
-    it (a file hard-linked from a checkpoint that stays frees nothing: space.py)."""
-    try:
-        return space.freed_by(walk(path))
-    except TooDeep as exc:
-        return space.freed_by(exc.entries)
-    except OSError:
-        return 0

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from ckptd.discover.layouts import HIDDEN_TRASH, TRASH_DIR
 from ckptd.removal.decision import RECORD, read_record
-from ckptd.removal.fs import _DIR_FLAGS, _size
-from ckptd.removal.purge import PURGING
+from ckptd.removal.fs import _DIR_FLAGS
+from ckptd.removal.purge import PURGING, _size
 from ckptd.removal.trash import REVIEW, _trash_origin
 
 

@@ -37,10 +37,10 @@ from ckptd.removal.fs import (
     _identity,
     _remove_at,
     _rename_noreplace,
-    _size,
     open_dir_nofollow,
 )
-from ckptd.removal.trash import REVIEW, _trash_origin
+from ckptd.removal.record import Recorder
+from ckptd.removal.trash import REVIEW, Trashing, _trash_origin
 from ckptd.volume import mounts, space
 
 log = logging.getLogger(__name__)
@@ -64,20 +64,28 @@ _NO_TRASH = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EROFS, er
 
 
 class Purging:
-    """Part of `Reaper` (removal/reaper.py): the trash emptied of what may go."""
+    """A reaper's purge (removal/reaper.py): the trash emptied of what may go, journalled
+    (`Recorder`); what this process did not put there itself (its `Ledger`), or whose grace is
+    over, judged again first, and moved back where it must stay (`Trashing.undo`)."""
 
-    root: Path
-    scanner: Scanner
-    dry_run: bool
-    clock: Callable[[], float]
-    purged: dict[Path, int]
-    _finished: set[str]
-    foreign_wait: float
-    waiting: int
-    _purging: bool
-    _due: dict[str, float]
-    trash_grace: float
-    archiver: Archiver | None
+    def __init__(self, scanner: Scanner, recorder: Recorder, trashing: Trashing, archiver: Archiver | None,
+                 clock: Callable[[], float], *, dry_run: bool):
+        self.scanner = scanner
+        self.recorder = recorder
+        self.trashing = trashing
+        self.ledger = trashing.ledger
+        self.root = trashing.root
+        self.trash = trashing.trash
+        self.archiver = archiver
+        self.clock = clock
+        self.dry_run = dry_run
+        self.purged: dict[Path, int] = {}  # what purging each trash entry freed, by its path
+        # What another process trashed (or this one, unconfirmed) waits this long (by its ctime)
+        # and is re-checked first. The daemon sets it from its leadership (lease duration + margin
+        # for a volume lease; 0 where no other process could have renamed late).
+        self.foreign_wait = 0.0
+        self.waiting = 0  # entries the last purge left to wait
+        self._purging = False
 
     def purge(self, stop: Callable[[], bool] = lambda: False) -> tuple[int, int]:
         """Delete what may go from the trash. Returns (entries purged, bytes freed).
@@ -115,7 +123,7 @@ class Purging:
             finally:
                 os.close(root_fd)
             try:
-                trash_fd = self._open_trash()
+                trash_fd = self.trashing.trash_dir.open()
             except OSError as exc:
                 # No room (or no right) to make it: nothing is in it either; a rename says why later.
                 if exc.errno in _NO_TRASH:
@@ -186,7 +194,7 @@ class Purging:
         # "purged" record, the journal still says this entry was being purged. Unlike a
         # rename, a purge goes ahead when the journal cannot be written (ENOSPC): its
         # entry was journaled when it was trashed, and freeing space is the way out.
-        self._record("purging", **where)
+        self.recorder.record("purging", **where)
         doomed = f"{name}{PURGING}"
         try:
             if entry != doomed:
@@ -198,7 +206,7 @@ class Purging:
                     return None
             kept = self._claimed(name, dir_fd, left_by_crash=entry == doomed)
             if kept is not None:
-                self._record("kept", root=str(self.root), trash=str(path), why=kept)
+                self.recorder.record("kept", root=str(self.root), trash=str(path), why=kept)
                 return None
             _remove_at(doomed, dir_fd)
         except OSError as exc:
@@ -206,10 +214,10 @@ class Purging:
             return None
         drop_record(name, dir_fd)
         self.purged[path] = size
-        self._finished.discard(name)
-        self._due.pop(name, None)
+        self.ledger.finished.discard(name)
+        self.ledger.due.pop(name, None)
         log.debug("purged %s (%d bytes)", path, size)
-        self._record("purged", **where)
+        self.recorder.record("purged", **where)
         return size
 
     def _claimed(self, name: str, dir_fd: int, *, left_by_crash: bool) -> str | None:
@@ -317,7 +325,7 @@ class Purging:
             return False
         now = self.clock()
         return any(
-            (n not in self._finished or self._due.get(n, 0.0) <= now) and not n.endswith((REVIEW, RECORD))
+            (n not in self.ledger.finished or self.ledger.due.get(n, 0.0) <= now) and not n.endswith((REVIEW, RECORD))
             for n in names
         )
 
@@ -351,9 +359,9 @@ class Purging:
         if origin is None and not hidden:  # a rel too long for a name: its record says
             origin = _origin_from_record(entry, trash_fd)
         whole = origin is not None and not origin[1]  # a whole checkpoint, not a slim's files
-        own = entry in self._finished
-        grace = 0.0 if urgent or not whole else self.trash_grace
-        if own and self.clock() < self._due.get(entry, 0.0) - self.trash_grace + grace:
+        own = entry in self.ledger.finished
+        grace = 0.0 if urgent or not whole else self.ledger.grace
+        if own and self.clock() < self.ledger.due.get(entry, 0.0) - self.ledger.grace + grace:
             return WAIT
         if not own and self.clock() - ctime < max(self.foreign_wait, grace):
             return WAIT
@@ -425,9 +433,9 @@ class Purging:
             # Another process's entry (maybe a late renamer's) is told as before; this process's own
             # was judged again after its grace (as is any whose archive no longer verifies: nothing
             # to do with a lease)
-            own = entry in self._finished or why.startswith(_ARCHIVE)
+            own = entry in self.ledger.finished or why.startswith(_ARCHIVE)
             how = "and judged again at its purge" if own else "without the lease"
-            undone = self._undo(entry, trash_fd, name, run_fd, rel, f"found in the trash {why}",
+            undone = self.trashing.undo(entry, trash_fd, name, run_fd, rel, f"found in the trash {why}",
                                 beside=True, how=how)
             return f"{why}: {undone}"
         finally:
@@ -587,6 +595,17 @@ def waiting_in_trash(root: Path) -> int:
     finally:
         os.close(root_fd)
     return total
+
+
+def _size(path: Path) -> int:
+    """What removing `path` frees now: allocated blocks of the inodes whose every link is inside
+    it (a file hard-linked from a checkpoint that stays frees nothing: space.py)."""
+    try:
+        return space.freed_by(walk(path))
+    except TooDeep as exc:
+        return space.freed_by(exc.entries)
+    except OSError:
+        return 0
 
 
 def lower_priority() -> None:

@@ -3,8 +3,10 @@
 Each of its jobs has a module of its own: the re-check before acting (recheck.py), trashing
 (trash.py), slimming (slimming.py), the consolidation hand-off (consolidation.py), purging
 (purge.py), the journal's records (record.py), the filesystem primitives they all go through
-(fs.py). `Reaper` holds what they share (the root, its scanner, the journal, the fence, what this
-process trashed) and wires them; each part is one of its bases.
+(fs.py). Each job is an object holding only what it needs, built and wired here; every call
+between them is explicit (`self.rechecks.recheck(...)`, `self.recorder.record(...)`). What two
+of them share is an object of its own: the fence (`Fence`), the journal (`Recorder`), the trash
+directory (`TrashDir`) and what this process put there (`Ledger`).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from ckptd.decide.planner import Scanner, experiments
 from ckptd.decide.policy import Decision
 from ckptd.journal import Journal
 from ckptd.model import Action, Checkpoint, Run
-from ckptd.removal.consolidation import Consolidating
+from ckptd.removal.consolidation import Consolidating, Work
 from ckptd.removal.outcome import Anchors, Result
 from ckptd.removal.purge import Purging
-from ckptd.removal.recheck import Rechecks
-from ckptd.removal.record import Recording
+from ckptd.removal.recheck import Fence, Rechecks
+from ckptd.removal.record import Recorder
 from ckptd.removal.slimming import Slimming
-from ckptd.removal.trash import Trashing
+from ckptd.removal.trash import Ledger, TrashDir, Trashing
+from ckptd.removal.zero_to_fp32 import Consolidated
 
 # Test seam: with this set to a listening Unix socket, the reaper says which checkpoint it is
 # about to act on and waits (60 s at most) for a line back, so that a test can hold a pass
@@ -35,11 +38,10 @@ from ckptd.removal.trash import Trashing
 HOLD_SOCKET_ENV = "CKPTD_TEST_HOLD_SOCKET"
 
 
-class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
+class Reaper:
     """Carries out one root's plan (`execute`), each deletion and slim re-checked first; purges its
     trash (`purge`); hands a slim's consolidation to the caller's worker (`begin_consolidation`,
-    `finish_consolidation`). Each base is one job of it, in a module of its own; the state they
-    share is set here."""
+    `finish_consolidation`). Each job is a part of its own (the module's doc), and this wires them."""
 
     def __init__(
         self,
@@ -54,26 +56,11 @@ class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
     ):
         if not dry_run and journal is None:
             raise ValueError("a reaper that deletes needs a journal")
-        self.scanner = scanner
+        self._scanner = scanner
         self.root = scanner.root.path
         self.journal = journal
-        self.dry_run = dry_run
+        self._dry_run = dry_run
         self.clock = clock
-        self.consolidate_timeout = consolidate_timeout
-        self.fence = fence  # asked just before each rename: why not, or None (`Rechecks._fenced`)
-        self.purged: dict[Path, int] = {}  # what purging each trash entry freed, by its path
-        # Trash entries this process moved there and confirmed under its fence just after: the
-        # only ones purged at once. Others wait `foreign_wait` seconds (by their ctime) and are
-        # re-checked first (`purge`). The daemon sets it from its leadership (lease duration +
-        # margin for a volume lease; 0 where no other process could have renamed late).
-        self._finished: set[str] = set()
-        # How long a checkpoint this process trashed waits there before its purge judges it again
-        # (config's trash_grace; 0: at the first purge), and when each becomes due.
-        self.trash_grace = trash_grace
-        self._due: dict[str, float] = {}
-        self.foreign_wait = 0.0
-        self.waiting = 0  # entries the last purge left to wait
-        self._purging = False
         # Asked before each deletion and slim of a pass: why the pass stops there (a reload or a
         # stop was asked for), or None. What is left is decided again by the next pass.
         self.interrupted: Callable[[], str | None] | None = None
@@ -81,6 +68,114 @@ class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
         # [roots.archive]: what is to be deleted or slimmed is archived first (`execute`), and the
         # re-check refuses what is not archived and verified (`Rechecks._archive_problem`).
         self.archiver = archiver_for(scanner.root, journal, clock)
+        # The parts, each given only what it reads
+        self.fencing = Fence(fence)  # asked just before each rename: why not, or None
+        self.recorder = Recorder(self.root, journal, clock, dry_run=dry_run)
+        self.rechecks = Rechecks(scanner, clock, self.archiver, dry_run=dry_run)
+        self.ledger = Ledger(grace=trash_grace)
+        trash = TrashDir(self.root)
+        self.trashing = Trashing(self.rechecks, self.fencing, self.recorder, trash, self.ledger, clock,
+                                 dry_run=dry_run)
+        self.consolidating = Consolidating(self.rechecks, self.fencing, self.recorder, trash, clock,
+                                           dry_run=dry_run, consolidate_timeout=consolidate_timeout)
+        self.slimming = Slimming(self.rechecks, self.fencing, self.recorder, self.trashing,
+                                 self.consolidating, clock, dry_run=dry_run)
+        self.purging = Purging(scanner, self.recorder, self.trashing, self.archiver, clock, dry_run=dry_run)
+
+    # What callers set after building it: each passed on to the part that reads it
+
+    @property
+    def fence(self) -> Callable[[], str | None] | None:
+        """Asked just before each rename (`Fence`): why this process may not act, or None."""
+        return self.fencing.ask
+
+    @fence.setter
+    def fence(self, ask: Callable[[], str | None] | None) -> None:
+        self.fencing.ask = ask
+
+    @property
+    def trash_grace(self) -> float:
+        """How long a checkpoint this process trashed waits before its purge judges it again."""
+        return self.ledger.grace
+
+    @trash_grace.setter
+    def trash_grace(self, seconds: float) -> None:
+        self.ledger.grace = seconds
+
+    @property
+    def foreign_wait(self) -> float:
+        """How long what this process did not trash (or confirm) waits before its purge."""
+        return self.purging.foreign_wait
+
+    @foreign_wait.setter
+    def foreign_wait(self, seconds: float) -> None:
+        self.purging.foreign_wait = seconds
+
+    @property
+    def dry_run(self) -> bool:
+        return self._dry_run
+
+    @dry_run.setter
+    def dry_run(self, on: bool) -> None:
+        # Every part that reads it (a reload in the daemon builds a new reaper instead)
+        self._dry_run = on
+        parts = (self.recorder, self.rechecks, self.trashing, self.consolidating, self.slimming, self.purging)
+        for part in parts:
+            part.dry_run = on
+
+    @property
+    def scanner(self) -> Scanner:
+        return self._scanner
+
+    @scanner.setter
+    def scanner(self, scanner: Scanner) -> None:
+        # Every part that reads the root's checkpoints afresh
+        self._scanner = self.rechecks.scanner = self.purging.scanner = scanner
+
+    # What the purge says of its last run
+
+    @property
+    def purged(self) -> dict[Path, int]:
+        """What purging each trash entry freed, by its path."""
+        return self.purging.purged
+
+    @property
+    def waiting(self) -> int:
+        """Entries the last purge left to wait."""
+        return self.purging.waiting
+
+    @property
+    def trash(self) -> Path:
+        return self.trashing.trash
+
+    # The parts' public faces, for the daemon, `prune` and `ckptd trash`
+
+    def recheck(self, decision: Decision, anchors: Anchors) -> str | None:
+        return self.rechecks.recheck(decision, anchors)
+
+    def trash_one(self, decision: Decision, anchors: Anchors) -> Result:
+        return self.trashing.trash_one(decision, anchors)
+
+    def slim_one(self, decision: Decision, anchors: Anchors, *, consolidate: bool = True) -> Result:
+        return self.slimming.slim_one(decision, anchors, consolidate=consolidate)
+
+    def restore(self, entry: str, *, pin: bool = True) -> str:
+        return self.trashing.restore(entry, pin=pin)
+
+    def begin_consolidation(self, decision: Decision, anchors: Anchors) -> Work | Result:
+        return self.consolidating.begin_consolidation(decision, anchors)
+
+    def finish_consolidation(self, work: Work, outcome: Consolidated | BaseException) -> Result:
+        return self.consolidating.finish_consolidation(work, outcome)
+
+    def clear_work(self) -> int:
+        return self.consolidating.clear_work()
+
+    def purge(self, stop: Callable[[], bool] = lambda: False) -> tuple[int, int]:
+        return self.purging.purge(stop)
+
+    def trash_pending(self) -> bool:
+        return self.purging.trash_pending()
 
     def execute(self, decisions: Sequence[Decision], *, consolidate: bool = True) -> list[Result]:
         """Carry out one root's plan: trash each deletion, then slim each slim, each re-checked first.
@@ -103,9 +198,9 @@ class Reaper(Rechecks, Trashing, Slimming, Consolidating, Purging, Recording):
                 self.stopped = (why, d.checkpoint.rel, len(acts) - i)
                 break
             if d.action is Action.DELETE:
-                results.append(self.trash_one(d, anchored[d.checkpoint.rel]))
+                results.append(self.trashing.trash_one(d, anchored[d.checkpoint.rel]))
             else:
-                results.append(self.slim_one(d, anchored[d.checkpoint.rel], consolidate=consolidate))
+                results.append(self.slimming.slim_one(d, anchored[d.checkpoint.rel], consolidate=consolidate))
         return results
 
     def _anchored(self, decisions: Sequence[Decision]) -> dict[str, Anchors]:

@@ -7,8 +7,8 @@ complete and unchanged. Then the whole run is read again, strictly, and decided 
 rules: it acts only if that decision does the same (a file rewritten in place, its mtime kept,
 changes no fingerprint, but may change which checkpoint is best). Any doubt and it is left alone.
 
-And the fence (`_fenced`): where several ckptd could lead (lease.py), asked immediately before each
-rename that removes something from a checkpoint or a run, and once more just after.
+And the fence (`Fence`): where several ckptd could lead (fleet/lease.py), asked immediately before
+each rename that removes something from a checkpoint or a run, and once more just after.
 """
 
 from __future__ import annotations
@@ -31,28 +31,38 @@ from ckptd.model import Action, Checkpoint, State, pointer_reason
 from ckptd.removal.outcome import Anchors
 from ckptd.volume import mounts
 
-FENCED = "not the leader: "  # how a refusal by the fence begins (`Rechecks._fenced`)
+FENCED = "not the leader: "  # how a refusal by the fence begins (`Fence.why_not`)
 
-class Rechecks:
-    """Part of `Reaper` (removal/reaper.py): why a decision must not be carried out now."""
 
-    root: Path
-    scanner: Scanner
-    clock: Callable[[], float]
-    fence: Callable[[], str | None] | None
-    archiver: Archiver | None
-    dry_run: bool
+class Fence:
+    """A reaper's fence (removal/reaper.py): `ask` says why this process may no longer act (it lost
+    the lead), or None; None where no other process could lead (the daemon sets it per pass)."""
 
-    def _fenced(self, *, after: bool = False) -> str | None:
+    def __init__(self, ask: Callable[[], str | None] | None = None):
+        self.ask = ask
+
+    def why_not(self, *, after: bool = False) -> str | None:
         """Why this process may not rename now (it lost the lead), or None. `after`: asked
         once more just after a rename, whose undoing the caller then owes."""
-        if self.fence is None:
+        if self.ask is None:
             return None
         try:
-            why = self.fence()
+            why = self.ask()
         except Exception as exc:  # a fence that cannot answer is a no
             why = f"cannot tell whether this ckptd still leads: {exc!r}"
         return None if why is None else f"{FENCED}{why}"
+
+
+class Rechecks:
+    """A reaper's re-check (removal/reaper.py): why a decision must not be carried out now."""
+
+    def __init__(self, scanner: Scanner, clock: Callable[[], float], archiver: Archiver | None, *,
+                 dry_run: bool):
+        self.scanner = scanner
+        self.root = scanner.root.path
+        self.clock = clock
+        self.archiver = archiver
+        self.dry_run = dry_run
 
     def recheck(self, decision: Decision, anchors: Anchors) -> str | None:
         """Why `decision` must not be carried out now, or None if it may.
@@ -105,10 +115,10 @@ class Rechecks:
             return f"no longer complete ({fresh.state})"
         if fresh.fingerprint != planned.fingerprint:
             return "changed since the plan was made"
-        why = self._pointer_problem(planned)
+        why = self.pointer_problem(planned)
         if why is None:
             why = _last_whole_step(path.parent, planned.name, stat.S_ISDIR(st.st_mode), self.scanner.patterns)
-        why = why or self._anchor_problem(planned, anchors, now)
+        why = why or self.anchor_problem(planned, anchors, now)
         return why or self._decided_otherwise(decision, now) or self._archive_problem(planned)
 
     def _archive_problem(self, planned: Checkpoint) -> str | None:
@@ -116,13 +126,13 @@ class Rechecks:
         files (archive/gate.py). Asked last: it reads the store."""
         return None if self.archiver is None else self.archiver.problem(planned, dry_run=self.dry_run)
 
-    def _pointer_problem(self, planned: Checkpoint) -> str | None:
+    def pointer_problem(self, planned: Checkpoint) -> str | None:
         """Whether the run's resume pointer names it now (rolled back to it since the plan, say)."""
         run_path = planned.path.parent
         pointer = resume_pointers(run_path, os.listdir(run_path)).get(planned.name)
         return None if pointer is None else pointer_reason(pointer)
 
-    def _anchor_problem(self, planned: Checkpoint, anchors: Anchors, now: float) -> str | None:
+    def anchor_problem(self, planned: Checkpoint, anchors: Anchors, now: float) -> str | None:
         """Whether the run's anchors the plan kept are all still there, complete and unchanged.
 
         Looked at afresh for every target, not once per pass: the trainer's own rotation or an

@@ -14,29 +14,38 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ckptd.config import format_size
 from ckptd.decide.policy import Decision
 from ckptd.discover.layouts import TRASH_DIR
-from ckptd.journal import Journal
+from ckptd.formatting import format_size
 from ckptd.judge import slim
 from ckptd.judge.evidence import Entry, TooDeep, fingerprint, read_slim_marker, walk
 from ckptd.model import Checkpoint, ConsolidatedWeights
-from ckptd.removal.consolidation import _made, _weights_record
+from ckptd.removal.consolidation import Consolidating, _made, _weights_record
 from ckptd.removal.fs import _unlink_at, open_dir_nofollow
 from ckptd.removal.outcome import DRY_RUN_NOTE, Anchors, Outcome, Result, _Stop
-from ckptd.removal.trash import _trash_name
+from ckptd.removal.recheck import Fence, Rechecks
+from ckptd.removal.record import Recorder
+from ckptd.removal.trash import Trashing, _trash_name
 
 log = logging.getLogger(__name__)
 
 
 class Slimming:
-    """Part of `Reaper` (removal/reaper.py): a checkpoint's optimizer state into the trash."""
+    """A reaper's slimming (removal/reaper.py): a checkpoint's optimizer state into the trash,
+    re-checked first (`Rechecks`), under the fence, journalled (`Recorder`); its fp32 weights
+    consolidated first where it has none (`Consolidating`)."""
 
-    root: Path
-    journal: Journal | None
-    dry_run: bool
-    clock: Callable[[], float]
-    _finished: set[str]
+    def __init__(self, rechecks: Rechecks, fence: Fence, recorder: Recorder, trashing: Trashing,
+                 consolidating: Consolidating, clock: Callable[[], float], *, dry_run: bool):
+        self.rechecks = rechecks
+        self.fence = fence
+        self.recorder = recorder
+        self.trashing = trashing
+        self.consolidating = consolidating
+        self.root = trashing.root
+        self.trash = trashing.trash
+        self.clock = clock
+        self.dry_run = dry_run
 
     def slim_one(self, decision: Decision, anchors: Anchors, *, consolidate: bool = True) -> Result:
         """Re-check, consolidate fp32 weights if it has none, then move its optimizer files into the trash.
@@ -61,16 +70,16 @@ class Slimming:
         """
         c = decision.checkpoint
         s = c.slim
-        fields = self._fields(decision, s.removable_bytes, action="slim")
+        fields = self.recorder.fields(decision, s.removable_bytes, action="slim")
 
         def refuse(why: str) -> Result:
             log.warning("refusing to slim %s: %s", c.rel, why)
-            self._record("refused", why=why, **fields)
+            self.recorder.record("refused", why=why, **fields)
             return Result(decision, Outcome.REFUSED, why)
 
         def fail(why: str) -> Result:
             log.error("not slimming %s: %s", c.rel, why)
-            self._record("failed", why=why, **fields)
+            self.recorder.record("failed", why=why, **fields)
             return Result(decision, Outcome.FAILED, why)
 
         why_not = self._slim_problem(decision, anchors)
@@ -102,20 +111,13 @@ class Slimming:
         already = list(previous.removed) if previous is not None else []
         planned = already + [f for f in s.removable if f[0] not in {p for p, _ in already}]
         target = self.trash / f"{_trash_name(c, self.clock())}%slim"
-        why_not = self._fenced()
+        why_not = self.fence.why_not()
         if why_not is not None:
             return refuse(why_not)
         try:
-            self._ensure_trash()
-            assert self.journal is not None
-            self.journal.record(
-                "slimming",
-                time=self.clock(),
-                trash=str(target),
-                files=[p for p, _ in s.removable],
-                weights=weights,
-                **fields,
-            )
+            self.trashing.trash_dir.ensure()
+            self.recorder.intent("slimming", trash=str(target), files=[p for p, _ in s.removable],
+                                 weights=weights, **fields)
             self._write_marker(c, "removing", planned, weights, decision)
         except OSError as exc:
             return fail(f"cannot prepare {TRASH_DIR}/, journal or {slim.MARKER}: {exc}")
@@ -123,13 +125,13 @@ class Slimming:
             moved = self._move_optimizer_files(c, target)
         except _Stop as stop:
             return refuse(stop.why) if stop.outcome is Outcome.REFUSED else fail(stop.why)
-        self._finished.add(target.name)
+        self.trashing.ledger.finished.add(target.name)
         freed = sum(size for _, size in moved)
         try:
             self._write_marker(c, "done", planned, weights, decision)
         except OSError as exc:  # "removing" stays: harmless, the next run rewrites it
             log.error("cannot finish %s in %s: %s", slim.MARKER, c.path, exc)
-        self._record("slimmed", trash=str(target), freed=freed, weights=weights, **fields)
+        self.recorder.record("slimmed", trash=str(target), freed=freed, weights=weights, **fields)
         log.info("slimmed %s (%s to the trash): %s", c.rel, format_size(freed), "; ".join(decision.reasons))
         where = target.relative_to(self.root)
         detail = f"{done}moved {len(moved)} optimizer files ({format_size(freed)}) to {where}"
@@ -139,7 +141,7 @@ class Slimming:
         """Why `decision`'s slim must not be carried out now (its re-check, `recheck`, or nothing
         that may be removed), or None."""
         s = decision.checkpoint.slim
-        why_not = self.recheck(decision, anchors)
+        why_not = self.rechecks.recheck(decision, anchors)
         if why_not is None and s.blocker is not None:
             why_not = f"cannot slim: {s.blocker}"
         if why_not is None and not s.removable:
@@ -158,7 +160,7 @@ class Slimming:
         if previous is not None:
             weights = previous.document["weights"]
         elif s.weights is None:
-            weights = self._consolidate_inline(decision, before, anchors)
+            weights = self.consolidating.consolidate_inline(decision, before, anchors)
             done = f"consolidated {s.source} into {slim.WEIGHTS_DIR}/ ({_made(weights)}); "
         elif s.consolidated is not None:
             try:
@@ -182,7 +184,7 @@ class Slimming:
             # directory swapped for a link cannot bring files from elsewhere into the trash.
             sub, _, name = rel.rpartition("/")
             so_far = f"moved {len(moved)} of {len(s.removable)} files, then"
-            why_not = self._fenced()
+            why_not = self.fence.why_not()
             if why_not is not None:  # the marker says "removing": the next leader finishes it
                 raise _Stop(Outcome.REFUSED, f"{so_far}: {why_not}")
             try:
@@ -192,9 +194,9 @@ class Slimming:
                     dst_fd = open_dir_nofollow(self.root, str((target / rel).parent.relative_to(self.root)))
                     try:
                         os.rename(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
-                        why_not = self._fenced(after=True)  # as after a checkpoint's rename
+                        why_not = self.fence.why_not(after=True)  # as after a checkpoint's rename
                         if why_not is not None:
-                            undone = self._undo(name, dst_fd, name, src_fd, f"{c.rel}/{rel}", why_not,
+                            undone = self.trashing.undo(name, dst_fd, name, src_fd, f"{c.rel}/{rel}", why_not,
                                                 review=False)
                             raise _Stop(Outcome.REFUSED, f"{so_far}: {why_not}; {undone}")
                     finally:

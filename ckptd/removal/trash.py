@@ -1,7 +1,9 @@
 """Trashing: a checkpoint renamed into `<root>/.ckptd-trash/<unique>`, O(1) on one filesystem, so it
 leaves its run atomically and a trainer's auto-resume never sees half a checkpoint. The journal
 records the intent before the rename and the outcome after. A rename found made without the lease
-(the fence asked again just after), or onto a checkpoint pinned after all, is undone (`_undo`).
+(the fence asked again just after), or onto a checkpoint pinned after all, is undone (`Trashing.undo`).
+The trash directory itself (`TrashDir`), and what this process put there (`Ledger`), which the
+purge reads.
 
 The trash's names say where each entry came from (`_trash_name`, `_trash_origin`), for a purge that
 re-checks an entry another process trashed.
@@ -16,48 +18,88 @@ import re
 import urllib.parse
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.decide.policy import Decision
 from ckptd.discover import layouts
 from ckptd.discover.layouts import HIDDEN_TRASH, TRASH_DIR
-from ckptd.journal import Journal
 from ckptd.model import Checkpoint
 from ckptd.removal.decision import Snapshot, changed, digest, drop_record, pins_inside, snapshot, write_record
 from ckptd.removal.fs import (
-    _DIR_FLAGS,
-    _another_filesystem,
     _identity,
     _pinned_at,
     _rename_noreplace,
     _still_at,
     open_dir_nofollow,
+    open_private_dir,
 )
 from ckptd.removal.outcome import Anchors, Outcome, Result
+from ckptd.removal.recheck import Fence, Rechecks
+from ckptd.removal.record import Recorder
 
 log = logging.getLogger(__name__)
 
-REVIEW = "%review"  # a trash entry's suffix: never purged (`Trashing._undo`)
+REVIEW = "%review"  # a trash entry's suffix: never purged (`Trashing.undo`)
 # A checkpoint restored beside its origin, whose name was taken meanwhile: `<name>.ckptd-restored-<time>`,
-# a name no framework resumes from (`Trashing._undo`)
+# a name no framework resumes from (`Trashing.undo`)
 RESTORED = ".ckptd-restored-"
 
 
+@dataclass
+class Ledger:
+    """What this process moved into the trash and confirmed under its fence just after: the only
+    entries purged without waiting `foreign_wait` (removal/purge.py). A checkpoint waits there
+    `grace` seconds (config's trash_grace; 0: at the first purge) before its purge judges it
+    again, from when it is `due`; a slim's files go at once."""
+
+    grace: float = 0.0
+    finished: set[str] = field(default_factory=set)
+    due: dict[str, float] = field(default_factory=dict)
+
+
+class TrashDir:
+    """`<root>/.ckptd-trash/`, where every removal goes first."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.path = root / TRASH_DIR
+
+    def open(self, *, create: bool = True) -> int:
+        """A descriptor of the trash directory (made if missing and `create`), never a symlink, and
+        never another filesystem: a mount at <root>/.ckptd-trash (a bind mount of a dataset, a
+        disk) would be emptied by the purge, and renames into it fail with EXDEV anyway.
+        Raises OSError saying why."""
+        try:
+            return open_private_dir(self.root, TRASH_DIR, 0o700, create=create, same_filesystem=True)
+        except OSError as exc:
+            # The trash's own name refused (a symlink or a file planted there); not the root's
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP) and exc.filename == TRASH_DIR:
+                raise OSError(exc.errno, f"{self.path} exists and is not a directory") from None
+            if exc.errno == errno.EXDEV:  # on another filesystem (`open_private_dir`)
+                raise OSError(errno.EXDEV, f"{exc.strerror}: never purged, nothing moved into it") from None
+            raise
+
+    def ensure(self) -> None:
+        os.close(self.open())
+
+
 class Trashing:
-    """Part of `Reaper` (removal/reaper.py): a checkpoint into the trash, and back where a rename
-    was made without the lease."""
+    """A reaper's trashing (removal/reaper.py): a checkpoint into the trash, re-checked first
+    (`Rechecks`), under the fence, journalled (`Recorder`); and back where a rename was made
+    without the lease (`undo`, which slimming and the purge use too)."""
 
-    root: Path
-    journal: Journal | None
-    dry_run: bool
-    clock: Callable[[], float]
-    _finished: set[str]
-    _due: dict[str, float]
-    trash_grace: float
-
-    @property
-    def trash(self) -> Path:
-        return self.root / TRASH_DIR
+    def __init__(self, rechecks: Rechecks, fence: Fence, recorder: Recorder, trash: TrashDir, ledger: Ledger,
+                 clock: Callable[[], float], *, dry_run: bool):
+        self.rechecks = rechecks
+        self.fence = fence
+        self.recorder = recorder
+        self.trash_dir = trash
+        self.ledger = ledger
+        self.root = trash.root
+        self.trash = trash.path
+        self.clock = clock
+        self.dry_run = dry_run
 
     def trash_one(self, decision: Decision, anchors: Anchors) -> Result:
         """Re-check, then rename the checkpoint into the trash (or say what it would do).
@@ -67,10 +109,10 @@ class Trashing:
         symlink after the checks cannot redirect it outside the root.
         """
         c = decision.checkpoint
-        fields = self._fields(decision, c.size_bytes)
+        fields = self.recorder.fields(decision, c.size_bytes)
 
         def refuse(why: str) -> Result:
-            self._record("refused", why=why, **fields)
+            self.recorder.record("refused", why=why, **fields)
             return Result(decision, Outcome.REFUSED, why)
 
         try:
@@ -85,7 +127,7 @@ class Trashing:
                 seen: Snapshot | OSError = snapshot(c.name, run_fd)
             except OSError as exc:
                 seen = exc
-            why_not = self.recheck(decision, anchors)
+            why_not = self.rechecks.recheck(decision, anchors)
             if why_not is not None:
                 return refuse(why_not)
             if isinstance(seen, OSError):
@@ -95,7 +137,7 @@ class Trashing:
                 return refuse("moved or replaced while it was being checked")
             if self.dry_run:
                 return Result(decision, Outcome.DRY_RUN, f"would move to {TRASH_DIR}/ and purge")
-            why_not = self._fenced()
+            why_not = self.fence.why_not()
             if why_not is not None:
                 return refuse(why_not)
             moved_to = self._move(decision, run_fd, seen, fields)
@@ -104,7 +146,7 @@ class Trashing:
             into, target = moved_to
         finally:
             os.close(run_fd)
-        self._record("trashed", trash=str(into / target), **fields)
+        self.recorder.record("trashed", trash=str(into / target), **fields)
         shown = f"{TRASH_DIR}/{target}" if into == self.trash else f"{target} (no room for {TRASH_DIR}/)"
         return Result(decision, Outcome.TRASHED, f"moved to {shown}", into / target)
 
@@ -116,12 +158,12 @@ class Trashing:
         c = decision.checkpoint
         target = _trash_name(c, self.clock())
         try:
-            trash_fd = self._open_trash()
+            trash_fd = self.trash_dir.open()
             into = self.trash
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 why = f"cannot prepare {TRASH_DIR}/: {exc}"
-                self._record("failed", why=why, **fields)
+                self.recorder.record("failed", why=why, **fields)
                 return Result(decision, Outcome.FAILED, why)
             # No room for a directory, on the very occasion min_free exists for: a rename needs
             # no new block or inode. Into the root under a hidden name the purge recognises
@@ -139,15 +181,15 @@ class Trashing:
                     why = f"cannot move to {TRASH_DIR}/: {exc}"
             if why is not None:
                 drop_record(target, trash_fd)
-                self._record("failed", why=why, **fields)
+                self.recorder.record("failed", why=why, **fields)
                 return Result(decision, Outcome.FAILED, why)
             why_not = self._arrived(c, target, trash_fd, run_fd, seen)
             if why_not is not None:
                 drop_record(target, trash_fd)
-                self._record("refused", why=why_not, **fields)
+                self.recorder.record("refused", why=why_not, **fields)
                 return Result(decision, Outcome.REFUSED, why_not)
-            self._finished.add(target)
-            self._due[target] = self.clock() + self.trash_grace
+            self.ledger.finished.add(target)
+            self.ledger.due[target] = self.clock() + self.ledger.grace
         finally:
             os.close(trash_fd)
         return into, target
@@ -162,13 +204,11 @@ class Trashing:
     def _intent(self, target: str, into: Path, trash_fd: int, record: dict[str, object],
                 fields: dict[str, object]) -> str | None:
         """Journal the move, then write its record beside where it goes: why not, or None."""
-        assert self.journal is not None
         contents = record["contents"]
         assert isinstance(contents, list)
         try:  # the intent first: a crash after the rename must find it in the journal
-            self.journal.record("trashing", time=self.clock(), trash=str(into / target),
-                                run_id=record["run_id"], contents=digest(contents),
-                                entries=len(contents), **fields)
+            self.recorder.intent("trashing", trash=str(into / target), run_id=record["run_id"],
+                                 contents=digest(contents), entries=len(contents), **fields)
         except OSError as exc:  # ENOSPC with state_dir on the full volume
             return f"not moved: the journal records each move first, and cannot be written ({exc})"
         if into != self.trash:
@@ -198,19 +238,19 @@ class Trashing:
         # Asked again: a process stopped between the fence above and the rename (SIGSTOP,
         # a paused VM, a hung mount) renames after its lease ran out, maybe after the new
         # leader saw the checkpoint pinned. Not held at that epoch now: undone.
-        why_not = self._fenced(after=True)
+        why_not = self.fence.why_not(after=True)
         if why_not is not None:
-            return f"{why_not}; {self._undo(target, trash_fd, c.name, run_fd, c.rel, why_not)}"
+            return f"{why_not}; {self.undo(target, trash_fd, c.name, run_fd, c.rel, why_not)}"
         # Looked at once more under its new name, which no cache has seen: a FUSE client
         # that caches listings (sshfs, rclone, s3fs, gcsfuse) showed the re-check above
         # its listing from before a pin written on another host.
         why_not = _pinned_at(target, trash_fd)
         if why_not is not None:
-            return f"{why_not}; {self._undo(target, trash_fd, c.name, run_fd, c.rel, why_not, how='on a stale look')}"
+            return f"{why_not}; {self.undo(target, trash_fd, c.name, run_fd, c.rel, why_not, how='on a stale look')}"
         why_not = self._arrived_otherwise(c, target, trash_fd, run_fd, seen)
         if why_not is None:
             return None
-        undone = self._undo(target, trash_fd, c.name, run_fd, c.rel, why_not, how="just after the re-check",
+        undone = self.undo(target, trash_fd, c.name, run_fd, c.rel, why_not, how="just after the re-check",
                             beside=True)
         return f"{why_not}; {undone}"
 
@@ -235,7 +275,7 @@ class Trashing:
         diff = changed(seen, now)
         return None if diff is None else f"changed since it was re-checked ({diff})"
 
-    def _undo(self, name: str, trash_fd: int, back: str, back_fd: int, rel: str, why: str, *,
+    def undo(self, name: str, trash_fd: int, back: str, back_fd: int, rel: str, why: str, *,
               review: bool = True, how: str = "without the lease", beside: bool = False) -> str:
         """Move `name` (under `trash_fd`) back to `back` (under `back_fd`), where a rename made
         without the lease took it from; never over what is there now. Where that name is taken,
@@ -260,7 +300,7 @@ class Trashing:
                     drop_record(name, trash_fd)
                     log.warning("%s was renamed into %s/ %s (%s); its name is taken now: moved back "
                                 "beside it as %s", rel, TRASH_DIR, how, why, aside)
-                    self._record("restored", beside=aside, **where)
+                    self.recorder.record("restored", beside=aside, **where)
                     return f"moved back beside it as {aside} (its name is taken)"
             kept = name
             if review:
@@ -273,11 +313,11 @@ class Trashing:
             log.error("%s was renamed into %s/ %s (%s) and cannot be moved back (%s): "
                       "it is in %s, never purged: look at it and move it back or delete it by hand",
                       rel, TRASH_DIR, how, why, exc, self.trash / kept)
-            self._record("review", trash=str(self.trash / kept), **where)
+            self.recorder.record("review", trash=str(self.trash / kept), **where)
             return f"cannot move it back ({exc.strerror}): left in {TRASH_DIR}/{kept} for review"
         drop_record(name, trash_fd)
         log.error("%s was renamed into %s/ %s (%s): moved back", rel, TRASH_DIR, how, why)
-        self._record("restored", **where)
+        self.recorder.record("restored", **where)
         return "moved back"
 
     def restore(self, entry: str, *, pin: bool = True) -> str:
@@ -333,42 +373,10 @@ class Trashing:
         finally:
             os.close(trash_fd)
         shown = rel if aside == back else f"{run_rel + '/' if run_rel else ''}{aside} (beside {back}: its name is taken)"
-        self._record("restored", root=str(self.root), path=str(self.root / rel), beside=aside,
+        self.recorder.record("restored", root=str(self.root), path=str(self.root / rel), beside=aside,
                      why="restored by hand (ckptd trash restore)", pinned=pin)
         log.warning("%s: restored %s from %s/ by hand%s", self.root, shown, TRASH_DIR, " and pinned" if pin else "")
         return shown
-
-    def _open_trash(self, *, create: bool = True) -> int:
-        """A descriptor of the trash directory (made if missing and `create`), never a symlink, and
-        never another filesystem: a mount at <root>/.ckptd-trash (a bind mount of a dataset, a
-        disk) would be emptied by the purge, and renames into it fail with EXDEV anyway.
-        Raises OSError saying why."""
-        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            if create:
-                try:
-                    os.mkdir(TRASH_DIR, 0o700, dir_fd=root_fd)
-                except FileExistsError:
-                    pass
-            fd = os.open(TRASH_DIR, _DIR_FLAGS, dir_fd=root_fd)
-            try:
-                why = _another_filesystem(TRASH_DIR, root_fd, fd, self.trash)
-            except BaseException:
-                os.close(fd)
-                raise
-            if why is not None:
-                os.close(fd)
-                raise OSError(errno.EXDEV, f"{self.trash} is {why}: never purged, nothing moved into it")
-            return fd
-        except OSError as exc:
-            if exc.errno in (errno.ENOTDIR, errno.ELOOP):
-                raise OSError(exc.errno, f"{self.trash} exists and is not a directory") from None
-            raise
-        finally:
-            os.close(root_fd)
-
-    def _ensure_trash(self) -> None:
-        os.close(self._open_trash())
 
 
 def _pin(entry: str, trash_fd: int, name: str, run_fd: int) -> None:

@@ -58,7 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptd.config import format_duration
+from ckptd.formatting import format_duration
 from ckptd.frameworks import dsmeta
 from ckptd.judge import slim
 from ckptd.judge.weights import read_header

@@ -70,7 +70,7 @@ def test_a_late_rename_whose_name_was_taken_meanwhile_stays_in_the_trash_for_rev
     """The name is taken again by the time it would go back (a trainer saved that step anew): it
     is neither put over the new one nor purged."""
     reaper, plan, journal = make(volume, tmp_path)
-    real, taken = reaper._fenced, volume / "run" / "checkpoint-10"
+    real, taken = reaper.fencing.why_not, volume / "run" / "checkpoint-10"
 
     def fenced(*, after: bool = False) -> str | None:
         if after and not taken.exists():
@@ -78,7 +78,7 @@ def test_a_late_rename_whose_name_was_taken_meanwhile_stays_in_the_trash_for_rev
             return "the lease ran out"
         return real(after=after)
 
-    monkeypatch.setattr(reaper, "_fenced", fenced)
+    monkeypatch.setattr(reaper.fencing, "why_not", fenced)
     first, *_ = reaper.execute(plan.decisions)
     for ck in ("checkpoint-20", "checkpoint-30"):
         shutil.move(volume / TRASH_DIR / next(n for n in in_trash(volume / TRASH_DIR) if ck in n),
@@ -188,7 +188,7 @@ def test_a_pin_seen_only_under_its_name_in_the_trash_sends_it_back(volume, tmp_p
 
     reaper, plan, journal = make(volume, tmp_path)
     (volume / "run" / "checkpoint-10" / PIN_FILE).touch()
-    monkeypatch.setattr(reaper, "recheck", lambda decision, anchors: None)  # what the stale look said
+    monkeypatch.setattr(reaper.rechecks, "recheck", lambda decision, anchors: None)  # what the stale look said
     first, *_ = reaper.execute(plan.decisions)
     assert first.outcome is Outcome.REFUSED
     assert first.detail.startswith("pinned (its pin seen only under its name in the trash") and \

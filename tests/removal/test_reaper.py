@@ -170,7 +170,7 @@ def test_a_run_directory_swapped_during_the_recheck_is_refused(volume, tmp_path,
     re-checked: the window a path-based delete would lose."""
     reaper, plan, _ = make(volume, tmp_path)
     outside = tmp_path / "outside-run"
-    real_recheck = reaper.recheck
+    real_recheck = reaper.rechecks.recheck
 
     def recheck_then_swap(decision, anchor):
         why = real_recheck(decision, anchor)
@@ -179,7 +179,7 @@ def test_a_run_directory_swapped_during_the_recheck_is_refused(volume, tmp_path,
             (volume / "run").symlink_to(outside)
         return why
 
-    monkeypatch.setattr(reaper, "recheck", recheck_then_swap)
+    monkeypatch.setattr(reaper.rechecks, "recheck", recheck_then_swap)
     results = reaper.execute(plan.decisions)
     assert results[0].outcome is Outcome.REFUSED
     assert results[0].detail == "moved or replaced while it was being checked"
@@ -192,7 +192,7 @@ def test_a_checkpoint_replaced_by_another_directory_during_the_recheck_is_refuse
     """Same run directory, a different inode under the checkpoint's name: the rename would take
     the newcomer, which nobody checked."""
     reaper, plan, _ = make(volume, tmp_path)
-    real_recheck = reaper.recheck
+    real_recheck = reaper.rechecks.recheck
     ck = volume / "run" / "checkpoint-10"
 
     def recheck_then_replace(decision, anchor):
@@ -203,7 +203,7 @@ def test_a_checkpoint_replaced_by_another_directory_during_the_recheck_is_refuse
             (ck / "precious").write_text("written after the check")
         return why
 
-    monkeypatch.setattr(reaper, "recheck", recheck_then_replace)
+    monkeypatch.setattr(reaper.rechecks, "recheck", recheck_then_replace)
     results = {r.decision.checkpoint.step: r for r in reaper.execute(plan.decisions)}
     assert (results[10].outcome, results[10].detail) == (Outcome.REFUSED, "moved or replaced while it was being checked")
     assert (ck / "precious").read_text() == "written after the check"

@@ -43,7 +43,7 @@ def hold(reaper, monkeypatch, act, name: str = "checkpoint-10") -> list[str]:
             held.append(c.name)
             act()
 
-    monkeypatch.setattr(reaper, "_before_rename", before_rename)
+    monkeypatch.setattr(reaper.trashing, "_before_rename", before_rename)
     return held
 
 
@@ -139,7 +139,7 @@ def test_the_name_taken_in_the_window_puts_it_back_beside_under_a_name_that_says
     old one goes back beside it, never over it, and no framework resumes from that name."""
     reaper, plan, journal = make(volume, tmp_path)
     ckpt = volume / "run" / "checkpoint-10"
-    real = reaper._arrived_otherwise
+    real = reaper.trashing._arrived_otherwise
 
     def arrived(c, target, trash_fd, run_fd, seen):
         if c.name == "checkpoint-10":
@@ -148,7 +148,7 @@ def test_the_name_taken_in_the_window_puts_it_back_beside_under_a_name_that_says
             os.utime(volume / TRASH_DIR / target / "config.json")  # written after the re-check
         return real(c, target, trash_fd, run_fd, seen)
 
-    monkeypatch.setattr(reaper, "_arrived_otherwise", arrived)
+    monkeypatch.setattr(reaper.trashing, "_arrived_otherwise", arrived)
     first = reaper.execute(plan.decisions)[0]
     assert first.outcome is Outcome.REFUSED
     beside = [n for n in names(volume) if n.startswith("checkpoint-10.ckptd-restored-")]

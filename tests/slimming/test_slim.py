@@ -327,8 +327,8 @@ def test_beginning_a_consolidation_re_checks_the_fingerprint_itself_after_the_re
     ck = ds_run(root, bf16)
     reaper, plan, _ = reaper_for(root, tmp_path, keep_last=2, keep_full_last=1)
     [deferred] = reaper.execute(plan.decisions, consolidate=False)
-    real_recheck = reaper.recheck
-    monkeypatch.setattr(reaper, "recheck", lambda d, a: real_recheck(d, a) or add(ck, "notes.txt"))
+    real_recheck = reaper.rechecks.recheck
+    monkeypatch.setattr(reaper.rechecks, "recheck", lambda d, a: real_recheck(d, a) or add(ck, "notes.txt"))
     result = reaper.begin_consolidation(deferred.decision, deferred.anchors)
     assert (result.outcome, result.detail) == (Outcome.REFUSED, "changed since the plan was made")
     assert not (root / ".ckptd-consolidating").exists() or no_work_left(root)
@@ -657,8 +657,8 @@ def test_slimming_re_checks_the_fingerprint_itself_after_the_recheck(trainer_vol
     """A file lands between the shared re-check and slimming's own walk."""
     reaper, plan, _ = reaper_for(trainer_volume, tmp_path, keep_last=3, keep_full_last=1)
     ck = trainer_volume / "run" / "checkpoint-100"
-    real_recheck = reaper.recheck
-    monkeypatch.setattr(reaper, "recheck", lambda d, a: real_recheck(d, a) or add(ck, "notes.txt"))
+    real_recheck = reaper.rechecks.recheck
+    monkeypatch.setattr(reaper.rechecks, "recheck", lambda d, a: real_recheck(d, a) or add(ck, "notes.txt"))
     [result] = reaper.execute([plan.slims[0]] + [d for d in plan.decisions if d.action is Action.KEEP])
     assert (result.outcome, result.detail) == (Outcome.REFUSED, "changed since the plan was made")
     assert (ck / "optimizer.pt").exists() and not (ck / slim.MARKER).exists()
@@ -701,7 +701,7 @@ def test_a_checkpoint_swapped_for_a_link_after_the_marker_brings_nothing_into_th
                                                                                          monkeypatch):
     reaper, plan, _ = reaper_for(trainer_volume, tmp_path, keep_last=3, keep_full_last=1)
     ck = trainer_volume / "run" / "checkpoint-100"
-    real_write = reaper._write_marker
+    real_write = reaper.slimming._write_marker
     outside = []
 
     def write_then_swap(c, state, *args):
@@ -709,7 +709,7 @@ def test_a_checkpoint_swapped_for_a_link_after_the_marker_brings_nothing_into_th
         if state == "removing" and c.path == ck:
             outside.append(swap_for_link(ck, tmp_path))
 
-    monkeypatch.setattr(reaper, "_write_marker", write_then_swap)
+    monkeypatch.setattr(reaper.slimming, "_write_marker", write_then_swap)
     result = reaper.execute(plan.decisions)[0]
     assert result.outcome is Outcome.FAILED and result.detail.startswith("moved 0 of 1 files, then:")
     assert (outside[0] / "optimizer.pt").read_text() == "not ckptd's to move"

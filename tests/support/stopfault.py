@@ -16,10 +16,10 @@ import os
 import sys
 
 from ckptd.cli import main
-from ckptd.removal import reaper
+from ckptd.removal import recheck
 
 FIFOS = os.environ["CKPTD_TEST_FENCE_FIFOS"]
-_real = reaper.Reaper._fenced
+_real = recheck.Fence.why_not
 log = logging.getLogger("ckptd.test")
 
 
@@ -33,7 +33,7 @@ def _wait_if(where: str) -> None:
     os.unlink(path)
 
 
-def _fenced(self: reaper.Reaper, *, after: bool = False) -> str | None:
+def _fenced(self: recheck.Fence, *, after: bool = False) -> str | None:
     if after:
         _wait_if("after")
         return _real(self, after=True)
@@ -43,7 +43,7 @@ def _fenced(self: reaper.Reaper, *, after: bool = False) -> str | None:
     return why
 
 
-reaper.Reaper._fenced = _fenced  # type: ignore[method-assign]
+recheck.Fence.why_not = _fenced  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     sys.exit(main(["run", "--foreground", "-v", "--log-format", "json", *sys.argv[1:]]))
