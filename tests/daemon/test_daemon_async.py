@@ -252,15 +252,19 @@ async def test_stopping_closes_the_descriptor_and_joins_the_threads(tmp_path):
     fd = watcher.inotify_fd()
     assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify"
     assert not os.get_inheritable(fd)  # watchdog's inotify_init() has no IN_CLOEXEC: set after
+    watch = f" ino:{os.stat(tmp_path).st_ino:x} "  # this instance's watch, as /proc's fdinfo lists it
+    assert watch in Path(f"/proc/self/fdinfo/{fd}").read_text()
     await asyncio.to_thread(watcher.stop)
     assert watcher.count() == 0 and watcher.inotify_fd() is None
     left = [t for t in threading.enumerate() if t not in before and not t.name.startswith("asyncio_")]
     assert left == []  # joined, not left behind (the loop's executor may have grown meanwhile)
+    # Closed: the number may be another file's by now, even another inotify instance's (a thread
+    # of an earlier test in this worker), so look for this instance's own watch on tmp_path.
     try:
-        now = os.readlink(f"/proc/self/fd/{fd}")
+        info = Path(f"/proc/self/fdinfo/{fd}").read_text()
     except FileNotFoundError:
-        now = None
-    assert now != "anon_inode:inotify"  # closed (the number may be another file's by now)
+        info = ""
+    assert watch not in info, info
     await asyncio.to_thread(watcher.stop)  # twice: nothing to do
 
 
