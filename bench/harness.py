@@ -163,17 +163,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = Context(workdir, [SIZES[n] for n in _sizes(args)], args.quick, _torch_version())
     # The tree is named now, before anything is measured: a commit made during a run of half an
     # hour would otherwise be named as the one measured.
+    opted = [*args.also, *(["consolidation"] if args.consolidation else [])]
+    names = args.only or [n for n in ORDER if n in BENCHMARKS or n in opted]
     run = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
         "tree": f"ckptd {ckptd.__version__} at {report.tree(REPO, args.out, results_path)}",
         "machine": dict(report.machine(workdir, REPO, ctx.torch_version)),
         "sizes": [s.name for s in ctx.sizes],
+        "asked": names,
         "volumes": ctx.built,  # filled in as the volumes are built
         "took_s": 0.0,
     }
-    opted = [*args.also, *(["consolidation"] if args.consolidation else [])]
-    names = args.only or [n for n in ORDER if n in BENCHMARKS or n in opted]
     rows: list[Row] = []
     done = []
     load = results.LoadSampler().start()
@@ -185,15 +186,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             r, s = ALL[name](ctx)
             rows += r
             done.append(results.record(name, r, s, run, time.perf_counter() - t0, load.since(mark)))
+            # Written after each section, each whole by itself: a run that fails or is stopped late
+            # keeps what it finished (the report names the sections it did not reach).
+            run["took_s"] = round(time.perf_counter() - started, 1)
+            doc = results.merge(recorded, done)
+            results_path.write_text(results.dump(doc))
+            args.out.write_text(results.render(doc))
     finally:
         load.stop()
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     total = time.perf_counter() - started
-    run["took_s"] = round(total, 1)
-    doc = results.merge(recorded, done)
-    results_path.write_text(results.dump(doc))
-    args.out.write_text(results.render(doc))
     print(report.text_table(rows))
     missed = [r for r in rows if r.met is False]
     print(f"\n{sum(r.met is True for r in rows)} targets met, {len(missed)} missed; total {total:.0f} s")

@@ -137,6 +137,10 @@ def _run_lines(run: dict[str, Any], sections: list[dict[str, Any]]) -> list[str]
     left = [f"{n} ({SIZE_NAMES[n]})" for n in SIZE_NAMES if n not in run.get("sizes", [])]
     if left and "T" not in run.get("sizes", []):
         lines.append(f"- **not measured in this run**: the {' and '.join(left)} volumes")
+    reached = {s["name"] for s in sections}
+    missing = [n for n in run.get("asked", []) if n not in reached]
+    if missing:
+        lines.append(f"- **asked for, not finished in this run**: {', '.join(missing)}")
     if run.get("volumes"):
         lines.append(
             "- **volumes** (`bench/volume.py`: Trainer + DeepSpeed ZeRO-2 checkpoints, all complete):"
