@@ -80,19 +80,10 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         note = ""
         if ratio > TARGET:
             note = (
-                f"{shape.name}: `ckptd plan` takes {fmt_time(p)}, {fmt_ratio(ratio)} `find` ({fmt_time(f)}); "
-                f"the target is {TARGET:g}×, missed by {fmt_ratio(ratio / TARGET)}. "
-                f"Python start-up and imports (`ckptd --version`) take {fmt_time(s)}; the scan itself "
-                f"{fmt_time(scan)} in a warm process, of which {fmt_time(integrity)} is the integrity check "
-                f"(opening {zips:,} torch files to read their zip directory) and {fmt_time(walk)} the walk "
-                "with lstat. `find` opens no file, so 2× is out of reach while every torch file's tail is "
-                "read, and each entry costs Python work on top: the walk, the fingerprint and the verdict "
-                "cache's digest, the one pass that classifies each entry for the checks (`evidence._Pass`: "
-                "one save, save times, the slim survey, the integrity check), and what each framework's own "
-                "checks ask of the files (the DeepSpeed census, the copy and weights checks, held runs). "
-                "Only the first `plan` or daemon start on a "
-                "volume pays it: the verdict cache in `state_dir` makes the next ones re-read nothing "
-                "but stats (the rows with the cache)."
+                "`find` opens no file; ckptd reads every torch file's zip tail and does Python work per "
+                "entry (classifying it, the fingerprint, each framework's checks), so a first look stays "
+                "far from 2×. Only the first `plan` or daemon start on a volume pays it: the verdict cache "
+                "makes the next ones re-read nothing but stats (the rows with the cache)."
             )
         rows.append(
             Row(
@@ -252,10 +243,8 @@ def _cached_row(shape: str, what: str, took: float, find: float, python: float) 
     note = ""
     if net > TARGET:
         note = (
-            f"{shape}: {what} takes {fmt_time(took)}, {fmt_ratio(ratio)} `find` ({fmt_time(find)}), "
-            f"{fmt_ratio(net)} less Python's own start-up ({fmt_time(python)}); the target is {TARGET:g}×. "
-            "What is left is ckptd's imports (pydantic and its own modules, see `python -X importtime -m "
-            "ckptd --version`), decoding the cache (a JSON line per checkpoint) and a stat per directory."
+            "What is left is ckptd's imports (pydantic and its own modules: `python -X importtime -m ckptd "
+            "--version`), decoding the cache (a JSON line per checkpoint) and a stat per directory."
         )
     return Row(
         NAME,

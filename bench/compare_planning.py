@@ -1,7 +1,7 @@
 """Benchmark 6 (planning) for two versions of ckptd, interleaved: which one plans faster, by how much.
 
-    mkdir -p /tmp/before && git archive COMMIT src | tar -x -C /tmp/before
-    python3 -m bench.compare_planning /tmp/before/src src
+    mkdir -p /tmp/before && git archive COMMIT ckptd | tar -x -C /tmp/before
+    python3 -m bench.compare_planning /tmp/before .
 
 Each round plans bench.planning's runs (1 × 10,000 and 1,000 × 10) once with each version, in a
 fresh process of its own (alternating which goes first), and takes the median CPU time of a few
@@ -56,8 +56,8 @@ def measure(src: Path, reps: int) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compare_planning", description=__doc__.splitlines()[0])
-    p.add_argument("before", type=Path, help="the src/ directory of the version to compare against")
-    p.add_argument("after", type=Path, help="the src/ directory of the version measured")
+    p.add_argument("before", type=Path, help="the directory holding the ckptd package to compare against")
+    p.add_argument("after", type=Path, help="the directory holding the ckptd package measured")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=7, help="repetitions per process (median taken)")
     args = p.parse_args()

@@ -242,7 +242,7 @@ def bench(ctx) -> tuple[list, object]:  # (Context) -> (rows, Section); bench.* 
     generated = time.perf_counter() - t0
     tag = sorted(d.name for d in save_dir.glob("global_step*"))[-1]
     shapes = (  # in a child: the harness hides torch from itself
-        "import json, math, sys\nfrom ckptd import dsmeta\n"
+        "import json, math, sys\nfrom ckptd.frameworks import dsmeta\n"
         "print(json.dumps([4 * math.prod(s) for s in dsmeta.expected_tensors(sys.argv[1]).values()]))"
     )
     states = str(save_dir / tag / "mp_rank_00_model_states.pt")

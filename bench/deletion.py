@@ -183,19 +183,12 @@ def run(ctx: Context) -> tuple[list[Row], Section]:
         gone, rm, rename = median(t["gone"]), median(t["rm_rf"]), median(t["rename"])
         note = ""
         if gone > TARGET_S:
-            walk = median(t["walk"])
             note = (
-                f"{label}: {fmt_time(gone)} from the call to the rename, {gone / TARGET_S:.2g}× the "
-                f"10 ms target. The rename itself takes {fmt_time(rename)} whatever the size; the rest is "
-                f"the safety re-check ({fmt_time(median(t['recheck']))}), which inspects afresh both this "
-                f"checkpoint and the run's newest complete one: two walks and the zip tails of "
-                f"2 × {2 * world + 3} torch files, so it grows with the file count (not the bytes). One "
-                f"walk takes {fmt_time(walk)}: a re-check that reused the plan's evidence when the fresh "
-                "fingerprint is unchanged would bring it to about "
-                f"{fmt_time(2 * walk + rename)}, but the re-check is strict on purpose (`verdicts.strict`): "
-                "it reads every file afresh and trusts no remembered verdict, so that a stale or lying "
-                "verdict cache can never cause a deletion. Nothing on disk changes during it: the "
-                "checkpoint leaves its run in one rename, never half-deleted."
+                "The rename takes microseconds whatever the size; the rest is the strict re-check "
+                "(`verdicts.strict`): this checkpoint and the run's newest complete one walked and their "
+                "torch files' tails read afresh, trusting no remembered verdict, so it grows with the file "
+                "count. Reusing the plan's evidence would cut it to a few walks, at the price of letting a "
+                "cache decide a deletion."
             )
         rows.append(
             Row(

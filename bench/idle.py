@@ -162,17 +162,9 @@ def _run_one(ctx: Context, shape: Shape) -> tuple[list[Row], Section]:
     if met is False:
         rest = max(0.0, t["tick_s"] - write - 3 * t["in_flight_s"])
         note = (
-            f"{r['pct']:.2g} % against {target:g} %, missed by {r['pct'] - (target or 0):.2g} points. "
-            f"The daemon wakes only for its polls ({r['wakeups']} context switches in "
-            f"{r['window_s']:.0f} s), but each poll tick costs {fmt_time(t['tick_s'])} of CPU "
-            f"({100 * t['tick_s'] / interval:.2g} % at "
-            f"{interval:g} s), of which rewriting the state file is {fmt_time(write)}: the whole document "
-            f"(every checkpoint with its decision, {tick['state_bytes'] / 1024:.0f} KiB) put together "
-            f"({fmt_time(t['state_doc_s'])}) and encoded ({fmt_time(t['dumps_compact_s'])}). "
-            "Rewriting it only when something changed (the heartbeat apart), and keeping the in-flight "
-            f"checkpoints as a set instead of re-deriving {tick['checkpoints']:,} states three times a tick, "
-            f"would leave about {fmt_time(rest)} a tick, {100 * rest / interval:.2g} % (changes in "
-            "`daemon/` and `tracker.py`)."
+            f"Each poll tick costs {fmt_time(t['tick_s'])} of CPU, {fmt_time(write)} of it rewriting the "
+            f"whole state file ({tick['state_bytes'] / 1024:.0f} KiB, every checkpoint with its decision). "
+            f"Rewriting it only when something changed would leave about {fmt_time(rest)} a tick."
         )
     rows.append(
         Row(NAME, f"{shape.name}: CPU % over {window:g} s, inotify", f"{r['pct']:.2g} %",

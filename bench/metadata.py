@@ -125,12 +125,10 @@ def _reconcile_note(ops: dict[str, int], directories: int, checkpoints: int) -> 
     if extra <= 0 or ops.get("open", 0):
         return text
     return (
-        f"{text}: beyond a stat per directory, {extra:,} stats ({extra / checkpoints:.1f} per checkpoint), "
-        "one for each file whose contents a decision rests on (trainer_state.json, the JSON and metadata "
-        "files a look reads whole, the files the frameworks' checks read; docs/daemon.md). A file "
-        "rewritten in place changes no directory, only its own ctime, so a reconcile that stat'ed the "
-        "directories alone would keep a stale look of it (docs/design/hazards.md): the target predates "
-        "that check, and is kept as the floor."
+        "Beyond a stat per directory, one stat per file whose contents a decision rests on "
+        "(trainer_state.json, the JSON and metadata files read whole): a file rewritten in place changes "
+        "no directory, only its own ctime (docs/design/hazards.md). The target predates that check and "
+        "is kept as the floor."
     )
 
 

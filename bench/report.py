@@ -1,4 +1,4 @@
-"""Results: one `Row` per measured comparison, printed as a table and written as BENCHMARKS.md."""
+"""Results: one `Row` per measured comparison, printed as a table; the machine and the tree measured."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Row:
     ratio: str = "—"
     target: str = "—"
     met: bool | None = None
-    note: str = ""  # the closing note: by how much a target is missed, and what would close it
+    note: str = ""  # why a target is missed, in 1-3 sentences: the figures are in the row itself
 
     @property
     def verdict(self) -> str:
@@ -104,11 +104,12 @@ def _memory() -> str:
         return "?"
 
 
-def _git(repo: Path, report: Path | None = None) -> str:
-    """The commit measured, and whether tracked files differ from it (the report itself aside)."""
-    exclude = []
-    if report is not None and report.resolve().is_relative_to(repo.resolve()):
-        exclude = [f":(exclude){report.resolve().relative_to(repo.resolve())}"]
+def _git(repo: Path, leave_out: list[Path]) -> str:
+    exclude = [
+        f":(exclude){p.resolve().relative_to(repo.resolve())}"
+        for p in leave_out
+        if p.resolve().is_relative_to(repo.resolve())
+    ]
     try:
         rev = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
@@ -126,76 +127,22 @@ def _git(repo: Path, report: Path | None = None) -> str:
     return rev + (" (uncommitted changes)" if dirty else "")
 
 
-def machine(
-    bench_dir: Path, repo: Path, torch_version: str | None, report: Path | None = None
-) -> list[tuple[str, str]]:
+def machine(bench_dir: Path, repo: Path, torch_version: str | None) -> list[tuple[str, str]]:
     import watchdog.version
-
-    import ckptd
 
     mnt, fstype, opts = _mount_of(bench_dir)
     return [
-        ("CPU", f"{os.cpu_count()} × {_cpu_model()} (nproc {len(os.sched_getaffinity(0))})"),
+        ("CPU", f"{os.cpu_count()} × {_cpu_model()}"),
+        ("cores", str(len(os.sched_getaffinity(0)))),
         ("memory", _memory()),
         ("kernel", platform.release()),
-        ("bench directory", f"{bench_dir} on {fstype} ({mnt}, {opts})"),
+        ("bench directory", f"{fstype} ({mnt}, {opts})"),
         ("python", sys.version.split()[0]),
-        ("ckptd", f"{ckptd.__version__} at {_git(repo, report)}, byte-compiled first (as pip does)"),
         ("watchdog", watchdog.version.VERSION_STRING),
         ("torch", torch_version or "not installed"),
-        ("page cache", "warm: caches cannot be dropped without root on a shared box; every figure is warm"),
     ]
 
 
-def markdown(
-    *,
-    rows: list[Row],
-    sections: list[Section],
-    machine_info: list[tuple[str, str]],
-    command: str,
-    date: str,
-    total_s: float,
-    volumes: list[str],
-) -> str:
-    out = [
-        "# ckptd benchmarks",
-        "",
-        "Written by `python -m bench`; rerun it to refresh. Every figure is a median of repetitions,",
-        "measured beside its baseline on the same tree in the same run: these machines are shared",
-        "and noisy, so read the ratios, not single times.",
-        "",
-        f"- **date**: {date}",
-        f"- **command**: `{command}`",
-        f"- **total run time**: {total_s / 60:.1f} min ({total_s:.0f} s, volumes built included)",
-        "",
-        "## Machine",
-        "",
-        "| | |",
-        "|---|---|",
-        *(f"| {k} | {v} |" for k, v in machine_info),
-        "",
-        "## Volumes",
-        "",
-        "Synthetic Trainer + DeepSpeed ZeRO-2 volumes (`bench/volume.py`): R runs × C checkpoints,",
-        "each checkpoint one shard and one `rng_state_<r>.pth` per rank plus 12 small files",
-        "(model states, trainer_state.json, model.safetensors, config, tokenizer, ...), all complete,",
-        "aged with `os.utime`.",
-        "",
-        *(f"- {v}" for v in volumes),
-        "",
-        "## Results",
-        "",
-        markdown_table(rows),
-        "",
-    ]
-    notes = [r for r in rows if r.note]
-    if notes:
-        out += ["## Targets missed, and what would close them", ""]
-        out += [f"- **{r.benchmark}, {r.case}**: {r.note}" for r in notes]
-        out.append("")
-    out += ["## How each benchmark measures", ""]
-    for s in sections:
-        out += [f"### {s.title}", "", s.method, ""]
-        out += [f"- {d}" for d in s.details]
-        out.append("")
-    return "\n".join(out).rstrip() + "\n"
+def tree(repo: Path, report: Path | None = None, results: Path | None = None) -> str:
+    """The commit measured, and whether tracked files differ from it (the report and its results aside)."""
+    return _git(repo, [p for p in (report, results) if p is not None])

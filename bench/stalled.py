@@ -1,9 +1,10 @@
 """10. Stalled checkpoints: what abandoned saves cost an idle daemon, for as long as they stay.
 
 Every crashed job leaves one: a checkpoint whose rank's shard was left truncated. ckptd
-never deletes it (it is not complete) and used to walk it, every file, at every poll,
-forever. Now each look that finds it unchanged doubles the polls to the next, up to
-reconcile_interval; between looks a poll stats its directories and the file that failed.
+never deletes it (it is not complete), and walking it, every file, at every poll would cost
+that for as long as it stays. Each look that finds it unchanged doubles the polls to the next,
+up to reconcile_interval; between looks a poll stats its directories and the file that failed.
+The baseline is the same daemon looking at it every poll.
 
 Measured on the fake monotonic clock of `python -m bench.probe hours` (the daemon's
 filesystem thread, driven as `main_loop` drives it) with two roots: the M volume and a

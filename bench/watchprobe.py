@@ -1,7 +1,8 @@
-"""`python -m bench.watchprobe SRC ROOT`: a `ckptd run --foreground --dry-run` of the checkout whose
-src/ is SRC on ROOT (quiet_period 1 s), sampled from /proc/<pid> at READY and 2 s after the totals
-line: threads, inotify instances, kernel watches (fdinfo), RSS. Run it with two checkouts on one
-volume to compare their watchers (BENCHMARKS.md: watchdog's Observer against the ctypes binding).
+"""`python -m bench.watchprobe DIR ROOT`: a `ckptd run --foreground --dry-run` of the `ckptd` package
+in DIR (a checkout's root, or the `src/` of one from before the package left it) on ROOT
+(quiet_period 1 s), sampled from /proc/<pid> at READY and 2 s after the totals line: threads,
+inotify instances, kernel watches (fdinfo), RSS. Run it with two trees on one volume to compare
+their watchers.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """15. The watcher at scale: `ckptd run` watching a whole volume (L, XL: a million files).
 
-`python -m bench --only watchscale --sizes L,XL --out /tmp/W.md` (opt-in: not part of a full run).
+`python -m bench --only watchscale --sizes L,XL` (opt-in: not part of a full run; about 20 min).
 
 On each volume, `ckptd run --foreground -v --log-format json` (observer inotify, quiet_period 1 s,
 ckptd's default poll_interval of 10 s, torch hidden, a retention that keeps everything) starts on
@@ -11,8 +11,9 @@ CPU time still, it is sampled from /proc/<pid>: threads, inotify instances and k
 after another, into a new run inside the volume (`team-0/run-live/`), and the overhead of each is
 measured as in 3.: the `complete` line's arrival − the save's last write − quiet_period.
 
-With `BENCH_WATCH_COMPARE=SRC` (the src/ of another checkout, e.g. the ctypes binding's tree,
-extracted with `git archive 0be4982 src | tar -x -C /tmp/old`), a daemon of that checkout runs
+With `BENCH_WATCH_COMPARE=DIR` (a directory holding another tree's `ckptd` package, e.g.
+`git archive COMMIT ckptd | tar -x -C /tmp/old`; `src/` for trees from before the package left
+it), a daemon of that tree runs
 beside this one on the same volume, through the same idle window and the same saves
 (`BENCH_WATCH_COMPARE_NAME` names it in the table); on L and the small sizes, not on XL.
 

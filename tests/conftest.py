@@ -64,7 +64,7 @@ FAST_FILES = {
     "test_lease.py", "test_logging.py", "test_mounts.py", "test_mutaudit_applies.py", "test_one_save.py",
     "test_plan_equivalence.py", "test_policy.py", "test_reaper.py", "test_rules.py", "test_slim.py",
     "test_slim_daemon.py", "test_slim_policy.py", "test_tracker.py", "test_verdicts.py", "test_volcache.py",
-    "test_public_api.py",
+    "test_public_api.py", "test_benchmarks_md.py",
 }
 
 

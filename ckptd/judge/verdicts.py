@@ -353,8 +353,8 @@ class Verdicts:
 
     def share_history(self, ts: TrainerState, run: str) -> TrainerState:
         """`ts` with its log history kept once per run: each checkpoint of a run logs the same
-        history up to its own step, and each used to keep a copy of it (the 6,400 checkpoints of
-        the L volume held 323k steps between them, most of the daemon's memory there)."""
+        history up to its own step, so a copy per checkpoint would grow with checkpoints × run
+        length (most of a daemon's memory on a large volume)."""
         history = self._history(run, list(ts.history.items()))
         return TrainerState(ts.global_step, ts.best_model_checkpoint, ts.best_metric, history)
 

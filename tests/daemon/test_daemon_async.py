@@ -180,7 +180,7 @@ async def test_an_exhausted_watch_limit_is_logged_once_and_leaves_the_path_to_po
                                             (1000, 1800.0)])
 async def test_a_refused_watch_waits_twice_as_long_after_each_refusal_up_to_half_an_hour(refusals, wait):
     """Each try walks the root's tree until the kernel refuses (0.4-0.55 s of CPU on L's 12,872
-    directories: 0.9 % of a core at one a minute, BENCHMARKS.md); a limit rarely changes by itself."""
+    directories: 0.9 % of a core at one a minute; bench/watchscale.py measures it); a limit rarely changes by itself."""
     from ckptd.daemon.watch import RETRY_MAX, retry_wait
 
     assert RETRY_MAX == 1800.0

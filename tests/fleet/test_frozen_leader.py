@@ -32,7 +32,7 @@ from tests.support.nodes import (
 
 # What the test allows between the stop and the takeover's log line: the duration and the
 # margin the rules wait, a lease step (D/3) to see the last renewal and one to act, and slack
-# for a loaded machine (the measured figures are bench/standby.py's, BENCHMARKS.md).
+# for a loaded machine (the measured figures: bench/takeover.py, BENCHMARKS.md's 16. takeover).
 TAKEOVER_BOUND = D + M + 2 * D / 3 + 3.0
 
 
