@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,36 @@ pytestmark = pytest.mark.frameworks
 
 def _child(*args: str) -> subprocess.CompletedProcess[str]:
     return fwgen.run_module("fwaccel_multi", *args)
+
+
+@pytest.fixture(scope="module")
+def _loader(tmp_path_factory):
+    """One `fwaccel_multi serve` for the module: each `_loads` is the `load` that ran as a process of its
+    own, forked from one that imported torch and accelerate once."""
+    err = tmp_path_factory.mktemp("accel-loader") / "stderr"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.fwaccel_multi", "serve"], text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                env={**os.environ, **fwgen._CHILD_ENV})
+    with proc:  # closes its pipes and waits for it, which ends when its stdin does
+        yield proc, err
+        proc.stdin.close()
+
+
+@pytest.fixture
+def _load(_loader) -> Callable[[Path], int]:
+    proc, err = _loader
+
+    def load(path: Path) -> int:
+        """accelerate's load_state(path) into the job's objects (fwaccel_multi.load): its exit code."""
+        proc.stdin.write(f"{path}\n")
+        proc.stdin.flush()
+        said = []
+        while not (line := proc.stdout.readline()).startswith("rc ") and line:
+            said.append(line)
+        assert line, "".join(said)[-2000:] + err.read_text()[-3000:]  # the loader itself died
+        return int(line.split()[1])
+    return load
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +79,8 @@ def saves(tmp_path_factory) -> Path:
      "custom_checkpoint_1.pkl missing, which every complete checkpoint of the run before it has"),
     ("custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl present, custom_checkpoint_0.pkl missing"),
 ])
-def test_a_save_missing_a_second_models_or_a_registered_objects_file_is_incomplete(saves, tmp_path, missing, said):
+def test_a_save_missing_a_second_models_or_a_registered_objects_file_is_incomplete(saves, _load, tmp_path,
+                                                                                  missing, said):
     root = copy_volume({"out_dir": saves}, tmp_path / "vol")
     run, older, newest = root / "gan", root / "gan" / "step_10", root / "gan" / "step_20"
     assert {"model_1.safetensors", "custom_checkpoint_1.pkl", "optimizer_1.bin"} <= set(os.listdir(newest))
@@ -65,5 +98,5 @@ def test_a_save_missing_a_second_models_or_a_registered_objects_file_is_incomple
     assert (rows["step_10"]["state"], rows["step_10"]["action"]) == ("complete", "keep"), rows["step_10"]
     latest = run_ckptd("latest", run, env={"CKPTD_CONFIG": ""})
     assert latest.stdout == f"{older}\n", latest.stdout + latest.stderr
-    assert _child("load", str(newest)).returncode == 1  # accelerate agrees: it cannot restore it
-    assert _child("load", str(older)).returncode == 0
+    assert _load(newest) == 1  # accelerate agrees: it cannot restore it
+    assert _load(older) == 0

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,13 +47,38 @@ def _verify(ckpt: Path) -> subprocess.CompletedProcess[str]:
     return run_ckptd("verify", ckpt, env={"CKPTD_CONFIG": ""})
 
 
-def _loads(ckpt: Path) -> bool:
-    proc = _child("load", str(ckpt))
-    assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.returncode == 0 and "loaded" in proc.stdout
+@pytest.fixture(scope="module")
+def _loader(tmp_path_factory):
+    """One `fwdcp_nested serve` for the module: each `_loads` is the `load` it ran as a process of its
+    own, without importing torch again."""
+    err = tmp_path_factory.mktemp("dcp-loader") / "stderr"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.fwdcp_nested", "serve"], text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                env={**os.environ, **fwgen._CHILD_ENV})
+    with proc:  # closes its pipes and waits for it, which ends when its stdin does
+        yield proc, err
+        proc.stdin.close()
 
 
-def test_the_whole_nested_dcp_save_is_complete(nested, tmp_path):
+@pytest.fixture
+def _loads(_loader) -> Callable[[Path], bool]:
+    proc, err = _loader
+
+    def loads(ckpt: Path) -> bool:
+        """dcp.load of the checkpoint's model part, compared with what was saved (fwdcp_nested.load)."""
+        proc.stdin.write(f"{ckpt}\n")
+        proc.stdin.flush()
+        said = []
+        while not (line := proc.stdout.readline()).startswith("rc ") and line:
+            said.append(line)
+        code = int(line.split()[1]) if line else None
+        assert code in (0, 1), "".join(said)[-2000:] + err.read_text()[-3000:]
+        return code == 0 and "loaded\n" in said
+    return loads
+
+
+def test_the_whole_nested_dcp_save_is_complete(nested, _loads, tmp_path):
     root = copy_volume({"out_dir": nested}, tmp_path / "vol")
     ckpt = root / "run" / "checkpoint_0"
     assert sorted(os.listdir(ckpt / "pytorch_model_fsdp_0")) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
@@ -62,7 +89,7 @@ def test_the_whole_nested_dcp_save_is_complete(nested, tmp_path):
 
 
 @pytest.mark.parametrize("how", ["cut short", "missing"])
-def test_a_nested_shard_cut_short_or_missing_is_incomplete(nested, tmp_path, how):
+def test_a_nested_shard_cut_short_or_missing_is_incomplete(nested, _loads, tmp_path, how):
     """The `.metadata` is there (all the old check asked), but one of the two data files it names
     is cut short (a copy or write interrupted) or gone: dcp.load fails, and so must the verdict."""
     root = copy_volume({"out_dir": nested}, tmp_path / "vol")
@@ -83,7 +110,7 @@ def test_a_nested_shard_cut_short_or_missing_is_incomplete(nested, tmp_path, how
     assert not _loads(ckpt)
 
 
-def test_a_nested_dcp_directory_with_every_data_file_gone_is_incomplete(nested, tmp_path):
+def test_a_nested_dcp_directory_with_every_data_file_gone_is_incomplete(nested, _loads, tmp_path):
     """Both data files gone, the `.metadata` naming them left (a cleanup by `*.distcp`, a copy that
     skipped them): the directory still is a DCP save, told by its metadata, not by its `*.distcp`
     alone (frameworks/dcp.py `is_metadata`). dcp.load fails; the checkpoint is not complete."""
@@ -103,7 +130,7 @@ def test_a_nested_dcp_directory_with_every_data_file_gone_is_incomplete(nested, 
     assert not _loads(ckpt)
 
 
-def test_prune_refuses_a_checkpoint_named_as_its_root(nested, tmp_path):
+def test_prune_refuses_a_checkpoint_named_as_its_root(nested, _loads, tmp_path):
     """`ckptd prune --keep-last 1 CHECKPOINT` with no config: seen from the checkpoint itself, its two
     DCP directories (FSDP's SHARDED_STATE_DICT writes the model's and the optimizer's, each through
     DCP: accelerate utils/fsdp_utils.py save_fsdp_model / save_fsdp_optimizer) look like a run of two
@@ -135,7 +162,7 @@ def test_prune_refuses_a_checkpoint_named_as_its_root(nested, tmp_path):
     assert sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")) == before
 
 
-def test_the_daemon_and_check_config_refuse_a_checkpoint_configured_as_a_root(nested, tmp_path):
+def test_the_daemon_and_check_config_refuse_a_checkpoint_configured_as_a_root(nested, _loads, tmp_path):
     """The same refusal for a root in the config: `ckptd run` exits 64 before it makes a lock, a
     lease or a trash there, and `check-config` says why with the same code (cli preflight)."""
     root = copy_volume({"out_dir": nested}, tmp_path / "vol")
@@ -153,7 +180,7 @@ def test_the_daemon_and_check_config_refuse_a_checkpoint_configured_as_a_root(ne
 
 
 @pytest.mark.parametrize("where", ["outside", "inside"])
-def test_a_symlink_to_a_checkpoint_is_refused_as_a_root_as_the_checkpoint_is(nested, tmp_path, where):
+def test_a_symlink_to_a_checkpoint_is_refused_as_a_root_as_the_checkpoint_is(nested, _loads, tmp_path, where):
     """`ln -s vol/run/checkpoint_0 link; ckptd prune --keep-last 1 link` (the link beside the volume
     or inside it), and a config whose root is the link: the walk follows the link into the
     checkpoint, so the refusal asks of what it points to. It had taken the link's own name, which
@@ -179,7 +206,7 @@ def test_a_symlink_to_a_checkpoint_is_refused_as_a_root_as_the_checkpoint_is(nes
     assert _loads(ckpt)
 
 
-def test_a_save_into_a_directory_of_the_users_naming_is_no_run_of_its_parts(nested, tmp_path):
+def test_a_save_into_a_directory_of_the_users_naming_is_no_run_of_its_parts(nested, _loads, tmp_path):
     """accelerate's `save_state("final")` (a name of the user's, not checkpoint_N) under a root: its
     DCP parts, `pytorch_model_fsdp_0/` and `optimizer_0/`, look like two DCP checkpoints of a run
     `proj/final`, and keep_last=1 had deleted the model's part. Every process's

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.cli.demo_volume import age
-from tests.support import dsgen
+from tests.support import dsgen, volcache
 from tests.support.common import LOSSES, run_ckptd, shift_mtimes
 from tests.support.daemonproc import DaemonProc
 
@@ -251,6 +251,14 @@ def test_a_bf16_save_killed_before_any_shard_is_incomplete_whatever_its_ds_confi
     assert "optim_states.pt missing" in census(doc)[0]["detail"]
 
 
+def _first_job(run: Path, stage: int) -> None:
+    """The first job of a re-save in place: global_step5 and global_step10, 2 ranks, bare layout. The
+    same run for every re-save test of a stage, so it is written once a session and copied after
+    (tests/support/volcache.py, the key conftest's DeepSpeed volumes use)."""
+    kw = dict(world_size=2, stage=stage, layout="bare", steps=(5, 10))
+    volcache.generated("dsgen", kw, ("dsgen.py",), run, lambda out: dsgen.generate(out, **kw))
+
+
 def _the_older_tag_is_kept(cfg: Path, run: Path) -> None:
     """`plan` keeps global_step5, complete, and `ckptd latest` names it: what DeepSpeed resumes from."""
     proc = run_ckptd("plan", "-c", cfg, "--json")
@@ -271,7 +279,7 @@ def test_a_resave_in_place_whose_rank_1_died_before_its_shard_is_incomplete(tmp_
     the model states and the shards, so the one-save check allows a shard to end before them only by
     as long as they can have taken to write (`base.write_span`), seconds for this model."""
     run = tmp_path / "vol" / "run"
-    dsgen.generate(run, world_size=2, stage=2, layout="bare", steps=(5, 10))
+    _first_job(run, 2)
     shift_mtimes(tmp_path / "vol", 600)
     with dsgen.start(run, world_size=2, stage=2, layout="bare", steps=(10,), hidden=64, slow_rank=1,
                      slow_seconds=600) as job:
@@ -304,7 +312,7 @@ def test_a_resave_in_place_whose_rank_0_died_before_its_model_states_is_incomple
     zip directory). DeepSpeed cannot resume from it (the outside attack's reproduction, kept until
     0be4982 as tools/attack30, loaded it with both widths)."""
     run = tmp_path / "vol" / "run"
-    dsgen.generate(run, world_size=2, stage=stage, layout="bare", steps=(5, 10))
+    _first_job(run, stage)
     shift_mtimes(tmp_path / "vol", 600)
     with dsgen.start(run, world_size=2, stage=stage, layout="bare", steps=(10,), hidden=64, slow_rank=0,
                      slow_seconds=600, env={"DSGEN_HOLD": "states"}) as job:

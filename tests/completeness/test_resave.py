@@ -11,8 +11,12 @@ after trainer_state.json), `ckptd latest` must name checkpoint-2 and `keep_last=
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,14 +26,38 @@ from tests.support.common import run_ckptd, shift_mtimes
 pytestmark = pytest.mark.frameworks
 
 
-def test_a_trainer_resave_killed_after_its_weights_is_incomplete_and_the_older_one_is_kept(tmp_path):
+@pytest.fixture
+def fwresave(tmp_path_factory):
+    """`python -m tests.support.fwresave ARGS` as a process forked from one `fwresave serve`, which
+    imported torch and transformers once: (ARGS) -> its returncode, stdout and the server's stderr."""
+    err = tmp_path_factory.mktemp("fwresave") / "stderr"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.fwresave", "serve"], text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                env={**os.environ, **fwgen._CHILD_ENV})
+
+    def run(*args: str) -> SimpleNamespace:
+        proc.stdin.write(json.dumps(args) + "\n")
+        proc.stdin.flush()
+        said = []
+        while not (line := proc.stdout.readline()).startswith("rc ") and line:
+            said.append(line)
+        assert line, "".join(said)[-2000:] + err.read_text()[-3000:]  # the server itself died
+        return SimpleNamespace(returncode=int(line.split()[1]), stdout="".join(said), stderr=err.read_text())
+
+    with proc:  # closes its pipes and waits for it, which ends when its stdin does
+        yield run
+        proc.stdin.close()
+
+
+def test_a_trainer_resave_killed_after_its_weights_is_incomplete_and_the_older_one_is_kept(fwresave, tmp_path):
     if (why := fwgen.missing("trainer")) is not None:
         pytest.skip(why)
     out = tmp_path / "vol" / "out"
-    first = fwgen.run_module("fwresave", "train", str(out), "16", "2", "4")
+    first = fwresave("train", str(out), "16", "2", "4")
     assert first.returncode == 0 and "trained" in first.stdout, first.stdout[-2000:] + first.stderr[-3000:]
     shift_mtimes(tmp_path / "vol", 7200)  # the first job ran two hours ago
-    killed = fwgen.run_module("fwresave", "train", str(out), "32", "4", "4", "4")
+    killed = fwresave("train", str(out), "32", "4", "4", "4")
     assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-3000:]  # SIGKILLed in the save
     ck4 = out / "checkpoint-4"
     assert (ck4 / "model.safetensors").stat().st_mtime > (ck4 / "trainer_state.json").stat().st_mtime + 3600
@@ -50,6 +78,6 @@ def test_a_trainer_resave_killed_after_its_weights_is_incomplete_and_the_older_o
     assert latest.stdout == f"{out / 'checkpoint-2'}\n", latest.stdout + latest.stderr
 
     # the Trainer agrees: it cannot resume from checkpoint-4, and does from checkpoint-2
-    assert fwgen.run_module("fwresave", "resume", str(tmp_path / "r4"), "16", str(ck4)).returncode != 0
-    back = fwgen.run_module("fwresave", "resume", str(tmp_path / "r2"), "16", str(out / "checkpoint-2"))
+    assert fwresave("resume", str(tmp_path / "r4"), "16", str(ck4)).returncode != 0
+    back = fwresave("resume", str(tmp_path / "r2"), "16", str(out / "checkpoint-2"))
     assert back.returncode == 0 and "resumed" in back.stdout, back.stdout[-2000:] + back.stderr[-3000:]

@@ -10,10 +10,15 @@ save_custom_state). Prints "saved".
 
 ``python -m tests.support.fwaccel_multi load DIR``: the same objects, then `load_state(DIR)`; prints
 "loaded", or "failed: <accelerate's error>" and exits 1.
+
+``python -m tests.support.fwaccel_multi serve``: that load for each DIR read as a line from stdin, each in a
+process forked from this one, which imported torch and accelerate once (most of a load's CPU time); each
+answered with its output, then a line ``rc N``, N the exit code `load DIR` would have had.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from tests.support import refuse_in_light_test
@@ -76,8 +81,30 @@ def load(path: str) -> int:
     return 0
 
 
+def serve() -> int:
+    import accelerate  # noqa: F401  imported before the forks: each child inherits it
+    import torch  # noqa: F401
+
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:  # the child: one load, as `load DIR` runs it; never back into this loop
+            code = 1  # what an exception uncaught in `load DIR` exits with
+            try:
+                code = load(line.rstrip("\n"))
+            except BaseException as exc:
+                print(f"failed: {type(exc).__name__}: {str(exc)[:300]}")
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(f"rc {os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)}", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     refuse_in_light_test("an accelerate job (tests/support/fwaccel_multi.py)")
+    if sys.argv[1] == "serve":
+        sys.exit(serve())
     if sys.argv[1] == "save":
         save(sys.argv[2], [int(s) for s in sys.argv[3].split(",")])
         sys.exit(0)

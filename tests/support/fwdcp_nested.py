@@ -10,6 +10,10 @@ here, so DCP's own writer is called directly, as that function calls it. Prints 
 ``python -m tests.support.fwdcp_nested load CKPT``: `dcp.load` of CKPT/pytorch_model_fsdp_0 into a fresh
 model's state dict, compared with what was saved; prints "loaded" when DCP reads it back whole,
 else exits 1 with DCP's error.
+
+``python -m tests.support.fwdcp_nested serve``: the same load for each CKPT read as a line from stdin, in this one
+process (importing torch is most of a load's CPU time), each answered with its output, then a line ``rc N``:
+N the exit code `load CKPT` would have had.
 """
 
 from __future__ import annotations
@@ -66,8 +70,24 @@ def load(ckpt: Path) -> int:
     return 0
 
 
+def serve() -> int:
+    import torch.distributed.checkpoint.api
+
+    for line in sys.stdin:
+        try:
+            code = load(Path(line.rstrip("\n")))
+        except (Exception, torch.distributed.checkpoint.api.CheckpointException) as exc:
+            # uncaught in `load CKPT` (DCP's CheckpointException is a BaseException): Python's exit code 1
+            print(f"failed: {type(exc).__name__}: {str(exc)[:300]}")
+            code = 1
+        print(f"rc {code}", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     refuse_in_light_test("accelerate and a torch.distributed.checkpoint save (tests/support/fwdcp_nested.py)")
+    if sys.argv[1] == "serve":
+        sys.exit(serve())
     if sys.argv[1] == "save":
         save(Path(sys.argv[2]))
         sys.exit(0)

@@ -9,6 +9,11 @@ place). KIND ``docs-keras``, ``docs-metric``, ``docs-weights``: the templates Ke
 beside it. With KILL_EPOCH, the process SIGKILLs itself inside that epoch's save, as the weights store
 closes (saving_lib.H5IOStore.close): what a job killed mid-save leaves. Each whole save is loaded
 back with keras's own loader; prints one JSON line {file: "loads" | error}.
+
+``python -m tests.support.fwkeras OUT batch KILL_EPOCH RUN:KIND ...``: the same runs from one interpreter, so
+keras and torch are imported once (the import is nearly all of a run's CPU time): each run fits in a forked
+child, which SIGKILLs itself in KILL_EPOCH's save as above, then this process loads every file back.
+Prints one JSON line {"killed": {RUN: signal the child died of}, "truth": {"RUN/file": "loads" | error}}.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ def main(out: str, run: str, kind: str, kill_epoch: int | None) -> int:
     return 0
 
 
-def check(out: str, run: str, kind: str) -> int:
+def _verdicts(out: str, run: str, kind: str) -> dict[str, str]:
     """Load every file of a run back with Keras's own loader: {file: "loads" | error}."""
     import keras
 
@@ -110,12 +115,41 @@ def check(out: str, run: str, kind: str) -> int:
             truth[p.name] = "loads"
         except Exception as exc:  # the framework's own verdict
             truth[p.name] = f"{type(exc).__name__}: {exc}"[:200]
-    print(json.dumps(truth))
+    return truth
+
+
+def check(out: str, run: str, kind: str) -> int:
+    print(json.dumps(_verdicts(out, run, kind)))
+    return 0
+
+
+def batch(out: str, kill_epoch: int, runs: list[str]) -> int:
+    """Each RUN:KIND fitted in its own forked child (killed mid-save), then all loaded back here."""
+    import keras  # noqa: F401  imported before the forks: each child inherits it
+
+    killed = {}
+    for spec in runs:
+        run, kind = spec.split(":")
+        pid = os.fork()
+        if pid == 0:  # the child: a whole run, ending in its own SIGKILL; never back into this loop
+            try:
+                os._exit(main(out, run, kind, kill_epoch))
+            finally:
+                os._exit(70)
+        _, status = os.waitpid(pid, 0)
+        killed[run] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status)
+    truth = {}
+    for spec in runs:
+        run, kind = spec.split(":")
+        truth.update({f"{run}/{k}": v for k, v in _verdicts(out, run, kind).items()})
+    print(json.dumps({"killed": killed, "truth": truth}))
     return 0
 
 
 if __name__ == "__main__":
     refuse_in_light_test("Keras (tests/support/fwkeras.py)")
+    if sys.argv[2:3] == ["batch"]:
+        sys.exit(batch(sys.argv[1], int(sys.argv[3]), sys.argv[4:]))
     if sys.argv[4:] == ["check"]:
         sys.exit(check(sys.argv[1], sys.argv[2], sys.argv[3]))
     kill = int(sys.argv[4]) if len(sys.argv) > 4 else None

@@ -11,10 +11,16 @@ scheduler, the rng state, and trainer_state.json last. Prints "trained" when not
 ``python -m tests.support.fwresave resume OUT N_EMBD CKPT``: the Trainer's own resume,
 ``train(resume_from_checkpoint=CKPT)`` one step further; prints "resumed", or "failed: <error>"
 and exits 1.
+
+``python -m tests.support.fwresave serve``: each line read from stdin is one of the commands above (its
+arguments as a JSON list), run in a process forked from this one, which imported torch and transformers
+once (most of a short job's CPU time); each answered with its output, then a line ``rc N``: N the exit
+code the command would have had as a process of its own (-9 when it SIGKILLed itself).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -70,10 +76,35 @@ def resume(out: str, n_embd: int, ckpt: str) -> int:
     return 0
 
 
+def command(argv: list[str]) -> int:
+    if argv[0] == "train":
+        kill = int(argv[5]) if len(argv) > 5 else None
+        train(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), kill)
+        return 0
+    return resume(argv[1], int(argv[2]), argv[3])
+
+
+def serve() -> int:
+    import torch  # noqa: F401  imported before the forks: each child inherits them
+    import transformers  # noqa: F401
+    from transformers import GPT2LMHeadModel, Trainer  # noqa: F401
+
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:  # the child: one command, as its own process runs it; never back into this loop
+            code = 1  # what an exception uncaught in the command's own process exits with
+            try:
+                code = command(json.loads(line))
+            except BaseException as exc:
+                print(f"failed: {type(exc).__name__}: {str(exc)[:300]}")
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(f"rc {os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)}", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     refuse_in_light_test("an HF Trainer job (tests/support/fwresave.py)")
-    if sys.argv[1] == "train":
-        kill = int(sys.argv[6]) if len(sys.argv) > 6 else None
-        train(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), kill)
-        sys.exit(0)
-    sys.exit(resume(sys.argv[2], int(sys.argv[3]), sys.argv[4]))
+    sys.exit(serve() if sys.argv[1] == "serve" else command(sys.argv[1:]))
