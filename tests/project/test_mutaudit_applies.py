@@ -25,3 +25,12 @@ def test_every_mutation_names_exactly_one_place():
             if count != 1:
                 stale.append(f"{mut['id']}: {file}: found {count} times")
     assert not stale, "\n".join(stale)
+
+
+def test_every_mutation_has_an_id_of_its_own():
+    """Ids name mutations in the audit's report, in commits and in closing notes: two branches
+    that each add one under the same id (it happened twice) make every one of those ambiguous."""
+    seen: dict[str, int] = {}
+    for mut in _muts():
+        seen[mut["id"]] = seen.get(mut["id"], 0) + 1
+    assert [i for i, n in seen.items() if n > 1] == []
