@@ -44,11 +44,15 @@ def _apply(worktree: Path, mutation: dict) -> None:
         path.write_text(text.replace(old, new))
 
 
-def _run(worktree: Path, tests: list[str]) -> tuple[bool, str, float]:
+def _run(worktree: Path, tests: list[str], basetemp: Path) -> tuple[bool, str, float]:
     env = {**os.environ, "PYTHONPATH": str(worktree)}
     env.pop("CKPTD_CONFIG", None)
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+    # A basetemp of its own per mutation: a mutated test can leave a mount behind in its tmp_path,
+    # and pytest's clean-up of a shared basetemp would then fail every later run at setup (ERROR),
+    # which reads as caught.
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                           "--basetemp", str(basetemp), *tests],
                           cwd=worktree, env=env, capture_output=True, text=True)
     out = proc.stdout + proc.stderr
     failed = [line for line in out.splitlines() if line.startswith(("FAILED ", "ERROR tests"))]
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             tests = SETS[tests] if isinstance(tests, str) else tests
             _apply(worktree, m)
             try:
-                caught, detail, secs = _run(worktree, tests)
+                caught, detail, secs = _run(worktree, tests, base / "tmp" / m["id"])
             finally:
                 _git("checkout", "--", "ckptd", cwd=worktree)
             verdict = "CAUGHT" if caught else "SURVIVED"
