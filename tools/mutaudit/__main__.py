@@ -47,6 +47,7 @@ def _apply(worktree: Path, mutation: dict) -> None:
 def _run(worktree: Path, tests: list[str], basetemp: Path) -> tuple[bool, str, float]:
     env = {**os.environ, "PYTHONPATH": str(worktree)}
     env.pop("CKPTD_CONFIG", None)
+    basetemp.parent.mkdir(parents=True, exist_ok=True)  # pytest makes the basetemp, not its parents
     t0 = time.monotonic()
     # A basetemp of its own per mutation: a mutated test can leave a mount behind in its tmp_path,
     # and pytest's clean-up of a shared basetemp would then fail every later run at setup (ERROR),
