@@ -5,6 +5,7 @@ Real `ckptd run` processes, two "hosts" (their own state_dirs) as in test_multin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -79,13 +80,10 @@ def renewed(root: Path, n: int, timeout: float = 30) -> dict:
     return now
 
 
-def test_the_liveness_probe_finds_a_standby_healthy_lease_period_after_lease_period(tmp_path):
-    """The sidecar's probe (`ckptd health`) against a live standby, once a lease period for eight
-    periods, then after the leader is killed and the standby takes over. Its limit scaled with the
-    lease (the probe's 30 s to twice the test's 1.5 s duration); the standby's reconcile put off
-    for an hour, as a standby looks at the volume loosely."""
-    probe = liveness_probe()
-    assert probe[0] == "ckptd"
+@contextlib.contextmanager
+def leader_and_loose_standby(tmp_path: Path, extra: str = ""):
+    """A leader `a` and a standby `b` on one volume of one checkpoint, b's reconcile an hour away
+    (`extra`: more of b's config); yields (root, b's config, a, b), both stopped after."""
     root = tmp_path / "vol"
     ckpts(root, 1)
     a = DaemonProc("-c", node_config(tmp_path, "a", root))
@@ -94,9 +92,24 @@ def test_the_liveness_probe_finds_a_standby_healthy_lease_period_after_lease_per
         a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
         cfg = node_config(tmp_path, "b", root)
         cfg.write_text(cfg.read_text().replace("poll_interval = '0.3s'\n", "poll_interval = '0.3s'\n"
-                                               "reconcile_interval = '1h'\n"))
+                                               "reconcile_interval = '1h'\n" + extra))
         b = DaemonProc("-c", cfg)
         b.wait_message("standby, observing only")
+        yield root, cfg, a, b
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_the_liveness_probe_finds_a_standby_healthy_lease_period_after_lease_period(tmp_path):
+    """The sidecar's probe (`ckptd health`) against a live standby, once a lease period for eight
+    periods, then after the leader is killed and the standby takes over. Its limit scaled with the
+    lease (the probe's 30 s to twice the test's 1.5 s duration); the standby's reconcile put off
+    for an hour, as a standby looks at the volume loosely."""
+    probe = liveness_probe()
+    assert probe[0] == "ckptd"
+    with leader_and_loose_standby(tmp_path) as (root, cfg, a, b):
         for _ in range(8):
             renewed(root, 3)  # one lease period of the leader's renewals
             proc = run_ckptd(*probe[1:], "-c", cfg, "--max-age", f"{2 * D:g}")
@@ -115,10 +128,6 @@ def test_the_liveness_probe_finds_a_standby_healthy_lease_period_after_lease_per
         status = run_ckptd("status", "-c", cfg)  # who leads, on which backend, since when
         assert re.search(rf"leadership: volume lease epoch 2, held by {re.escape(os.uname().nodename)} pid "
                          rf"{b.proc.pid} \(this ckptd\), expires in \d+s, taken \d+s ago", status.stdout), status.stdout
-    finally:
-        a.stop()
-        if b is not None:
-            b.stop()
 
 
 def test_a_standby_on_a_polled_root_keeps_its_heartbeat_fresh(tmp_path):
@@ -126,23 +135,9 @@ def test_a_standby_on_a_polled_root_keeps_its_heartbeat_fresh(tmp_path):
     and its reconcile is an hour away: it steps every poll all the same, so the heartbeat the
     liveness probe reads stays fresh for lease period after lease period."""
     probe = liveness_probe()
-    root = tmp_path / "vol"
-    ckpts(root, 1)
-    a = DaemonProc("-c", node_config(tmp_path, "a", root))
-    b = None
-    try:
-        a.wait_message("this ckptd deletes here (volume lease, epoch 1)")
-        cfg = node_config(tmp_path, "b", root)
-        cfg.write_text(cfg.read_text().replace("poll_interval = '0.3s'\n", "poll_interval = '0.3s'\n"
-                                               "reconcile_interval = '1h'\nobserver = 'polling'\n"))
-        b = DaemonProc("-c", cfg)
-        b.wait_message("standby, observing only")
+    with leader_and_loose_standby(tmp_path, "observer = 'polling'\n") as (root, cfg, _, b):
         for _ in range(3):
             renewed(root, 3)  # one lease period of the leader's renewals
             proc = run_ckptd(*probe[1:], "-c", cfg, "--max-age", f"{2 * D:g}")
             assert proc.returncode == 0, proc.stdout + proc.stderr
             assert proc.stdout.startswith(f"healthy: pid {b.proc.pid}, heartbeat "), proc.stdout
-    finally:
-        a.stop()
-        if b is not None:
-            b.stop()
