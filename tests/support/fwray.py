@@ -107,7 +107,7 @@ def resumed(config: dict) -> None:
     ray.train.report({})
 
 
-def _start(ray) -> None:
+def start_local_ray(ray) -> None:
     """A local Ray cluster on 127.0.0.1 only (its GCS, raylet and object store), no dashboard."""
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
 
@@ -115,7 +115,7 @@ def _start(ray) -> None:
 def main(out: str, run: str, kill: int | None) -> int:
     import ray
 
-    _start(ray)
+    start_local_ray(ray)
     _trainer(out, run, loop, {"kill": -1 if kill is None else kill, "pgid": os.getpgrp(),
                                         "run": str(Path(out) / run)}).fit()
     ray.shutdown()
@@ -147,7 +147,7 @@ def check(volume: str, run: str) -> int:
         except Exception as exc:
             loads[d.name] = f"{type(exc).__name__}: {exc}"[:200]
     truth["loads"] = loads
-    _start(ray)
+    start_local_ray(ray)
     try:
         answer = Path(out) / "resumed_from"
         _trainer(out, run, resumed, {"answer": str(answer)}).fit()

@@ -36,6 +36,7 @@ from pathlib import Path
 os.environ["RAY_TRAIN_V2_ENABLED"] = "0"  # before ray is imported: the older trainers
 
 from tests.support import refuse_in_light_test
+from tests.support.fwray import start_local_ray
 
 LOSSES = (0.9, 0.5, 0.7, 0.6, 0.8)
 KEEP = 3
@@ -150,14 +151,11 @@ def _ray_keeps(trial: Path, loadable: list[str]) -> dict[str, list[str]]:
     return kept
 
 
-def _start(ray) -> None:
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-
 
 def main(out: str, run: str, kill: int | None) -> int:
     import ray
 
-    _start(ray)
+    start_local_ray(ray)
     _trainer(out, run, loop, {"kill": -1 if kill is None else kill, "pgid": os.getpgrp(),
                               "experiment": str(Path(out) / run)}).fit()
     ray.shutdown()
@@ -194,7 +192,7 @@ def check(volume: str, run: str) -> int:
     truth["ray_keeps"] = _ray_keeps(trial, [n for n, v in loads.items() if v == "loads"])
     answer = Path(out) / "resumed_from"
     os.environ["FWRAYV1_ANSWER"] = str(answer)
-    _start(ray)
+    start_local_ray(ray)
     try:
         TorchTrainer.restore(str(Path(out) / run), train_loop_per_worker=resumed).fit()
         truth["restore"] = answer.read_text()

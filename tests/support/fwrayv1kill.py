@@ -30,6 +30,7 @@ from pathlib import Path
 os.environ["RAY_TRAIN_V2_ENABLED"] = "0"  # before ray is imported: the older trainers
 
 from tests.support import refuse_in_light_test
+from tests.support.fwray import start_local_ray
 
 LOSSES = (0.5, 0.6, 0.9, 0.8)
 
@@ -68,9 +69,6 @@ def resumed(config: dict) -> None:
     ray.train.report({})
 
 
-def _start(ray) -> None:
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-
 
 def main(out: str, run: str, name: str) -> int:
     import ray
@@ -86,7 +84,7 @@ def main(out: str, run: str, name: str) -> int:
             os.killpg(os.getpgrp(), signal.SIGKILL)
 
     checkpoint_manager._delete_fs_path = delete_then_die
-    _start(ray)
+    start_local_ray(ray)
     TorchTrainer(
         loop, train_loop_config={"experiment": str(Path(out) / run)}, torch_config=TorchConfig(backend="gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
@@ -104,7 +102,7 @@ def restore(volume: str, run: str) -> int:
     shutil.copytree(Path(volume) / run, Path(out) / run, symlinks=True)
     answer = Path(out) / "resumed_from"
     os.environ["FWRAYV1_ANSWER"] = str(answer)
-    _start(ray)
+    start_local_ray(ray)
     truth: dict[str, object] = {}
     try:
         TorchTrainer.restore(str(Path(out) / run), train_loop_per_worker=resumed).fit()
